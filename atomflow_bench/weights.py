@@ -65,3 +65,92 @@ class Checkpoint:
     def manifest(self) -> dict | None:
         p = self.dir / "manifest.json"
         return json.loads(p.read_text()) if p.is_file() else None
+
+
+# ---- placing weights into the arena (GPU) -------------------------------------------------------------
+
+def _layer_parts(ckpt: Checkpoint, i: int) -> dict[str, list[str]]:
+    """Engine region -> the HF tensors stacked (along rows) into it."""
+    p = f"model.layers.{i}."
+    return {
+        f"L{i}.wqkv": [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
+        f"L{i}.wo": [p + "self_attn.o_proj.weight"],
+        f"L{i}.wgu": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+        f"L{i}.wd": [p + "mlp.down_proj.weight"],
+        f"L{i}.attn_norm": [p + "input_layernorm.weight"],
+        f"L{i}.mlp_norm": [p + "post_attention_layernorm.weight"],
+    }
+
+
+class _PinnedUploader:
+    """Host -> device copies in bulk through one pinned staging buffer (full-speed DMA)."""
+
+    def __init__(self, nbytes: int = 256 << 20):
+        import cupy
+
+        self._cupy = cupy
+        self.mem = cupy.cuda.alloc_pinned_memory(nbytes)
+        self.buf = np.frombuffer(self.mem, dtype=np.uint8, count=nbytes)
+        self.copied = 0
+
+    def put(self, dst, parts: list[np.ndarray]) -> None:
+        """Copy `parts` (stacked along axis 0, same dtype as `dst`) into the device array `dst`."""
+        rt = self._cupy.cuda.runtime
+        total = sum(p.nbytes for p in parts)
+        if total != dst.nbytes:
+            raise VerifyError(f"weights of {total} bytes do not fill a {dst.nbytes}-byte region {dst.shape}")
+        off = 0
+        for part in parts:
+            src = np.ascontiguousarray(part.astype(dst.dtype, copy=False)).reshape(-1).view(np.uint8)
+            for o in range(0, src.size, self.buf.size):
+                n = min(self.buf.size, src.size - o)
+                self.buf[:n] = src[o:o + n]
+                rt.memcpy(dst.data.ptr + off, self.buf.ctypes.data, n, rt.memcpyHostToDevice)
+                off += n
+        self.copied += total
+
+
+def upload_weights(ckpt: Checkpoint, arena, fmt: str, lib, progress=None) -> dict:
+    """Fill the arena's weight pool from the checkpoint; fp8 is quantised on the GPU (quantize_fp8.cu) unless
+    the model directory holds a `model-fp8.safetensors` from `fetch --format fp8`, which is copied as is.
+    Returns {"bytes": host bytes copied, "fp8_source": "gpu-quantized" | "file" | None}."""
+    import cupy
+
+    from .step import quantize_launch
+
+    cfg = ckpt.config
+    up = _PinnedUploader()
+    fp8_file = ckpt.dir / "model-fp8.safetensors"
+    use_file = fmt == "fp8" and fp8_file.is_file()
+    if use_file:
+        fp8 = safe_open(str(fp8_file), framework="numpy")
+    staging = None
+    if fmt == "fp8" and not use_file:
+        staging = cupy.empty(arena.plan.staging_bytes // 2, dtype=cupy.float16)
+    jobs = [("embed", ["model.embed_tokens.weight"])]
+    for i in range(cfg.num_hidden_layers):
+        jobs += list(_layer_parts(ckpt, i).items())
+    jobs.append(("final_norm", ["model.norm.weight"]))
+    if not cfg.tie_word_embeddings:
+        jobs.append(("lm_head", ["lm_head.weight"]))
+    task = progress.add_task("weights -> GPU", total=len(jobs)) if progress else None
+    for region, names in jobs:
+        dst = arena[region]
+        if dst.dtype == np.uint8:  # fp8 projection
+            scale = arena[region + ".scale"]
+            if use_file:
+                up.put(dst, [fp8.get_tensor(n[:-len(".weight")] + ".weight_fp8") for n in names])
+                up.put(scale, [fp8.get_tensor(n[:-len(".weight")] + ".weight_scale") for n in names])
+            else:
+                rows, k = dst.shape
+                tmp = staging[: rows * k].reshape(rows, k)
+                up.put(tmp, [ckpt.get(n) for n in names])
+                quantize_launch(lib, tmp, dst, scale)()
+        else:
+            up.put(dst, [ckpt.get(n) for n in names])
+        if progress:
+            progress.advance(task)
+    cupy.cuda.Device().synchronize()
+    del staging
+    arena["inv_freq"].set(cfg.rope_inv_freq())
+    return {"bytes": up.copied, "fp8_source": ("file" if use_file else "gpu-quantized") if fmt == "fp8" else None}

@@ -1,0 +1,143 @@
+"""The GPU engine: arena + weights + step + graph behind one object (used by run, validate, generate).
+
+    eng = Engine(model_dir, weights="fp8", max_seq=512)
+    ids = eng.generate(prompt_ids, 32)              # graph replays
+    eng.reset(prompt_ids); taps = eng.step_eager(taps=True)   # probes from the same launches
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .arena import Arena, plan_arena
+from .errors import AtomflowError, GpuUnavailable
+from .kernels import KernelLib
+from .step import build_step, run_eager
+from .weights import Checkpoint, upload_weights
+
+
+def require_gpu():
+    """Import CuPy and check a CUDA device exists; raise GpuUnavailable with one line otherwise."""
+    try:
+        import cupy
+    except ImportError:
+        raise GpuUnavailable("CuPy is not installed (pip install 'atomflow-bench[cuda12]' or '[cuda13]')") from None
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDARuntimeError when there is no driver
+        raise GpuUnavailable(f"no CUDA device available ({type(e).__name__}: {e})") from None
+    if n == 0:
+        raise GpuUnavailable("no CUDA device available")
+    return cupy
+
+
+def gpu_info() -> dict:
+    cupy = require_gpu()
+    rt = cupy.cuda.runtime
+    dev = cupy.cuda.Device()
+    p = rt.getDeviceProperties(dev.id)
+    name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
+    dv, rv = rt.driverGetVersion(), rt.runtimeGetVersion()
+    return {"name": name, "cc": f"{p['major']}.{p['minor']}", "sms": int(p["multiProcessorCount"]),
+            "l2_bytes": int(p["l2CacheSize"]), "memory_bytes": int(p["totalGlobalMem"]),
+            "cuda_driver": f"{dv // 1000}.{dv % 1000 // 10}", "cuda_runtime": f"{rv // 1000}.{rv % 1000 // 10}",
+            "cupy": cupy.__version__}
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, weights: str = "fp8", max_seq: int = 2048, progress=None):
+        cupy = require_gpu()
+        self.ckpt = Checkpoint(model_dir)
+        self.cfg = self.ckpt.config
+        self.fmt = weights
+        self.gpu = gpu_info()
+        self.plan = plan_arena(self.cfg, weights, max_seq, self.gpu["sms"])
+        self.max_seq = max_seq
+        self.lib = KernelLib()
+        self.lib.compile_all()                     # NVRTC (or CuPy's cache) before anything is timed
+        self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
+        self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)
+        self.launches = build_step(self.cfg, weights, self.arena, self.lib, self.gpu["sms"])
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._graph = None
+        self._prompt_len = 0
+
+    # ---- state ---------------------------------------------------------------------------------
+    def reset(self, prompt_ids) -> None:
+        """Start a new sequence: the prompt goes to device memory; position 0; token = prompt[0]."""
+        ids = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)
+        if ids.size == 0:
+            raise AtomflowError("empty prompt")
+        if ids.size > self.max_seq:
+            raise AtomflowError(f"prompt of {ids.size} tokens exceeds max_seq {self.max_seq}")
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            raise AtomflowError(f"prompt token ids must lie in [0, {self.cfg.vocab_size})")
+        self.stream.synchronize()
+        a = self.arena
+        a["prompt"][: ids.size].set(ids)
+        a["prompt_len"].set(np.array([ids.size], np.int32))
+        a["pos"].set(np.zeros(1, np.int32))
+        a["cur_token"].set(ids[:1])
+        self._prompt_len = int(ids.size)
+
+    def position(self) -> int:
+        self.stream.synchronize()
+        return int(self.arena["pos"].get()[0])
+
+    # ---- running steps -------------------------------------------------------------------------
+    def step_eager(self, taps: bool = False) -> dict | None:
+        out = {} if taps else None
+        with self.stream:
+            run_eager(self.launches, out)
+        return out
+
+    @property
+    def graph(self):
+        if self._graph is None:
+            from .graph import StepGraph
+
+            self._graph = StepGraph(self.launches, self.stream)
+        return self._graph
+
+    def run(self, n_steps: int, graph: bool = True) -> None:
+        """Queue n decode steps (asynchronous when graph=True)."""
+        if graph:
+            self.graph.replay(n_steps)
+        else:
+            for _ in range(n_steps):
+                self.step_eager()
+
+    def tokens(self, start: int, n: int) -> list[int]:
+        self.stream.synchronize()
+        return [int(t) for t in self.arena["out_tokens"][start:start + n].get()]
+
+    def generate(self, prompt_ids, n_new: int, graph: bool = True) -> list[int]:
+        """Greedy: the prompt is fed token by token through the same step; returns the n_new new ids."""
+        self.reset(prompt_ids)
+        steps = self._prompt_len - 1 + n_new
+        if self._prompt_len + n_new - 1 > self.max_seq:
+            raise AtomflowError(f"prompt + {n_new} tokens exceed max_seq {self.max_seq}")
+        self.run(steps, graph)
+        return self.tokens(self._prompt_len - 1, n_new)
+
+    def vram(self) -> dict:
+        v = self.arena.vram()
+        v["total"] = sum(v.values())
+        return v
+
+    def streamed_bytes(self, context: float) -> dict:
+        """Bytes one decode step must read at a given context length (weights in full + K and V rows)."""
+        w = self.plan.streamed_weight_bytes()
+        kv = int(round(context * self.cfg.kv_bytes_per_token()))
+        return {"weights": w, "kv": kv, "total": w + kv}
+
+
+def generate_gpu(ckpt, prompt_ids, n_tokens: int, weights: str = "fp16", stop_ids=(), console=None) -> list[int]:
+    """Greedy continuation on the GPU (all n_tokens run as graph replays), cut after the first stop id."""
+    eng = Engine(getattr(ckpt, "dir", ckpt), weights=weights, max_seq=len(prompt_ids) + n_tokens)
+    ids = eng.generate(prompt_ids, n_tokens)
+    for i, t in enumerate(ids):
+        if t in stop_ids:
+            return ids[: i + 1]
+    return ids

@@ -1,0 +1,127 @@
+"""Stage 4 of the decode path: the CUDA kernels, compiled from `kernels_cu/*.cu` with NVRTC via CuPy.
+
+Each `.cu` file is one op (see its header). `KernelLib` compiles a file the first time one of its kernels
+is asked for, for the device's own architecture (CuPy picks sm_XY from the current device), and CuPy's
+on-disk cache (~/.cupy/kernel_cache, keyed by source + options + arch) makes a second process skip NVRTC.
+Local `#include "x.cuh"` lines are inlined here so that the cache key covers the headers too.
+
+Also `Launch`: one kernel launch with its grid/block/args, the unit from which the step is built, run
+eagerly or captured into a CUDA Graph (no duplicated launch boilerplate anywhere else).
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KERNELS_DIR = Path(os.environ.get("ATOMFLOW_KERNELS_DIR", Path(__file__).resolve().parent.parent / "kernels_cu"))
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
+_MACRO_INSTANCE = re.compile(r"^(?:GEMV_INSTANCE\((\w+),|ATTENTION_INSTANCE\((\d+)\))", re.M)
+
+
+def expand_source(path: Path, seen: set | None = None) -> str:
+    """The source of `path` with local quoted includes inlined (each header once)."""
+    seen = set() if seen is None else seen
+    text = path.read_text()
+
+    def repl(m):
+        inc = (path.parent / m.group(1)).resolve()
+        if inc in seen:
+            return ""
+        seen.add(inc)
+        return expand_source(inc, seen)
+
+    return _INCLUDE.sub(repl, text)
+
+
+def kernel_names(path: Path) -> list[str]:
+    """The extern "C" kernels a .cu file defines (directly or through the instance macros)."""
+    text = path.read_text()
+    names = _KERNEL.findall(text)
+    for gemv, hd in _MACRO_INSTANCE.findall(text):
+        names.append(gemv if gemv else f"attention_decode_hd{hd}")
+    return names
+
+
+def cuda_include_dirs() -> list[str]:
+    """Directories holding cuda_fp16.h / cuda_fp8.h for NVRTC (toolkit, or the nvidia-* pip wheels)."""
+    cands = []
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            cands.append(Path(os.environ[var]) / "include")
+    cands += [Path("/usr/local/cuda/include")]
+    for sp in sys.path:
+        nv = Path(sp) / "nvidia"
+        if nv.is_dir():
+            cands += sorted(nv.glob("cu*/include")) + sorted(nv.glob("cuda_runtime/include"))
+    out = []
+    for c in cands:
+        if (c / "cuda_fp8.h").is_file() and str(c) not in out:
+            out.append(str(c))
+    return out
+
+
+class KernelLib:
+    """Compiled kernels by name, one cupy.RawModule per .cu file, compiled on first use."""
+
+    OPTIONS = ("-std=c++17",)
+
+    def __init__(self, kernels_dir: Path = KERNELS_DIR):
+        import cupy  # noqa: F401  (fail here, clearly, when CuPy is missing)
+
+        self.dir = Path(kernels_dir)
+        self._file_of: dict[str, Path] = {}
+        for f in sorted(self.dir.glob("*.cu")):
+            for name in kernel_names(f):
+                self._file_of[name] = f
+        self._modules: dict[Path, object] = {}
+        self._kernels: dict[str, object] = {}
+        self.options = self.OPTIONS + tuple(f"-I{d}" for d in cuda_include_dirs())
+
+    def names(self) -> list[str]:
+        return sorted(self._file_of)
+
+    def module(self, path: Path):
+        import cupy
+
+        if path not in self._modules:
+            self._modules[path] = cupy.RawModule(code=expand_source(path), options=self.options,
+                                                 name_expressions=None)
+        return self._modules[path]
+
+    def __getitem__(self, name: str):
+        if name not in self._kernels:
+            try:
+                f = self._file_of[name]
+            except KeyError:
+                raise KeyError(f"no kernel {name!r} in {self.dir}") from None
+            self._kernels[name] = self.module(f).get_function(name)
+        return self._kernels[name]
+
+    def compile_all(self) -> None:
+        for name in self._file_of:
+            self[name]
+
+
+@dataclass
+class Launch:
+    """One kernel launch of the decode step (runs on CuPy's current stream).
+
+    `taps` maps probe names to the device views that hold them once this launch has run;
+    `bytes_moved` is the least DRAM traffic the launch needs (for per-kernel bandwidth in `profile`).
+    """
+
+    fn: object
+    name: str
+    grid: tuple
+    block: tuple
+    args: tuple
+    shmem: int = 0
+    taps: dict = field(default_factory=dict)
+    bytes_moved: int = 0
+
+    def __call__(self):
+        self.fn(self.grid, self.block, self.args, shared_mem=self.shmem)

@@ -1,0 +1,151 @@
+"""Stage 5 of the decode path: one decode step as a fixed list of kernel launches.
+
+The step reads the current token and position from device memory and leaves the next ones there, so the
+same list runs eagerly (`run_eager`, optionally copying probes out after each launch) or is captured once
+into a CUDA Graph (graph.py). Per layer, 6 launches:
+
+    gemv  QKV      RMSNorm prologue (input_layernorm), q|k|v rows stacked       -> qkv (fp16)
+    rope_kv        RoPE on q and k in place, k and v appended to the cache at pos
+    attention      GQA over cache[0..pos], split over the sequence, combine fused -> attn_out (fp16)
+    gemv  o_proj   residual epilogue                                           h += Wo . attn_out
+    gemv  gate/up  RMSNorm prologue (post_attention_layernorm), SwiGLU epilogue -> act (fp16)
+    gemv  down     residual epilogue                                           h += Wd . act
+
+plus the embedding lookup before the layers and final RMSNorm, lm_head (fp16, fp32 logits) and argmax
+after. Each op has one launch factory below (`*_launch`), shared by the step, the kernel tests and the
+microbenchmarks: grid/block/shared-memory rules live in exactly one place.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .arena import ARGMAX_THREADS, ATT_CHUNK, Arena, linear_regions
+from .config import ModelConfig
+from .errors import AtomflowError
+from .kernels import KernelLib, Launch
+
+GEMV_THREADS = 256
+GEMV_BLOCKS_PER_SM = 8  # 8 x 256 threads fill an SM; the grid never exceeds one resident wave
+ATT_THREADS = 128
+NULL = np.uint64(0)
+
+
+def i32(v) -> np.int32:
+    return np.int32(v)
+
+
+# ---- launch factories, one per op ----------------------------------------------------------------------
+
+def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: int, k: int, n_sm: int,
+                norm_w=None, eps: float = 1e-5, taps=None) -> Launch:
+    """y = W.x in `fmt` (fp16 | fp8) with `variant` in norm_store | norm_swiglu | resid | f32 | store."""
+    fp8 = fmt == "fp8"
+    if k % (16 if fp8 else 8):
+        raise AtomflowError(f"GEMV K={k} unsupported: {fmt} rows must be a multiple of 16 bytes "
+                            f"(K % {16 if fp8 else 8} == 0)")
+    rows = 2 * n_out if variant == "norm_swiglu" else n_out
+    if tuple(w.shape) != (rows, k):
+        raise AtomflowError(f"GEMV weight shape {tuple(w.shape)} != ({rows}, {k})")
+    grid = (min(-(-n_out // (GEMV_THREADS // 32)), n_sm * GEMV_BLOCKS_PER_SM),)
+    moved = w.nbytes + (scales.nbytes if fp8 else 0) + x.nbytes + y.nbytes
+    return Launch(lib[f"gemv_{'f8' if fp8 else 'f16'}_{variant}"], f"gemv_{fmt}_{variant}", grid, (GEMV_THREADS,),
+                  (w, scales if fp8 else NULL, x, NULL if norm_w is None else norm_w, np.float32(eps), y,
+                   i32(n_out), i32(k)), k * 2 + 128, taps or {}, moved)
+
+
+def quantize_launch(lib: KernelLib, w16, q, s) -> Launch:
+    rows, k = w16.shape
+    groups = s.shape[1]
+    return Launch(lib["quantize_fp8"], "quantize_fp8", (-(-rows * groups // 8),), (256,),
+                  (w16, q, s, i32(rows), i32(k)), 0, {}, w16.nbytes + q.nbytes + s.nbytes)
+
+
+def embed_launch(lib: KernelLib, token, emb, h, taps=None) -> Launch:
+    H = emb.shape[1]
+    return Launch(lib["embed_lookup"], "embed_lookup", (-(-H // 256),), (256,), (token, emb, h, i32(H)), 0,
+                  taps or {}, H * 2 + H * 4)
+
+
+def rope_launch(lib: KernelLib, qkv, inv_freq, pos, k_cache, v_cache, n_heads: int, n_kv: int, hd: int,
+                taps=None) -> Launch:
+    n = (n_heads + n_kv) * hd // 2 + n_kv * hd
+    return Launch(lib["rope_kv_append"], "rope_kv_append", (-(-n // 256),), (256,),
+                  (qkv, inv_freq, pos, k_cache, v_cache, i32(n_heads), i32(n_kv), i32(hd)), 0, taps or {},
+                  qkv.nbytes * 2 + n_kv * hd * 4)
+
+
+def attention_smem(group: int, hd: int, splits: int) -> int:
+    return 4 * (group * ATT_CHUNK + (ATT_THREADS // (hd // 8)) * group * hd + group * splits)
+
+
+def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, counters, out, n_kv: int,
+                     group: int, hd: int, taps=None) -> Launch:
+    """k_cache/v_cache: one layer's [max_seq, kv_dim] slab; part_*: [n_heads, splits, ...] scratch."""
+    splits = part_ml.shape[1]
+    if splits * ATT_CHUNK < k_cache.shape[0]:
+        raise AtomflowError("attention partials too small for max_seq")
+    return Launch(lib[f"attention_decode_hd{hd}"], "attention_decode", (n_kv, splits), (ATT_THREADS,),
+                  (q, k_cache, v_cache, pos, part_ml, part_o, counters, out, i32(n_kv), i32(group), i32(splits),
+                   np.float32(1.0 / math.sqrt(hd))), attention_smem(group, hd, splits), taps or {}, 0)
+
+
+def rmsnorm_launch(lib: KernelLib, h, w, eps: float, out, taps=None) -> Launch:
+    K = h.shape[0]
+    return Launch(lib["rmsnorm_f32_f16"], "rmsnorm_f32_f16", (1,), (1024,), (h, w, np.float32(eps), out, i32(K)),
+                  0, taps or {}, K * 8)
+
+
+def argmax_launch(lib: KernelLib, logits, part_val, part_idx, counter, pos, cur_token, prompt, prompt_len,
+                  out_tokens) -> Launch:
+    V = logits.shape[0]
+    return Launch(lib["argmax_advance"], "argmax_advance", (part_val.shape[0],), (ARGMAX_THREADS,),
+                  (logits, i32(V), part_val, part_idx, counter, pos, cur_token, prompt, prompt_len, out_tokens),
+                  0, {}, logits.nbytes)
+
+
+# ---- the step --------------------------------------------------------------------------------------------
+
+def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int) -> list[Launch]:
+    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_norm_eps
+    h, qkv, attn_out, act, xnorm, logits = (a[n] for n in ("h", "qkv", "attn_out", "act", "xnorm", "logits"))
+    rows = linear_regions(cfg)
+
+    def gemv(weight, variant, x, y, n_out, k, **kw):
+        scales = a[weight + ".scale"] if fmt == "fp8" else None
+        return gemv_launch(lib, fmt, variant, a[weight], scales, x, y, n_out, k, n_sm, eps=eps, **kw)
+
+    steps = [embed_launch(lib, a["cur_token"], a["embed"], h, taps={"embed": h})]
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        steps += [
+            gemv(f"L{i}.wqkv", "norm_store", h, qkv, rows["wqkv"][0], H, norm_w=a[f"L{i}.attn_norm"]),
+            rope_launch(lib, qkv, a["inv_freq"], a["pos"], a["k_cache"][i], a["v_cache"][i],
+                        cfg.num_attention_heads, cfg.num_key_value_heads, hd,
+                        taps={p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}),
+            attention_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], a["att_ml"], a["att_o"],
+                             a["att_counters"][i], attn_out, cfg.num_key_value_heads, cfg.group_size, hd,
+                             taps={p + "attn_out": attn_out}),
+            gemv(f"L{i}.wo", "resid", attn_out, h, H, q_dim, taps={p + "attn": h}),
+            gemv(f"L{i}.wgu", "norm_swiglu", h, act, I, H, norm_w=a[f"L{i}.mlp_norm"], taps={p + "act": act}),
+            gemv(f"L{i}.wd", "resid", act, h, H, I, taps={p + "mlp": h}),
+        ]
+    head = a["embed" if cfg.tie_word_embeddings else "lm_head"]
+    steps += [
+        rmsnorm_launch(lib, h, a["final_norm"], eps, xnorm, taps={"final_norm": xnorm}),
+        gemv_launch(lib, "fp16", "f32", head, None, xnorm, logits, cfg.vocab_size, H, n_sm, taps={"logits": logits}),
+        argmax_launch(lib, logits, a["am_val"], a["am_idx"], a["am_counter"], a["pos"], a["cur_token"], a["prompt"],
+                      a["prompt_len"], a["out_tokens"]),
+    ]
+    return steps
+
+
+def run_eager(launches: list[Launch], taps: dict | None = None) -> None:
+    """Run one step launch by launch on the current stream; with `taps`, copy every probe to the host."""
+    for ln in launches:
+        ln()
+        if taps is not None:
+            for name, view in ln.taps.items():
+                taps[name] = view.get().astype(np.float32)

@@ -1,0 +1,71 @@
+// common.cuh — helpers shared by every kernel in kernels_cu/ (textually inlined by the loader so the
+// kernel cache key covers it). No kernels here.
+//
+// Conventions for the whole decode path (M = 1, one token per step):
+//   * activations between GEMVs are fp16 (`half`), the residual stream `h` is fp32;
+//   * weights are row-major [out_features, in_features] exactly as HF stores them;
+//   * the decode position `pos` and the current token live in device memory (int32), so a captured
+//     CUDA Graph can be replayed without any host round trip.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#define AF_WARP 32
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = AF_WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = AF_WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the whole block; `red` must hold blockDim.x/32 floats. Every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
+  v = warp_sum(v);
+  __syncthreads();  // `red` may still be read by a previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = lane < nw ? red[lane] : 0.f;
+  return warp_sum(t);
+}
+
+// 16-byte streaming load for data read exactly once per step (weights, KV rows): read-only path, no L1
+// allocation, so the small reused buffers (activations, x vectors) keep L1.
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ float2 h2_to_f2(unsigned int u) {
+  __half2 h = *reinterpret_cast<__half2*>(&u);
+  return __half22float2(h);
+}
+
+// Two packed FP8-E4M3 values -> float2, through the hardware fp8x2 -> half2 conversion (sm_89+).
+__device__ __forceinline__ float2 e4m3x2_to_f2(unsigned short u) {
+  __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(u), __NV_E4M3);
+  __half2 h = *reinterpret_cast<__half2*>(&r);
+  return __half22float2(h);
+}
+
+// fp32 residual `h[K]` -> fp16 `xs[K]` = RMSNorm(h) * w, as HF computes it: normalise in fp32, round to
+// fp16, multiply by the fp16 weight (rounded to fp16). K % 4 == 0. Called by every thread of the block.
+__device__ __forceinline__ void rmsnorm_to_half(const float* __restrict__ h, const __half* __restrict__ w,
+                                                float eps, int K, __half* xs, float* red) {
+  float ss = 0.f;
+  for (int k = threadIdx.x * 4; k < K; k += blockDim.x * 4) {
+    float4 v = *reinterpret_cast<const float4*>(h + k);
+    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+  }
+  const float inv = rsqrtf(block_sum(ss, red) / (float)K + eps);
+  for (int k = threadIdx.x; k < K; k += blockDim.x)
+    xs[k] = __hmul(__float2half(h[k] * inv), w[k]);
+}

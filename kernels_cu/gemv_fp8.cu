@@ -1,0 +1,19 @@
+// gemv_fp8.cu — fused W8A16 GEMV (M = 1 decode): FP8-E4M3 weights, fp16 activations, fp32 accumulation.
+//
+// Computes   out[o] = sum_g scale[o, g] * sum_{k in group g} e4m3(W[o, k]) * x[k]
+//            W: uint8 FP8-E4M3 bits, row-major [rows, K]; scale: fp32 [rows, ceil(K/128)], one per group
+//            of 128 consecutive inputs. Dequantisation happens in registers only (hardware
+//            fp8x2 -> half2 conversion, sm_89+), never in memory.
+// Requires   K % 16 == 0 (16-byte rows). K need not be a multiple of 128: the last group is short
+//            (e.g. SmolLM2's K = 576 = 4.5 groups) and its scale covers only the elements present.
+// Bytes      rows * K (weights) + rows * ceil(K/128) * 4 (scales) + K * 2..4 per block (x) + outputs.
+// Launch     grid = min(ceil(n_out / 8), resident blocks), block = 256, dyn. smem = K*2 + 128 bytes.
+// Instances  same roles as gemv_fp16.cu:
+//   gemv_f8_norm_store (QKV), gemv_f8_norm_swiglu (gate+up), gemv_f8_resid (o_proj, down_proj),
+//   gemv_f8_store (generic). lm_head stays fp16 (gemv_f16_f32), as in AtomFlow.
+#include "gemv_common.cuh"
+
+GEMV_INSTANCE(gemv_f8_norm_store, Fp8W, PRO_NORM, EPI_STORE)
+GEMV_INSTANCE(gemv_f8_norm_swiglu, Fp8W, PRO_NORM, EPI_SWIGLU)
+GEMV_INSTANCE(gemv_f8_resid, Fp8W, PRO_PLAIN, EPI_RESID)
+GEMV_INSTANCE(gemv_f8_store, Fp8W, PRO_PLAIN, EPI_STORE)

@@ -1,0 +1,16 @@
+// rmsnorm.cu — RMSNorm of the fp32 residual stream into an fp16 vector, as HF LlamaRMSNorm computes it:
+// out = fp16(h * rsqrt(mean(h^2) + eps)) * w.
+//
+// Used standalone only for the final norm before lm_head (its output is the `final_norm` probe). Inside
+// the layers the same device function (common.cuh: rmsnorm_to_half) runs in the prologue of the QKV
+// and gate/up GEMVs, so no separate launch or round trip exists there.
+// Layouts    h fp32 [K], w fp16 [K], out fp16 [K]; K % 4 == 0.
+// Bytes      K * 4 + K * 2 read, K * 2 written.
+// Launch     grid = 1, block = 1024.
+#include "common.cuh"
+
+extern "C" __global__ void rmsnorm_f32_f16(const float* __restrict__ h, const __half* __restrict__ w, float eps,
+                                           __half* __restrict__ out, int K) {
+  __shared__ float red[32];
+  rmsnorm_to_half(h, w, eps, K, out, red);
+}

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call: install, GPU tests, benchmarks. Prints a short table last; full logs/JSON under $OUT.
+#   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench validate peers (default: all)
+set -uo pipefail
+OUT=${OUT:-/tmp/atomflow-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ATOMFLOW_HOME=${ATOMFLOW_HOME:-/tmp/atomflow-home}
+stages=${*:-info kernels engine bench}
+summary=()
+note() { summary+=("$1"); }
+
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >>"$OUT/install.log" 2>&1 && export PYTHONPATH=/tmp/site; fi
+
+for st in $stages; do
+  case $st in
+    info)
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+      python3 -c "import cupy; print('cupy', cupy.__version__)" ;;
+    kernels)
+      python3 -m pytest -q -x tests/test_kernels_gpu.py -p no:cacheprovider >"$OUT/kernels.log" 2>&1
+      note "kernels: rc=$? $(tail -1 "$OUT/kernels.log")" ;;
+    engine)
+      python3 -m pytest -q tests/test_engine_gpu.py -p no:cacheprovider -s >"$OUT/engine.log" 2>&1
+      note "engine: rc=$? $(tail -1 "$OUT/engine.log")" ;;
+    bench)
+      for spec in "llama-3.2-3b fp8" "llama-3.2-3b fp16" "llama-3.2-1b fp16"; do
+        set -- $spec
+        atomflow-bench run "$1" --weights "$2" --ctx 128 --tokens 256 --repeats 5 --json "$OUT/run-$1-$2.json" \
+          >"$OUT/run-$1-$2.log" 2>&1
+        note "run $1 $2: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$1-$2.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
+      done ;;
+    *) note "unknown stage $st" ;;
+  esac
+done
+echo "================ summary ================"
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,251 @@
+"""Every kernel in kernels_cu/ against a NumPy reference, on the GPU.
+
+Rules (llm.c dev/cuda style): fresh random inputs per case (never zeros), outputs poisoned with NaN (or a
+sentinel) before the launch so an unwritten element fails, references in float64 (or exact emulation of
+the fp16 roundings the kernel is specified to do). Error bounds, as relative L2 error ||out-ref||/||ref||:
+  fp16 outputs (QKV, SwiGLU, RoPE, attention, RMSNorm)   <= 2e-3   (fp16 rounding is 2^-11 ~ 4.9e-4 per element)
+  fp32 outputs (logits, residual updates)                <= 1e-4   (fp32 accumulation over K <= 14336 terms)
+  fp8 GEMV is compared against the *dequantised* weights with the same bounds (its quantisation error is
+  the quantiser's, tested in test_quant.py); the GPU quantiser must be bit-exact with quant.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atomflow_bench.arena import ATT_CHUNK, linear_regions
+from atomflow_bench.config import CATALOG
+from atomflow_bench.quant import dequantize_fp8, quantize_fp8
+from atomflow_bench.step import (argmax_launch, attention_launch, embed_launch, gemv_launch, quantize_launch,
+                                 rmsnorm_launch, rope_launch)
+
+pytestmark = pytest.mark.gpu
+
+FP16_TOL, FP32_TOL = 2e-3, 1e-4
+SHAPE_MODELS = ("llama-3.2-1b", "llama-3.2-3b", "smollm2-135m")
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all(), "non-finite output (unwritten element or overflow)"
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def rng_for(*key) -> np.random.Generator:
+    """Fresh random inputs every run; the seed is printed so a failure can be replayed."""
+    seed = np.random.SeedSequence().entropy
+    print(f"rng seed for {key}: {seed}")
+    return np.random.default_rng(seed)
+
+
+def norm_ref(h: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """HF LlamaRMSNorm for fp16 models: normalise in fp32, round to fp16, times the fp16 weight."""
+    h = h.astype(np.float32)
+    inv = np.float32(1.0) / np.sqrt(np.mean(h.astype(np.float64) ** 2) + eps).astype(np.float32)
+    return (h * inv).astype(np.float16) * w.astype(np.float16)
+
+
+def gemv_cases():
+    cases = []
+    for m in SHAPE_MODELS:
+        for region, (rows, k) in linear_regions(CATALOG[m].config).items():
+            cases.append((m, region, rows, k))
+    cases += [("odd", "wo", 40, 80), ("odd", "wqkv", 24, 1040), ("odd", "wgu", 2 * 13, 144)]
+    return cases
+
+
+def variant_of(region: str) -> str:
+    return {"wqkv": "norm_store", "wo": "resid", "wgu": "norm_swiglu", "wd": "resid"}[region]
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("model,region,rows,k", gemv_cases(), ids=lambda v: str(v))
+def test_gemv(kernel_lib, n_sm, fmt, model, region, rows, k):
+    import cupy as cp
+
+    rng = rng_for("gemv", fmt, model, region)
+    variant = variant_of(region)
+    n_out = rows // 2 if variant == "norm_swiglu" else rows
+    w16 = (rng.standard_normal((rows, k), dtype=np.float32) * 0.02).astype(np.float16)
+    if fmt == "fp8":
+        q, s = quantize_fp8(w16)
+        w_eff = dequantize_fp8(q, s).astype(np.float64)
+        w_dev, s_dev = cp.asarray(q), cp.asarray(s)
+    else:
+        w_eff = w16.astype(np.float64)
+        w_dev, s_dev = cp.asarray(w16), None
+    eps = 1e-5
+    if variant.startswith("norm"):
+        h = rng.standard_normal(k, dtype=np.float32) * 3
+        nw = (1 + 0.1 * rng.standard_normal(k)).astype(np.float16)
+        x_dev, nw_dev = cp.asarray(h), cp.asarray(nw)
+        x_eff = norm_ref(h, nw, eps).astype(np.float64)
+    else:
+        x16 = rng.standard_normal(k, dtype=np.float32).astype(np.float16)
+        x_dev, nw_dev, x_eff = cp.asarray(x16), None, x16.astype(np.float64)
+    y_ref = w_eff @ x_eff
+    if variant == "resid":
+        h0 = rng.standard_normal(n_out, dtype=np.float32)
+        y_dev = cp.asarray(h0)
+    else:
+        y_dev = cp.full(n_out, np.nan, dtype=np.float16)
+    gemv_launch(kernel_lib, fmt, variant, w_dev, s_dev, x_dev, y_dev, n_out, k, n_sm, norm_w=nw_dev, eps=eps)()
+    out = y_dev.get()
+    if variant == "resid":
+        assert rel_err(out.astype(np.float64) - h0, y_ref) < FP32_TOL
+    elif variant == "norm_swiglu":
+        g = y_ref[:n_out].astype(np.float16).astype(np.float64)
+        u = y_ref[n_out:].astype(np.float16).astype(np.float64)
+        ref = (g / (1 + np.exp(-g))).astype(np.float16).astype(np.float64) * u
+        assert rel_err(out, ref) < FP16_TOL
+    else:
+        assert rel_err(out, y_ref) < FP16_TOL
+
+
+@pytest.mark.parametrize("rows,k", [(3072, 3072), (128256 // 16, 3072), (1000, 576)])
+def test_gemv_f32_logits(kernel_lib, n_sm, rows, k):
+    import cupy as cp
+
+    rng = rng_for("lm_head", rows, k)
+    w = (rng.standard_normal((rows, k), dtype=np.float32) * 0.02).astype(np.float16)
+    x = rng.standard_normal(k, dtype=np.float32).astype(np.float16)
+    y = cp.full(rows, np.nan, dtype=np.float32)
+    gemv_launch(kernel_lib, "fp16", "f32", cp.asarray(w), None, cp.asarray(x), y, rows, k, n_sm)()
+    assert rel_err(y.get(), w.astype(np.float64) @ x.astype(np.float64)) < FP32_TOL
+
+
+@pytest.mark.parametrize("rows,k", [(5120, 3072), (960, 576), (33, 1000), (8, 128)])
+def test_quantize_fp8_bit_exact(kernel_lib, rows, k):
+    import cupy as cp
+
+    rng = rng_for("quant", rows, k)
+    w = (rng.standard_normal((rows, k), dtype=np.float32) * rng.uniform(1e-3, 3, (rows, 1))).astype(np.float16)
+    w[0, :] = 0  # an all-zero row: scale 1, codes 0
+    w[-1, 5] = 60000  # a huge outlier in one group
+    q_ref, s_ref = quantize_fp8(w)
+    q = cp.full((rows, k), 0x7F, dtype=cp.uint8)  # 0x7F is E4M3 NaN: any code left unwritten fails
+    s = cp.full(s_ref.shape, np.nan, dtype=cp.float32)
+    quantize_launch(kernel_lib, cp.asarray(w), q, s)()
+    np.testing.assert_array_equal(s.get(), s_ref)
+    np.testing.assert_array_equal(q.get(), q_ref)
+
+
+def test_embedding(kernel_lib):
+    import cupy as cp
+
+    rng = rng_for("embed")
+    emb = rng.standard_normal((1000, 576), dtype=np.float32).astype(np.float16)
+    tok = int(rng.integers(0, 1000))
+    h = cp.full(576, np.nan, dtype=cp.float32)
+    embed_launch(kernel_lib, cp.asarray([tok], dtype=cp.int32), cp.asarray(emb), h)()
+    np.testing.assert_array_equal(h.get(), emb[tok].astype(np.float32))
+
+
+@pytest.mark.parametrize("K", [576, 2048, 3072, 4096])
+def test_rmsnorm(kernel_lib, K):
+    import cupy as cp
+
+    rng = rng_for("rmsnorm", K)
+    h = rng.standard_normal(K, dtype=np.float32) * 5
+    w = (1 + 0.2 * rng.standard_normal(K)).astype(np.float16)
+    out = cp.full(K, np.nan, dtype=cp.float16)
+    rmsnorm_launch(kernel_lib, cp.asarray(h), cp.asarray(w), 1e-5, out)()
+    assert rel_err(out.get(), norm_ref(h, w, 1e-5)) < FP16_TOL
+
+
+@pytest.mark.parametrize("model", ["llama-3.2-3b", "llama-3.2-1b", "smollm2-135m"])
+@pytest.mark.parametrize("pos", [0, 1, 77, 5000])
+def test_rope_kv_append(kernel_lib, model, pos):
+    import cupy as cp
+
+    cfg = CATALOG[model].config
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    rng = rng_for("rope", model, pos)
+    qkv = rng.standard_normal(cfg.qkv_dim, dtype=np.float32).astype(np.float16)
+    inv = cfg.rope_inv_freq()
+    max_seq = 5001
+    kc = cp.full((max_seq, cfg.kv_dim), np.nan, dtype=cp.float16)
+    vc = cp.full((max_seq, cfg.kv_dim), np.nan, dtype=cp.float16)
+    qkv_dev = cp.asarray(qkv)
+    rope_launch(kernel_lib, qkv_dev, cp.asarray(inv), cp.asarray([pos], dtype=cp.int32), kc, vc, nh, nkv, hd)()
+    ang = (np.float32(pos) * inv).astype(np.float64)
+    c, s = np.cos(ang), np.sin(ang)
+    x = qkv[: (nh + nkv) * hd].astype(np.float64).reshape(nh + nkv, hd)
+    x0, x1 = x[:, : hd // 2], x[:, hd // 2:]
+    ref = np.concatenate([x0 * c - x1 * s, x1 * c + x0 * s], axis=1).reshape(-1)
+    got = qkv_dev.get()
+    assert rel_err(got[: ref.size], ref) < FP16_TOL
+    np.testing.assert_array_equal(got[ref.size:], qkv[ref.size:])  # v untouched in place
+    kc_h, vc_h = kc.get(), vc.get()
+    np.testing.assert_array_equal(kc_h[pos], got[nh * hd: (nh + nkv) * hd])
+    np.testing.assert_array_equal(vc_h[pos], qkv[(nh + nkv) * hd:])
+    others = np.delete(np.arange(max_seq), pos)
+    assert np.isnan(kc_h[others]).all() and np.isnan(vc_h[others]).all(), "wrote outside row pos"
+
+
+ATT_SHAPES = {"llama-3.2-3b": (8, 3, 128), "llama-3.2-1b": (8, 4, 64), "smollm2-135m": (3, 3, 64),
+              "llama-3.1-8b": (8, 4, 128)}
+
+
+@pytest.mark.parametrize("model", list(ATT_SHAPES))
+@pytest.mark.parametrize("length", [1, 2, 63, 64, 65, 200, 1000, 4097])
+def test_attention(kernel_lib, model, length):
+    import cupy as cp
+
+    n_kv, G, hd = ATT_SHAPES[model]
+    nh, max_seq = n_kv * G, 4160
+    splits = -(-max_seq // ATT_CHUNK)
+    rng = rng_for("att", model, length)
+    q = (rng.standard_normal(nh * hd, dtype=np.float32) * rng.uniform(0.5, 3)).astype(np.float16)
+    kc = rng.standard_normal((max_seq, n_kv * hd), dtype=np.float32).astype(np.float16)
+    vc = rng.standard_normal((max_seq, n_kv * hd), dtype=np.float32).astype(np.float16)
+    kq = kc[:length].astype(np.float64).reshape(length, n_kv, hd)
+    vq = vc[:length].astype(np.float64).reshape(length, n_kv, hd)
+    ref = np.empty((nh, hd))
+    for hq in range(nh):
+        sc = kq[:, hq // G] @ q[hq * hd:(hq + 1) * hd].astype(np.float64) / np.sqrt(hd)
+        p = np.exp(sc - sc.max())
+        ref[hq] = (p / p.sum()) @ vq[:, hq // G]
+    out = cp.full(nh * hd, np.nan, dtype=cp.float16)
+    counters = cp.zeros(n_kv, dtype=cp.uint32)
+    launch = attention_launch(kernel_lib, cp.asarray(q), cp.asarray(kc), cp.asarray(vc),
+                              cp.asarray([length - 1], dtype=cp.int32),
+                              cp.full((nh, splits, 2), np.nan, dtype=cp.float32),
+                              cp.full((nh, splits, hd), np.nan, dtype=cp.float32), counters, out, n_kv, G, hd)
+    launch()
+    first = out.get()
+    assert rel_err(first, ref.reshape(-1)) < FP16_TOL
+    assert (counters.get() == 0).all(), "split-combine ticket not reset"
+    out.fill(np.nan)
+    launch()  # a replay must give the identical result (tickets reset, no stale partials)
+    np.testing.assert_array_equal(out.get(), first)
+
+
+def test_argmax_advance(kernel_lib, n_sm):
+    import cupy as cp
+
+    V = 128256
+    rng = rng_for("argmax")
+    logits = rng.standard_normal(V, dtype=np.float32)
+    best = int(rng.integers(V // 2, V))
+    logits[best] = 50.0
+    logits[best + 7 if best + 7 < V else best - 7] = 50.0  # a tie: the smaller index must win
+    logits[3] = np.nan  # NaN never wins
+    want = min(best, best + 7 if best + 7 < V else best - 7)
+    blocks = min(-(-V // 1024), n_sm)
+    prompt = rng.integers(0, V, 8).astype(np.int32)
+    st = {n: cp.zeros(1, dtype=cp.int32) for n in ("pos", "cur", "plen")}
+    st["plen"].fill(5)
+    out_tokens = cp.full(16, -1, dtype=cp.int32)
+    counter = cp.zeros(1, dtype=cp.uint32)
+    launch = argmax_launch(kernel_lib, cp.asarray(logits), cp.full(blocks, np.nan, dtype=cp.float32),
+                           cp.full(blocks, -1, dtype=cp.int32), counter, st["pos"], st["cur"],
+                           cp.asarray(prompt), st["plen"], out_tokens)
+    st["pos"].fill(2)
+    launch()
+    assert int(st["pos"].get()[0]) == 3 and int(st["cur"].get()[0]) == prompt[3]  # still inside the prompt
+    assert int(out_tokens.get()[2]) == want and int(counter.get()[0]) == 0
+    st["pos"].fill(4)
+    launch()
+    assert int(st["pos"].get()[0]) == 5 and int(st["cur"].get()[0]) == want  # first generated token
+    assert int(out_tokens.get()[4]) == want
