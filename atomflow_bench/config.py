@@ -174,6 +174,12 @@ class ModelConfig:
                               f"num_attention_heads = {heads} and no 'head_dim' is given")
         if head_dim % 2 or head_dim > 256:
             raise ConfigError(f"{source}: field 'head_dim' = {head_dim} unsupported (even, at most 256)")
+        # transformers >= 5 writes `rope_parameters` {rope_theta, rope_type, factor, ...} instead of
+        # top-level rope_theta / rope_scaling; accept both spellings.
+        rp = d.get("rope_parameters")
+        if isinstance(rp, dict):
+            d = {**d, "rope_theta": rp.get("rope_theta", d.get("rope_theta", 10000.0)),
+                 "rope_scaling": rp if rp.get("rope_type", "default") != "default" else None}
         rs = d.get("rope_scaling")
         if rs is not None:
             kind = rs.get("rope_type", rs.get("type"))

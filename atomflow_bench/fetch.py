@@ -82,9 +82,9 @@ def _plan(spec: str, source: str | None = None) -> _Plan:
 
 
 def _candidates(spec: str) -> list[Path]:
-    """Store directories that may hold `spec`, preferred first (a catalog name: one per source)."""
+    """Store directories that may hold `spec`, preferred first (a catalog name: its default source first)."""
     if spec in CATALOG:
-        return [_plan(spec, s).directory for s in CATALOG[spec].sources]
+        return [_plan(spec, s).directory for s in dict.fromkeys([*CATALOG[spec].sources, "synthetic", "hf"])]
     return [_plan(spec).directory]
 
 
@@ -113,8 +113,7 @@ def _reusable(plan: _Plan, revision: str | None, seed: int, console) -> dict | N
         _say(console, f"[yellow]{plan.directory} is damaged ({problems[0]}); fetching it again[/yellow]")
         return None
     if not _same_version(plan, manifest.get("source", {}), revision, seed):
-        _say(console, f"{plan.directory} holds another version ({json.dumps(manifest.get('source'))}); "
-                      "replacing it")
+        _say(console, f"{plan.directory} holds another version of {plan.name}; replacing it")
         return None
     return manifest
 

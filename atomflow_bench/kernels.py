@@ -19,6 +19,7 @@ from pathlib import Path
 KERNELS_DIR = Path(os.environ.get("ATOMFLOW_KERNELS_DIR", Path(__file__).resolve().parent.parent / "kernels_cu"))
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
+_DEFINE = re.compile(r"^[ \t]*#[ \t]*define(?:[^\n]*\\\n)*[^\n]*", re.M)  # a #define with continuations
 _MACRO_INSTANCE = re.compile(r"^(?:GEMV_INSTANCE\((\w+),|ATTENTION_INSTANCE\((\d+)\))", re.M)
 
 
@@ -39,7 +40,7 @@ def expand_source(path: Path, seen: set | None = None) -> str:
 
 def kernel_names(path: Path) -> list[str]:
     """The extern "C" kernels a .cu file defines (directly or through the instance macros)."""
-    text = path.read_text()
+    text = _DEFINE.sub("", path.read_text())
     names = _KERNEL.findall(text)
     for gemv, hd in _MACRO_INSTANCE.findall(text):
         names.append(gemv if gemv else f"attention_decode_hd{hd}")

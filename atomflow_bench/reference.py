@@ -41,6 +41,24 @@ def rotate_half(x: np.ndarray) -> np.ndarray:
     return np.concatenate([-x2, x1], axis=-1)
 
 
+class _Fp16Matrix:
+    """A stored fp16 matrix that upcasts to float32 only inside `@` (in row blocks) and row lookups: the
+    `lazy` mode, for CPU runs of models whose float32 copy would not fit in host memory."""
+
+    BLOCK = 8192
+
+    def __init__(self, w: np.ndarray):
+        self.w = w
+        self.shape = w.shape
+
+    def __matmul__(self, x: np.ndarray) -> np.ndarray:
+        return np.concatenate([self.w[r:r + self.BLOCK].astype(np.float32) @ x
+                               for r in range(0, self.w.shape[0], self.BLOCK)])
+
+    def __getitem__(self, i) -> np.ndarray:
+        return self.w[i].astype(np.float32)
+
+
 class _Layer:
     """One decoder layer's float32 weights, q/k/v and gate/up stacked for one matvec each."""
 
@@ -57,7 +75,8 @@ class _Layer:
 class ReferenceDecoder:
     """Single-stream Llama decoder over a `Checkpoint`; `step(token)` returns float32 logits [vocab]."""
 
-    def __init__(self, ckpt: Checkpoint, weights: str = "fp16", max_seq: int = 2048, record_taps: bool = False):
+    def __init__(self, ckpt: Checkpoint, weights: str = "fp16", max_seq: int = 2048, record_taps: bool = False,
+                 lazy: bool = False):
         if weights not in ("fp16", "fp8"):
             raise ConfigError(f"unknown weight format {weights!r} (expected fp16 or fp8)")
         if max_seq < 1:
@@ -72,12 +91,17 @@ class ReferenceDecoder:
             w = ckpt.get(name)
             if linear and weights == "fp8":
                 return dequantize_fp8(*quantize_fp8(w))
-            return w.astype(np.float32)
+            return w.astype(np.float16 if lazy and w.ndim == 2 else np.float32)
 
         self.embed = get("model.embed_tokens.weight")
         self.layers = [_Layer(get, i) for i in range(c.num_hidden_layers)]
         self.norm = get("model.norm.weight")
         self.lm_head = self.embed if c.tie_word_embeddings else get("lm_head.weight")
+        if lazy:  # keep 2 bytes per parameter in host memory; upcast block by block at use
+            wrap = lambda w: _Fp16Matrix(w) if w.dtype == np.float16 else w  # noqa: E731
+            self.embed, self.lm_head = wrap(self.embed), wrap(self.lm_head)
+            for L in self.layers:
+                L.wqkv, L.wo, L.w_gate_up, L.w_down = map(wrap, (L.wqkv, L.wo, L.w_gate_up, L.w_down))
         self.inv_freq = c.rope_inv_freq()
         self.k_cache = np.zeros((c.num_hidden_layers, max_seq, c.num_key_value_heads, c.head_dim), np.float32)
         self.v_cache = np.zeros_like(self.k_cache)
@@ -126,7 +150,7 @@ class ReferenceDecoder:
             self.taps = {}
         eps, hd = c.rms_norm_eps, c.head_dim
 
-        x = self.embed[token_id].copy()
+        x = np.array(self.embed[token_id], dtype=np.float32)
         self._tap("embed", x)
         for li, L in enumerate(self.layers):
             t = f"layers.{li}."

@@ -28,7 +28,7 @@ __device__ __forceinline__ void block_argmax(float& bv, int& bi) {
   if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
   __syncthreads();
   if (warp == 0) {
-    bv = lane < (int)(blockDim.x / AF_WARP) ? sv[lane] : -INFINITY;
+    bv = lane < (int)(blockDim.x / AF_WARP) ? sv[lane] : -AF_INF;
     bi = lane < (int)(blockDim.x / AF_WARP) ? si[lane] : 0x7fffffff;
 #pragma unroll
     for (int o = AF_WARP / 2; o > 0; o >>= 1)
@@ -41,7 +41,7 @@ extern "C" __global__ void argmax_advance(const float* __restrict__ logits, int 
                                           const int* __restrict__ prompt, const int* __restrict__ prompt_len,
                                           int* out_tokens) {
   __shared__ bool last;
-  float bv = -INFINITY;
+  float bv = -AF_INF;
   int bi = 0x7fffffff;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < V; i += gridDim.x * blockDim.x)
     better(bv, bi, logits[i], i);
@@ -55,7 +55,7 @@ extern "C" __global__ void argmax_advance(const float* __restrict__ logits, int 
   __syncthreads();
   if (!last) return;
   __threadfence();
-  bv = -INFINITY;
+  bv = -AF_INF;
   bi = 0x7fffffff;
   for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) better(bv, bi, __ldcg(part_val + b), __ldcg(part_idx + b));
   block_argmax(bv, bi);

@@ -85,7 +85,7 @@ __device__ __forceinline__ void attention_impl(const __half* __restrict__ q, con
 
   // ---- chunk softmax statistics: one warp per q head ----
   for (int g = warp; g < G; g += ATT_THREADS / AF_WARP) {
-    float m = -INFINITY;
+    float m = -AF_INF;
     for (int t = lane; t < n; t += AF_WARP) m = fmaxf(m, sc[g * ATT_CHUNK + t]);
     m = warp_max(m);
     float l = 0.f;
@@ -159,7 +159,7 @@ __device__ __forceinline__ void attention_impl(const __half* __restrict__ q, con
   // ---- combine (last block of kv head j): weights exp(m_s - M) / sum_s l_s exp(m_s - M) ----
   for (int g = warp; g < G; g += ATT_THREADS / AF_WARP) {
     const float* ml = part_ml + (size_t)(j * G + g) * max_splits * 2;
-    float M = -INFINITY;
+    float M = -AF_INF;
     for (int s = lane; s < n_splits; s += AF_WARP) M = fmaxf(M, __ldcg(ml + 2 * s));
     M = warp_max(M);
     float L = 0.f;

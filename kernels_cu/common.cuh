@@ -11,6 +11,7 @@
 #include <cuda_fp8.h>
 
 #define AF_WARP 32
+#define AF_INF __int_as_float(0x7f800000)  // +inf (NVRTC has no math.h INFINITY)
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

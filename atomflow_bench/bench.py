@@ -1,0 +1,140 @@
+"""Stage 7 of the decode path: honest timing.
+
+* `copy_bandwidth`: device-to-device cudaMemcpy of a buffer far larger than L2, CUDA events, warm-up,
+  many repetitions; bytes counted read + write. This is the roofline every figure is divided by, measured
+  on the same GPU in the same run.
+* `time_decode`: the prompt (context) is fed through the graph, then every generated token is one graph
+  replay bracketed by CUDA events (no host sync in between); TPOT samples from all repeats -> median and
+  spread. Eager mode (`graph=False`) launches the same kernels one by one from Python.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def summarize(samples_ms) -> dict:
+    a = np.asarray(samples_ms, dtype=np.float64)
+    return {"median": float(np.median(a)), "p10": float(np.percentile(a, 10)), "p90": float(np.percentile(a, 90)),
+            "mean": float(a.mean()), "min": float(a.min()), "max": float(a.max()), "n": int(a.size)}
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 30, warmup: int = 5) -> dict:
+    """GB/s of a D2D copy (2 * nbytes moved per copy), events around each copy."""
+    import cupy as cp
+
+    src = cp.empty(nbytes, dtype=cp.uint8)
+    dst = cp.empty(nbytes, dtype=cp.uint8)
+    src.fill(1)
+    stream = cp.cuda.Stream(non_blocking=True)
+    ms = []
+    with stream:
+        for i in range(warmup + reps):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(stream)
+            cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
+                                        stream.ptr)
+            e1.record(stream)
+            e1.synchronize()
+            if i >= warmup:
+                ms.append(cp.cuda.get_elapsed_time(e0, e1))
+    del src, dst
+    s = summarize(ms)
+    gbs = {k: 2 * nbytes / (s[k] * 1e-3) / 1e9 for k in ("median", "p10", "p90")}
+    # p10 of time is p90 of bandwidth: keep names meaning "bandwidth percentile"
+    return {"median": gbs["median"], "p10": gbs["p90"], "p90": gbs["p10"], "bytes": nbytes, "reps": reps}
+
+
+def synthetic_prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]
+
+
+def time_decode(engine, context: int, tokens: int, repeats: int, graph: bool = True, prompt=None) -> dict:
+    """Per-token decode times (ms) after a `context`-token prompt; also returns the last repeat's tokens."""
+    import cupy as cp
+
+    prompt = prompt if prompt is not None else synthetic_prompt(engine.cfg.vocab_size, context)
+    if len(prompt) + tokens > engine.max_seq:
+        raise ValueError(f"context {len(prompt)} + tokens {tokens} exceed max_seq {engine.max_seq}")
+    stream = engine.stream
+    samples, per_repeat, ids = [], [], []
+    for r in range(repeats + 1):  # the first pass is a warm-up (clocks, caches, graph upload)
+        engine.reset(prompt)
+        engine.run(len(prompt) - 1, graph=graph)  # prefill token by token through the same step
+        events = [cp.cuda.Event() for _ in range(tokens + 1)]
+        with stream:
+            events[0].record(stream)
+            for i in range(tokens):
+                engine.run(1, graph=graph)
+                events[i + 1].record(stream)
+        events[-1].synchronize()
+        t = [cp.cuda.get_elapsed_time(events[i], events[i + 1]) for i in range(tokens)]
+        if r > 0:
+            samples += t
+            per_repeat.append(float(np.median(t)))
+        ids = engine.tokens(len(prompt) - 1, tokens)
+    out = summarize(samples)
+    out["repeat_medians"] = per_repeat
+    return {"tpot_ms": out, "token_ids": ids, "prompt_len": len(prompt)}
+
+
+def benchmark(model_dir, model_name: str, source: str, weights: str, context: int, tokens: int, repeats: int,
+              eager_tokens: int = 32, progress=None) -> dict:
+    """The `run` measurement on the GPU: copy roofline, graph decode, eager decode; returns the record."""
+    import time
+
+    from . import report
+    from .engine import Engine
+    from .tokenizer import load_tokenizer
+
+    t0 = time.perf_counter()
+    eng = Engine(model_dir, weights=weights, max_seq=context + tokens, progress=progress)
+    load_s = time.perf_counter() - t0
+    copy = copy_bandwidth()
+    prompt = synthetic_prompt(eng.cfg.vocab_size, context)
+    g = time_decode(eng, context, tokens, repeats, graph=True, prompt=prompt)
+    n_e = min(eager_tokens, tokens)
+    e = time_decode(eng, context, n_e, 1, graph=False, prompt=prompt)
+    same = e["token_ids"] == g["token_ids"][:n_e]
+    tpot = g["tpot_ms"]
+    # bytes per token: all streamed weights + the K/V rows attended, averaged over the generated positions
+    nbytes = eng.streamed_bytes(context + (tokens - 1) / 2 + 1)
+    bw = nbytes["total"] / (tpot["median"] * 1e-3) / 1e9
+    floor_ms = nbytes["total"] / (copy["median"] * 1e9) * 1e3
+    tok = load_tokenizer(eng.ckpt.dir)
+    text = tok.decode(g["token_ids"]) if tok is not None else None
+    return {
+        "schema": report.SCHEMA, "tool": report.tool_info(), "created": report.now_iso(),
+        "command": report.command_line(), "gpu": eng.gpu, "copy_bandwidth_gbs": copy,
+        "model": {"name": model_name, "source": source, "params": eng.cfg.param_count(),
+                  "config": eng.cfg.to_hf_dict()},
+        "weights": weights, "context": context, "tokens": tokens, "repeats": repeats,
+        "tpot_ms": tpot, "tok_per_s": 1e3 / tpot["median"],
+        "bytes_per_token": nbytes, "bandwidth_gbs": bw,
+        "roofline": {"tpot_floor_ms": floor_ms, "pct": 100.0 * floor_ms / tpot["median"]},
+        "vram_bytes": eng.vram(),
+        "eager": {"tpot_ms": e["tpot_ms"], "tokens": n_e, "graph_speedup": e["tpot_ms"]["median"] / tpot["median"],
+                  "same_tokens": bool(same)},
+        "generated": {"token_ids": g["token_ids"], "text": text},
+        "load": {"seconds": load_s, **eng.load_info},
+        "launches_per_step": len(eng.launches),
+    }
+
+
+def cpu_fallback(model_dir, weights: str, n_tokens: int = 4) -> dict:
+    """No CUDA device: a few tokens through the NumPy reference (lazy fp16 weights), NOT a performance figure."""
+    import time
+
+    from .reference import ReferenceDecoder, greedy
+    from .tokenizer import load_tokenizer
+    from .weights import Checkpoint
+
+    ckpt = Checkpoint(model_dir)
+    tok = load_tokenizer(ckpt.dir)
+    prompt = tok.encode("The capital of France is").ids if tok is not None else synthetic_prompt(ckpt.config.vocab_size, 4)
+    dec = ReferenceDecoder(ckpt, weights=weights, max_seq=len(prompt) + n_tokens, lazy=True)
+    t0 = time.perf_counter()
+    ids = greedy(dec, prompt, n_tokens)
+    dt = time.perf_counter() - t0
+    return {"backend": "numpy-reference (CPU)", "prompt_ids": prompt, "token_ids": ids,
+            "text": tok.decode(ids) if tok is not None else None, "seconds": dt,
+            "steps": len(prompt) + len(ids) - 1}

@@ -1,0 +1,129 @@
+"""Stage 8 of the decode path: the results record (versioned JSON) and its rich table.
+
+Schema `atomflow-bench/run/1` (documented in README.md, section "Results JSON"). Every number in it is
+measured in the run that wrote it, except `model`, `weights`, `context`, ... which describe the run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import __version__
+from .store import write_json_atomic
+
+SCHEMA = "atomflow-bench/run/1"
+REQUIRED = ("schema", "gpu", "model", "weights", "context", "tokens", "tpot_ms", "copy_bandwidth_gbs",
+            "bytes_per_token", "roofline")
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def tool_info() -> dict:
+    return {"name": "atomflow-bench", "version": __version__, "git_commit": git_commit(),
+            "python": sys.version.split()[0]}
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", s).strip("-").lower()
+
+
+def default_path(rec: dict, results_dir: Path = Path("results")) -> Path:
+    stamp = rec["created"].replace(":", "").replace("-", "")
+    name = f"run-{slug(rec['model']['name'])}-{rec['weights']}-ctx{rec['context']}-{slug(rec['gpu']['name'])}-{stamp}.json"
+    return results_dir / name
+
+
+def write(rec: dict, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, rec)
+    return path
+
+
+def load(path: Path) -> dict:
+    from .errors import AtomflowError
+
+    try:
+        rec = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise AtomflowError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise AtomflowError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(rec, dict) or rec.get("schema") != SCHEMA:
+        raise AtomflowError(f"{path}: not an {SCHEMA} results file (schema={rec.get('schema') if isinstance(rec, dict) else None!r})")
+    missing = [k for k in REQUIRED if k not in rec]
+    if missing:
+        raise AtomflowError(f"{path}: results file lacks field {missing[0]!r}")
+    return rec
+
+
+def command_line() -> str:
+    return " ".join(["atomflow-bench"] + [a if " " not in a else repr(a) for a in sys.argv[1:]])
+
+
+def _gib(n) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+def run_table(rec: dict):
+    """The `run` table (rich.Table)."""
+    from rich.table import Table
+
+    t = Table(title=f"atomflow-bench run — {rec['model']['name']} {rec['weights']}", show_header=False,
+              title_justify="left")
+    t.add_column("metric", style="bold")
+    t.add_column("value")
+    g = rec["gpu"]
+    tp = rec["tpot_ms"]
+    t.add_row("GPU", f"{g['name']} (sm_{g['cc'].replace('.', '')}, {g['sms']} SMs), driver CUDA {g['cuda_driver']}, "
+                     f"runtime {g['cuda_runtime']}, CuPy {g['cupy']}")
+    m = rec["model"]
+    t.add_row("model", f"{m['name']} ({m['source']}), {m['params'] / 1e9:.3f} B params")
+    t.add_row("weights", rec["weights"] + (" (FP8-E4M3 layers, group 128; fp16 embedding/lm_head)"
+                                           if rec["weights"] == "fp8" else ""))
+    t.add_row("context / generated", f"{rec['context']} prompt tokens, {rec['tokens']} generated x {rec['repeats']} repeats")
+    t.add_row("TPOT (graph)", f"median {tp['median']:.4f} ms  (p10 {tp['p10']:.4f}, p90 {tp['p90']:.4f}, n={tp['n']})")
+    t.add_row("tok/s", f"{rec['tok_per_s']:.1f}")
+    b = rec["bytes_per_token"]
+    t.add_row("bytes read / token", f"{b['total'] / 1e9:.4f} GB (weights {b['weights'] / 1e9:.4f} + KV {b['kv'] / 1e6:.2f} MB)")
+    t.add_row("achieved bandwidth", f"{rec['bandwidth_gbs']:.0f} GB/s")
+    cb = rec["copy_bandwidth_gbs"]
+    t.add_row("copy bandwidth (same run)", f"{cb['median']:.0f} GB/s (p10 {cb['p10']:.0f}, p90 {cb['p90']:.0f}; "
+                                           f"D2D copy of {cb['bytes'] >> 20} MiB, read+write)")
+    r = rec["roofline"]
+    t.add_row("% of roofline", f"[bold]{r['pct']:.1f}%[/bold]  (floor {r['tpot_floor_ms']:.4f} ms = bytes / copy bandwidth)")
+    v = rec["vram_bytes"]
+    t.add_row("VRAM by pool", f"weights {_gib(v['weights'])}, KV {_gib(v['kv'])}, activations "
+                              f"{v['activations'] / 2**20:.2f} MiB, scratch {v['scratch'] / 2**20:.2f} MiB; total {_gib(v['total'])}")
+    e = rec.get("eager")
+    if e:
+        t.add_row("eager (--no-graph)", f"median {e['tpot_ms']['median']:.4f} ms -> graph speedup "
+                                        f"x{e['graph_speedup']:.2f}; same tokens: {e['same_tokens']}")
+    gen = rec.get("generated", {})
+    if gen:
+        text = gen.get("text")
+        shown = repr(text[:120]) if text else str(gen["token_ids"][:16])
+        t.add_row("first tokens", shown)
+    t.add_row("load", f"{rec['load']['seconds']:.1f} s" + (f", fp8 from {rec['load']['fp8_source']}"
+                                                            if rec['load'].get('fp8_source') else ""))
+    return t
+
+
+def env_gpu_note() -> str:
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "")

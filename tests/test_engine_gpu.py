@@ -1,0 +1,189 @@
+"""The whole GPU engine against the NumPy reference decoder (GPU).
+
+* tiny random models (tied and untied lm_head, GQA, llama3 RoPE, non-trivial norm weights) and the
+  synthetic Llama-3.2-1B shape: every probe of every layer at every step, cosine >= 0.999 (fp16) /
+  >= 0.99 (fp8; the reference runs the same FP8-quantised weights), teacher-forced on the same tokens;
+* greedy tokens identical to the reference wherever the reference's top-1 margin exceeds the format's
+  measured logit error;
+* graph replay gives bit-identical tokens and logits to eager launches;
+* no device allocation during decode (an allocator that raises is installed after set-up);
+* a model that does not fit is refused before anything is allocated.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from atomflow_bench.arena import Arena, plan_arena
+from atomflow_bench.config import CATALOG, ModelConfig
+from atomflow_bench.errors import AtomflowError
+from atomflow_bench.reference import ReferenceDecoder
+from atomflow_bench.store import write_json_atomic
+from atomflow_bench.weights import Checkpoint
+
+pytestmark = pytest.mark.gpu
+
+COS_MIN = {"fp16": 0.999, "fp8": 0.99}
+
+
+def tiny_config(tied: bool) -> ModelConfig:
+    return ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=3,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=64, rope_theta=500000.0,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                       rms_norm_eps=1e-5, tie_word_embeddings=tied, max_position_embeddings=4096)
+
+
+def write_random_model(cfg: ModelConfig, out, seed: int) -> None:
+    """Random fp16 weights with std 0.05 and norm weights around 1 (so a norm-weight bug shows)."""
+    rng = np.random.default_rng(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "config.json", cfg.to_hf_dict())
+    tensors = {}
+    for name, shape in cfg.tensor_shapes().items():
+        if len(shape) == 1:
+            tensors[name] = (1 + 0.2 * rng.standard_normal(shape)).astype(np.float16)
+        else:
+            tensors[name] = (0.05 * rng.standard_normal(shape)).astype(np.float16)
+    save_file(tensors, str(out / "model.safetensors"))
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def tiny_dir(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny") / "model"
+    write_random_model(tiny_config(request.param), d, seed=int(np.random.SeedSequence().entropy % 2**31))
+    return d
+
+
+@pytest.fixture(scope="module")
+def llama1b_dir(tmp_path_factory):
+    from atomflow_bench.sources.synthetic import make_synthetic
+
+    d = tmp_path_factory.mktemp("llama1b") / "model"
+    make_synthetic(CATALOG["llama-3.2-1b"], d, seed=1)
+    return d
+
+
+def cosine(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
+
+
+def compare_probes(model_dir, fmt: str, prompt_len: int, n_new: int):
+    """Teacher-forced probe comparison over prompt + reference continuation; returns (min cos, worst probe,
+    reference greedy ids, reference margins, max |logit diff| at each step)."""
+    from atomflow_bench.engine import Engine
+
+    ckpt = Checkpoint(model_dir)
+    cfg = ckpt.config
+    rng = np.random.default_rng()
+    prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)]
+    ref = ReferenceDecoder(ckpt, weights=fmt, max_seq=prompt_len + n_new, record_taps=True)
+    seq, ref_taps, margins = list(prompt), [], []
+    for i in range(prompt_len + n_new - 1):
+        logits = ref.step(seq[i])
+        ref_taps.append(dict(ref.taps))
+        top2 = np.sort(logits)[-2:]
+        margins.append(float(top2[1] - top2[0]))
+        if i >= prompt_len - 1:
+            seq.append(int(np.argmax(logits)))
+    eng = Engine(model_dir, weights=fmt, max_seq=prompt_len + n_new)
+    eng.reset(seq)  # the whole sequence as "prompt": the engine is teacher-forced on the same tokens
+    worst, worst_name, logit_err = 1.0, None, []
+    for i in range(len(seq) - 1):
+        taps = eng.step_eager(taps=True)
+        for name, got in taps.items():
+            c = cosine(got, ref_taps[i][name])
+            if c < worst:
+                worst, worst_name = c, f"step {i} {name}"
+        logit_err.append(float(np.abs(taps["logits"] - ref_taps[i]["logits"]).max()))
+    return eng, worst, worst_name, seq, margins, logit_err
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_tiny_engine_matches_reference(tiny_dir, fmt):
+    eng, worst, where, seq, margins, err = compare_probes(tiny_dir, fmt, prompt_len=7, n_new=9)
+    print(f"tiny {fmt}: min probe cosine {worst:.6f} at {where}; max |logit diff| {max(err):.3e}")
+    assert worst >= COS_MIN[fmt], f"probe cosine {worst} < {COS_MIN[fmt]} at {where}"
+    check_greedy(eng, seq, 7, margins, err)
+
+
+def check_greedy(eng, seq, prompt_len, margins, logit_err):
+    """Engine greedy (graph) == reference greedy up to the first step whose reference margin is within the
+    format's error (2x the largest logit difference measured in the teacher-forced run)."""
+    n_new = len(seq) - prompt_len
+    got = eng.generate(seq[:prompt_len], n_new)
+    tol = 2 * max(logit_err)
+    for j in range(n_new):
+        step = prompt_len - 1 + j
+        if got[j] != seq[prompt_len + j]:
+            assert margins[step] <= tol, (f"token {j} differs ({got[j]} vs {seq[prompt_len + j]}) although the "
+                                          f"reference margin {margins[step]:.4g} > error {tol:.4g}")
+            return
+    print(f"greedy: all {n_new} tokens identical")
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_llama1b_engine_matches_reference(llama1b_dir, fmt):
+    eng, worst, where, seq, margins, err = compare_probes(llama1b_dir, fmt, prompt_len=5, n_new=4)
+    print(f"llama-3.2-1b synthetic {fmt}: min probe cosine {worst:.6f} at {where}; max |logit diff| {max(err):.3e}")
+    assert worst >= COS_MIN[fmt], f"probe cosine {worst} < {COS_MIN[fmt]} at {where}"
+    check_greedy(eng, seq, 5, margins, err)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_graph_bit_identical_to_eager(tiny_dir, fmt):
+    from atomflow_bench.engine import Engine
+
+    eng = Engine(tiny_dir, weights=fmt, max_seq=200)
+    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 70)]  # > one attention chunk
+    eager = eng.generate(prompt, 40, graph=False)
+    eager_logits = eng.arena["logits"].get()
+    graph = eng.generate(prompt, 40, graph=True)
+    np.testing.assert_array_equal(graph, eager)
+    np.testing.assert_array_equal(eng.arena["logits"].get(), eager_logits)
+
+
+def test_no_device_allocation_during_decode(tiny_dir):
+    import cupy as cp
+
+    from atomflow_bench.engine import Engine
+
+    eng = Engine(tiny_dir, weights="fp8", max_seq=128)
+    prompt = [1, 2, 3, 4]
+    calls = []
+
+    def refuse(nbytes):
+        calls.append(nbytes)
+        raise MemoryError(f"device allocation of {nbytes} bytes during decode")
+
+    old = cp.cuda.get_allocator()
+    cp.cuda.set_allocator(refuse)
+    try:
+        eng.generate(prompt, 8, graph=False)
+        eng.step_eager(taps=True)
+        eng.generate(prompt, 8, graph=True)  # includes the graph capture
+        eng.generate(prompt, 8, graph=True)
+    finally:
+        cp.cuda.set_allocator(old)
+    assert calls == []
+    # the test itself can fail: the same allocator does catch an allocation
+    cp.cuda.set_allocator(refuse)
+    try:
+        with pytest.raises(MemoryError):
+            cp.empty(16, dtype=cp.float32)
+    finally:
+        cp.cuda.set_allocator(old)
+
+
+def test_refuses_model_that_does_not_fit():
+    import cupy as cp
+
+    huge = ModelConfig(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                       num_attention_heads=128, num_key_value_heads=8, head_dim=128)
+    plan = plan_arena(huge, "fp16", 4096)
+    free_before = cp.cuda.runtime.memGetInfo()[0]
+    with pytest.raises(AtomflowError, match="does not fit"):
+        Arena(plan)
+    assert cp.cuda.runtime.memGetInfo()[0] >= free_before - (64 << 20)  # nothing was allocated
