@@ -18,7 +18,7 @@ from .errors import AtomflowError
 
 ALIGN = 256
 POOLS = ("weights", "kv", "activations", "scratch")
-ATT_CHUNK = 64          # positions per attention split (kernels_cu/attention.cu ATT_CHUNK)
+ATT_CHUNK = 32          # positions per attention split (kernels_cu/attention.cu ATT_CHUNK)
 ARGMAX_THREADS = 1024   # block size of argmax_advance
 RESERVE = 512 << 20     # VRAM left free for the CUDA context, CuPy and load-time staging slack
 
@@ -77,8 +77,8 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> Are
                             "(16-byte GEMV rows)")
     if cfg.head_dim not in (64, 128):
         raise AtomflowError(f"head_dim {cfg.head_dim} unsupported by attention.cu (64 or 128)")
-    if cfg.group_size > 8:
-        raise AtomflowError(f"{cfg.group_size} q heads per kv head unsupported (at most 8)")
+    if cfg.group_size not in (1, 2, 3, 4, 8):
+        raise AtomflowError(f"{cfg.group_size} q heads per kv head unsupported by attention.cu (1, 2, 3, 4 or 8)")
     if not 1 <= max_seq <= 32768:
         raise AtomflowError(f"max_seq {max_seq} out of range (1..32768)")
     H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
@@ -124,7 +124,7 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> Are
     p.add("scratch", "prompt_len", (1,), np.int32)
     p.add("scratch", "prompt", (max_seq,), np.int32)
     p.add("scratch", "out_tokens", (max_seq,), np.int32)
-    p.add("scratch", "inv_freq", (cfg.head_dim // 2,), np.float32)
+    p.add("scratch", "rope_cs", (max_seq, cfg.head_dim // 2, 2), np.float32)
     return p
 
 

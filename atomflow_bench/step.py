@@ -2,10 +2,10 @@
 
 The step reads the current token and position from device memory and leaves the next ones there, so the
 same list runs eagerly (`run_eager`, optionally copying probes out after each launch) or is captured once
-into a CUDA Graph (graph.py). Per layer, 6 launches:
+into a CUDA Graph (graph.py). Per layer, 5 launches:
 
-    gemv  QKV      RMSNorm prologue (input_layernorm), q|k|v rows stacked       -> qkv (fp16)
-    rope_kv        RoPE on q and k in place, k and v appended to the cache at pos
+    gemv  QKV      RMSNorm prologue (input_layernorm), q|k|v rows stacked; epilogue: RoPE on q and k,
+                   k and v appended to the cache at pos                        -> qkv (fp16)
     attention      GQA over cache[0..pos], split over the sequence, combine fused -> attn_out (fp16)
     gemv  o_proj   residual epilogue                                           h += Wo . attn_out
     gemv  gate/up  RMSNorm prologue (post_attention_layernorm), SwiGLU epilogue -> act (fp16)
@@ -27,7 +27,7 @@ from .errors import AtomflowError
 from .kernels import KernelLib, Launch
 
 GEMV_THREADS = 256
-GEMV_BLOCKS_PER_SM = 8  # 8 x 256 threads fill an SM; the grid never exceeds one resident wave
+GEMV_BLOCKS_PER_SM = 4  # = GEMV_MIN_BLOCKS in gemv_common.cuh: the grid never exceeds one resident wave
 ATT_THREADS = 128
 NULL = np.uint64(0)
 
@@ -39,20 +39,30 @@ def i32(v) -> np.int32:
 # ---- launch factories, one per op ----------------------------------------------------------------------
 
 def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: int, k: int, n_sm: int,
-                norm_w=None, eps: float = 1e-5, taps=None) -> Launch:
-    """y = W.x in `fmt` (fp16 | fp8) with `variant` in norm_store | norm_swiglu | resid | f32 | store."""
+                norm_w=None, eps: float = 1e-5, taps=None, role: str = "", rope: tuple = ()) -> Launch:
+    """y = W.x in `fmt` (fp16 | fp8) with `variant` in qkv_rope | norm_swiglu | resid | f32 | store.
+
+    qkv_rope: n_out = qkv_dim / 2 (one output per rotation pair); `rope` = (cos_sin, pos, k_cache, v_cache,
+    n_q_heads, n_kv_heads, head_dim) for this layer.
+    """
     fp8 = fmt == "fp8"
     if k % (16 if fp8 else 8):
         raise AtomflowError(f"GEMV K={k} unsupported: {fmt} rows must be a multiple of 16 bytes "
                             f"(K % {16 if fp8 else 8} == 0)")
-    rows = 2 * n_out if variant == "norm_swiglu" else n_out
+    rows = 2 * n_out if variant in ("norm_swiglu", "qkv_rope") else n_out
     if tuple(w.shape) != (rows, k):
         raise AtomflowError(f"GEMV weight shape {tuple(w.shape)} != ({rows}, {k})")
     grid = (min(-(-n_out // (GEMV_THREADS // 32)), n_sm * GEMV_BLOCKS_PER_SM),)
     moved = w.nbytes + (scales.nbytes if fp8 else 0) + x.nbytes + y.nbytes
+    extra = ()
+    if variant == "qkv_rope":
+        cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd = rope
+        extra = (cos_sin, pos, k_cache, v_cache, i32(n_q), i32(n_kv), i32(hd))
+        moved += 2 * n_kv * hd * 2  # the K and V rows appended to the cache
     return Launch(lib[f"gemv_{'f8' if fp8 else 'f16'}_{variant}"], f"gemv_{fmt}_{variant}", grid, (GEMV_THREADS,),
                   (w, scales if fp8 else NULL, x, NULL if norm_w is None else norm_w, np.float32(eps), y,
-                   i32(n_out), i32(k)), k * 2 + 128, taps or {}, moved)
+                   i32(n_out), i32(k)) + extra, k * 2 + 128, taps or {}, moved,
+                  f"gemv {fmt} {role or variant} {rows}x{k}")
 
 
 def quantize_launch(lib: KernelLib, w16, q, s) -> Launch:
@@ -68,16 +78,12 @@ def embed_launch(lib: KernelLib, token, emb, h, taps=None) -> Launch:
                   taps or {}, H * 2 + H * 4)
 
 
-def rope_launch(lib: KernelLib, qkv, inv_freq, pos, k_cache, v_cache, n_heads: int, n_kv: int, hd: int,
-                taps=None) -> Launch:
-    n = (n_heads + n_kv) * hd // 2 + n_kv * hd
-    return Launch(lib["rope_kv_append"], "rope_kv_append", (-(-n // 256),), (256,),
-                  (qkv, inv_freq, pos, k_cache, v_cache, i32(n_heads), i32(n_kv), i32(hd)), 0, taps or {},
-                  qkv.nbytes * 2 + n_kv * hd * 4)
-
-
 def attention_smem(group: int, hd: int, splits: int) -> int:
-    return 4 * (group * ATT_CHUNK + (ATT_THREADS // (hd // 8)) * group * hd + group * splits)
+    """Scores [G][chunk] + P.V partials [threads/(hd/8)][G][hd] (reused for the [G][splits] combine weights)."""
+    pv = (ATT_THREADS // (hd // 8)) * group * hd
+    if splits > pv // group:
+        raise AtomflowError(f"{splits} attention splits exceed the kernel's shared-memory plan (max_seq too large)")
+    return 4 * (group * ATT_CHUNK + pv)
 
 
 def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, counters, out, n_kv: int,
@@ -86,8 +92,8 @@ def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, 
     splits = part_ml.shape[1]
     if splits * ATT_CHUNK < k_cache.shape[0]:
         raise AtomflowError("attention partials too small for max_seq")
-    return Launch(lib[f"attention_decode_hd{hd}"], "attention_decode", (n_kv, splits), (ATT_THREADS,),
-                  (q, k_cache, v_cache, pos, part_ml, part_o, counters, out, i32(n_kv), i32(group), i32(splits),
+    return Launch(lib[f"attention_decode_hd{hd}_g{group}"], "attention_decode", (n_kv, splits), (ATT_THREADS,),
+                  (q, k_cache, v_cache, pos, part_ml, part_o, counters, out, i32(n_kv), i32(splits),
                    np.float32(1.0 / math.sqrt(hd))), attention_smem(group, hd, splits), taps or {}, 0)
 
 
@@ -115,16 +121,17 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int) 
 
     def gemv(weight, variant, x, y, n_out, k, **kw):
         scales = a[weight + ".scale"] if fmt == "fp8" else None
-        return gemv_launch(lib, fmt, variant, a[weight], scales, x, y, n_out, k, n_sm, eps=eps, **kw)
+        return gemv_launch(lib, fmt, variant, a[weight], scales, x, y, n_out, k, n_sm, eps=eps,
+                           role=weight.split(".", 1)[1], **kw)
 
     steps = [embed_launch(lib, a["cur_token"], a["embed"], h, taps={"embed": h})]
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         steps += [
-            gemv(f"L{i}.wqkv", "norm_store", h, qkv, rows["wqkv"][0], H, norm_w=a[f"L{i}.attn_norm"]),
-            rope_launch(lib, qkv, a["inv_freq"], a["pos"], a["k_cache"][i], a["v_cache"][i],
-                        cfg.num_attention_heads, cfg.num_key_value_heads, hd,
-                        taps={p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}),
+            gemv(f"L{i}.wqkv", "qkv_rope", h, qkv, rows["wqkv"][0] // 2, H, norm_w=a[f"L{i}.attn_norm"],
+                 rope=(a["rope_cs"], a["pos"], a["k_cache"][i], a["v_cache"][i], cfg.num_attention_heads,
+                       cfg.num_key_value_heads, hd),
+                 taps={p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}),
             attention_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], a["att_ml"], a["att_o"],
                              a["att_counters"][i], attn_out, cfg.num_key_value_heads, cfg.group_size, hd,
                              taps={p + "attn_out": attn_out}),
@@ -135,7 +142,8 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int) 
     head = a["embed" if cfg.tie_word_embeddings else "lm_head"]
     steps += [
         rmsnorm_launch(lib, h, a["final_norm"], eps, xnorm, taps={"final_norm": xnorm}),
-        gemv_launch(lib, "fp16", "f32", head, None, xnorm, logits, cfg.vocab_size, H, n_sm, taps={"logits": logits}),
+        gemv_launch(lib, "fp16", "f32", head, None, xnorm, logits, cfg.vocab_size, H, n_sm, taps={"logits": logits},
+                    role="lm_head"),
         argmax_launch(lib, logits, a["am_val"], a["am_idx"], a["am_counter"], a["pos"], a["cur_token"], a["prompt"],
                       a["prompt_len"], a["out_tokens"]),
     ]

@@ -152,5 +152,5 @@ def upload_weights(ckpt: Checkpoint, arena, fmt: str, lib, progress=None) -> dic
             progress.advance(task)
     cupy.cuda.Device().synchronize()
     del staging
-    arena["inv_freq"].set(cfg.rope_inv_freq())
+    arena["rope_cs"].set(cfg.rope_cos_sin(arena["rope_cs"].shape[0]))
     return {"bytes": up.copied, "fp8_source": ("file" if use_file else "gpu-quantized") if fmt == "fp8" else None}

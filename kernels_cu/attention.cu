@@ -3,117 +3,119 @@
 //
 // Computes   for q head hq (kv head j = hq / G, G = n_heads / n_kv), L = *pos + 1 cached positions:
 //              out[hq] = sum_t softmax_t(q[hq] . K[t, j] * scale) V[t, j]       (fp32 math, fp16 out)
-// Scheme     block (j, s) handles kv head j and positions [64 s, 64 s + 64) for all G q heads sharing
-//            it (each K/V row is read once for the whole group): scores -> chunk max/sum -> P.V. With
-//            one chunk it writes `out` directly. Otherwise it writes (max, sum, o[hd]) partials; the
-//            last block of head j to finish (atomic ticket after __threadfence) rescales and sums the
-//            partials into `out` and resets its counter. Blocks whose chunk lies beyond L exit at once,
-//            so one launch shape (captured in the graph) serves every position up to max_seq.
-// Layouts    q fp16 [n_heads*hd] (post-RoPE); k_cache/v_cache: this layer's slab fp16 [max_seq][n_kv*hd];
-//            part_ml fp32 [n_heads][max_splits][2]; part_o fp32 [n_heads][max_splits][hd];
-//            counters uint32 [n_kv]; out fp16 [n_heads*hd].
-// Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + partials (n_heads * splits * (hd+2) * 4 * 2).
-// Launch     attention_decode_hd64 / _hd128: grid = (n_kv, max_splits), block = 128,
-//            dyn. smem = 4 * (G*64 + (128/(hd/8))*G*hd + G*max_splits) bytes; hd in {64, 128}, G <= 8.
+// Scheme     block (j, s) handles kv head j and the 32 positions [32 s, 32 s + 32) for all G q heads that
+//            share it (each K/V row is read once for the whole group). Latency first: every thread
+//            issues ALL its K and V loads (16 bytes each, streaming) before any math, so a block costs
+//            about one DRAM latency. Thread (p, l) owns 16-byte slice l of positions p, p + P, ...;
+//            scores are reduced over the hd/8 lanes of a position with shuffles; one warp per head does
+//            the chunk softmax (32 positions = 32 lanes); P.V partial sums are reduced through shared
+//            memory. With one chunk the block writes `out` directly. Otherwise it writes (max, sum,
+//            o[hd]) partials; the last block of head j to finish (atomic ticket after __threadfence)
+//            rescales and sums them into `out` and resets its ticket. Blocks whose chunk lies beyond L
+//            exit at once, so one launch shape (captured in the graph) serves every position < max_seq.
+// Layouts    q fp16 [n_heads*hd] (post-RoPE, start of the qkv buffer); k_cache/v_cache: this layer's slab
+//            fp16 [max_seq][n_kv*hd]; part_ml fp32 [n_heads][max_splits][2]; part_o fp32
+//            [n_heads][max_splits][hd]; counters uint32 [n_kv]; out fp16 [n_heads*hd].
+// Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + partials n_heads * splits * (hd + 2) * 4 * 2.
+// Launch     attention_decode_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv, ceil(max_seq / 32)), block = 128,
+//            dyn. smem = 4 * (G*32 + G*1024) bytes (1024 >= max_splits: max_seq <= 32768).
 #include "common.cuh"
 
-#define ATT_CHUNK 64
+#define ATT_CHUNK 32
 #define ATT_THREADS 128
-#define ATT_MAXG 8
 
-template <int HD>
+__device__ __forceinline__ void f8_from_u4(uint4 u, float* f) {
+  const float2 a = h2_to_f2(u.x), b = h2_to_f2(u.y), c = h2_to_f2(u.z), d = h2_to_f2(u.w);
+  f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
+}
+
+template <int HD, int G>
 __device__ __forceinline__ void attention_impl(const __half* __restrict__ q, const __half* __restrict__ k_cache,
                                                const __half* __restrict__ v_cache, const int* __restrict__ pos_ptr,
                                                float* part_ml, float* part_o, unsigned int* counters,
-                                               __half* __restrict__ out, int n_kv, int G, int max_splits,
-                                               float scale) {
-  constexpr int hd = HD;
+                                               __half* __restrict__ out, int n_kv, int max_splits, float scale) {
+  constexpr int DG = HD / 8;                 // 16-byte slices per head row = lanes per position
+  constexpr int PG = ATT_THREADS / DG;       // positions processed side by side
+  constexpr int PPT = ATT_CHUNK / PG;        // positions per thread
   const int j = blockIdx.x, split = blockIdx.y;
   const int len = *pos_ptr + 1;
   const int n_splits = (len + ATT_CHUNK - 1) / ATT_CHUNK;
   if (split >= n_splits) return;
   const int t0 = split * ATT_CHUNK;
   const int n = min(len - t0, ATT_CHUNK);
-  const size_t kv_dim = (size_t)n_kv * hd;
+  const size_t kv_dim = (size_t)n_kv * HD;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP;
-  constexpr int dgroups = hd / 8;               // 16-byte slices of a head row
-  constexpr int tslots = ATT_THREADS / dgroups; // positions processed side by side in P.V
+  const int l = threadIdx.x % DG, pg = threadIdx.x / DG;
+
+  // ---- all K and V loads of this thread, issued before anything else ----
+  uint4 kr[PPT], vr[PPT];
+#pragma unroll
+  for (int i = 0; i < PPT; ++i) {
+    const int t = pg + i * PG;
+    const size_t off = (size_t)(t0 + t) * kv_dim + (size_t)j * HD + l * 8;
+    kr[i] = t < n ? ld_stream(k_cache + off) : make_uint4(0, 0, 0, 0);
+    vr[i] = t < n ? ld_stream(v_cache + off) : make_uint4(0, 0, 0, 0);
+  }
 
   extern __shared__ float smem[];
-  float* sc = smem;                             // [G][ATT_CHUNK] scores, then probabilities
-  float* acc = sc + G * ATT_CHUNK;              // [tslots][G][hd] partial P.V sums
-  float* coef = acc + tslots * G * hd;          // [G][max_splits] combine weights
-  __shared__ float s_m[ATT_MAXG], s_l[ATT_MAXG];
+  float* sc = smem;                          // [G][ATT_CHUNK] scores, then probabilities
+  float* acc = sc + G * ATT_CHUNK;           // [PG][G][HD] partial P.V sums; later [G][max_splits] weights
+  __shared__ float s_m[G], s_l[G];
   __shared__ bool last;
 
-  // ---- scores: a group of `dgroups` lanes per position, 8 elements per lane ----
+  // ---- scores ----
   {
-    constexpr int ppw = AF_WARP / dgroups;
-    const int sub = lane / dgroups, l = lane % dgroups;
-    float qf[ATT_MAXG][8];
+    float qf[G][8];
 #pragma unroll
-    for (int g = 0; g < ATT_MAXG; ++g) {
-      if (g < G) {
-        const uint4 u = *reinterpret_cast<const uint4*>(q + (size_t)(j * G + g) * hd + l * 8);
-        const float2 a = h2_to_f2(u.x), b = h2_to_f2(u.y), c = h2_to_f2(u.z), d = h2_to_f2(u.w);
-        qf[g][0] = a.x * scale; qf[g][1] = a.y * scale; qf[g][2] = b.x * scale; qf[g][3] = b.y * scale;
-        qf[g][4] = c.x * scale; qf[g][5] = c.y * scale; qf[g][6] = d.x * scale; qf[g][7] = d.y * scale;
-      }
-    }
-    for (int base = warp * ppw; base < n; base += (ATT_THREADS / AF_WARP) * ppw) {
-      const int t = base + sub;
-      float kf[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      if (t < n) {
-        const uint4 u = ld_stream(k_cache + (size_t)(t0 + t) * kv_dim + (size_t)j * hd + l * 8);
-        const float2 a = h2_to_f2(u.x), b = h2_to_f2(u.y), c = h2_to_f2(u.z), d = h2_to_f2(u.w);
-        kf[0] = a.x; kf[1] = a.y; kf[2] = b.x; kf[3] = b.y; kf[4] = c.x; kf[5] = c.y; kf[6] = d.x; kf[7] = d.y;
+    for (int g = 0; g < G; ++g) {
+        f8_from_u4(*reinterpret_cast<const uint4*>(q + (size_t)(j * G + g) * HD + l * 8), qf[g]);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) qf[g][e] *= scale;
       }
 #pragma unroll
-      for (int g = 0; g < ATT_MAXG; ++g) {
-        if (g < G) {
-          float s = 0.f;
+    for (int i = 0; i < PPT; ++i) {
+      const int t = pg + i * PG;
+      float kf[8];
+      f8_from_u4(kr[i], kf);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) s = fmaf(qf[g][e], kf[e], s);
+      for (int g = 0; g < G; ++g) {
+        float s = 0.f;
 #pragma unroll
-          for (int o = dgroups / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-          if (t < n && l == 0) sc[g * ATT_CHUNK + t] = s;
-        }
+        for (int e = 0; e < 8; ++e) s = fmaf(qf[g][e], kf[e], s);
+#pragma unroll
+        for (int o = DG / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (t < n && l == 0) sc[g * ATT_CHUNK + t] = s;
       }
     }
   }
   __syncthreads();
 
-  // ---- chunk softmax statistics: one warp per q head ----
+  // ---- chunk softmax statistics: one warp per q head, one lane per position ----
   for (int g = warp; g < G; g += ATT_THREADS / AF_WARP) {
-    float m = -AF_INF;
-    for (int t = lane; t < n; t += AF_WARP) m = fmaxf(m, sc[g * ATT_CHUNK + t]);
-    m = warp_max(m);
-    float l = 0.f;
-    for (int t = lane; t < n; t += AF_WARP) {
-      const float p = __expf(sc[g * ATT_CHUNK + t] - m);
-      sc[g * ATT_CHUNK + t] = p;
-      l += p;
-    }
-    l = warp_sum(l);
-    if (lane == 0) { s_m[g] = m; s_l[g] = l; }
+    const float s = lane < n ? sc[g * ATT_CHUNK + lane] : -AF_INF;
+    const float m = warp_max(s);
+    const float p = lane < n ? __expf(s - m) : 0.f;
+    sc[g * ATT_CHUNK + lane] = p;
+    const float sum = warp_sum(p);
+    if (lane == 0) { s_m[g] = m; s_l[g] = sum; }
   }
   __syncthreads();
 
-  // ---- P.V: thread (ts, dg) accumulates 8 output dims over positions ts, ts + tslots, ... ----
+  // ---- P.V from the V rows already in registers ----
   {
-    const int dg = threadIdx.x % dgroups, ts = threadIdx.x / dgroups;
-    float o[ATT_MAXG][8];
+    float o[G][8];
 #pragma unroll
-    for (int g = 0; g < ATT_MAXG; ++g)
+    for (int g = 0; g < G; ++g)
 #pragma unroll
       for (int e = 0; e < 8; ++e) o[g][e] = 0.f;
-    for (int t = ts; t < n; t += tslots) {
-      const uint4 u = ld_stream(v_cache + (size_t)(t0 + t) * kv_dim + (size_t)j * hd + dg * 8);
-      const float2 a = h2_to_f2(u.x), b = h2_to_f2(u.y), c = h2_to_f2(u.z), d = h2_to_f2(u.w);
-      const float vf[8] = {a.x, a.y, b.x, b.y, c.x, c.y, d.x, d.y};
 #pragma unroll
-      for (int g = 0; g < ATT_MAXG; ++g) {
-        if (g < G) {
+    for (int i = 0; i < PPT; ++i) {
+      const int t = pg + i * PG;
+      if (t < n) {
+        float vf[8];
+        f8_from_u4(vr[i], vf);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
           const float p = sc[g * ATT_CHUNK + t];
 #pragma unroll
           for (int e = 0; e < 8; ++e) o[g][e] = fmaf(p, vf[e], o[g][e]);
@@ -121,28 +123,28 @@ __device__ __forceinline__ void attention_impl(const __half* __restrict__ q, con
       }
     }
 #pragma unroll
-    for (int g = 0; g < ATT_MAXG; ++g)
-      if (g < G)
+    for (int g = 0; g < G; ++g)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[((size_t)ts * G + g) * hd + dg * 8 + e] = o[g][e];
+      for (int e = 0; e < 8; ++e) acc[((size_t)pg * G + g) * HD + l * 8 + e] = o[g][e];
   }
   __syncthreads();
 
-  const int gh = G * hd;
+  const int gh = G * HD;
   if (n_splits == 1) {  // the whole context fits one chunk: finish here
     for (int i = threadIdx.x; i < gh; i += ATT_THREADS) {
       float s = 0.f;
-      for (int ts = 0; ts < tslots; ++ts) s += acc[ts * gh + i];
-      out[(size_t)j * gh + i] = __float2half(s / s_l[i / hd]);
+#pragma unroll
+      for (int p = 0; p < PG; ++p) s += acc[p * gh + i];
+      out[(size_t)j * gh + i] = __float2half(s / s_l[i / HD]);
     }
     return;
   }
 
   for (int i = threadIdx.x; i < gh; i += ATT_THREADS) {
     float s = 0.f;
-    for (int ts = 0; ts < tslots; ++ts) s += acc[ts * gh + i];
-    const int g = i / hd, d = i % hd;
-    part_o[((size_t)(j * G + g) * max_splits + split) * hd + d] = s;
+#pragma unroll
+    for (int p = 0; p < PG; ++p) s += acc[p * gh + i];
+    part_o[((size_t)(j * G + i / HD) * max_splits + split) * HD + i % HD] = s;
   }
   if (threadIdx.x < G) {
     float* ml = part_ml + ((size_t)(j * G + threadIdx.x) * max_splits + split) * 2;
@@ -157,6 +159,7 @@ __device__ __forceinline__ void attention_impl(const __half* __restrict__ q, con
   __threadfence();
 
   // ---- combine (last block of kv head j): weights exp(m_s - M) / sum_s l_s exp(m_s - M) ----
+  float* coef = acc;  // P.V partials are written out; reuse their shared memory
   for (int g = warp; g < G; g += ATT_THREADS / AF_WARP) {
     const float* ml = part_ml + (size_t)(j * G + g) * max_splits * 2;
     float M = -AF_INF;
@@ -174,23 +177,33 @@ __device__ __forceinline__ void attention_impl(const __half* __restrict__ q, con
   }
   __syncthreads();
   for (int i = threadIdx.x; i < gh; i += ATT_THREADS) {
-    const int g = i / hd, d = i % hd;
-    const float* po = part_o + (size_t)(j * G + g) * max_splits * hd + d;
+    const int g = i / HD, d = i % HD;
+    const float* po = part_o + (size_t)(j * G + g) * max_splits * HD + d;
     float s = 0.f;
-    for (int sp = 0; sp < n_splits; ++sp) s = fmaf(coef[g * max_splits + sp], __ldcg(po + (size_t)sp * hd), s);
+    for (int sp = 0; sp < n_splits; ++sp) s = fmaf(coef[g * max_splits + sp], __ldcg(po + (size_t)sp * HD), s);
     out[(size_t)j * gh + i] = __float2half(s);
   }
   if (threadIdx.x == 0) counters[j] = 0u;
 }
 
-#define ATTENTION_INSTANCE(HD)                                                                            \
-  extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_decode_hd##HD(                      \
+// One kernel per (head_dim, q heads per kv head): G is a compile-time constant so the per-head register
+// arrays are exactly sized (no dead registers, no spills).
+#define ATTENTION_INSTANCE(HD, G)                                                                         \
+  extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_decode_hd##HD##_g##G(               \
       const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache, \
       const int* __restrict__ pos_ptr, float* part_ml, float* part_o, unsigned int* counters,             \
-      __half* __restrict__ out, int n_kv, int G, int max_splits, float scale) {                           \
-    attention_impl<HD>(q, k_cache, v_cache, pos_ptr, part_ml, part_o, counters, out, n_kv, G, max_splits, \
-                       scale);                                                                            \
+      __half* __restrict__ out, int n_kv, int max_splits, float scale) {                                  \
+    attention_impl<HD, G>(q, k_cache, v_cache, pos_ptr, part_ml, part_o, counters, out, n_kv, max_splits, \
+                          scale);                                                                         \
   }
 
-ATTENTION_INSTANCE(64)
-ATTENTION_INSTANCE(128)
+ATTENTION_INSTANCE(64, 1)
+ATTENTION_INSTANCE(64, 2)
+ATTENTION_INSTANCE(64, 3)
+ATTENTION_INSTANCE(64, 4)
+ATTENTION_INSTANCE(64, 8)
+ATTENTION_INSTANCE(128, 1)
+ATTENTION_INSTANCE(128, 2)
+ATTENTION_INSTANCE(128, 3)
+ATTENTION_INSTANCE(128, 4)
+ATTENTION_INSTANCE(128, 8)

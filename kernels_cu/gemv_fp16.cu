@@ -5,16 +5,16 @@
 // Requires   K % 8 == 0 (16-byte rows); the host rejects other K.
 // Bytes      rows * K * 2 (weights, streamed once, evict-first) + K * 2..4 per block (x, from L2)
 //            + n_out * 2..4 (output).
-// Launch     grid = min(ceil(n_out / 8), resident blocks), block = 256, dyn. smem = K*2 + 128 bytes.
+// Launch     grid = min(ceil(n_out / 8), 4 blocks per SM), block = 256, dyn. smem = K*2 + 128 bytes.
 // Instances  (name: prologue / epilogue / used for)
-//   gemv_f16_norm_store   RMSNorm / fp16 store        fused QKV projection (q|k|v rows stacked)
+//   gemv_f16_qkv_rope     RMSNorm / RoPE + KV append  fused QKV projection (q|k|v rows stacked)
 //   gemv_f16_norm_swiglu  RMSNorm / silu(gate)*up     fused gate+up projection ([gate; up] stacked)
 //   gemv_f16_resid        plain / h += W·x            o_proj and down_proj with the residual add
 //   gemv_f16_f32          plain / fp32 store          lm_head logits
 //   gemv_f16_store        plain / fp16 store          generic (microbenchmarks)
 #include "gemv_common.cuh"
 
-GEMV_INSTANCE(gemv_f16_norm_store, Fp16W, PRO_NORM, EPI_STORE)
+GEMV_ROPE_INSTANCE(gemv_f16_qkv_rope, Fp16W)
 GEMV_INSTANCE(gemv_f16_norm_swiglu, Fp16W, PRO_NORM, EPI_SWIGLU)
 GEMV_INSTANCE(gemv_f16_resid, Fp16W, PRO_PLAIN, EPI_RESID)
 GEMV_INSTANCE(gemv_f16_f32, Fp16W, PRO_PLAIN, EPI_F32)

@@ -7,13 +7,13 @@
 // Requires   K % 16 == 0 (16-byte rows). K need not be a multiple of 128: the last group is short
 //            (e.g. SmolLM2's K = 576 = 4.5 groups) and its scale covers only the elements present.
 // Bytes      rows * K (weights) + rows * ceil(K/128) * 4 (scales) + K * 2..4 per block (x) + outputs.
-// Launch     grid = min(ceil(n_out / 8), resident blocks), block = 256, dyn. smem = K*2 + 128 bytes.
+// Launch     grid = min(ceil(n_out / 8), 4 blocks per SM), block = 256, dyn. smem = K*2 + 128 bytes.
 // Instances  same roles as gemv_fp16.cu:
-//   gemv_f8_norm_store (QKV), gemv_f8_norm_swiglu (gate+up), gemv_f8_resid (o_proj, down_proj),
+//   gemv_f8_qkv_rope (QKV + RoPE + KV append), gemv_f8_norm_swiglu (gate+up), gemv_f8_resid (o_proj, down_proj),
 //   gemv_f8_store (generic). lm_head stays fp16 (gemv_f16_f32), as in AtomFlow.
 #include "gemv_common.cuh"
 
-GEMV_INSTANCE(gemv_f8_norm_store, Fp8W, PRO_NORM, EPI_STORE)
+GEMV_ROPE_INSTANCE(gemv_f8_qkv_rope, Fp8W)
 GEMV_INSTANCE(gemv_f8_norm_swiglu, Fp8W, PRO_NORM, EPI_SWIGLU)
 GEMV_INSTANCE(gemv_f8_resid, Fp8W, PRO_PLAIN, EPI_RESID)
 GEMV_INSTANCE(gemv_f8_store, Fp8W, PRO_PLAIN, EPI_STORE)

@@ -29,6 +29,14 @@ for st in $stages; do
           >"$OUT/run-$1-$2.log" 2>&1
         note "run $1 $2: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$1-$2.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
       done ;;
+    profile)
+      for w in fp8 fp16; do
+        atomflow-bench profile llama-3.2-3b --weights $w --ctx 128 --json "$OUT/profile-3b-$w.json" >"$OUT/profile-3b-$w.log" 2>&1
+        note "profile 3b $w: rc=$? $(grep -E 'sum of kernels' -A1 "$OUT/profile-3b-$w.log" | tr -s ' ' | tr '\n' ' ')"
+      done ;;
+    gemv)
+      atomflow-bench gemv llama-3.2-3b --json "$OUT/gemv-3b.json" >"$OUT/gemv-3b.log" 2>&1
+      note "gemv 3b: rc=$?" ;;
     *) note "unknown stage $st" ;;
   esac
 done

@@ -181,7 +181,7 @@ def test_refuses_model_that_does_not_fit():
     import cupy as cp
 
     huge = ModelConfig(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                       num_attention_heads=128, num_key_value_heads=8, head_dim=128)
+                       num_attention_heads=128, num_key_value_heads=16, head_dim=128)
     plan = plan_arena(huge, "fp16", 4096)
     free_before = cp.cuda.runtime.memGetInfo()[0]
     with pytest.raises(AtomflowError, match="does not fit"):

@@ -17,7 +17,7 @@ from atomflow_bench.arena import ATT_CHUNK, linear_regions
 from atomflow_bench.config import CATALOG
 from atomflow_bench.quant import dequantize_fp8, quantize_fp8
 from atomflow_bench.step import (argmax_launch, attention_launch, embed_launch, gemv_launch, quantize_launch,
-                                 rmsnorm_launch, rope_launch)
+                                 rmsnorm_launch)
 
 pytestmark = pytest.mark.gpu
 
@@ -55,7 +55,8 @@ def gemv_cases():
 
 
 def variant_of(region: str) -> str:
-    return {"wqkv": "norm_store", "wo": "resid", "wgu": "norm_swiglu", "wd": "resid"}[region]
+    """The step's epilogue per projection; QKV's RoPE epilogue has its own test, here it runs the plain store."""
+    return {"wqkv": "store", "wo": "resid", "wgu": "norm_swiglu", "wd": "resid"}[region]
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
@@ -153,32 +154,43 @@ def test_rmsnorm(kernel_lib, K):
     assert rel_err(out.get(), norm_ref(h, w, 1e-5)) < FP16_TOL
 
 
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 @pytest.mark.parametrize("model", ["llama-3.2-3b", "llama-3.2-1b", "smollm2-135m"])
 @pytest.mark.parametrize("pos", [0, 1, 77, 5000])
-def test_rope_kv_append(kernel_lib, model, pos):
+def test_qkv_rope_kv_append(kernel_lib, n_sm, fmt, model, pos):
+    """QKV GEMV with RMSNorm prologue and the RoPE + KV-append epilogue against NumPy."""
     import cupy as cp
 
     cfg = CATALOG[model].config
-    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    rng = rng_for("rope", model, pos)
-    qkv = rng.standard_normal(cfg.qkv_dim, dtype=np.float32).astype(np.float16)
-    inv = cfg.rope_inv_freq()
-    max_seq = 5001
+    nh, nkv, hd, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    rng = rng_for("qkv_rope", fmt, model, pos)
+    w16 = (rng.standard_normal((cfg.qkv_dim, H), dtype=np.float32) * 0.02).astype(np.float16)
+    if fmt == "fp8":
+        q8, s8 = quantize_fp8(w16)
+        w_eff, w_dev, s_dev = dequantize_fp8(q8, s8).astype(np.float64), cp.asarray(q8), cp.asarray(s8)
+    else:
+        w_eff, w_dev, s_dev = w16.astype(np.float64), cp.asarray(w16), None
+    h = rng.standard_normal(H, dtype=np.float32) * 3
+    nw = (1 + 0.1 * rng.standard_normal(H)).astype(np.float16)
+    proj = (w_eff @ norm_ref(h, nw, 1e-5).astype(np.float64)).astype(np.float16).astype(np.float64)
+    max_seq = pos + 3
+    cs = cfg.rope_cos_sin(max_seq)
     kc = cp.full((max_seq, cfg.kv_dim), np.nan, dtype=cp.float16)
     vc = cp.full((max_seq, cfg.kv_dim), np.nan, dtype=cp.float16)
-    qkv_dev = cp.asarray(qkv)
-    rope_launch(kernel_lib, qkv_dev, cp.asarray(inv), cp.asarray([pos], dtype=cp.int32), kc, vc, nh, nkv, hd)()
-    ang = (np.float32(pos) * inv).astype(np.float64)
+    y = cp.full(cfg.qkv_dim, np.nan, dtype=cp.float16)
+    gemv_launch(kernel_lib, fmt, "qkv_rope", w_dev, s_dev, cp.asarray(h), y, cfg.qkv_dim // 2, H, n_sm,
+                norm_w=cp.asarray(nw), rope=(cp.asarray(cs), cp.asarray([pos], dtype=cp.int32), kc, vc, nh, nkv, hd))()
+    ang = (np.float32(pos) * cfg.rope_inv_freq()).astype(np.float64)
     c, s = np.cos(ang), np.sin(ang)
-    x = qkv[: (nh + nkv) * hd].astype(np.float64).reshape(nh + nkv, hd)
+    x = proj[: (nh + nkv) * hd].reshape(nh + nkv, hd)
     x0, x1 = x[:, : hd // 2], x[:, hd // 2:]
-    ref = np.concatenate([x0 * c - x1 * s, x1 * c + x0 * s], axis=1).reshape(-1)
-    got = qkv_dev.get()
-    assert rel_err(got[: ref.size], ref) < FP16_TOL
-    np.testing.assert_array_equal(got[ref.size:], qkv[ref.size:])  # v untouched in place
+    rot = np.concatenate([x0 * c - x1 * s, x1 * c + x0 * s], axis=1).reshape(-1)
+    got = y.get()
+    assert rel_err(got[: rot.size], rot) < FP16_TOL
+    assert rel_err(got[rot.size:], proj[rot.size:]) < FP16_TOL  # v: projected, not rotated
     kc_h, vc_h = kc.get(), vc.get()
     np.testing.assert_array_equal(kc_h[pos], got[nh * hd: (nh + nkv) * hd])
-    np.testing.assert_array_equal(vc_h[pos], qkv[(nh + nkv) * hd:])
+    np.testing.assert_array_equal(vc_h[pos], got[(nh + nkv) * hd:])
     others = np.delete(np.arange(max_seq), pos)
     assert np.isnan(kc_h[others]).all() and np.isnan(vc_h[others]).all(), "wrote outside row pos"
 

@@ -14,7 +14,7 @@ from atomflow_bench.weights import Checkpoint
 
 COS_MIN = 0.9999
 TINY_PROMPT = [0, 5, 17, 42, 99, 150, 200, 7]
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "atomflow_bench" / "data"
 
 
 def tap_names(n_layers: int) -> set[str]:

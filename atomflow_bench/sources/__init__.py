@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
+import math
 import os
 import shutil
+import struct
+from collections import deque
 from pathlib import Path
 from typing import Callable, Iterator
+
+import numpy as np
 
 # The files of an HF model directory that make up a model here (top level only).
 HF_FILE_PATTERNS = ("config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
                     "tokenizer_config.json", "generation_config.json")
+_ST_DTYPES = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32", np.dtype(np.uint8): "U8"}
 
 
 def is_model_file(name: str) -> bool:
@@ -49,3 +56,34 @@ def byte_progress(console, description: str, total: int) -> Iterator[Callable[[i
                   TimeRemainingColumn(), console=console) as progress:
         task = progress.add_task(description, total=total)
         yield lambda n: progress.advance(task, n)
+
+
+class SafetensorsStream:
+    """Writes a safetensors file tensor by tensor, in the declared order, never holding more than one."""
+
+    def __init__(self, path: Path, specs: list[tuple[str, np.dtype, tuple[int, ...]]], metadata: dict):
+        header, offset = {"__metadata__": metadata}, 0
+        for name, dtype, shape in specs:
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+            header[name] = {"dtype": _ST_DTYPES[np.dtype(dtype)], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._todo = deque((name, np.dtype(dtype), tuple(shape)) for name, dtype, shape in specs)
+        self._f = open(path, "wb")
+        self._f.write(struct.pack("<Q", len(raw)) + raw)
+
+    def write(self, array: np.ndarray) -> None:
+        name, dtype, shape = self._todo.popleft()
+        if array.dtype != dtype or tuple(array.shape) != shape:
+            raise ValueError(f"{name}: got {array.dtype}{list(array.shape)}, declared {dtype}{list(shape)}")
+        self._f.write(np.ascontiguousarray(array).data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        self._f.close()
+        if exc_type is None and self._todo:
+            raise ValueError(f"safetensors stream closed with {len(self._todo)} tensors unwritten")

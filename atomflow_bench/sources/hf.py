@@ -1,7 +1,7 @@
 """A Hugging Face Hub repo, downloaded through `huggingface_hub` and checked file by file against the hub.
 
 The revision is resolved once (`HfApi.model_info(..., files_metadata=True)`: GET
-/api/models/{repo}[/revision/{rev}]?blobs=true) and every file is then fetched at that commit with
+/api/models/{repo}/revision/{rev}?blobs=true) and every file is then fetched at that commit with
 `hf_hub_download` (HEAD + GET /{repo}/resolve/{commit}/{file}), so all files come from one commit. The
 hub's cache conventions apply (HF_HOME, HF_HUB_CACHE, HF_ENDPOINT, HF_TOKEN): files already in the cache
 are reused and interrupted transfers resume with Range requests. `huggingface_hub` checks sizes only, so
@@ -138,11 +138,12 @@ def fetch_hf(repo_id: str, out_dir: Path, revision: str | None = None, console=N
 
     # Read at call time (not import time) so a patched configuration is honoured; passed explicitly below.
     endpoint, cache_dir = constants.ENDPOINT, constants.HF_HUB_CACHE
+    revision = revision or constants.DEFAULT_REVISION
     with _hub_errors(repo_id, revision, endpoint):
         info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision, files_metadata=True)
     commit = info.sha
     if not commit:
-        raise FetchError(f"{repo_id}: the hub did not say which commit {revision or 'main'!r} is")
+        raise FetchError(f"{repo_id}: the hub did not say which commit {revision!r} is")
     files = [s for s in info.siblings or [] if is_model_file(s.rfilename)]
     names = {s.rfilename for s in files}
     if "config.json" not in names:
@@ -179,5 +180,5 @@ def fetch_hf(repo_id: str, out_dir: Path, revision: str | None = None, console=N
                 job.cancel()
             for job in done:
                 job.result()  # re-raises the first failure
-    return {"kind": "hf", "repo": repo_id, "revision": revision or "main", "commit": commit,
+    return {"kind": "hf", "repo": repo_id, "revision": revision, "commit": commit,
             "endpoint": endpoint}

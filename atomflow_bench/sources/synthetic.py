@@ -1,12 +1,13 @@
 """Seeded random weights at a model's exact shape: the benchmark needs the bytes, not the knowledge.
 
 Initialisation follows HF `LlamaPreTrainedModel`: normal(0, initializer_range) for every linear and
-embedding weight, ones for RMSNorm weights; stored fp16 in HF-style shards of at most ~2 GB.
+embedding weight, ones for RMSNorm weights; stored fp16 in HF-style shards of at most ~2 GB (whole layers).
 
 Tensors are generated in fixed row chunks and each chunk draws from its own generator, seeded from
-(seed, tensor name, chunk index) only. So chunks can be generated in parallel in any order (numpy
-releases the GIL), the bytes never depend on the thread count, and host memory stays at one shard plus
-one float32 chunk per thread, whatever the model size.
+(seed, tensor name, chunk index) only. So chunks are generated in parallel in any order (numpy releases
+the GIL), the bytes never depend on the thread count, and each tensor's values depend only on the seed
+and its name. Tensors are streamed to disk in order while later ones are generated, with at most
+IN_FLIGHT_BYTES (plus one tensor) held: an 8B model takes ~2 GB of host memory whatever its size.
 """
 from __future__ import annotations
 
@@ -14,19 +15,20 @@ import hashlib
 import math
 import os
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
 
 from .. import store
 from ..config import ModelConfig, Preset
 from ..errors import ConfigError
-from . import byte_progress
+from . import SafetensorsStream, byte_progress
 
 SHARD_BYTES = 2_000_000_000
 CHUNK_ELEMS = 1 << 22  # values per generator; part of the output definition, so never change it
+IN_FLIGHT_BYTES = 1 << 30
 
 
 def _chunk_rows(shape: tuple[int, ...]) -> int:
@@ -75,7 +77,7 @@ def make_synthetic(preset_or_config: Preset | ModelConfig, out_dir: Path, seed: 
     std = np.float32(cfg.initializer_range)
     local = threading.local()
 
-    def fill(out: np.ndarray, name: str, chunk: int, advance) -> None:
+    def fill(out: np.ndarray, name: str, chunk: int) -> None:
         rows = _chunk_rows(out.shape)
         dst = out[chunk * rows:(chunk + 1) * rows]
         buf = getattr(local, "buf", None)
@@ -85,7 +87,27 @@ def make_synthetic(preset_or_config: Preset | ModelConfig, out_dir: Path, seed: 
         np.random.Generator(np.random.PCG64(_chunk_seed(seed, name, chunk))).standard_normal(
             dtype=np.float32, out=vals)
         np.multiply(vals, std, out=dst, casting="same_kind")
-        advance(dst.nbytes)
+
+    def finished(out: np.ndarray, jobs: list) -> np.ndarray:
+        for job in jobs:
+            job.result()
+        return out
+
+    def generated(pool: ThreadPoolExecutor):
+        """Every tensor, in checkpoint order; later ones are being generated while earlier ones are written."""
+        queue = deque()
+        for name, shape in shapes.items():
+            out = np.empty(shape, dtype=np.float16)
+            if len(shape) == 1:  # RMSNorm weight
+                out[...] = 1
+                jobs = []
+            else:
+                jobs = [pool.submit(fill, out, name, c) for c in range(math.ceil(shape[0] / _chunk_rows(shape)))]
+            queue.append((out, jobs))
+            while len(queue) > 1 and sum(o.nbytes for o, _ in queue) > IN_FLIGHT_BYTES:
+                yield finished(*queue.popleft())
+        while queue:
+            yield finished(*queue.popleft())
 
     groups = _shards(cfg, shard_bytes)
     files = (["model.safetensors"] if len(groups) == 1 else
@@ -94,22 +116,14 @@ def make_synthetic(preset_or_config: Preset | ModelConfig, out_dir: Path, seed: 
     label = preset.name if preset else "model"
     with byte_progress(console, f"synthetic {label} (seed {seed})", total) as advance, \
             ThreadPoolExecutor(max_workers=workers or os.cpu_count()) as pool:
+        tensors = generated(pool)
         for fname, names in zip(files, groups):
-            tensors: dict[str, np.ndarray] = {}
-            jobs = []
-            for name in names:
-                shape = shapes[name]
-                if len(shape) == 1:  # RMSNorm weight
-                    tensors[name] = np.ones(shape, dtype=np.float16)
-                    advance(tensors[name].nbytes)
-                    continue
-                out = tensors[name] = np.empty(shape, dtype=np.float16)
-                jobs += [pool.submit(fill, out, name, c, advance)
-                         for c in range(math.ceil(shape[0] / _chunk_rows(shape)))]
-            for job in jobs:
-                job.result()
-            save_file(tensors, str(out_dir / fname), metadata={"format": "pt"})
-            del tensors
+            with SafetensorsStream(out_dir / fname, [(n, np.float16, shapes[n]) for n in names],
+                                   {"format": "pt"}) as out:
+                for _ in names:
+                    t = next(tensors)
+                    out.write(t)
+                    advance(t.nbytes)
     if len(files) > 1:
         weight_map = {n: f for f, names in zip(files, groups) for n in names}
         store.write_json_atomic(out_dir / "model.safetensors.index.json",

@@ -1,0 +1,151 @@
+"""`profile` and `gemv`: where the decode step's time goes (GPU, CUDA events).
+
+* `profile_step`: the step's launches run eagerly with an event pair around every launch (like AtomFlow's
+  nsys table: kernel, % of step, count per step, mean µs, GB/s), plus the graph-mode step time measured
+  the same way as `run`; the difference between the graph step and the sum of kernel times is the idle
+  gap (launch latency + ramp-up/drain between dependent kernels).
+* `gemv_bench`: every GEMV shape of a model alone, fp16 and fp8, L2-cold: the weights rotate through
+  enough copies that the set is several times the L2 size, so each launch streams from DRAM.
+Both report GB/s against the copy bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .arena import linear_regions
+from .bench import copy_bandwidth, summarize, synthetic_prompt, time_decode
+from .config import GROUP, ModelConfig
+
+
+def _kv_bytes(cfg: ModelConfig, length: int) -> int:
+    return 2 * length * cfg.kv_dim * 2
+
+
+def profile_step(engine, context: int = 128, steps: int = 20, copy: dict | None = None) -> dict:
+    import cupy as cp
+
+    cfg = engine.cfg
+    copy = copy or copy_bandwidth()
+    prompt = synthetic_prompt(cfg.vocab_size, context)
+    graph = time_decode(engine, context, steps, repeats=3, graph=True, prompt=prompt)["tpot_ms"]
+    engine.reset(prompt)
+    engine.run(len(prompt) - 1, graph=True)
+    launches = engine.launches
+    n = len(launches)
+    ev = [[(cp.cuda.Event(), cp.cuda.Event()) for _ in range(n)] for _ in range(steps)]
+    with engine.stream as s:
+        for st in range(steps):
+            for i, ln in enumerate(launches):
+                ev[st][i][0].record(s)
+                ln()
+                ev[st][i][1].record(s)
+    engine.stream.synchronize()
+    per = np.array([[cp.cuda.get_elapsed_time(a, b) * 1e3 for a, b in row] for row in ev])  # µs [steps, n]
+    step_us = per.sum(axis=1)
+    groups: dict[str, dict] = {}
+    for i, ln in enumerate(launches):
+        key = ln.label or ln.name
+        g = groups.setdefault(key, {"kernel": key, "count": 0, "us": [], "bytes": 0})
+        g["count"] += 1
+        g["us"].append(per[:, i])
+        moved = ln.bytes_moved
+        if ln.name == "attention_decode":  # K and V rows attended, averaged over the profiled positions
+            moved = _kv_bytes(cfg, context + steps // 2)
+        g["bytes"] += moved
+    rows = []
+    total = float(np.median(step_us))
+    for g in groups.values():
+        us = np.concatenate(g["us"])
+        per_step = float(np.median(np.stack(g["us"]).sum(axis=0)))
+        mean_us = float(np.median(us))
+        bytes_per_launch = g["bytes"] / g["count"]
+        rows.append({"kernel": g["kernel"], "pct": 100 * per_step / total, "count": g["count"],
+                     "mean_us": mean_us, "us_per_step": per_step,
+                     "gbs": bytes_per_launch / (mean_us * 1e-6) / 1e9 if bytes_per_launch else None,
+                     "pct_of_copy": (bytes_per_launch / (mean_us * 1e-6) / 1e9) / copy["median"] * 100
+                     if bytes_per_launch else None})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"rows": rows, "kernel_sum_us": total, "graph_step_us": graph["median"] * 1e3,
+            "eager_launches": n, "idle_gap_us": graph["median"] * 1e3 - total, "copy_bandwidth_gbs": copy,
+            "context": context, "steps": steps}
+
+
+def gemv_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, str]]:
+    """(role, rows, K, variant) for every GEMV of a decode step; lm_head is always fp16."""
+    out = [(role, rows, k, {"wqkv": "norm_store", "wo": "resid", "wgu": "norm_swiglu", "wd": "resid"}[role])
+           for role, (rows, k) in linear_regions(cfg).items()]
+    out.append(("lm_head", cfg.vocab_size, cfg.hidden_size, "f32"))
+    return out
+
+
+def gemv_bench(cfg: ModelConfig, lib, n_sm: int, formats=("fp16", "fp8"), reps: int = 50, l2_bytes: int = 50 << 20,
+               copy: dict | None = None) -> dict:
+    """Each GEMV shape alone, L2-cold (rotating >= 4x L2 of weights), events per launch; median µs."""
+    import cupy as cp
+
+    from .step import gemv_launch
+
+    copy = copy or copy_bandwidth()
+    rows_out = []
+    rng = cp.random.default_rng(0)
+    for fmt in formats:
+        for role, rows, k, variant in gemv_shapes(cfg):
+            f = "fp16" if role == "lm_head" else fmt
+            if role == "lm_head" and fmt != formats[0]:
+                continue
+            wbytes = rows * k * (1 if f == "fp8" else 2)
+            copies = max(2, -(-4 * l2_bytes // wbytes))
+            n_out = rows // 2 if variant == "norm_swiglu" else rows
+            if f == "fp8":
+                ws = [rng.integers(0, 0x7E, (rows, k), dtype=cp.uint8) for _ in range(copies)]
+                ss = [rng.random((rows, -(-k // GROUP)), dtype=cp.float32) * 1e-2 for _ in range(copies)]
+            else:
+                ws = [(rng.standard_normal((rows, k), dtype=cp.float32) * 0.02).astype(cp.float16) for _ in range(copies)]
+                ss = [None] * copies
+            x = rng.standard_normal(k, dtype=cp.float32) if variant.startswith("norm") else \
+                rng.standard_normal(k, dtype=cp.float32).astype(cp.float16)
+            nw = cp.ones(k, dtype=cp.float16) if variant.startswith("norm") else None
+            y = cp.zeros(n_out, dtype=cp.float32 if variant in ("resid", "f32") else cp.float16)
+            launches = [gemv_launch(lib, f, variant, ws[c], ss[c], x, y, n_out, k, n_sm, norm_w=nw, role=role)
+                        for c in range(copies)]
+            ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(reps + 5)]
+            for i, (a, b) in enumerate(ev):
+                a.record()
+                launches[i % copies]()
+                b.record()
+            ev[-1][1].synchronize()
+            us = [cp.cuda.get_elapsed_time(a, b) * 1e3 for a, b in ev[5:]]
+            s = summarize(us)
+            moved = launches[0].bytes_moved
+            gbs = moved / (s["median"] * 1e-6) / 1e9
+            rows_out.append({"role": role, "format": f, "rows": rows, "k": k, "bytes": moved, "us": s,
+                             "gbs": gbs, "pct_of_copy": 100 * gbs / copy["median"]})
+            del ws, ss
+    return {"rows": rows_out, "copy_bandwidth_gbs": copy, "l2_rotation_bytes": 4 * l2_bytes}
+
+
+def profile_table(p: dict):
+    from rich.table import Table
+
+    t = Table(title=f"decode step profile (eager, events per launch; ctx {p['context']}, {p['steps']} steps)")
+    for c in ("kernel", "% of step", "count/step", "mean µs", "µs/step", "GB/s", "% copy BW"):
+        t.add_column(c, justify="left" if c == "kernel" else "right")
+    for r in p["rows"]:
+        t.add_row(r["kernel"], f"{r['pct']:.1f}", str(r["count"]), f"{r['mean_us']:.2f}", f"{r['us_per_step']:.1f}",
+                  f"{r['gbs']:.0f}" if r["gbs"] else "-", f"{r['pct_of_copy']:.0f}" if r["pct_of_copy"] else "-")
+    t.caption = (f"sum of kernels {p['kernel_sum_us']:.1f} µs; graph step {p['graph_step_us']:.1f} µs; idle gap "
+                 f"{p['idle_gap_us']:.1f} µs; copy bandwidth {p['copy_bandwidth_gbs']['median']:.0f} GB/s")
+    return t
+
+
+def gemv_table(g: dict):
+    from rich.table import Table
+
+    t = Table(title=f"GEMV microbenchmark (L2-cold: weights rotate over {g['l2_rotation_bytes'] >> 20} MiB+)")
+    for c in ("GEMV", "format", "rows x K", "MB", "median µs", "p10-p90 µs", "GB/s", "% copy BW"):
+        t.add_column(c, justify="left" if c in ("GEMV", "format") else "right")
+    for r in g["rows"]:
+        t.add_row(r["role"], r["format"], f"{r['rows']}x{r['k']}", f"{r['bytes'] / 1e6:.1f}", f"{r['us']['median']:.2f}",
+                  f"{r['us']['p10']:.1f}-{r['us']['p90']:.1f}", f"{r['gbs']:.0f}", f"{r['pct_of_copy']:.1f}")
+    t.caption = f"copy bandwidth (same run) {g['copy_bandwidth_gbs']['median']:.0f} GB/s"
+    return t

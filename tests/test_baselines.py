@@ -1,0 +1,148 @@
+"""Recorded baselines: the shipped files, strict validation, and the comparison `run` prints."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from helpers_runs import make_run
+from rich.console import Console
+
+from atomflow_bench.baselines import (DEFAULT_DIR, baseline_bytes_per_token, catalog_name, comparison_rows,
+                                      comparison_table, load_baselines, spec_bandwidth)
+from atomflow_bench.cli import main
+from atomflow_bench.config import CATALOG
+from atomflow_bench.errors import AtomflowError
+
+RTX = "NVIDIA GeForce RTX 5060 Ti"
+
+
+@pytest.fixture(scope="module")
+def shipped() -> dict[str, dict]:
+    return {b["engine"]["name"]: b for b in load_baselines(DEFAULT_DIR)}
+
+
+def test_shipped_baselines_hold_the_published_figures(shipped):
+    vllm, atom = shipped["vLLM"], shipped["AtomFlow"]
+    assert vllm["metrics"]["tpot_ms"] == 16.1 and atom["metrics"]["tpot_ms"] == 14.5
+    for b in (vllm, atom):
+        assert b["gpu"] == {"name": RTX, "memory_bandwidth_gbs": 448}
+        assert b["model"] == "llama-3.2-3b" and "AtomFlow README" in b["source"]
+    assert "torch.compile" in vllm["engine"]["flags"] and "CUDA Graph" in vllm["engine"]["flags"]
+    assert vllm["precision"].startswith("unspecified") and "W8A16" in atom["precision"]
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda b: b.update(speed=1), "'speed'"),                                  # unknown field
+    (lambda b: b.pop("source"), "'source'"),                                   # missing field
+    (lambda b: b["metrics"].update(tpot_ms="16.1"), "'metrics.tpot_ms'"),      # wrong type, nested
+    (lambda b: b["metrics"].update(tpot_ms=-1.0), "'metrics.tpot_ms'"),        # out of range
+    (lambda b: b["metrics"].pop("tok_per_s"), "'metrics.tok_per_s'"),          # missing, nested
+    (lambda b: b["gpu"].update(vendor="nvidia"), "'gpu.vendor'"),              # unknown, nested
+    (lambda b: b.update(context=True), "'context'"),                           # bool is not an integer
+    (lambda b: b.update(context=12.5), "'context'"),
+    (lambda b: b.update(bytes_format="int4"), "'bytes_format'"),
+    (lambda b: b.update(schema="atomflow-bench/baseline/2"), "'schema'"),
+    (lambda b: b.update(engine="vLLM"), "'engine'"),
+])
+def test_malformed_baseline_names_file_and_field(tmp_path, shipped, mutate, field):
+    b = copy.deepcopy(shipped["vLLM"])
+    mutate(b)
+    (tmp_path / "a-good.json").write_text(json.dumps(shipped["AtomFlow"]))
+    (tmp_path / "b-bad.json").write_text(json.dumps(b))
+    with pytest.raises(AtomflowError) as e:
+        load_baselines(tmp_path)
+    assert "b-bad.json" in str(e.value) and field in str(e.value)
+
+
+def test_not_json_and_not_an_object(tmp_path):
+    (tmp_path / "x.json").write_text("[1, 2]")
+    with pytest.raises(AtomflowError, match=r"x\.json: expected a JSON object"):
+        load_baselines(tmp_path)
+    (tmp_path / "x.json").write_text("{oops")
+    with pytest.raises(AtomflowError, match=r"x\.json: not valid JSON"):
+        load_baselines(tmp_path)
+
+
+def test_absent_directory_means_no_baselines(tmp_path):
+    assert load_baselines(tmp_path / "none") == []
+
+
+def test_run_refuses_a_malformed_baseline_before_measuring(tmp_path, capsys):
+    (tmp_path / "bad.json").write_text(json.dumps({"schema": "atomflow-bench/baseline/1"}))
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--baselines", str(tmp_path), "--no-json"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "bad.json" in err and "missing field 'engine'" in err
+
+
+@pytest.mark.parametrize("name, gbs", [
+    ("NVIDIA H100 80GB HBM3", 3350), ("NVIDIA H100 PCIe", 2000), ("NVIDIA H200", 4800), ("NVIDIA A100-SXM4-80GB", 2039),
+    (RTX, 448), ("NVIDIA GeForce RTX 4090", 1008), ("NVIDIA L40S", 864), ("NVIDIA GeForce RTX 5060", None),
+    ("Tesla T4", None)])
+def test_spec_bandwidth(name, gbs):
+    assert spec_bandwidth(name) == gbs
+
+
+def test_catalog_name():
+    assert catalog_name("meta-llama/Llama-3.2-3B-Instruct") == "llama-3.2-3b"
+    assert catalog_name("llama-3.2-3b") == "llama-3.2-3b"
+    assert catalog_name("/some/dir") == "/some/dir"
+
+
+def test_same_gpu_gives_tpot_and_speedup(shipped):
+    run = make_run(14.0, gpu=RTX)
+    rows = comparison_rows(run, list(shipped.values()))
+    ours, others = rows[0], {r["engine"].split()[0]: r for r in rows[1:]}
+    assert ours["kind"] == "ours" and ours["tpot_ms"] == pytest.approx(run["tpot_ms"]["median"])
+    v = others["vLLM"]
+    assert v["same_gpu"] and v["speedup"] == pytest.approx(16.1 / run["tpot_ms"]["median"])
+    assert v["normalised_ratio"] is None
+    assert others["AtomFlow"]["speedup"] == pytest.approx(14.5 / run["tpot_ms"]["median"])
+
+
+def test_different_gpu_gives_only_the_roofline_normalised_ratio(shipped):
+    run = make_run(2.0)  # H100 SXM, spec 3350 GB/s
+    rows = comparison_rows(run, [shipped["vLLM"]])
+    v = rows[1]
+    assert not v["same_gpu"] and v["speedup"] is None
+    cfg = CATALOG["llama-3.2-3b"].config
+    their_frac = cfg.weight_bytes("fp16") / 16.1e-3 / 1e9 / 448  # no context stated: weights only
+    assert v["roofline_frac"] == pytest.approx(their_frac)
+    assert v["normalised_ratio"] == pytest.approx(run["bandwidth_gbs"] / 3350 / their_frac)
+
+
+def test_baseline_bytes_include_kv_at_its_context(shipped):
+    b = copy.deepcopy(shipped["vLLM"])
+    b.update(context=1000, tokens=1)
+    cfg = CATALOG["llama-3.2-3b"].config
+    assert baseline_bytes_per_token(b) == cfg.weight_bytes("fp16") + 1001 * cfg.kv_bytes_per_token()
+    b.update(bytes_format=None)
+    assert baseline_bytes_per_token(b) is None
+
+
+def test_other_models_are_not_compared(shipped):
+    rows = comparison_rows(make_run(2.0, model="llama-3.2-1b"), list(shipped.values()))
+    assert [r["kind"] for r in rows] == ["ours"]
+    rows = comparison_rows(make_run(2.0, model="meta-llama/Llama-3.2-3B-Instruct"), list(shipped.values()))
+    assert len(rows) == 3
+
+
+def test_peers_on_the_same_gpu_get_a_speedup():
+    run = make_run(2.0)
+    peer = {"engine": "HF transformers 5 eager fp16", "gpu": run["gpu"]["name"], "precision": "fp16",
+            "context": 128, "tpot_ms": {"median": 20.0}, "bandwidth_gbs": 320.0}
+    rows = comparison_rows(run, [], [peer])
+    assert rows[1]["kind"] == "peer" and rows[1]["speedup"] == pytest.approx(20.0 / run["tpot_ms"]["median"])
+
+
+def test_table_labels_the_normalised_column(shipped):
+    rows = comparison_rows(make_run(2.0), list(shipped.values())) + comparison_rows(
+        make_run(14.0, gpu=RTX), list(shipped.values()))[1:]
+    console = Console(width=250, record=True)
+    console.print(comparison_table(rows))
+    text = console.export_text()
+    assert "roofline-normalised (different GPU)" in text and "speedup (same GPU)" in text
+    assert "— (different GPU)" in text and "— (same GPU)" in text
+    json.dumps(rows)  # stored in the results JSON as they are
