@@ -29,6 +29,7 @@ from .kernels import KernelLib, Launch
 GEMV_THREADS = 256
 GEMV_BLOCKS_PER_SM = 4  # = GEMV_MIN_BLOCKS in gemv_common.cuh: the grid never exceeds one resident wave
 ATT_THREADS = 128
+SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on sm_90 (sm_89: 99 KB; only limits residency)
 NULL = np.uint64(0)
 
 
@@ -52,16 +53,21 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     rows = 2 * n_out if variant in ("norm_swiglu", "qkv_rope") else n_out
     if tuple(w.shape) != (rows, k):
         raise AtomflowError(f"GEMV weight shape {tuple(w.shape)} != ({rows}, {k})")
-    grid = (min(-(-n_out // (GEMV_THREADS // 32)), n_sm * GEMV_BLOCKS_PER_SM),)
+    shmem = k * 4 + 128  # x staged in fp32 + reduction scratch
+    fn = lib[f"gemv_{'f8' if fp8 else 'f16'}_{variant}"]
+    if shmem > 48 * 1024:  # beyond the default per-block limit: opt in (once per kernel)
+        fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, shmem)
+    per_sm = min(GEMV_BLOCKS_PER_SM, SMEM_PER_SM // shmem)
+    grid = (min(-(-n_out // (GEMV_THREADS // 32)), n_sm * per_sm),)
     moved = w.nbytes + (scales.nbytes if fp8 else 0) + x.nbytes + y.nbytes
     extra = ()
     if variant == "qkv_rope":
         cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd = rope
         extra = (cos_sin, pos, k_cache, v_cache, i32(n_q), i32(n_kv), i32(hd))
         moved += 2 * n_kv * hd * 2  # the K and V rows appended to the cache
-    return Launch(lib[f"gemv_{'f8' if fp8 else 'f16'}_{variant}"], f"gemv_{fmt}_{variant}", grid, (GEMV_THREADS,),
+    return Launch(fn, f"gemv_{fmt}_{variant}", grid, (GEMV_THREADS,),
                   (w, scales if fp8 else NULL, x, NULL if norm_w is None else norm_w, np.float32(eps), y,
-                   i32(n_out), i32(k)) + extra, k * 2 + 128, taps or {}, moved,
+                   i32(n_out), i32(k)) + extra, shmem, taps or {}, moved,
                   f"gemv {fmt} {role or variant} {rows}x{k}")
 
 

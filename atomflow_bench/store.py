@@ -64,14 +64,20 @@ def write_json_atomic(path: Path, obj) -> None:
         raise
 
 
+def _hash_all(paths: list[Path]) -> list[str]:
+    """SHA-256 of several files in parallel (hashlib releases the GIL on large buffers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, max(1, len(paths)))) as pool:
+        return list(pool.map(sha256_file, paths))
+
+
 def write_manifest(directory: Path, model: str, source: dict) -> dict:
     """Hash every file in `directory` (except the manifest itself) and write manifest.json."""
     directory = Path(directory)
-    files = {}
-    for p in sorted(directory.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
-            rel = p.relative_to(directory).as_posix()
-            files[rel] = {"sha256": sha256_file(p), "size": p.stat().st_size}
+    paths = [p for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST]
+    files = {p.relative_to(directory).as_posix(): {"sha256": d, "size": p.stat().st_size}
+             for p, d in zip(paths, _hash_all(paths))}
     manifest = {"format": MANIFEST_FORMAT, "model": model, "source": source,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": files}
     write_json_atomic(directory / MANIFEST, manifest)
@@ -98,7 +104,7 @@ def verify_dir(directory: Path, full: bool = True) -> list[str]:
     """
     directory = Path(directory)
     m = read_manifest(directory)
-    problems = []
+    problems, to_hash = [], []
     for rel, meta in m["files"].items():
         p = directory / rel
         if not p.is_file():
@@ -108,10 +114,11 @@ def verify_dir(directory: Path, full: bool = True) -> list[str]:
         if size != meta["size"]:
             problems.append(f"{rel}: size {size} != manifest {meta['size']} (truncated or replaced)")
             continue
-        if full:
-            digest = sha256_file(p)
-            if digest != meta["sha256"]:
-                problems.append(f"{rel}: sha256 {digest[:12]}… != manifest {meta['sha256'][:12]}…")
+        to_hash.append((rel, p, meta["sha256"]))
+    if full:
+        for (rel, _, want), digest in zip(to_hash, _hash_all([p for _, p, _ in to_hash])):
+            if digest != want:
+                problems.append(f"{rel}: sha256 {digest[:12]}… != manifest {want[:12]}…")
     return problems
 
 
@@ -121,6 +128,7 @@ def staging_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700; a model directory is ordinary, readable data
     try:
         yield tmp
         if final.exists():

@@ -57,16 +57,27 @@ __device__ __forceinline__ float2 e4m3x2_to_f2(unsigned short u) {
   return __half22float2(h);
 }
 
-// fp32 residual `h[K]` -> fp16 `xs[K]` = RMSNorm(h) * w, as HF computes it: normalise in fp32, round to
-// fp16, multiply by the fp16 weight (rounded to fp16). K % 4 == 0. Called by every thread of the block.
-__device__ __forceinline__ void rmsnorm_to_half(const float* __restrict__ h, const __half* __restrict__ w,
-                                                float eps, int K, __half* xs, float* red) {
+// 1 / RMS of the fp32 residual h[K] (K % 4 == 0), every thread of the block gets it.
+__device__ __forceinline__ float rms_inv(const float* __restrict__ h, float eps, int K, float* red) {
   float ss = 0.f;
   for (int k = threadIdx.x * 4; k < K; k += blockDim.x * 4) {
     float4 v = *reinterpret_cast<const float4*>(h + k);
     ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
   }
-  const float inv = rsqrtf(block_sum(ss, red) / (float)K + eps);
-  for (int k = threadIdx.x; k < K; k += blockDim.x)
-    xs[k] = __hmul(__float2half(h[k] * inv), w[k]);
+  return rsqrtf(block_sum(ss, red) / (float)K + eps);
+}
+
+// RMSNorm(h) * w exactly as HF computes it for an fp16 model: normalise in fp32, round to fp16, multiply
+// by the fp16 weight (product rounded to fp16). Written as fp16 (final norm) or as its exact fp32 value
+// (GEMV prologues keep x in fp32 shared memory so the dot products need no conversion).
+__device__ __forceinline__ void rmsnorm_to_half(const float* __restrict__ h, const __half* __restrict__ w,
+                                                float eps, int K, __half* out, float* red) {
+  const float inv = rms_inv(h, eps, K, red);
+  for (int k = threadIdx.x; k < K; k += blockDim.x) out[k] = __hmul(__float2half(h[k] * inv), w[k]);
+}
+
+__device__ __forceinline__ void rmsnorm_to_float(const float* __restrict__ h, const __half* __restrict__ w,
+                                                 float eps, int K, float* out, float* red) {
+  const float inv = rms_inv(h, eps, K, red);
+  for (int k = threadIdx.x; k < K; k += blockDim.x) out[k] = __half2float(__hmul(__float2half(h[k] * inv), w[k]));
 }

@@ -4,10 +4,11 @@
 //            W: uint8 FP8-E4M3 bits, row-major [rows, K]; scale: fp32 [rows, ceil(K/128)], one per group
 //            of 128 consecutive inputs. Dequantisation happens in registers only (hardware
 //            fp8x2 -> half2 conversion, sm_89+), never in memory.
+// Layouts    x fp16 [K] or fp32 residual [K]; y per epilogue (see gemv_common.cuh).
 // Requires   K % 16 == 0 (16-byte rows). K need not be a multiple of 128: the last group is short
 //            (e.g. SmolLM2's K = 576 = 4.5 groups) and its scale covers only the elements present.
 // Bytes      rows * K (weights) + rows * ceil(K/128) * 4 (scales) + K * 2..4 per block (x) + outputs.
-// Launch     grid = min(ceil(n_out / 8), 4 blocks per SM), block = 256, dyn. smem = K*2 + 128 bytes.
+// Launch     grid = min(ceil(n_out / 8), 4 blocks per SM), block = 256, dyn. smem = K*4 + 128 bytes (x in fp32).
 // Instances  same roles as gemv_fp16.cu:
 //   gemv_f8_qkv_rope (QKV + RoPE + KV append), gemv_f8_norm_swiglu (gate+up), gemv_f8_resid (o_proj, down_proj),
 //   gemv_f8_store (generic). lm_head stays fp16 (gemv_f16_f32), as in AtomFlow.

@@ -25,6 +25,7 @@ import click
 def main(model, prompt, steps, out_dir, device):
     """Dump transformers' fp32 hidden states and logits for PROMPT + STEPS greedy tokens of MODEL."""
     from rich.console import Console
+    from rich.markup import escape
 
     from atomflow_bench.errors import AtomflowError
     from atomflow_bench.fetch import resolve_model
@@ -35,7 +36,7 @@ def main(model, prompt, steps, out_dir, device):
         path = resolve_model(model, console=console)
         m = generate_truth(path, out_dir, prompt=prompt, steps=steps, device=device, console=console)
     except AtomflowError as e:
-        Console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(1)
     console.print(f"[green]ok[/green] {out_dir}: {len(m['prompt_ids'])} prompt + {m['steps']} generated tokens, "
                   f"{m['positions']} positions; generated ids {m['generated_ids'][:16]}"

@@ -2,7 +2,7 @@
 # One device call: install, GPU tests, benchmarks. Prints a short table last; full logs/JSON under $OUT.
 #   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench validate peers (default: all)
 set -uo pipefail
-OUT=${OUT:-/tmp/atomflow-out}; mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/atomflow-out}; OUT=$(mktemp -d); mkdir -p "$FINAL"   # logs go to $OUT, bundled into $FINAL
 export PYTHONUNBUFFERED=1 ATOMFLOW_HOME=${ATOMFLOW_HOME:-/tmp/atomflow-home}
 stages=${*:-info kernels engine bench}
 summary=()
@@ -40,5 +40,7 @@ for st in $stages; do
     *) note "unknown stage $st" ;;
   esac
 done
+printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"
+tar -czf "$FINAL/gpu_check.tar.gz" -C "$OUT" .   # one file back (the device returns at most 8)
 echo "================ summary ================"
-printf '%s\n' "${summary[@]}"
+cat "$OUT/summary.txt"

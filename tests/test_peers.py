@@ -32,6 +32,7 @@ def test_records_fields(cpu_records, tiny_llama_dir):
     for rec, mode in zip(cpu_records, ("eager", "static")):
         assert rec["engine"] == f"HF transformers {transformers.__version__} {mode} fp16" and rec["mode"] == mode
         assert rec["framework"] == {"torch": torch.__version__, "transformers": transformers.__version__}
+        assert "CUDNN_ATTENTION" not in rec["sdpa_backends"]
         assert rec["gpu"] == "cpu" and (rec["context"], rec["tokens"], rec["repeats"]) == (CTX, TOKENS, 2)
         tp = rec["tpot_ms"]
         assert tp["n"] == 2 * TOKENS and len(tp["repeat_medians"]) == 2
