@@ -117,6 +117,7 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
         "generated": {"token_ids": g["token_ids"], "text": text},
         "load": {"seconds": load_s, **eng.load_info},
         "launches_per_step": len(eng.launches),
+        "pdl": eng.pdl,
     }
 
 

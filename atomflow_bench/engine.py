@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +47,8 @@ def gpu_info() -> dict:
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, weights: str = "fp8", max_seq: int = 2048, progress=None):
+    def __init__(self, model_dir: str | Path, weights: str = "fp8", max_seq: int = 2048, progress=None,
+                 pdl: bool | None = None):
         cupy = require_gpu()
         self.ckpt = Checkpoint(model_dir)
         self.cfg = self.ckpt.config
@@ -59,6 +61,15 @@ class Engine:
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)
         self.launches = build_step(self.cfg, weights, self.arena, self.lib, self.gpu["sms"])
+        # Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it
+        # prefetches weights and waits (griddepcontrol.wait) before touching the predecessor's outputs.
+        # ATOMFLOW_PDL=0 turns it off (A/B measurements).
+        if pdl is None:
+            pdl = float(self.gpu["cc"]) >= 9.0 and os.environ.get("ATOMFLOW_PDL", "1") != "0"
+        self.pdl = bool(pdl)
+        if self.pdl:
+            for ln in self.launches[1:]:
+                ln.enable_pdl()
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._graph = None
         self._prompt_len = 0

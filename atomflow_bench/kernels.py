@@ -10,11 +10,14 @@ eagerly or captured into a CUDA Graph (no duplicated launch boilerplate anywhere
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 KERNELS_DIR = Path(os.environ.get("ATOMFLOW_KERNELS_DIR", Path(__file__).resolve().parent.parent / "kernels_cu"))
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
@@ -107,6 +110,76 @@ class KernelLib:
             self[name]
 
 
+# ---- programmatic dependent launch (PDL) through the driver's cuLaunchKernelEx --------------------------
+# CuPy's RawKernel cannot pass launch attributes, so PDL launches go to libcuda directly (ctypes; layouts
+# from cuda.h of CUDA 12/13). Under stream capture the attribute becomes a programmatic graph edge.
+
+class _AttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization_allowed", ctypes.c_int)]
+
+
+class _Attr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttrValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attr)), ("numAttrs", ctypes.c_uint)]
+
+
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_libcuda = None
+
+
+def _cu_launch_kernel_ex():
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernelEx
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        _libcuda = fn
+    return _libcuda
+
+
+def _c_arg(a):
+    """A kernel argument as the ctypes object whose address goes into kernelParams."""
+    if hasattr(a, "data") and hasattr(a.data, "ptr"):  # cupy.ndarray
+        return ctypes.c_void_p(a.data.ptr)
+    if isinstance(a, np.int32):
+        return ctypes.c_int32(int(a))
+    if isinstance(a, np.float32):
+        return ctypes.c_float(float(a))
+    if isinstance(a, np.uint64):
+        return ctypes.c_uint64(int(a))
+    raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
+
+
+class PdlLauncher:
+    """Pre-built cuLaunchKernelEx call for one Launch (argument storage kept alive with it)."""
+
+    def __init__(self, fn, grid, block, args, shmem):
+        self._args = [_c_arg(a) for a in args]
+        self._params = (ctypes.c_void_p * len(self._args))(*[ctypes.addressof(a) for a in self._args])
+        self._attr = _Attr(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self._attr.value.programmatic_stream_serialization_allowed = 1
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        b = tuple(block) + (1,) * (3 - len(block))
+        self._cfg = _LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shmem, None, ctypes.pointer(self._attr), 1)
+        self._func = fn.kernel.ptr
+        self._launch = _cu_launch_kernel_ex()
+
+    def __call__(self):
+        import cupy
+
+        self._cfg.hStream = cupy.cuda.get_current_stream().ptr
+        rc = self._launch(ctypes.byref(self._cfg), self._func, self._params, None)
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
+
+
 @dataclass
 class Launch:
     """One kernel launch of the decode step (runs on CuPy's current stream).
@@ -124,6 +197,13 @@ class Launch:
     taps: dict = field(default_factory=dict)
     bytes_moved: int = 0
     label: str = ""  # what `profile` groups by, e.g. "gemv fp8 qkv 5120x3072"
+    pdl: PdlLauncher | None = None  # set by enable_pdl(): launch with programmatic stream serialization
 
     def __call__(self):
-        self.fn(self.grid, self.block, self.args, shared_mem=self.shmem)
+        if self.pdl is not None:
+            self.pdl()
+        else:
+            self.fn(self.grid, self.block, self.args, shared_mem=self.shmem)
+
+    def enable_pdl(self) -> None:
+        self.pdl = PdlLauncher(self.fn, self.grid, self.block, self.args, self.shmem)

@@ -6,7 +6,6 @@ measured in the run that wrote it, except `model`, `weights`, `context`, ... whi
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -120,10 +119,9 @@ def run_table(rec: dict):
         text = gen.get("text")
         shown = repr(text[:120]) if text else str(gen["token_ids"][:16])
         t.add_row("first tokens", shown)
+    t.add_row("launch", f"{rec['launches_per_step']} kernels/step in one CUDA Graph; programmatic dependent launch: "
+                        f"{'on' if rec.get('pdl') else 'off'}")
     t.add_row("load", f"{rec['load']['seconds']:.1f} s" + (f", fp8 from {rec['load']['fp8_source']}"
                                                             if rec['load'].get('fp8_source') else ""))
     return t
 
-
-def env_gpu_note() -> str:
-    return os.environ.get("CUDA_VISIBLE_DEVICES", "")

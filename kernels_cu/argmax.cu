@@ -41,6 +41,8 @@ extern "C" __global__ void argmax_advance(const float* __restrict__ logits, int 
                                           const int* __restrict__ prompt, const int* __restrict__ prompt_len,
                                           int* out_tokens) {
   __shared__ bool last;
+  pdl_wait();
+  pdl_launch_dependents();
   float bv = -AF_INF;
   int bi = 0x7fffffff;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < V; i += gridDim.x * blockDim.x)

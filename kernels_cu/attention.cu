@@ -38,6 +38,8 @@ __device__ __forceinline__ void attention_impl(const __half* __restrict__ q, con
   constexpr int PG = ATT_THREADS / DG;       // positions processed side by side
   constexpr int PPT = ATT_CHUNK / PG;        // positions per thread
   const int j = blockIdx.x, split = blockIdx.y;
+  pdl_wait();  // q and the K/V row at pos come from the QKV kernel
+  pdl_launch_dependents();
   const int len = *pos_ptr + 1;
   const int n_splits = (len + ATT_CHUNK - 1) / ATT_CHUNK;
   if (split >= n_splits) return;

@@ -13,6 +13,22 @@
 #define AF_WARP 32
 #define AF_INF __int_as_float(0x7f800000)  // +inf (NVRTC has no math.h INFINITY)
 
+// Programmatic dependent launch (sm_90+). A kernel launched with the PDL attribute may start while its
+// predecessor still runs; it must call pdl_wait() before reading anything the predecessor writes (it may
+// read weights before). pdl_launch_dependents() lets the next kernel start launching. Both are no-ops
+// without PDL and compile to nothing below sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = AF_WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

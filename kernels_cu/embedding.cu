@@ -9,6 +9,8 @@
 
 extern "C" __global__ void embed_lookup(const int* __restrict__ token, const __half* __restrict__ emb,
                                         float* __restrict__ h, int H) {
+  pdl_wait();
+  pdl_launch_dependents();
   const size_t base = (size_t)(*token) * H;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < H; i += gridDim.x * blockDim.x)
     h[i] = __half2float(emb[base + i]);

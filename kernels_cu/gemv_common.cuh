@@ -9,7 +9,8 @@
 // Latency hiding: the warp's work is software-pipelined over two register stages of GEMV_STAGE_LOADS
 // loads per lane: the next stage's loads (next chunks, or the first chunks of the warp's next output) are
 // issued before the current stage's math, so DRAM never waits for the fp8/fp16 conversions. The first
-// stage is issued BEFORE the prologue (weights do not depend on x), hiding the prologue's L2 round trips.
+// stage is issued BEFORE the prologue (weights do not depend on x), hiding the prologue's L2 round trips,
+// and, under programmatic dependent launch, before waiting for the previous kernel to finish.
 //
 // Fusions (each removes a launch and a round trip of an activation vector):
 //   PRO_NORM   prologue: x = RMSNorm(h_fp32) * w_norm computed per block straight into shared memory
@@ -204,6 +205,8 @@ __device__ __forceinline__ void gemv_impl(const unsigned char* __restrict__ W, c
   // stage is issued before the prologue, which then runs under the weights' DRAM latency.
   uint4 a[R][U], b[R][U];
   if (n_steps > 0) gemv_load<WF, EPI, R, U>(g, 0, a);
+  pdl_wait();  // weights above may be read early; x / h / pos only after the predecessor finished
+  pdl_launch_dependents();
   if (PRO == PRO_NORM) {
     rmsnorm_to_float(reinterpret_cast<const float*>(x), norm_w, eps, K, xs, red);
   } else {

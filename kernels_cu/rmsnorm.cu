@@ -12,5 +12,7 @@
 extern "C" __global__ void rmsnorm_f32_f16(const float* __restrict__ h, const __half* __restrict__ w, float eps,
                                            __half* __restrict__ out, int K) {
   __shared__ float red[32];
+  pdl_wait();
+  pdl_launch_dependents();
   rmsnorm_to_half(h, w, eps, K, out, red);
 }

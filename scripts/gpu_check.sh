@@ -22,12 +22,16 @@ for st in $stages; do
     engine)
       python3 -m pytest -q tests/test_engine_gpu.py -p no:cacheprovider -s >"$OUT/engine.log" 2>&1
       note "engine: rc=$? $(tail -1 "$OUT/engine.log")" ;;
-    bench)
-      for spec in "llama-3.2-3b fp8" "llama-3.2-3b fp16" "llama-3.2-1b fp16"; do
-        set -- $spec
-        atomflow-bench run "$1" --weights "$2" --ctx 128 --tokens 256 --repeats 5 --json "$OUT/run-$1-$2.json" \
-          >"$OUT/run-$1-$2.log" 2>&1
-        note "run $1 $2: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$1-$2.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
+    bench|bench-ab)   # bench-ab: also each run with programmatic dependent launch off
+      pdls="1"; [ "$st" = bench-ab ] && pdls="0 1"
+      for spec in ${BENCH_SPECS:-"llama-3.2-3b:fp8" "llama-3.2-3b:fp16" "llama-3.2-1b:fp16"}; do
+        m=${spec%%:*}; w=${spec##*:}
+        for p in $pdls; do
+          tag="$m-$w-pdl$p"
+          ATOMFLOW_PDL=$p atomflow-bench run "$m" --weights "$w" --ctx "${CTX:-128}" --tokens 256 --repeats 5 \
+            --json "$OUT/run-$tag.json" >"$OUT/run-$tag.log" 2>&1
+          note "run $tag: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
+        done
       done ;;
     profile)
       for w in fp8 fp16; do
