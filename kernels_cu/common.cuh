@@ -84,16 +84,14 @@ __device__ __forceinline__ float rms_inv(const float* __restrict__ h, float eps,
 }
 
 // RMSNorm(h) * w exactly as HF computes it for an fp16 model: normalise in fp32, round to fp16, multiply
-// by the fp16 weight (product rounded to fp16). Written as fp16 (final norm) or as its exact fp32 value
-// (GEMV prologues keep x in fp32 shared memory so the dot products need no conversion).
+// by the fp16 weight (product rounded to fp16). rmsnorm_elem is that value as fp32 (exact: GEMV prologues
+// keep x in fp32 shared memory so the dot products need no conversion).
+__device__ __forceinline__ float rmsnorm_elem(float h, float inv, __half w) {
+  return __half2float(__hmul(__float2half(h * inv), w));
+}
+
 __device__ __forceinline__ void rmsnorm_to_half(const float* __restrict__ h, const __half* __restrict__ w,
                                                 float eps, int K, __half* out, float* red) {
   const float inv = rms_inv(h, eps, K, red);
-  for (int k = threadIdx.x; k < K; k += blockDim.x) out[k] = __hmul(__float2half(h[k] * inv), w[k]);
-}
-
-__device__ __forceinline__ void rmsnorm_to_float(const float* __restrict__ h, const __half* __restrict__ w,
-                                                 float eps, int K, float* out, float* red) {
-  const float inv = rms_inv(h, eps, K, red);
-  for (int k = threadIdx.x; k < K; k += blockDim.x) out[k] = __half2float(__hmul(__float2half(h[k] * inv), w[k]));
+  for (int k = threadIdx.x; k < K; k += blockDim.x) out[k] = __float2half(rmsnorm_elem(h[k], inv, w[k]));
 }

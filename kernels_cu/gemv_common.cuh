@@ -4,7 +4,7 @@
 // Launch: 1-D grid of blocks of 256 threads (8 warps), at most 4 resident blocks per SM (launch bounds);
 // a warp owns one output at a time (R = 1 or 2 weight rows) and walks its row(s) with 16-byte streaming
 // loads; grid-stride over outputs (the host launches at most one resident wave). Shared memory: the input
-// vector as fp32 (K * 4 bytes) + 32 floats for reductions.
+// vector as fp32 (K * 4 bytes, chunk-interleaved, see xs_index) + 32 floats for reductions.
 //
 // Latency hiding: the warp's work is software-pipelined over two register stages of GEMV_STAGE_LOADS
 // loads per lane: the next stage's loads (next chunks, or the first chunks of the warp's next output) are
@@ -46,19 +46,28 @@ struct RopeArgs {
   int n_q, n_kv, hd;
 };
 
-// Weight-format policies: how many weights a 16-byte chunk holds and its dot product with x (fp32 in
-// shared memory, so only the weights need converting).
+// x lives in shared memory as fp32, chunk-interleaved: the j-th float4 of weight chunk c sits at float4
+// index j * nchunks + c, so when the 32 lanes of a warp work on 32 consecutive chunks every 16-byte
+// shared load they issue is contiguous across the warp (no bank conflicts; a plain layout would put the
+// lanes 32 or 64 bytes apart: 2- to 4-way conflicts on every load).
+__device__ __forceinline__ int xs_index(int k, int per_chunk, int nchunks) {
+  const int c = k / per_chunk, e = k % per_chunk;
+  return ((e >> 2) * nchunks + c) * 4 + (e & 3);
+}
+
+// Weight-format policies: how many weights a 16-byte chunk holds and its dot product with x (fp32, so
+// only the weights need converting).
 struct Fp16W {
   static constexpr int PER_CHUNK = 8;
   // 8 fp16 weights . 8 activations, fp32 FMA.
-  __device__ __forceinline__ static float dot(uint4 w, const float* xs, int k, const float*) {
-    const float4 p = *reinterpret_cast<const float4*>(xs + k);
-    const float4 q = *reinterpret_cast<const float4*>(xs + k + 4);
-    const float2 a = h2_to_f2(w.x), b = h2_to_f2(w.y), c = h2_to_f2(w.z), d = h2_to_f2(w.w);
-    float acc = a.x * p.x;
-    acc = fmaf(a.y, p.y, acc); acc = fmaf(b.x, p.z, acc); acc = fmaf(b.y, p.w, acc);
-    acc = fmaf(c.x, q.x, acc); acc = fmaf(c.y, q.y, acc); acc = fmaf(d.x, q.z, acc);
-    acc = fmaf(d.y, q.w, acc);
+  __device__ __forceinline__ static float dot(uint4 w, const float4* x4, int c, int nchunks, const float*) {
+    const float4 p = x4[c];
+    const float4 q = x4[nchunks + c];
+    const float2 w0 = h2_to_f2(w.x), w1 = h2_to_f2(w.y), w2 = h2_to_f2(w.z), w3 = h2_to_f2(w.w);
+    float acc = w0.x * p.x;
+    acc = fmaf(w0.y, p.y, acc); acc = fmaf(w1.x, p.z, acc); acc = fmaf(w1.y, p.w, acc);
+    acc = fmaf(w2.x, q.x, acc); acc = fmaf(w2.y, q.y, acc); acc = fmaf(w3.x, q.z, acc);
+    acc = fmaf(w3.y, q.w, acc);
     return acc;
   }
 };
@@ -67,18 +76,18 @@ struct Fp8W {
   static constexpr int PER_CHUNK = 16;
   // 16 FP8-E4M3 weights (dequantised in registers only: hardware fp8x2->half2, then fp32 FMA) times
   // 16 activations, scaled by the row's group scale (group = 128 inputs = 8 chunks).
-  __device__ __forceinline__ static float dot(uint4 w, const float* xs, int k, const float* srow) {
+  __device__ __forceinline__ static float dot(uint4 w, const float4* x4, int c, int nchunks, const float* srow) {
     const unsigned int wv[4] = {w.x, w.y, w.z, w.w};
     float acc = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float4 xv = *reinterpret_cast<const float4*>(xs + k + 4 * i);
+      const float4 xv = x4[i * nchunks + c];
       const float2 w0 = e4m3x2_to_f2((unsigned short)(wv[i] & 0xffffu));
       const float2 w1 = e4m3x2_to_f2((unsigned short)(wv[i] >> 16));
       acc = fmaf(w0.x, xv.x, acc); acc = fmaf(w0.y, xv.y, acc);
       acc = fmaf(w1.x, xv.z, acc); acc = fmaf(w1.y, xv.w, acc);
     }
-    return acc * __ldg(srow + (k >> 7));
+    return acc * __ldg(srow + (c >> 3));  // 8 chunks of 16 = one group of 128
   }
 };
 
@@ -165,7 +174,7 @@ __device__ __forceinline__ void gemv_compute(const GemvWalk& g, int s, const uin
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = g.lane + (it * U + u) * AF_WARP;
-      if (c < g.nchunks) acc[r] += WF::dot(buf[r][u], xs, c * WF::PER_CHUNK, srow);
+      if (c < g.nchunks) acc[r] += WF::dot(buf[r][u], reinterpret_cast<const float4*>(xs), c, g.nchunks, srow);
     }
   }
   if (it == g.n_it - 1) {
@@ -208,10 +217,13 @@ __device__ __forceinline__ void gemv_impl(const unsigned char* __restrict__ W, c
   pdl_wait();  // weights above may be read early; x / h / pos only after the predecessor finished
   pdl_launch_dependents();
   if (PRO == PRO_NORM) {
-    rmsnorm_to_float(reinterpret_cast<const float*>(x), norm_w, eps, K, xs, red);
+    const float* h = reinterpret_cast<const float*>(x);
+    const float inv = rms_inv(h, eps, K, red);
+    for (int k = threadIdx.x; k < K; k += blockDim.x)
+      xs[xs_index(k, WF::PER_CHUNK, g.nchunks)] = rmsnorm_elem(h[k], inv, norm_w[k]);
   } else {
     const __half* src = reinterpret_cast<const __half*>(x);
-    for (int i = threadIdx.x; i < K; i += blockDim.x) xs[i] = __half2float(src[i]);
+    for (int k = threadIdx.x; k < K; k += blockDim.x) xs[xs_index(k, WF::PER_CHUNK, g.nchunks)] = __half2float(src[k]);
   }
   __syncthreads();
 
