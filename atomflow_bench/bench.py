@@ -118,6 +118,7 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
         "load": {"seconds": load_s, **eng.load_info},
         "launches_per_step": len(eng.launches),
         "pdl": eng.pdl,
+        "kernel_defines": list(eng.lib.defines),
     }
 
 

@@ -71,8 +71,9 @@ def profile_step(engine, context: int = 128, steps: int = 20, copy: dict | None 
 
 
 def gemv_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, str]]:
-    """(role, rows, K, variant) for every GEMV of a decode step; lm_head is always fp16."""
-    out = [(role, rows, k, {"wqkv": "norm_store", "wo": "resid", "wgu": "norm_swiglu", "wd": "resid"}[role])
+    """(role, rows, K, variant) for every GEMV of a decode step; lm_head is always fp16. QKV runs the plain
+    store epilogue here (its RoPE epilogue needs the step's cache and position)."""
+    out = [(role, rows, k, {"wqkv": "store", "wo": "resid", "wgu": "norm_swiglu", "wd": "resid"}[role])
            for role, (rows, k) in linear_regions(cfg).items()]
     out.append(("lm_head", cfg.vocab_size, cfg.hidden_size, "f32"))
     return out

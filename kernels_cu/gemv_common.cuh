@@ -33,7 +33,22 @@
 
 #define GEMV_THREADS 256
 #define GEMV_MIN_BLOCKS 4   // resident blocks per SM the register budget is planned for (<= 64 regs/thread)
-#define GEMV_STAGE_LOADS 4  // 16-byte loads per lane per pipeline stage (split over the R rows); 2 stages
+// Experiment knobs (results/PERF_NOTES.md v2.2), set with -D by the loader (ATOMFLOW_KERNEL_DEFINES):
+//   GEMV_X_F32    1: x staged in shared memory as fp32, 0: as fp16 (both chunk-interleaved, conflict-free)
+//   GEMV_PIPELINE 1: two register stages of 4 loads per lane, next stage issued before the current math;
+//                 0: one batch of 8 loads per lane, issued, then used
+#ifndef GEMV_X_F32
+#define GEMV_X_F32 1
+#endif
+#ifndef GEMV_PIPELINE
+#define GEMV_PIPELINE 1
+#endif
+#define GEMV_STAGE_LOADS (GEMV_PIPELINE ? 4 : 8)  // 16-byte loads per lane per stage (split over the R rows)
+#if GEMV_X_F32
+typedef float xs_t;
+#else
+typedef __half xs_t;
+#endif
 
 enum { PRO_PLAIN = 0, PRO_NORM = 1 };
 enum { EPI_STORE = 0, EPI_F32 = 1, EPI_RESID = 2, EPI_SWIGLU = 3, EPI_ROPE = 4 };
@@ -50,9 +65,24 @@ struct RopeArgs {
 // index j * nchunks + c, so when the 32 lanes of a warp work on 32 consecutive chunks every 16-byte
 // shared load they issue is contiguous across the warp (no bank conflicts; a plain layout would put the
 // lanes 32 or 64 bytes apart: 2- to 4-way conflicts on every load).
+// (With fp16 x the unit is 8 halves instead of 4 floats.)
 __device__ __forceinline__ int xs_index(int k, int per_chunk, int nchunks) {
+  constexpr int V = 16 / sizeof(xs_t);  // elements per 16-byte vector
   const int c = k / per_chunk, e = k % per_chunk;
-  return ((e >> 2) * nchunks + c) * 4 + (e & 3);
+  return ((e / V) * nchunks + c) * V + (e % V);
+}
+
+// 8 consecutive x values of chunk c, vector j (fp32 layout: 2 float4; fp16 layout: half of one uint4).
+__device__ __forceinline__ void x8(const uint4* xv, int c, int nchunks, int j, float* f) {
+#if GEMV_X_F32
+  const float4 p = reinterpret_cast<const float4*>(xv)[(2 * j) * nchunks + c];
+  const float4 q = reinterpret_cast<const float4*>(xv)[(2 * j + 1) * nchunks + c];
+  f[0] = p.x; f[1] = p.y; f[2] = p.z; f[3] = p.w; f[4] = q.x; f[5] = q.y; f[6] = q.z; f[7] = q.w;
+#else
+  const uint4 u = xv[j * nchunks + c];
+  const float2 a = h2_to_f2(u.x), b = h2_to_f2(u.y), cc = h2_to_f2(u.z), d = h2_to_f2(u.w);
+  f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = cc.x; f[5] = cc.y; f[6] = d.x; f[7] = d.y;
+#endif
 }
 
 // Weight-format policies: how many weights a 16-byte chunk holds and its dot product with x (fp32, so
@@ -60,14 +90,14 @@ __device__ __forceinline__ int xs_index(int k, int per_chunk, int nchunks) {
 struct Fp16W {
   static constexpr int PER_CHUNK = 8;
   // 8 fp16 weights . 8 activations, fp32 FMA.
-  __device__ __forceinline__ static float dot(uint4 w, const float4* x4, int c, int nchunks, const float*) {
-    const float4 p = x4[c];
-    const float4 q = x4[nchunks + c];
+  __device__ __forceinline__ static float dot(uint4 w, const uint4* xv, int c, int nchunks, const float*) {
+    float x[8];
+    x8(xv, c, nchunks, 0, x);
     const float2 w0 = h2_to_f2(w.x), w1 = h2_to_f2(w.y), w2 = h2_to_f2(w.z), w3 = h2_to_f2(w.w);
-    float acc = w0.x * p.x;
-    acc = fmaf(w0.y, p.y, acc); acc = fmaf(w1.x, p.z, acc); acc = fmaf(w1.y, p.w, acc);
-    acc = fmaf(w2.x, q.x, acc); acc = fmaf(w2.y, q.y, acc); acc = fmaf(w3.x, q.z, acc);
-    acc = fmaf(w3.y, q.w, acc);
+    float acc = w0.x * x[0];
+    acc = fmaf(w0.y, x[1], acc); acc = fmaf(w1.x, x[2], acc); acc = fmaf(w1.y, x[3], acc);
+    acc = fmaf(w2.x, x[4], acc); acc = fmaf(w2.y, x[5], acc); acc = fmaf(w3.x, x[6], acc);
+    acc = fmaf(w3.y, x[7], acc);
     return acc;
   }
 };
@@ -76,16 +106,21 @@ struct Fp8W {
   static constexpr int PER_CHUNK = 16;
   // 16 FP8-E4M3 weights (dequantised in registers only: hardware fp8x2->half2, then fp32 FMA) times
   // 16 activations, scaled by the row's group scale (group = 128 inputs = 8 chunks).
-  __device__ __forceinline__ static float dot(uint4 w, const float4* x4, int c, int nchunks, const float* srow) {
+  __device__ __forceinline__ static float dot(uint4 w, const uint4* xv, int c, int nchunks, const float* srow) {
     const unsigned int wv[4] = {w.x, w.y, w.z, w.w};
     float acc = 0.f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float4 xv = x4[i * nchunks + c];
-      const float2 w0 = e4m3x2_to_f2((unsigned short)(wv[i] & 0xffffu));
-      const float2 w1 = e4m3x2_to_f2((unsigned short)(wv[i] >> 16));
-      acc = fmaf(w0.x, xv.x, acc); acc = fmaf(w0.y, xv.y, acc);
-      acc = fmaf(w1.x, xv.z, acc); acc = fmaf(w1.y, xv.w, acc);
+    for (int j = 0; j < 2; ++j) {
+      float x[8];
+      x8(xv, c, nchunks, j, x);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const unsigned int u = wv[2 * j + i];
+        const float2 w0 = e4m3x2_to_f2((unsigned short)(u & 0xffffu));
+        const float2 w1 = e4m3x2_to_f2((unsigned short)(u >> 16));
+        acc = fmaf(w0.x, x[4 * i], acc); acc = fmaf(w0.y, x[4 * i + 1], acc);
+        acc = fmaf(w1.x, x[4 * i + 2], acc); acc = fmaf(w1.y, x[4 * i + 3], acc);
+      }
     }
     return acc * __ldg(srow + (c >> 3));  // 8 chunks of 16 = one group of 128
   }
@@ -161,7 +196,7 @@ __device__ __forceinline__ void gemv_epilogue(int o, const float (&acc)[R], void
 }
 
 template <class WF, int EPI, int R, int U>
-__device__ __forceinline__ void gemv_compute(const GemvWalk& g, int s, const uint4 (&buf)[R][U], const float* xs,
+__device__ __forceinline__ void gemv_compute(const GemvWalk& g, int s, const uint4 (&buf)[R][U], const xs_t* xs,
                                              float (&acc)[R], void* y, const RopeArgs& rope) {
   const int o = g.o0 + (s / g.n_it) * g.stride, it = s % g.n_it;
   if (it == 0) {
@@ -174,7 +209,7 @@ __device__ __forceinline__ void gemv_compute(const GemvWalk& g, int s, const uin
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = g.lane + (it * U + u) * AF_WARP;
-      if (c < g.nchunks) acc[r] += WF::dot(buf[r][u], reinterpret_cast<const float4*>(xs), c, g.nchunks, srow);
+      if (c < g.nchunks) acc[r] += WF::dot(buf[r][u], reinterpret_cast<const uint4*>(xs), c, g.nchunks, srow);
     }
   }
   if (it == g.n_it - 1) {
@@ -191,8 +226,8 @@ __device__ __forceinline__ void gemv_impl(const unsigned char* __restrict__ W, c
                                           float eps, void* __restrict__ y, int n_out, int K,
                                           const RopeArgs rope) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* xs = reinterpret_cast<float*>(smem_raw);
-  float* red = xs + K;
+  xs_t* xs = reinterpret_cast<xs_t*>(smem_raw);
+  float* red = reinterpret_cast<float*>(smem_raw + ((K * sizeof(xs_t) + 15) & ~15));
 
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;  // weight rows per output
   constexpr int U = GEMV_STAGE_LOADS / R;                             // chunks per row per step
@@ -220,20 +255,28 @@ __device__ __forceinline__ void gemv_impl(const unsigned char* __restrict__ W, c
     const float* h = reinterpret_cast<const float*>(x);
     const float inv = rms_inv(h, eps, K, red);
     for (int k = threadIdx.x; k < K; k += blockDim.x)
-      xs[xs_index(k, WF::PER_CHUNK, g.nchunks)] = rmsnorm_elem(h[k], inv, norm_w[k]);
+      xs[xs_index(k, WF::PER_CHUNK, g.nchunks)] = (xs_t)rmsnorm_elem(h[k], inv, norm_w[k]);
   } else {
     const __half* src = reinterpret_cast<const __half*>(x);
-    for (int k = threadIdx.x; k < K; k += blockDim.x) xs[xs_index(k, WF::PER_CHUNK, g.nchunks)] = __half2float(src[k]);
+    for (int k = threadIdx.x; k < K; k += blockDim.x) xs[xs_index(k, WF::PER_CHUNK, g.nchunks)] = (xs_t)src[k];
   }
   __syncthreads();
 
   float acc[R];
+#if GEMV_PIPELINE
   for (int s = 0; s < n_steps; s += 2) {
     if (s + 1 < n_steps) gemv_load<WF, EPI, R, U>(g, s + 1, b);
     gemv_compute<WF, EPI, R, U>(g, s, a, xs, acc, y, rope);
     if (s + 2 < n_steps) gemv_load<WF, EPI, R, U>(g, s + 2, a);
     if (s + 1 < n_steps) gemv_compute<WF, EPI, R, U>(g, s + 1, b, xs, acc, y, rope);
   }
+#else
+  (void)b;
+  for (int s = 0; s < n_steps; ++s) {
+    if (s > 0) gemv_load<WF, EPI, R, U>(g, s, a);
+    gemv_compute<WF, EPI, R, U>(g, s, a, xs, acc, y, rope);
+  }
+#endif
 }
 
 #define GEMV_INSTANCE(NAME, WF, PRO, EPI)                                                                 \
