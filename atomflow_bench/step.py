@@ -53,7 +53,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     rows = 2 * n_out if variant in ("norm_swiglu", "qkv_rope") else n_out
     if tuple(w.shape) != (rows, k):
         raise AtomflowError(f"GEMV weight shape {tuple(w.shape)} != ({rows}, {k})")
-    shmem = k * 4 + 128  # x staged in fp32 + reduction scratch
+    shmem = k * 2 + 128  # x staged in fp16 + reduction scratch
     fn = lib[f"gemv_{'f8' if fp8 else 'f16'}_{variant}"]
     if shmem > 48 * 1024:  # beyond the default per-block limit: opt in (once per kernel)
         fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, shmem)

@@ -49,20 +49,6 @@ for st in $stages; do
           >"$OUT/validate-3b-$w.log" 2>&1
         note "validate 3b $w: rc=$? $(grep -E 'probes PASS|greedy|KL' "$OUT/validate-3b-$w.log" | tr -s ' ' | head -3 | tr '\n' ' ')"
       done ;;
-    gemv-ab)   # GEMV design knobs (PERF_NOTES v2.2): microbench every combination, then run with the fastest
-      for xp in 00 10 01 11; do
-        d="GEMV_X_F32=${xp:0:1} GEMV_PIPELINE=${xp:1:1}"; tag="x${xp:0:1}p${xp:1:1}"
-        ATOMFLOW_KERNEL_DEFINES="$d" atomflow-bench gemv llama-3.2-3b --json "$OUT/gemv-$tag.json" >"$OUT/gemv-$tag.log" 2>&1
-        note "gemv $d: rc=$? $(python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['rows']; print(' '.join(f\"{x['role']}/{x['format']}:{x['pct_of_copy']:.0f}%\" for x in r), '| sum µs', round(sum(x['us']['median'] for x in r)))" "$OUT/gemv-$tag.json" 2>&1)"
-      done
-      best=$(python3 - "$OUT" <<'PY'
-import glob, json, sys
-best = min(glob.glob(sys.argv[1] + "/gemv-x*.json"), key=lambda f: sum(r["us"]["median"] for r in json.load(open(f))["rows"]))
-print(best.split("gemv-")[-1][:-5])
-PY
-)
-      export ATOMFLOW_KERNEL_DEFINES="GEMV_X_F32=${best:1:1} GEMV_PIPELINE=${best:3:1}"
-      note "fastest GEMV variant: $ATOMFLOW_KERNEL_DEFINES (used by the stages after this one)" ;;
     *) note "unknown stage $st" ;;
   esac
 done
