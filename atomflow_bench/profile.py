@@ -27,7 +27,7 @@ def profile_step(engine, context: int = 128, steps: int = 20, copy: dict | None 
     cfg = engine.cfg
     copy = copy or copy_bandwidth()
     prompt = synthetic_prompt(cfg.vocab_size, context)
-    graph = time_decode(engine, context, steps, repeats=3, graph=True, prompt=prompt)["tpot_ms"]
+    graph = time_decode(engine, context, steps, repeats=1, graph=True, prompt=prompt)["tpot_ms"]
     engine.reset(prompt)
     engine.run(len(prompt) - 1, graph=True)
     launches = engine.launches

@@ -49,6 +49,16 @@ for st in $stages; do
           >"$OUT/validate-3b-$w.log" 2>&1
         note "validate 3b $w: rc=$? $(grep -E 'probes PASS|greedy|KL' "$OUT/validate-3b-$w.log" | tr -s ' ' | head -3 | tr '\n' ' ')"
       done ;;
+    evidence)   # comparison table with live HF peers, the 8B shape, attention at ctx 8192
+      atomflow-bench run llama-3.2-3b --weights fp8 --peers --json "$OUT/run-3b-fp8-peers.json" >"$OUT/run-3b-fp8-peers.log" 2>&1
+      note "run 3b fp8 --peers: rc=$?"
+      for w in fp8 fp16; do
+        atomflow-bench run llama-3.1-8b --weights $w --json "$OUT/run-8b-$w.json" >"$OUT/run-8b-$w.log" 2>&1
+        note "run 8b $w: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-8b-$w.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
+      done
+      atomflow-bench profile llama-3.2-3b --weights fp8 --ctx 8192 --steps 8 --json "$OUT/profile-3b-fp8-ctx8192.json" \
+        >"$OUT/profile-3b-fp8-ctx8192.log" 2>&1
+      note "profile 3b fp8 ctx8192: rc=$? $(grep -E 'attention' "$OUT/profile-3b-fp8-ctx8192.log" | tr -s ' ' | head -1)" ;;
     *) note "unknown stage $st" ;;
   esac
 done
