@@ -59,6 +59,12 @@ for st in $stages; do
       atomflow-bench profile llama-3.2-3b --weights fp8 --ctx 8192 --steps 8 --json "$OUT/profile-3b-fp8-ctx8192.json" \
         >"$OUT/profile-3b-fp8-ctx8192.log" 2>&1
       note "profile 3b fp8 ctx8192: rc=$? $(grep -E 'attention' "$OUT/profile-3b-fp8-ctx8192.log" | tr -s ' ' | head -1)" ;;
+    attention)   # attention kernel tests + the ctx 8192 profile
+      python3 -m pytest -q tests/test_kernels_gpu.py -k attention -p no:cacheprovider >"$OUT/attention.log" 2>&1
+      note "attention tests: rc=$? $(tail -1 "$OUT/attention.log")"
+      atomflow-bench profile llama-3.2-3b --weights fp8 --ctx 8192 --steps 8 --json "$OUT/profile-3b-fp8-ctx8192.json" \
+        >"$OUT/profile-3b-fp8-ctx8192.log" 2>&1
+      note "profile 3b fp8 ctx8192: rc=$? $(grep -E 'attention|sum of kernels' "$OUT/profile-3b-fp8-ctx8192.log" | tr -s ' ' | head -2 | tr '\n' ' ')" ;;
     *) note "unknown stage $st" ;;
   esac
 done
