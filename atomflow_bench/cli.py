@@ -28,25 +28,27 @@ def cli():
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.2f}G"
 
 
 @cli.command()
 def models():
     """The catalog: name, shape, parameters, bytes per format, sources."""
-    t = Table(title="atomflow-bench model catalog")
-    for col in ("name", "layers", "hidden", "ffn", "heads q/kv", "head_dim", "vocab", "params",
-                "fp16", "fp8 (W8A16)", "sources", "hub repo"):
-        t.add_column(col, justify="right" if col not in ("name", "sources", "hub repo") else "left")
+    head = ("name", "layers", "d_model", "ffn", "q/kv", "hd", "vocab", "params", "fp16", "fp8")
+    rows = [(p.name, str(c.num_hidden_layers), str(c.hidden_size), str(c.intermediate_size),
+             f"{c.num_attention_heads}/{c.num_key_value_heads}", str(c.head_dim), str(c.vocab_size),
+             f"{c.param_count() / 1e9:.3f}B", _gib(c.weight_bytes("fp16")), _gib(c.weight_bytes("fp8")))
+            for p, c in ((p, p.config) for p in CATALOG.values())]
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))  # noqa: E731
+    console.print("[bold]atomflow-bench model catalog[/bold]")
+    console.print(fmt(head), style="bold", highlight=False)
+    for r in rows:
+        console.print(fmt(r), highlight=False)
     for p in CATALOG.values():
-        c = p.config
-        t.add_row(p.name, str(c.num_hidden_layers), str(c.hidden_size), str(c.intermediate_size),
-                  f"{c.num_attention_heads}/{c.num_key_value_heads}", str(c.head_dim), str(c.vocab_size),
-                  f"{c.param_count() / 1e9:.3f} B", _gib(c.weight_bytes("fp16")), _gib(c.weight_bytes("fp8")),
-                  ", ".join(p.sources), p.hub_repo)
-    console.print(t)
-    console.print("fp8 = FP8-E4M3 layer projections with one float32 scale per 128 inputs; "
-                  "embedding, norms and lm_head stay fp16.")
+        console.print(f"  {p.name}: sources {', '.join(p.sources)}; hub {p.hub_repo}" + (f"; {p.note}" if p.note else ""))
+    console.print("fp8 = W8A16: FP8-E4M3 layer projections with one fp32 scale per 128 inputs; embedding, norms "
+                  "and lm_head stay fp16. fp16/fp8 columns: weight bytes on the GPU (GiB).")
 
 
 @cli.command()

@@ -104,7 +104,7 @@ def measure_peers(model_dir, context: int = 128, tokens: int = 64, modes=("eager
     if unknown or weights not in DTYPES:
         raise AtomflowError(f"peers: unknown mode {unknown[0]!r} (known: {', '.join(MODES)})" if unknown
                             else f"peers: unknown weights {weights!r} (known: {', '.join(DTYPES)})")
-    if "cupy" in sys.modules:  # our engine ran first in this process: give its cached blocks back
+    if device == "cuda" and "cupy" in sys.modules:  # our engine ran first in this process: give its cached blocks back
         sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
     cfg = ModelConfig.from_file(Path(model_dir) / "config.json")
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, DTYPES[weights]),

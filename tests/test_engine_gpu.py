@@ -101,12 +101,16 @@ def compare_probes(model_dir, fmt: str, prompt_len: int, n_new: int):
     return eng, worst, worst_name, seq, margins, logit_err
 
 
+def assert_matches_reference(model_dir, fmt: str, prompt_len: int, n_new: int, label: str) -> None:
+    eng, worst, where, seq, margins, err = compare_probes(model_dir, fmt, prompt_len, n_new)
+    print(f"{label} {fmt}: min probe cosine {worst:.6f} at {where}; max |logit diff| {max(err):.3e}")
+    assert worst >= COS_MIN[fmt], f"probe cosine {worst} < {COS_MIN[fmt]} at {where}"
+    check_greedy(eng, seq, prompt_len, margins, err)
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_tiny_engine_matches_reference(tiny_dir, fmt):
-    eng, worst, where, seq, margins, err = compare_probes(tiny_dir, fmt, prompt_len=7, n_new=9)
-    print(f"tiny {fmt}: min probe cosine {worst:.6f} at {where}; max |logit diff| {max(err):.3e}")
-    assert worst >= COS_MIN[fmt], f"probe cosine {worst} < {COS_MIN[fmt]} at {where}"
-    check_greedy(eng, seq, 7, margins, err)
+    assert_matches_reference(tiny_dir, fmt, prompt_len=7, n_new=9, label="tiny")
 
 
 def check_greedy(eng, seq, prompt_len, margins, logit_err):
@@ -126,10 +130,7 @@ def check_greedy(eng, seq, prompt_len, margins, logit_err):
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_llama1b_engine_matches_reference(llama1b_dir, fmt):
-    eng, worst, where, seq, margins, err = compare_probes(llama1b_dir, fmt, prompt_len=5, n_new=4)
-    print(f"llama-3.2-1b synthetic {fmt}: min probe cosine {worst:.6f} at {where}; max |logit diff| {max(err):.3e}")
-    assert worst >= COS_MIN[fmt], f"probe cosine {worst} < {COS_MIN[fmt]} at {where}"
-    check_greedy(eng, seq, 5, margins, err)
+    assert_matches_reference(llama1b_dir, fmt, prompt_len=5, n_new=4, label="llama-3.2-1b synthetic")
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
