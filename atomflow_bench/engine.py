@@ -92,10 +92,6 @@ class Engine:
         a["cur_token"].set(ids[:1])
         self._prompt_len = int(ids.size)
 
-    def position(self) -> int:
-        self.stream.synchronize()
-        return int(self.arena["pos"].get()[0])
-
     # ---- running steps -------------------------------------------------------------------------
     def step_eager(self, taps: bool = False) -> dict | None:
         out = {} if taps else None

@@ -83,13 +83,10 @@ class KernelLib:
                 self._file_of[name] = f
         self._modules: dict[Path, object] = {}
         self._kernels: dict[str, object] = {}
-        # experiment knobs for A/B runs, e.g. ATOMFLOW_KERNEL_DEFINES="GEMV_X_F32=0 GEMV_PIPELINE=1"
+        # extra -D macros for A/B experiments (ATOMFLOW_KERNEL_DEFINES="NAME=VALUE ..."), recorded in run results
         self.defines = tuple(os.environ.get("ATOMFLOW_KERNEL_DEFINES", "").split())
         self.options = (self.OPTIONS + tuple(f"-D{d}" for d in self.defines)
                         + tuple(f"-I{d}" for d in cuda_include_dirs()))
-
-    def names(self) -> list[str]:
-        return sorted(self._file_of)
 
     def module(self, path: Path):
         import cupy

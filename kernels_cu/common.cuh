@@ -84,8 +84,7 @@ __device__ __forceinline__ float rms_inv(const float* __restrict__ h, float eps,
 }
 
 // RMSNorm(h) * w exactly as HF computes it for an fp16 model: normalise in fp32, round to fp16, multiply
-// by the fp16 weight (product rounded to fp16). rmsnorm_elem is that value as fp32 (exact: GEMV prologues
-// keep x in fp32 shared memory so the dot products need no conversion).
+// by the fp16 weight (product rounded to fp16). Used by the final-norm kernel and the GEMV prologues.
 __device__ __forceinline__ float rmsnorm_elem(float h, float inv, __half w) {
   return __half2float(__hmul(__float2half(h * inv), w));
 }
