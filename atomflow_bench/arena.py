@@ -20,6 +20,7 @@ ALIGN = 256
 POOLS = ("weights", "kv", "activations", "scratch")
 ATT_CHUNK = 32          # positions per attention split (kernels_cu/attention.cu ATT_CHUNK)
 ARGMAX_THREADS = 1024   # block size of argmax_advance
+LAYER_TABLE_FIELDS = 16  # pointers per layer in the persistent kernel's table (decode_layers.cu LayerW)
 RESERVE = 512 << 20     # VRAM left free for the CUDA context, CuPy and load-time staging slack
 
 
@@ -125,7 +126,16 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> Are
     p.add("scratch", "prompt", (max_seq,), np.int32)
     p.add("scratch", "out_tokens", (max_seq,), np.int32)
     p.add("scratch", "rope_cs", (max_seq, cfg.head_dim // 2, 2), np.float32)
+    # the persistent decode kernel (decode_layers.cu): per-layer pointer table, grid-barrier counter, and
+    # the validation probes it writes only when asked (embed + per layer q|k|v, attn_out, h, act, h)
+    p.add("scratch", "layer_table", (L, LAYER_TABLE_FIELDS), np.uint64)
+    p.add("scratch", "step_sync", (1,), np.uint32)
+    p.add("scratch", "probes", (H + L * probe_floats_per_layer(cfg),), np.float32)
     return p
+
+
+def probe_floats_per_layer(cfg: ModelConfig) -> int:
+    return cfg.qkv_dim + cfg.q_dim + 2 * cfg.hidden_size + cfg.intermediate_size
 
 
 class Arena:

@@ -14,7 +14,7 @@ import numpy as np
 from .arena import Arena, plan_arena
 from .errors import AtomflowError, GpuUnavailable
 from .kernels import KernelLib
-from .step import build_step, run_eager
+from .step import STEP_MODES, build_step, fused_supported, layer_table, run_eager
 from .weights import Checkpoint, upload_weights
 
 
@@ -48,7 +48,7 @@ def gpu_info() -> dict:
 
 class Engine:
     def __init__(self, model_dir: str | Path, weights: str = "fp8", max_seq: int = 2048, progress=None,
-                 pdl: bool | None = None):
+                 pdl: bool | None = None, step: str | None = None):
         cupy = require_gpu()
         self.ckpt = Checkpoint(model_dir)
         self.cfg = self.ckpt.config
@@ -60,7 +60,19 @@ class Engine:
         self.lib.compile_all()                     # NVRTC (or CuPy's cache) before anything is timed
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)
-        self.launches = build_step(self.cfg, weights, self.arena, self.lib, self.gpu["sms"])
+        # Step form (step.py STEP_MODES): the persistent fused kernel where an instance exists, else split;
+        # `step` or ATOMFLOW_STEP chooses explicitly (A/B measurements, tests of both forms).
+        step = step or os.environ.get("ATOMFLOW_STEP") or ("split" if fused_supported(self.cfg) else "fused")
+        if step not in STEP_MODES:
+            raise AtomflowError(f"unknown step mode {step!r} (expected one of {', '.join(STEP_MODES)})")
+        self.step_mode = step
+        if step == "fused":
+            self.arena["layer_table"].set(layer_table(self.cfg, weights, self.arena))
+        sms = self.gpu["sms"]
+        self.launches = build_step(self.cfg, weights, self.arena, self.lib, sms, step)
+        # the launches that also expose every probe (validation, tests): the fused kernel writes them only here
+        self.tap_launches = (build_step(self.cfg, weights, self.arena, self.lib, sms, step, probes=True)
+                             if step == "fused" else self.launches)
         # Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it
         # prefetches weights and waits (griddepcontrol.wait) before touching the predecessor's outputs.
         # ATOMFLOW_PDL=0 turns it off (A/B measurements).
@@ -68,8 +80,9 @@ class Engine:
             pdl = float(self.gpu["cc"]) >= 9.0 and os.environ.get("ATOMFLOW_PDL", "1") != "0"
         self.pdl = bool(pdl)
         if self.pdl:
-            for ln in self.launches[1:]:
-                ln.enable_pdl()
+            for launches in {id(self.launches): self.launches, id(self.tap_launches): self.tap_launches}.values():
+                for ln in launches[1:]:
+                    ln.enable_pdl()
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._graph = None
         self._prompt_len = 0
@@ -96,7 +109,7 @@ class Engine:
     def step_eager(self, taps: bool = False) -> dict | None:
         out = {} if taps else None
         with self.stream:
-            run_eager(self.launches, out)
+            run_eager(self.tap_launches if taps else self.launches, out)
         return out
 
     @property

@@ -2,7 +2,13 @@
 
 The step reads the current token and position from device memory and leaves the next ones there, so the
 same list runs eagerly (`run_eager`, optionally copying probes out after each launch) or is captured once
-into a CUDA Graph (graph.py). Per layer, 5 launches:
+into a CUDA Graph (graph.py). Two forms of the same math (`STEP_MODES`):
+
+"fused" (default where supported): 3 launches per step. decode_layers.cu runs the embedding and every
+layer in ONE persistent cooperative kernel (the five phases below separated by grid barriers, the next
+phase's weights already streaming before each barrier), then lm_head and argmax.
+
+"split": the per-op kernels, per layer 5 launches:
 
     gemv  QKV      RMSNorm prologue (input_layernorm), q|k|v rows stacked; epilogue: RoPE on q and k,
                    k and v appended to the cache at pos                        -> qkv (fp16)
@@ -21,14 +27,21 @@ import math
 
 import numpy as np
 
-from .arena import ARGMAX_THREADS, ATT_CHUNK, Arena, linear_regions
+from .arena import ARGMAX_THREADS, ATT_CHUNK, LAYER_TABLE_FIELDS, Arena, linear_regions, probe_floats_per_layer
 from .config import ModelConfig
 from .errors import AtomflowError
-from .kernels import KernelLib, Launch
+from .kernels import KernelLib, Launch, resident_blocks_per_sm
 
 GEMV_THREADS = 256
 GEMV_BLOCKS_PER_SM = 4  # = GEMV_MIN_BLOCKS in gemv_common.cuh: the grid never exceeds one resident wave
 ATT_THREADS = 128
+PK_THREADS = 256          # decode_layers.cu block size
+PK_MAX_BLOCKS_PER_SM = 2  # = PK_MIN_BLOCKS there (sm_89/90); the occupancy query decides the actual count
+PK_GROUPS = (1, 2, 3, 4)  # q heads per kv head with a persistent instance (G = 8: the split step)
+STEP_MODES = ("fused", "split")
+# decode_layers.cu struct LayerW, in order (scales are 0 for fp16 weights)
+LAYER_FIELDS = ("wqkv", "wqkv.scale", "attn_norm", "wo", "wo.scale", "wgu", "wgu.scale", "mlp_norm", "wd", "wd.scale",
+                "k_cache", "v_cache", "att_counters")
 SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on sm_90 (sm_89: 99 KB; only limits residency)
 NULL = np.uint64(0)
 
@@ -117,12 +130,90 @@ def argmax_launch(lib: KernelLib, logits, part_val, part_idx, counter, pos, cur_
                   0, {}, logits.nbytes)
 
 
+def fused_supported(cfg: ModelConfig) -> str | None:
+    """None when the persistent kernel has an instance for this shape, else the reason it has not."""
+    if cfg.group_size not in PK_GROUPS:
+        return f"{cfg.group_size} q heads per kv head (decode_layers.cu instances: {PK_GROUPS})"
+    return None
+
+
+def layer_table(cfg: ModelConfig, fmt: str, a: Arena) -> np.ndarray:
+    """The device pointers of every layer's weights / caches, in decode_layers.cu LayerW order."""
+    t = np.zeros((cfg.num_hidden_layers, LAYER_TABLE_FIELDS), np.uint64)
+    for i in range(cfg.num_hidden_layers):
+        for j, f in enumerate(LAYER_FIELDS):
+            if f.endswith(".scale") and fmt != "fp8":
+                continue
+            view = {"k_cache": a["k_cache"][i], "v_cache": a["v_cache"][i],
+                    "att_counters": a["att_counters"][i]}.get(f)
+            t[i, j] = (view if view is not None else a[f"L{i}.{f}"]).data.ptr
+    return t
+
+
+def probe_views(cfg: ModelConfig, probes) -> dict:
+    """Named views of the persistent kernel's probe buffer (layout: decode_layers.cu header)."""
+    H, q, kv, I = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+    P = probe_floats_per_layer(cfg)
+    taps = {"embed": probes[:H]}
+    for i in range(cfg.num_hidden_layers):
+        b, p = H + i * P, f"layers.{i}."
+        taps.update({p + "q": probes[b:b + q], p + "k": probes[b + q:b + q + kv],
+                     p + "v": probes[b + q + kv:b + q + 2 * kv], p + "attn_out": probes[b + q + 2 * kv:b + 2 * q + 2 * kv]})
+        b += 2 * q + 2 * kv
+        taps.update({p + "attn": probes[b:b + H], p + "act": probes[b + H:b + H + I],
+                     p + "mlp": probes[b + H + I:b + 2 * H + I]})
+    return taps
+
+
+def fused_launch(lib: KernelLib, cfg: ModelConfig, fmt: str, a: Arena, n_sm: int, probes: bool = False) -> Launch:
+    """The persistent decode_layers kernel over the whole model (cooperative: every block co-resident)."""
+    why = fused_supported(cfg)
+    if why:
+        raise AtomflowError(f"no persistent decode kernel for {why}; use the split step")
+    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    fn = lib[f"decode_layers_{'f8' if fmt == 'fp8' else 'f16'}_hd{hd}_g{cfg.group_size}"]
+    splits = a["att_ml"].shape[1]
+    gemv_smem = max(H, cfg.q_dim, I) * 2 + 128
+    pk_attention = 4 * (cfg.group_size * ATT_CHUNK + (PK_THREADS // (hd // 8)) * cfg.group_size * hd)
+    if splits > (PK_THREADS // (hd // 8)) * hd:
+        raise AtomflowError(f"{splits} attention splits exceed the persistent kernel's shared-memory plan")
+    shmem = max(gemv_smem, pk_attention)
+    per_sm = min(PK_MAX_BLOCKS_PER_SM, resident_blocks_per_sm(fn, PK_THREADS, shmem))
+    if per_sm < 1:
+        raise AtomflowError(f"decode_layers kernel does not fit on an SM ({shmem} bytes of shared memory)")
+    P = a["probes"]
+    moved = sum(a[f"L{i}.{f}"].nbytes for i in range(cfg.num_hidden_layers)
+                for f in ("wqkv", "wo", "wgu", "wd", "attn_norm", "mlp_norm")
+                + (("wqkv.scale", "wo.scale", "wgu.scale", "wd.scale") if fmt == "fp8" else ()))
+    taps = dict(probe_views(cfg, P)) if probes else {}
+    if probes:
+        taps["final_norm"] = a["xnorm"]
+    return Launch(fn, "decode_layers", (n_sm * per_sm,), (PK_THREADS,),
+                  (a["layer_table"], i32(cfg.num_hidden_layers), a["cur_token"], a["embed"], a["rope_cs"], a["pos"],
+                   a["h"], a["qkv"], a["attn_out"], a["act"], a["xnorm"], a["final_norm"], a["att_ml"], a["att_o"],
+                   i32(splits), a["step_sync"], P if probes else NULL, i32(H), i32(I), i32(cfg.num_attention_heads),
+                   i32(cfg.num_key_value_heads), np.float32(cfg.rms_norm_eps), np.float32(1.0 / math.sqrt(hd))),
+                  shmem, taps, moved, f"decode_layers {fmt} x{cfg.num_hidden_layers} (persistent)", cooperative=True)
+
+
 # ---- the step --------------------------------------------------------------------------------------------
 
-def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int) -> list[Launch]:
+def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, mode: str = "split",
+               probes: bool = False) -> list[Launch]:
+    """The step's launches; mode "fused" (persistent layers kernel) or "split" (per-op kernels). probes:
+    fused mode writes every layer's probes (validation; the split step always exposes them as taps)."""
+    if mode not in STEP_MODES:
+        raise AtomflowError(f"unknown step mode {mode!r} (expected one of {', '.join(STEP_MODES)})")
+    head = a["embed" if cfg.tie_word_embeddings else "lm_head"]
+    tail = [gemv_launch(lib, "fp16", "f32", head, None, a["xnorm"], a["logits"], cfg.vocab_size, cfg.hidden_size,
+                        n_sm, taps={"logits": a["logits"]}, role="lm_head"),
+            argmax_launch(lib, a["logits"], a["am_val"], a["am_idx"], a["am_counter"], a["pos"], a["cur_token"],
+                          a["prompt"], a["prompt_len"], a["out_tokens"])]
+    if mode == "fused":
+        return [fused_launch(lib, cfg, fmt, a, n_sm, probes)] + tail
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_norm_eps
-    h, qkv, attn_out, act, xnorm, logits = (a[n] for n in ("h", "qkv", "attn_out", "act", "xnorm", "logits"))
+    h, qkv, attn_out, act, xnorm = (a[n] for n in ("h", "qkv", "attn_out", "act", "xnorm"))
     rows = linear_regions(cfg)
 
     def gemv(weight, variant, x, y, n_out, k, **kw):
@@ -145,15 +236,8 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int) 
             gemv(f"L{i}.wgu", "norm_swiglu", h, act, I, H, norm_w=a[f"L{i}.mlp_norm"], taps={p + "act": act}),
             gemv(f"L{i}.wd", "resid", act, h, H, I, taps={p + "mlp": h}),
         ]
-    head = a["embed" if cfg.tie_word_embeddings else "lm_head"]
-    steps += [
-        rmsnorm_launch(lib, h, a["final_norm"], eps, xnorm, taps={"final_norm": xnorm}),
-        gemv_launch(lib, "fp16", "f32", head, None, xnorm, logits, cfg.vocab_size, H, n_sm, taps={"logits": logits},
-                    role="lm_head"),
-        argmax_launch(lib, logits, a["am_val"], a["am_idx"], a["am_counter"], a["pos"], a["cur_token"], a["prompt"],
-                      a["prompt_len"], a["out_tokens"]),
-    ]
-    return steps
+    steps.append(rmsnorm_launch(lib, h, a["final_norm"], eps, xnorm, taps={"final_norm": xnorm}))
+    return steps + tail
 
 
 def run_eager(launches: list[Launch], taps: dict | None = None) -> None:

@@ -61,6 +61,25 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
   return r;
 }
 
+// 16-byte load of data written during the same kernel (activations, the KV row just appended): L2 only
+// (.cg), never through L1 or the read-only path, which are not coherent across SMs.
+__device__ __forceinline__ uint4 ld_cg16(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+
+// Warp-collective prefetch of `bytes` (multiple of 16, 16-byte aligned) at p into L2: one bulk (TMA)
+// prefetch by lane 0 on sm_90+, one prefetch per 128-byte line spread over the lanes below. Fire and
+// forget: no registers are held while the bytes arrive.
+__device__ __forceinline__ void l2_prefetch_warp(const void* p, unsigned int bytes) {
+  if (bytes == 0) return;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x % AF_WARP == 0)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+#else
+  const char* c = static_cast<const char*>(p);
+  for (unsigned int off = (threadIdx.x % AF_WARP) * 128u; off < bytes; off += AF_WARP * 128u)
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(c + off));
+#endif
+}
+
 __device__ __forceinline__ float2 h2_to_f2(unsigned int u) {
   __half2 h = *reinterpret_cast<__half2*>(&u);
   return __half22float2(h);
@@ -73,11 +92,12 @@ __device__ __forceinline__ float2 e4m3x2_to_f2(unsigned short u) {
   return __half22float2(h);
 }
 
-// 1 / RMS of the fp32 residual h[K] (K % 4 == 0), every thread of the block gets it.
-__device__ __forceinline__ float rms_inv(const float* __restrict__ h, float eps, int K, float* red) {
+// 1 / RMS of the fp32 residual h[K] (K % 4 == 0), every thread of the block gets it. h is read through
+// L2 (.cg): inside the persistent decode kernel other blocks wrote it moments ago.
+__device__ __forceinline__ float rms_inv(const float* h, float eps, int K, float* red) {
   float ss = 0.f;
   for (int k = threadIdx.x * 4; k < K; k += blockDim.x * 4) {
-    float4 v = *reinterpret_cast<const float4*>(h + k);
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(h + k));
     ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
   }
   return rsqrtf(block_sum(ss, red) / (float)K + eps);
@@ -89,8 +109,41 @@ __device__ __forceinline__ float rmsnorm_elem(float h, float inv, __half w) {
   return __half2float(__hmul(__float2half(h * inv), w));
 }
 
-__device__ __forceinline__ void rmsnorm_to_half(const float* __restrict__ h, const __half* __restrict__ w,
-                                                float eps, int K, __half* out, float* red) {
+__device__ __forceinline__ void rmsnorm_to_half(const float* h, const __half* __restrict__ w, float eps, int K,
+                                                __half* out, float* red) {
   const float inv = rms_inv(h, eps, K, red);
-  for (int k = threadIdx.x; k < K; k += blockDim.x) out[k] = __float2half(rmsnorm_elem(h[k], inv, w[k]));
+  for (int k = threadIdx.x; k < K; k += blockDim.x) out[k] = __float2half(rmsnorm_elem(__ldcg(h + k), inv, w[k]));
 }
+
+// Phase synchronisation, used by the phase device functions (gemv_common.cuh, attention_common.cuh) between
+// issuing their weight loads (independent of the previous phase) and reading the previous phase's output.
+//   PdlSync:     standalone kernels; wait for the predecessor kernel (programmatic dependent launch).
+//   GridBarrier: the persistent decode kernel (decode_layers.cu); every block arrives, then waits until all
+//                gridDim.x blocks have arrived. One monotonically increasing counter per step; the kernel
+//                resets it at its end (all blocks co-resident: cooperative launch).
+struct PdlSync {
+  __device__ __forceinline__ void arrive_wait() const {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
+};
+
+struct GridBarrier {
+  unsigned int* counter;
+  unsigned int phase;  // barriers passed so far in this launch, this one included
+  __device__ __forceinline__ void arrive_wait() const {
+    const unsigned int target = phase * gridDim.x;
+    __syncthreads();  // every thread of this block has finished the previous phase
+    if (threadIdx.x == 0) {
+      __threadfence();  // release this block's writes at GPU scope
+      atomicAdd(counter, 1u);
+      unsigned int seen, spins = 0;
+      do {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+        if (++spins == (1u << 26)) __trap();  // seconds without progress: a bug, fail loudly instead of hanging
+      } while (seen < target);
+      __threadfence();
+    }
+    __syncthreads();
+  }
+};

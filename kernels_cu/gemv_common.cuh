@@ -92,32 +92,59 @@ __device__ __forceinline__ size_t gemv_row(int o, int r, int n_out, int half_d) 
   return (size_t)o;
 }
 
-template <class WF, int PRO, int EPI>
-__device__ __forceinline__ void gemv_impl(const unsigned char* __restrict__ W, const float* __restrict__ scales,
-                                          const void* __restrict__ x, const __half* __restrict__ norm_w,
-                                          float eps, void* __restrict__ y, int n_out, int K,
-                                          const RopeArgs rope) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+// One GEMV's operands (unused ones 0). x: const float* (fp32 residual) with PRO_NORM, else const half*.
+struct GemvArgs {
+  const unsigned char* W;
+  const float* scales;
+  const void* x;
+  const __half* norm_w;
+  float eps;
+  void* y;
+  int n_out, K;
+};
+
+// Prefetch into L2 the first `cap` bytes (split over the R rows) of output o's weight rows, from byte
+// `from` of each row on. Used by the persistent kernel to keep DRAM busy across phase boundaries.
+template <int R, int EPI>
+__device__ __forceinline__ void gemv_l2_prefetch(const GemvArgs& a, int o, int half_d, size_t row_bytes,
+                                                 unsigned int from, unsigned int cap) {
+  if (cap == 0 || o >= a.n_out || from >= row_bytes) return;
+  const unsigned int n = (unsigned int)min((size_t)(cap / R) & ~15u, row_bytes - from);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    l2_prefetch_warp(a.W + gemv_row<EPI>(o, r, a.n_out, half_d) * row_bytes + from, n);
+}
+
+// The GEMV as one phase: every warp of the grid owns outputs gw, gw + n_warps, ... . The first batch of
+// the warp's weight loads is issued before sync.arrive_wait() (weights never depend on the previous
+// phase); then the prologue stages x in shared memory and the warp walks its outputs. PF > 0: also
+// prefetch into L2 the rest of the first output's rows before the sync and, while computing output o,
+// up to PF bytes of output o + n_warps.
+template <class WF, int PRO, int EPI, int LOADS, int PF, class Sync>
+__device__ __forceinline__ void gemv_phase(const GemvArgs a, const RopeArgs rope, const Sync sync,
+                                           unsigned char* smem_raw) {
+  const int K = a.K, n_out = a.n_out;
   __half* xs = reinterpret_cast<__half*>(smem_raw);
   float* red = reinterpret_cast<float*>(smem_raw + ((K * sizeof(__half) + 15) & ~15));
 
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;  // weight rows per output
-  constexpr int U = GEMV_LOADS / R;                                   // chunks per row per iteration
+  constexpr int U = LOADS / R;                                        // chunks per row per iteration
   constexpr int BYTES_PER_W = 16 / WF::PER_CHUNK;
   const int lane = threadIdx.x % AF_WARP;
   const int nwarps = blockDim.x / AF_WARP;
+  const int stride = gridDim.x * nwarps;
   const int nchunks = K / WF::PER_CHUNK;
   const int ngroups = (K + 127) >> 7;
   const int half_d = EPI == EPI_ROPE ? rope.hd / 2 : 1;
   const size_t row_bytes = (size_t)K * BYTES_PER_W;
 
-  // Prefetch the first iteration's weights of this warp's first output, then run the prologue.
+  // Prefetch the first iteration's weights of this warp's first output, then sync and run the prologue.
   int o = blockIdx.x * nwarps + threadIdx.x / AF_WARP;
   uint4 wv[R][U];
   if (o < n_out) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const unsigned char* wrow = W + gemv_row<EPI>(o, r, n_out, half_d) * row_bytes;
+      const unsigned char* wrow = a.W + gemv_row<EPI>(o, r, n_out, half_d) * row_bytes;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int c = lane + u * AF_WARP;
@@ -125,26 +152,27 @@ __device__ __forceinline__ void gemv_impl(const unsigned char* __restrict__ W, c
       }
     }
   }
-  pdl_wait();  // weights above may be read early; x / h / pos only after the predecessor finished
-  pdl_launch_dependents();
+  if (PF > 0) gemv_l2_prefetch<R, EPI>(a, o, half_d, row_bytes, U * AF_WARP * 16, 1u << 30);
+  sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous phase is done
   if (PRO == PRO_NORM) {
-    rmsnorm_to_half(reinterpret_cast<const float*>(x), norm_w, eps, K, xs, red);
+    rmsnorm_to_half(reinterpret_cast<const float*>(a.x), a.norm_w, a.eps, K, xs, red);
   } else {
-    const uint4* src = reinterpret_cast<const uint4*>(x);
-    for (int i = threadIdx.x; i < K / 8; i += blockDim.x) reinterpret_cast<uint4*>(xs)[i] = src[i];
+    const __half* src = reinterpret_cast<const __half*>(a.x);
+    for (int i = threadIdx.x; i < K / 8; i += blockDim.x) reinterpret_cast<uint4*>(xs)[i] = ld_cg16(src + 8 * i);
   }
   __syncthreads();
 
   bool prefetched = true;
-  for (; o < n_out; o += gridDim.x * nwarps) {
+  for (; o < n_out; o += stride) {
+    if (PF > 0) gemv_l2_prefetch<R, EPI>(a, o + stride, half_d, row_bytes, 0, PF);
     const unsigned char* wrow[R];
     const float* srow[R];
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const size_t row = gemv_row<EPI>(o, r, n_out, half_d);
-      wrow[r] = W + row * row_bytes;
-      srow[r] = scales ? scales + row * ngroups : nullptr;
+      wrow[r] = a.W + row * row_bytes;
+      srow[r] = a.scales ? a.scales + row * ngroups : nullptr;
       acc[r] = 0.f;
     }
     for (int c0 = lane; c0 < nchunks; c0 += AF_WARP * U) {
@@ -172,16 +200,17 @@ __device__ __forceinline__ void gemv_impl(const unsigned char* __restrict__ W, c
 
     if (lane == 0) {
       if (EPI == EPI_STORE) {
-        reinterpret_cast<__half*>(y)[o] = __float2half(acc[0]);
+        reinterpret_cast<__half*>(a.y)[o] = __float2half(acc[0]);
       } else if (EPI == EPI_F32) {
-        reinterpret_cast<float*>(y)[o] = acc[0];
+        reinterpret_cast<float*>(a.y)[o] = acc[0];
       } else if (EPI == EPI_RESID) {
-        reinterpret_cast<float*>(y)[o] += acc[0];
+        float* hp = reinterpret_cast<float*>(a.y) + o;
+        *hp = __ldcg(hp) + acc[0];
       } else if (EPI == EPI_SWIGLU) {  // HF rounds gate and up to fp16, then silu(gate) * up in fp16
         const float g = __half2float(__float2half(acc[0]));
         const float u = __half2float(__float2half(acc[R - 1]));
         const float s = __half2float(__float2half(g / (1.f + __expf(-g))));
-        reinterpret_cast<__half*>(y)[o] = __float2half(s * u);
+        reinterpret_cast<__half*>(a.y)[o] = __float2half(s * u);
       } else {  // EPI_ROPE: rows i and i + hd/2 of head `head`; the projection is rounded to fp16 first (HF)
         const int head = o / half_d, i = o % half_d;
         float x0 = __half2float(__float2half(acc[0])), x1 = __half2float(__float2half(acc[R - 1]));
@@ -193,7 +222,7 @@ __device__ __forceinline__ void gemv_impl(const unsigned char* __restrict__ W, c
           x1 = r1;
         }
         const __half h0 = __float2half(x0), h1 = __float2half(x1);
-        __half* out = reinterpret_cast<__half*>(y) + (size_t)head * rope.hd + i;
+        __half* out = reinterpret_cast<__half*>(a.y) + (size_t)head * rope.hd + i;
         out[0] = h0;
         out[half_d] = h1;
         if (head >= rope.n_q) {
@@ -212,7 +241,10 @@ __device__ __forceinline__ void gemv_impl(const unsigned char* __restrict__ W, c
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
   NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
        const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
-    gemv_impl<WF, PRO, EPI>(W, scales, x, norm_w, eps, y, n_out, K, RopeArgs{});                         \
+    extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
+    PdlSync sync;                                                                                         \
+    gemv_phase<WF, PRO, EPI, GEMV_LOADS, 0>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, \
+                                            sync, smem_raw);                                              \
   }
 
 // The QKV projection with RoPE and the KV-cache append in its epilogue.
@@ -222,6 +254,9 @@ __device__ __forceinline__ void gemv_impl(const unsigned char* __restrict__ W, c
        const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K,              \
        const float2* __restrict__ cos_sin, const int* __restrict__ pos, __half* __restrict__ k_cache,     \
        __half* __restrict__ v_cache, int n_q, int n_kv, int hd) {                                        \
-    gemv_impl<WF, PRO_NORM, EPI_ROPE>(W, scales, x, norm_w, eps, y, n_out, K,                            \
-                                      RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd});         \
+    extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
+    PdlSync sync;                                                                                         \
+    gemv_phase<WF, PRO_NORM, EPI_ROPE, GEMV_LOADS, 0>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},     \
+                                                      RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}, \
+                                                      sync, smem_raw);                                    \
   }

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, benchmarks. Prints a short table last; full logs/JSON under $OUT.
-#   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench validate peers (default: all)
+#   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench bench-ab bench-step knobs profile gemv
+#                                       validate evidence attention (default: info kernels engine bench)
+#   BENCH_SPECS="model:fmt ..."  CTX=128  KNOBS="DEF=V,DEF=V ..." (knobs: fused-kernel -D variants, 3B fp8)
 set -uo pipefail
 FINAL=${OUT:-/tmp/atomflow-out}; OUT=$(mktemp -d); mkdir -p "$FINAL"   # logs go to $OUT, bundled into $FINAL
 export PYTHONUNBUFFERED=1 ATOMFLOW_HOME=${ATOMFLOW_HOME:-/tmp/atomflow-home}
@@ -19,10 +21,10 @@ for st in $stages; do
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
       python3 -c "import cupy; print('cupy', cupy.__version__)" ;;
     kernels)
-      python3 -m pytest -q -x tests/test_kernels_gpu.py -p no:cacheprovider >"$OUT/kernels.log" 2>&1
+      timeout 400 python3 -m pytest -q -x tests/test_kernels_gpu.py -p no:cacheprovider >"$OUT/kernels.log" 2>&1
       note "kernels: rc=$? $(tail -1 "$OUT/kernels.log")" ;;
     engine)
-      python3 -m pytest -q tests/test_engine_gpu.py -p no:cacheprovider -s >"$OUT/engine.log" 2>&1
+      timeout 400 python3 -m pytest -q tests/test_engine_gpu.py -p no:cacheprovider -s >"$OUT/engine.log" 2>&1
       note "engine: rc=$? $(tail -1 "$OUT/engine.log")" ;;
     bench|bench-ab)   # bench-ab: also each run with programmatic dependent launch off
       pdls="1"; [ "$st" = bench-ab ] && pdls="0 1"
@@ -34,6 +36,23 @@ for st in $stages; do
             --json "$OUT/run-$tag.json" >"$OUT/run-$tag.log" 2>&1
           note "run $tag: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
         done
+      done ;;
+    bench-step)   # A/B of the two step forms (persistent fused kernel vs per-op kernels), same call
+      for spec in ${BENCH_SPECS:-"llama-3.2-3b:fp8" "llama-3.2-3b:fp16" "llama-3.2-1b:fp16"}; do
+        m=${spec%%:*}; w=${spec##*:}
+        for sm in split fused; do
+          tag="$m-$w-$sm"
+          timeout 240 atomflow-bench run "$m" --weights "$w" --ctx "${CTX:-128}" --tokens 256 --repeats 5 --step $sm \
+            --json "$OUT/run-$tag.json" >"$OUT/run-$tag.log" 2>&1
+          note "run $tag: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
+        done
+      done ;;
+    knobs)   # fused-kernel compile-time variants on 3B fp8 (ATOMFLOW_KERNEL_DEFINES), e.g. KNOBS="PK_PF_BYTES=0"
+      for k in ${KNOBS:-PK_PF_BYTES=0}; do
+        tag="knob-${k//[=,]/_}"
+        ATOMFLOW_KERNEL_DEFINES="${k//,/ }" timeout 240 atomflow-bench run llama-3.2-3b --weights fp8 --step fused \
+          --json "$OUT/run-$tag.json" >"$OUT/run-$tag.log" 2>&1
+        note "run $tag: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
       done ;;
     profile)
       for w in fp8 fp16; do
