@@ -139,12 +139,10 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     ml[0] = s_m[threadIdx.x];
     ml[1] = s_l[threadIdx.x];
   }
-  __threadfence();
+  __syncthreads();  // all partials of this block written; thread 0's acq_rel ticket publishes them
+  if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(counters + j, 1u) == (unsigned int)n_splits - 1;
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counters + j, 1u) == (unsigned int)n_splits - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!last) return;  // the last block acquired every other block's partials through its ticket
 
   // ---- combine (last block of kv head j): weights exp(m_s - M) / sum_s l_s exp(m_s - M) ----
   float* coef = acc;  // P.V partials are written out; reuse their shared memory

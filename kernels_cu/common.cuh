@@ -128,6 +128,23 @@ struct PdlSync {
   }
 };
 
+// GPU-scope release/acquire primitives (the CUTLASS generic-barrier pattern: __syncthreads() orders the
+// block's writes before thread 0's release; thread 0's acquire then __syncthreads() orders the reads).
+// They replace __threadfence() (fence.sc.gpu), which costs far more per barrier.
+__device__ __forceinline__ void red_add_release_gpu(unsigned int* p, unsigned int v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned int atom_add_acq_rel_gpu(unsigned int* p, unsigned int v) {
+  unsigned int old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ unsigned int ld_acquire_gpu(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 struct GridBarrier {
   unsigned int* counter;
   unsigned int phase;  // barriers passed so far in this launch, this one included
@@ -135,14 +152,10 @@ struct GridBarrier {
     const unsigned int target = phase * gridDim.x;
     __syncthreads();  // every thread of this block has finished the previous phase
     if (threadIdx.x == 0) {
-      __threadfence();  // release this block's writes at GPU scope
-      atomicAdd(counter, 1u);
-      unsigned int seen, spins = 0;
-      do {
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+      red_add_release_gpu(counter, 1u);
+      unsigned int spins = 0;
+      while (ld_acquire_gpu(counter) < target)
         if (++spins == (1u << 26)) __trap();  // seconds without progress: a bug, fail loudly instead of hanging
-      } while (seen < target);
-      __threadfence();
     }
     __syncthreads();
   }

@@ -34,6 +34,9 @@
 #define GEMV_THREADS 256
 #define GEMV_MIN_BLOCKS 4   // resident blocks per SM the register budget is planned for (<= 64 regs/thread)
 #define GEMV_LOADS 8        // 16-byte loads in flight per lane per iteration (split over the R rows)
+#ifndef GEMV_PF
+#define GEMV_PF 0           // standalone kernels: L2 prefetch look-ahead (gemv_phase PF), off (A/B knob)
+#endif
 
 enum { PRO_PLAIN = 0, PRO_NORM = 1 };
 enum { EPI_STORE = 0, EPI_F32 = 1, EPI_RESID = 2, EPI_SWIGLU = 3, EPI_ROPE = 4 };
@@ -243,7 +246,7 @@ __device__ __forceinline__ void gemv_phase(const GemvArgs a, const RopeArgs rope
        const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     PdlSync sync;                                                                                         \
-    gemv_phase<WF, PRO, EPI, GEMV_LOADS, 0>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, \
+    gemv_phase<WF, PRO, EPI, GEMV_LOADS, GEMV_PF>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, \
                                             sync, smem_raw);                                              \
   }
 
@@ -256,7 +259,7 @@ __device__ __forceinline__ void gemv_phase(const GemvArgs a, const RopeArgs rope
        __half* __restrict__ v_cache, int n_q, int n_kv, int hd) {                                        \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     PdlSync sync;                                                                                         \
-    gemv_phase<WF, PRO_NORM, EPI_ROPE, GEMV_LOADS, 0>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},     \
+    gemv_phase<WF, PRO_NORM, EPI_ROPE, GEMV_LOADS, GEMV_PF>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},     \
                                                       RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}, \
                                                       sync, smem_raw);                                    \
   }

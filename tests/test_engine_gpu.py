@@ -170,6 +170,7 @@ def test_fused_and_split_agree(tiny_dir):
         eng = Engine(tiny_dir, weights="fp16", max_seq=64, step=step)
         eng.reset(seq)
         eng.run(len(seq) - 1, graph=False)
+        eng.stream.synchronize()  # the engine's stream is non-blocking: wait before reading on another
         logits[step] = eng.arena["logits"].get()
         assert int(eng.arena["step_sync"].get()[0]) == 0
     diff = float(np.abs(logits["fused"] - logits["split"]).max())
