@@ -41,6 +41,7 @@ def gpu_info() -> dict:
     name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
     dv, rv = rt.driverGetVersion(), rt.runtimeGetVersion()
     return {"name": name, "cc": f"{p['major']}.{p['minor']}", "sms": int(p["multiProcessorCount"]),
+            "smem_optin": int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev.id)),
             "l2_bytes": int(p["l2CacheSize"]), "memory_bytes": int(p["totalGlobalMem"]),
             "cuda_driver": f"{dv // 1000}.{dv % 1000 // 10}", "cuda_runtime": f"{rv // 1000}.{rv % 1000 // 10}",
             "cupy": cupy.__version__}
@@ -62,17 +63,21 @@ class Engine:
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)
         # Step form (step.py STEP_MODES): the persistent fused kernel where an instance exists, else split;
         # `step` or ATOMFLOW_STEP chooses explicitly (A/B measurements, tests of both forms).
-        step = step or os.environ.get("ATOMFLOW_STEP") or ("split" if fused_supported(self.cfg) else "fused")
+        step = step or os.environ.get("ATOMFLOW_STEP") or ("split" if fused_supported(self.cfg, self.gpu["cc"])
+                                                           else "fused")
         if step not in STEP_MODES:
             raise AtomflowError(f"unknown step mode {step!r} (expected one of {', '.join(STEP_MODES)})")
         self.step_mode = step
         if step == "fused":
+            why = fused_supported(self.cfg, self.gpu["cc"])
+            if why:
+                raise AtomflowError(f"no persistent decode kernel for {why}; use the split step")
             self.arena["layer_table"].set(layer_table(self.cfg, weights, self.arena))
-        sms = self.gpu["sms"]
-        self.launches = build_step(self.cfg, weights, self.arena, self.lib, sms, step)
+        sms, smem = self.gpu["sms"], self.gpu["smem_optin"]
+        self.launches = build_step(self.cfg, weights, self.arena, self.lib, sms, step, smem_optin=smem)
         # the launches that also expose every probe (validation, tests): the fused kernel writes them only here
-        self.tap_launches = (build_step(self.cfg, weights, self.arena, self.lib, sms, step, probes=True)
-                             if step == "fused" else self.launches)
+        self.tap_launches = (build_step(self.cfg, weights, self.arena, self.lib, sms, step, probes=True,
+                                        smem_optin=smem) if step == "fused" else self.launches)
         # Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it
         # prefetches weights and waits (griddepcontrol.wait) before touching the predecessor's outputs.
         # ATOMFLOW_PDL=0 turns it off (A/B measurements).

@@ -35,9 +35,10 @@ from .kernels import KernelLib, Launch, resident_blocks_per_sm
 GEMV_THREADS = 256
 GEMV_BLOCKS_PER_SM = 4  # = GEMV_MIN_BLOCKS in gemv_common.cuh: the grid never exceeds one resident wave
 ATT_THREADS = 128
-PK_THREADS = 256          # decode_layers.cu block size
-PK_MAX_BLOCKS_PER_SM = 2  # = PK_MIN_BLOCKS there (sm_89/90); the occupancy query decides the actual count
-PK_GROUPS = (1, 2, 3, 4)  # q heads per kv head with a persistent instance (G = 8: the split step)
+PK_CONSUMERS = 8                 # decode_layers.cu consumer warps (+ 1 producer warp)
+PK_THREADS = (PK_CONSUMERS + 1) * 32
+PK_GROUPS = (1, 2, 3, 4)         # q heads per kv head with a persistent instance (G = 8: the split step)
+PK_MAX_SLOTS = 64                # ring slots at most (mbarrier pairs)
 STEP_MODES = ("fused", "split")
 # decode_layers.cu struct LayerW, in order (scales are 0 for fp16 weights)
 LAYER_FIELDS = ("wqkv", "wqkv.scale", "attn_norm", "wo", "wo.scale", "wgu", "wgu.scale", "mlp_norm", "wd", "wd.scale",
@@ -130,11 +131,38 @@ def argmax_launch(lib: KernelLib, logits, part_val, part_idx, counter, pos, cur_
                   0, {}, logits.nbytes)
 
 
-def fused_supported(cfg: ModelConfig) -> str | None:
-    """None when the persistent kernel has an instance for this shape, else the reason it has not."""
+def fused_supported(cfg: ModelConfig, cc: str | float = "9.0") -> str | None:
+    """None when the persistent kernel runs this shape on this GPU (compute capability), else why not."""
     if cfg.group_size not in PK_GROUPS:
         return f"{cfg.group_size} q heads per kv head (decode_layers.cu instances: {PK_GROUPS})"
+    if not 9.0 <= float(cc) < 12.0:
+        return f"compute capability {cc} (decode_layers.cu needs TMA and ~200 KB shared memory: sm_90..sm_10x)"
     return None
+
+
+def ring_plan(cfg: ModelConfig, fmt: str, smem_optin: int) -> dict:
+    """Shared memory of the persistent kernel: the union (x staging | attention scratch), then the ring of
+    weight-tile slots (one slot = the largest tile: R rows + their fp8 scale windows), then the mbarriers."""
+    H, I, hd, G = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.group_size
+    bpw = 1 if fmt == "fp8" else 2
+    threads = PK_CONSUMERS * 32
+    union = max(max(H, cfg.q_dim, I) * 2 + 128, 4 * (G * ATT_CHUNK + (threads // (hd // 8)) * G * hd))
+    union = -(-union // 128) * 128
+
+    def tile(rows: int, k: int) -> int:  # R weight rows + (fp8) one 16-byte aligned scale window per row
+        groups = -(-k // 128)
+        seg = (-(-groups * 4 // 16) * 16 + 16) if fmt == "fp8" else 0  # = scale_seg() in decode_layers.cu
+        return rows * (k * bpw + seg)
+
+    slot = max(tile(2, H), tile(1, cfg.q_dim), tile(1, I))
+    slot = -(-slot // 128) * 128
+    budget = smem_optin - union - 1024  # static shared memory (reductions, attention statistics) + margin
+    n_slots = min(PK_MAX_SLOTS, budget // (slot + 16))
+    if n_slots < 2:
+        raise AtomflowError(f"decode_layers: {smem_optin} bytes of shared memory hold fewer than 2 weight tiles "
+                            f"of {slot} bytes (+ {union} staging); use the split step")
+    return {"union_bytes": union, "slot_bytes": slot, "n_slots": int(n_slots),
+            "shmem": union + n_slots * slot + 16 * n_slots}
 
 
 def layer_table(cfg: ModelConfig, fmt: str, a: Arena) -> np.ndarray:
@@ -165,22 +193,20 @@ def probe_views(cfg: ModelConfig, probes) -> dict:
     return taps
 
 
-def fused_launch(lib: KernelLib, cfg: ModelConfig, fmt: str, a: Arena, n_sm: int, probes: bool = False) -> Launch:
-    """The persistent decode_layers kernel over the whole model (cooperative: every block co-resident)."""
+def fused_launch(lib: KernelLib, cfg: ModelConfig, fmt: str, a: Arena, n_sm: int, probes: bool = False,
+                 smem_optin: int = 232448) -> Launch:
+    """The persistent decode_layers kernel over the whole model: cooperative, one block per SM."""
     why = fused_supported(cfg)
     if why:
         raise AtomflowError(f"no persistent decode kernel for {why}; use the split step")
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     fn = lib[f"decode_layers_{'f8' if fmt == 'fp8' else 'f16'}_hd{hd}_g{cfg.group_size}"]
     splits = a["att_ml"].shape[1]
-    gemv_smem = max(H, cfg.q_dim, I) * 2 + 128
-    pk_attention = 4 * (cfg.group_size * ATT_CHUNK + (PK_THREADS // (hd // 8)) * cfg.group_size * hd)
-    if splits > (PK_THREADS // (hd // 8)) * hd:
+    if splits > (PK_CONSUMERS * 32 // (hd // 8)) * hd:
         raise AtomflowError(f"{splits} attention splits exceed the persistent kernel's shared-memory plan")
-    shmem = max(gemv_smem, pk_attention)
-    per_sm = min(PK_MAX_BLOCKS_PER_SM, resident_blocks_per_sm(fn, PK_THREADS, shmem))
-    if per_sm < 1:
-        raise AtomflowError(f"decode_layers kernel does not fit on an SM ({shmem} bytes of shared memory)")
+    ring = ring_plan(cfg, fmt, smem_optin)
+    if resident_blocks_per_sm(fn, PK_THREADS, ring["shmem"]) < 1:
+        raise AtomflowError(f"decode_layers kernel does not fit on an SM ({ring['shmem']} bytes of shared memory)")
     P = a["probes"]
     moved = sum(a[f"L{i}.{f}"].nbytes for i in range(cfg.num_hidden_layers)
                 for f in ("wqkv", "wo", "wgu", "wd", "attn_norm", "mlp_norm")
@@ -188,18 +214,21 @@ def fused_launch(lib: KernelLib, cfg: ModelConfig, fmt: str, a: Arena, n_sm: int
     taps = dict(probe_views(cfg, P)) if probes else {}
     if probes:
         taps["final_norm"] = a["xnorm"]
-    return Launch(fn, "decode_layers", (n_sm * per_sm,), (PK_THREADS,),
+    return Launch(fn, "decode_layers", (n_sm,), (PK_THREADS,),
                   (a["layer_table"], i32(cfg.num_hidden_layers), a["cur_token"], a["embed"], a["rope_cs"], a["pos"],
                    a["h"], a["qkv"], a["attn_out"], a["act"], a["xnorm"], a["final_norm"], a["att_ml"], a["att_o"],
                    i32(splits), a["step_sync"], P if probes else NULL, i32(H), i32(I), i32(cfg.num_attention_heads),
-                   i32(cfg.num_key_value_heads), np.float32(cfg.rms_norm_eps), np.float32(1.0 / math.sqrt(hd))),
-                  shmem, taps, moved, f"decode_layers {fmt} x{cfg.num_hidden_layers} (persistent)", cooperative=True)
+                   i32(cfg.num_key_value_heads), np.float32(cfg.rms_norm_eps), np.float32(1.0 / math.sqrt(hd)),
+                   i32(ring["n_slots"]), i32(ring["slot_bytes"]), i32(ring["union_bytes"])),
+                  ring["shmem"], taps, moved,
+                  f"decode_layers {fmt} x{cfg.num_hidden_layers} (persistent, ring {ring['n_slots']}x{ring['slot_bytes']} B)",
+                  cooperative=True)
 
 
 # ---- the step --------------------------------------------------------------------------------------------
 
 def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, mode: str = "split",
-               probes: bool = False) -> list[Launch]:
+               probes: bool = False, smem_optin: int = 232448) -> list[Launch]:
     """The step's launches; mode "fused" (persistent layers kernel) or "split" (per-op kernels). probes:
     fused mode writes every layer's probes (validation; the split step always exposes them as taps)."""
     if mode not in STEP_MODES:
@@ -210,7 +239,7 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
             argmax_launch(lib, a["logits"], a["am_val"], a["am_idx"], a["am_counter"], a["pos"], a["cur_token"],
                           a["prompt"], a["prompt_len"], a["out_tokens"])]
     if mode == "fused":
-        return [fused_launch(lib, cfg, fmt, a, n_sm, probes)] + tail
+        return [fused_launch(lib, cfg, fmt, a, n_sm, probes, smem_optin)] + tail
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_norm_eps
     h, qkv, attn_out, act, xnorm = (a[n] for n in ("h", "qkv", "attn_out", "act", "xnorm"))

@@ -76,7 +76,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
       }
     }
   }
-  __syncthreads();
+  AF_CTA_SYNC();
 
   // ---- chunk softmax statistics: one warp per q head, one lane per position ----
   for (int g = warp; g < G; g += T / AF_WARP) {
@@ -87,7 +87,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     const float sum = warp_sum(p);
     if (lane == 0) { s_m[g] = m; s_l[g] = sum; }
   }
-  __syncthreads();
+  AF_CTA_SYNC();
 
   // ---- P.V from the V rows already in registers ----
   {
@@ -115,7 +115,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[((size_t)pg * G + g) * HD + l * 8 + e] = o[g][e];
   }
-  __syncthreads();
+  AF_CTA_SYNC();
 
   const int gh = G * HD;
   if (n_splits == 1) {  // the whole context fits one chunk: finish here
@@ -139,9 +139,9 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     ml[0] = s_m[threadIdx.x];
     ml[1] = s_l[threadIdx.x];
   }
-  __syncthreads();  // all partials of this block written; thread 0's acq_rel ticket publishes them
+  AF_CTA_SYNC();  // all partials of this block written; thread 0's acq_rel ticket publishes them
   if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(counters + j, 1u) == (unsigned int)n_splits - 1;
-  __syncthreads();
+  AF_CTA_SYNC();
   if (!last) return;  // the last block acquired every other block's partials through its ticket
 
   // ---- combine (last block of kv head j): weights exp(m_s - M) / sum_s l_s exp(m_s - M) ----
@@ -161,7 +161,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     __syncwarp();
     for (int s = lane; s < n_splits; s += AF_WARP) coef[g * max_splits + s] /= L;
   }
-  __syncthreads();
+  AF_CTA_SYNC();
   for (int i = threadIdx.x; i < gh; i += T) {
     const int g = i / HD, d = i % HD;
     const float* po = part_o + (size_t)(j * G + g) * max_splits * HD + d;

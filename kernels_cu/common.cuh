@@ -11,6 +11,12 @@
 #include <cuda_fp8.h>
 
 #define AF_WARP 32
+// The threads that run the shared device code below together, and their barrier: the whole block by default;
+// decode_layers.cu defines them first (its consumer warps only, named barrier 1; a producer warp is apart).
+#ifndef AF_CTA_SYNC
+#define AF_CTA_SYNC() __syncthreads()
+#define AF_CTA_THREADS ((int)blockDim.x)
+#endif
 #define AF_INF __int_as_float(0x7f800000)  // +inf (NVRTC has no math.h INFINITY)
 
 // Programmatic dependent launch (sm_90+). A kernel launched with the PDL attribute may start while its
@@ -41,13 +47,13 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Sum over the whole block; `red` must hold blockDim.x/32 floats. Every thread gets the result.
+// Sum over the AF_CTA_THREADS threads; `red` must hold AF_CTA_THREADS/32 floats. Every thread gets the result.
 __device__ __forceinline__ float block_sum(float v, float* red) {
-  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
+  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = AF_CTA_THREADS / AF_WARP;
   v = warp_sum(v);
-  __syncthreads();  // `red` may still be read by a previous call
+  AF_CTA_SYNC();  // `red` may still be read by a previous call
   if (lane == 0) red[warp] = v;
-  __syncthreads();
+  AF_CTA_SYNC();
   float t = lane < nw ? red[lane] : 0.f;
   return warp_sum(t);
 }
@@ -96,7 +102,7 @@ __device__ __forceinline__ float2 e4m3x2_to_f2(unsigned short u) {
 // L2 (.cg): inside the persistent decode kernel other blocks wrote it moments ago.
 __device__ __forceinline__ float rms_inv(const float* h, float eps, int K, float* red) {
   float ss = 0.f;
-  for (int k = threadIdx.x * 4; k < K; k += blockDim.x * 4) {
+  for (int k = threadIdx.x * 4; k < K; k += AF_CTA_THREADS * 4) {
     const float4 v = __ldcg(reinterpret_cast<const float4*>(h + k));
     ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
   }
@@ -112,7 +118,7 @@ __device__ __forceinline__ float rmsnorm_elem(float h, float inv, __half w) {
 __device__ __forceinline__ void rmsnorm_to_half(const float* h, const __half* __restrict__ w, float eps, int K,
                                                 __half* out, float* red) {
   const float inv = rms_inv(h, eps, K, red);
-  for (int k = threadIdx.x; k < K; k += blockDim.x) out[k] = __float2half(rmsnorm_elem(__ldcg(h + k), inv, w[k]));
+  for (int k = threadIdx.x; k < K; k += AF_CTA_THREADS) out[k] = __float2half(rmsnorm_elem(__ldcg(h + k), inv, w[k]));
 }
 
 // Phase synchronisation, used by the phase device functions (gemv_common.cuh, attention_common.cuh) between
@@ -150,13 +156,13 @@ struct GridBarrier {
   unsigned int phase;  // barriers passed so far in this launch, this one included
   __device__ __forceinline__ void arrive_wait() const {
     const unsigned int target = phase * gridDim.x;
-    __syncthreads();  // every thread of this block has finished the previous phase
+    AF_CTA_SYNC();  // every thread of this block has finished the previous phase
     if (threadIdx.x == 0) {
       red_add_release_gpu(counter, 1u);
       unsigned int spins = 0;
       while (ld_acquire_gpu(counter) < target)
         if (++spins == (1u << 26)) __trap();  // seconds without progress: a bug, fail loudly instead of hanging
     }
-    __syncthreads();
+    AF_CTA_SYNC();
   }
 };

@@ -1,49 +1,42 @@
 // decode_layers.cu — the embedding and every transformer layer of one decode step in ONE persistent launch.
 //
 // Computes   h = emb[*token]; for each layer l (phases, separated by grid-wide barriers):
-//              A  qkv = RoPE(W_qkv . RMSNorm(h)), K/V appended to the cache at pos    (gemv_phase, EPI_ROPE)
+//              A  qkv = RoPE(W_qkv . RMSNorm(h)), K/V appended to the cache at pos    (EPI_ROPE)
 //              B  attn_out = GQA attention over cache[0..pos]                         (attention_item)
-//              C  h += W_o . attn_out                                                 (gemv_phase, EPI_RESID)
-//              D  act = silu(W_gate . RMSNorm(h)) * (W_up . RMSNorm(h))               (gemv_phase, EPI_SWIGLU)
-//              E  h += W_down . act                                                   (gemv_phase, EPI_RESID)
+//              C  h += W_o . attn_out                                                 (EPI_RESID)
+//              D  act = silu(W_gate . RMSNorm(h)) * (W_up . RMSNorm(h))               (EPI_SWIGLU)
+//              E  h += W_down . act                                                   (EPI_RESID)
 //            then xnorm = RMSNorm(h) * final_norm (block 0). lm_head and argmax stay separate launches.
-//            The math of every phase is the same device code as the standalone kernels (gemv_common.cuh,
-//            attention_common.cuh); only the synchronisation differs.
-// Why        Measured (results/PERF_NOTES.md v4): each standalone GEMV streams at ~3.5 TB/s once running but
-//            pays 4-8 µs of launch, ramp-up and drain, x 112 GEMVs per step. Here a phase boundary is a
-//            barrier (one atomic + a poll, ~1-2 µs) and, before arriving at it, every warp has already
-//            issued its first weight loads of the next phase into registers and prefetched the rest of
-//            that output's rows into L2 (weights never depend on the previous phase), so DRAM keeps
-//            streaming through the boundary. While attention runs (little DRAM traffic at short
-//            context) every warp prefetches its first o_proj rows into L2.
-// Layouts    layers: LayerW[n_layers] (device table of this layer's weight / scale / cache pointers, filled
-//            by the host); weights as in gemv_common.cuh; h fp32 [H]; qkv fp16 [qkv_dim] (q heads, k heads,
-//            v heads, post-RoPE); attn_out fp16 [q_dim]; act fp16 [I]; xnorm fp16 [H]; caches per layer
-//            [max_seq][n_kv*hd]; att_ml/att_o split partials as attention.cu.
+//            Same math as the standalone kernels: Fp16W/Fp8W dot products, gemv_epilogue, attention_item.
+// Scheme     Warp-specialised. One PRODUCER warp per block walks the block's weight rows for the whole step
+//            (every layer, every GEMV phase, in consumption order) and streams them into a ring of
+//            shared-memory slots with TMA bulk copies (cp.async.bulk, completion on a per-slot "full"
+//            mbarrier); it waits only for a slot to be released ("empty" mbarrier), never for the grid
+//            barriers, so DRAM keeps streaming the next phases' weights while the consumers synchronise,
+//            run attention or stage x. The 8 CONSUMER warps sync among themselves with named barrier 1
+//            and across the grid with a release/acquire counter (GridBarrier); each takes every 8th tile
+//            of its block, computes the dot products from shared memory and runs the epilogue.
+//            Why: v5 (each warp loading its own rows after each barrier) measured slower than one kernel
+//            per op: ~27 µs per layer of barrier + prologue latency added to the streaming time.
+// Layouts    layers: LayerW[n_layers] (device table of this layer's weight / scale / cache pointers, filled by
+//            the host); weights row-major [rows, K] (fp16, or fp8 + fp32 scales [rows, ceil(K/128)]); a
+//            GEMV phase gives block b the outputs [b*n/G, (b+1)*n/G); a tile = one output's R weight rows
+//            (+ for fp8 each row's scales, copied from a 16-byte aligned window). h fp32 [H]; qkv fp16
+//            [qkv_dim] (q, k, v heads, post-RoPE); attn_out fp16 [q_dim]; act fp16 [I]; xnorm fp16 [H].
 //            probes (optional, 0 = off; validation only): fp32 [H + n_layers * P], P = qkv_dim + q_dim + 2H
 //            + I: embed, then per layer q|k|v, attn_out, h after o_proj, act, h after down_proj.
+//            Dynamic shared memory: [union: x staging | attention scratch][ring: n_slots x slot_bytes]
+//            [2 x n_slots mbarriers].
 // Bytes      all layer weights (+ fp8 scales) once, K/V rows 0..pos once per layer, activations from L2.
-// Launch     decode_layers_{f16,f8}_hd{64,128}_g{1,2,3,4,8}: cooperative (all blocks co-resident; grid =
-//            #SMs x resident blocks per SM, at most 2), block = 256, dyn. smem = max(GEMV x staging
-//            max(H, q_dim, I) * 2 + 128, attention 4 * attention_smem_floats<hd, G, 256>) bytes.
-//            sync_counter: uint32, 0 before the launch; the kernel leaves it 0.
+// Launch     decode_layers_{f16,f8}_hd{64,128}_g{1,2,3,4}: cooperative, grid = #SMs (one block per SM),
+//            block = 288 (8 consumer warps + 1 producer warp); sm_90..sm_10x. sync_counter: uint32, 0
+//            before the launch; the kernel leaves it 0.
+#define PK_CONSUMERS 8
+#define PK_THREADS ((PK_CONSUMERS + 1) * 32)
+#define AF_CTA_THREADS (PK_CONSUMERS * 32)
+#define AF_CTA_SYNC() asm volatile("bar.sync 1, %0;" ::"n"(PK_CONSUMERS * 32) : "memory")
 #include "gemv_common.cuh"
 #include "attention_common.cuh"
-
-#define PK_THREADS 256
-#ifndef PK_MIN_BLOCKS
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
-#define PK_MIN_BLOCKS 1   // sm_120 code needs more than 128 registers without spills: one block per SM
-#else
-#define PK_MIN_BLOCKS 2   // 2 x 256 threads per SM: <= 128 registers per thread, no spills (sm_89, sm_90)
-#endif
-#endif
-#ifndef PK_LOADS
-#define PK_LOADS 4        // 16-byte weight loads per lane per iteration (the L2 prefetch supplies the depth)
-#endif
-#ifndef PK_PF_BYTES
-#define PK_PF_BYTES 0     // L2 prefetch look-ahead per warp (bytes of its next output's rows); measured
-#endif                    // slower on (v5: 2.50 ms with 8192, 2.39 ms off, 3B fp8), so off by default
 
 struct LayerW {  // 16 pointers, mirrored by atomflow_bench/step.py LAYER_FIELDS
   const unsigned char* wqkv;
@@ -62,14 +55,160 @@ struct LayerW {  // 16 pointers, mirrored by atomflow_bench/step.py LAYER_FIELDS
   const void* unused[3];
 };
 
+// ---- mbarrier + TMA bulk copy (sm_90+) ----
+__device__ __forceinline__ unsigned int smem_addr(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* b, unsigned int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned int parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "LAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\n"
+      "bra LAB_WAIT;\n"
+      "DONE:\n"
+      "}\n" ::"r"(smem_addr(b)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned int bytes, unsigned long long* b) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(b))
+               : "memory");
+}
+
+// The ring of weight tiles shared by the producer and the consumers of one block.
+struct Ring {
+  unsigned char* base;
+  unsigned long long* full;
+  unsigned long long* empty;
+  unsigned int n_slots, slot_bytes;
+};
+
+// Scale window of weight row `row`: the 16-byte aligned span holding its ng fp32 scales.
+__device__ __forceinline__ void scale_window(int row, int ng, size_t& start, unsigned int& len, unsigned int& skip) {
+  const size_t s = (size_t)row * ng * 4, a = s & ~(size_t)15, e = (s + (size_t)ng * 4 + 15) & ~(size_t)15;
+  start = a;
+  len = (unsigned int)(e - a);
+  skip = (unsigned int)(s - a);
+}
+__device__ __forceinline__ int scale_seg(int ng) { return ((ng * 4 + 15) & ~15) + 16; }  // bytes per row window
+
+// A GEMV phase gives block b the outputs [o0, o0 + n): a balanced contiguous share.
+__device__ __forceinline__ int phase_tiles(int n_out, int& o0) {
+  o0 = (int)((long long)blockIdx.x * n_out / gridDim.x);
+  return (int)((long long)(blockIdx.x + 1) * n_out / gridDim.x) - o0;
+}
+
+// PRODUCER: issue one GEMV phase's tiles of this block (lane 0 of the producer warp).
+template <int R, int EPI, bool SCALED>
+__device__ __forceinline__ void produce_phase(const Ring& ring, unsigned int& t, const unsigned char* W,
+                                              const float* scales, int n_out, int K, int bpw, int half_d) {
+  int o0;
+  const int n = phase_tiles(n_out, o0);
+  const size_t row_bytes = (size_t)K * bpw;
+  const int ng = (K + 127) >> 7, seg = scale_seg(ng);
+  for (int i = 0; i < n; ++i, ++t) {
+    const unsigned int slot = t % ring.n_slots;
+    if (t >= ring.n_slots) mbar_wait(ring.empty + slot, ((t / ring.n_slots) - 1) & 1);
+    unsigned char* dst = ring.base + (size_t)slot * ring.slot_bytes;
+    size_t sstart[R];
+    unsigned int slen[R], sskip[R], bytes = (unsigned int)(R * row_bytes);
+    if (SCALED) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        scale_window((int)gemv_row<EPI>(o0 + i, r, n_out, half_d), ng, sstart[r], slen[r], sskip[r]);
+        bytes += slen[r];
+      }
+    }
+    mbar_expect_tx(ring.full + slot, bytes);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      bulk_g2s(dst + r * row_bytes, W + gemv_row<EPI>(o0 + i, r, n_out, half_d) * row_bytes, (unsigned int)row_bytes,
+               ring.full + slot);
+    if (SCALED) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        bulk_g2s(dst + R * row_bytes + r * seg, reinterpret_cast<const unsigned char*>(scales) + sstart[r], slen[r],
+                 ring.full + slot);
+    }
+  }
+}
+
+// CONSUMERS: one GEMV phase. Sync (grid barrier, probes), stage x in shared memory, then each warp takes
+// every PK_CONSUMERS-th tile of the block: wait for it, dot products from shared memory, epilogue, release.
+template <class WF, int PRO, int EPI, class Sync>
+__device__ __forceinline__ void consume_phase(const GemvArgs a, const RopeArgs rope, const Sync sync, const Ring& ring,
+                                              unsigned int& t, unsigned char* xs_raw) {
+  constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
+  constexpr int BPW = 16 / WF::PER_CHUNK;
+  const int K = a.K;
+  __half* xs = reinterpret_cast<__half*>(xs_raw);
+  float* red = reinterpret_cast<float*>(xs_raw + ((K * sizeof(__half) + 15) & ~15));
+  sync.arrive_wait();
+  if (PRO == PRO_NORM) {
+    rmsnorm_to_half(reinterpret_cast<const float*>(a.x), a.norm_w, a.eps, K, xs, red);
+  } else {
+    const __half* src = reinterpret_cast<const __half*>(a.x);
+    for (int i = threadIdx.x; i < K / 8; i += AF_CTA_THREADS) reinterpret_cast<uint4*>(xs)[i] = ld_cg16(src + 8 * i);
+  }
+  AF_CTA_SYNC();
+  int o0;
+  const int n = phase_tiles(a.n_out, o0);
+  const int warp = threadIdx.x / AF_WARP, lane = threadIdx.x % AF_WARP;
+  const int half_d = EPI == EPI_ROPE ? rope.hd / 2 : 1;
+  const size_t row_bytes = (size_t)K * BPW;
+  const int nchunks = K / WF::PER_CHUNK, ng = (K + 127) >> 7, seg = scale_seg(ng);
+  for (int i = warp; i < n; i += PK_CONSUMERS) {
+    const unsigned int tt = t + i, slot = tt % ring.n_slots;
+    mbar_wait(ring.full + slot, (tt / ring.n_slots) & 1);
+    const unsigned char* tile = ring.base + (size_t)slot * ring.slot_bytes;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const unsigned char* wrow = tile + r * row_bytes;
+      const float* sc = nullptr;
+      if (WF::SCALED) {
+        size_t st;
+        unsigned int len, skip;
+        scale_window((int)gemv_row<EPI>(o0 + i, r, a.n_out, half_d), ng, st, len, skip);
+        sc = reinterpret_cast<const float*>(tile + R * row_bytes + r * seg + skip);
+      }
+      float s = 0.f;
+#pragma unroll 4
+      for (int c = lane; c < nchunks; c += AF_WARP) {
+        const float d = WF::dot(*reinterpret_cast<const uint4*>(wrow + (size_t)c * 16), xs, c * WF::PER_CHUNK);
+        s += WF::SCALED ? d * sc[(c * WF::PER_CHUNK) >> 7] : d;
+      }
+      acc[r] = warp_sum(s);
+    }
+    __syncwarp();
+    if (lane == 0) {
+      mbar_arrive(ring.empty + slot);  // the tile's bytes are consumed (all lanes passed the warp_sum)
+      gemv_epilogue<EPI>(a, rope, o0 + i, acc[0], acc[R - 1]);
+    }
+  }
+  t += n;
+}
+
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
 
-// dst[0..n) = src[0..n) as fp32, spread over the whole grid (validation probes only).
+// dst[0..n) = src[0..n) as fp32, spread over the whole grid's consumers (validation probes only).
 template <class T>
 __device__ __forceinline__ void probe_copy(float* dst, const T* src, int n) {
   if (dst == nullptr) return;
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = to_f32(__ldcg(src + i));
+  for (int i = blockIdx.x * AF_CTA_THREADS + threadIdx.x; i < n; i += gridDim.x * AF_CTA_THREADS)
+    dst[i] = to_f32(__ldcg(src + i));
 }
 
 // Barrier, then (validation only) copy the previous phase's output to its probe slot.
@@ -96,59 +235,56 @@ struct EmbedBarrier {
   __device__ __forceinline__ void arrive_wait() const {
     pdl_wait();
     const size_t base = (size_t)(*token) * H;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < H; i += gridDim.x * blockDim.x)
+    for (int i = blockIdx.x * AF_CTA_THREADS + threadIdx.x; i < H; i += gridDim.x * AF_CTA_THREADS)
       h[i] = __half2float(emb[base + i]);
     bar.arrive_wait();
     probe_copy(probe, h, H);
   }
 };
 
-// Each phase is its own (non-inlined) function so that the register allocator sizes it alone: the
-// kernel needs the maximum over phases, not the sum of everything live across one huge inlined body.
-template <class WF, int PRO, int EPI, class Sync>
-__device__ __forceinline__ void pk_gemv(GemvArgs a, const RopeArgs rope, const Sync sync) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-#ifdef PK_TIMING_NO_GEMV  // measurement instrument only (wrong results): phases without weight rows, so the
-  a.n_out = 0;            // step time is barriers + prologues + attention alone
-#endif
-  gemv_phase<WF, PRO, EPI, PK_LOADS, PK_PF_BYTES>(a, rope, sync, smem_raw);
-}
-
-// Attention phase: L2-prefetch this warp's first o_proj rows (DRAM is nearly idle during attention at
-// short context), sync, then the (kv head, split) items spread over the blocks.
-template <class WF, int HD, int G>
-__device__ __forceinline__ void pk_attention(const GemvArgs o_proj, const ProbeBarrier<__half> sync, const __half* qkv,
-                                          const __half* k_cache, const __half* v_cache, const int* pos,
-                                          float* att_ml, float* att_o, unsigned int* counters, __half* out,
-                                          int n_kv, int max_splits, float scale) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int gw = blockIdx.x * (blockDim.x / AF_WARP) + threadIdx.x / AF_WARP;
-  if (PK_PF_BYTES > 0)
-    gemv_l2_prefetch<1, EPI_RESID>(o_proj, gw, 1, (size_t)o_proj.K * (16 / WF::PER_CHUNK), 0, 1u << 30);
-  sync.arrive_wait();
-  const int len = *pos + 1;
-  const int n_items = n_kv * ((len + ATT_CHUNK - 1) / ATT_CHUNK);
-  for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
-    __syncthreads();  // the previous item's shared memory is free
-    attention_item<HD, G, PK_THREADS, true>(qkv, k_cache, v_cache, len, it % n_kv, it / n_kv, att_ml, att_o, counters,
-                                      out, n_kv, max_splits, scale, reinterpret_cast<float*>(smem_raw));
-  }
-}
-
 template <class WF, int HD, int G>
 __device__ __forceinline__ void decode_layers_impl(
     const LayerW* __restrict__ layers, int n_layers, const int* __restrict__ token, const __half* __restrict__ emb,
     const float2* __restrict__ cos_sin, const int* __restrict__ pos, float* h, __half* qkv, __half* attn_out,
     __half* act, __half* xnorm, const __half* __restrict__ final_norm, float* att_ml, float* att_o, int max_splits,
-    unsigned int* sync_counter, float* probes, int H, int I, int n_q, int n_kv, float eps, float scale) {
+    unsigned int* sync_counter, float* probes, int H, int I, int n_q, int n_kv, float eps, float scale,
+    int n_slots, int slot_bytes, int union_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1200
+  extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ float red[32];
+  Ring ring{smem_raw + union_bytes, nullptr, nullptr, (unsigned int)n_slots, (unsigned int)slot_bytes};
+  ring.full = reinterpret_cast<unsigned long long*>(ring.base + (size_t)n_slots * slot_bytes);
+  ring.empty = ring.full + n_slots;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < n_slots; ++i) {
+      mbar_init(ring.full + i, 1);
+      mbar_init(ring.empty + i, 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();  // the only whole-block barrier: mbarriers initialised before anyone uses them
   const int q_dim = n_q * HD, qkv_dim = q_dim + 2 * n_kv * HD;
-  const size_t P = (size_t)qkv_dim + q_dim + 2 * H + I;  // probe floats per layer
-  unsigned int phase = 0;                                  // barriers so far
+  constexpr int BPW = 16 / WF::PER_CHUNK;
+  unsigned int t = 0;  // tiles of this block so far (producer and consumers count the same sequence)
 
+  if (threadIdx.x / AF_WARP == PK_CONSUMERS) {  // ---- producer warp ----
+    if (threadIdx.x % AF_WARP == 0) {
+      for (int l = 0; l < n_layers; ++l) {
+        const LayerW* w = layers + l;
+        produce_phase<2, EPI_ROPE, WF::SCALED>(ring, t, w->wqkv, w->sqkv, qkv_dim / 2, H, BPW, HD / 2);
+        produce_phase<1, EPI_RESID, WF::SCALED>(ring, t, w->wo, w->so, H, q_dim, BPW, 1);
+        produce_phase<2, EPI_SWIGLU, WF::SCALED>(ring, t, w->wgu, w->sgu, I, H, BPW, 1);
+        produce_phase<1, EPI_RESID, WF::SCALED>(ring, t, w->wd, w->sd, H, I, BPW, 1);
+      }
+    }
+    return;
+  }
+
+  // ---- consumer warps ----
+  const size_t P = (size_t)qkv_dim + q_dim + 2 * H + I;  // probe floats per layer
+  unsigned int phase = 0;                                  // grid barriers so far
   for (int l = 0; l < n_layers; ++l) {
-    // Fields of the layer table are read where used (after each barrier), not held in registers across
-    // the whole layer: that keeps the kernel within 128 registers without spills.
+    // Fields of the layer table are read where used (after each barrier), not held in registers.
     const LayerW* w = layers + l;
     float* pl = probes ? probes + H + (size_t)l * P : nullptr;
     float* prev_mlp = nullptr;  // probe slot of h before this layer: the embedding or the previous mlp
@@ -157,24 +293,36 @@ __device__ __forceinline__ void decode_layers_impl(
     // A: QKV + RoPE + KV append (needs h: the embedding or the previous layer's down_proj)
     const GemvArgs qa{w->wqkv, w->sqkv, h, w->attn_norm, eps, qkv, qkv_dim / 2, H};
     if (l == 0)
-      pk_gemv<WF, PRO_NORM, EPI_ROPE>(qa, rope, EmbedBarrier{{sync_counter, ++phase}, token, emb, h, H, prev_mlp});
+      consume_phase<WF, PRO_NORM, EPI_ROPE>(qa, rope, EmbedBarrier{{sync_counter, ++phase}, token, emb, h, H, prev_mlp},
+                                            ring, t, smem_raw);
     else
-      pk_gemv<WF, PRO_NORM, EPI_ROPE>(qa, rope, ProbeBarrier<float>{{sync_counter, ++phase}, prev_mlp, h, H});
-    // B: attention
-    const GemvArgs oa{w->wo, w->so, attn_out, nullptr, eps, h, H, q_dim};
-    pk_attention<WF, HD, G>(oa, ProbeBarrier<__half>{{sync_counter, ++phase}, pl, qkv, qkv_dim}, qkv, w->k_cache,
-                            w->v_cache, pos, att_ml, att_o, w->att_counters, attn_out, n_kv, max_splits, scale);
+      consume_phase<WF, PRO_NORM, EPI_ROPE>(qa, rope, ProbeBarrier<float>{{sync_counter, ++phase}, prev_mlp, h, H},
+                                            ring, t, smem_raw);
+    // B: attention (the producer keeps streaming o_proj and gate/up rows meanwhile)
+    ProbeBarrier<__half>{{sync_counter, ++phase}, pl, qkv, qkv_dim}.arrive_wait();
+    {
+      const int len = *pos + 1;
+      const int n_items = n_kv * ((len + ATT_CHUNK - 1) / ATT_CHUNK);
+      for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
+        AF_CTA_SYNC();  // the previous item's shared memory is free
+        attention_item<HD, G, AF_CTA_THREADS, true>(qkv, w->k_cache, w->v_cache, len, it % n_kv, it / n_kv, att_ml,
+                                                    att_o, w->att_counters, attn_out, n_kv, max_splits, scale,
+                                                    reinterpret_cast<float*>(smem_raw));
+      }
+    }
     // C: o_proj + residual
-    pk_gemv<WF, PRO_PLAIN, EPI_RESID>(
-        oa, RopeArgs{}, ProbeBarrier<__half>{{sync_counter, ++phase}, pl ? pl + qkv_dim : nullptr, attn_out, q_dim});
+    consume_phase<WF, PRO_PLAIN, EPI_RESID>(
+        GemvArgs{w->wo, w->so, attn_out, nullptr, eps, h, H, q_dim}, RopeArgs{},
+        ProbeBarrier<__half>{{sync_counter, ++phase}, pl ? pl + qkv_dim : nullptr, attn_out, q_dim}, ring, t, smem_raw);
     // D: gate/up + SwiGLU
-    pk_gemv<WF, PRO_NORM, EPI_SWIGLU>(
+    consume_phase<WF, PRO_NORM, EPI_SWIGLU>(
         GemvArgs{w->wgu, w->sgu, h, w->mlp_norm, eps, act, I, H}, RopeArgs{},
-        ProbeBarrier<float>{{sync_counter, ++phase}, pl ? pl + qkv_dim + q_dim : nullptr, h, H});
+        ProbeBarrier<float>{{sync_counter, ++phase}, pl ? pl + qkv_dim + q_dim : nullptr, h, H}, ring, t, smem_raw);
     // E: down_proj + residual
-    pk_gemv<WF, PRO_PLAIN, EPI_RESID>(
+    consume_phase<WF, PRO_PLAIN, EPI_RESID>(
         GemvArgs{w->wd, w->sd, act, nullptr, eps, h, H, I}, RopeArgs{},
-        ProbeBarrier<__half>{{sync_counter, ++phase}, pl ? pl + qkv_dim + q_dim + H : nullptr, act, I});
+        ProbeBarrier<__half>{{sync_counter, ++phase}, pl ? pl + qkv_dim + q_dim + H : nullptr, act, I}, ring, t,
+        smem_raw);
   }
   // final RMSNorm (block 0) once every block's down_proj is done
   float* last_mlp = probes ? probes + H + (size_t)(n_layers - 1) * P + qkv_dim + q_dim + H + I : nullptr;
@@ -187,18 +335,23 @@ __device__ __forceinline__ void decode_layers_impl(
     if (old == (phase + 1) * gridDim.x - 1) atomicExch(sync_counter, 0u);
   }
   pdl_launch_dependents();  // only now: lm_head's blocks must not take SM slots before all of ours ran
+#else
+  __trap();  // TMA + a ~200 KB ring: sm_90..sm_10x only (sm_89: no TMA; sm_12x: ~100 KB shared memory per SM);
+            // the host uses the split step there (step.py fused_supported)
+#endif
 }
 
 #define DECODE_LAYERS_INSTANCE(F, WF, HD, G)                                                              \
-  extern "C" __global__ void __launch_bounds__(PK_THREADS, PK_MIN_BLOCKS) decode_layers_##F##_hd##HD##_g##G( \
+  extern "C" __global__ void __launch_bounds__(PK_THREADS, 1) decode_layers_##F##_hd##HD##_g##G(           \
       const LayerW* __restrict__ layers, int n_layers, const int* __restrict__ token,                      \
       const __half* __restrict__ emb, const float2* __restrict__ cos_sin, const int* __restrict__ pos,     \
       float* h, __half* qkv, __half* attn_out, __half* act, __half* xnorm,                                 \
       const __half* __restrict__ final_norm, float* att_ml, float* att_o, int max_splits,                  \
-      unsigned int* sync_counter, float* probes, int H, int I, int n_q, int n_kv, float eps, float scale) { \
+      unsigned int* sync_counter, float* probes, int H, int I, int n_q, int n_kv, float eps, float scale,  \
+      int n_slots, int slot_bytes, int union_bytes) {                                                      \
     decode_layers_impl<WF, HD, G>(layers, n_layers, token, emb, cos_sin, pos, h, qkv, attn_out, act, xnorm, \
                                   final_norm, att_ml, att_o, max_splits, sync_counter, probes, H, I, n_q,   \
-                                  n_kv, eps, scale);                                                        \
+                                  n_kv, eps, scale, n_slots, slot_bytes, union_bytes);                      \
   }
 
 DECODE_LAYERS_INSTANCE(f16, Fp16W, 64, 1)

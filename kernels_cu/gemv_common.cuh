@@ -52,8 +52,9 @@ struct RopeArgs {
 // Weight-format policies: how many weights a 16-byte chunk holds and its dot product with x.
 struct Fp16W {
   static constexpr int PER_CHUNK = 8;
+  static constexpr bool SCALED = false;
   // 8 fp16 weights · 8 fp16 activations, accumulated in fp32.
-  __device__ __forceinline__ static float dot(uint4 w, const __half* xs, int k, const float*) {
+  __device__ __forceinline__ static float dot(uint4 w, const __half* xs, int k) {
     const uint4 xv = *reinterpret_cast<const uint4*>(xs + k);
     float2 a = h2_to_f2(w.x), b = h2_to_f2(w.y), c = h2_to_f2(w.z), d = h2_to_f2(w.w);
     float2 p = h2_to_f2(xv.x), q = h2_to_f2(xv.y), r = h2_to_f2(xv.z), s = h2_to_f2(xv.w);
@@ -67,9 +68,10 @@ struct Fp16W {
 
 struct Fp8W {
   static constexpr int PER_CHUNK = 16;
+  static constexpr bool SCALED = true;  // the caller multiplies by the row's group scale (group = 128 inputs)
   // 16 FP8-E4M3 weights (dequantised in registers only: hardware fp8x2->half2, then fp32 FMA) times
-  // 16 fp16 activations, scaled by the row's group scale (group = 128 inputs = 8 chunks).
-  __device__ __forceinline__ static float dot(uint4 w, const __half* xs, int k, const float* srow) {
+  // 16 fp16 activations, before the group scale.
+  __device__ __forceinline__ static float dot(uint4 w, const __half* xs, int k) {
     const uint4 x0 = *reinterpret_cast<const uint4*>(xs + k);
     const uint4 x1 = *reinterpret_cast<const uint4*>(xs + k + 8);
     const unsigned int wv[4] = {w.x, w.y, w.z, w.w};
@@ -83,7 +85,7 @@ struct Fp8W {
       acc = fmaf(w0.x, xa.x, acc); acc = fmaf(w0.y, xa.y, acc);
       acc = fmaf(w1.x, xb.x, acc); acc = fmaf(w1.y, xb.y, acc);
     }
-    return acc * __ldg(srow + (k >> 7));
+    return acc;
   }
 };
 
@@ -116,6 +118,47 @@ __device__ __forceinline__ void gemv_l2_prefetch(const GemvArgs& a, int o, int h
 #pragma unroll
   for (int r = 0; r < R; ++r)
     l2_prefetch_warp(a.W + gemv_row<EPI>(o, r, a.n_out, half_d) * row_bytes + from, n);
+}
+
+// The epilogue of output o (lane 0 of the warp that computed it): acc0 = row 0, acc1 = row R-1 (R = 2:
+// gate and up, or RoPE pair rows i and i + hd/2).
+template <int EPI>
+__device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs& rope, int o, float acc0, float acc1) {
+  const int half_d = EPI == EPI_ROPE ? rope.hd / 2 : 1;
+  if (EPI == EPI_STORE) {
+    reinterpret_cast<__half*>(a.y)[o] = __float2half(acc0);
+  } else if (EPI == EPI_F32) {
+    reinterpret_cast<float*>(a.y)[o] = acc0;
+  } else if (EPI == EPI_RESID) {
+    float* hp = reinterpret_cast<float*>(a.y) + o;
+    *hp = __ldcg(hp) + acc0;
+  } else if (EPI == EPI_SWIGLU) {  // HF rounds gate and up to fp16, then silu(gate) * up in fp16
+    const float g = __half2float(__float2half(acc0));
+    const float u = __half2float(__float2half(acc1));
+    const float s = __half2float(__float2half(g / (1.f + __expf(-g))));
+    reinterpret_cast<__half*>(a.y)[o] = __float2half(s * u);
+  } else {  // EPI_ROPE: rows i and i + hd/2 of head `head`; the projection is rounded to fp16 first (HF)
+    const int head = o / half_d, i = o % half_d;
+    float x0 = __half2float(__float2half(acc0)), x1 = __half2float(__float2half(acc1));
+    const int pos = *rope.pos;
+    if (head < rope.n_q + rope.n_kv) {
+      const float2 cs = rope.cos_sin[(size_t)pos * half_d + i];
+      const float r0 = x0 * cs.x - x1 * cs.y, r1 = x1 * cs.x + x0 * cs.y;
+      x0 = r0;
+      x1 = r1;
+    }
+    const __half h0 = __float2half(x0), h1 = __float2half(x1);
+    __half* out = reinterpret_cast<__half*>(a.y) + (size_t)head * rope.hd + i;
+    out[0] = h0;
+    out[half_d] = h1;
+    if (head >= rope.n_q) {
+      const int kvh = head - rope.n_q;  // k heads first, then v heads
+      __half* cache = kvh < rope.n_kv ? rope.k_cache : rope.v_cache;
+      __half* dst = cache + (size_t)pos * rope.n_kv * rope.hd + (size_t)(kvh % rope.n_kv) * rope.hd + i;
+      dst[0] = h0;
+      dst[half_d] = h1;
+    }
+  }
 }
 
 // The GEMV as one phase: every warp of the grid owns outputs gw, gw + n_warps, ... . The first batch of
@@ -161,7 +204,7 @@ __device__ __forceinline__ void gemv_phase(const GemvArgs a, const RopeArgs rope
     rmsnorm_to_half(reinterpret_cast<const float*>(a.x), a.norm_w, a.eps, K, xs, red);
   } else {
     const __half* src = reinterpret_cast<const __half*>(a.x);
-    for (int i = threadIdx.x; i < K / 8; i += blockDim.x) reinterpret_cast<uint4*>(xs)[i] = ld_cg16(src + 8 * i);
+    for (int i = threadIdx.x; i < K / 8; i += AF_CTA_THREADS) reinterpret_cast<uint4*>(xs)[i] = ld_cg16(src + 8 * i);
   }
   __syncthreads();
 
@@ -194,49 +237,17 @@ __device__ __forceinline__ void gemv_phase(const GemvArgs a, const RopeArgs rope
         const int c = c0 + u * AF_WARP;
         if (c < nchunks) {
 #pragma unroll
-          for (int r = 0; r < R; ++r) acc[r] += WF::dot(wv[r][u], xs, c * WF::PER_CHUNK, srow[r]);
+          for (int r = 0; r < R; ++r) {
+            const float d = WF::dot(wv[r][u], xs, c * WF::PER_CHUNK);
+            acc[r] += WF::SCALED ? d * __ldg(srow[r] + ((c * WF::PER_CHUNK) >> 7)) : d;
+          }
         }
       }
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
 
-    if (lane == 0) {
-      if (EPI == EPI_STORE) {
-        reinterpret_cast<__half*>(a.y)[o] = __float2half(acc[0]);
-      } else if (EPI == EPI_F32) {
-        reinterpret_cast<float*>(a.y)[o] = acc[0];
-      } else if (EPI == EPI_RESID) {
-        float* hp = reinterpret_cast<float*>(a.y) + o;
-        *hp = __ldcg(hp) + acc[0];
-      } else if (EPI == EPI_SWIGLU) {  // HF rounds gate and up to fp16, then silu(gate) * up in fp16
-        const float g = __half2float(__float2half(acc[0]));
-        const float u = __half2float(__float2half(acc[R - 1]));
-        const float s = __half2float(__float2half(g / (1.f + __expf(-g))));
-        reinterpret_cast<__half*>(a.y)[o] = __float2half(s * u);
-      } else {  // EPI_ROPE: rows i and i + hd/2 of head `head`; the projection is rounded to fp16 first (HF)
-        const int head = o / half_d, i = o % half_d;
-        float x0 = __half2float(__float2half(acc[0])), x1 = __half2float(__float2half(acc[R - 1]));
-        const int pos = *rope.pos;
-        if (head < rope.n_q + rope.n_kv) {
-          const float2 cs = rope.cos_sin[(size_t)pos * half_d + i];
-          const float r0 = x0 * cs.x - x1 * cs.y, r1 = x1 * cs.x + x0 * cs.y;
-          x0 = r0;
-          x1 = r1;
-        }
-        const __half h0 = __float2half(x0), h1 = __float2half(x1);
-        __half* out = reinterpret_cast<__half*>(a.y) + (size_t)head * rope.hd + i;
-        out[0] = h0;
-        out[half_d] = h1;
-        if (head >= rope.n_q) {
-          const int kvh = head - rope.n_q;  // k heads first, then v heads
-          __half* cache = kvh < rope.n_kv ? rope.k_cache : rope.v_cache;
-          __half* dst = cache + (size_t)pos * rope.n_kv * rope.hd + (size_t)(kvh % rope.n_kv) * rope.hd + i;
-          dst[0] = h0;
-          dst[half_d] = h1;
-        }
-      }
-    }
+    if (lane == 0) gemv_epilogue<EPI>(a, rope, o, acc[0], acc[R - 1]);
   }
 }
 

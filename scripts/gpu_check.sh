@@ -47,8 +47,8 @@ for st in $stages; do
           note "run $tag: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
         done
       done ;;
-    knobs)   # fused-kernel compile-time variants on 3B fp8 (ATOMFLOW_KERNEL_DEFINES), e.g. KNOBS="PK_PF_BYTES=0"
-      for k in ${KNOBS:-PK_PF_BYTES=0}; do   # "split:DEF=V" runs the split step instead
+    knobs)   # compile-time variants on 3B fp8 (ATOMFLOW_KERNEL_DEFINES), e.g. KNOBS="NAME=1 split:GEMV_PF=8192"
+      for k in ${KNOBS:-}; do   # "split:DEF=V" runs the split step instead
         sm=fused; case $k in split:*) sm=split; k=${k#split:};; esac
         tag="knob-$sm-${k//[=,]/_}"
         ATOMFLOW_KERNEL_DEFINES="${k//,/ }" timeout 240 atomflow-bench run llama-3.2-3b --weights fp8 --step $sm \

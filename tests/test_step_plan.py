@@ -1,0 +1,41 @@
+"""The persistent kernel's host-side plan (CPU): where it applies, and its shared-memory ring."""
+from __future__ import annotations
+
+import pytest
+
+from atomflow_bench.config import CATALOG, ModelConfig
+from atomflow_bench.errors import AtomflowError
+from atomflow_bench.step import PK_MAX_SLOTS, fused_supported, ring_plan
+
+H100_OPTIN = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "smollm2-135m"])
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_ring_fits_and_holds_every_tile(name, fmt):
+    cfg = CATALOG[name].config
+    r = ring_plan(cfg, fmt, H100_OPTIN)
+    assert 2 <= r["n_slots"] <= PK_MAX_SLOTS
+    assert r["shmem"] <= H100_OPTIN - 1024
+    assert r["slot_bytes"] % 128 == 0 and r["union_bytes"] % 128 == 0
+    bpw = 1 if fmt == "fp8" else 2
+    for rows, k in ((2, cfg.hidden_size), (1, cfg.q_dim), (2, cfg.hidden_size), (1, cfg.intermediate_size)):
+        weights = rows * k * bpw
+        scales = rows * (-(-k // 128) * 4 + 16) if fmt == "fp8" else 0  # each row's scales + alignment slack
+        assert weights + scales <= r["slot_bytes"]
+    assert r["union_bytes"] >= max(cfg.hidden_size, cfg.q_dim, cfg.intermediate_size) * 2 + 128
+
+
+def test_ring_refuses_when_two_tiles_do_not_fit():
+    with pytest.raises(AtomflowError, match="fewer than 2 weight tiles"):
+        ring_plan(CATALOG["llama-3.1-8b"].config, "fp16", 64 * 1024)  # 2 x 28 KB tiles + 33 KB staging
+
+
+def test_fused_supported_by_group_and_arch():
+    cfg = CATALOG["llama-3.2-3b"].config
+    assert fused_supported(cfg, "9.0") is None
+    assert "compute capability 8.9" in fused_supported(cfg, "8.9")
+    assert "compute capability 12.0" in fused_supported(cfg, "12.0")
+    g8 = ModelConfig(vocab_size=300, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                     num_attention_heads=8, num_key_value_heads=1, head_dim=64)
+    assert "8 q heads per kv head" in fused_supported(g8, "9.0")
