@@ -63,15 +63,14 @@ class Engine:
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)
         # Step form (step.py STEP_MODES): the persistent fused kernel where an instance exists, else split;
         # `step` or ATOMFLOW_STEP chooses explicitly (A/B measurements, tests of both forms).
-        step = step or os.environ.get("ATOMFLOW_STEP") or ("split" if fused_supported(self.cfg, self.gpu["cc"])
-                                                           else "fused")
+        why_not = fused_supported(self.cfg, self.gpu["cc"], weights, self.gpu["smem_optin"])
+        step = step or os.environ.get("ATOMFLOW_STEP") or ("split" if why_not else "fused")
         if step not in STEP_MODES:
             raise AtomflowError(f"unknown step mode {step!r} (expected one of {', '.join(STEP_MODES)})")
         self.step_mode = step
         if step == "fused":
-            why = fused_supported(self.cfg, self.gpu["cc"])
-            if why:
-                raise AtomflowError(f"no persistent decode kernel for {why}; use the split step")
+            if why_not:
+                raise AtomflowError(f"no persistent decode kernel for {why_not}; use the split step")
             self.arena["layer_table"].set(layer_table(self.cfg, weights, self.arena))
         sms, smem = self.gpu["sms"], self.gpu["smem_optin"]
         self.launches = build_step(self.cfg, weights, self.arena, self.lib, sms, step, smem_optin=smem)

@@ -131,12 +131,17 @@ def argmax_launch(lib: KernelLib, logits, part_val, part_idx, counter, pos, cur_
                   0, {}, logits.nbytes)
 
 
-def fused_supported(cfg: ModelConfig, cc: str | float = "9.0") -> str | None:
-    """None when the persistent kernel runs this shape on this GPU (compute capability), else why not."""
+def fused_supported(cfg: ModelConfig, cc: str | float = "9.0", fmt: str = "fp16",
+                    smem_optin: int = 232448) -> str | None:
+    """None when the persistent kernel runs this shape/format on this GPU, else why not."""
     if cfg.group_size not in PK_GROUPS:
         return f"{cfg.group_size} q heads per kv head (decode_layers.cu instances: {PK_GROUPS})"
     if not 9.0 <= float(cc) < 12.0:
         return f"compute capability {cc} (decode_layers.cu needs TMA and ~200 KB shared memory: sm_90..sm_10x)"
+    try:
+        ring_plan(cfg, fmt, smem_optin)
+    except AtomflowError as e:
+        return str(e).removeprefix("decode_layers: ")
     return None
 
 
@@ -157,10 +162,11 @@ def ring_plan(cfg: ModelConfig, fmt: str, smem_optin: int) -> dict:
     slot = max(tile(2, H), tile(1, cfg.q_dim), tile(1, I))
     slot = -(-slot // 128) * 128
     budget = smem_optin - union - 1024  # static shared memory (reductions, attention statistics) + margin
-    n_slots = min(PK_MAX_SLOTS, budget // (slot + 16))
-    if n_slots < 2:
-        raise AtomflowError(f"decode_layers: {smem_optin} bytes of shared memory hold fewer than 2 weight tiles "
-                            f"of {slot} bytes (+ {union} staging); use the split step")
+    # a multiple of the consumer warps: each slot always belongs to one warp (decode_layers.cu consume_phase)
+    n_slots = min(PK_MAX_SLOTS, budget // (slot + 16)) // PK_CONSUMERS * PK_CONSUMERS
+    if n_slots < PK_CONSUMERS:
+        raise AtomflowError(f"decode_layers: {smem_optin} bytes of shared memory hold fewer than {PK_CONSUMERS} "
+                            f"weight tiles of {slot} bytes (+ {union} staging); use the split step")
     return {"union_bytes": union, "slot_bytes": slot, "n_slots": int(n_slots),
             "shmem": union + n_slots * slot + 16 * n_slots}
 
@@ -196,9 +202,9 @@ def probe_views(cfg: ModelConfig, probes) -> dict:
 def fused_launch(lib: KernelLib, cfg: ModelConfig, fmt: str, a: Arena, n_sm: int, probes: bool = False,
                  smem_optin: int = 232448) -> Launch:
     """The persistent decode_layers kernel over the whole model: cooperative, one block per SM."""
-    why = fused_supported(cfg)
+    why = fused_supported(cfg, fmt=fmt, smem_optin=smem_optin)
     if why:
-        raise AtomflowError(f"no persistent decode kernel for {why}; use the split step")
+        raise AtomflowError(f"no persistent decode kernel for {why}")
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     fn = lib[f"decode_layers_{'f8' if fmt == 'fp8' else 'f16'}_hd{hd}_g{cfg.group_size}"]
     splits = a["att_ml"].shape[1]

@@ -14,8 +14,9 @@
 //            mbarrier); it waits only for a slot to be released ("empty" mbarrier), never for the grid
 //            barriers, so DRAM keeps streaming the next phases' weights while the consumers synchronise,
 //            run attention or stage x. The 8 CONSUMER warps sync among themselves with named barrier 1
-//            and across the grid with a release/acquire counter (GridBarrier); each takes every 8th tile
-//            of its block, computes the dot products from shared memory and runs the epilogue.
+//            and across the grid with a release/acquire counter (GridBarrier); tile t goes to consumer warp
+//            t % 8 (n_slots is a multiple of 8, so a slot is always consumed by the same warp, in order),
+//            which computes the dot products from shared memory, runs the epilogue and releases the slot.
 //            Why: v5 (each warp loading its own rows after each barrier) measured slower than one kernel
 //            per op: ~27 µs per layer of barrier + prologue latency added to the streaming time.
 // Layouts    layers: LayerW[n_layers] (device table of this layer's weight / scale / cache pointers, filled by
@@ -168,7 +169,10 @@ __device__ __forceinline__ void consume_phase(const GemvArgs a, const RopeArgs r
   const int half_d = EPI == EPI_ROPE ? rope.hd / 2 : 1;
   const size_t row_bytes = (size_t)K * BPW;
   const int nchunks = K / WF::PER_CHUNK, ng = (K + 127) >> 7, seg = scale_seg(ng);
-  for (int i = warp; i < n; i += PK_CONSUMERS) {
+  // Tile tt goes to warp tt % PK_CONSUMERS and slot tt % n_slots, n_slots a multiple of PK_CONSUMERS: every
+  // slot is always consumed by the same warp, in order, so when a warp waits on a slot the slot's previous
+  // tile has landed and been consumed (by that warp), and the parity wait below is never two phases behind.
+  for (int i = (int)((warp + PK_CONSUMERS - t % PK_CONSUMERS) % PK_CONSUMERS); i < n; i += PK_CONSUMERS) {
     const unsigned int tt = t + i, slot = tt % ring.n_slots;
     mbar_wait(ring.full + slot, (tt / ring.n_slots) & 1);
     const unsigned char* tile = ring.base + (size_t)slot * ring.slot_bytes;
@@ -184,11 +188,15 @@ __device__ __forceinline__ void consume_phase(const GemvArgs a, const RopeArgs r
         sc = reinterpret_cast<const float*>(tile + R * row_bytes + r * seg + skip);
       }
       float s = 0.f;
+#ifdef PK_TIMING_NO_MATH  // measurement instrument only (wrong results): stream and sync without the dot products
+      if (sc == reinterpret_cast<const float*>(xs)) s = 1.f;
+#else
 #pragma unroll 4
       for (int c = lane; c < nchunks; c += AF_WARP) {
         const float d = WF::dot(*reinterpret_cast<const uint4*>(wrow + (size_t)c * 16), xs, c * WF::PER_CHUNK);
         s += WF::SCALED ? d * sc[(c * WF::PER_CHUNK) >> 7] : d;
       }
+#endif
       acc[r] = warp_sum(s);
     }
     __syncwarp();
