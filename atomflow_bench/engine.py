@@ -14,7 +14,7 @@ import numpy as np
 from .arena import Arena, plan_arena
 from .errors import AtomflowError, GpuUnavailable
 from .kernels import KernelLib
-from .step import STEP_MODES, build_step, fused_supported, layer_table, run_eager
+from .step import STEP_MODES, build_step, fused_supported, layer_table, pk_consumers, run_eager
 from .weights import Checkpoint, upload_weights
 
 
@@ -63,7 +63,8 @@ class Engine:
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)
         # Step form (step.py STEP_MODES): the persistent fused kernel where an instance exists, else split;
         # `step` or ATOMFLOW_STEP chooses explicitly (A/B measurements, tests of both forms).
-        why_not = fused_supported(self.cfg, self.gpu["cc"], weights, self.gpu["smem_optin"])
+        why_not = fused_supported(self.cfg, self.gpu["cc"], weights, self.gpu["smem_optin"],
+                                  pk_consumers(self.lib.defines))
         step = step or os.environ.get("ATOMFLOW_STEP") or ("split" if why_not else "fused")
         if step not in STEP_MODES:
             raise AtomflowError(f"unknown step mode {step!r} (expected one of {', '.join(STEP_MODES)})")

@@ -35,8 +35,8 @@ from .kernels import KernelLib, Launch, resident_blocks_per_sm
 GEMV_THREADS = 256
 GEMV_BLOCKS_PER_SM = 4  # = GEMV_MIN_BLOCKS in gemv_common.cuh: the grid never exceeds one resident wave
 ATT_THREADS = 128
-PK_CONSUMERS = 8                 # decode_layers.cu consumer warps (+ 1 producer warp)
-PK_THREADS = (PK_CONSUMERS + 1) * 32
+PK_CONSUMERS = 8                 # decode_layers.cu consumer warps (+ 1 producer warp); -DPK_CONSUMERS=N overrides
+PK_ATT_THREADS = 256             # decode_layers.cu PK_ATT_WARPS * 32: the threads of an attention item
 PK_GROUPS = (1, 2, 3, 4)         # q heads per kv head with a persistent instance (G = 8: the split step)
 PK_MAX_SLOTS = 64                # ring slots at most (mbarrier pairs)
 STEP_MODES = ("fused", "split")
@@ -132,26 +132,33 @@ def argmax_launch(lib: KernelLib, logits, part_val, part_idx, counter, pos, cur_
 
 
 def fused_supported(cfg: ModelConfig, cc: str | float = "9.0", fmt: str = "fp16",
-                    smem_optin: int = 232448) -> str | None:
+                    smem_optin: int = 232448, consumers: int = PK_CONSUMERS) -> str | None:
     """None when the persistent kernel runs this shape/format on this GPU, else why not."""
     if cfg.group_size not in PK_GROUPS:
         return f"{cfg.group_size} q heads per kv head (decode_layers.cu instances: {PK_GROUPS})"
     if not 9.0 <= float(cc) < 12.0:
         return f"compute capability {cc} (decode_layers.cu needs TMA and ~200 KB shared memory: sm_90..sm_10x)"
     try:
-        ring_plan(cfg, fmt, smem_optin)
+        ring_plan(cfg, fmt, smem_optin, consumers)
     except AtomflowError as e:
         return str(e).removeprefix("decode_layers: ")
     return None
 
 
-def ring_plan(cfg: ModelConfig, fmt: str, smem_optin: int) -> dict:
+def pk_consumers(defines=()) -> int:
+    """Consumer warps of the compiled decode_layers kernel (an A/B override in ATOMFLOW_KERNEL_DEFINES)."""
+    for d in defines:
+        if d.startswith("PK_CONSUMERS="):
+            return int(d.split("=", 1)[1])
+    return PK_CONSUMERS
+
+
+def ring_plan(cfg: ModelConfig, fmt: str, smem_optin: int, consumers: int = PK_CONSUMERS) -> dict:
     """Shared memory of the persistent kernel: the union (x staging | attention scratch), then the ring of
     weight-tile slots (one slot = the largest tile: R rows + their fp8 scale windows), then the mbarriers."""
     H, I, hd, G = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.group_size
     bpw = 1 if fmt == "fp8" else 2
-    threads = PK_CONSUMERS * 32
-    union = max(max(H, cfg.q_dim, I) * 2 + 128, 4 * (G * ATT_CHUNK + (threads // (hd // 8)) * G * hd))
+    union = max(max(H, cfg.q_dim, I) * 2 + 128, 4 * (G * ATT_CHUNK + (PK_ATT_THREADS // (hd // 8)) * G * hd))
     union = -(-union // 128) * 128
 
     def tile(rows: int, k: int) -> int:  # R weight rows + (fp8) one 16-byte aligned scale window per row
@@ -163,9 +170,9 @@ def ring_plan(cfg: ModelConfig, fmt: str, smem_optin: int) -> dict:
     slot = -(-slot // 128) * 128
     budget = smem_optin - union - 1024  # static shared memory (reductions, attention statistics) + margin
     # a multiple of the consumer warps: each slot always belongs to one warp (decode_layers.cu consume_phase)
-    n_slots = min(PK_MAX_SLOTS, budget // (slot + 16)) // PK_CONSUMERS * PK_CONSUMERS
-    if n_slots < PK_CONSUMERS:
-        raise AtomflowError(f"decode_layers: {smem_optin} bytes of shared memory hold fewer than {PK_CONSUMERS} "
+    n_slots = min(PK_MAX_SLOTS, budget // (slot + 16)) // consumers * consumers
+    if n_slots < consumers:
+        raise AtomflowError(f"decode_layers: {smem_optin} bytes of shared memory hold fewer than {consumers} "
                             f"weight tiles of {slot} bytes (+ {union} staging); use the split step")
     return {"union_bytes": union, "slot_bytes": slot, "n_slots": int(n_slots),
             "shmem": union + n_slots * slot + 16 * n_slots}
@@ -202,16 +209,18 @@ def probe_views(cfg: ModelConfig, probes) -> dict:
 def fused_launch(lib: KernelLib, cfg: ModelConfig, fmt: str, a: Arena, n_sm: int, probes: bool = False,
                  smem_optin: int = 232448) -> Launch:
     """The persistent decode_layers kernel over the whole model: cooperative, one block per SM."""
-    why = fused_supported(cfg, fmt=fmt, smem_optin=smem_optin)
+    consumers = pk_consumers(lib.defines)
+    why = fused_supported(cfg, fmt=fmt, smem_optin=smem_optin, consumers=consumers)
     if why:
         raise AtomflowError(f"no persistent decode kernel for {why}")
+    threads = (consumers + 1) * 32
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     fn = lib[f"decode_layers_{'f8' if fmt == 'fp8' else 'f16'}_hd{hd}_g{cfg.group_size}"]
     splits = a["att_ml"].shape[1]
-    if splits > (PK_CONSUMERS * 32 // (hd // 8)) * hd:
+    if splits > (PK_ATT_THREADS // (hd // 8)) * hd:
         raise AtomflowError(f"{splits} attention splits exceed the persistent kernel's shared-memory plan")
-    ring = ring_plan(cfg, fmt, smem_optin)
-    if resident_blocks_per_sm(fn, PK_THREADS, ring["shmem"]) < 1:
+    ring = ring_plan(cfg, fmt, smem_optin, consumers)
+    if resident_blocks_per_sm(fn, threads, ring["shmem"]) < 1:
         raise AtomflowError(f"decode_layers kernel does not fit on an SM ({ring['shmem']} bytes of shared memory)")
     P = a["probes"]
     moved = sum(a[f"L{i}.{f}"].nbytes for i in range(cfg.num_hidden_layers)
@@ -220,7 +229,7 @@ def fused_launch(lib: KernelLib, cfg: ModelConfig, fmt: str, a: Arena, n_sm: int
     taps = dict(probe_views(cfg, P)) if probes else {}
     if probes:
         taps["final_norm"] = a["xnorm"]
-    return Launch(fn, "decode_layers", (n_sm,), (PK_THREADS,),
+    return Launch(fn, "decode_layers", (n_sm,), (threads,),
                   (a["layer_table"], i32(cfg.num_hidden_layers), a["cur_token"], a["embed"], a["rope_cs"], a["pos"],
                    a["h"], a["qkv"], a["attn_out"], a["act"], a["xnorm"], a["final_norm"], a["att_ml"], a["att_o"],
                    i32(splits), a["step_sync"], P if probes else NULL, i32(H), i32(I), i32(cfg.num_attention_heads),

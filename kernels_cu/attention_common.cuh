@@ -4,6 +4,9 @@
 #include "common.cuh"
 
 #define ATT_CHUNK 32
+#ifndef AF_ATT_SYNC
+#define AF_ATT_SYNC() AF_CTA_SYNC()  // the threads running an attention item (decode_layers.cu: a subset)
+#endif
 
 __device__ __forceinline__ void f8_from_u4(uint4 u, float* f) {
   const float2 a = h2_to_f2(u.x), b = h2_to_f2(u.y), c = h2_to_f2(u.z), d = h2_to_f2(u.w);
@@ -76,7 +79,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
       }
     }
   }
-  AF_CTA_SYNC();
+  AF_ATT_SYNC();
 
   // ---- chunk softmax statistics: one warp per q head, one lane per position ----
   for (int g = warp; g < G; g += T / AF_WARP) {
@@ -87,7 +90,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     const float sum = warp_sum(p);
     if (lane == 0) { s_m[g] = m; s_l[g] = sum; }
   }
-  AF_CTA_SYNC();
+  AF_ATT_SYNC();
 
   // ---- P.V from the V rows already in registers ----
   {
@@ -115,7 +118,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[((size_t)pg * G + g) * HD + l * 8 + e] = o[g][e];
   }
-  AF_CTA_SYNC();
+  AF_ATT_SYNC();
 
   const int gh = G * HD;
   if (n_splits == 1) {  // the whole context fits one chunk: finish here
@@ -139,9 +142,9 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     ml[0] = s_m[threadIdx.x];
     ml[1] = s_l[threadIdx.x];
   }
-  AF_CTA_SYNC();  // all partials of this block written; thread 0's acq_rel ticket publishes them
+  AF_ATT_SYNC();  // all partials of this block written; thread 0's acq_rel ticket publishes them
   if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(counters + j, 1u) == (unsigned int)n_splits - 1;
-  AF_CTA_SYNC();
+  AF_ATT_SYNC();
   if (!last) return;  // the last block acquired every other block's partials through its ticket
 
   // ---- combine (last block of kv head j): weights exp(m_s - M) / sum_s l_s exp(m_s - M) ----
@@ -161,7 +164,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     __syncwarp();
     for (int s = lane; s < n_splits; s += AF_WARP) coef[g * max_splits + s] /= L;
   }
-  AF_CTA_SYNC();
+  AF_ATT_SYNC();
   for (int i = threadIdx.x; i < gh; i += T) {
     const int g = i / HD, d = i % HD;
     const float* po = part_o + (size_t)(j * G + g) * max_splits * HD + d;

@@ -30,12 +30,20 @@
 //            [2 x n_slots mbarriers].
 // Bytes      all layer weights (+ fp8 scales) once, K/V rows 0..pos once per layer, activations from L2.
 // Launch     decode_layers_{f16,f8}_hd{64,128}_g{1,2,3,4}: cooperative, grid = #SMs (one block per SM),
-//            block = 288 (8 consumer warps + 1 producer warp); sm_90..sm_10x. sync_counter: uint32, 0
+//            block = (PK_CONSUMERS + 1) * 32 (default 8 consumer warps + 1 producer warp); sm_90..sm_10x;
+//            attention items run on consumer warps 0..7. sync_counter: uint32, 0
 //            before the launch; the kernel leaves it 0.
-#define PK_CONSUMERS 8
+#ifndef PK_CONSUMERS
+#define PK_CONSUMERS 8       // consumer warps (the host reads an override from ATOMFLOW_KERNEL_DEFINES)
+#endif
+#ifndef PK_PRODUCER_LANES
+#define PK_PRODUCER_LANES 32  // producer-warp lanes issuing tiles (tile t: lane t % PK_PRODUCER_LANES)
+#endif
+#define PK_ATT_WARPS 8        // attention items run on consumer warps 0..7 (named barrier 2)
 #define PK_THREADS ((PK_CONSUMERS + 1) * 32)
 #define AF_CTA_THREADS (PK_CONSUMERS * 32)
 #define AF_CTA_SYNC() asm volatile("bar.sync 1, %0;" ::"n"(PK_CONSUMERS * 32) : "memory")
+#define AF_ATT_SYNC() asm volatile("bar.sync 2, %0;" ::"n"(PK_ATT_WARPS * 32) : "memory")
 #include "gemv_common.cuh"
 #include "attention_common.cuh"
 
@@ -110,7 +118,7 @@ __device__ __forceinline__ int phase_tiles(int n_out, int& o0) {
   return (int)((long long)(blockIdx.x + 1) * n_out / gridDim.x) - o0;
 }
 
-// PRODUCER: issue one GEMV phase's tiles of this block (lane 0 of the producer warp).
+// PRODUCER: issue one GEMV phase's tiles of this block (lane t % PK_PRODUCER_LANES of the producer warp).
 template <int R, int EPI, bool SCALED>
 __device__ __forceinline__ void produce_phase(const Ring& ring, unsigned int& t, const unsigned char* W,
                                               const float* scales, int n_out, int K, int bpw, int half_d) {
@@ -118,7 +126,9 @@ __device__ __forceinline__ void produce_phase(const Ring& ring, unsigned int& t,
   const int n = phase_tiles(n_out, o0);
   const size_t row_bytes = (size_t)K * bpw;
   const int ng = (K + 127) >> 7, seg = scale_seg(ng);
+  const unsigned int lane = threadIdx.x % AF_WARP;
   for (int i = 0; i < n; ++i, ++t) {
+    if (t % PK_PRODUCER_LANES != lane) continue;  // tiles are independent: lanes issue them side by side
     const unsigned int slot = t % ring.n_slots;
     if (t >= ring.n_slots) mbar_wait(ring.empty + slot, ((t / ring.n_slots) - 1) & 1);
     unsigned char* dst = ring.base + (size_t)slot * ring.slot_bytes;
@@ -276,7 +286,7 @@ __device__ __forceinline__ void decode_layers_impl(
   unsigned int t = 0;  // tiles of this block so far (producer and consumers count the same sequence)
 
   if (threadIdx.x / AF_WARP == PK_CONSUMERS) {  // ---- producer warp ----
-    if (threadIdx.x % AF_WARP == 0) {
+    if (threadIdx.x % AF_WARP < PK_PRODUCER_LANES) {
       for (int l = 0; l < n_layers; ++l) {
         const LayerW* w = layers + l;
         produce_phase<2, EPI_ROPE, WF::SCALED>(ring, t, w->wqkv, w->sqkv, qkv_dim / 2, H, BPW, HD / 2);
@@ -311,9 +321,9 @@ __device__ __forceinline__ void decode_layers_impl(
     {
       const int len = *pos + 1;
       const int n_items = n_kv * ((len + ATT_CHUNK - 1) / ATT_CHUNK);
-      for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
-        AF_CTA_SYNC();  // the previous item's shared memory is free
-        attention_item<HD, G, AF_CTA_THREADS, true>(qkv, w->k_cache, w->v_cache, len, it % n_kv, it / n_kv, att_ml,
+      for (int it = blockIdx.x; it < n_items && threadIdx.x < PK_ATT_WARPS * AF_WARP; it += gridDim.x) {
+        AF_ATT_SYNC();  // the previous item's shared memory is free
+        attention_item<HD, G, PK_ATT_WARPS * AF_WARP, true>(qkv, w->k_cache, w->v_cache, len, it % n_kv, it / n_kv, att_ml,
                                                     att_o, w->att_counters, attn_out, n_kv, max_splits, scale,
                                                     reinterpret_cast<float*>(smem_raw));
       }
