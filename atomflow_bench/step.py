@@ -170,7 +170,8 @@ def ring_plan(cfg: ModelConfig, fmt: str, smem_optin: int, consumers: int = PK_C
     slot = -(-slot // 128) * 128
     budget = smem_optin - union - 1024  # static shared memory (reductions, attention statistics) + margin
     # a multiple of the consumer warps: each slot always belongs to one warp (decode_layers.cu consume_phase)
-    n_slots = min(PK_MAX_SLOTS, budget // (slot + 16)) // consumers * consumers
+    n_slots = min(PK_MAX_SLOTS, budget // (slot + 16)) // consumers * consumers  # also a multiple of the
+    # producer lanes (8, decode_layers.cu PK_PRODUCER_LANES) as long as consumers is
     if n_slots < consumers:
         raise AtomflowError(f"decode_layers: {smem_optin} bytes of shared memory hold fewer than {consumers} "
                             f"weight tiles of {slot} bytes (+ {union} staging); use the split step")

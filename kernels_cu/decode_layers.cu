@@ -37,8 +37,8 @@
 #define PK_CONSUMERS 8       // consumer warps (the host reads an override from ATOMFLOW_KERNEL_DEFINES)
 #endif
 #ifndef PK_PRODUCER_LANES
-#define PK_PRODUCER_LANES 32  // producer-warp lanes issuing tiles (tile t: lane t % PK_PRODUCER_LANES)
-#endif
+#define PK_PRODUCER_LANES 8   // producer-warp lanes issuing tiles (tile t: lane t % PK_PRODUCER_LANES); must divide
+#endif                        // n_slots (a multiple of PK_CONSUMERS) so one lane refills a slot, in order
 #define PK_ATT_WARPS 8        // attention items run on consumer warps 0..7 (named barrier 2)
 #define PK_THREADS ((PK_CONSUMERS + 1) * 32)
 #define AF_CTA_THREADS (PK_CONSUMERS * 32)
@@ -128,7 +128,7 @@ __device__ __forceinline__ void produce_phase(const Ring& ring, unsigned int& t,
   const int ng = (K + 127) >> 7, seg = scale_seg(ng);
   const unsigned int lane = threadIdx.x % AF_WARP;
   for (int i = 0; i < n; ++i, ++t) {
-    if (t % PK_PRODUCER_LANES != lane) continue;  // tiles are independent: lanes issue them side by side
+    if (t % PK_PRODUCER_LANES != lane) continue;  // slot t % n_slots always belongs to this lane
     const unsigned int slot = t % ring.n_slots;
     if (t >= ring.n_slots) mbar_wait(ring.empty + slot, ((t / ring.n_slots) - 1) & 1);
     unsigned char* dst = ring.base + (size_t)slot * ring.slot_bytes;
