@@ -39,6 +39,7 @@ PK_CONSUMERS = 8                 # decode_layers.cu consumer warps (+ 1 producer
 PK_ATT_THREADS = 256             # decode_layers.cu PK_ATT_WARPS * 32: the threads of an attention item
 PK_GROUPS = (1, 2, 3, 4)         # q heads per kv head with a persistent instance (G = 8: the split step)
 PK_MAX_SLOTS = 64                # ring slots at most (mbarrier pairs)
+PK_PRODUCER_LANES = 8            # decode_layers.cu PK_PRODUCER_LANES
 STEP_MODES = ("fused", "split")
 # decode_layers.cu struct LayerW, in order (scales are 0 for fp16 weights)
 LAYER_FIELDS = ("wqkv", "wqkv.scale", "attn_norm", "wo", "wo.scale", "wgu", "wgu.scale", "mlp_norm", "wd", "wd.scale",
@@ -170,8 +171,10 @@ def ring_plan(cfg: ModelConfig, fmt: str, smem_optin: int, consumers: int = PK_C
     slot = -(-slot // 128) * 128
     budget = smem_optin - union - 1024  # static shared memory (reductions, attention statistics) + margin
     # a multiple of the consumer warps: each slot always belongs to one warp (decode_layers.cu consume_phase)
-    n_slots = min(PK_MAX_SLOTS, budget // (slot + 16)) // consumers * consumers  # also a multiple of the
-    # producer lanes (8, decode_layers.cu PK_PRODUCER_LANES) as long as consumers is
+    # a multiple of the consumer warps and of the producer lanes (decode_layers.cu PK_PRODUCER_LANES = 8):
+    # each slot is always filled by one lane and consumed by one warp, in order
+    unit = math.lcm(consumers, PK_PRODUCER_LANES)
+    n_slots = min(PK_MAX_SLOTS, budget // (slot + 16)) // unit * unit
     if n_slots < consumers:
         raise AtomflowError(f"decode_layers: {smem_optin} bytes of shared memory hold fewer than {consumers} "
                             f"weight tiles of {slot} bytes (+ {union} staging); use the split step")
