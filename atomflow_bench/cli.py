@@ -105,9 +105,9 @@ def generate(model, prompt, tokens, backend, weights):
               help="Recorded baselines to compare with  [default: the repository's baselines/]")
 @click.option("--peers", "with_peers", is_flag=True,
               help="Also measure HF transformers eager and static-cache + torch.compile decode (needs torch).")
-@click.option("--step", "step_mode", type=click.Choice(["auto", "fused", "split"]), default="auto", show_default=True,
-              help="Step form: fused = one persistent kernel for all layers; split = one kernel per op; auto = fused "
-                   "where the shape has an instance (ATOMFLOW_STEP overrides auto).")
+@click.option("--step", "step_mode", type=click.Choice(["split", "fused"]), default=None,
+              help="Step form: split = one kernel per op (default, the faster one measured); fused = one persistent "
+                   "kernel for all layers (sm_90+). Default: ATOMFLOW_STEP, else split.")
 def run(model, weights, context, tokens, repeats, json_path, no_json, source, baselines_dir, with_peers, step_mode):
     """Decode benchmark: TPOT, tok/s, bandwidth, % of the copy roofline, VRAM (default: synthetic Llama-3.2-3B)."""
     from pathlib import Path
@@ -136,7 +136,7 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
                   transient=True) as progress:
         rec = benchmark(path, model, src, weights, context, tokens, repeats, progress=progress,
-                        step=None if step_mode == "auto" else step_mode)
+                        step=step_mode)
     console.print(report.run_table(rec))
     peers = None
     if with_peers:
@@ -155,9 +155,9 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000))
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--step", "step_mode", type=click.Choice(["auto", "fused", "split"]), default="auto", show_default=True,
-              help="Step form: fused = one persistent kernel for all layers; split = one kernel per op; auto = fused "
-                   "where the shape has an instance (ATOMFLOW_STEP overrides auto).")
+@click.option("--step", "step_mode", type=click.Choice(["split", "fused"]), default=None,
+              help="Step form: split = one kernel per op (default, the faster one measured); fused = one persistent "
+                   "kernel for all layers (sm_90+). Default: ATOMFLOW_STEP, else split.")
 def profile(model, weights, context, steps, json_path, step_mode):
     """Per-kernel time breakdown of one decode step (events, eager) + graph step time and idle gap."""
     from pathlib import Path
@@ -168,7 +168,7 @@ def profile(model, weights, context, steps, json_path, step_mode):
     from .profile import profile_step, profile_table
 
     eng = Engine(resolve_model(model, console=console), weights=weights, max_seq=context + steps + 64,
-                 step=None if step_mode == "auto" else step_mode)
+                 step=step_mode)
     p = profile_step(eng, context, steps)
     p["step"] = eng.step_mode
     console.print(profile_table(p))

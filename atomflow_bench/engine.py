@@ -61,11 +61,11 @@ class Engine:
         self.lib.compile_all()                     # NVRTC (or CuPy's cache) before anything is timed
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)
-        # Step form (step.py STEP_MODES): the persistent fused kernel where an instance exists, else split;
-        # `step` or ATOMFLOW_STEP chooses explicitly (A/B measurements, tests of both forms).
+        # Step form (step.py STEP_MODES): "split" by default (measured faster, results/PERF_NOTES.md v5-v6);
+        # "fused" (the persistent kernel) when asked by `step` or ATOMFLOW_STEP, where it is supported.
         why_not = fused_supported(self.cfg, self.gpu["cc"], weights, self.gpu["smem_optin"],
                                   pk_consumers(self.lib.defines))
-        step = step or os.environ.get("ATOMFLOW_STEP") or ("split" if why_not else "fused")
+        step = step or os.environ.get("ATOMFLOW_STEP") or "split"
         if step not in STEP_MODES:
             raise AtomflowError(f"unknown step mode {step!r} (expected one of {', '.join(STEP_MODES)})")
         self.step_mode = step

@@ -4,11 +4,7 @@ The step reads the current token and position from device memory and leaves the 
 same list runs eagerly (`run_eager`, optionally copying probes out after each launch) or is captured once
 into a CUDA Graph (graph.py). Two forms of the same math (`STEP_MODES`):
 
-"fused" (default where supported): 3 launches per step. decode_layers.cu runs the embedding and every
-layer in ONE persistent cooperative kernel (the five phases below separated by grid barriers, the next
-phase's weights already streaming before each barrier), then lm_head and argmax.
-
-"split": the per-op kernels, per layer 5 launches:
+"split" (the default: measured faster, results/PERF_NOTES.md): the per-op kernels, per layer 5 launches:
 
     gemv  QKV      RMSNorm prologue (input_layernorm), q|k|v rows stacked; epilogue: RoPE on q and k,
                    k and v appended to the cache at pos                        -> qkv (fp16)
@@ -18,7 +14,13 @@ phase's weights already streaming before each barrier), then lm_head and argmax.
     gemv  down     residual epilogue                                           h += Wd . act
 
 plus the embedding lookup before the layers and final RMSNorm, lm_head (fp16, fp32 logits) and argmax
-after. Each op has one launch factory below (`*_launch`), shared by the step, the kernel tests and the
+after.
+
+"fused" (opt-in, sm_90..sm_10x): 3 launches per step. decode_layers.cu runs the embedding and every layer in
+ONE persistent cooperative kernel: a producer warp streams all weight rows through a shared-memory ring
+(TMA) while consumer warps compute the five phases above, separated by grid barriers; then lm_head, argmax.
+
+Each op has one launch factory below (`*_launch`), shared by the step, the kernel tests and the
 microbenchmarks: grid/block/shared-memory rules live in exactly one place.
 """
 from __future__ import annotations
