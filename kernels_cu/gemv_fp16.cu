@@ -6,7 +6,7 @@
 // Requires   K % 8 == 0 (16-byte rows); the host rejects other K.
 // Bytes      rows * K * 2 (weights, streamed once, evict-first) + K * 2..4 per block (x, from L2)
 //            + n_out * 2..4 (output).
-// Launch     grid = min(ceil(n_out / 8), 4 blocks per SM), block = 256, dyn. smem = K*4 + 128 bytes (x in fp32).
+// Launch     grid = min(ceil(n_out / 8), 4 blocks per SM), block = 256, dyn. smem = K*2 + 128 bytes (x in fp16).
 // Instances  (name: prologue / epilogue / used for)
 //   gemv_f16_qkv_rope     RMSNorm / RoPE + KV append  fused QKV projection (q|k|v rows stacked)
 //   gemv_f16_norm_swiglu  RMSNorm / silu(gate)*up     fused gate+up projection ([gate; up] stacked)

@@ -8,7 +8,7 @@
 // Requires   K % 16 == 0 (16-byte rows). K need not be a multiple of 128: the last group is short
 //            (e.g. SmolLM2's K = 576 = 4.5 groups) and its scale covers only the elements present.
 // Bytes      rows * K (weights) + rows * ceil(K/128) * 4 (scales) + K * 2..4 per block (x) + outputs.
-// Launch     grid = min(ceil(n_out / 8), 4 blocks per SM), block = 256, dyn. smem = K*4 + 128 bytes (x in fp32).
+// Launch     grid = min(ceil(n_out / 8), 4 blocks per SM), block = 256, dyn. smem = K*2 + 128 bytes (x in fp16).
 // Instances  same roles as gemv_fp16.cu:
 //   gemv_f8_qkv_rope (QKV + RoPE + KV append), gemv_f8_norm_swiglu (gate+up), gemv_f8_resid (o_proj, down_proj),
 //   gemv_f8_store (generic). lm_head stays fp16 (gemv_f16_f32), as in AtomFlow.
