@@ -31,6 +31,12 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}G"
 
 
+STEP_OPTION = click.option(
+    "--step", "step_mode", type=click.Choice(["split", "fused"]), default=None,
+    help="Step form: split = one kernel per op (default, the faster one measured); fused = one persistent kernel "
+         "for all layers (sm_90..sm_10x). Default: ATOMFLOW_STEP, else split.")
+
+
 @cli.command()
 def models():
     """The catalog: name, shape, parameters, bytes per format, sources."""
@@ -105,9 +111,7 @@ def generate(model, prompt, tokens, backend, weights):
               help="Recorded baselines to compare with  [default: the repository's baselines/]")
 @click.option("--peers", "with_peers", is_flag=True,
               help="Also measure HF transformers eager and static-cache + torch.compile decode (needs torch).")
-@click.option("--step", "step_mode", type=click.Choice(["split", "fused"]), default=None,
-              help="Step form: split = one kernel per op (default, the faster one measured); fused = one persistent "
-                   "kernel for all layers (sm_90+). Default: ATOMFLOW_STEP, else split.")
+@STEP_OPTION
 def run(model, weights, context, tokens, repeats, json_path, no_json, source, baselines_dir, with_peers, step_mode):
     """Decode benchmark: TPOT, tok/s, bandwidth, % of the copy roofline, VRAM (default: synthetic Llama-3.2-3B)."""
     from pathlib import Path
@@ -155,9 +159,7 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000))
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--step", "step_mode", type=click.Choice(["split", "fused"]), default=None,
-              help="Step form: split = one kernel per op (default, the faster one measured); fused = one persistent "
-                   "kernel for all layers (sm_90+). Default: ATOMFLOW_STEP, else split.")
+@STEP_OPTION
 def profile(model, weights, context, steps, json_path, step_mode):
     """Per-kernel time breakdown of one decode step (events, eager) + graph step time and idle gap."""
     from pathlib import Path

@@ -71,21 +71,6 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
 // (.cg), never through L1 or the read-only path, which are not coherent across SMs.
 __device__ __forceinline__ uint4 ld_cg16(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
 
-// Warp-collective prefetch of `bytes` (multiple of 16, 16-byte aligned) at p into L2: one bulk (TMA)
-// prefetch by lane 0 on sm_90+, one prefetch per 128-byte line spread over the lanes below. Fire and
-// forget: no registers are held while the bytes arrive.
-__device__ __forceinline__ void l2_prefetch_warp(const void* p, unsigned int bytes) {
-  if (bytes == 0) return;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (threadIdx.x % AF_WARP == 0)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-#else
-  const char* c = static_cast<const char*>(p);
-  for (unsigned int off = (threadIdx.x % AF_WARP) * 128u; off < bytes; off += AF_WARP * 128u)
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(c + off));
-#endif
-}
-
 __device__ __forceinline__ float2 h2_to_f2(unsigned int u) {
   __half2 h = *reinterpret_cast<__half2*>(&u);
   return __half22float2(h);

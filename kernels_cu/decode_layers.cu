@@ -166,13 +166,7 @@ __device__ __forceinline__ void consume_phase(const GemvArgs a, const RopeArgs r
   __half* xs = reinterpret_cast<__half*>(xs_raw);
   float* red = reinterpret_cast<float*>(xs_raw + ((K * sizeof(__half) + 15) & ~15));
   sync.arrive_wait();
-  if (PRO == PRO_NORM) {
-    rmsnorm_to_half(reinterpret_cast<const float*>(a.x), a.norm_w, a.eps, K, xs, red);
-  } else {
-    const __half* src = reinterpret_cast<const __half*>(a.x);
-    for (int i = threadIdx.x; i < K / 8; i += AF_CTA_THREADS) reinterpret_cast<uint4*>(xs)[i] = ld_cg16(src + 8 * i);
-  }
-  AF_CTA_SYNC();
+  gemv_stage_x<PRO>(a, xs, red);
   int o0;
   const int n = phase_tiles(a.n_out, o0);
   const int warp = threadIdx.x / AF_WARP, lane = threadIdx.x % AF_WARP;

@@ -34,9 +34,6 @@
 #define GEMV_THREADS 256
 #define GEMV_MIN_BLOCKS 4   // resident blocks per SM the register budget is planned for (<= 64 regs/thread)
 #define GEMV_LOADS 8        // 16-byte loads in flight per lane per iteration (split over the R rows)
-#ifndef GEMV_PF
-#define GEMV_PF 0           // standalone kernels: L2 prefetch look-ahead (gemv_phase PF), off (A/B knob)
-#endif
 
 enum { PRO_PLAIN = 0, PRO_NORM = 1 };
 enum { EPI_STORE = 0, EPI_F32 = 1, EPI_RESID = 2, EPI_SWIGLU = 3, EPI_ROPE = 4 };
@@ -108,18 +105,6 @@ struct GemvArgs {
   int n_out, K;
 };
 
-// Prefetch into L2 the first `cap` bytes (split over the R rows) of output o's weight rows, from byte
-// `from` of each row on. Used by the persistent kernel to keep DRAM busy across phase boundaries.
-template <int R, int EPI>
-__device__ __forceinline__ void gemv_l2_prefetch(const GemvArgs& a, int o, int half_d, size_t row_bytes,
-                                                 unsigned int from, unsigned int cap) {
-  if (cap == 0 || o >= a.n_out || from >= row_bytes) return;
-  const unsigned int n = (unsigned int)min((size_t)(cap / R) & ~15u, row_bytes - from);
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-    l2_prefetch_warp(a.W + gemv_row<EPI>(o, r, a.n_out, half_d) * row_bytes + from, n);
-}
-
 // The epilogue of output o (lane 0 of the warp that computed it): acc0 = row 0, acc1 = row R-1 (R = 2:
 // gate and up, or RoPE pair rows i and i + hd/2).
 template <int EPI>
@@ -161,12 +146,24 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
   }
 }
 
+// x staged in shared memory as fp16 by the AF_CTA_THREADS threads: RMSNorm(h_fp32) * norm_w (PRO_NORM) or
+// a copy of the fp16 input, read through L2 (in the persistent kernel other blocks just wrote it).
+template <int PRO>
+__device__ __forceinline__ void gemv_stage_x(const GemvArgs& a, __half* xs, float* red) {
+  if (PRO == PRO_NORM) {
+    rmsnorm_to_half(reinterpret_cast<const float*>(a.x), a.norm_w, a.eps, a.K, xs, red);
+  } else {
+    const __half* src = reinterpret_cast<const __half*>(a.x);
+    for (int i = threadIdx.x; i < a.K / 8; i += AF_CTA_THREADS) reinterpret_cast<uint4*>(xs)[i] = ld_cg16(src + 8 * i);
+  }
+  AF_CTA_SYNC();
+}
+
 // The GEMV as one phase: every warp of the grid owns outputs gw, gw + n_warps, ... . The first batch of
 // the warp's weight loads is issued before sync.arrive_wait() (weights never depend on the previous
-// phase); then the prologue stages x in shared memory and the warp walks its outputs. PF > 0: also
-// prefetch into L2 the rest of the first output's rows before the sync and, while computing output o,
-// up to PF bytes of output o + n_warps.
-template <class WF, int PRO, int EPI, int LOADS, int PF, class Sync>
+// phase); then the prologue stages x in shared memory and the warp walks its outputs.
+// (Measured and removed: an L2 prefetch look-ahead of the next outputs' rows, results/PERF_NOTES.md v5.1.)
+template <class WF, int PRO, int EPI, int LOADS, class Sync>
 __device__ __forceinline__ void gemv_phase(const GemvArgs a, const RopeArgs rope, const Sync sync,
                                            unsigned char* smem_raw) {
   const int K = a.K, n_out = a.n_out;
@@ -198,19 +195,11 @@ __device__ __forceinline__ void gemv_phase(const GemvArgs a, const RopeArgs rope
       }
     }
   }
-  if (PF > 0) gemv_l2_prefetch<R, EPI>(a, o, half_d, row_bytes, U * AF_WARP * 16, 1u << 30);
   sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous phase is done
-  if (PRO == PRO_NORM) {
-    rmsnorm_to_half(reinterpret_cast<const float*>(a.x), a.norm_w, a.eps, K, xs, red);
-  } else {
-    const __half* src = reinterpret_cast<const __half*>(a.x);
-    for (int i = threadIdx.x; i < K / 8; i += AF_CTA_THREADS) reinterpret_cast<uint4*>(xs)[i] = ld_cg16(src + 8 * i);
-  }
-  __syncthreads();
+  gemv_stage_x<PRO>(a, xs, red);
 
   bool prefetched = true;
   for (; o < n_out; o += stride) {
-    if (PF > 0) gemv_l2_prefetch<R, EPI>(a, o + stride, half_d, row_bytes, 0, PF);
     const unsigned char* wrow[R];
     const float* srow[R];
     float acc[R];
@@ -257,7 +246,7 @@ __device__ __forceinline__ void gemv_phase(const GemvArgs a, const RopeArgs rope
        const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     PdlSync sync;                                                                                         \
-    gemv_phase<WF, PRO, EPI, GEMV_LOADS, GEMV_PF>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, \
+    gemv_phase<WF, PRO, EPI, GEMV_LOADS>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, \
                                             sync, smem_raw);                                              \
   }
 
@@ -270,7 +259,7 @@ __device__ __forceinline__ void gemv_phase(const GemvArgs a, const RopeArgs rope
        __half* __restrict__ v_cache, int n_q, int n_kv, int hd) {                                        \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     PdlSync sync;                                                                                         \
-    gemv_phase<WF, PRO_NORM, EPI_ROPE, GEMV_LOADS, GEMV_PF>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},     \
+    gemv_phase<WF, PRO_NORM, EPI_ROPE, GEMV_LOADS>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},     \
                                                       RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}, \
                                                       sync, smem_raw);                                    \
   }

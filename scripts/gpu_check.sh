@@ -47,7 +47,7 @@ for st in $stages; do
           note "run $tag: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
         done
       done ;;
-    knobs)   # compile-time variants on 3B fp8 (ATOMFLOW_KERNEL_DEFINES), e.g. KNOBS="NAME=1 split:GEMV_PF=8192"
+    knobs)   # compile-time variants on 3B fp8 (ATOMFLOW_KERNEL_DEFINES), e.g. KNOBS="PK_TIMING_NO_MATH=1 split:NAME=V"
       for k in ${KNOBS:-}; do   # "split:DEF=V" runs the split step instead
         sm=fused; case $k in split:*) sm=split; k=${k#split:};; esac
         tag="knob-$sm-${k//[=,]/_}"
