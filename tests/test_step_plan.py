@@ -42,3 +42,25 @@ def test_fused_supported_by_group_and_arch():
     g8 = ModelConfig(vocab_size=300, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
                      num_attention_heads=8, num_key_value_heads=1, head_dim=64)
     assert "8 q heads per kv head" in fused_supported(g8, "9.0")
+
+
+def test_probe_views_tile_the_buffer_in_kernel_order():
+    """step.probe_views must cut the persistent kernel's probe buffer exactly as decode_layers.cu writes it:
+    embed, then per layer q|k|v, attn_out, h after o_proj, act, h after down_proj; no gap, no overlap."""
+    import numpy as np
+
+    from atomflow_bench.arena import probe_floats_per_layer
+    from atomflow_bench.step import probe_views
+
+    cfg = CATALOG["llama-3.2-1b"].config
+    n = cfg.hidden_size + cfg.num_hidden_layers * probe_floats_per_layer(cfg)
+    buf = np.arange(n, dtype=np.float64)
+    views = probe_views(cfg, buf)
+    order = ["embed"] + [f"layers.{i}.{k}" for i in range(cfg.num_hidden_layers)
+                         for k in ("q", "k", "v", "attn_out", "attn", "act", "mlp")]
+    assert list(views) == order
+    np.testing.assert_array_equal(np.concatenate([views[k] for k in order]), buf)  # contiguous, in order
+    sizes = {"q": cfg.q_dim, "k": cfg.kv_dim, "v": cfg.kv_dim, "attn_out": cfg.q_dim, "attn": cfg.hidden_size,
+             "act": cfg.intermediate_size, "mlp": cfg.hidden_size}
+    for k, size in sizes.items():
+        assert views[f"layers.3.{k}"].size == size
