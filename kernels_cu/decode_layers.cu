@@ -15,10 +15,13 @@
 //            barriers, so DRAM keeps streaming the next phases' weights while the consumers synchronise,
 //            run attention or stage x. The 8 CONSUMER warps sync among themselves with named barrier 1
 //            and across the grid with a release/acquire counter (GridBarrier); tile t goes to consumer warp
-//            t % 8 (n_slots is a multiple of 8, so a slot is always consumed by the same warp, in order),
+//            t % 8 (n_slots is a multiple of 8 and of the producer lanes, so a slot is always filled by the
+//            same lane and consumed by the same warp, in order),
 //            which computes the dot products from shared memory, runs the epilogue and releases the slot.
 //            Why: v5 (each warp loading its own rows after each barrier) measured slower than one kernel
 //            per op: ~27 µs per layer of barrier + prologue latency added to the streaming time.
+// Status     correct (engine tests vs the NumPy reference) but measured SLOWER than the split step (H100,
+//            3B W8A16: 2.40 vs 2.16 ms; results/PERF_NOTES.md v6), so it is opt-in (`run --step fused`).
 // Layouts    layers: LayerW[n_layers] (device table of this layer's weight / scale / cache pointers, filled by
 //            the host); weights row-major [rows, K] (fp16, or fp8 + fp32 scales [rows, ceil(K/128)]); a
 //            GEMV phase gives block b the outputs [b*n/G, (b+1)*n/G); a tile = one output's R weight rows
