@@ -63,13 +63,13 @@ class Engine:
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)
         # Step form (step.py STEP_MODES): "split" by default (measured faster, results/PERF_NOTES.md v5-v6);
         # "fused" (the persistent kernel) when asked by `step` or ATOMFLOW_STEP, where it is supported.
-        why_not = fused_supported(self.cfg, self.gpu["cc"], weights, self.gpu["smem_optin"],
-                                  pk_consumers(self.lib.defines))
         step = step or os.environ.get("ATOMFLOW_STEP") or "split"
         if step not in STEP_MODES:
             raise AtomflowError(f"unknown step mode {step!r} (expected one of {', '.join(STEP_MODES)})")
         self.step_mode = step
         if step == "fused":
+            why_not = fused_supported(self.cfg, self.gpu["cc"], weights, self.gpu["smem_optin"],
+                                      pk_consumers(self.lib.defines))
             if why_not:
                 raise AtomflowError(f"no persistent decode kernel for {why_not}; use the split step")
             self.arena["layer_table"].set(layer_table(self.cfg, weights, self.arena))
@@ -85,7 +85,8 @@ class Engine:
             pdl = float(self.gpu["cc"]) >= 9.0 and os.environ.get("ATOMFLOW_PDL", "1") != "0"
         self.pdl = bool(pdl)
         if self.pdl:
-            for launches in {id(self.launches): self.launches, id(self.tap_launches): self.tap_launches}.values():
+            step_lists = [self.launches] if self.tap_launches is self.launches else [self.launches, self.tap_launches]
+            for launches in step_lists:
                 for ln in launches[1:]:
                     ln.enable_pdl()
         self.stream = cupy.cuda.Stream(non_blocking=True)

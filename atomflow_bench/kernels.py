@@ -155,11 +155,16 @@ def _driver():
     return _libcuda
 
 
+def allow_dynamic_smem(fn, shmem: int) -> None:
+    """Opt `fn` in to `shmem` bytes of dynamic shared memory when beyond the default 48 KB per block."""
+    if shmem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, shmem)
+
+
 def resident_blocks_per_sm(fn, threads: int, shmem: int) -> int:
     """How many blocks of `fn` fit on one SM at once (registers, shared memory, threads): the driver's
     occupancy calculator. A cooperative grid must not exceed this times the number of SMs."""
-    if shmem > 48 * 1024:
-        fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, shmem)
+    allow_dynamic_smem(fn, shmem)
     n = ctypes.c_int(0)
     rc = _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), fn.kernel.ptr, threads, shmem)
     if rc != 0:

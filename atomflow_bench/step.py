@@ -32,7 +32,7 @@ import numpy as np
 from .arena import ARGMAX_THREADS, ATT_CHUNK, LAYER_TABLE_FIELDS, Arena, linear_regions, probe_floats_per_layer
 from .config import ModelConfig
 from .errors import AtomflowError
-from .kernels import KernelLib, Launch, resident_blocks_per_sm
+from .kernels import KernelLib, Launch, allow_dynamic_smem, resident_blocks_per_sm
 
 GEMV_THREADS = 256
 GEMV_BLOCKS_PER_SM = 4  # = GEMV_MIN_BLOCKS in gemv_common.cuh: the grid never exceeds one resident wave
@@ -72,8 +72,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         raise AtomflowError(f"GEMV weight shape {tuple(w.shape)} != ({rows}, {k})")
     shmem = k * 2 + 128  # x staged in fp16 + reduction scratch
     fn = lib[f"gemv_{'f8' if fp8 else 'f16'}_{variant}"]
-    if shmem > 48 * 1024:  # beyond the default per-block limit: opt in (once per kernel)
-        fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, shmem)
+    allow_dynamic_smem(fn, shmem)
     per_sm = min(GEMV_BLOCKS_PER_SM, SMEM_PER_SM // shmem)
     grid = (min(-(-n_out // (GEMV_THREADS // 32)), n_sm * per_sm),)
     moved = w.nbytes + (scales.nbytes if fp8 else 0) + x.nbytes + y.nbytes
@@ -214,11 +213,9 @@ def probe_views(cfg: ModelConfig, probes) -> dict:
 
 def fused_launch(lib: KernelLib, cfg: ModelConfig, fmt: str, a: Arena, n_sm: int, probes: bool = False,
                  smem_optin: int = 232448) -> Launch:
-    """The persistent decode_layers kernel over the whole model: cooperative, one block per SM."""
+    """The persistent decode_layers kernel over the whole model: cooperative, one block per SM. The caller has
+    checked fused_supported() for this GPU (engine.py)."""
     consumers = pk_consumers(lib.defines)
-    why = fused_supported(cfg, fmt=fmt, smem_optin=smem_optin, consumers=consumers)
-    if why:
-        raise AtomflowError(f"no persistent decode kernel for {why}")
     threads = (consumers + 1) * 32
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     fn = lib[f"decode_layers_{'f8' if fmt == 'fp8' else 'f16'}_hd{hd}_g{cfg.group_size}"]
