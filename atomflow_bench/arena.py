@@ -20,7 +20,6 @@ ALIGN = 256
 POOLS = ("weights", "kv", "activations", "scratch")
 ATT_CHUNK = 32          # positions per attention split (kernels_cu/attention.cu ATT_CHUNK)
 ARGMAX_THREADS = 1024   # block size of argmax_advance
-LAYER_TABLE_FIELDS = 16  # pointers per layer in the persistent kernel's table (decode_layers.cu LayerW)
 RESERVE = 512 << 20     # VRAM left free for the CUDA context, CuPy and load-time staging slack
 
 
@@ -44,7 +43,7 @@ class ArenaPlan:
         self.regions: dict[str, Region] = {}
         self.sizes = {p: 0 for p in POOLS}
         self.streamed: set[str] = set()
-        self.staging_bytes = 0  # temporary device buffer used only while loading (fp8 quantisation)
+        self.staging_bytes = 0  # temporary device buffer used only while loading (row-major -> tiled)
 
     def add(self, pool: str, name: str, shape, dtype, streamed: bool = False) -> Region:
         assert pool in POOLS and name not in self.regions, (pool, name)
@@ -73,9 +72,9 @@ def linear_regions(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> ArenaPlan:
     if fmt not in ("fp16", "fp8"):
         raise AtomflowError(f"unknown weight format {fmt!r} (expected fp16 or fp8)")
-    if cfg.hidden_size % 16 or cfg.intermediate_size % 16 or cfg.q_dim % 16:
-        raise AtomflowError("hidden_size, intermediate_size and heads*head_dim must be multiples of 16 "
-                            "(16-byte GEMV rows)")
+    if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or cfg.q_dim % 32:
+        raise AtomflowError("hidden_size, intermediate_size and heads*head_dim must be multiples of 32 "
+                            "(tiled GEMV layout, kernels_cu/gemv_common.cuh)")
     if cfg.head_dim not in (64, 128):
         raise AtomflowError(f"head_dim {cfg.head_dim} unsupported by attention.cu (64 or 128)")
     if cfg.group_size not in (1, 2, 3, 4, 8):
@@ -91,12 +90,15 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> Are
         p.add("weights", f"L{i}.attn_norm", (H,), np.float16, streamed=True)
         p.add("weights", f"L{i}.mlp_norm", (H,), np.float16, streamed=True)
         for name, (rows, k) in linear_regions(cfg).items():
+            # tiled layout (weights.py tile_view), loaded through a row-major staging buffer: fp16 rows, or
+            # for fp8 the codes + fp16 rows + row-major scales (quantised on the device, then tiled)
             if fmt == "fp16":
                 p.add("weights", f"L{i}.{name}", (rows, k), np.float16, streamed=True)
+                staging = max(staging, rows * k * 2)
             else:
                 p.add("weights", f"L{i}.{name}", (rows, k), np.uint8, streamed=True)
                 p.add("weights", f"L{i}.{name}.scale", (rows, -(-k // GROUP)), np.float32, streamed=True)
-                staging = max(staging, rows * k * 2)
+                staging = max(staging, rows * k * 3 + rows * -(-k // GROUP) * 4)
     p.add("weights", "final_norm", (H,), np.float16, streamed=True)
     if not cfg.tie_word_embeddings:
         p.add("weights", "lm_head", (V, H), np.float16, streamed=True)
@@ -126,11 +128,101 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> Are
     p.add("scratch", "prompt", (max_seq,), np.int32)
     p.add("scratch", "out_tokens", (max_seq,), np.int32)
     p.add("scratch", "rope_cs", (max_seq, cfg.head_dim // 2, 2), np.float32)
-    # the persistent decode kernel (decode_layers.cu): per-layer pointer table, grid-barrier counter, and
-    # the validation probes it writes only when asked (embed + per layer q|k|v, attn_out, h, act, h)
-    p.add("scratch", "layer_table", (L, LAYER_TABLE_FIELDS), np.uint64)
-    p.add("scratch", "step_sync", (1,), np.uint32)
-    p.add("scratch", "probes", (H + L * probe_floats_per_layer(cfg),), np.float32)
+    return p
+
+
+class ArenaPlan:
+    """Named regions per pool; `streamed` marks weight regions read in full every decode step."""
+
+    def __init__(self):
+        self.regions: dict[str, Region] = {}
+        self.sizes = {p: 0 for p in POOLS}
+        self.streamed: set[str] = set()
+        self.staging_bytes = 0  # temporary device buffer used only while loading (row-major -> tiled)
+
+    def add(self, pool: str, name: str, shape, dtype, streamed: bool = False) -> Region:
+        assert pool in POOLS and name not in self.regions, (pool, name)
+        shape = tuple(int(s) for s in shape)
+        off = -(-self.sizes[pool] // ALIGN) * ALIGN
+        r = Region(pool, name, off, shape, np.dtype(dtype))
+        self.regions[name] = r
+        self.sizes[pool] = off + r.nbytes
+        if streamed:
+            self.streamed.add(name)
+        return r
+
+    def total(self) -> int:
+        return sum(self.sizes.values())
+
+    def streamed_weight_bytes(self) -> int:
+        return sum(self.regions[n].nbytes for n in self.streamed)
+
+
+def linear_regions(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The engine's fused projections per layer: [rows, K]. q|k|v stacked; gate|up stacked."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    return {"wqkv": (cfg.qkv_dim, H), "wo": (H, cfg.q_dim), "wgu": (2 * I, H), "wd": (H, I)}
+
+
+def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> ArenaPlan:
+    if fmt not in ("fp16", "fp8"):
+        raise AtomflowError(f"unknown weight format {fmt!r} (expected fp16 or fp8)")
+    if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or cfg.q_dim % 32:
+        raise AtomflowError("hidden_size, intermediate_size and heads*head_dim must be multiples of 32 "
+                            "(tiled GEMV layout, kernels_cu/gemv_common.cuh)")
+    if cfg.head_dim not in (64, 128):
+        raise AtomflowError(f"head_dim {cfg.head_dim} unsupported by attention.cu (64 or 128)")
+    if cfg.group_size not in (1, 2, 3, 4, 8):
+        raise AtomflowError(f"{cfg.group_size} q heads per kv head unsupported by attention.cu (1, 2, 3, 4 or 8)")
+    if not 1 <= max_seq <= 32768:
+        raise AtomflowError(f"max_seq {max_seq} out of range (1..32768)")
+    H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    p = ArenaPlan()
+    # weights
+    p.add("weights", "embed", (V, H), np.float16, streamed=cfg.tie_word_embeddings)
+    staging = 0
+    for i in range(L):
+        p.add("weights", f"L{i}.attn_norm", (H,), np.float16, streamed=True)
+        p.add("weights", f"L{i}.mlp_norm", (H,), np.float16, streamed=True)
+        for name, (rows, k) in linear_regions(cfg).items():
+            # tiled layout (weights.py tile_view), loaded through a row-major staging buffer: fp16 rows, or
+            # for fp8 the codes + fp16 rows + row-major scales (quantised on the device, then tiled)
+            if fmt == "fp16":
+                p.add("weights", f"L{i}.{name}", (rows, k), np.float16, streamed=True)
+                staging = max(staging, rows * k * 2)
+            else:
+                p.add("weights", f"L{i}.{name}", (rows, k), np.uint8, streamed=True)
+                p.add("weights", f"L{i}.{name}.scale", (rows, -(-k // GROUP)), np.float32, streamed=True)
+                staging = max(staging, rows * k * 3 + rows * -(-k // GROUP) * 4)
+    p.add("weights", "final_norm", (H,), np.float16, streamed=True)
+    if not cfg.tie_word_embeddings:
+        p.add("weights", "lm_head", (V, H), np.float16, streamed=True)
+    p.staging_bytes = staging
+    # KV cache: contiguous [layers][max_seq][kv_dim], arithmetic addressing
+    p.add("kv", "k_cache", (L, max_seq, cfg.kv_dim), np.float16)
+    p.add("kv", "v_cache", (L, max_seq, cfg.kv_dim), np.float16)
+    # activations of one step
+    p.add("activations", "h", (H,), np.float32)
+    p.add("activations", "qkv", (cfg.qkv_dim,), np.float16)
+    p.add("activations", "attn_out", (cfg.q_dim,), np.float16)
+    p.add("activations", "act", (cfg.intermediate_size,), np.float16)
+    p.add("activations", "xnorm", (H,), np.float16)
+    p.add("activations", "logits", (V,), np.float32)
+    # scratch: attention split partials, reduction tickets, step state
+    splits = -(-max_seq // ATT_CHUNK)
+    p.add("scratch", "att_ml", (cfg.num_attention_heads, splits, 2), np.float32)
+    p.add("scratch", "att_o", (cfg.num_attention_heads, splits, cfg.head_dim), np.float32)
+    p.add("scratch", "att_counters", (L, cfg.num_key_value_heads), np.uint32)
+    am_blocks = min(-(-V // ARGMAX_THREADS), n_sm)
+    p.add("scratch", "am_val", (am_blocks,), np.float32)
+    p.add("scratch", "am_idx", (am_blocks,), np.int32)
+    p.add("scratch", "am_counter", (1,), np.uint32)
+    p.add("scratch", "pos", (1,), np.int32)
+    p.add("scratch", "cur_token", (1,), np.int32)
+    p.add("scratch", "prompt_len", (1,), np.int32)
+    p.add("scratch", "prompt", (max_seq,), np.int32)
+    p.add("scratch", "out_tokens", (max_seq,), np.int32)
+    p.add("scratch", "rope_cs", (max_seq, cfg.head_dim // 2, 2), np.float32)
     return p
 
 

@@ -78,7 +78,7 @@ def time_decode(engine, context: int, tokens: int, repeats: int, graph: bool = T
 
 
 def benchmark(model_dir, model_name: str, source: str, weights: str, context: int, tokens: int, repeats: int,
-              eager_tokens: int = 32, progress=None, step: str | None = None) -> dict:
+              eager_tokens: int = 32, progress=None) -> dict:
     """The `run` measurement on the GPU: copy roofline, graph decode, eager decode; returns the record."""
     import time
 
@@ -87,7 +87,7 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
     from .tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
-    eng = Engine(model_dir, weights=weights, max_seq=context + tokens, progress=progress, step=step)
+    eng = Engine(model_dir, weights=weights, max_seq=context + tokens, progress=progress)
     load_s = time.perf_counter() - t0
     copy = copy_bandwidth()
     prompt = synthetic_prompt(eng.cfg.vocab_size, context)
@@ -117,8 +117,6 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
         "generated": {"token_ids": g["token_ids"], "text": text},
         "load": {"seconds": load_s, **eng.load_info},
         "launches_per_step": len(eng.launches),
-        "step": eng.step_mode,
-        "persistent_grid": list(eng.launches[0].grid) if eng.step_mode == "fused" else None,
         "pdl": eng.pdl,
         "kernel_defines": list(eng.lib.defines),
     }

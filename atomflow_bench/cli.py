@@ -31,12 +31,6 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}G"
 
 
-STEP_OPTION = click.option(
-    "--step", "step_mode", type=click.Choice(["split", "fused"]), default=None,
-    help="Step form: split = one kernel per op (default, the faster one measured); fused = one persistent kernel "
-         "for all layers (sm_90..sm_10x). Default: ATOMFLOW_STEP, else split.")
-
-
 @cli.command()
 def models():
     """The catalog: name, shape, parameters, bytes per format, sources."""
@@ -111,8 +105,7 @@ def generate(model, prompt, tokens, backend, weights):
               help="Recorded baselines to compare with  [default: the repository's baselines/]")
 @click.option("--peers", "with_peers", is_flag=True,
               help="Also measure HF transformers eager and static-cache + torch.compile decode (needs torch).")
-@STEP_OPTION
-def run(model, weights, context, tokens, repeats, json_path, no_json, source, baselines_dir, with_peers, step_mode):
+def run(model, weights, context, tokens, repeats, json_path, no_json, source, baselines_dir, with_peers):
     """Decode benchmark: TPOT, tok/s, bandwidth, % of the copy roofline, VRAM (default: synthetic Llama-3.2-3B)."""
     from pathlib import Path
 
@@ -139,8 +132,7 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
         return
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
                   transient=True) as progress:
-        rec = benchmark(path, model, src, weights, context, tokens, repeats, progress=progress,
-                        step=step_mode)
+        rec = benchmark(path, model, src, weights, context, tokens, repeats, progress=progress)
     console.print(report.run_table(rec))
     peers = None
     if with_peers:
@@ -159,8 +151,7 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000))
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-@STEP_OPTION
-def profile(model, weights, context, steps, json_path, step_mode):
+def profile(model, weights, context, steps, json_path):
     """Per-kernel time breakdown of one decode step (events, eager) + graph step time and idle gap."""
     from pathlib import Path
 
@@ -169,10 +160,8 @@ def profile(model, weights, context, steps, json_path, step_mode):
     from .fetch import resolve_model
     from .profile import profile_step, profile_table
 
-    eng = Engine(resolve_model(model, console=console), weights=weights, max_seq=context + steps + 64,
-                 step=step_mode)
+    eng = Engine(resolve_model(model, console=console), weights=weights, max_seq=context + steps + 64)
     p = profile_step(eng, context, steps)
-    p["step"] = eng.step_mode
     console.print(profile_table(p))
     if json_path:
         rec = {"schema": "atomflow-bench/profile/1", "tool": report.tool_info(), "created": report.now_iso(),

@@ -14,7 +14,7 @@ import numpy as np
 from .arena import Arena, plan_arena
 from .errors import AtomflowError, GpuUnavailable
 from .kernels import KernelLib
-from .step import STEP_MODES, build_step, fused_supported, layer_table, pk_consumers, run_eager
+from .step import build_step, run_eager
 from .weights import Checkpoint, upload_weights
 
 
@@ -41,7 +41,6 @@ def gpu_info() -> dict:
     name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
     dv, rv = rt.driverGetVersion(), rt.runtimeGetVersion()
     return {"name": name, "cc": f"{p['major']}.{p['minor']}", "sms": int(p["multiProcessorCount"]),
-            "smem_optin": int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev.id)),
             "l2_bytes": int(p["l2CacheSize"]), "memory_bytes": int(p["totalGlobalMem"]),
             "cuda_driver": f"{dv // 1000}.{dv % 1000 // 10}", "cuda_runtime": f"{rv // 1000}.{rv % 1000 // 10}",
             "cupy": cupy.__version__}
@@ -49,7 +48,7 @@ def gpu_info() -> dict:
 
 class Engine:
     def __init__(self, model_dir: str | Path, weights: str = "fp8", max_seq: int = 2048, progress=None,
-                 pdl: bool | None = None, step: str | None = None):
+                 pdl: bool | None = None):
         cupy = require_gpu()
         self.ckpt = Checkpoint(model_dir)
         self.cfg = self.ckpt.config
@@ -61,23 +60,7 @@ class Engine:
         self.lib.compile_all()                     # NVRTC (or CuPy's cache) before anything is timed
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)
-        # Step form (step.py STEP_MODES): "split" by default (measured faster, results/PERF_NOTES.md v5-v6);
-        # "fused" (the persistent kernel) when asked by `step` or ATOMFLOW_STEP, where it is supported.
-        step = step or os.environ.get("ATOMFLOW_STEP") or "split"
-        if step not in STEP_MODES:
-            raise AtomflowError(f"unknown step mode {step!r} (expected one of {', '.join(STEP_MODES)})")
-        self.step_mode = step
-        if step == "fused":
-            why_not = fused_supported(self.cfg, self.gpu["cc"], weights, self.gpu["smem_optin"],
-                                      pk_consumers(self.lib.defines))
-            if why_not:
-                raise AtomflowError(f"no persistent decode kernel for {why_not}; use the split step")
-            self.arena["layer_table"].set(layer_table(self.cfg, weights, self.arena))
-        sms, smem = self.gpu["sms"], self.gpu["smem_optin"]
-        self.launches = build_step(self.cfg, weights, self.arena, self.lib, sms, step, smem_optin=smem)
-        # the launches that also expose every probe (validation, tests): the fused kernel writes them only here
-        self.tap_launches = (build_step(self.cfg, weights, self.arena, self.lib, sms, step, probes=True,
-                                        smem_optin=smem) if step == "fused" else self.launches)
+        self.launches = build_step(self.cfg, weights, self.arena, self.lib, self.gpu["sms"])
         # Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it
         # prefetches weights and waits (griddepcontrol.wait) before touching the predecessor's outputs.
         # ATOMFLOW_PDL=0 turns it off (A/B measurements).
@@ -85,10 +68,8 @@ class Engine:
             pdl = float(self.gpu["cc"]) >= 9.0 and os.environ.get("ATOMFLOW_PDL", "1") != "0"
         self.pdl = bool(pdl)
         if self.pdl:
-            step_lists = [self.launches] if self.tap_launches is self.launches else [self.launches, self.tap_launches]
-            for launches in step_lists:
-                for ln in launches[1:]:
-                    ln.enable_pdl()
+            for ln in self.launches[1:]:
+                ln.enable_pdl()
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._graph = None
         self._prompt_len = 0
@@ -115,7 +96,7 @@ class Engine:
     def step_eager(self, taps: bool = False) -> dict | None:
         out = {} if taps else None
         with self.stream:
-            run_eager(self.tap_launches if taps else self.launches, out)
+            run_eager(self.launches, out)
         return out
 
     @property

@@ -23,8 +23,7 @@ KERNELS_DIR = Path(os.environ.get("ATOMFLOW_KERNELS_DIR", Path(__file__).resolve
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
 _DEFINE = re.compile(r"^[ \t]*#[ \t]*define(?:[^\n]*\\\n)*[^\n]*", re.M)  # a #define with continuations
-_MACRO_INSTANCE = re.compile(r"^(?:GEMV_(?:ROPE_)?INSTANCE\((\w+),|ATTENTION_INSTANCE\((\d+), (\d+)\)"
-                             r"|DECODE_LAYERS_INSTANCE\((\w+), \w+, (\d+), (\d+)\))", re.M)
+_MACRO_INSTANCE = re.compile(r"^(?:GEMV_(?:ROPE_|ROWS_)?INSTANCE\((\w+),|ATTENTION_INSTANCE\((\d+), (\d+)\))", re.M)
 
 
 def expand_source(path: Path, seen: set | None = None) -> str:
@@ -46,13 +45,8 @@ def kernel_names(path: Path) -> list[str]:
     """The extern "C" kernels a .cu file defines (directly or through the instance macros)."""
     text = _DEFINE.sub("", path.read_text())
     names = _KERNEL.findall(text)
-    for gemv, hd, g, fmt, dhd, dg in _MACRO_INSTANCE.findall(text):
-        if gemv:
-            names.append(gemv)
-        elif hd:
-            names.append(f"attention_decode_hd{hd}_g{g}")
-        else:
-            names.append(f"decode_layers_{fmt}_hd{dhd}_g{dg}")
+    for gemv, hd, g in _MACRO_INSTANCE.findall(text):
+        names.append(gemv or f"attention_decode_hd{hd}_g{g}")
     return names
 
 
@@ -117,12 +111,12 @@ class KernelLib:
 
 
 # ---- launches with attributes through the driver's cuLaunchKernelEx ---------------------------------------
-# CuPy's RawKernel cannot pass launch attributes, so programmatic dependent launch (PDL) and cooperative
-# launches go to libcuda directly (ctypes; layouts from cuda.h of CUDA 12/13). Under stream capture the PDL
-# attribute becomes a programmatic graph edge and the cooperative one a cooperative kernel node.
+# CuPy's RawKernel cannot pass launch attributes, so programmatic dependent launch (PDL) goes to libcuda
+# directly (ctypes; layouts from cuda.h of CUDA 12/13). Under stream capture the PDL attribute becomes a
+# programmatic graph edge.
 
 class _AttrValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("value", ctypes.c_int)]  # programmatic.../cooperative: an int
+    _fields_ = [("pad", ctypes.c_char * 64), ("value", ctypes.c_int)]  # programmatic stream serialization: an int
 
 
 class _Attr(ctypes.Structure):
@@ -136,7 +130,6 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_Attr)), ("numAttrs", ctypes.c_uint)]
 
 
-CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _libcuda = None
 
@@ -148,9 +141,6 @@ def _driver():
         lib.cuLaunchKernelEx.restype = ctypes.c_int
         lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
                                          ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-        lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.restype = ctypes.c_int
-        lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
-                                                                    ctypes.c_int, ctypes.c_size_t]
         _libcuda = lib
     return _libcuda
 
@@ -159,17 +149,6 @@ def allow_dynamic_smem(fn, shmem: int) -> None:
     """Opt `fn` in to `shmem` bytes of dynamic shared memory when beyond the default 48 KB per block."""
     if shmem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, shmem)
-
-
-def resident_blocks_per_sm(fn, threads: int, shmem: int) -> int:
-    """How many blocks of `fn` fit on one SM at once (registers, shared memory, threads): the driver's
-    occupancy calculator. A cooperative grid must not exceed this times the number of SMs."""
-    allow_dynamic_smem(fn, shmem)
-    n = ctypes.c_int(0)
-    rc = _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), fn.kernel.ptr, threads, shmem)
-    if rc != 0:
-        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUresult {rc}")
-    return n.value
 
 
 def _c_arg(a):
@@ -186,21 +165,18 @@ def _c_arg(a):
 
 
 class ExLauncher:
-    """Pre-built cuLaunchKernelEx call for one Launch with PDL and/or cooperative attributes (argument
-    storage kept alive with it)."""
+    """Pre-built cuLaunchKernelEx call for one Launch with the PDL attribute (argument storage kept alive with
+    it)."""
 
-    def __init__(self, fn, grid, block, args, shmem, pdl: bool, cooperative: bool):
+    def __init__(self, fn, grid, block, args, shmem):
         self._args = [_c_arg(a) for a in args]
         self._params = (ctypes.c_void_p * len(self._args))(*[ctypes.addressof(a) for a in self._args])
-        ids = ([CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION] if pdl else []) + \
-              ([CU_LAUNCH_ATTRIBUTE_COOPERATIVE] if cooperative else [])
-        self._attrs = (_Attr * max(1, len(ids)))()
-        for i, aid in enumerate(ids):
-            self._attrs[i].id = aid
-            self._attrs[i].value.value = 1
+        self._attrs = (_Attr * 1)()
+        self._attrs[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        self._attrs[0].value.value = 1
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
-        self._cfg = _LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shmem, None, self._attrs, len(ids))
+        self._cfg = _LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shmem, None, self._attrs, 1)
         self._func = fn.kernel.ptr
         self._launch = _driver().cuLaunchKernelEx
 
@@ -230,13 +206,8 @@ class Launch:
     taps: dict = field(default_factory=dict)
     bytes_moved: int = 0
     label: str = ""  # what `profile` groups by, e.g. "gemv fp8 qkv 5120x3072"
-    cooperative: bool = False  # all blocks must be co-resident (the persistent kernel's grid barriers)
     pdl: bool = False  # set by enable_pdl(): launch with programmatic stream serialization
     _ex: ExLauncher | None = None
-
-    def __post_init__(self):
-        if self.cooperative:
-            self._ex = ExLauncher(self.fn, self.grid, self.block, self.args, self.shmem, False, True)
 
     def __call__(self):
         if self._ex is not None:
@@ -246,4 +217,4 @@ class Launch:
 
     def enable_pdl(self) -> None:
         self.pdl = True
-        self._ex = ExLauncher(self.fn, self.grid, self.block, self.args, self.shmem, True, self.cooperative)
+        self._ex = ExLauncher(self.fn, self.grid, self.block, self.args, self.shmem)

@@ -119,10 +119,7 @@ def run_table(rec: dict):
         text = gen.get("text")
         shown = repr(text[:120]) if text else str(gen["token_ids"][:16])
         t.add_row("first tokens", shown)
-    step = rec.get("step", "split")
-    form = (f"persistent layers kernel, grid {rec['persistent_grid'][0]} blocks" if step == "fused" and
-            rec.get("persistent_grid") else "per-op kernels")
-    t.add_row("launch", f"step '{step}' ({form}): {rec['launches_per_step']} kernels/step in one CUDA Graph; "
+    t.add_row("launch", f"{rec['launches_per_step']} kernels/step in one CUDA Graph; "
                         f"programmatic dependent launch: {'on' if rec.get('pdl') else 'off'}")
     t.add_row("load", f"{rec['load']['seconds']:.1f} s" + (f", fp8 from {rec['load']['fp8_source']}"
                                                             if rec['load'].get('fp8_source') else ""))

@@ -19,7 +19,7 @@
 // Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + partials n_heads * splits * (hd + 2) * 4 * 2.
 // Launch     attention_decode_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv, ceil(max_seq / 32)), block = 128,
 //            dyn. smem = 4 * (G*32 + G*1024) bytes (1024 >= max_splits: max_seq <= 32768).
-// Code       the work item is attention_common.cuh (also a phase of the persistent decode_layers.cu).
+// Code       the work item is attention_common.cuh.
 #include "attention_common.cuh"
 
 #define ATT_THREADS 128
@@ -36,7 +36,7 @@
     pdl_launch_dependents();                                                                              \
     const int len = *pos_ptr + 1;                                                                         \
     if ((int)blockIdx.y * ATT_CHUNK >= len) return; /* chunk beyond the context: nothing to do */        \
-    attention_item<HD, G, ATT_THREADS, false>(q, k_cache, v_cache, len, blockIdx.x, blockIdx.y, part_ml, part_o,  \
+    attention_item<HD, G, ATT_THREADS>(q, k_cache, v_cache, len, blockIdx.x, blockIdx.y, part_ml, part_o,  \
                                        counters, out, n_kv, max_splits, scale, smem);                     \
   }
 

@@ -1,12 +1,9 @@
-// attention_common.cuh — the GQA decode-attention work item shared by attention.cu (one launch per layer)
-// and decode_layers.cu (a phase of the persistent kernel). See attention.cu for the scheme and layouts.
+// attention_common.cuh — the GQA decode-attention work item of attention.cu (one launch per layer).
+// See attention.cu for the scheme and layouts.
 #pragma once
 #include "common.cuh"
 
 #define ATT_CHUNK 32
-#ifndef AF_ATT_SYNC
-#define AF_ATT_SYNC() AF_CTA_SYNC()  // the threads running an attention item (decode_layers.cu: a subset)
-#endif
 
 __device__ __forceinline__ void f8_from_u4(uint4 u, float* f) {
   const float2 a = h2_to_f2(u.x), b = h2_to_f2(u.y), c = h2_to_f2(u.z), d = h2_to_f2(u.w);
@@ -19,10 +16,9 @@ template <int HD, int G, int T>
 __host__ __device__ constexpr int attention_smem_floats() { return G * ATT_CHUNK + (T / (HD / 8)) * G * HD; }
 
 // One work item: kv head j, positions [32 split, 32 split + 32) of the len cached ones, all G q heads.
-// Called by all T threads of the block. FRESH: q and the K/V row at pos were written during this launch
-// (persistent kernel), so they are read through L2 (.cg); otherwise (standalone kernel, written by the
-// previous launch) K/V use the streaming read-only path and q a plain load. Partials are always .cg.
-template <int HD, int G, int T, bool FRESH>
+// Called by all T threads of the block. K/V (written by earlier launches) use the streaming read-only path,
+// q a plain load; partials (written by other blocks of this launch) are always .cg.
+template <int HD, int G, int T>
 __device__ __forceinline__ void attention_item(const __half* q, const __half* k_cache, const __half* v_cache,
                                                int len, int j, int split, float* part_ml, float* part_o,
                                                unsigned int* counters, __half* out, int n_kv, int max_splits,
@@ -44,8 +40,8 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   for (int i = 0; i < PPT; ++i) {
     const int t = pg + i * PG;
     const size_t off = (size_t)(t0 + t) * kv_dim + (size_t)j * HD + l * 8;
-    kr[i] = t < n ? (FRESH ? ld_cg16(k_cache + off) : ld_stream(k_cache + off)) : make_uint4(0, 0, 0, 0);
-    vr[i] = t < n ? (FRESH ? ld_cg16(v_cache + off) : ld_stream(v_cache + off)) : make_uint4(0, 0, 0, 0);
+    kr[i] = t < n ? ld_stream(k_cache + off) : make_uint4(0, 0, 0, 0);
+    vr[i] = t < n ? ld_stream(v_cache + off) : make_uint4(0, 0, 0, 0);
   }
 
   float* sc = smem;                          // [G][ATT_CHUNK] scores, then probabilities
@@ -59,7 +55,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         const __half* qp = q + (size_t)(j * G + g) * HD + l * 8;
-        f8_from_u4(FRESH ? ld_cg16(qp) : *reinterpret_cast<const uint4*>(qp), qf[g]);
+        f8_from_u4(*reinterpret_cast<const uint4*>(qp), qf[g]);
 #pragma unroll
         for (int e = 0; e < 8; ++e) qf[g][e] *= scale;
       }
@@ -79,7 +75,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
       }
     }
   }
-  AF_ATT_SYNC();
+  __syncthreads();
 
   // ---- chunk softmax statistics: one warp per q head, one lane per position ----
   for (int g = warp; g < G; g += T / AF_WARP) {
@@ -90,7 +86,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     const float sum = warp_sum(p);
     if (lane == 0) { s_m[g] = m; s_l[g] = sum; }
   }
-  AF_ATT_SYNC();
+  __syncthreads();
 
   // ---- P.V from the V rows already in registers ----
   {
@@ -118,7 +114,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[((size_t)pg * G + g) * HD + l * 8 + e] = o[g][e];
   }
-  AF_ATT_SYNC();
+  __syncthreads();
 
   const int gh = G * HD;
   if (n_splits == 1) {  // the whole context fits one chunk: finish here
@@ -142,9 +138,9 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     ml[0] = s_m[threadIdx.x];
     ml[1] = s_l[threadIdx.x];
   }
-  AF_ATT_SYNC();  // all partials of this block written; thread 0's acq_rel ticket publishes them
+  __syncthreads();  // all partials of this block written; thread 0's acq_rel ticket publishes them
   if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(counters + j, 1u) == (unsigned int)n_splits - 1;
-  AF_ATT_SYNC();
+  __syncthreads();
   if (!last) return;  // the last block acquired every other block's partials through its ticket
 
   // ---- combine (last block of kv head j): weights exp(m_s - M) / sum_s l_s exp(m_s - M) ----
@@ -164,7 +160,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     __syncwarp();
     for (int s = lane; s < n_splits; s += AF_WARP) coef[g * max_splits + s] /= L;
   }
-  AF_ATT_SYNC();
+  __syncthreads();
   for (int i = threadIdx.x; i < gh; i += T) {
     const int g = i / HD, d = i % HD;
     const float* po = part_o + (size_t)(j * G + g) * max_splits * HD + d;

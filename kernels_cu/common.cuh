@@ -11,12 +11,6 @@
 #include <cuda_fp8.h>
 
 #define AF_WARP 32
-// The threads that run the shared device code below together, and their barrier: the whole block by default;
-// decode_layers.cu defines them first (its consumer warps only, named barrier 1; a producer warp is apart).
-#ifndef AF_CTA_SYNC
-#define AF_CTA_SYNC() __syncthreads()
-#define AF_CTA_THREADS ((int)blockDim.x)
-#endif
 #define AF_INF __int_as_float(0x7f800000)  // +inf (NVRTC has no math.h INFINITY)
 
 // Programmatic dependent launch (sm_90+). A kernel launched with the PDL attribute may start while its
@@ -47,13 +41,13 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Sum over the AF_CTA_THREADS threads; `red` must hold AF_CTA_THREADS/32 floats. Every thread gets the result.
+// Sum over the block's threads; `red` must hold blockDim.x / 32 floats. Every thread gets the result.
 __device__ __forceinline__ float block_sum(float v, float* red) {
-  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = AF_CTA_THREADS / AF_WARP;
+  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = (int)blockDim.x / AF_WARP;
   v = warp_sum(v);
-  AF_CTA_SYNC();  // `red` may still be read by a previous call
+  __syncthreads();  // `red` may still be read by a previous call
   if (lane == 0) red[warp] = v;
-  AF_CTA_SYNC();
+  __syncthreads();
   float t = lane < nw ? red[lane] : 0.f;
   return warp_sum(t);
 }
@@ -84,10 +78,10 @@ __device__ __forceinline__ float2 e4m3x2_to_f2(unsigned short u) {
 }
 
 // 1 / RMS of the fp32 residual h[K] (K % 4 == 0), every thread of the block gets it. h is read through
-// L2 (.cg): inside the persistent decode kernel other blocks wrote it moments ago.
+// L2 (.cg): the previous kernel wrote it.
 __device__ __forceinline__ float rms_inv(const float* h, float eps, int K, float* red) {
   float ss = 0.f;
-  for (int k = threadIdx.x * 4; k < K; k += AF_CTA_THREADS * 4) {
+  for (int k = threadIdx.x * 4; k < K; k += (int)blockDim.x * 4) {
     const float4 v = __ldcg(reinterpret_cast<const float4*>(h + k));
     ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
   }
@@ -103,15 +97,12 @@ __device__ __forceinline__ float rmsnorm_elem(float h, float inv, __half w) {
 __device__ __forceinline__ void rmsnorm_to_half(const float* h, const __half* __restrict__ w, float eps, int K,
                                                 __half* out, float* red) {
   const float inv = rms_inv(h, eps, K, red);
-  for (int k = threadIdx.x; k < K; k += AF_CTA_THREADS) out[k] = __float2half(rmsnorm_elem(__ldcg(h + k), inv, w[k]));
+  for (int k = threadIdx.x; k < K; k += (int)blockDim.x) out[k] = __float2half(rmsnorm_elem(__ldcg(h + k), inv, w[k]));
 }
 
-// Phase synchronisation, used by the phase device functions (gemv_common.cuh, attention_common.cuh) between
-// issuing their weight loads (independent of the previous phase) and reading the previous phase's output.
-//   PdlSync:     standalone kernels; wait for the predecessor kernel (programmatic dependent launch).
-//   GridBarrier: the persistent decode kernel (decode_layers.cu); every block arrives, then waits until all
-//                gridDim.x blocks have arrived. One monotonically increasing counter per step; the kernel
-//                resets it at its end (all blocks co-resident: cooperative launch).
+// Synchronisation with the previous kernel, used by the GEMV skeletons (gemv_common.cuh) between issuing their
+// weight loads (independent of the previous kernel) and reading its outputs: wait for the predecessor
+// (programmatic dependent launch), then let the next kernel start launching.
 struct PdlSync {
   __device__ __forceinline__ void arrive_wait() const {
     pdl_wait();
@@ -119,35 +110,10 @@ struct PdlSync {
   }
 };
 
-// GPU-scope release/acquire primitives (the CUTLASS generic-barrier pattern: __syncthreads() orders the
-// block's writes before thread 0's release; thread 0's acquire then __syncthreads() orders the reads).
-// They replace __threadfence() (fence.sc.gpu), which costs far more per barrier.
-__device__ __forceinline__ void red_add_release_gpu(unsigned int* p, unsigned int v) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
+// GPU-scope acquire-release atomic (the attention kernel's split ticket: the last block of a kv head sees every
+// other block's partials). Replaces __threadfence() (fence.sc.gpu), which costs far more.
 __device__ __forceinline__ unsigned int atom_add_acq_rel_gpu(unsigned int* p, unsigned int v) {
   unsigned int old;
   asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
 }
-__device__ __forceinline__ unsigned int ld_acquire_gpu(const unsigned int* p) {
-  unsigned int v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-struct GridBarrier {
-  unsigned int* counter;
-  unsigned int phase;  // barriers passed so far in this launch, this one included
-  __device__ __forceinline__ void arrive_wait() const {
-    const unsigned int target = phase * gridDim.x;
-    AF_CTA_SYNC();  // every thread of this block has finished the previous phase
-    if (threadIdx.x == 0) {
-      red_add_release_gpu(counter, 1u);
-      unsigned int spins = 0;
-      while (ld_acquire_gpu(counter) < target)
-        if (++spins == (1u << 26)) __trap();  // seconds without progress: a bug, fail loudly instead of hanging
-    }
-    AF_CTA_SYNC();
-  }
-};

@@ -1,24 +1,40 @@
-// gemv_common.cuh — the one GEMV skeleton shared by gemv_fp16.cu and gemv_fp8.cu (M = 1: y = W · x).
+// gemv_common.cuh — the GEMV skeletons shared by gemv_fp16.cu and gemv_fp8.cu (M = 1: y = W · x).
 //
-// Layout: W row-major [rows, K]; every 16-byte chunk of a row is one load (8 fp16 or 16 fp8 weights).
-// Launch: 1-D grid of blocks of 256 threads (8 warps), at most 4 resident blocks per SM (launch bounds);
-// a warp owns one output at a time (R = 1 or 2 weight rows) and walks its row(s) with 16-byte streaming
-// loads, GEMV_LOADS chunks per lane in flight; grid-stride over outputs (the host launches at most one
-// resident wave). Shared memory: K halves for the input vector + 32 floats for reductions.
+// Two weight layouts, two skeletons:
 //
-// Latency hiding: the warp's first batch of weight loads is issued BEFORE the prologue (weights do not
-// depend on x), so the prologue's L2 round trips overlap the DRAM latency of the weights, and, under
-// programmatic dependent launch, before waiting for the previous kernel to finish.
-// (Tried and measured slower end to end, results/PERF_NOTES.md v2: x staged as fp32, two-stage load
-// pipelining over a flattened (output, chunk-group) walk.)
+// TILED (every layer projection: QKV, o_proj, gate/up, down) — tensor cores, weights pre-tiled at load time
+//   (atomflow_bench/weights.py tile_view). The output rows are grouped into tiles of 16 weight rows (R = 1:
+//   16 consecutive outputs; R = 2: rows 0-7 = row 0 of 8 outputs, rows 8-15 = their row 1 — gate and up, or
+//   RoPE rows i and i + hd/2). A tile is stored as units of 512 bytes: unit u holds inputs [u*KU, u*KU + KU)
+//   of the 16 rows (KU = 16 fp16 or 32 fp8), lane l's 16 bytes being exactly its mma.m16n8k16 A fragments
+//   (row l/4 and l/4 + 8, inputs 2(l%4), +1, +8, +9 of each 16-input k-tile; fp8: two k-tiles, dequantised
+//   in registers by the hardware fp8x2 -> half2 conversion). fp8 scales: [tile][group of 128][8][2] fp32
+//   (rows g, g + 8 adjacent: one 8-byte load per lane and group).
+//   A block (8 warps) takes one tile at a time (grid-stride); warp w takes the 128-input groups w, w + 8, ...
+//   with GEMV_LOADS 16-byte loads per lane in flight; x is staged in shared memory in fragment order (one
+//   8- or 16-byte load per lane per mma, conflict-free) and is broadcast to all 8 mma columns (column 0 is
+//   the result; the others are free work on an otherwise idle unit). fp8: each group's mma sum is scaled in
+//   fp32. The 8 warps' partial sums meet in shared memory; 16/R threads run the epilogue.
+//   Why: the scalar fp32 dot product cost ~60 instructions per 16-byte fp8 chunk (~25 for fp16) and the
+//   fp8 GEMVs ran behind their byte rate (results/PERF_NOTES.md v1, v7); an mma does 16x16 weights in one.
+//   Requires rows % 16 == 0 and K % 32 == 0 (the host refuses other shapes); K % 128 may be non-zero (the
+//   last group is short: SmolLM2 K = 576).
+//
+// ROWS (lm_head, fp16 weights shared with the embedding table, row-major as HF stores them) — a warp owns one
+//   output row and walks it with 16-byte streaming loads, GEMV_LOADS chunks per lane in flight; grid-stride.
+//   Measured at ~100% of copy bandwidth on 128256 x 3072 (results/gemv-*.json), so it keeps the plain layout.
+//
+// Both: 256 threads per block, at most 4 resident blocks per SM (launch bounds); the first batch of weight
+// loads is issued BEFORE the prologue and, under programmatic dependent launch, before waiting for the previous
+// kernel (weights never depend on it).
 //
 // Fusions (each removes a launch and a round trip of an activation vector):
 //   PRO_NORM   prologue: x = RMSNorm(h_fp32) * w_norm computed per block straight into shared memory
 //              (replaces a separate RMSNorm kernel before QKV and gate/up).
 //   EPI_RESID  epilogue: h_fp32[o] += W·x (residual add after o_proj and down_proj).
-//   EPI_SWIGLU epilogue: the warp computes rows o (gate) and o + n_out (up) of the stacked [gate; up]
-//              weight and writes y[o] = silu(gate) * up; the 2·I intermediate never exists.
-//   EPI_ROPE   epilogue of the stacked q|k|v projection: the warp computes rows i and i + hd/2 of one head,
+//   EPI_SWIGLU epilogue: rows o (gate) and o + n_out (up) of the stacked [gate; up] weight meet in one tile;
+//              y[o] = silu(gate) * up; the 2·I intermediate never exists.
+//   EPI_ROPE   epilogue of the stacked q|k|v projection: rows i and i + hd/2 of one head meet in one tile;
 //              rotates q and k heads (RoPE, HF rotate_half convention; cos/sin of pos * inv_freq[i] from a
 //              host-computed table, so no sincosf slow path in the kernel),
 //              writes them to y and appends k and v to the KV cache at pos (replaces rope + KV-append).
@@ -32,8 +48,13 @@
 #include "common.cuh"
 
 #define GEMV_THREADS 256
+#ifndef GEMV_MIN_BLOCKS     // (-D overrides: A/B knobs, scripts/gpu_check.sh knobs)
 #define GEMV_MIN_BLOCKS 4   // resident blocks per SM the register budget is planned for (<= 64 regs/thread)
-#define GEMV_LOADS 8        // 16-byte loads in flight per lane per iteration (split over the R rows)
+#endif
+#ifndef GEMV_LOADS
+#define GEMV_LOADS 8        // 16-byte weight loads in flight per lane per batch (a multiple of 8)
+#endif
+#define GEMV_TILE 16        // weight rows per tile (the mma's M)
 
 enum { PRO_PLAIN = 0, PRO_NORM = 1 };
 enum { EPI_STORE = 0, EPI_F32 = 1, EPI_RESID = 2, EPI_SWIGLU = 3, EPI_ROPE = 4 };
@@ -46,54 +67,6 @@ struct RopeArgs {
   int n_q, n_kv, hd;
 };
 
-// Weight-format policies: how many weights a 16-byte chunk holds and its dot product with x.
-struct Fp16W {
-  static constexpr int PER_CHUNK = 8;
-  static constexpr bool SCALED = false;
-  // 8 fp16 weights · 8 fp16 activations, accumulated in fp32.
-  __device__ __forceinline__ static float dot(uint4 w, const __half* xs, int k) {
-    const uint4 xv = *reinterpret_cast<const uint4*>(xs + k);
-    float2 a = h2_to_f2(w.x), b = h2_to_f2(w.y), c = h2_to_f2(w.z), d = h2_to_f2(w.w);
-    float2 p = h2_to_f2(xv.x), q = h2_to_f2(xv.y), r = h2_to_f2(xv.z), s = h2_to_f2(xv.w);
-    float acc = a.x * p.x;
-    acc = fmaf(a.y, p.y, acc); acc = fmaf(b.x, q.x, acc); acc = fmaf(b.y, q.y, acc);
-    acc = fmaf(c.x, r.x, acc); acc = fmaf(c.y, r.y, acc); acc = fmaf(d.x, s.x, acc);
-    acc = fmaf(d.y, s.y, acc);
-    return acc;
-  }
-};
-
-struct Fp8W {
-  static constexpr int PER_CHUNK = 16;
-  static constexpr bool SCALED = true;  // the caller multiplies by the row's group scale (group = 128 inputs)
-  // 16 FP8-E4M3 weights (dequantised in registers only: hardware fp8x2->half2, then fp32 FMA) times
-  // 16 fp16 activations, before the group scale.
-  __device__ __forceinline__ static float dot(uint4 w, const __half* xs, int k) {
-    const uint4 x0 = *reinterpret_cast<const uint4*>(xs + k);
-    const uint4 x1 = *reinterpret_cast<const uint4*>(xs + k + 8);
-    const unsigned int wv[4] = {w.x, w.y, w.z, w.w};
-    const unsigned int xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-    float acc = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 w0 = e4m3x2_to_f2((unsigned short)(wv[i] & 0xffffu));
-      float2 w1 = e4m3x2_to_f2((unsigned short)(wv[i] >> 16));
-      float2 xa = h2_to_f2(xv[2 * i]), xb = h2_to_f2(xv[2 * i + 1]);
-      acc = fmaf(w0.x, xa.x, acc); acc = fmaf(w0.y, xa.y, acc);
-      acc = fmaf(w1.x, xb.x, acc); acc = fmaf(w1.y, xb.y, acc);
-    }
-    return acc;
-  }
-};
-
-// Weight row r (0..R-1) of output o.
-template <int EPI>
-__device__ __forceinline__ size_t gemv_row(int o, int r, int n_out, int half_d) {
-  if (EPI == EPI_SWIGLU) return (size_t)o + (size_t)r * n_out;
-  if (EPI == EPI_ROPE) return (size_t)(o / half_d) * (2 * half_d) + (o % half_d) + (size_t)r * half_d;
-  return (size_t)o;
-}
-
 // One GEMV's operands (unused ones 0). x: const float* (fp32 residual) with PRO_NORM, else const half*.
 struct GemvArgs {
   const unsigned char* W;
@@ -105,8 +78,8 @@ struct GemvArgs {
   int n_out, K;
 };
 
-// The epilogue of output o (lane 0 of the warp that computed it): acc0 = row 0, acc1 = row R-1 (R = 2:
-// gate and up, or RoPE pair rows i and i + hd/2).
+// The epilogue of output o: acc0 = its row 0, acc1 = its row R-1 (R = 2: gate and up, or RoPE pair rows
+// i and i + hd/2).
 template <int EPI>
 __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs& rope, int o, float acc0, float acc1) {
   const int half_d = EPI == EPI_ROPE ? rope.hd / 2 : 1;
@@ -146,120 +119,242 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
   }
 }
 
-// x staged in shared memory as fp16 by the AF_CTA_THREADS threads: RMSNorm(h_fp32) * norm_w (PRO_NORM) or
-// a copy of the fp16 input, read through L2 (in the persistent kernel other blocks just wrote it).
-template <int PRO>
-__device__ __forceinline__ void gemv_stage_x(const GemvArgs& a, __half* xs, float* red) {
-  if (PRO == PRO_NORM) {
-    rmsnorm_to_half(reinterpret_cast<const float*>(a.x), a.norm_w, a.eps, a.K, xs, red);
-  } else {
-    const __half* src = reinterpret_cast<const __half*>(a.x);
-    for (int i = threadIdx.x; i < a.K / 8; i += AF_CTA_THREADS) reinterpret_cast<uint4*>(xs)[i] = ld_cg16(src + 8 * i);
-  }
-  AF_CTA_SYNC();
+// ---- TILED: every layer projection ---------------------------------------------------------------------
+
+// D += A · B on the tensor cores: A 16x16 fp16 (row-major fragments a0..a3), B 16x8 fp16 (b0, b1), fp32 D.
+__device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                          unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// The GEMV as one phase: every warp of the grid owns outputs gw, gw + n_warps, ... . The first batch of
-// the warp's weight loads is issued before sync.arrive_wait() (weights never depend on the previous
-// phase); then the prologue stages x in shared memory and the warp walks its outputs.
-// (Measured and removed: an L2 prefetch look-ahead of the next outputs' rows, results/PERF_NOTES.md v5.1.)
-template <class WF, int PRO, int EPI, int LOADS, class Sync>
-__device__ __forceinline__ void gemv_phase(const GemvArgs a, const RopeArgs rope, const Sync sync,
-                                           unsigned char* smem_raw) {
-  const int K = a.K, n_out = a.n_out;
-  __half* xs = reinterpret_cast<__half*>(smem_raw);
-  float* red = reinterpret_cast<float*>(smem_raw + ((K * sizeof(__half) + 15) & ~15));
+// Two packed FP8-E4M3 values -> half2 bits (hardware cvt on sm_89+; exact: every E4M3 value is an fp16).
+__device__ __forceinline__ unsigned e4m3x2_to_h2(unsigned int u16) {
+  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(u16), __NV_E4M3);
+  return (unsigned)r.x | ((unsigned)r.y << 16);
+}
 
-  constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;  // weight rows per output
-  constexpr int U = LOADS / R;                                        // chunks per row per iteration
-  constexpr int BYTES_PER_W = 16 / WF::PER_CHUNK;
-  const int lane = threadIdx.x % AF_WARP;
-  const int nwarps = blockDim.x / AF_WARP;
-  const int stride = gridDim.x * nwarps;
-  const int nchunks = K / WF::PER_CHUNK;
-  const int ngroups = (K + 127) >> 7;
-  const int half_d = EPI == EPI_ROPE ? rope.hd / 2 : 1;
-  const size_t row_bytes = (size_t)K * BYTES_PER_W;
+// Where input pair p (inputs 2p, 2p + 1) lives in the fragment-ordered x (in pairs): within each block of
+// 32 inputs, lane quad t = p % 4 reads its 8 inputs {2t, 2t+1, 2t+8, 2t+9, 2t+16, 2t+17, 2t+24, 2t+25}
+// contiguously (one 16-byte load: the B fragments of two k-tiles).
+__device__ __forceinline__ int xs_pair(int p) {
+  const int r = p & 15;
+  return (p & ~15) | ((r & 3) << 2) | ((r >> 3) << 1) | ((r >> 2) & 1);
+}
 
-  // Prefetch the first iteration's weights of this warp's first output, then sync and run the prologue.
-  int o = blockIdx.x * nwarps + threadIdx.x / AF_WARP;
-  uint4 wv[R][U];
-  if (o < n_out) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const unsigned char* wrow = a.W + gemv_row<EPI>(o, r, n_out, half_d) * row_bytes;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int c = lane + u * AF_WARP;
-        wv[r][u] = c < nchunks ? ld_stream(wrow + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
-      }
+// x staged in shared memory in fragment order as fp16 by the whole block: RMSNorm(h_fp32) * norm_w
+// (PRO_NORM) or a copy of the fp16 input; read through L2 (.cg: written by the previous kernel).
+template <int PRO>
+__device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, float* red) {
+  unsigned* xs2 = reinterpret_cast<unsigned*>(xs);
+  const int npairs = a.K / 2;
+  if (PRO == PRO_NORM) {
+    const float* h = reinterpret_cast<const float*>(a.x);
+    const float inv = rms_inv(h, a.eps, a.K, red);
+    for (int p = threadIdx.x; p < npairs; p += blockDim.x) {
+      const float2 hv = __ldcg(reinterpret_cast<const float2*>(h) + p);
+      const __half2 w = reinterpret_cast<const __half2*>(a.norm_w)[p];
+      const __half2 v = __halves2half2(__float2half(rmsnorm_elem(hv.x, inv, __low2half(w))),
+                                       __float2half(rmsnorm_elem(hv.y, inv, __high2half(w))));
+      xs2[xs_pair(p)] = *reinterpret_cast<const unsigned*>(&v);
     }
+  } else {
+    const unsigned* src = reinterpret_cast<const unsigned*>(a.x);
+    for (int p = threadIdx.x; p < npairs; p += blockDim.x) xs2[xs_pair(p)] = __ldcg(src + p);
   }
-  sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous phase is done
-  gemv_stage_x<PRO>(a, xs, red);
+  __syncthreads();
+}
 
-  bool prefetched = true;
-  for (; o < n_out; o += stride) {
-    const unsigned char* wrow[R];
-    const float* srow[R];
-    float acc[R];
+// The mma(s) of one 512-byte unit u (16 rows x KU inputs) for lane quad t: fp16 one k-tile, fp8 two.
+template <bool FP8>
+__device__ __forceinline__ void unit_mma(float (&d)[4], uint4 w, const __half* xs, int u, int t) {
+  if (FP8) {
+    const uint4 xv = *reinterpret_cast<const uint4*>(xs + u * 32 + t * 8);
+    mma_16816(d, e4m3x2_to_h2(w.x & 0xffffu), e4m3x2_to_h2(w.x >> 16), e4m3x2_to_h2(w.y & 0xffffu),
+              e4m3x2_to_h2(w.y >> 16), xv.x, xv.y);
+    mma_16816(d, e4m3x2_to_h2(w.z & 0xffffu), e4m3x2_to_h2(w.z >> 16), e4m3x2_to_h2(w.w & 0xffffu),
+              e4m3x2_to_h2(w.w >> 16), xv.z, xv.w);
+  } else {
+    const uint2 xv = *reinterpret_cast<const uint2*>(xs + (u >> 1) * 32 + t * 8 + (u & 1) * 4);
+    mma_16816(d, w.x, w.y, w.z, w.w, xv.x, xv.y);
+  }
+}
+
+template <bool FP8, int PRO, int EPI, class Sync>
+__device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope, const Sync sync,
+                                           unsigned char* smem_raw) {
+  constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;  // weight rows per output
+  constexpr int KU = FP8 ? 32 : 16;                                   // inputs per unit (lane: 16 bytes)
+  constexpr int UPG = 128 / KU;                                       // units per group of 128 inputs
+  constexpr int GPB = GEMV_LOADS / UPG;                               // groups per batch of loads
+  const int K = a.K;
+  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
+  const int t = lane & 3, g = lane >> 2;
+  const int nunits = K / KU, ngroups = (K + 127) >> 7;
+  const int ntiles = a.n_out * R / GEMV_TILE;
+  const int nb = warp < ngroups ? ((ngroups - warp + nw - 1) / nw + GPB - 1) / GPB : 0;  // batches per tile
+  const int tile_bytes = nunits * 512;  // < 2^31 for K < 2^21
+  __half* xs = reinterpret_cast<__half*>(smem_raw);
+  float* red = reinterpret_cast<float*>(smem_raw + K * sizeof(__half));  // [2][nw][16] partial sums
+  float* rs = red + 2 * nw * GEMV_TILE;                                   // block_sum scratch (32 floats)
+
+  uint4 wv[GEMV_LOADS];
+  float2 sc[GPB];
+  // Batch b of tile T: this warp's groups warp + (b*GPB + q)*nw, q < GPB (fp8: with their 2 scales per lane).
+  const unsigned char* wbase = a.W + (size_t)warp * UPG * 512 + lane * 16;  // this lane's bytes of unit warp*UPG
+  auto load = [&](int T, int b) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const size_t row = gemv_row<EPI>(o, r, n_out, half_d);
-      wrow[r] = a.W + row * row_bytes;
-      srow[r] = a.scales ? a.scales + row * ngroups : nullptr;
-      acc[r] = 0.f;
+    for (int q = 0; q < GPB; ++q) {
+      const int G = warp + (b * GPB + q) * nw;
+      const unsigned char* src = wbase + (size_t)T * tile_bytes + (size_t)(b * GPB + q) * nw * UPG * 512;
+#pragma unroll
+      for (int j = 0; j < UPG; ++j)
+        wv[q * UPG + j] = (G < ngroups && G * UPG + j < nunits) ? ld_stream(src + j * 512) : make_uint4(0, 0, 0, 0);
+      if (FP8)  // rows g and g + 8 of the tile are adjacent: one 8-byte load
+        sc[q] = G < ngroups ? __ldg(reinterpret_cast<const float2*>(a.scales) + ((size_t)T * ngroups + G) * 8 + g)
+                            : make_float2(0.f, 0.f);
     }
-    for (int c0 = lane; c0 < nchunks; c0 += AF_WARP * U) {
-      if (!prefetched) {
+  };
+
+  int T = blockIdx.x;
+  if (T < ntiles && nb > 0) load(T, 0);
+  sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous kernel is done
+  stage_x_tiled<PRO>(a, xs, rs);
+
+  for (int parity = 0; T < ntiles; T += gridDim.x, parity ^= 1) {
+    float acc[2] = {0.f, 0.f}, d[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int b = 0; b < nb; ++b) {
+      if (b > 0) load(T, b);
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int c = c0 + u * AF_WARP;
+      for (int q = 0; q < GPB; ++q) {
+        const int G = warp + (b * GPB + q) * nw;
+        if (G < ngroups) {
 #pragma unroll
-          for (int r = 0; r < R; ++r)
-            wv[r][u] = c < nchunks ? ld_stream(wrow[r] + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
-        }
-      }
-      prefetched = false;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int c = c0 + u * AF_WARP;
-        if (c < nchunks) {
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const float d = WF::dot(wv[r][u], xs, c * WF::PER_CHUNK);
-            acc[r] += WF::SCALED ? d * __ldg(srow[r] + ((c * WF::PER_CHUNK) >> 7)) : d;
+          for (int j = 0; j < UPG; ++j)
+            if (G * UPG + j < nunits) unit_mma<FP8>(d, wv[q * UPG + j], xs, G * UPG + j, t);
+          if (FP8) {  // the group's sum times its per-row scale; d restarts for the next group
+            acc[0] = fmaf(d[0], sc[q].x, acc[0]);
+            acc[1] = fmaf(d[2], sc[q].y, acc[1]);
+            d[0] = d[1] = d[2] = d[3] = 0.f;
           }
         }
       }
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
-
-    if (lane == 0) gemv_epilogue<EPI>(a, rope, o, acc[0], acc[R - 1]);
+    if (!FP8) {
+      acc[0] = d[0];
+      acc[1] = d[2];
+    }
+    if (nb > 0 && T + (int)gridDim.x < ntiles) load(T + gridDim.x, 0);  // next tile's loads fly during the sum
+    float* part = red + parity * nw * GEMV_TILE;  // double-buffered: the next tile writes the other half
+    if (t == 0) {  // rows g and g + 8 (all 8 mma columns are equal; quad lane 0 holds column 0)
+      part[warp * GEMV_TILE + g] = acc[0];
+      part[warp * GEMV_TILE + g + 8] = acc[1];
+    }
+    __syncthreads();
+    if (threadIdx.x < GEMV_TILE / R) {
+      const int r = threadIdx.x;
+      float s0 = 0.f, s1 = 0.f;
+      for (int w = 0; w < nw; ++w) {
+        s0 += part[w * GEMV_TILE + r];
+        if (R == 2) s1 += part[w * GEMV_TILE + r + 8];
+      }
+      gemv_epilogue<EPI>(a, rope, T * (GEMV_TILE / R) + r, s0, R == 2 ? s1 : s0);
+    }
   }
 }
 
-#define GEMV_INSTANCE(NAME, WF, PRO, EPI)                                                                 \
+#define GEMV_INSTANCE(NAME, FP8, PRO, EPI)                                                                \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
   NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
        const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
-    PdlSync sync;                                                                                         \
-    gemv_phase<WF, PRO, EPI, GEMV_LOADS>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, \
-                                            sync, smem_raw);                                              \
+    gemv_tiled<FP8, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, PdlSync{},   \
+                              smem_raw);                                                                  \
   }
 
 // The QKV projection with RoPE and the KV-cache append in its epilogue.
-#define GEMV_ROPE_INSTANCE(NAME, WF)                                                                      \
+#define GEMV_ROPE_INSTANCE(NAME, FP8)                                                                     \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
   NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
        const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K,              \
        const float2* __restrict__ cos_sin, const int* __restrict__ pos, __half* __restrict__ k_cache,     \
        __half* __restrict__ v_cache, int n_q, int n_kv, int hd) {                                        \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
-    PdlSync sync;                                                                                         \
-    gemv_phase<WF, PRO_NORM, EPI_ROPE, GEMV_LOADS>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},     \
-                                                      RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}, \
-                                                      sync, smem_raw);                                    \
+    gemv_tiled<FP8, PRO_NORM, EPI_ROPE>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},                \
+                                        RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}, PdlSync{}, \
+                                        smem_raw);                                                        \
+  }
+
+// ---- ROWS: lm_head (fp16, row-major) -------------------------------------------------------------------
+
+// 8 fp16 weights · 8 fp16 activations, accumulated in fp32.
+__device__ __forceinline__ float dot8_f16(uint4 w, const __half* xs, int k) {
+  const uint4 xv = *reinterpret_cast<const uint4*>(xs + k);
+  float2 a = h2_to_f2(w.x), b = h2_to_f2(w.y), c = h2_to_f2(w.z), d = h2_to_f2(w.w);
+  float2 p = h2_to_f2(xv.x), q = h2_to_f2(xv.y), r = h2_to_f2(xv.z), s = h2_to_f2(xv.w);
+  float acc = a.x * p.x;
+  acc = fmaf(a.y, p.y, acc); acc = fmaf(b.x, q.x, acc); acc = fmaf(b.y, q.y, acc);
+  acc = fmaf(c.x, r.x, acc); acc = fmaf(c.y, r.y, acc); acc = fmaf(d.x, s.x, acc);
+  acc = fmaf(d.y, s.y, acc);
+  return acc;
+}
+
+// y[o] (EPI) = W[o, :] · x for fp16 row-major W, x fp16: every warp owns outputs gw, gw + n_warps, ... .
+template <int EPI, class Sync>
+__device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, unsigned char* smem_raw) {
+  const int K = a.K, n_out = a.n_out;
+  __half* xs = reinterpret_cast<__half*>(smem_raw);
+  const int lane = threadIdx.x % AF_WARP;
+  const int nwarps = blockDim.x / AF_WARP;
+  const int stride = gridDim.x * nwarps;
+  const int nchunks = K / 8;
+  const size_t row_bytes = (size_t)K * 2;
+
+  int o = blockIdx.x * nwarps + threadIdx.x / AF_WARP;
+  uint4 wv[GEMV_LOADS];
+  if (o < n_out) {  // the first iteration's weights of this warp's first output, before the sync
+    const unsigned char* wrow = a.W + (size_t)o * row_bytes;
+#pragma unroll
+    for (int u = 0; u < GEMV_LOADS; ++u) {
+      const int c = lane + u * AF_WARP;
+      wv[u] = c < nchunks ? ld_stream(wrow + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
+    }
+  }
+  sync.arrive_wait();
+  const __half* src = reinterpret_cast<const __half*>(a.x);
+  for (int i = threadIdx.x; i < K / 8; i += blockDim.x) reinterpret_cast<uint4*>(xs)[i] = ld_cg16(src + 8 * i);
+  __syncthreads();
+
+  bool prefetched = true;
+  for (; o < n_out; o += stride) {
+    const unsigned char* wrow = a.W + (size_t)o * row_bytes;
+    float acc = 0.f;
+    for (int c0 = lane; c0 < nchunks; c0 += AF_WARP * GEMV_LOADS) {
+      if (!prefetched) {
+#pragma unroll
+        for (int u = 0; u < GEMV_LOADS; ++u) {
+          const int c = c0 + u * AF_WARP;
+          wv[u] = c < nchunks ? ld_stream(wrow + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
+        }
+      }
+      prefetched = false;
+#pragma unroll
+      for (int u = 0; u < GEMV_LOADS; ++u) {
+        const int c = c0 + u * AF_WARP;
+        if (c < nchunks) acc += dot8_f16(wv[u], xs, c * 8);
+      }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) gemv_epilogue<EPI>(a, RopeArgs{}, o, acc, acc);
+  }
+}
+
+#define GEMV_ROWS_INSTANCE(NAME, EPI)                                                                     \
+  extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
+  NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
+       const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
+    extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
+    gemv_rows<EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, PdlSync{}, smem_raw);               \
   }

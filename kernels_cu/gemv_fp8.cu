@@ -1,20 +1,22 @@
 // gemv_fp8.cu — fused W8A16 GEMV (M = 1 decode): FP8-E4M3 weights, fp16 activations, fp32 accumulation.
 //
 // Computes   out[o] = sum_g scale[o, g] * sum_{k in group g} e4m3(W[o, k]) * x[k]
-//            W: uint8 FP8-E4M3 bits, row-major [rows, K]; scale: fp32 [rows, ceil(K/128)], one per group
-//            of 128 consecutive inputs. Dequantisation happens in registers only (hardware
-//            fp8x2 -> half2 conversion, sm_89+), never in memory.
-// Layouts    x fp16 [K] or fp32 residual [K]; y per epilogue (see gemv_common.cuh).
-// Requires   K % 16 == 0 (16-byte rows). K need not be a multiple of 128: the last group is short
+//            one fp32 scale per row and group of 128 consecutive inputs. Dequantisation happens in registers
+//            only (hardware fp8x2 -> half2 conversion, sm_89+, exact), never in memory; each group's sum is
+//            an mma chain (mma.m16n8k16 f32.f16.f16.f32) scaled in fp32.
+// Layouts    W uint8 FP8-E4M3 bits TILED (gemv_common.cuh; atomflow_bench/weights.py tile_view) — tiles of 16
+//            rows, each [K/32 units][32 lanes][16 bytes] = the lanes' A fragments of two k-tiles;
+//            scales fp32 [tiles][ceil(K/128)][16]; x fp16 [K] or fp32 residual [K]; y per epilogue.
+// Requires   rows % 16 == 0, K % 32 == 0. K need not be a multiple of 128: the last group is short
 //            (e.g. SmolLM2's K = 576 = 4.5 groups) and its scale covers only the elements present.
 // Bytes      rows * K (weights) + rows * ceil(K/128) * 4 (scales) + K * 2..4 per block (x) + outputs.
-// Launch     grid = min(ceil(n_out / 8), 4 blocks per SM), block = 256, dyn. smem = K*2 + 128 bytes (x in fp16).
+// Launch     grid = min(tiles, 4 blocks per SM), block = 256, dyn. smem = K*2 + 1152 bytes.
 // Instances  same roles as gemv_fp16.cu:
 //   gemv_f8_qkv_rope (QKV + RoPE + KV append), gemv_f8_norm_swiglu (gate+up), gemv_f8_resid (o_proj, down_proj),
 //   gemv_f8_store (generic). lm_head stays fp16 (gemv_f16_f32), as in AtomFlow.
 #include "gemv_common.cuh"
 
-GEMV_ROPE_INSTANCE(gemv_f8_qkv_rope, Fp8W)
-GEMV_INSTANCE(gemv_f8_norm_swiglu, Fp8W, PRO_NORM, EPI_SWIGLU)
-GEMV_INSTANCE(gemv_f8_resid, Fp8W, PRO_PLAIN, EPI_RESID)
-GEMV_INSTANCE(gemv_f8_store, Fp8W, PRO_PLAIN, EPI_STORE)
+GEMV_ROPE_INSTANCE(gemv_f8_qkv_rope, true)
+GEMV_INSTANCE(gemv_f8_norm_swiglu, true, PRO_NORM, EPI_SWIGLU)
+GEMV_INSTANCE(gemv_f8_resid, true, PRO_PLAIN, EPI_RESID)
+GEMV_INSTANCE(gemv_f8_store, true, PRO_PLAIN, EPI_STORE)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, benchmarks. Prints a short table last; full logs/JSON under $OUT.
-#   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench bench-ab bench-step knobs profile gemv
+#   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench bench-ab knobs profile gemv
 #                                       validate evidence attention (default: info kernels engine bench)
-#   BENCH_SPECS="model:fmt ..."  CTX=128  KNOBS="DEF=V,DEF=V ..." (knobs: fused-kernel -D variants, 3B fp8)
+#   BENCH_SPECS="model:fmt ..."  CTX=128  KNOBS="DEF=V,DEF=V ..." (knobs: compile-time -D variants, 3B fp8)
 set -uo pipefail
 FINAL=${OUT:-/tmp/atomflow-out}; OUT=$(mktemp -d); mkdir -p "$FINAL"   # logs go to $OUT, bundled into $FINAL
 export PYTHONUNBUFFERED=1 ATOMFLOW_HOME=${ATOMFLOW_HOME:-/tmp/atomflow-home}
@@ -37,21 +37,10 @@ for st in $stages; do
           note "run $tag: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
         done
       done ;;
-    bench-step)   # A/B of the two step forms (persistent fused kernel vs per-op kernels), same call
-      for spec in ${BENCH_SPECS:-"llama-3.2-3b:fp8" "llama-3.2-3b:fp16" "llama-3.2-1b:fp16"}; do
-        m=${spec%%:*}; w=${spec##*:}
-        for sm in split fused; do
-          tag="$m-$w-$sm"
-          timeout 240 atomflow-bench run "$m" --weights "$w" --ctx "${CTX:-128}" --tokens 256 --repeats 5 --step $sm \
-            --json "$OUT/run-$tag.json" >"$OUT/run-$tag.log" 2>&1
-          note "run $tag: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
-        done
-      done ;;
-    knobs)   # compile-time variants on 3B fp8 (ATOMFLOW_KERNEL_DEFINES), e.g. KNOBS="PK_TIMING_NO_MATH=1 split:NAME=V"
-      for k in ${KNOBS:-}; do   # "split:DEF=V" runs the split step instead
-        sm=fused; case $k in split:*) sm=split; k=${k#split:};; esac
-        tag="knob-$sm-${k//[=,]/_}"
-        ATOMFLOW_KERNEL_DEFINES="${k//,/ }" timeout 240 atomflow-bench run llama-3.2-3b --weights fp8 --step $sm \
+    knobs)   # compile-time variants on 3B fp8 (ATOMFLOW_KERNEL_DEFINES), e.g. KNOBS="GEMV_LOADS=16 NAME=V,NAME2=V"
+      for k in ${KNOBS:-}; do
+        tag="knob-${k//[=,]/_}"
+        ATOMFLOW_KERNEL_DEFINES="${k//,/ }" timeout 240 atomflow-bench run llama-3.2-3b --weights fp8 \
           --json "$OUT/run-$tag.json" >"$OUT/run-$tag.log" 2>&1
         note "run $tag: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
       done ;;

@@ -1,7 +1,5 @@
 """The whole GPU engine against the NumPy reference decoder (GPU).
 
-* both step forms (step.py): "fused" (the persistent decode_layers kernel, probes written by the kernel)
-  and "split" (one kernel per op);
 * tiny random models (tied and untied lm_head, GQA, llama3 RoPE, non-trivial norm weights) and the
   synthetic Llama-3.2-1B shape: every probe of every layer at every step, cosine >= 0.999 (fp16) /
   >= 0.99 (fp8; the reference runs the same FP8-quantised weights), teacher-forced on the same tokens;
@@ -30,7 +28,7 @@ COS_MIN = {"fp16": 0.999, "fp8": 0.99}
 
 
 def tiny_config(tied: bool) -> ModelConfig:
-    return ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=3,
+    return ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=3,
                        num_attention_heads=8, num_key_value_heads=2, head_dim=64, rope_theta=500000.0,
                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
@@ -72,7 +70,7 @@ def cosine(a, b) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
 
 
-def compare_probes(model_dir, fmt: str, prompt_len: int, n_new: int, step: str):
+def compare_probes(model_dir, fmt: str, prompt_len: int, n_new: int):
     """Teacher-forced probe comparison over prompt + reference continuation; returns (min cos, worst probe,
     reference greedy ids, reference margins, max |logit diff| at each step)."""
     from atomflow_bench.engine import Engine
@@ -90,8 +88,7 @@ def compare_probes(model_dir, fmt: str, prompt_len: int, n_new: int, step: str):
         margins.append(float(top2[1] - top2[0]))
         if i >= prompt_len - 1:
             seq.append(int(np.argmax(logits)))
-    eng = Engine(model_dir, weights=fmt, max_seq=prompt_len + n_new, step=step)
-    assert eng.step_mode == step
+    eng = Engine(model_dir, weights=fmt, max_seq=prompt_len + n_new)
     eng.reset(seq)  # the whole sequence as "prompt": the engine is teacher-forced on the same tokens
     worst, worst_name, logit_err = 1.0, None, []
     for i in range(len(seq) - 1):
@@ -104,23 +101,22 @@ def compare_probes(model_dir, fmt: str, prompt_len: int, n_new: int, step: str):
     return eng, worst, worst_name, seq, margins, logit_err
 
 
-def assert_matches_reference(model_dir, fmt: str, prompt_len: int, n_new: int, label: str, step: str) -> None:
-    eng, worst, where, seq, margins, err = compare_probes(model_dir, fmt, prompt_len, n_new, step)
-    print(f"{label} {fmt} {step}: min probe cosine {worst:.6f} at {where}; max |logit diff| {max(err):.3e}")
+def assert_matches_reference(model_dir, fmt: str, prompt_len: int, n_new: int, label: str) -> None:
+    eng, worst, where, seq, margins, err = compare_probes(model_dir, fmt, prompt_len, n_new)
+    print(f"{label} {fmt}: min probe cosine {worst:.6f} at {where}; max |logit diff| {max(err):.3e}")
     assert worst >= COS_MIN[fmt], f"probe cosine {worst} < {COS_MIN[fmt]} at {where}"
     check_greedy(eng, seq, prompt_len, margins, err)
 
 
-@pytest.mark.parametrize("step", ["fused", "split"])
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_tiny_engine_matches_reference(tiny_dir, fmt, step):
-    assert_matches_reference(tiny_dir, fmt, prompt_len=7, n_new=9, label="tiny", step=step)
+def test_tiny_engine_matches_reference(tiny_dir, fmt):
+    assert_matches_reference(tiny_dir, fmt, prompt_len=7, n_new=9, label="tiny")
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_tiny_fused_long_context(tiny_dir, fmt):
-    """300 positions = 10 attention splits combined inside the persistent kernel."""
-    assert_matches_reference(tiny_dir, fmt, prompt_len=300, n_new=3, label="tiny ctx 300", step="fused")
+def test_tiny_long_context(tiny_dir, fmt):
+    """300 positions = 10 attention splits combined by the last block of each kv head."""
+    assert_matches_reference(tiny_dir, fmt, prompt_len=300, n_new=3, label="tiny ctx 300")
 
 
 def check_greedy(eng, seq, prompt_len, margins, logit_err):
@@ -138,57 +134,31 @@ def check_greedy(eng, seq, prompt_len, margins, logit_err):
     print(f"greedy: all {n_new} tokens identical")
 
 
-@pytest.mark.parametrize("step", ["fused", "split"])
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_llama1b_engine_matches_reference(llama1b_dir, fmt, step):
-    assert_matches_reference(llama1b_dir, fmt, prompt_len=5, n_new=4, label="llama-3.2-1b synthetic", step=step)
+def test_llama1b_engine_matches_reference(llama1b_dir, fmt):
+    assert_matches_reference(llama1b_dir, fmt, prompt_len=5, n_new=4, label="llama-3.2-1b synthetic")
 
 
-@pytest.mark.parametrize("step", ["fused", "split"])
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_graph_bit_identical_to_eager(tiny_dir, fmt, step):
+def test_graph_bit_identical_to_eager(tiny_dir, fmt):
     from atomflow_bench.engine import Engine
 
-    eng = Engine(tiny_dir, weights=fmt, max_seq=200, step=step)
+    eng = Engine(tiny_dir, weights=fmt, max_seq=200)
     prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 70)]  # > one attention chunk
     eager = eng.generate(prompt, 40, graph=False)
     eager_logits = eng.arena["logits"].get()
     graph = eng.generate(prompt, 40, graph=True)
     np.testing.assert_array_equal(graph, eager)
     np.testing.assert_array_equal(eng.arena["logits"].get(), eager_logits)
-    assert int(eng.arena["step_sync"].get()[0]) == 0  # the persistent kernel leaves its barrier counter at 0
 
 
-def test_fused_and_split_agree(tiny_dir):
-    """Same math in both forms: teacher-forced on the same 40 tokens, the last logits agree closely (they
-    differ only in fp32 summation order) and the persistent kernel leaves its barrier counter at 0."""
-    from atomflow_bench.engine import Engine
-
-    seq = [int(t) for t in np.random.default_rng().integers(0, 1000, 40)]
-    logits = {}
-    for step in ("fused", "split"):
-        eng = Engine(tiny_dir, weights="fp16", max_seq=64, step=step)
-        eng.reset(seq)
-        eng.run(len(seq) - 1, graph=False)
-        eng.stream.synchronize()  # the engine's stream is non-blocking: wait before reading on another
-        logits[step] = eng.arena["logits"].get()
-        assert int(eng.arena["step_sync"].get()[0]) == 0
-    diff = float(np.abs(logits["fused"] - logits["split"]).max())
-    print(f"fused vs split: cos {cosine(logits['fused'], logits['split']):.8f}, max |diff| {diff:.3e}")
-    assert cosine(logits["fused"], logits["split"]) > 0.99999
-    assert diff < 0.05 * float(np.abs(logits["split"]).max())
-
-
-def test_fused_refused_for_unsupported_group(tmp_path):
-    """8 q heads per kv head has no persistent instance: asking for it fails in one line; auto picks split."""
-    from atomflow_bench.engine import Engine
-
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_group8_matches_reference(tmp_path, fmt):
+    """8 q heads per one kv head (the attention kernel's largest group) through the whole engine."""
     cfg = ModelConfig(vocab_size=300, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
                       num_attention_heads=8, num_key_value_heads=1, head_dim=64)
-    write_random_model(cfg, tmp_path / "g8", seed=3)
-    with pytest.raises(AtomflowError, match="no persistent decode kernel"):
-        Engine(tmp_path / "g8", weights="fp16", max_seq=32, step="fused")
-    assert Engine(tmp_path / "g8", weights="fp16", max_seq=32).step_mode == "split"
+    write_random_model(cfg, tmp_path / "g8", seed=int(np.random.SeedSequence().entropy % 2**31))
+    assert_matches_reference(tmp_path / "g8", fmt, prompt_len=40, n_new=4, label="group 8")
 
 
 def test_no_device_allocation_during_decode(tiny_dir):
@@ -196,7 +166,7 @@ def test_no_device_allocation_during_decode(tiny_dir):
 
     from atomflow_bench.engine import Engine
 
-    eng = Engine(tiny_dir, weights="fp8", max_seq=128, step="fused")
+    eng = Engine(tiny_dir, weights="fp8", max_seq=128)
     prompt = [1, 2, 3, 4]
     calls = []
 

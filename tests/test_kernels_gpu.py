@@ -7,6 +7,8 @@ the fp16 roundings the kernel is specified to do). Error bounds, as relative L2 
   fp32 outputs (logits, residual updates)                <= 1e-4   (fp32 accumulation over K <= 14336 terms)
   fp8 GEMV is compared against the *dequantised* weights with the same bounds (its quantisation error is
   the quantiser's, tested in test_quant.py); the GPU quantiser must be bit-exact with quant.py.
+Layer GEMVs take their weights in the tiled layout (weights.tiled, as the loader writes them); the references
+use the row-major matrices, so a layout bug fails here.
 """
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ import pytest
 
 from atomflow_bench.arena import ATT_CHUNK, linear_regions
 from atomflow_bench.config import CATALOG
+from atomflow_bench.errors import AtomflowError
 from atomflow_bench.quant import dequantize_fp8, quantize_fp8
-from atomflow_bench.step import (argmax_launch, attention_launch, embed_launch, gemv_launch, quantize_launch,
-                                 rmsnorm_launch)
+from atomflow_bench.step import (VARIANT_PAIRING, argmax_launch, attention_launch, embed_launch, gemv_launch,
+                                 quantize_launch, rmsnorm_launch)
+from atomflow_bench.weights import tiled, tiled_scales
 
 pytestmark = pytest.mark.gpu
 
@@ -50,7 +54,8 @@ def gemv_cases():
     for m in SHAPE_MODELS:
         for region, (rows, k) in linear_regions(CATALOG[m].config).items():
             cases.append((m, region, rows, k))
-    cases += [("odd", "wo", 40, 80), ("odd", "wqkv", 24, 1040), ("odd", "wgu", 2 * 13, 144)]
+    # odd sizes: K not a multiple of 128 (short last group), few tiles, K = 32 (one unit for fp8)
+    cases += [("odd", "wo", 48, 96), ("odd", "wqkv", 32, 1056), ("odd", "wgu", 2 * 24, 160), ("odd", "wd", 16, 32)]
     return cases
 
 
@@ -68,13 +73,14 @@ def test_gemv(kernel_lib, n_sm, fmt, model, region, rows, k):
     variant = variant_of(region)
     n_out = rows // 2 if variant == "norm_swiglu" else rows
     w16 = (rng.standard_normal((rows, k), dtype=np.float32) * 0.02).astype(np.float16)
+    pairing = VARIANT_PAIRING[variant]
     if fmt == "fp8":
         q, s = quantize_fp8(w16)
         w_eff = dequantize_fp8(q, s).astype(np.float64)
-        w_dev, s_dev = cp.asarray(q), cp.asarray(s)
+        w_dev, s_dev = cp.asarray(tiled(q, fmt, pairing)), cp.asarray(tiled_scales(s, pairing))
     else:
         w_eff = w16.astype(np.float64)
-        w_dev, s_dev = cp.asarray(w16), None
+        w_dev, s_dev = cp.asarray(tiled(w16, fmt, pairing)), None
     eps = 1e-5
     if variant.startswith("norm"):
         h = rng.standard_normal(k, dtype=np.float32) * 3
@@ -101,6 +107,18 @@ def test_gemv(kernel_lib, n_sm, fmt, model, region, rows, k):
         assert rel_err(out, ref) < FP16_TOL
     else:
         assert rel_err(out, y_ref) < FP16_TOL
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("rows,k", [(40, 96), (32, 80)])
+def test_gemv_refuses_untileable_shapes(kernel_lib, n_sm, fmt, rows, k):
+    """rows % 16 != 0 or K % 32 != 0 cannot take the tiled layout: refused in one line before any launch."""
+    import cupy as cp
+
+    w = cp.zeros((rows, k), dtype=cp.uint8 if fmt == "fp8" else cp.float16)
+    s = cp.zeros((rows, -(-k // 128)), dtype=cp.float32) if fmt == "fp8" else None
+    with pytest.raises(AtomflowError, match="rows % 16 == 0 and K % 32 == 0"):
+        gemv_launch(kernel_lib, fmt, "store", w, s, cp.zeros(k, cp.float16), cp.zeros(rows, cp.float16), rows, k, n_sm)
 
 
 @pytest.mark.parametrize("rows,k", [(3072, 3072), (128256 // 16, 3072), (1000, 576)])
@@ -167,9 +185,10 @@ def test_qkv_rope_kv_append(kernel_lib, n_sm, fmt, model, pos):
     w16 = (rng.standard_normal((cfg.qkv_dim, H), dtype=np.float32) * 0.02).astype(np.float16)
     if fmt == "fp8":
         q8, s8 = quantize_fp8(w16)
-        w_eff, w_dev, s_dev = dequantize_fp8(q8, s8).astype(np.float64), cp.asarray(q8), cp.asarray(s8)
+        w_eff = dequantize_fp8(q8, s8).astype(np.float64)
+        w_dev, s_dev = cp.asarray(tiled(q8, fmt, "rope", hd // 2)), cp.asarray(tiled_scales(s8, "rope", hd // 2))
     else:
-        w_eff, w_dev, s_dev = w16.astype(np.float64), cp.asarray(w16), None
+        w_eff, w_dev, s_dev = w16.astype(np.float64), cp.asarray(tiled(w16, fmt, "rope", hd // 2)), None
     h = rng.standard_normal(H, dtype=np.float32) * 3
     nw = (1 + 0.1 * rng.standard_normal(H)).astype(np.float16)
     proj = (w_eff @ norm_ref(h, nw, 1e-5).astype(np.float64)).astype(np.float16).astype(np.float64)
