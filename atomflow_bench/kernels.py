@@ -88,6 +88,13 @@ class KernelLib:
         self.options = (self.OPTIONS + tuple(f"-D{d}" for d in self.defines)
                         + tuple(f"-I{d}" for d in cuda_include_dirs()))
 
+    def define(self, name: str, default: int) -> int:
+        """An integer -D override from ATOMFLOW_KERNEL_DEFINES (A/B knobs read by the launch rules too)."""
+        for d in self.defines:
+            if d.startswith(name + "="):
+                return int(d.split("=", 1)[1])
+        return default
+
     def module(self, path: Path):
         import cupy
 

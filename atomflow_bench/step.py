@@ -73,7 +73,8 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         grid_units = rows // 16  # a block per 16-row tile
     fn = lib[f"gemv_{'f8' if fp8 else 'f16'}_{variant}"]
     allow_dynamic_smem(fn, shmem)
-    per_sm = min(GEMV_BLOCKS_PER_SM, SMEM_PER_SM // shmem)
+    # blocks per SM in the grid (A/B knob GEMV_GRID_PER_SM: fewer leave room for the next kernel's blocks under PDL)
+    per_sm = min(lib.define("GEMV_GRID_PER_SM", GEMV_BLOCKS_PER_SM), SMEM_PER_SM // shmem)
     grid = (min(grid_units, n_sm * per_sm),)
     moved = w.nbytes + (scales.nbytes if fp8 else 0) + x.nbytes + y.nbytes
     extra = ()
