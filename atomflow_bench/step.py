@@ -31,7 +31,8 @@ from .kernels import KernelLib, Launch, allow_dynamic_smem
 from .weights import check_tiled
 
 GEMV_THREADS = 256
-GEMV_BLOCKS_PER_SM = 4  # = GEMV_MIN_BLOCKS in gemv_common.cuh: the grid never exceeds one resident wave
+GEMV_BLOCKS_PER_SM = 2  # = GEMV_MIN_BLOCKS in gemv_common.cuh (tiled GEMVs): the grid never exceeds one resident wave
+ROWS_BLOCKS_PER_SM = 4  # = ROWS_MIN_BLOCKS (lm_head)
 ATT_THREADS = 128
 SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on sm_90 (sm_89: 99 KB; only limits residency)
 NULL = np.uint64(0)
@@ -64,6 +65,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
             raise AtomflowError(f"lm_head GEMV needs fp16 weights with K % 8 == 0, got {fmt} K={k}")
         shmem = k * 2
         grid_units = -(-n_out // (GEMV_THREADS // 32))  # a warp per output row
+        per_sm = ROWS_BLOCKS_PER_SM
     else:
         try:
             check_tiled(rows, k, VARIANT_PAIRING[variant], rope[-1] // 2 if rope else 0)
@@ -71,10 +73,10 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
             raise AtomflowError(f"GEMV {role or variant}: {e}") from None
         shmem = k * 2 + (2 * (GEMV_THREADS // 32) * 16 + 32) * 4  # x in fragment order + partial sums + block_sum
         grid_units = rows // 16  # a block per 16-row tile
+        per_sm = lib.define("GEMV_GRID_PER_SM", GEMV_BLOCKS_PER_SM)  # A/B knob
     fn = lib[f"gemv_{'f8' if fp8 else 'f16'}_{variant}"]
     allow_dynamic_smem(fn, shmem)
-    # blocks per SM in the grid (A/B knob GEMV_GRID_PER_SM: fewer leave room for the next kernel's blocks under PDL)
-    per_sm = min(lib.define("GEMV_GRID_PER_SM", GEMV_BLOCKS_PER_SM), SMEM_PER_SM // shmem)
+    per_sm = min(per_sm, SMEM_PER_SM // shmem)
     grid = (min(grid_units, n_sm * per_sm),)
     moved = w.nbytes + (scales.nbytes if fp8 else 0) + x.nbytes + y.nbytes
     extra = ()

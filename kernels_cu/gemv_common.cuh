@@ -24,7 +24,7 @@
 //   output row and walks it with 16-byte streaming loads, GEMV_LOADS chunks per lane in flight; grid-stride.
 //   Measured at ~100% of copy bandwidth on 128256 x 3072 (results/gemv-*.json), so it keeps the plain layout.
 //
-// Both: 256 threads per block, at most 4 resident blocks per SM (launch bounds); the first batch of weight
+// Both: 256 threads per block (TILED: 2 resident blocks per SM, ROWS: 4); the first batch of weight
 // loads is issued BEFORE the prologue and, under programmatic dependent launch, before waiting for the previous
 // kernel (weights never depend on it).
 //
@@ -48,12 +48,17 @@
 #include "common.cuh"
 
 #define GEMV_THREADS 256
+// TILED: 16 loads per lane cover a warp's whole share of a K = 3072 tile (fp8) in one batch; 2 blocks per SM
+// (<= 128 registers). Measured against 8 loads x 4 blocks per SM: results/PERF_NOTES.md v7.1.
 #ifndef GEMV_MIN_BLOCKS     // (-D overrides: A/B knobs, scripts/gpu_check.sh knobs)
-#define GEMV_MIN_BLOCKS 4   // resident blocks per SM the register budget is planned for (<= 64 regs/thread)
+#define GEMV_MIN_BLOCKS 2   // resident blocks per SM the register budget is planned for
 #endif
 #ifndef GEMV_LOADS
-#define GEMV_LOADS 8        // 16-byte weight loads in flight per lane per batch (a multiple of 8)
+#define GEMV_LOADS 16       // 16-byte weight loads in flight per lane per batch (a multiple of 8)
 #endif
+// ROWS (lm_head): 8 loads per lane, 4 blocks per SM (<= 64 registers): ~100% of copy bandwidth as is.
+#define ROWS_MIN_BLOCKS 4
+#define ROWS_LOADS 8
 #define GEMV_TILE 16        // weight rows per tile (the mma's M)
 
 enum { PRO_PLAIN = 0, PRO_NORM = 1 };
@@ -313,11 +318,11 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
   const size_t row_bytes = (size_t)K * 2;
 
   int o = blockIdx.x * nwarps + threadIdx.x / AF_WARP;
-  uint4 wv[GEMV_LOADS];
+  uint4 wv[ROWS_LOADS];
   if (o < n_out) {  // the first iteration's weights of this warp's first output, before the sync
     const unsigned char* wrow = a.W + (size_t)o * row_bytes;
 #pragma unroll
-    for (int u = 0; u < GEMV_LOADS; ++u) {
+    for (int u = 0; u < ROWS_LOADS; ++u) {
       const int c = lane + u * AF_WARP;
       wv[u] = c < nchunks ? ld_stream(wrow + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
     }
@@ -331,17 +336,17 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
   for (; o < n_out; o += stride) {
     const unsigned char* wrow = a.W + (size_t)o * row_bytes;
     float acc = 0.f;
-    for (int c0 = lane; c0 < nchunks; c0 += AF_WARP * GEMV_LOADS) {
+    for (int c0 = lane; c0 < nchunks; c0 += AF_WARP * ROWS_LOADS) {
       if (!prefetched) {
 #pragma unroll
-        for (int u = 0; u < GEMV_LOADS; ++u) {
+        for (int u = 0; u < ROWS_LOADS; ++u) {
           const int c = c0 + u * AF_WARP;
           wv[u] = c < nchunks ? ld_stream(wrow + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
         }
       }
       prefetched = false;
 #pragma unroll
-      for (int u = 0; u < GEMV_LOADS; ++u) {
+      for (int u = 0; u < ROWS_LOADS; ++u) {
         const int c = c0 + u * AF_WARP;
         if (c < nchunks) acc += dot8_f16(wv[u], xs, c * 8);
       }
@@ -352,7 +357,7 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
 }
 
 #define GEMV_ROWS_INSTANCE(NAME, EPI)                                                                     \
-  extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
+  extern "C" __global__ void __launch_bounds__(GEMV_THREADS, ROWS_MIN_BLOCKS)                            \
   NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
        const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
