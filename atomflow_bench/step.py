@@ -72,6 +72,9 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         except VerifyError as e:
             raise AtomflowError(f"GEMV {role or variant}: {e}") from None
         shmem = k * 2 + (2 * (GEMV_THREADS // 32) * 16 + 32) * 4  # x in fragment order + partial sums + block_sum
+        if lib.define("GEMV_ASYNC", 0):  # A/B knob: + the cp.async ring (gemv_tiled_async), 2 KB per stage per warp
+            stages = lib.define("GEMV_STAGES", 4)
+            shmem += (GEMV_THREADS // 32) * stages * (2048 + (256 if fp8 else 0))
         grid_units = rows // 16  # a block per 16-row tile
         per_sm = lib.define("GEMV_GRID_PER_SM", GEMV_BLOCKS_PER_SM)  # A/B knob
     fn = lib[f"gemv_{'f8' if fp8 else 'f16'}_{variant}"]

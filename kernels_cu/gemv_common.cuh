@@ -57,6 +57,12 @@
 #define GEMV_LOADS 16       // 16-byte weight loads in flight per lane per batch (a multiple of 8)
 #endif
 // ROWS (lm_head): 8 loads per lane, 4 blocks per SM (<= 64 registers): ~100% of copy bandwidth as is.
+#ifndef GEMV_ASYNC
+#define GEMV_ASYNC 0        // 1: weights through a cp.async shared-memory ring (gemv_tiled_async)
+#endif
+#ifndef GEMV_STAGES
+#define GEMV_STAGES 4       // GEMV_ASYNC: 2 KB units of a warp's ring (fp8: groups of 128 inputs; fp16: half groups)
+#endif
 #define ROWS_MIN_BLOCKS 4
 #define ROWS_LOADS 8
 #define GEMV_TILE 16        // weight rows per tile (the mma's M)
@@ -187,6 +193,42 @@ __device__ __forceinline__ void unit_mma(float (&d)[4], uint4 w, const __half* x
   }
 }
 
+// The 8 warps' partial sums of tile T meet in shared memory (`part`: [nw][16], double-buffered by the caller:
+// the next tile writes the other half, so one __syncthreads per tile suffices); 16/R threads run the epilogue.
+template <int R, int EPI>
+__device__ __forceinline__ void tile_epilogue(const GemvArgs& a, const RopeArgs& rope, float* part, int T,
+                                              const float (&acc)[2]) {
+  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
+  if ((lane & 3) == 0) {  // rows g and g + 8 (all 8 mma columns are equal; quad lane 0 holds column 0)
+    part[warp * GEMV_TILE + (lane >> 2)] = acc[0];
+    part[warp * GEMV_TILE + (lane >> 2) + 8] = acc[1];
+  }
+  __syncthreads();
+  if (threadIdx.x < GEMV_TILE / R) {
+    const int r = threadIdx.x;
+    float s0 = 0.f, s1 = 0.f;
+    for (int w = 0; w < nw; ++w) {
+      s0 += part[w * GEMV_TILE + r];
+      if (R == 2) s1 += part[w * GEMV_TILE + r + 8];
+    }
+    gemv_epilogue<EPI>(a, rope, T * (GEMV_TILE / R) + r, s0, R == 2 ? s1 : s0);
+  }
+}
+
+// 16 (or 8: the fp8 scale pair) bytes global -> shared without passing through registers (sm_80+), and the
+// per-thread commit / wait of such copies.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
 template <bool FP8, int PRO, int EPI, class Sync>
 __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope, const Sync sync,
                                            unsigned char* smem_raw) {
@@ -252,30 +294,93 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
       acc[1] = d[2];
     }
     if (nb > 0 && T + (int)gridDim.x < ntiles) load(T + gridDim.x, 0);  // next tile's loads fly during the sum
-    float* part = red + parity * nw * GEMV_TILE;  // double-buffered: the next tile writes the other half
-    if (t == 0) {  // rows g and g + 8 (all 8 mma columns are equal; quad lane 0 holds column 0)
-      part[warp * GEMV_TILE + g] = acc[0];
-      part[warp * GEMV_TILE + g + 8] = acc[1];
-    }
-    __syncthreads();
-    if (threadIdx.x < GEMV_TILE / R) {
-      const int r = threadIdx.x;
-      float s0 = 0.f, s1 = 0.f;
-      for (int w = 0; w < nw; ++w) {
-        s0 += part[w * GEMV_TILE + r];
-        if (R == 2) s1 += part[w * GEMV_TILE + r + 8];
-      }
-      gemv_epilogue<EPI>(a, rope, T * (GEMV_TILE / R) + r, s0, R == 2 ? s1 : s0);
-    }
+    tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc);
   }
 }
+
+// The same GEMV with the weights streamed through shared memory by cp.async (GEMV_ASYNC): every lane keeps
+// GEMV_STAGES of its 128-input groups in flight in a private ring (it reads back only the 16-byte fragments it
+// copied itself, so no barrier guards the ring), across tile boundaries and through each tile's reduction;
+// the first GEMV_STAGES groups are requested before the wait for the previous kernel. Registers no longer
+// bound the bytes in flight. Ring: [warp][stage][unit of the group][lane] 16 B (+ fp8 scales [warp][stage][lane]).
+template <bool FP8, int PRO, int EPI, class Sync>
+__device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArgs rope, const Sync sync,
+                                                 unsigned char* smem_raw) {
+  constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
+  constexpr int KU = FP8 ? 32 : 16, UPG = 128 / KU, NS = FP8 ? GEMV_STAGES : GEMV_STAGES / 2;  // 2 KB * GEMV_STAGES per warp
+  const int K = a.K;
+  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
+  const int t = lane & 3, g = lane >> 2;
+  const int nunits = K / KU, ngroups = (K + 127) >> 7;
+  const int ntiles = a.n_out * R / GEMV_TILE;
+  const int my_groups = warp < ngroups ? (ngroups - warp + nw - 1) / nw : 0;  // per tile
+  const int my_tiles = blockIdx.x < ntiles ? (ntiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const int total = my_groups * my_tiles;
+  const int tile_bytes = nunits * 512;
+  __half* xs = reinterpret_cast<__half*>(smem_raw);
+  float* red = reinterpret_cast<float*>(smem_raw + K * sizeof(__half));
+  float* rs = red + 2 * nw * GEMV_TILE;
+  unsigned char* ring = reinterpret_cast<unsigned char*>(rs + 32) + (size_t)warp * NS * UPG * 512 + lane * 16;
+  float2* sring = reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(rs + 32) + (size_t)nw * NS * UPG * 512)
+                  + (size_t)warp * NS * AF_WARP + lane;
+
+  auto issue = [&](int n) {  // group n of this warp's sequence (tile n / my_groups, group n % my_groups)
+    if (n < total) {
+      const int T = blockIdx.x + (n / my_groups) * gridDim.x, G = warp + (n % my_groups) * nw;
+      const unsigned char* src = a.W + (size_t)T * tile_bytes + (size_t)G * UPG * 512 + lane * 16;
+      unsigned char* dst = ring + (n % NS) * UPG * 512;
+#pragma unroll
+      for (int j = 0; j < UPG; ++j)
+        if (G * UPG + j < nunits) cp_async16(dst + j * 512, src + j * 512);
+      if (FP8) cp_async8(sring + (n % NS) * AF_WARP, reinterpret_cast<const float2*>(a.scales) + ((size_t)T * ngroups + G) * 8 + g);
+    }
+    cp_async_commit();  // always one group per call: wait_group counts stay uniform
+  };
+
+#pragma unroll
+  for (int n = 0; n < NS; ++n) issue(n);
+  sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous kernel is done
+  stage_x_tiled<PRO>(a, xs, rs);
+
+  int n = 0;
+  for (int T = blockIdx.x, parity = 0; T < ntiles; T += gridDim.x, parity ^= 1) {
+    float acc[2] = {0.f, 0.f}, d[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int gi = 0; gi < my_groups; ++gi, ++n) {
+      cp_async_wait<NS - 1>();  // this lane's copies of group n have landed
+      const int G = warp + gi * nw;
+      const unsigned char* src = ring + (n % NS) * UPG * 512;
+#pragma unroll
+      for (int j = 0; j < UPG; ++j)
+        if (G * UPG + j < nunits) unit_mma<FP8>(d, *reinterpret_cast<const uint4*>(src + j * 512), xs, G * UPG + j, t);
+      if (FP8) {
+        const float2 sc = sring[(n % NS) * AF_WARP];
+        acc[0] = fmaf(d[0], sc.x, acc[0]);
+        acc[1] = fmaf(d[2], sc.y, acc[1]);
+        d[0] = d[1] = d[2] = d[3] = 0.f;
+      }
+      issue(n + NS);  // the slot just read is refilled (this lane's own bytes: program order protects them)
+    }
+    if (!FP8) {
+      acc[0] = d[0];
+      acc[1] = d[2];
+    }
+    tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc);
+  }
+  cp_async_wait<0>();
+}
+
+#if GEMV_ASYNC
+#define GEMV_TILED gemv_tiled_async
+#else
+#define GEMV_TILED gemv_tiled
+#endif
 
 #define GEMV_INSTANCE(NAME, FP8, PRO, EPI)                                                                \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
   NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
        const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
-    gemv_tiled<FP8, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, PdlSync{},   \
+    GEMV_TILED<FP8, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, PdlSync{},   \
                               smem_raw);                                                                  \
   }
 
@@ -287,7 +392,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
        const float2* __restrict__ cos_sin, const int* __restrict__ pos, __half* __restrict__ k_cache,     \
        __half* __restrict__ v_cache, int n_q, int n_kv, int hd) {                                        \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
-    gemv_tiled<FP8, PRO_NORM, EPI_ROPE>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},                \
+    GEMV_TILED<FP8, PRO_NORM, EPI_ROPE>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},                \
                                         RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}, PdlSync{}, \
                                         smem_raw);                                                        \
   }
