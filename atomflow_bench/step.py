@@ -33,6 +33,8 @@ from .weights import check_tiled
 GEMV_THREADS = 256
 GEMV_BLOCKS_PER_SM = 2  # = GEMV_MIN_BLOCKS in gemv_common.cuh (tiled GEMVs): the grid never exceeds one resident wave
 ROWS_BLOCKS_PER_SM = 4  # = ROWS_MIN_BLOCKS (lm_head)
+GEMV_ASYNC = {"fp8": 1, "fp16": 0}  # = GEMV_ASYNC_F8 / _F16: weights through the cp.async ring (2 KB x
+GEMV_STAGES = 4                      # GEMV_STAGES per warp, in shared memory) or through registers
 ATT_THREADS = 128
 SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on sm_90 (sm_89: 99 KB; only limits residency)
 NULL = np.uint64(0)
@@ -72,9 +74,8 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         except VerifyError as e:
             raise AtomflowError(f"GEMV {role or variant}: {e}") from None
         shmem = k * 2 + (2 * (GEMV_THREADS // 32) * 16 + 32) * 4  # x in fragment order + partial sums + block_sum
-        if lib.define("GEMV_ASYNC", 0):  # A/B knob: + the cp.async ring (gemv_tiled_async), 2 KB per stage per warp
-            stages = lib.define("GEMV_STAGES", 4)
-            shmem += (GEMV_THREADS // 32) * stages * (2048 + (256 if fp8 else 0))
+        if lib.define(f"GEMV_ASYNC_{'F8' if fp8 else 'F16'}", GEMV_ASYNC[fmt]):  # + the cp.async ring
+            shmem += (GEMV_THREADS // 32) * lib.define("GEMV_STAGES", GEMV_STAGES) * (2048 + (256 if fp8 else 0))
         grid_units = rows // 16  # a block per 16-row tile
         per_sm = lib.define("GEMV_GRID_PER_SM", GEMV_BLOCKS_PER_SM)  # A/B knob
     fn = lib[f"gemv_{'f8' if fp8 else 'f16'}_{variant}"]

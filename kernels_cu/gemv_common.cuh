@@ -11,7 +11,8 @@
 //   in registers by the hardware fp8x2 -> half2 conversion). fp8 scales: [tile][group of 128][8][2] fp32
 //   (rows g, g + 8 adjacent: one 8-byte load per lane and group).
 //   A block (8 warps) takes one tile at a time (grid-stride); warp w takes the 128-input groups w, w + 8, ...
-//   with GEMV_LOADS 16-byte loads per lane in flight; x is staged in shared memory in fragment order (one
+//   and keeps its next groups in flight: fp8 through a per-lane cp.async ring in shared memory that runs ahead
+//   across tiles (gemv_tiled_async), fp16 through registers in batches (gemv_tiled); x is staged in shared memory in fragment order (one
 //   8- or 16-byte load per lane per mma, conflict-free) and is broadcast to all 8 mma columns (column 0 is
 //   the result; the others are free work on an otherwise idle unit). fp8: each group's mma sum is scaled in
 //   fp32. The 8 warps' partial sums meet in shared memory; 16/R threads run the epilogue.
@@ -21,11 +22,11 @@
 //   last group is short: SmolLM2 K = 576).
 //
 // ROWS (lm_head, fp16 weights shared with the embedding table, row-major as HF stores them) — a warp owns one
-//   output row and walks it with 16-byte streaming loads, GEMV_LOADS chunks per lane in flight; grid-stride.
+//   output row and walks it with 16-byte streaming loads, ROWS_LOADS chunks per lane in flight; grid-stride.
 //   Measured at ~100% of copy bandwidth on 128256 x 3072 (results/gemv-*.json), so it keeps the plain layout.
 //
-// Both: 256 threads per block (TILED: 2 resident blocks per SM, ROWS: 4); the first batch of weight
-// loads is issued BEFORE the prologue and, under programmatic dependent launch, before waiting for the previous
+// Both: 256 threads per block (TILED: 2 resident blocks per SM, ROWS: 4); the first weight loads (or
+// cp.async groups) are issued BEFORE the prologue and, under programmatic dependent launch, before waiting for the previous
 // kernel (weights never depend on it).
 //
 // Fusions (each removes a launch and a round trip of an activation vector):
@@ -48,21 +49,30 @@
 #include "common.cuh"
 
 #define GEMV_THREADS 256
-// TILED: 16 loads per lane cover a warp's whole share of a K = 3072 tile (fp8) in one batch; 2 blocks per SM
-// (<= 128 registers). Measured against 8 loads x 4 blocks per SM: results/PERF_NOTES.md v7.1.
-#ifndef GEMV_MIN_BLOCKS     // (-D overrides: A/B knobs, scripts/gpu_check.sh knobs)
+// TILED configuration per weight format (measured, results/PERF_NOTES.md v7.1-v7.2; -D overrides are A/B knobs,
+// scripts/gpu_check.sh knobs; the host mirrors them in atomflow_bench/step.py):
+//   fp8:  weights through a cp.async shared-memory ring (gemv_tiled_async), GEMV_STAGES x 2 KB per warp;
+//   fp16: weights through registers (gemv_tiled), 24 16-byte loads per lane per batch.
+// Both: 2 resident blocks per SM (<= 128 registers).
+#ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 2   // resident blocks per SM the register budget is planned for
 #endif
-#ifndef GEMV_LOADS
-#define GEMV_LOADS 16       // 16-byte weight loads in flight per lane per batch (a multiple of 8)
+#ifndef GEMV_ASYNC_F8
+#define GEMV_ASYNC_F8 1
 #endif
-// ROWS (lm_head): 8 loads per lane, 4 blocks per SM (<= 64 registers): ~100% of copy bandwidth as is.
-#ifndef GEMV_ASYNC
-#define GEMV_ASYNC 0        // 1: weights through a cp.async shared-memory ring (gemv_tiled_async)
+#ifndef GEMV_ASYNC_F16
+#define GEMV_ASYNC_F16 0
+#endif
+#ifndef GEMV_LOADS_F8
+#define GEMV_LOADS_F8 16    // register path: 16-byte weight loads in flight per lane per batch (a multiple of 8)
+#endif
+#ifndef GEMV_LOADS_F16
+#define GEMV_LOADS_F16 24
 #endif
 #ifndef GEMV_STAGES
-#define GEMV_STAGES 4       // GEMV_ASYNC: 2 KB units of a warp's ring (fp8: groups of 128 inputs; fp16: half groups)
+#define GEMV_STAGES 4       // cp.async path: 2 KB units of a warp's ring (fp8: groups of 128 inputs; fp16: half groups)
 #endif
+// ROWS (lm_head): 8 loads per lane, 4 blocks per SM (<= 64 registers): ~100% of copy bandwidth as is.
 #define ROWS_MIN_BLOCKS 4
 #define ROWS_LOADS 8
 #define GEMV_TILE 16        // weight rows per tile (the mma's M)
@@ -235,7 +245,8 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;  // weight rows per output
   constexpr int KU = FP8 ? 32 : 16;                                   // inputs per unit (lane: 16 bytes)
   constexpr int UPG = 128 / KU;                                       // units per group of 128 inputs
-  constexpr int GPB = GEMV_LOADS / UPG;                               // groups per batch of loads
+  constexpr int LOADS = FP8 ? GEMV_LOADS_F8 : GEMV_LOADS_F16;          // 16-byte loads per lane per batch
+  constexpr int GPB = LOADS / UPG;                                    // groups per batch of loads
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
   const int t = lane & 3, g = lane >> 2;
@@ -247,7 +258,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   float* red = reinterpret_cast<float*>(smem_raw + K * sizeof(__half));  // [2][nw][16] partial sums
   float* rs = red + 2 * nw * GEMV_TILE;                                   // block_sum scratch (32 floats)
 
-  uint4 wv[GEMV_LOADS];
+  uint4 wv[LOADS];
   float2 sc[GPB];
   // Batch b of tile T: this warp's groups warp + (b*GPB + q)*nw, q < GPB (fp8: with their 2 scales per lane).
   const unsigned char* wbase = a.W + (size_t)warp * UPG * 512 + lane * 16;  // this lane's bytes of unit warp*UPG
@@ -298,7 +309,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   }
 }
 
-// The same GEMV with the weights streamed through shared memory by cp.async (GEMV_ASYNC): every lane keeps
+// The same GEMV with the weights streamed through shared memory by cp.async (the fp8 default): every lane keeps
 // GEMV_STAGES of its 128-input groups in flight in a private ring (it reads back only the 16-byte fragments it
 // copied itself, so no barrier guards the ring), across tile boundaries and through each tile's reduction;
 // the first GEMV_STAGES groups are requested before the wait for the previous kernel. Registers no longer
@@ -369,18 +380,22 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   cp_async_wait<0>();
 }
 
-#if GEMV_ASYNC
-#define GEMV_TILED gemv_tiled_async
-#else
-#define GEMV_TILED gemv_tiled
-#endif
+// The format's configured path (see GEMV_ASYNC_F8 / GEMV_ASYNC_F16 above).
+template <bool FP8, int PRO, int EPI, class Sync>
+__device__ __forceinline__ void gemv_tiled_cfg(const GemvArgs a, const RopeArgs rope, const Sync sync,
+                                               unsigned char* smem_raw) {
+  if constexpr (FP8 ? GEMV_ASYNC_F8 : GEMV_ASYNC_F16)
+    gemv_tiled_async<FP8, PRO, EPI>(a, rope, sync, smem_raw);
+  else
+    gemv_tiled<FP8, PRO, EPI>(a, rope, sync, smem_raw);
+}
 
 #define GEMV_INSTANCE(NAME, FP8, PRO, EPI)                                                                \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
   NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
        const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
-    GEMV_TILED<FP8, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, PdlSync{},   \
+    gemv_tiled_cfg<FP8, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, PdlSync{},   \
                               smem_raw);                                                                  \
   }
 
@@ -392,7 +407,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
        const float2* __restrict__ cos_sin, const int* __restrict__ pos, __half* __restrict__ k_cache,     \
        __half* __restrict__ v_cache, int n_q, int n_kv, int hd) {                                        \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
-    GEMV_TILED<FP8, PRO_NORM, EPI_ROPE>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},                \
+    gemv_tiled_cfg<FP8, PRO_NORM, EPI_ROPE>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},                \
                                         RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}, PdlSync{}, \
                                         smem_raw);                                                        \
   }
