@@ -32,12 +32,12 @@
       const int* __restrict__ pos_ptr, float* part_ml, float* part_o, unsigned int* counters,             \
       __half* __restrict__ out, int n_kv, int max_splits, float scale) {                                  \
     extern __shared__ float smem[];                                                                       \
-    pdl_wait(); /* q and the K/V row at pos come from the QKV kernel */                                   \
-    pdl_launch_dependents();                                                                              \
+    /* pos was written by the previous step's argmax, complete before this step's first kernel: readable */ \
+    /* before the PDL wait, and so are the K/V rows before pos (attention_item waits before row pos and q) */ \
     const int len = *pos_ptr + 1;                                                                         \
     if ((int)blockIdx.y * ATT_CHUNK >= len) return; /* chunk beyond the context: nothing to do */        \
     attention_item<HD, G, ATT_THREADS>(q, k_cache, v_cache, len, blockIdx.x, blockIdx.y, part_ml, part_o,  \
-                                       counters, out, n_kv, max_splits, scale, smem);                     \
+                                       counters, out, n_kv, max_splits, scale, smem, PdlSync{});          \
   }
 
 ATTENTION_INSTANCE(64, 1)

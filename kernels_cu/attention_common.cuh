@@ -18,11 +18,13 @@ __host__ __device__ constexpr int attention_smem_floats() { return G * ATT_CHUNK
 // One work item: kv head j, positions [32 split, 32 split + 32) of the len cached ones, all G q heads.
 // Called by all T threads of the block. K/V (written by earlier launches) use the streaming read-only path,
 // q a plain load; partials (written by other blocks of this launch) are always .cg.
-template <int HD, int G, int T>
+// sync.arrive_wait() separates what the item may read before the previous kernel (the QKV GEMV) is done —
+// the K/V rows before position len - 1, written by earlier steps — from q and the row at len - 1.
+template <int HD, int G, int T, class Sync>
 __device__ __forceinline__ void attention_item(const __half* q, const __half* k_cache, const __half* v_cache,
                                                int len, int j, int split, float* part_ml, float* part_o,
                                                unsigned int* counters, __half* out, int n_kv, int max_splits,
-                                               float scale, float* smem) {
+                                               float scale, float* smem, const Sync sync) {
   constexpr int DG = HD / 8;                 // 16-byte slices per head row = lanes per position
   constexpr int PG = T / DG;                 // positions processed side by side
   constexpr int PPT = ATT_CHUNK / PG;        // positions per thread
@@ -34,14 +36,25 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP;
   const int l = threadIdx.x % DG, pg = threadIdx.x / DG;
 
-  // ---- all K and V loads of this thread, issued before anything else ----
+  // ---- all K and V loads of this thread, issued before anything else (rows before len - 1: before the wait) ----
   uint4 kr[PPT], vr[PPT];
 #pragma unroll
   for (int i = 0; i < PPT; ++i) {
     const int t = pg + i * PG;
     const size_t off = (size_t)(t0 + t) * kv_dim + (size_t)j * HD + l * 8;
-    kr[i] = t < n ? ld_stream(k_cache + off) : make_uint4(0, 0, 0, 0);
-    vr[i] = t < n ? ld_stream(v_cache + off) : make_uint4(0, 0, 0, 0);
+    const bool older = t < n && t0 + t < len - 1;
+    kr[i] = older ? ld_stream(k_cache + off) : make_uint4(0, 0, 0, 0);
+    vr[i] = older ? ld_stream(v_cache + off) : make_uint4(0, 0, 0, 0);
+  }
+  sync.arrive_wait();  // q and the K/V row at len - 1 come from the previous kernel
+#pragma unroll
+  for (int i = 0; i < PPT; ++i) {
+    const int t = pg + i * PG;
+    if (t < n && t0 + t == len - 1) {
+      const size_t off = (size_t)(t0 + t) * kv_dim + (size_t)j * HD + l * 8;
+      kr[i] = ld_stream(k_cache + off);
+      vr[i] = ld_stream(v_cache + off);
+    }
   }
 
   float* sc = smem;                          // [G][ATT_CHUNK] scores, then probabilities
