@@ -70,13 +70,6 @@ __device__ __forceinline__ float2 h2_to_f2(unsigned int u) {
   return __half22float2(h);
 }
 
-// Two packed FP8-E4M3 values -> float2, through the hardware fp8x2 -> half2 conversion (sm_89+).
-__device__ __forceinline__ float2 e4m3x2_to_f2(unsigned short u) {
-  __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(u), __NV_E4M3);
-  __half2 h = *reinterpret_cast<__half2*>(&r);
-  return __half22float2(h);
-}
-
 // 1 / RMS of the fp32 residual h[K] (K % 4 == 0), every thread of the block gets it. h is read through
 // L2 (.cg): the previous kernel wrote it.
 __device__ __forceinline__ float rms_inv(const float* h, float eps, int K, float* red) {

@@ -203,6 +203,31 @@ __device__ __forceinline__ void unit_mma(float (&d)[4], uint4 w, const __half* x
   }
 }
 
+// One 128-input group G of a tile: the mmas of its units (unit(j) = the lane's 16 bytes of unit G*UPG + j)
+// into d; fp8: d times the group's per-row scales (rows g, g + 8) is added to acc and d restarts. fp16 keeps
+// accumulating in d (gemv_tiled_finish).
+template <bool FP8, int UPG, class Unit>
+__device__ __forceinline__ void group_mma(float (&d)[4], float (&acc)[2], Unit unit, const __half* xs, int G,
+                                          int nunits, int t, float2 sc) {
+#pragma unroll
+  for (int j = 0; j < UPG; ++j)
+    if (G * UPG + j < nunits) unit_mma<FP8>(d, unit(j), xs, G * UPG + j, t);
+  if (FP8) {
+    acc[0] = fmaf(d[0], sc.x, acc[0]);
+    acc[1] = fmaf(d[2], sc.y, acc[1]);
+    d[0] = d[1] = d[2] = d[3] = 0.f;
+  }
+}
+
+// A tile's sums for rows g and g + 8 once all of the warp's groups are in: fp16 sums live in d.
+template <bool FP8>
+__device__ __forceinline__ void gemv_tiled_finish(const float (&d)[4], float (&acc)[2]) {
+  if (!FP8) {
+    acc[0] = d[0];
+    acc[1] = d[2];
+  }
+}
+
 // The 8 warps' partial sums of tile T meet in shared memory (`part`: [nw][16], double-buffered by the caller:
 // the next tile writes the other half, so one __syncthreads per tile suffices); 16/R threads run the epilogue.
 template <int R, int EPI>
@@ -288,22 +313,11 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
 #pragma unroll
       for (int q = 0; q < GPB; ++q) {
         const int G = warp + (b * GPB + q) * nw;
-        if (G < ngroups) {
-#pragma unroll
-          for (int j = 0; j < UPG; ++j)
-            if (G * UPG + j < nunits) unit_mma<FP8>(d, wv[q * UPG + j], xs, G * UPG + j, t);
-          if (FP8) {  // the group's sum times its per-row scale; d restarts for the next group
-            acc[0] = fmaf(d[0], sc[q].x, acc[0]);
-            acc[1] = fmaf(d[2], sc[q].y, acc[1]);
-            d[0] = d[1] = d[2] = d[3] = 0.f;
-          }
-        }
+        if (G < ngroups)
+          group_mma<FP8, UPG>(d, acc, [&](int j) { return wv[q * UPG + j]; }, xs, G, nunits, t, sc[q]);
       }
     }
-    if (!FP8) {
-      acc[0] = d[0];
-      acc[1] = d[2];
-    }
+    gemv_tiled_finish<FP8>(d, acc);
     if (nb > 0 && T + (int)gridDim.x < ntiles) load(T + gridDim.x, 0);  // next tile's loads fly during the sum
     tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc);
   }
@@ -358,23 +372,12 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
     float acc[2] = {0.f, 0.f}, d[4] = {0.f, 0.f, 0.f, 0.f};
     for (int gi = 0; gi < my_groups; ++gi, ++n) {
       cp_async_wait<NS - 1>();  // this lane's copies of group n have landed
-      const int G = warp + gi * nw;
       const unsigned char* src = ring + (n % NS) * UPG * 512;
-#pragma unroll
-      for (int j = 0; j < UPG; ++j)
-        if (G * UPG + j < nunits) unit_mma<FP8>(d, *reinterpret_cast<const uint4*>(src + j * 512), xs, G * UPG + j, t);
-      if (FP8) {
-        const float2 sc = sring[(n % NS) * AF_WARP];
-        acc[0] = fmaf(d[0], sc.x, acc[0]);
-        acc[1] = fmaf(d[2], sc.y, acc[1]);
-        d[0] = d[1] = d[2] = d[3] = 0.f;
-      }
+      group_mma<FP8, UPG>(d, acc, [&](int j) { return *reinterpret_cast<const uint4*>(src + j * 512); }, xs,
+                          warp + gi * nw, nunits, t, FP8 ? sring[(n % NS) * AF_WARP] : make_float2(0.f, 0.f));
       issue(n + NS);  // the slot just read is refilled (this lane's own bytes: program order protects them)
     }
-    if (!FP8) {
-      acc[0] = d[0];
-      acc[1] = d[2];
-    }
+    gemv_tiled_finish<FP8>(d, acc);
     tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc);
   }
   cp_async_wait<0>();

@@ -2,8 +2,8 @@
 // out = fp16(h * rsqrt(mean(h^2) + eps)) * w.
 //
 // Used standalone only for the final norm before lm_head (its output is the `final_norm` probe). Inside
-// the layers the same device function (common.cuh: rmsnorm_to_half) runs in the prologue of the QKV
-// and gate/up GEMVs, so no separate launch or round trip exists there.
+// the layers the same math (common.cuh: rms_inv, rmsnorm_elem) runs in the prologue of the QKV and gate/up
+// GEMVs (gemv_common.cuh stage_x_tiled), so no separate launch or round trip exists there.
 // Layouts    h fp32 [K], w fp16 [K], out fp16 [K]; K % 4 == 0.
 // Bytes      K * 4 + K * 2 read, K * 2 written.
 // Launch     grid = 1, block = 1024.
