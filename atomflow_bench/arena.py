@@ -18,7 +18,8 @@ from .errors import AtomflowError
 
 ALIGN = 256
 POOLS = ("weights", "kv", "activations", "scratch")
-ATT_CHUNK = 32          # positions per attention split (kernels_cu/attention.cu ATT_CHUNK)
+ATT_CHUNK = 32          # positions per attention sub-chunk (kernels_cu/attention_common.cuh ATT_CHUNK)
+ATT_BLOCKS_PER_SM = 4   # attention splits are capped at ~this many blocks per SM (attention.cu: longer splits)
 ARGMAX_THREADS = 1024   # block size of argmax_advance
 RESERVE = 512 << 20     # VRAM left free for the CUDA context, CuPy and load-time staging slack
 
@@ -69,6 +70,12 @@ def linear_regions(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return {"wqkv": (cfg.qkv_dim, H), "wo": (H, cfg.q_dim), "wgu": (2 * I, H), "wd": (H, I)}
 
 
+def attention_splits(max_seq: int, n_kv: int, n_sm: int) -> int:
+    """Split capacity per kv head (= the attention launch's grid.y): one split per ATT_CHUNK positions, capped so
+    the whole launch is about ATT_BLOCKS_PER_SM blocks per SM; beyond the cap a split walks several sub-chunks."""
+    return max(1, min(-(-max_seq // ATT_CHUNK), -(-ATT_BLOCKS_PER_SM * n_sm // n_kv)))
+
+
 def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> ArenaPlan:
     if fmt not in ("fp16", "fp8"):
         raise AtomflowError(f"unknown weight format {fmt!r} (expected fp16 or fp8)")
@@ -114,7 +121,7 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> Are
     p.add("activations", "xnorm", (H,), np.float16)
     p.add("activations", "logits", (V,), np.float32)
     # scratch: attention split partials, reduction tickets, step state
-    splits = -(-max_seq // ATT_CHUNK)
+    splits = attention_splits(max_seq, cfg.num_key_value_heads, n_sm)
     p.add("scratch", "att_ml", (cfg.num_attention_heads, splits, 2), np.float32)
     p.add("scratch", "att_o", (cfg.num_attention_heads, splits, cfg.head_dim), np.float32)
     p.add("scratch", "att_counters", (L, cfg.num_key_value_heads), np.uint32)

@@ -158,11 +158,12 @@ def profile(model, weights, context, steps, json_path):
     from . import report
     from .engine import Engine
     from .fetch import resolve_model
-    from .profile import profile_step, profile_table
+    from .profile import attention_line, profile_step, profile_table
 
     eng = Engine(resolve_model(model, console=console), weights=weights, max_seq=context + steps + 64)
     p = profile_step(eng, context, steps)
     console.print(profile_table(p))
+    console.print(attention_line(p), soft_wrap=True)
     if json_path:
         rec = {"schema": "atomflow-bench/profile/1", "tool": report.tool_info(), "created": report.now_iso(),
                "command": report.command_line(), "gpu": eng.gpu, "model": model, "weights": weights, **p}

@@ -4,6 +4,9 @@
   nsys table: kernel, % of step, count per step, mean µs, GB/s), plus the graph-mode step time measured
   the same way as `run`; the difference between the graph step and the sum of kernel times is the idle
   gap (launch latency + ramp-up/drain between dependent kernels).
+* `attention_graph`: the step's attention launches alone (one per layer, as captured in the step), replayed
+  as a CUDA Graph: µs per launch at the current position against its KV-bytes floor (K and V rows read once
+  at the copy bandwidth). The layers' caches are read in turn, so once they exceed L2 every launch is cold.
 * `gemv_bench`: every GEMV shape of a model alone, fp16 and fp8, L2-cold: the weights rotate through
   enough copies that the set is several times the L2 size, so each launch streams from DRAM.
 Both report GB/s against the copy bandwidth measured in the same run.
@@ -67,7 +70,32 @@ def profile_step(engine, context: int = 128, steps: int = 20, copy: dict | None 
     rows.sort(key=lambda r: -r["us_per_step"])
     return {"rows": rows, "kernel_sum_us": total, "graph_step_us": graph["median"] * 1e3,
             "eager_launches": n, "idle_gap_us": graph["median"] * 1e3 - total, "copy_bandwidth_gbs": copy,
-            "context": context, "steps": steps}
+            "context": context, "steps": steps, "attention_graph": attention_graph(engine, copy)}
+
+
+def attention_graph(engine, copy: dict, replays: int = 30) -> dict:
+    """The step's attention launches (one per layer) captured alone into a graph and replayed; the position is
+    wherever the engine stands. µs per launch vs the floor 2 * L * kv_dim * 2 bytes / copy bandwidth."""
+    import cupy as cp
+
+    from .graph import StepGraph
+
+    launches = [ln for ln in engine.launches if ln.name == "attention_decode"]
+    length = int(engine.arena["pos"].get()[0]) + 1
+    g = StepGraph(launches, engine.stream)
+    ev = [cp.cuda.Event() for _ in range(replays + 3)]
+    with engine.stream as s:
+        ev[0].record(s)
+        for i in range(replays + 2):
+            g.replay(1)
+            ev[i + 1].record(s)
+    ev[-1].synchronize()
+    per = summarize([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3 / len(launches) for i in range(2, replays + 2)])
+    kv = _kv_bytes(engine.cfg, length)
+    floor_us = kv / (copy["median"] * 1e9) * 1e6
+    return {"length": length, "launches_per_replay": len(launches), "us_per_launch": per, "kv_bytes": kv,
+            "floor_us": floor_us, "x_floor": per["median"] / floor_us,
+            "l2_cold": kv * len(launches) > 4 * (50 << 20)}
 
 
 def gemv_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, str]]:
@@ -137,6 +165,15 @@ def profile_table(p: dict):
     t.caption = (f"sum of kernels {p['kernel_sum_us']:.1f} µs; graph step {p['graph_step_us']:.1f} µs; idle gap "
                  f"{p['idle_gap_us']:.1f} µs; copy bandwidth {p['copy_bandwidth_gbs']['median']:.0f} GB/s")
     return t
+
+
+def attention_line(p: dict) -> str:
+    """One line on the attention launches alone (profile_step's `attention_graph`)."""
+    a = p["attention_graph"]
+    u = a["us_per_launch"]
+    return (f"attention alone in a graph at length {a['length']}: {u['median']:.2f} µs per layer ({u['p10']:.2f}-"
+            f"{u['p90']:.2f}), KV floor {a['floor_us']:.2f} µs -> {a['x_floor']:.2f}x the floor"
+            f"{'' if a['l2_cold'] else ' (caches fit in L2: not a DRAM figure)'}")
 
 
 def gemv_table(g: dict):

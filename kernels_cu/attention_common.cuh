@@ -3,7 +3,11 @@
 #pragma once
 #include "common.cuh"
 
-#define ATT_CHUNK 32
+#define ATT_CHUNK 32  // positions per sub-chunk: one position per lane in the softmax warps
+
+#ifndef ATT_COMBINE_LOADS
+#define ATT_COMBINE_LOADS 8  // independent 16-byte partial loads per thread per round of the split combine
+#endif
 
 __device__ __forceinline__ void f8_from_u4(uint4 u, float* f) {
   const float2 a = h2_to_f2(u.x), b = h2_to_f2(u.y), c = h2_to_f2(u.z), d = h2_to_f2(u.w);
@@ -11,13 +15,19 @@ __device__ __forceinline__ void f8_from_u4(uint4 u, float* f) {
 }
 
 // Shared memory (floats) one item needs: scores [G][ATT_CHUNK] + P.V partials [T / (HD/8)][G][HD]
-// (the latter reused for the [G][max_splits] combine weights).
+// (the latter reused by the combine: weights [G][max_splits], then float4 sums [R][G*HD/4]).
 template <int HD, int G, int T>
 __host__ __device__ constexpr int attention_smem_floats() { return G * ATT_CHUNK + (T / (HD / 8)) * G * HD; }
 
-// One work item: kv head j, positions [32 split, 32 split + 32) of the len cached ones, all G q heads.
-// Called by all T threads of the block. K/V (written by earlier launches) use the streaming read-only path,
-// q a plain load; partials (written by other blocks of this launch) are always .cg.
+// Splits of kv head j at context length len: one per ATT_CHUNK-position sub-chunk up to max_splits (the
+// launch's grid.y), beyond that each split takes a contiguous, even share of the sub-chunks.
+__device__ __forceinline__ int attention_splits(int len, int max_splits) {
+  return min((len + ATT_CHUNK - 1) / ATT_CHUNK, max_splits);
+}
+
+// One work item: kv head j, split `split` of the len cached positions, all G q heads. Called by all T threads
+// of the block. K/V (written by earlier launches) use the streaming read-only path, q a plain load; partials
+// (written by other blocks of this launch) are always .cg.
 // sync.arrive_wait() separates what the item may read before the previous kernel (the QKV GEMV) is done —
 // the K/V rows before position len - 1, written by earlier steps — from q and the row at len - 1.
 template <int HD, int G, int T, class Sync>
@@ -27,51 +37,70 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
                                                float scale, float* smem, const Sync sync) {
   constexpr int DG = HD / 8;                 // 16-byte slices per head row = lanes per position
   constexpr int PG = T / DG;                 // positions processed side by side
-  constexpr int PPT = ATT_CHUNK / PG;        // positions per thread
+  constexpr int PPT = ATT_CHUNK / PG;        // positions per thread per sub-chunk
   static_assert(PPT >= 1 && ATT_CHUNK % PG == 0, "chunk must cover the block's position groups");
-  const int n_splits = (len + ATT_CHUNK - 1) / ATT_CHUNK;
-  const int t0 = split * ATT_CHUNK;
-  const int n = min(len - t0, ATT_CHUNK);
+  const int n_sub = (len + ATT_CHUNK - 1) / ATT_CHUNK;
+  const int n_splits = attention_splits(len, max_splits);
+  if (split >= n_splits) return;             // nothing at this context length (before any barrier)
+  const int c0 = (int)((long long)split * n_sub / n_splits);
+  const int c1 = (int)((long long)(split + 1) * n_sub / n_splits);
   const size_t kv_dim = (size_t)n_kv * HD;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP;
   const int l = threadIdx.x % DG, pg = threadIdx.x / DG;
+  const size_t col = (size_t)j * HD + l * 8;
 
-  // ---- all K and V loads of this thread, issued before anything else (rows before len - 1: before the wait) ----
-  uint4 kr[PPT], vr[PPT];
+  // this thread's K and V slices of sub-chunk c (rows >= len read as zeros and are masked below);
+  // before the PDL wait the row at len - 1 is skipped (the QKV kernel is still writing it)
+  auto load = [&](int c, uint4* kk, uint4* vv, bool before_wait) {
 #pragma unroll
-  for (int i = 0; i < PPT; ++i) {
-    const int t = pg + i * PG;
-    const size_t off = (size_t)(t0 + t) * kv_dim + (size_t)j * HD + l * 8;
-    const bool older = t < n && t0 + t < len - 1;
-    kr[i] = older ? ld_stream(k_cache + off) : make_uint4(0, 0, 0, 0);
-    vr[i] = older ? ld_stream(v_cache + off) : make_uint4(0, 0, 0, 0);
-  }
+    for (int i = 0; i < PPT; ++i) {
+      const int t = c * ATT_CHUNK + pg + i * PG;
+      const bool ok = t < len && !(before_wait && t == len - 1);
+      kk[i] = ok ? ld_stream(k_cache + (size_t)t * kv_dim + col) : make_uint4(0, 0, 0, 0);
+      vv[i] = ok ? ld_stream(v_cache + (size_t)t * kv_dim + col) : make_uint4(0, 0, 0, 0);
+    }
+  };
+
+  uint4 kr[PPT], vr[PPT];
+  load(c0, kr, vr, true);
   sync.arrive_wait();  // q and the K/V row at len - 1 come from the previous kernel
 #pragma unroll
   for (int i = 0; i < PPT; ++i) {
-    const int t = pg + i * PG;
-    if (t < n && t0 + t == len - 1) {
-      const size_t off = (size_t)(t0 + t) * kv_dim + (size_t)j * HD + l * 8;
-      kr[i] = ld_stream(k_cache + off);
-      vr[i] = ld_stream(v_cache + off);
+    const int t = c0 * ATT_CHUNK + pg + i * PG;
+    if (t == len - 1) {
+      kr[i] = ld_stream(k_cache + (size_t)t * kv_dim + col);
+      vr[i] = ld_stream(v_cache + (size_t)t * kv_dim + col);
     }
   }
 
   float* sc = smem;                          // [G][ATT_CHUNK] scores, then probabilities
-  float* acc = sc + G * ATT_CHUNK;           // [PG][G][HD] partial P.V sums; later [G][max_splits] weights
-  __shared__ float s_m[G], s_l[G];
+  float* acc = sc + G * ATT_CHUNK;           // [PG][G][HD] partial P.V sums; later the combine's scratch
+  __shared__ float s_m[G], s_l[G], s_a[G];   // running max, running sum, this sub-chunk's rescale factor
+  __shared__ __align__(16) float q_s[G * HD];  // q * scale (fp32), shared by the block's position groups
   __shared__ bool last;
+  if (threadIdx.x < G) { s_m[threadIdx.x] = -AF_INF; s_l[threadIdx.x] = 0.f; }
+  for (int i = threadIdx.x; i < G * HD / 8; i += T) {
+    float f[8];
+    f8_from_u4(*reinterpret_cast<const uint4*>(q + (size_t)j * G * HD + i * 8), f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) q_s[i * 8 + e] = f[e] * scale;
+  }
+  __syncthreads();
 
-  // ---- scores ----
-  {
-    float qf[G][8];
+  float o[G][8];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const __half* qp = q + (size_t)(j * G + g) * HD + l * 8;
-        f8_from_u4(*reinterpret_cast<const uint4*>(qp), qf[g]);
+  for (int g = 0; g < G; ++g)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) qf[g][e] *= scale;
-      }
+    for (int e = 0; e < 8; ++e) o[g][e] = 0.f;
+
+  // ---- sub-chunks c0 .. c1-1, online softmax; the next sub-chunk's loads are in flight during the math ----
+  for (int c = c0; c < c1; ++c) {
+    const int n = min(len - c * ATT_CHUNK, ATT_CHUNK);
+    const bool more = c + 1 < c1;
+    uint4 kn[PPT], vn[PPT];
+    if (more) load(c + 1, kn, vn, false);
+
+    // scores
 #pragma unroll
     for (int i = 0; i < PPT; ++i) {
       const int t = pg + i * PG;
@@ -79,35 +108,42 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
       f8_from_u4(kr[i], kf);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        float s = 0.f;
+        const float4 qa = *reinterpret_cast<const float4*>(q_s + g * HD + l * 8);
+        const float4 qb = *reinterpret_cast<const float4*>(q_s + g * HD + l * 8 + 4);
+        float s = qa.x * kf[0];
+        s = fmaf(qa.y, kf[1], s); s = fmaf(qa.z, kf[2], s); s = fmaf(qa.w, kf[3], s);
+        s = fmaf(qb.x, kf[4], s); s = fmaf(qb.y, kf[5], s); s = fmaf(qb.z, kf[6], s); s = fmaf(qb.w, kf[7], s);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) s = fmaf(qf[g][e], kf[e], s);
-#pragma unroll
-        for (int o = DG / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        for (int x = DG / 2; x > 0; x >>= 1) s += __shfl_xor_sync(0xffffffffu, s, x);
         if (t < n && l == 0) sc[g * ATT_CHUNK + t] = s;
       }
     }
-  }
-  __syncthreads();
+    __syncthreads();
 
-  // ---- chunk softmax statistics: one warp per q head, one lane per position ----
-  for (int g = warp; g < G; g += T / AF_WARP) {
-    const float s = lane < n ? sc[g * ATT_CHUNK + lane] : -AF_INF;
-    const float m = warp_max(s);
-    const float p = lane < n ? __expf(s - m) : 0.f;
-    sc[g * ATT_CHUNK + lane] = p;
-    const float sum = warp_sum(p);
-    if (lane == 0) { s_m[g] = m; s_l[g] = sum; }
-  }
-  __syncthreads();
+    // softmax statistics: one warp per q head, one lane per position; rescale the running sums
+    for (int g = warp; g < G; g += T / AF_WARP) {
+      const float s = lane < n ? sc[g * ATT_CHUNK + lane] : -AF_INF;
+      const float m_old = s_m[g];
+      const float m_new = fmaxf(m_old, warp_max(s));
+      const float p = lane < n ? __expf(s - m_new) : 0.f;
+      sc[g * ATT_CHUNK + lane] = p;
+      const float sum = warp_sum(p);
+      if (lane == 0) {
+        const float a = __expf(m_old - m_new);  // 0 on the first sub-chunk (m_old = -inf)
+        s_a[g] = a;
+        s_l[g] = s_l[g] * a + sum;
+        s_m[g] = m_new;
+      }
+    }
+    __syncthreads();
 
-  // ---- P.V from the V rows already in registers ----
-  {
-    float o[G][8];
+    // P.V from the V rows in registers
 #pragma unroll
-    for (int g = 0; g < G; ++g)
+    for (int g = 0; g < G; ++g) {
+      const float a = s_a[g];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) o[g][e] = 0.f;
+      for (int e = 0; e < 8; ++e) o[g][e] *= a;
+    }
 #pragma unroll
     for (int i = 0; i < PPT; ++i) {
       const int t = pg + i * PG;
@@ -122,15 +158,21 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
         }
       }
     }
+    __syncthreads();  // sc and s_a are rewritten by the next sub-chunk
+    if (more) {
 #pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[((size_t)pg * G + g) * HD + l * 8 + e] = o[g][e];
+      for (int i = 0; i < PPT; ++i) { kr[i] = kn[i]; vr[i] = vn[i]; }
+    }
   }
+
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[((size_t)pg * G + g) * HD + l * 8 + e] = o[g][e];
   __syncthreads();
 
   const int gh = G * HD;
-  if (n_splits == 1) {  // the whole context fits one chunk: finish here
+  if (n_splits == 1) {  // the whole context is one split: finish here
     for (int i = threadIdx.x; i < gh; i += T) {
       float s = 0.f;
 #pragma unroll
@@ -174,22 +216,52 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     for (int s = lane; s < n_splits; s += AF_WARP) coef[g * max_splits + s] /= L;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < gh; i += T) {
-    const int g = i / HD, d = i % HD;
-    const float* po = part_o + (size_t)(j * G + g) * max_splits * HD + d;
-    // 8 independent accumulators: the 8 L2 loads of a round are issued back to back instead of one
-    // dependent load per split (at ctx 8192 there are 256 splits).
-    float s8[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    int sp = 0;
-    for (; sp + 8 <= n_splits; sp += 8) {
+  // out[g][d..d+3] = sum_s coef[g][s] * part_o[g][s][d..d+3]: a thread per (float4 column, split phase r of R),
+  // ATT_COMBINE_LOADS independent 16-byte L2 loads in flight per thread (one dependent round per that many
+  // splits instead of one per split)
+  constexpr int COLS = G * HD / 4;
+  constexpr int R = T > COLS ? T / COLS : 1;
+  float4* red = reinterpret_cast<float4*>(coef + ((G * max_splits + 3) & ~3));  // [R][COLS]
+  for (int i = threadIdx.x; i < R * COLS; i += T) {
+    const int cidx = i % COLS, r = i / COLS, g = cidx * 4 / HD;
+    const float4* po = reinterpret_cast<const float4*>(part_o + (size_t)(j * G + g) * max_splits * HD + cidx * 4 % HD);
+    const float* cf = coef + g * max_splits;
+    float4 a[ATT_COMBINE_LOADS];
 #pragma unroll
-      for (int u = 0; u < 8; ++u)
-        s8[u] = fmaf(coef[g * max_splits + sp + u], __ldcg(po + (size_t)(sp + u) * HD), s8[u]);
+    for (int u = 0; u < ATT_COMBINE_LOADS; ++u) a[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+    int sp = r;
+    for (; sp + (ATT_COMBINE_LOADS - 1) * R < n_splits; sp += ATT_COMBINE_LOADS * R) {
+#pragma unroll
+      for (int u = 0; u < ATT_COMBINE_LOADS; ++u) {
+        const float w = cf[sp + u * R];
+        const float4 v = __ldcg(po + (size_t)(sp + u * R) * (HD / 4));
+        a[u].x = fmaf(w, v.x, a[u].x); a[u].y = fmaf(w, v.y, a[u].y);
+        a[u].z = fmaf(w, v.z, a[u].z); a[u].w = fmaf(w, v.w, a[u].w);
+      }
     }
-    for (; sp < n_splits; ++sp) s8[0] = fmaf(coef[g * max_splits + sp], __ldcg(po + (size_t)sp * HD), s8[0]);
-    const float s = ((s8[0] + s8[1]) + (s8[2] + s8[3])) + ((s8[4] + s8[5]) + (s8[6] + s8[7]));
-    out[(size_t)j * gh + i] = __float2half(s);
+    for (; sp < n_splits; sp += R) {
+      const float w = cf[sp];
+      const float4 v = __ldcg(po + (size_t)sp * (HD / 4));
+      a[0].x = fmaf(w, v.x, a[0].x); a[0].y = fmaf(w, v.y, a[0].y);
+      a[0].z = fmaf(w, v.z, a[0].z); a[0].w = fmaf(w, v.w, a[0].w);
+    }
+#pragma unroll
+    for (int u = 1; u < ATT_COMBINE_LOADS; ++u) {
+      a[0].x += a[u].x; a[0].y += a[u].y; a[0].z += a[u].z; a[0].w += a[u].w;
+    }
+    red[r * COLS + cidx] = a[0];
+  }
+  __syncthreads();
+  for (int cidx = threadIdx.x; cidx < COLS; cidx += T) {
+    float4 s = red[cidx];
+#pragma unroll
+    for (int r = 1; r < R; ++r) {
+      const float4 v = red[r * COLS + cidx];
+      s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+    }
+    __half2* dst = reinterpret_cast<__half2*>(out + (size_t)j * gh + cidx * 4);
+    dst[0] = __floats2half2_rn(s.x, s.y);
+    dst[1] = __floats2half2_rn(s.z, s.w);
   }
   if (threadIdx.x == 0) counters[j] = 0u;
 }
-

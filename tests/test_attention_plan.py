@@ -1,0 +1,34 @@
+"""CPU: the attention launch plan (arena.attention_splits, step.attention_smem) for every supported shape."""
+import pytest
+
+from atomflow_bench.arena import ATT_BLOCKS_PER_SM, ATT_CHUNK, attention_splits
+from atomflow_bench.step import ATT_THREADS, SMEM_PER_SM, attention_smem
+
+
+@pytest.mark.parametrize("n_kv", [1, 3, 8])
+def test_short_contexts_get_one_split_per_chunk(n_kv):
+    for max_seq in (1, 31, 32, 33, 384):
+        assert attention_splits(max_seq, n_kv, 132) == -(-max_seq // ATT_CHUNK)
+
+
+@pytest.mark.parametrize("n_kv,n_sm", [(1, 132), (3, 132), (8, 132), (8, 78), (8, 170)])
+def test_long_contexts_are_capped_near_the_block_budget(n_kv, n_sm):
+    s = attention_splits(32768, n_kv, n_sm)
+    assert s == -(-ATT_BLOCKS_PER_SM * n_sm // n_kv)
+    assert (s - 1) * n_kv < ATT_BLOCKS_PER_SM * n_sm <= s * n_kv
+    assert s * ATT_CHUNK < 32768  # so splits really walk several sub-chunks there
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("hd", [64, 128])
+def test_shared_memory_covers_partials_and_the_combine(group, hd):
+    splits = attention_splits(32768, 1, 170)  # the largest split count any plan asks for
+    smem = attention_smem(group, hd, splits)
+    floats = smem // 4 - group * ATT_CHUNK
+    pv = (ATT_THREADS // (hd // 8)) * group * hd
+    cols = group * hd // 4
+    phases = max(1, ATT_THREADS // cols)
+    assert floats >= pv
+    assert floats >= -(-group * splits // 4) * 4 + phases * cols * 4
+    assert smem <= SMEM_PER_SM
+    assert attention_smem(group, hd, 1) == 4 * (group * ATT_CHUNK + pv)  # short contexts: unchanged plan
