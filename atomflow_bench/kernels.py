@@ -68,6 +68,15 @@ def cuda_include_dirs() -> list[str]:
     return out
 
 
+def knob(name: str, default: int, defines: tuple | None = None) -> int:
+    """The integer NAME=V of ATOMFLOW_KERNEL_DEFINES (or of `defines`), else `default`: compile-time -D knobs
+    that the host-side launch and arena rules must follow too."""
+    for d in defines if defines is not None else os.environ.get("ATOMFLOW_KERNEL_DEFINES", "").split():
+        if d.startswith(name + "="):
+            return int(d.split("=", 1)[1])
+    return default
+
+
 class KernelLib:
     """Compiled kernels by name, one cupy.RawModule per .cu file, compiled on first use."""
 
@@ -90,10 +99,7 @@ class KernelLib:
 
     def define(self, name: str, default: int) -> int:
         """An integer -D override from ATOMFLOW_KERNEL_DEFINES (A/B knobs read by the launch rules too)."""
-        for d in self.defines:
-            if d.startswith(name + "="):
-                return int(d.split("=", 1)[1])
-        return default
+        return knob(name, default, self.defines)
 
     def module(self, path: Path):
         import cupy

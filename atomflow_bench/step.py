@@ -36,6 +36,7 @@ ROWS_BLOCKS_PER_SM = 4  # = ROWS_MIN_BLOCKS (lm_head)
 GEMV_ASYNC = {"fp8": 1, "fp16": 0}  # = GEMV_ASYNC_F8 / _F16: weights through the cp.async ring (2 KB x
 GEMV_STAGES = 4                      # GEMV_STAGES per warp, in shared memory) or through registers
 ATT_THREADS = 128
+ATT_STAGES = 4   # = ATT_STAGES in attention_common.cuh: K/V sub-chunks in flight per attention block
 SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on sm_90 (sm_89: 99 KB; only limits residency)
 NULL = np.uint64(0)
 
@@ -107,35 +108,34 @@ def embed_launch(lib: KernelLib, token, emb, h, taps=None) -> Launch:
                   taps or {}, H * 2 + H * 4)
 
 
-def attention_smem(group: int, hd: int, splits: int) -> int:
-    """Scores [G][chunk] + the larger of: P.V partials [threads/(hd/8)][G][hd], or the split combine's weights
-    [G][splits] (rounded to 4) + float4 sums [R][G*hd/4] (attention_common.cuh)."""
+def attention_smem(group: int, hd: int, splits: int, stages: int = ATT_STAGES) -> int:
+    """Bytes of dynamic shared memory of attention.cu (attention_common.cuh, in order): the K/V ring
+    [stages][K|V][chunk][hd] fp16, scores [G][chunk] fp32, then the larger of the P.V partials
+    [threads/(hd/8)][G][hd] and the split combine's scratch (m and l [2][G][splits], rounded to 4, + float4
+    sums [R][G*hd/4]), fp32."""
+    ring = stages * 2 * ATT_CHUNK * hd * 2
     pv = (ATT_THREADS // (hd // 8)) * group * hd
     cols = group * hd // 4
     phases = ATT_THREADS // cols if ATT_THREADS > cols else 1
-    combine = -(-group * splits // 4) * 4 + phases * cols * 4
-    return 4 * (group * ATT_CHUNK + max(pv, combine))
+    combine = -(-2 * group * splits // 4) * 4 + phases * cols * 4
+    return ring + 4 * (group * ATT_CHUNK + max(pv, combine))
 
 
 def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, counters, out, n_kv: int,
-                     group: int, hd: int, taps=None, prefetch=None) -> Launch:
+                     group: int, hd: int, taps=None) -> Launch:
     """k_cache/v_cache: one layer's [max_seq, kv_dim] slab; part_*: [n_heads, splits, ...] scratch, whose split
-    count is the launch's grid.y (arena.attention_splits: longer contexts give each split several sub-chunks).
-    `prefetch`: the next kernel's weights, asked into L2 by the attention blocks when ATT_PREFETCH_NEXT=1."""
+    count is the launch's grid.y (arena.attention_splits: at long contexts a split walks several sub-chunks)."""
     splits = part_ml.shape[1]
     if part_o.shape[1] != splits or splits < 1:
         raise AtomflowError("attention partials: att_ml and att_o disagree on the split count")
     fn = lib[f"attention_decode_hd{hd}_g{group}"]
-    shmem = attention_smem(group, hd, splits)
+    shmem = attention_smem(group, hd, splits, lib.define("ATT_STAGES", ATT_STAGES))
     if shmem > SMEM_PER_SM:
         raise AtomflowError(f"{splits} attention splits need {shmem} bytes of shared memory (> {SMEM_PER_SM})")
     allow_dynamic_smem(fn, shmem)
-    pf, pf_bytes = NULL, np.uint64(0)
-    if prefetch is not None and lib.define("ATT_PREFETCH_NEXT", 0):
-        pf, pf_bytes = prefetch, np.uint64(prefetch.nbytes)
     return Launch(fn, "attention_decode", (n_kv, splits), (ATT_THREADS,),
                   (q, k_cache, v_cache, pos, part_ml, part_o, counters, out, i32(n_kv), i32(splits),
-                   np.float32(1.0 / math.sqrt(hd)), pf, pf_bytes), shmem, taps or {}, 0)
+                   np.float32(1.0 / math.sqrt(hd))), shmem, taps or {}, 0)
 
 
 def rmsnorm_launch(lib: KernelLib, h, w, eps: float, out, taps=None) -> Launch:
@@ -181,7 +181,7 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int) 
                  taps={p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}),
             attention_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], a["att_ml"], a["att_o"],
                              a["att_counters"][i], attn_out, cfg.num_key_value_heads, cfg.group_size, hd,
-                             taps={p + "attn_out": attn_out}, prefetch=a[f"L{i}.wo"]),
+                             taps={p + "attn_out": attn_out}),
             gemv(f"L{i}.wo", "resid", attn_out, h, H, q_dim, taps={p + "attn": h}),
             gemv(f"L{i}.wgu", "norm_swiglu", h, act, I, H, norm_w=a[f"L{i}.mlp_norm"], taps={p + "act": act}),
             gemv(f"L{i}.wd", "resid", act, h, H, I, taps={p + "mlp": h}),

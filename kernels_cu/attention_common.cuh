@@ -5,6 +5,9 @@
 
 #define ATT_CHUNK 32  // positions per sub-chunk: one position per lane in the softmax warps
 
+#ifndef ATT_STAGES
+#define ATT_STAGES 4  // sub-chunks of K/V in flight per block (per-thread cp.async ring in shared memory)
+#endif
 #ifndef ATT_COMBINE_LOADS
 #define ATT_COMBINE_LOADS 8  // independent 16-byte partial loads per thread per round of the split combine
 #endif
@@ -14,10 +17,9 @@ __device__ __forceinline__ void f8_from_u4(uint4 u, float* f) {
   f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
 }
 
-// Shared memory (floats) one item needs: scores [G][ATT_CHUNK] + P.V partials [T / (HD/8)][G][HD]
-// (the latter reused by the combine: weights [G][max_splits], then float4 sums [R][G*HD/4]).
-template <int HD, int G, int T>
-__host__ __device__ constexpr int attention_smem_floats() { return G * ATT_CHUNK + (T / (HD / 8)) * G * HD; }
+// Shared memory of one item (dynamic, in this order): the K/V ring [ATT_STAGES][K|V][ATT_CHUNK][HD] fp16, scores
+// [G][ATT_CHUNK] fp32, then the larger of the P.V partials [T / (HD/8)][G][HD] fp32 and the combine's scratch
+// (maxima and weights [2][G][max_splits], float4 sums [R][G*HD/4]). step.py attention_smem computes the same.
 
 // Splits of kv head j at context length len: one per ATT_CHUNK-position sub-chunk up to max_splits (the
 // launch's grid.y), beyond that each split takes a contiguous, even share of the sub-chunks.
@@ -26,8 +28,8 @@ __device__ __forceinline__ int attention_splits(int len, int max_splits) {
 }
 
 // One work item: kv head j, split `split` of the len cached positions, all G q heads. Called by all T threads
-// of the block. K/V (written by earlier launches) use the streaming read-only path, q a plain load; partials
-// (written by other blocks of this launch) are always .cg.
+// of the block. K/V (written by earlier launches) arrive through the cp.async ring (L2 -> shared, .cg), q by
+// a plain load; partials (written by other blocks of this launch) are always read .cg.
 // sync.arrive_wait() separates what the item may read before the previous kernel (the QKV GEMV) is done —
 // the K/V rows before position len - 1, written by earlier steps — from q and the row at len - 1.
 template <int HD, int G, int T, class Sync>
@@ -49,31 +51,44 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   const int l = threadIdx.x % DG, pg = threadIdx.x / DG;
   const size_t col = (size_t)j * HD + l * 8;
 
-  // this thread's K and V slices of sub-chunk c (rows >= len read as zeros and are masked below);
-  // before the PDL wait the row at len - 1 is skipped (the QKV kernel is still writing it)
-  auto load = [&](int c, uint4* kk, uint4* vv, bool before_wait) {
+  // The K/V ring: thread (pg, l) copies (cp.async, no registers held) exactly the 16-byte slices it later
+  // reads — slice l of positions pg, pg + PG, ... of each sub-chunk — so a thread's own wait_group is the only
+  // synchronisation the ring needs. Stage c % ATT_STAGES holds sub-chunk c; one commit group per sub-chunk.
+  uint4* ring = reinterpret_cast<uint4*>(smem);
+  auto slot = [&](int c, int kv, int i) {
+    return ring + ((size_t)((c % ATT_STAGES) * 2 + kv) * ATT_CHUNK + pg + i * PG) * DG + l;
+  };
+  // rows >= len are not copied (their slots are masked below); before the PDL wait the row at len - 1 is
+  // skipped (the QKV kernel is still writing it)
+  auto issue = [&](int c, bool before_wait) {
+    if (c < c1) {
 #pragma unroll
-    for (int i = 0; i < PPT; ++i) {
-      const int t = c * ATT_CHUNK + pg + i * PG;
-      const bool ok = t < len && !(before_wait && t == len - 1);
-      kk[i] = ok ? ld_stream(k_cache + (size_t)t * kv_dim + col) : make_uint4(0, 0, 0, 0);
-      vv[i] = ok ? ld_stream(v_cache + (size_t)t * kv_dim + col) : make_uint4(0, 0, 0, 0);
+      for (int i = 0; i < PPT; ++i) {
+        const int t = c * ATT_CHUNK + pg + i * PG;
+        if (t < len && !(before_wait && t == len - 1)) {
+          cp_async16(slot(c, 0, i), k_cache + (size_t)t * kv_dim + col);
+          cp_async16(slot(c, 1, i), v_cache + (size_t)t * kv_dim + col);
+        }
+      }
     }
+    cp_async_commit();  // one group per sub-chunk, empty past c1: wait_group counts stay uniform
   };
 
-  uint4 kr[PPT], vr[PPT];
-  load(c0, kr, vr, true);
-  sync.arrive_wait();  // q and the K/V row at len - 1 come from the previous kernel
 #pragma unroll
-  for (int i = 0; i < PPT; ++i) {
-    const int t = c0 * ATT_CHUNK + pg + i * PG;
-    if (t == len - 1) {
-      kr[i] = ld_stream(k_cache + (size_t)t * kv_dim + col);
-      vr[i] = ld_stream(v_cache + (size_t)t * kv_dim + col);
+  for (int s = 0; s < ATT_STAGES; ++s) issue(c0 + s, true);
+  sync.arrive_wait();  // q and the K/V row at len - 1 come from the previous kernel
+  if (c1 == n_sub && c1 - 1 < c0 + ATT_STAGES) {  // row len - 1 sits in a stage requested before the wait
+#pragma unroll
+    for (int i = 0; i < PPT; ++i) {
+      const int t = (c1 - 1) * ATT_CHUNK + pg + i * PG;
+      if (t == len - 1) {
+        *slot(c1 - 1, 0, i) = ld_stream(k_cache + (size_t)t * kv_dim + col);
+        *slot(c1 - 1, 1, i) = ld_stream(v_cache + (size_t)t * kv_dim + col);
+      }
     }
   }
 
-  float* sc = smem;                          // [G][ATT_CHUNK] scores, then probabilities
+  float* sc = smem + ATT_STAGES * 2 * ATT_CHUNK * HD / 2;  // [G][ATT_CHUNK] scores, then probabilities
   float* acc = sc + G * ATT_CHUNK;           // [PG][G][HD] partial P.V sums; later the combine's scratch
   __shared__ float s_m[G], s_l[G], s_a[G];   // running max, running sum, this sub-chunk's rescale factor
   __shared__ __align__(16) float q_s[G * HD];  // q * scale (fp32), shared by the block's position groups
@@ -93,12 +108,14 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[g][e] = 0.f;
 
-  // ---- sub-chunks c0 .. c1-1, online softmax; the next sub-chunk's loads are in flight during the math ----
+  // ---- sub-chunks c0 .. c1-1, online softmax; ATT_STAGES - 1 later sub-chunks stay in flight meanwhile ----
   for (int c = c0; c < c1; ++c) {
     const int n = min(len - c * ATT_CHUNK, ATT_CHUNK);
-    const bool more = c + 1 < c1;
-    uint4 kn[PPT], vn[PPT];
-    if (more) load(c + 1, kn, vn, false);
+    cp_async_wait<ATT_STAGES - 1>();  // this thread's copies of sub-chunk c have landed
+    uint4 kr[PPT], vr[PPT];
+#pragma unroll
+    for (int i = 0; i < PPT; ++i) { kr[i] = *slot(c, 0, i); vr[i] = *slot(c, 1, i); }
+    issue(c + ATT_STAGES, false);  // refill the stage just read (only this thread touches its slots)
 
     // scores
 #pragma unroll
@@ -159,11 +176,8 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
       }
     }
     __syncthreads();  // sc and s_a are rewritten by the next sub-chunk
-    if (more) {
-#pragma unroll
-      for (int i = 0; i < PPT; ++i) { kr[i] = kn[i]; vr[i] = vn[i]; }
-    }
   }
+  cp_async_wait<0>();  // no copy outlives the item (the trailing groups are empty)
 
 #pragma unroll
   for (int g = 0; g < G; ++g)
@@ -199,21 +213,28 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   if (!last) return;  // the last block acquired every other block's partials through its ticket
 
   // ---- combine (last block of kv head j): weights exp(m_s - M) / sum_s l_s exp(m_s - M) ----
-  float* coef = acc;  // P.V partials are written out; reuse their shared memory
+  float* coef = acc;                         // [G][max_splits]: m_s, then the weights
+  float* lsum = coef + G * max_splits;       // [G][max_splits]: l_s
+  for (int i = threadIdx.x; i < G * n_splits; i += T) {  // every (m, l) pair in one round of L2 loads
+    const int g = i / n_splits, sp = i % n_splits;
+    const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml) + (size_t)(j * G + g) * max_splits + sp);
+    coef[g * max_splits + sp] = ml.x;
+    lsum[g * max_splits + sp] = ml.y;
+  }
+  __syncthreads();
   for (int g = warp; g < G; g += T / AF_WARP) {
-    const float* ml = part_ml + (size_t)(j * G + g) * max_splits * 2;
     float M = -AF_INF;
-    for (int s = lane; s < n_splits; s += AF_WARP) M = fmaxf(M, __ldcg(ml + 2 * s));
+    for (int sp = lane; sp < n_splits; sp += AF_WARP) M = fmaxf(M, coef[g * max_splits + sp]);
     M = warp_max(M);
     float L = 0.f;
-    for (int s = lane; s < n_splits; s += AF_WARP) {
-      const float w = __expf(__ldcg(ml + 2 * s) - M);
-      coef[g * max_splits + s] = w;
-      L += w * __ldcg(ml + 2 * s + 1);
+    for (int sp = lane; sp < n_splits; sp += AF_WARP) {
+      const float w = __expf(coef[g * max_splits + sp] - M);
+      coef[g * max_splits + sp] = w;
+      L += w * lsum[g * max_splits + sp];
     }
     L = warp_sum(L);
     __syncwarp();
-    for (int s = lane; s < n_splits; s += AF_WARP) coef[g * max_splits + s] /= L;
+    for (int sp = lane; sp < n_splits; sp += AF_WARP) coef[g * max_splits + sp] /= L;
   }
   __syncthreads();
   // out[g][d..d+3] = sum_s coef[g][s] * part_o[g][s][d..d+3]: a thread per (float4 column, split phase r of R),
@@ -221,7 +242,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   // splits instead of one per split)
   constexpr int COLS = G * HD / 4;
   constexpr int R = T > COLS ? T / COLS : 1;
-  float4* red = reinterpret_cast<float4*>(coef + ((G * max_splits + 3) & ~3));  // [R][COLS]
+  float4* red = reinterpret_cast<float4*>(coef + ((2 * G * max_splits + 3) & ~3));  // [R][COLS]
   for (int i = threadIdx.x; i < R * COLS; i += T) {
     const int cidx = i % COLS, r = i / COLS, g = cidx * 4 / HD;
     const float4* po = reinterpret_cast<const float4*>(part_o + (size_t)(j * G + g) * max_splits * HD + cidx * 4 % HD);

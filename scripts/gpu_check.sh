@@ -68,14 +68,17 @@ for st in $stages; do
       atomflow-bench profile llama-3.2-3b --weights fp8 --ctx 8192 --steps 8 --json "$OUT/profile-3b-fp8-ctx8192.json" \
         >"$OUT/profile-3b-fp8-ctx8192.log" 2>&1
       note "profile 3b fp8 ctx8192: rc=$? $(grep -E 'attention' "$OUT/profile-3b-fp8-ctx8192.log" | tr -s ' ' | head -1)" ;;
-    attention|att-profile)   # attention: the attention kernel tests, then (both) the ctx 8192 profile
-      if [ "$st" = attention ]; then
+    attention|att-profile)   # attention: the attention kernel tests; both: the ctx 8192 profile per
+      if [ "$st" = attention ]; then   # ATT_KNOBS variant ("default" = no -D; e.g. "default ATT_STAGES=2,X=1")
         python3 -m pytest -q tests/test_kernels_gpu.py -k attention -p no:cacheprovider >"$OUT/attention.log" 2>&1
         note "attention tests: rc=$? $(tail -1 "$OUT/attention.log")"
       fi
-      ATOMFLOW_KERNEL_DEFINES="${ATT_DEFINES:-}" atomflow-bench profile llama-3.2-3b --weights fp8 --ctx 8192 --steps 8 \
-        --json "$OUT/profile-3b-fp8-ctx8192.json" >"$OUT/profile-3b-fp8-ctx8192.log" 2>&1
-      note "profile 3b fp8 ctx8192: rc=$? $(grep -E 'graph step|alone in a graph' "$OUT/profile-3b-fp8-ctx8192.log" | tr -s ' ' | tr '\n' ' ')" ;;
+      for k in ${ATT_KNOBS:-default}; do
+        d=""; [ "$k" != default ] && d="${k//,/ }"; tag="ctx8192-${k//[=,]/_}"
+        ATOMFLOW_KERNEL_DEFINES="$d" atomflow-bench profile llama-3.2-3b --weights fp8 --ctx 8192 --steps 8 \
+          --json "$OUT/profile-3b-fp8-$tag.json" >"$OUT/profile-3b-fp8-$tag.log" 2>&1
+        note "profile 3b fp8 $tag: rc=$? $(grep -E 'graph step|alone in a graph' "$OUT/profile-3b-fp8-$tag.log" | tr -s ' ' | tr '\n' ' ')"
+      done ;;
     *) note "unknown stage $st" ;;
   esac
 done

@@ -1,13 +1,14 @@
 """CPU: the attention launch plan (arena.attention_splits, step.attention_smem) for every supported shape."""
 import pytest
 
-from atomflow_bench.arena import ATT_BLOCKS_PER_SM, ATT_CHUNK, attention_splits
-from atomflow_bench.step import ATT_THREADS, SMEM_PER_SM, attention_smem
+from atomflow_bench.arena import ATT_BLOCKS_PER_SM, ATT_CHUNK, attention_splits, plan_arena
+from atomflow_bench.config import get_preset
+from atomflow_bench.step import ATT_STAGES, ATT_THREADS, SMEM_PER_SM, attention_smem
 
 
 @pytest.mark.parametrize("n_kv", [1, 3, 8])
 def test_short_contexts_get_one_split_per_chunk(n_kv):
-    for max_seq in (1, 31, 32, 33, 384):
+    for max_seq in (1, 31, 32, 33, 160):
         assert attention_splits(max_seq, n_kv, 132) == -(-max_seq // ATT_CHUNK)
 
 
@@ -19,16 +20,26 @@ def test_long_contexts_are_capped_near_the_block_budget(n_kv, n_sm):
     assert s * ATT_CHUNK < 32768  # so splits really walk several sub-chunks there
 
 
+def test_block_budget_knob(monkeypatch):
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "GEMV_STAGES=5 ATT_BLOCKS_PER_SM=4")
+    assert attention_splits(32768, 8, 132) == 66
+    cfg = get_preset("llama-3.2-3b").config
+    assert plan_arena(cfg, "fp8", 8192 + 64, 132).regions["att_ml"].shape == (cfg.num_attention_heads, 66, 2)
+    monkeypatch.delenv("ATOMFLOW_KERNEL_DEFINES")
+    assert attention_splits(32768, 8, 132) == -(-ATT_BLOCKS_PER_SM * 132 // 8)
+
+
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("hd", [64, 128])
-def test_shared_memory_covers_partials_and_the_combine(group, hd):
-    splits = attention_splits(32768, 1, 170)  # the largest split count any plan asks for
+def test_shared_memory_covers_ring_partials_and_the_combine(group, hd):
+    splits = attention_splits(32768, 1, 170, blocks_per_sm=4)  # more splits than any default plan asks for
     smem = attention_smem(group, hd, splits)
-    floats = smem // 4 - group * ATT_CHUNK
+    ring = ATT_STAGES * 2 * ATT_CHUNK * hd * 2
+    floats = (smem - ring) // 4 - group * ATT_CHUNK
     pv = (ATT_THREADS // (hd // 8)) * group * hd
     cols = group * hd // 4
     phases = max(1, ATT_THREADS // cols)
     assert floats >= pv
-    assert floats >= -(-group * splits // 4) * 4 + phases * cols * 4
+    assert floats >= -(-2 * group * splits // 4) * 4 + phases * cols * 4
     assert smem <= SMEM_PER_SM
-    assert attention_smem(group, hd, 1) == 4 * (group * ATT_CHUNK + pv)  # short contexts: unchanged plan
+    assert attention_smem(group, hd, 1) == ring + 4 * (group * ATT_CHUNK + pv)  # short contexts: P.V bound
