@@ -36,7 +36,7 @@ ROWS_BLOCKS_PER_SM = 4  # = ROWS_MIN_BLOCKS (lm_head)
 GEMV_ASYNC = {"fp8": 1, "fp16": 0}  # = GEMV_ASYNC_F8 / _F16: weights through the cp.async ring (2 KB x
 GEMV_STAGES = 4                      # GEMV_STAGES per warp, in shared memory) or through registers
 ATT_THREADS = 128
-ATT_STAGES = 4   # = ATT_STAGES in attention_common.cuh: K/V sub-chunks in flight per attention block
+ATT_STAGES = 2   # = ATT_STAGES in attention_common.cuh: K/V sub-chunks in flight per attention block
 SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on sm_90 (sm_89: 99 KB; only limits residency)
 NULL = np.uint64(0)
 

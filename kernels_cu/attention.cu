@@ -7,9 +7,11 @@
 //            (each K/V row is read once for the whole group). Up to max_splits (= grid.y) a split is one
 //            32-position sub-chunk; beyond that (long contexts) split s takes an even, contiguous share of the
 //            ceil(L / 32) sub-chunks and walks them with an online softmax. K/V stream through a per-thread
-//            cp.async ring in shared memory, ATT_STAGES sub-chunks deep (16 KB each at hd 128), requested
-//            before the PDL wait, so a block keeps up to 64 KB in flight with no registers held, and the number
-//            of partials to combine stays <= max_splits (the launch caps it at ~2 blocks per SM).
+//            cp.async ring in shared memory, ATT_STAGES = 2 sub-chunks deep (16 KB each at hd 128), requested
+//            before the PDL wait, with no registers held; the number of partials to combine stays <= max_splits
+//            (the launch caps it at ~4 blocks per SM, all resident: <= 128 registers, ~45 KB shared memory).
+//            Measured (results/PERF_NOTES.md v8.1): more blocks beat deeper rings — a block's walk through its
+//            sub-chunks, not the bytes in flight, is the limit: 1 block/SM x 4 stages was slowest (38.8 vs 23.2 µs).
 //            Thread (p, l) owns 16-byte slice l of positions p, p + P, ... of a sub-chunk; scores are reduced
 //            over the hd/8 lanes of a position with shuffles; one warp per head does the sub-chunk softmax
 //            (32 positions = 32 lanes) and rescales the running sums; P.V partial sums are reduced through

@@ -6,7 +6,7 @@
 #define ATT_CHUNK 32  // positions per sub-chunk: one position per lane in the softmax warps
 
 #ifndef ATT_STAGES
-#define ATT_STAGES 4  // sub-chunks of K/V in flight per block (per-thread cp.async ring in shared memory)
+#define ATT_STAGES 2  // sub-chunks of K/V in flight per block (per-thread cp.async ring in shared memory)
 #endif
 #ifndef ATT_COMBINE_LOADS
 #define ATT_COMBINE_LOADS 8  // independent 16-byte partial loads per thread per round of the split combine
