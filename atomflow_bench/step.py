@@ -36,7 +36,6 @@ ROWS_BLOCKS_PER_SM = 4  # = ROWS_MIN_BLOCKS (lm_head)
 GEMV_ASYNC = {"fp8": 1, "fp16": 0}  # = GEMV_ASYNC_F8 / _F16: weights through the cp.async ring (2 KB x
 GEMV_STAGES = 4                      # GEMV_STAGES per warp, in shared memory) or through registers
 ATT_THREADS = 128
-ATT_STAGES = 2   # = ATT_STAGES in attention_common.cuh: K/V sub-chunks in flight per attention block
 SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on sm_90 (sm_89: 99 KB; only limits residency)
 NULL = np.uint64(0)
 
@@ -108,17 +107,15 @@ def embed_launch(lib: KernelLib, token, emb, h, taps=None) -> Launch:
                   taps or {}, H * 2 + H * 4)
 
 
-def attention_smem(group: int, hd: int, splits: int, stages: int = ATT_STAGES) -> int:
-    """Bytes of dynamic shared memory of attention.cu (attention_common.cuh, in order): the K/V ring
-    [stages][K|V][chunk][hd] fp16, scores [G][chunk] fp32, then the larger of the P.V partials
-    [threads/(hd/8)][G][hd] and the split combine's scratch (m and l [2][G][splits], rounded to 4, + float4
-    sums [R][G*hd/4]), fp32."""
-    ring = stages * 2 * ATT_CHUNK * hd * 2
-    pv = (ATT_THREADS // (hd // 8)) * group * hd
+def attention_smem(group: int, hd: int, splits: int) -> int:
+    """Bytes of dynamic shared memory of attention.cu (attention_common.cuh): fp32, the larger of the warps'
+    states [warps][G][hd] and the split combine's scratch (m and l [2][G][splits], rounded to 4, + float4 sums
+    [R][G*hd/4])."""
+    warps = (ATT_THREADS // 32) * group * hd
     cols = group * hd // 4
     phases = ATT_THREADS // cols if ATT_THREADS > cols else 1
     combine = -(-2 * group * splits // 4) * 4 + phases * cols * 4
-    return ring + 4 * (group * ATT_CHUNK + max(pv, combine))
+    return 4 * max(warps, combine)
 
 
 def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, counters, out, n_kv: int,
@@ -129,7 +126,7 @@ def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, 
     if part_o.shape[1] != splits or splits < 1:
         raise AtomflowError("attention partials: att_ml and att_o disagree on the split count")
     fn = lib[f"attention_decode_hd{hd}_g{group}"]
-    shmem = attention_smem(group, hd, splits, lib.define("ATT_STAGES", ATT_STAGES))
+    shmem = attention_smem(group, hd, splits)
     if shmem > SMEM_PER_SM:
         raise AtomflowError(f"{splits} attention splits need {shmem} bytes of shared memory (> {SMEM_PER_SM})")
     allow_dynamic_smem(fn, shmem)

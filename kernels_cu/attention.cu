@@ -6,26 +6,25 @@
 // Scheme     block (j, s) handles kv head j and split s of the L positions for all G q heads that share it
 //            (each K/V row is read once for the whole group). Up to max_splits (= grid.y) a split is one
 //            32-position sub-chunk; beyond that (long contexts) split s takes an even, contiguous share of the
-//            ceil(L / 32) sub-chunks and walks them with an online softmax. K/V stream through a per-thread
-//            cp.async ring in shared memory, ATT_STAGES = 2 sub-chunks deep (16 KB each at hd 128), requested
-//            before the PDL wait, with no registers held; the number of partials to combine stays <= max_splits
-//            (the launch caps it at ~4 blocks per SM, all resident: <= 128 registers, ~45 KB shared memory).
-//            Measured (results/PERF_NOTES.md v8.1): more blocks beat deeper rings — a block's walk through its
-//            sub-chunks, not the bytes in flight, is the limit: 1 block/SM x 4 stages was slowest (38.8 vs 23.2 µs).
-//            Thread (p, l) owns 16-byte slice l of positions p, p + P, ... of a sub-chunk; scores are reduced
-//            over the hd/8 lanes of a position with shuffles; one warp per head does the sub-chunk softmax
-//            (32 positions = 32 lanes) and rescales the running sums; P.V partial sums are reduced through
-//            shared memory. With one split the block writes `out` directly. Otherwise it writes (max, sum,
-//            o[hd]) partials; the last block of head j to finish (acq_rel atomic ticket) rescales and sums
-//            them into `out` (all (max, sum) pairs in one round, then float4 L2 loads, ATT_COMBINE_LOADS in
-//            flight per thread) and resets its ticket. Blocks whose split is empty at this L exit at once, so
-//            one launch shape (captured in the graph) serves every position < max_seq.
+//            ceil(L / 32) sub-chunks. Inside a block each warp walks its own passes of the split (4 positions
+//            at hd 128, 8 at hd 64: lanes own 16-byte slices, the hd/8 lanes of a position reduce its score
+//            with shuffles) with an online softmax whose state (max, sum, o) stays in registers — no block
+//            barrier inside the walk — and the next pass's K/V loads in flight while the current one is
+//            scored; the warps' states are merged through shared memory at the end. The launch caps the
+//            splits at ~4 blocks per SM (all resident: <= 128 registers per thread at G <= 3).
+//            With one split the block writes `out` directly. Otherwise it writes (max, sum, o[hd]) partials;
+//            the last block of head j to finish (acq_rel atomic ticket) rescales and sums them into `out`
+//            (all (max, sum) pairs in one round, then float4 L2 loads, ATT_COMBINE_LOADS in flight per
+//            thread) and resets its ticket. Blocks whose split is empty at this L exit at once, so one launch
+//            shape (captured in the graph) serves every position < max_seq.
+//            History (results/PERF_NOTES.md v8-v8.2): a block-wide walk (3 block barriers per 32 positions)
+//            was latency-bound — 1 block/SM with 64 KB in flight was slowest — which this warp-level walk removes.
 // Layouts    q fp16 [n_heads*hd] (post-RoPE, start of the qkv buffer); k_cache/v_cache: this layer's slab
 //            fp16 [max_seq][n_kv*hd]; part_ml fp32 [n_heads][max_splits][2]; part_o fp32
 //            [n_heads][max_splits][hd]; counters uint32 [n_kv]; out fp16 [n_heads*hd].
 // Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + partials n_heads * splits * (hd + 2) * 4 * 2.
 // Launch     attention_decode_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv, max_splits), block = 128, dyn. smem =
-//            K/V ring + scores + max(P.V partials, combine scratch) (step.py attention_smem).
+//            max(warp states, combine scratch) (step.py attention_smem).
 // Code       the work item is attention_common.cuh.
 #include "attention_common.cuh"
 

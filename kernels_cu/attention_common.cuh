@@ -3,11 +3,11 @@
 #pragma once
 #include "common.cuh"
 
-#define ATT_CHUNK 32  // positions per sub-chunk: one position per lane in the softmax warps
-
-#ifndef ATT_STAGES
-#define ATT_STAGES 2  // sub-chunks of K/V in flight per block (per-thread cp.async ring in shared memory)
+#define ATT_CHUNK 32  // positions per sub-chunk: the unit splits are cut in (arena.py ATT_CHUNK)
+#ifndef ATT_PASS_ROWS
+#define ATT_PASS_ROWS 2  // positions per lane per warp pass (x 32 / (hd/8) lanes side by side: 4 at hd 128, 8 at hd 64)
 #endif
+
 #ifndef ATT_COMBINE_LOADS
 #define ATT_COMBINE_LOADS 8  // independent 16-byte partial loads per thread per round of the split combine
 #endif
@@ -17,19 +17,23 @@ __device__ __forceinline__ void f8_from_u4(uint4 u, float* f) {
   f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
 }
 
-// Shared memory of one item (dynamic, in this order): the K/V ring [ATT_STAGES][K|V][ATT_CHUNK][HD] fp16, scores
-// [G][ATT_CHUNK] fp32, then the larger of the P.V partials [T / (HD/8)][G][HD] fp32 and the combine's scratch
-// (maxima and weights [2][G][max_splits], float4 sums [R][G*HD/4]). step.py attention_smem computes the same.
-
 // Splits of kv head j at context length len: one per ATT_CHUNK-position sub-chunk up to max_splits (the
 // launch's grid.y), beyond that each split takes a contiguous, even share of the sub-chunks.
 __device__ __forceinline__ int attention_splits(int len, int max_splits) {
   return min((len + ATT_CHUNK - 1) / ATT_CHUNK, max_splits);
 }
 
+// Dynamic shared memory of one item (fp32): the larger of the warps' (o[G][HD]) states [T/32][G][HD] and the
+// split combine's scratch (m and l [2][G][max_splits], rounded to 4, + float4 sums [R][G*HD/4]).
+// step.py attention_smem computes the same.
+
 // One work item: kv head j, split `split` of the len cached positions, all G q heads. Called by all T threads
-// of the block. K/V (written by earlier launches) arrive through the cp.async ring (L2 -> shared, .cg), q by
-// a plain load; partials (written by other blocks of this launch) are always read .cg.
+// of the block. Each warp walks its own passes (4 positions at hd 128, 8 at hd 64) of the split (passes w,
+// w + T/32, ...) with its own
+// online-softmax state in registers — no block barrier inside the walk — and the warps' states are merged
+// through shared memory at the end. K/V (written by earlier launches) use the streaming read-only path, the
+// next pass's slices in flight while the current one is scored; q a plain load; partials (written by other
+// blocks of this launch) are always read .cg.
 // sync.arrive_wait() separates what the item may read before the previous kernel (the QKV GEMV) is done —
 // the K/V rows before position len - 1, written by earlier steps — from q and the row at len - 1.
 template <int HD, int G, int T, class Sync>
@@ -38,62 +42,49 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
                                                unsigned int* counters, __half* out, int n_kv, int max_splits,
                                                float scale, float* smem, const Sync sync) {
   constexpr int DG = HD / 8;                 // 16-byte slices per head row = lanes per position
-  constexpr int PG = T / DG;                 // positions processed side by side
-  constexpr int PPT = ATT_CHUNK / PG;        // positions per thread per sub-chunk
-  static_assert(PPT >= 1 && ATT_CHUNK % PG == 0, "chunk must cover the block's position groups");
+  constexpr int PW = AF_WARP / DG;           // positions side by side in a warp
+  constexpr int I = ATT_PASS_ROWS;           // positions per lane per pass
+  constexpr int PASS = PW * I;               // positions per warp pass
+  constexpr int NW = T / AF_WARP;
+  static_assert(ATT_CHUNK % PASS == 0, "a sub-chunk must hold whole passes");
   const int n_sub = (len + ATT_CHUNK - 1) / ATT_CHUNK;
   const int n_splits = attention_splits(len, max_splits);
   if (split >= n_splits) return;             // nothing at this context length (before any barrier)
-  const int c0 = (int)((long long)split * n_sub / n_splits);
-  const int c1 = (int)((long long)(split + 1) * n_sub / n_splits);
+  const int p0 = (int)((long long)split * n_sub / n_splits) * ATT_CHUNK;
+  const int p1 = min((int)((long long)(split + 1) * n_sub / n_splits) * ATT_CHUNK, len);
   const size_t kv_dim = (size_t)n_kv * HD;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP;
-  const int l = threadIdx.x % DG, pg = threadIdx.x / DG;
+  const int l = lane % DG, h = lane / DG;
   const size_t col = (size_t)j * HD + l * 8;
 
-  // The K/V ring: thread (pg, l) copies (cp.async, no registers held) exactly the 16-byte slices it later
-  // reads — slice l of positions pg, pg + PG, ... of each sub-chunk — so a thread's own wait_group is the only
-  // synchronisation the ring needs. Stage c % ATT_STAGES holds sub-chunk c; one commit group per sub-chunk.
-  uint4* ring = reinterpret_cast<uint4*>(smem);
-  auto slot = [&](int c, int kv, int i) {
-    return ring + ((size_t)((c % ATT_STAGES) * 2 + kv) * ATT_CHUNK + pg + i * PG) * DG + l;
-  };
-  // rows >= len are not copied (their slots are masked below); before the PDL wait the row at len - 1 is
-  // skipped (the QKV kernel is still writing it)
-  auto issue = [&](int c, bool before_wait) {
-    if (c < c1) {
+  // this lane's K and V slices of the pass at `base` (positions base + h + PW * i); rows >= len are zeros
+  // (masked below); before the PDL wait the row at len - 1 is skipped (the QKV kernel is still writing it)
+  auto load = [&](int base, uint4* kk, uint4* vv, bool before_wait) {
 #pragma unroll
-      for (int i = 0; i < PPT; ++i) {
-        const int t = c * ATT_CHUNK + pg + i * PG;
-        if (t < len && !(before_wait && t == len - 1)) {
-          cp_async16(slot(c, 0, i), k_cache + (size_t)t * kv_dim + col);
-          cp_async16(slot(c, 1, i), v_cache + (size_t)t * kv_dim + col);
-        }
-      }
+    for (int i = 0; i < I; ++i) {
+      const int t = base + h + PW * i;
+      const bool ok = t < p1 && !(before_wait && t == len - 1);
+      kk[i] = ok ? ld_stream(k_cache + (size_t)t * kv_dim + col) : make_uint4(0, 0, 0, 0);
+      vv[i] = ok ? ld_stream(v_cache + (size_t)t * kv_dim + col) : make_uint4(0, 0, 0, 0);
     }
-    cp_async_commit();  // one group per sub-chunk, empty past c1: wait_group counts stay uniform
   };
 
-#pragma unroll
-  for (int s = 0; s < ATT_STAGES; ++s) issue(c0 + s, true);
+  int base = p0 + warp * PASS;               // this warp's first pass
+  uint4 kr[I], vr[I];
+  load(base, kr, vr, true);
   sync.arrive_wait();  // q and the K/V row at len - 1 come from the previous kernel
-  if (c1 == n_sub && c1 - 1 < c0 + ATT_STAGES) {  // row len - 1 sits in a stage requested before the wait
 #pragma unroll
-    for (int i = 0; i < PPT; ++i) {
-      const int t = (c1 - 1) * ATT_CHUNK + pg + i * PG;
-      if (t == len - 1) {
-        *slot(c1 - 1, 0, i) = ld_stream(k_cache + (size_t)t * kv_dim + col);
-        *slot(c1 - 1, 1, i) = ld_stream(v_cache + (size_t)t * kv_dim + col);
-      }
+  for (int i = 0; i < I; ++i) {
+    const int t = base + h + PW * i;
+    if (t == len - 1) {
+      kr[i] = ld_stream(k_cache + (size_t)t * kv_dim + col);
+      vr[i] = ld_stream(v_cache + (size_t)t * kv_dim + col);
     }
   }
 
-  float* sc = smem + ATT_STAGES * 2 * ATT_CHUNK * HD / 2;  // [G][ATT_CHUNK] scores, then probabilities
-  float* acc = sc + G * ATT_CHUNK;           // [PG][G][HD] partial P.V sums; later the combine's scratch
-  __shared__ float s_m[G], s_l[G], s_a[G];   // running max, running sum, this sub-chunk's rescale factor
-  __shared__ __align__(16) float q_s[G * HD];  // q * scale (fp32), shared by the block's position groups
+  __shared__ __align__(16) float q_s[G * HD];  // q * scale (fp32), read by every warp
+  __shared__ float w_m[NW][G], w_l[NW][G];     // each warp's final running max and sum
   __shared__ bool last;
-  if (threadIdx.x < G) { s_m[threadIdx.x] = -AF_INF; s_l[threadIdx.x] = 0.f; }
   for (int i = threadIdx.x; i < G * HD / 8; i += T) {
     float f[8];
     f8_from_u4(*reinterpret_cast<const uint4*>(q + (size_t)j * G * HD + i * 8), f);
@@ -102,106 +93,121 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   }
   __syncthreads();
 
-  float o[G][8];
+  float m[G], lsum[G], o[G][8];
 #pragma unroll
-  for (int g = 0; g < G; ++g)
+  for (int g = 0; g < G; ++g) {
+    m[g] = -AF_INF;
+    lsum[g] = 0.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[g][e] = 0.f;
+  }
 
-  // ---- sub-chunks c0 .. c1-1, online softmax; ATT_STAGES - 1 later sub-chunks stay in flight meanwhile ----
-  for (int c = c0; c < c1; ++c) {
-    const int n = min(len - c * ATT_CHUNK, ATT_CHUNK);
-    cp_async_wait<ATT_STAGES - 1>();  // this thread's copies of sub-chunk c have landed
-    uint4 kr[PPT], vr[PPT];
-#pragma unroll
-    for (int i = 0; i < PPT; ++i) { kr[i] = *slot(c, 0, i); vr[i] = *slot(c, 1, i); }
-    issue(c + ATT_STAGES, false);  // refill the stage just read (only this thread touches its slots)
+  // ---- this warp's passes: scores, online softmax, P.V; the next pass's loads are in flight meanwhile ----
+  for (; base < p1; base += NW * PASS) {
+    const int next = base + NW * PASS;
+    uint4 kn[I], vn[I];
+    if (next < p1) load(next, kn, vn, false);
 
-    // scores
+    float s[I][G];
 #pragma unroll
-    for (int i = 0; i < PPT; ++i) {
-      const int t = pg + i * PG;
+    for (int i = 0; i < I; ++i) {
       float kf[8];
       f8_from_u4(kr[i], kf);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const float4 qa = *reinterpret_cast<const float4*>(q_s + g * HD + l * 8);
         const float4 qb = *reinterpret_cast<const float4*>(q_s + g * HD + l * 8 + 4);
-        float s = qa.x * kf[0];
-        s = fmaf(qa.y, kf[1], s); s = fmaf(qa.z, kf[2], s); s = fmaf(qa.w, kf[3], s);
-        s = fmaf(qb.x, kf[4], s); s = fmaf(qb.y, kf[5], s); s = fmaf(qb.z, kf[6], s); s = fmaf(qb.w, kf[7], s);
+        float d = qa.x * kf[0];
+        d = fmaf(qa.y, kf[1], d); d = fmaf(qa.z, kf[2], d); d = fmaf(qa.w, kf[3], d);
+        d = fmaf(qb.x, kf[4], d); d = fmaf(qb.y, kf[5], d); d = fmaf(qb.z, kf[6], d); d = fmaf(qb.w, kf[7], d);
 #pragma unroll
-        for (int x = DG / 2; x > 0; x >>= 1) s += __shfl_xor_sync(0xffffffffu, s, x);
-        if (t < n && l == 0) sc[g * ATT_CHUNK + t] = s;
+        for (int x = DG / 2; x > 0; x >>= 1) d += __shfl_xor_sync(0xffffffffu, d, x);
+        s[i][g] = base + h + PW * i < p1 ? d : -AF_INF;
       }
     }
-    __syncthreads();
-
-    // softmax statistics: one warp per q head, one lane per position; rescale the running sums
-    for (int g = warp; g < G; g += T / AF_WARP) {
-      const float s = lane < n ? sc[g * ATT_CHUNK + lane] : -AF_INF;
-      const float m_old = s_m[g];
-      const float m_new = fmaxf(m_old, warp_max(s));
-      const float p = lane < n ? __expf(s - m_new) : 0.f;
-      sc[g * ATT_CHUNK + lane] = p;
-      const float sum = warp_sum(p);
-      if (lane == 0) {
-        const float a = __expf(m_old - m_new);  // 0 on the first sub-chunk (m_old = -inf)
-        s_a[g] = a;
-        s_l[g] = s_l[g] * a + sum;
-        s_m[g] = m_new;
-      }
-    }
-    __syncthreads();
-
-    // P.V from the V rows in registers
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      const float a = s_a[g];
+      float mx = s[0][g];
+#pragma unroll
+      for (int i = 1; i < I; ++i) mx = fmaxf(mx, s[i][g]);
+#pragma unroll
+      for (int x = DG; x < AF_WARP; x <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+      const float m_new = fmaxf(m[g], mx);    // finite: every pass has a position < p1
+      const float a = __expf(m[g] - m_new);   // 0 on the first pass (m = -inf)
+      float ps = 0.f;
+#pragma unroll
+      for (int i = 0; i < I; ++i) { s[i][g] = __expf(s[i][g] - m_new); ps += s[i][g]; }
+#pragma unroll
+      for (int x = DG; x < AF_WARP; x <<= 1) ps += __shfl_xor_sync(0xffffffffu, ps, x);
+      lsum[g] = lsum[g] * a + ps;
+      m[g] = m_new;
 #pragma unroll
       for (int e = 0; e < 8; ++e) o[g][e] *= a;
     }
 #pragma unroll
-    for (int i = 0; i < PPT; ++i) {
-      const int t = pg + i * PG;
-      if (t < n) {
-        float vf[8];
-        f8_from_u4(vr[i], vf);
+    for (int i = 0; i < I; ++i) {
+      float vf[8];
+      f8_from_u4(vr[i], vf);
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float p = sc[g * ATT_CHUNK + t];
+      for (int g = 0; g < G; ++g)
 #pragma unroll
-          for (int e = 0; e < 8; ++e) o[g][e] = fmaf(p, vf[e], o[g][e]);
-        }
-      }
+        for (int e = 0; e < 8; ++e) o[g][e] = fmaf(s[i][g], vf[e], o[g][e]);
     }
-    __syncthreads();  // sc and s_a are rewritten by the next sub-chunk
+    if (next < p1) {
+#pragma unroll
+      for (int i = 0; i < I; ++i) { kr[i] = kn[i]; vr[i] = vn[i]; }
+    }
   }
-  cp_async_wait<0>();  // no copy outlives the item (the trailing groups are empty)
 
+  // ---- merge: the lanes' position groups, then the warps (weights exp(m_w - M)) ----
+  float* wo = smem;                          // [NW][G][HD] each warp's o (relative to its own m)
 #pragma unroll
   for (int g = 0; g < G; ++g)
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[((size_t)pg * G + g) * HD + l * 8 + e] = o[g][e];
-  __syncthreads();
-
-  const int gh = G * HD;
-  if (n_splits == 1) {  // the whole context is one split: finish here
-    for (int i = threadIdx.x; i < gh; i += T) {
-      float s = 0.f;
+    for (int e = 0; e < 8; ++e) {
 #pragma unroll
-      for (int p = 0; p < PG; ++p) s += acc[p * gh + i];
-      out[(size_t)j * gh + i] = __float2half(s / s_l[i / HD]);
+      for (int x = DG; x < AF_WARP; x <<= 1) o[g][e] += __shfl_xor_sync(0xffffffffu, o[g][e], x);
     }
-    return;
-  }
-
-  for (int i = threadIdx.x; i < gh; i += T) {
-    float s = 0.f;
+  if (h == 0) {
 #pragma unroll
-    for (int p = 0; p < PG; ++p) s += acc[p * gh + i];
-    part_o[((size_t)(j * G + i / HD) * max_splits + split) * HD + i % HD] = s;
+    for (int g = 0; g < G; ++g) {
+      float4* dst = reinterpret_cast<float4*>(wo + ((size_t)warp * G + g) * HD + l * 8);
+      dst[0] = make_float4(o[g][0], o[g][1], o[g][2], o[g][3]);
+      dst[1] = make_float4(o[g][4], o[g][5], o[g][6], o[g][7]);
+    }
   }
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) { w_m[warp][g] = m[g]; w_l[warp][g] = lsum[g]; }
+  }
+  __syncthreads();
+  const int gh = G * HD;
+  __shared__ float s_m[G], s_l[G], s_w[NW][G];  // block max and sum per head, each warp's weight
+  if (threadIdx.x < G) {
+    const int g = threadIdx.x;
+    float M = -AF_INF;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, w_m[w][g]);
+    float L = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float a = __expf(w_m[w][g] - M);  // 0 for a warp that had no pass (m = -inf)
+      s_w[w][g] = a;
+      L += a * w_l[w][g];
+    }
+    s_m[g] = M;
+    s_l[g] = L;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < gh; i += T) {
+    const int g = i / HD;
+    float acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) acc = fmaf(s_w[w][g], wo[(size_t)w * gh + i], acc);
+    if (n_splits == 1) out[(size_t)j * gh + i] = __float2half(acc / s_l[g]);  // one split: finish here
+    else part_o[((size_t)(j * G + g) * max_splits + split) * HD + i % HD] = acc;
+  }
+  if (n_splits == 1) return;
   if (threadIdx.x < G) {
     float* ml = part_ml + ((size_t)(j * G + threadIdx.x) * max_splits + split) * 2;
     ml[0] = s_m[threadIdx.x];
@@ -213,13 +219,13 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   if (!last) return;  // the last block acquired every other block's partials through its ticket
 
   // ---- combine (last block of kv head j): weights exp(m_s - M) / sum_s l_s exp(m_s - M) ----
-  float* coef = acc;                         // [G][max_splits]: m_s, then the weights
-  float* lsum = coef + G * max_splits;       // [G][max_splits]: l_s
+  float* coef = smem;                        // [G][max_splits]: m_s, then the weights (wo is dead)
+  float* l_s = coef + G * max_splits;       // [G][max_splits]: l_s
   for (int i = threadIdx.x; i < G * n_splits; i += T) {  // every (m, l) pair in one round of L2 loads
     const int g = i / n_splits, sp = i % n_splits;
     const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml) + (size_t)(j * G + g) * max_splits + sp);
     coef[g * max_splits + sp] = ml.x;
-    lsum[g * max_splits + sp] = ml.y;
+    l_s[g * max_splits + sp] = ml.y;
   }
   __syncthreads();
   for (int g = warp; g < G; g += T / AF_WARP) {
@@ -230,7 +236,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     for (int sp = lane; sp < n_splits; sp += AF_WARP) {
       const float w = __expf(coef[g * max_splits + sp] - M);
       coef[g * max_splits + sp] = w;
-      L += w * lsum[g * max_splits + sp];
+      L += w * l_s[g * max_splits + sp];
     }
     L = warp_sum(L);
     __syncwarp();

@@ -3,7 +3,7 @@ import pytest
 
 from atomflow_bench.arena import ATT_BLOCKS_PER_SM, ATT_CHUNK, attention_splits, plan_arena
 from atomflow_bench.config import get_preset
-from atomflow_bench.step import ATT_STAGES, ATT_THREADS, SMEM_PER_SM, attention_smem
+from atomflow_bench.step import ATT_THREADS, SMEM_PER_SM, attention_smem
 
 
 @pytest.mark.parametrize("n_kv", [1, 3, 8])
@@ -31,15 +31,12 @@ def test_block_budget_knob(monkeypatch):
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("hd", [64, 128])
-def test_shared_memory_covers_ring_partials_and_the_combine(group, hd):
+def test_shared_memory_covers_warp_states_and_the_combine(group, hd):
     splits = attention_splits(32768, 1, 170, blocks_per_sm=4)  # more splits than any default plan asks for
     smem = attention_smem(group, hd, splits)
-    ring = ATT_STAGES * 2 * ATT_CHUNK * hd * 2
-    floats = (smem - ring) // 4 - group * ATT_CHUNK
-    pv = (ATT_THREADS // (hd // 8)) * group * hd
+    warps = (ATT_THREADS // 32) * group * hd
     cols = group * hd // 4
     phases = max(1, ATT_THREADS // cols)
-    assert floats >= pv
-    assert floats >= -(-2 * group * splits // 4) * 4 + phases * cols * 4
+    assert smem // 4 >= warps
+    assert smem // 4 >= -(-2 * group * splits // 4) * 4 + phases * cols * 4
     assert smem <= SMEM_PER_SM
-    assert attention_smem(group, hd, 1) == ring + 4 * (group * ATT_CHUNK + pv)  # short contexts: P.V bound
