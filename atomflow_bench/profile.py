@@ -20,6 +20,9 @@ from .bench import copy_bandwidth, summarize, synthetic_prompt, time_decode
 from .config import GROUP, ModelConfig
 
 
+L2_BYTES = 50 << 20  # H100 L2 size: a working set of 4x this is treated as L2-cold
+
+
 def _kv_bytes(cfg: ModelConfig, length: int) -> int:
     return 2 * length * cfg.kv_dim * 2
 
@@ -95,7 +98,7 @@ def attention_graph(engine, copy: dict, replays: int = 30) -> dict:
     floor_us = kv / (copy["median"] * 1e9) * 1e6
     return {"length": length, "launches_per_replay": len(launches), "us_per_launch": per, "kv_bytes": kv,
             "floor_us": floor_us, "x_floor": per["median"] / floor_us,
-            "l2_cold": kv * len(launches) > 4 * (50 << 20)}
+            "l2_cold": kv * len(launches) > 4 * L2_BYTES}
 
 
 def gemv_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, str]]:
@@ -107,7 +110,7 @@ def gemv_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, str]]:
     return out
 
 
-def gemv_bench(cfg: ModelConfig, lib, n_sm: int, formats=("fp16", "fp8"), reps: int = 50, l2_bytes: int = 50 << 20,
+def gemv_bench(cfg: ModelConfig, lib, n_sm: int, formats=("fp16", "fp8"), reps: int = 50, l2_bytes: int = L2_BYTES,
                copy: dict | None = None) -> dict:
     """Each GEMV shape alone, L2-cold (rotating >= 4x L2 of weights), events per launch; median µs."""
     import cupy as cp
