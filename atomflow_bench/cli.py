@@ -152,17 +152,19 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def profile(model, weights, context, steps, json_path):
-    """Per-kernel time breakdown of one decode step (events, eager) + graph step time and idle gap."""
+    """Per-kernel time breakdown of one decode step (events, eager) + graph step time and idle gap, and what
+    each role adds inside the graph (the step replayed without it)."""
     from pathlib import Path
 
     from . import report
     from .engine import Engine
     from .fetch import resolve_model
-    from .profile import attention_line, profile_step, profile_table
+    from .profile import attention_line, marginal_table, profile_step, profile_table
 
     eng = Engine(resolve_model(model, console=console), weights=weights, max_seq=context + steps + 64)
     p = profile_step(eng, context, steps)
     console.print(profile_table(p))
+    console.print(marginal_table(p))
     console.print(attention_line(p), soft_wrap=True)
     if json_path:
         rec = {"schema": "atomflow-bench/profile/1", "tool": report.tool_info(), "created": report.now_iso(),

@@ -7,6 +7,11 @@
 * `attention_graph`: the step's attention launches alone (one per layer, as captured in the step), replayed
   as a CUDA Graph: µs per launch at the current position against its KV-bytes floor (K and V rows read once
   at the copy bandwidth). The layers' caches are read in turn, so once they exceed L2 every launch is cold.
+* `role_marginals`: what each role of the step (QKV, attention, o_proj, gate/up, down, lm_head, ...) costs
+  INSIDE the graph: the step replayed with that role's launches left out, against the whole step; the
+  difference is what the role adds to the token time, overlap with its neighbours included (argmax is left
+  out of all these graphs so that the position stays put). Next to it the role's bytes floor at the copy
+  bandwidth: the excess over it is what a faster or fused version of the role could save at most.
 * `gemv_bench`: every GEMV shape of a model alone, fp16 and fp8, L2-cold: the weights rotate through
   enough copies that the set is several times the L2 size, so each launch streams from DRAM.
 Both report GB/s against the copy bandwidth measured in the same run.
@@ -73,27 +78,65 @@ def profile_step(engine, context: int = 128, steps: int = 20, copy: dict | None 
     rows.sort(key=lambda r: -r["us_per_step"])
     return {"rows": rows, "kernel_sum_us": total, "graph_step_us": graph["median"] * 1e3,
             "eager_launches": n, "idle_gap_us": graph["median"] * 1e3 - total, "copy_bandwidth_gbs": copy,
-            "context": context, "steps": steps, "attention_graph": attention_graph(engine, copy)}
+            "context": context, "steps": steps, "attention_graph": attention_graph(engine, copy),
+            "role_marginals": role_marginals(engine, copy)}
 
 
-def attention_graph(engine, copy: dict, replays: int = 30) -> dict:
-    """The step's attention launches (one per layer) captured alone into a graph and replayed; the position is
-    wherever the engine stands. µs per launch vs the floor 2 * L * kv_dim * 2 bytes / copy bandwidth."""
+def graph_replay_us(launches, stream, replays: int = 30) -> dict:
+    """µs per replay of `launches` captured as one CUDA graph (events between back-to-back replays, 2 warm-up)."""
     import cupy as cp
 
     from .graph import StepGraph
 
-    launches = [ln for ln in engine.launches if ln.name == "attention_decode"]
-    length = int(engine.arena["pos"].get()[0]) + 1
-    g = StepGraph(launches, engine.stream)
+    g = StepGraph(launches, stream)
     ev = [cp.cuda.Event() for _ in range(replays + 3)]
-    with engine.stream as s:
+    with stream as s:
         ev[0].record(s)
         for i in range(replays + 2):
             g.replay(1)
             ev[i + 1].record(s)
     ev[-1].synchronize()
-    per = summarize([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3 / len(launches) for i in range(2, replays + 2)])
+    return summarize([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3 for i in range(2, replays + 2)])
+
+
+def step_role(ln) -> str:
+    """The role of one launch of the step: the weight role of a GEMV (wqkv, wo, wgu, wd, lm_head), else the
+    kernel (attention_decode, embed_lookup, rmsnorm_f32_f16, argmax_advance)."""
+    if ln.name.startswith("gemv_"):
+        return ln.label.split()[2]
+    return ln.name
+
+
+def role_marginals(engine, copy: dict, replays: int = 30) -> dict:
+    """Each role's marginal cost in the graph: step (without argmax) minus the step without that role."""
+    launches = [ln for ln in engine.launches if ln.name != "argmax_advance"]
+    length = int(engine.arena["pos"].get()[0]) + 1
+    full = graph_replay_us(launches, engine.stream, replays)
+    roles = list(dict.fromkeys(step_role(ln) for ln in launches))
+    bw = copy["median"] * 1e9
+    rows = []
+    for role in roles:
+        mine = [ln for ln in launches if step_role(ln) == role]
+        rest = [ln for ln in launches if step_role(ln) != role]
+        without = graph_replay_us(rest, engine.stream, replays) if rest else summarize([0.0])
+        nbytes = sum(_kv_bytes(engine.cfg, length) if ln.name == "attention_decode" else ln.bytes_moved
+                     for ln in mine)
+        saved = full["median"] - without["median"]
+        floor = nbytes / bw * 1e6
+        rows.append({"role": role, "count": len(mine), "step_without_us": without, "saved_us": saved,
+                     "saved_us_per_launch": saved / len(mine), "bytes": nbytes, "floor_us": floor,
+                     "excess_us": saved - floor})
+    return {"length": length, "step_us": full, "rows": rows, "sum_saved_us": sum(r["saved_us"] for r in rows),
+            "floor_us": sum(r["floor_us"] for r in rows)}
+
+
+def attention_graph(engine, copy: dict, replays: int = 30) -> dict:
+    """The step's attention launches (one per layer) captured alone into a graph and replayed; the position is
+    wherever the engine stands. µs per launch vs the floor 2 * L * kv_dim * 2 bytes / copy bandwidth."""
+    launches = [ln for ln in engine.launches if ln.name == "attention_decode"]
+    length = int(engine.arena["pos"].get()[0]) + 1
+    replay = graph_replay_us(launches, engine.stream, replays)
+    per = {k: (v / len(launches) if k != "n" else v) for k, v in replay.items()}
     kv = _kv_bytes(engine.cfg, length)
     floor_us = kv / (copy["median"] * 1e9) * 1e6
     return {"length": length, "launches_per_replay": len(launches), "us_per_launch": per, "kv_bytes": kv,
@@ -189,4 +232,22 @@ def gemv_table(g: dict):
         t.add_row(r["role"], r["format"], f"{r['rows']}x{r['k']}", f"{r['bytes'] / 1e6:.1f}", f"{r['us']['median']:.2f}",
                   f"{r['us']['p10']:.1f}-{r['us']['p90']:.1f}", f"{r['gbs']:.0f}", f"{r['pct_of_copy']:.1f}")
     t.caption = f"copy bandwidth (same run) {g['copy_bandwidth_gbs']['median']:.0f} GB/s"
+    return t
+
+
+def marginal_table(p: dict):
+    """The graph-mode breakdown of profile_step's `role_marginals`."""
+    from rich.table import Table
+
+    m = p["role_marginals"]
+    t = Table(title=f"what each role adds to the graph step (left out of the graph; length {m['length']})")
+    for c in ("role", "launches", "step without (µs)", "role adds (µs)", "per launch", "bytes floor (µs)",
+              "excess (µs)"):
+        t.add_column(c, justify="left" if c == "role" else "right")
+    for r in m["rows"]:
+        t.add_row(r["role"], str(r["count"]), f"{r['step_without_us']['median']:.1f}", f"{r['saved_us']:.1f}",
+                  f"{r['saved_us_per_launch']:.2f}", f"{r['floor_us']:.1f}", f"{r['excess_us']:.1f}")
+    s = m["step_us"]
+    t.caption = (f"step without argmax {s['median']:.1f} µs ({s['p10']:.1f}-{s['p90']:.1f}); roles add up to "
+                 f"{m['sum_saved_us']:.1f} µs; bytes floor {m['floor_us']:.1f} µs")
     return t

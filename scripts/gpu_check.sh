@@ -3,6 +3,7 @@
 #   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench bench-ab knobs profile gemv
 #                                       validate evidence attention att-profile (default: info kernels engine bench)
 #   BENCH_SPECS="model:fmt ..."  CTX=128  KNOBS="DEF=V,DEF=V ..." (knobs: compile-time -D variants, 3B fp8)
+#   PROFILE_SPECS="model:fmt ..." PROFILE_DEFINES="DEF=V ..." (profile stage)
 set -uo pipefail
 FINAL=${OUT:-/tmp/atomflow-out}; OUT=$(mktemp -d); mkdir -p "$FINAL"   # logs go to $OUT, bundled into $FINAL
 export PYTHONUNBUFFERED=1 ATOMFLOW_HOME=${ATOMFLOW_HOME:-/tmp/atomflow-home}
@@ -44,10 +45,16 @@ for st in $stages; do
           --json "$OUT/run-$tag.json" >"$OUT/run-$tag.log" 2>&1
         note "run $tag: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
       done ;;
-    profile)
-      for w in fp8 fp16; do
-        atomflow-bench profile llama-3.2-3b --weights $w --ctx 128 --json "$OUT/profile-3b-$w.json" >"$OUT/profile-3b-$w.log" 2>&1
-        note "profile 3b $w: rc=$? $(grep -E 'sum of kernels' -A1 "$OUT/profile-3b-$w.log" | tr -s ' ' | tr '\n' ' ')"
+    profile)   # PROFILE_SPECS="model:fmt ..." (default 3B fp8 and fp16); the note: role=adds/floor µs per launch
+      for spec in ${PROFILE_SPECS:-"llama-3.2-3b:fp8" "llama-3.2-3b:fp16"}; do
+        m=${spec%%:*}; w=${spec##*:}; tag="${m#llama-}-$w"
+        ATOMFLOW_KERNEL_DEFINES="${PROFILE_DEFINES:-}" atomflow-bench profile "$m" --weights $w --ctx 128 \
+          --json "$OUT/profile-$tag.json" >"$OUT/profile-$tag.log" 2>&1
+        note "profile $tag: rc=$? $(grep -E 'sum of kernels' -A1 "$OUT/profile-$tag.log" | tr -s ' ' | tr '\n' ' ')"
+        note "  in graph, role adds/floor µs per launch: $(python3 -c 'import json, sys
+m = json.load(open(sys.argv[1]))["role_marginals"]
+print(" ".join("%s=%.2f/%.2f" % (r["role"], r["saved_us_per_launch"], r["floor_us"] / r["count"]) for r in m["rows"]),
+      "| step %.1f us, floor %.1f" % (m["step_us"]["median"], m["floor_us"]))' "$OUT/profile-$tag.json" 2>&1 | tail -1)"
       done ;;
     gemv)
       atomflow-bench gemv llama-3.2-3b --json "$OUT/gemv-3b.json" >"$OUT/gemv-3b.log" 2>&1

@@ -203,3 +203,33 @@ def test_refuses_model_that_does_not_fit():
     with pytest.raises(AtomflowError, match="does not fit"):
         Arena(plan)
     assert cp.cuda.runtime.memGetInfo()[0] >= free_before - (64 << 20)  # nothing was allocated
+
+
+def test_profile_roles_in_graph(tiny_dir):
+    """`profile`'s graph-mode breakdown: every role of the step left out once, the position never advanced
+    (argmax is not in these graphs), bytes per role from the launches, and the eager table covers the step."""
+    from atomflow_bench.bench import copy_bandwidth
+    from atomflow_bench.engine import Engine
+    from atomflow_bench.profile import profile_step, role_marginals, step_role
+
+    eng = Engine(tiny_dir, weights="fp8", max_seq=200)
+    copy = copy_bandwidth(nbytes=1 << 26, reps=5)
+    p = profile_step(eng, context=40, steps=4, copy=copy)
+    pos_after = int(eng.arena["pos"].get()[0])
+    m = p["role_marginals"]
+    L = eng.cfg.num_hidden_layers
+    assert {r["role"]: r["count"] for r in m["rows"]} == {
+        "embed_lookup": 1, "wqkv": L, "attention_decode": L, "wo": L, "wgu": L, "wd": L, "rmsnorm_f32_f16": 1,
+        "lm_head": 1}
+    assert m["length"] == pos_after + 1 == p["attention_graph"]["length"]
+    by_role = {r["role"]: r for r in m["rows"]}
+    assert by_role["wgu"]["bytes"] == sum(ln.bytes_moved for ln in eng.launches if step_role(ln) == "wgu")
+    assert by_role["attention_decode"]["bytes"] == L * 2 * m["length"] * eng.cfg.kv_dim * 2
+    for r in m["rows"]:
+        assert r["step_without_us"]["median"] > 0 and np.isfinite(r["saved_us"])
+        assert r["excess_us"] == pytest.approx(r["saved_us"] - r["floor_us"])
+    assert m["step_us"]["median"] > 0
+    assert sum(r["count"] for r in p["rows"]) == len(eng.launches)
+    again = role_marginals(eng, copy, replays=3)
+    assert int(eng.arena["pos"].get()[0]) == pos_after  # the role graphs leave the position alone
+    assert again["length"] == m["length"]
