@@ -20,6 +20,7 @@ microbenchmarks: grid/block/shared-memory rules live in exactly one place.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -27,16 +28,20 @@ import numpy as np
 from .arena import ARGMAX_THREADS, ATT_CHUNK, Arena, linear_regions
 from .config import ModelConfig
 from .errors import AtomflowError, VerifyError
-from .kernels import KernelLib, Launch, allow_dynamic_smem
+from .kernels import KernelLib, Launch, allow_dynamic_smem, knob
 from .weights import check_tiled
 
 GEMV_THREADS = 256
+GEMV_WARPS = GEMV_THREADS // 32
 GEMV_BLOCKS_PER_SM = 2  # = GEMV_MIN_BLOCKS in gemv_common.cuh (tiled GEMVs): the grid never exceeds one resident wave
 ROWS_BLOCKS_PER_SM = 4  # = ROWS_MIN_BLOCKS (lm_head)
-GEMV_ASYNC = {"fp8": 1, "fp16": 0}  # = GEMV_ASYNC_F8 / _F16: weights through the cp.async ring (2 KB x
-GEMV_STAGES = 4                      # GEMV_STAGES per warp, in shared memory) or through registers
+GEMV_ASYNC = {"fp8": 1, "fp16": 0}  # = GEMV_ASYNC_F8 / _F16: weights through the cp.async ring or registers
+GEMV_STAGES = 5            # deepest ring (groups of 128 inputs per warp) a launch may get; knob GEMV_STAGES
+GEMV_RING_DEPTHS = (2, 3, 4, 5)  # the depths gemv_common.cuh gemv_tiled_cfg has instances for
+GEMV_ONE_WAVE = 1          # knob: tile counts in (2, 3] x SMs run one tile per block at 3 blocks per SM
 ATT_THREADS = 128
-SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on sm_90 (sm_89: 99 KB; only limits residency)
+SMEM_PER_SM = 227 * 1024  # usable shared memory per block on sm_90 (sm_89: 99 KB; only limits residency)
+SMEM_H100 = (227 * 1024, 228 * 1024, 1024)  # (per block, per SM, reserved per resident block): sm_90
 NULL = np.uint64(0)
 
 
@@ -49,14 +54,62 @@ def i32(v) -> np.int32:
 VARIANT_PAIRING = {"qkv_rope": "rope", "norm_swiglu": "halves", "resid": "none", "store": "none"}  # weights.py
 
 
+@functools.lru_cache(maxsize=None)
+def smem_limits() -> tuple[int, int, int]:
+    """(per block with opt-in, per SM, reserved per block) shared memory bytes of the current device."""
+    import cupy as cp
+
+    rt, dev = cp.cuda.runtime, cp.cuda.Device().id
+    return tuple(rt.deviceGetAttribute(a, dev) for a in (rt.cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                                          rt.cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+                                                          rt.cudaDevAttrReservedSharedMemoryPerBlock))
+
+
+def blocks_fit(shmem: int, smem: tuple = SMEM_H100) -> int:
+    """Blocks of `shmem` dynamic shared memory bytes that one SM holds at once (0: not even one)."""
+    per_block, per_sm, reserved = smem
+    return 0 if shmem > per_block else per_sm // (shmem + reserved)
+
+
+def gemv_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), smem: tuple = SMEM_H100,
+              depth: int | None = None) -> tuple[int, int, int]:
+    """(ring depth, blocks per SM, dynamic shared memory) of a tiled GEMV launch of `tiles` 16-row tiles.
+
+    Register path (fp16): no ring, 2 blocks per SM. cp.async path (fp8): the deepest ring <= GEMV_STAGES at
+    which 2 blocks fit an SM (5 groups per warp at K <= ~11k, 4 above: 8B's down projection); but a launch of
+    more tiles than 2 per SM and at most 3 per SM (3B/8B QKV) runs one tile per block at 3 blocks per SM (ring 3:
+    a warp's whole share of the tile is requested before the wait) instead of a partial second round.
+    gemv_common.cuh reads the depth back from the dynamic shared memory size (gemv_ring_stages). `depth` forces
+    that ring depth at 1 block per SM (tests: every depth, several tiles per block)."""
+    fp8 = fmt == "fp8"
+    base = k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4  # x in fragment order + partial sums + block_sum scratch
+    per_sm = knob("GEMV_GRID_PER_SM", GEMV_BLOCKS_PER_SM, defines)
+    if not knob(f"GEMV_ASYNC_{'F8' if fp8 else 'F16'}", GEMV_ASYNC[fmt], defines):
+        return 0, min(per_sm, blocks_fit(base, smem)), base
+    slot = GEMV_WARPS * (2048 + 256 if fp8 else 4096)  # one ring slot of every warp (+ the fp8 scales)
+    if depth is not None:
+        if depth not in GEMV_RING_DEPTHS:
+            raise AtomflowError(f"GEMV ring depth {depth} has no kernel instance (one of {GEMV_RING_DEPTHS})")
+        return depth, 1, base + depth * slot
+    depths = sorted((d for d in GEMV_RING_DEPTHS if d <= knob("GEMV_STAGES", GEMV_STAGES, defines)), reverse=True)
+    plans = [(b, d) for b in sorted({per_sm, 1}, reverse=True) for d in depths]  # 1 block/SM: small-smem GPUs
+    if knob("GEMV_ONE_WAVE", GEMV_ONE_WAVE, defines) and per_sm * n_sm < tiles <= (per_sm + 1) * n_sm:
+        plans = [(per_sm + 1, d) for d in depths if d >= 3] + plans  # one wave needs >= 3 groups per warp in flight
+    for b, depth in plans:
+        if blocks_fit(base + depth * slot, smem) >= b:
+            return depth, b, base + depth * slot
+    raise AtomflowError(f"GEMV with K={k}: no ring of {depths} fits the {smem[0]} bytes of shared memory per block")
+
+
 def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: int, k: int, n_sm: int,
-                norm_w=None, eps: float = 1e-5, taps=None, role: str = "", rope: tuple = ()) -> Launch:
+                norm_w=None, eps: float = 1e-5, taps=None, role: str = "", rope: tuple = (),
+                ring_depth: int | None = None) -> Launch:
     """y = W.x in `fmt` (fp16 | fp8) with `variant` in qkv_rope | norm_swiglu | resid | store (weights, and fp8
     scales, in the tiled layout of weights.tile_view with the variant's VARIANT_PAIRING) or f32 (lm_head: fp16
     row-major weights).
 
     qkv_rope: n_out = qkv_dim / 2 (one output per rotation pair); `rope` = (cos_sin, pos, k_cache, v_cache,
-    n_q_heads, n_kv_heads, head_dim) for this layer.
+    n_q_heads, n_kv_heads, head_dim) for this layer. `ring_depth`: see gemv_plan (tests).
     """
     fp8 = fmt == "fp8"
     rows = 2 * n_out if variant in ("norm_swiglu", "qkv_rope") else n_out
@@ -73,14 +126,11 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
             check_tiled(rows, k, VARIANT_PAIRING[variant], rope[-1] // 2 if rope else 0)
         except VerifyError as e:
             raise AtomflowError(f"GEMV {role or variant}: {e}") from None
-        shmem = k * 2 + (2 * (GEMV_THREADS // 32) * 16 + 32) * 4  # x in fragment order + partial sums + block_sum
-        if lib.define(f"GEMV_ASYNC_{'F8' if fp8 else 'F16'}", GEMV_ASYNC[fmt]):  # + the cp.async ring
-            shmem += (GEMV_THREADS // 32) * lib.define("GEMV_STAGES", GEMV_STAGES) * (2048 + (256 if fp8 else 0))
         grid_units = rows // 16  # a block per 16-row tile
-        per_sm = lib.define("GEMV_GRID_PER_SM", GEMV_BLOCKS_PER_SM)  # A/B knob
+        _, per_sm, shmem = gemv_plan(fmt, grid_units, k, n_sm, lib.defines, smem_limits(), ring_depth)
     fn = lib[f"gemv_{'f8' if fp8 else 'f16'}_{variant}"]
     allow_dynamic_smem(fn, shmem)
-    per_sm = min(per_sm, SMEM_PER_SM // shmem)
+    per_sm = max(1, min(per_sm, blocks_fit(shmem, smem_limits())))
     grid = (min(grid_units, n_sm * per_sm),)
     moved = w.nbytes + (scales.nbytes if fp8 else 0) + x.nbytes + y.nbytes
     extra = ()

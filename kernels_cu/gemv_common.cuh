@@ -49,11 +49,13 @@
 #include "common.cuh"
 
 #define GEMV_THREADS 256
-// TILED configuration per weight format (measured, results/PERF_NOTES.md v7.1-v7.2; -D overrides are A/B knobs,
+// TILED configuration per weight format (measured, results/PERF_NOTES.md v7.1-v9; -D overrides are A/B knobs,
 // scripts/gpu_check.sh knobs; the host mirrors them in atomflow_bench/step.py):
-//   fp8:  weights through a cp.async shared-memory ring (gemv_tiled_async), GEMV_STAGES x 2 KB per warp;
+//   fp8:  weights through a cp.async shared-memory ring (gemv_tiled_async), 3 to 5 groups of 2 KB per warp:
+//         the host picks the depth per launch (step.py gemv_plan) and sizes the dynamic shared memory for it;
+//         the kernel reads the depth back from %dynamic_smem_size (one source of truth, the launch);
 //   fp16: weights through registers (gemv_tiled), 24 16-byte loads per lane per batch.
-// Both: 2 resident blocks per SM (<= 128 registers).
+// Both: <= 128 registers (2 resident blocks per SM; fp8 uses ~55, so 3 fit where the shared memory does).
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 2   // resident blocks per SM the register budget is planned for
 #endif
@@ -68,9 +70,6 @@
 #endif
 #ifndef GEMV_LOADS_F16
 #define GEMV_LOADS_F16 24
-#endif
-#ifndef GEMV_STAGES
-#define GEMV_STAGES 4       // cp.async path: 2 KB units of a warp's ring (fp8: groups of 128 inputs; fp16: half groups)
 #endif
 // ROWS (lm_head): 8 loads per lane, 4 blocks per SM (<= 64 registers): ~100% of copy bandwidth as is.
 #define ROWS_MIN_BLOCKS 4
@@ -324,15 +323,15 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
 }
 
 // The same GEMV with the weights streamed through shared memory by cp.async (the fp8 default): every lane keeps
-// GEMV_STAGES of its 128-input groups in flight in a private ring (it reads back only the 16-byte fragments it
+// NS of its 128-input groups in flight in a private ring (it reads back only the 16-byte fragments it
 // copied itself, so no barrier guards the ring), across tile boundaries and through each tile's reduction;
-// the first GEMV_STAGES groups are requested before the wait for the previous kernel. Registers no longer
+// the first NS groups are requested before the wait for the previous kernel. Registers no longer
 // bound the bytes in flight. Ring: [warp][stage][unit of the group][lane] 16 B (+ fp8 scales [warp][stage][lane]).
-template <bool FP8, int PRO, int EPI, class Sync>
+template <bool FP8, int PRO, int EPI, int NS, class Sync>
 __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArgs rope, const Sync sync,
                                                  unsigned char* smem_raw) {
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
-  constexpr int KU = FP8 ? 32 : 16, UPG = 128 / KU, NS = FP8 ? GEMV_STAGES : GEMV_STAGES / 2;  // 2 KB * GEMV_STAGES per warp
+  constexpr int KU = FP8 ? 32 : 16, UPG = 128 / KU;  // a ring slot: one group, 2 KB (fp8) / 4 KB (fp16) per warp
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
   const int t = lane & 3, g = lane >> 2;
@@ -383,14 +382,32 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   cp_async_wait<0>();
 }
 
-// The format's configured path (see GEMV_ASYNC_F8 / GEMV_ASYNC_F16 above).
+// Ring slots per warp of the cp.async path, as the launch sized them: the dynamic shared memory beyond x and the
+// partial sums (gemv_tiled_async's layout; step.py gemv_plan computes the same) divided by one slot of all warps.
+template <bool FP8>
+__device__ __forceinline__ int gemv_ring_stages(int K) {
+  unsigned dyn;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+  const int nw = blockDim.x / AF_WARP;
+  const int fixed = K * (int)sizeof(__half) + (2 * nw * GEMV_TILE + 32) * (int)sizeof(float);
+  return ((int)dyn - fixed) / (nw * (FP8 ? 2048 + AF_WARP * 8 : 4096));
+}
+
+// The format's configured path (see GEMV_ASYNC_F8 / GEMV_ASYNC_F16 above); the ring depth of the launch's plan.
 template <bool FP8, int PRO, int EPI, class Sync>
 __device__ __forceinline__ void gemv_tiled_cfg(const GemvArgs a, const RopeArgs rope, const Sync sync,
                                                unsigned char* smem_raw) {
-  if constexpr (FP8 ? GEMV_ASYNC_F8 : GEMV_ASYNC_F16)
-    gemv_tiled_async<FP8, PRO, EPI>(a, rope, sync, smem_raw);
-  else
+  if constexpr (FP8 ? GEMV_ASYNC_F8 : GEMV_ASYNC_F16) {
+    switch (gemv_ring_stages<FP8>(a.K)) {
+      case 2: gemv_tiled_async<FP8, PRO, EPI, 2>(a, rope, sync, smem_raw); break;
+      case 3: gemv_tiled_async<FP8, PRO, EPI, 3>(a, rope, sync, smem_raw); break;
+      case 4: gemv_tiled_async<FP8, PRO, EPI, 4>(a, rope, sync, smem_raw); break;
+      case 5: gemv_tiled_async<FP8, PRO, EPI, 5>(a, rope, sync, smem_raw); break;
+      default: __trap();  // a launch sized for a depth without an instance here (step.py GEMV_RING_DEPTHS)
+    }
+  } else {
     gemv_tiled<FP8, PRO, EPI>(a, rope, sync, smem_raw);
+  }
 }
 
 #define GEMV_INSTANCE(NAME, FP8, PRO, EPI)                                                                \

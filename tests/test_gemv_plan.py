@@ -1,0 +1,75 @@
+"""The tiled GEMV launch plan (step.gemv_plan): ring depth, blocks per SM and shared memory per launch (CPU).
+
+The kernel reads the ring depth back from the launch's dynamic shared memory size (gemv_common.cuh
+gemv_ring_stages), so the plan must keep that size exact and inside the SM; these tests pin the plans of the
+catalog shapes and the knobs that change them."""
+from __future__ import annotations
+
+import pytest
+
+from atomflow_bench.arena import linear_regions
+from atomflow_bench.config import CATALOG, get_preset
+from atomflow_bench.errors import AtomflowError
+from atomflow_bench.step import GEMV_RING_DEPTHS, GEMV_WARPS, SMEM_H100, blocks_fit, gemv_plan
+
+N_SM = 132
+
+
+def plans(model: str, fmt: str, defines: tuple = ()) -> dict:
+    cfg = get_preset(model).config
+    return {role: gemv_plan(fmt, rows // 16, k, N_SM, defines)[:2] for role, (rows, k) in linear_regions(cfg).items()}
+
+
+def ring_depth_from_smem(shmem: int, k: int, fp8: bool) -> int:
+    """What the kernel computes from %dynamic_smem_size (gemv_common.cuh gemv_ring_stages)."""
+    fixed = k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4
+    return (shmem - fixed) // (GEMV_WARPS * (2048 + 32 * 8 if fp8 else 4096))
+
+
+def test_3b_fp8_plan():
+    # QKV's 320 tiles: one per block at 3 blocks/SM (ring 3); the rest: 2 blocks/SM with the 5-deep ring
+    assert plans("llama-3.2-3b", "fp8") == {"wqkv": (3, 3), "wo": (5, 2), "wgu": (5, 2), "wd": (5, 2)}
+
+
+def test_8b_down_projection_keeps_two_blocks_with_a_shallower_ring():
+    p = plans("llama-3.1-8b", "fp8")
+    assert p["wd"] == (4, 2)  # K = 14336: 28 KB of x; 5 slots would leave room for 1 block per SM
+    assert p["wqkv"] == (3, 3)  # 384 tiles <= 3 x 132
+
+
+def test_register_path_has_no_ring():
+    assert set(plans("llama-3.2-3b", "fp16").values()) == {(0, 2)}
+
+
+@pytest.mark.parametrize("model", sorted(CATALOG))
+@pytest.mark.parametrize("fmt", ["fp8", "fp16"])
+def test_every_plan_fits_and_encodes_its_depth(model, fmt):
+    cfg = CATALOG[model].config
+    for rows, k in linear_regions(cfg).values():
+        depth, per_sm, shmem = gemv_plan(fmt, rows // 16, k, N_SM)
+        assert blocks_fit(shmem, SMEM_H100) >= per_sm >= 1
+        if fmt == "fp8":
+            assert depth in GEMV_RING_DEPTHS
+            assert ring_depth_from_smem(shmem, k, True) == depth
+
+
+def test_knobs_change_the_plan():
+    assert plans("llama-3.2-3b", "fp8", ("GEMV_STAGES=4",)) == {"wqkv": (3, 3), "wo": (4, 2), "wgu": (4, 2),
+                                                                "wd": (4, 2)}
+    assert plans("llama-3.2-3b", "fp8", ("GEMV_ONE_WAVE=0",))["wqkv"] == (5, 2)
+    assert plans("llama-3.2-3b", "fp8", ("GEMV_ASYNC_F8=0",))["wgu"] == (0, 2)
+
+
+def test_forced_depth():
+    assert gemv_plan("fp8", 192, 8192, N_SM, depth=2)[:2] == (2, 1)
+    with pytest.raises(AtomflowError, match="ring depth 7"):
+        gemv_plan("fp8", 192, 8192, N_SM, depth=7)
+
+
+def test_smaller_shared_memory_gives_fewer_blocks_not_a_failed_launch():
+    sm89 = (99 * 1024, 100 * 1024, 1024)  # sm_89: 99 KB per block, 100 KB per SM
+    depth, per_sm, shmem = gemv_plan("fp8", 512, 8192, 58, smem=sm89)
+    assert (depth, per_sm) == (4, 1) and shmem <= sm89[0]  # the deepest ring of one block
+    assert gemv_plan("fp8", 512, 3072, 58, smem=sm89)[:2] == (2, 2)  # blocks per SM first, then depth
+    with pytest.raises(AtomflowError, match="no ring"):
+        gemv_plan("fp8", 512, 65536, 58, smem=sm89)
