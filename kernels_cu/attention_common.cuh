@@ -69,16 +69,22 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     }
   };
 
-  int base = p0 + warp * PASS;               // this warp's first pass
-  uint4 kr[I], vr[I];
+  // this warp's first two passes are requested before the PDL wait (kr/vr: current pass, kn/vn: the next)
+  int base = p0 + warp * PASS;
+  uint4 kr[I], vr[I], kn[I], vn[I];
   load(base, kr, vr, true);
+  load(base + NW * PASS, kn, vn, true);
   sync.arrive_wait();  // q and the K/V row at len - 1 come from the previous kernel
 #pragma unroll
   for (int i = 0; i < I; ++i) {
-    const int t = base + h + PW * i;
+    const int t = base + h + PW * i, tn = t + NW * PASS;
     if (t == len - 1) {
       kr[i] = ld_stream(k_cache + (size_t)t * kv_dim + col);
       vr[i] = ld_stream(v_cache + (size_t)t * kv_dim + col);
+    }
+    if (tn == len - 1) {
+      kn[i] = ld_stream(k_cache + (size_t)tn * kv_dim + col);
+      vn[i] = ld_stream(v_cache + (size_t)tn * kv_dim + col);
     }
   }
 
@@ -105,8 +111,6 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   // ---- this warp's passes: scores, online softmax, P.V; the next pass's loads are in flight meanwhile ----
   for (; base < p1; base += NW * PASS) {
     const int next = base + NW * PASS;
-    uint4 kn[I], vn[I];
-    if (next < p1) load(next, kn, vn, false);
 
     float s[I][G];
 #pragma unroll
@@ -156,6 +160,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     if (next < p1) {
 #pragma unroll
       for (int i = 0; i < I; ++i) { kr[i] = kn[i]; vr[i] = vn[i]; }
+      if (next + NW * PASS < p1) load(next + NW * PASS, kn, vn, false);  // the pass after, during the next one
     }
   }
 
@@ -219,6 +224,26 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   if (!last) return;  // the last block acquired every other block's partials through its ticket
 
   // ---- combine (last block of kv head j): weights exp(m_s - M) / sum_s l_s exp(m_s - M) ----
+  // out[g][d..d+3] = sum_s coef[g][s] * part_o[g][s][d..d+3]: a thread per (float4 column, split phase r of R),
+  // ATT_COMBINE_LOADS independent 16-byte L2 loads in flight per thread (one dependent round per that many
+  // splits instead of one per split). The first round of a thread's first column is requested before the
+  // (m, l) round: up to ATT_COMBINE_LOADS * R splits the combine costs one dependent L2 round, not two.
+  constexpr int COLS = G * HD / 4;
+  constexpr int R = T > COLS ? T / COLS : 1;
+  auto col_of = [&](int i, int& cidx, int& r) -> const float4* {
+    cidx = i % COLS;
+    r = i / COLS;
+    const int g = cidx * 4 / HD;
+    return reinterpret_cast<const float4*>(part_o + (size_t)(j * G + g) * max_splits * HD + cidx * 4 % HD);
+  };
+  float4 pre[ATT_COMBINE_LOADS];
+  if (threadIdx.x < R * COLS) {
+    int cidx, r;
+    const float4* po = col_of(threadIdx.x, cidx, r);
+#pragma unroll
+    for (int u = 0; u < ATT_COMBINE_LOADS; ++u)
+      pre[u] = r + u * R < n_splits ? __ldcg(po + (size_t)(r + u * R) * (HD / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   float* coef = smem;                        // [G][max_splits]: m_s, then the weights (wo is dead)
   float* l_s = coef + G * max_splits;       // [G][max_splits]: l_s
   for (int i = threadIdx.x; i < G * n_splits; i += T) {  // every (m, l) pair in one round of L2 loads
@@ -243,20 +268,23 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     for (int sp = lane; sp < n_splits; sp += AF_WARP) coef[g * max_splits + sp] /= L;
   }
   __syncthreads();
-  // out[g][d..d+3] = sum_s coef[g][s] * part_o[g][s][d..d+3]: a thread per (float4 column, split phase r of R),
-  // ATT_COMBINE_LOADS independent 16-byte L2 loads in flight per thread (one dependent round per that many
-  // splits instead of one per split)
-  constexpr int COLS = G * HD / 4;
-  constexpr int R = T > COLS ? T / COLS : 1;
   float4* red = reinterpret_cast<float4*>(coef + ((2 * G * max_splits + 3) & ~3));  // [R][COLS]
   for (int i = threadIdx.x; i < R * COLS; i += T) {
-    const int cidx = i % COLS, r = i / COLS, g = cidx * 4 / HD;
-    const float4* po = reinterpret_cast<const float4*>(part_o + (size_t)(j * G + g) * max_splits * HD + cidx * 4 % HD);
-    const float* cf = coef + g * max_splits;
+    int cidx, r;
+    const float4* po = col_of(i, cidx, r);
+    const float* cf = coef + cidx * 4 / HD * max_splits;
     float4 a[ATT_COMBINE_LOADS];
 #pragma unroll
     for (int u = 0; u < ATT_COMBINE_LOADS; ++u) a[u] = make_float4(0.f, 0.f, 0.f, 0.f);
     int sp = r;
+    if (i == threadIdx.x) {  // the first column: its first round is already in registers
+#pragma unroll
+      for (int u = 0; u < ATT_COMBINE_LOADS; ++u) {
+        const float w = sp + u * R < n_splits ? cf[sp + u * R] : 0.f;
+        a[u].x = w * pre[u].x; a[u].y = w * pre[u].y; a[u].z = w * pre[u].z; a[u].w = w * pre[u].w;
+      }
+      sp += ATT_COMBINE_LOADS * R;
+    }
     for (; sp + (ATT_COMBINE_LOADS - 1) * R < n_splits; sp += ATT_COMBINE_LOADS * R) {
 #pragma unroll
       for (int u = 0; u < ATT_COMBINE_LOADS; ++u) {

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, benchmarks. Prints a short table last; full logs/JSON under $OUT.
 #   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench bench-ab knobs profile gemv
-#                                       validate evidence attention att-profile (default: info kernels engine bench)
+#                                       validate evidence attention att-profile ab (default: info kernels engine bench)
 #   BENCH_SPECS="model:fmt ..."  CTX=128  KNOBS="DEF=V,DEF=V ..." (knobs: compile-time -D variants, 3B fp8)
 #   PROFILE_SPECS="model:fmt ..." PROFILE_DEFINES="DEF=V ..." (profile stage)
+#   AB_DIR=.ab/<commit> AB_SPEC="model:fmt" AB_ROUNDS=2 (ab stage: the other tree vs this one, same machine)
 set -uo pipefail
 FINAL=${OUT:-/tmp/atomflow-out}; OUT=$(mktemp -d); mkdir -p "$FINAL"   # logs go to $OUT, bundled into $FINAL
 export PYTHONUNBUFFERED=1 ATOMFLOW_HOME=${ATOMFLOW_HOME:-/tmp/atomflow-home}
@@ -85,6 +86,22 @@ print(" ".join("%s=%.2f/%.2f" % (r["role"], r["saved_us_per_launch"], r["floor_u
         ATOMFLOW_KERNEL_DEFINES="$d" atomflow-bench profile llama-3.2-3b --weights fp8 --ctx 8192 --steps 8 \
           --json "$OUT/profile-3b-fp8-$tag.json" >"$OUT/profile-3b-fp8-$tag.log" 2>&1
         note "profile 3b fp8 $tag: rc=$? $(grep -E 'graph step|alone in a graph' "$OUT/profile-3b-fp8-$tag.log" | tr -s ' ' | tr '\n' ' ')"
+      done ;;
+    ab)   # same-machine A/B against another commit's tree (AB_DIR, e.g. `git archive C atomflow_bench kernels_cu
+      # pyproject.toml | tar -x -C .ab/C`, carried), interleaved AB_ROUNDS times: AB_SPEC="model:fmt"
+      spec=${AB_SPEC:-llama-3.2-3b:fp8}; m=${spec%%:*}; w=${spec##*:}; old=${AB_DIR:?AB_DIR not set}
+      for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+        for side in old new; do
+          tag="ab-$side-$r-${m#llama-}-$w"
+          if [ $side = old ]; then
+            (cd "$old" && PYTHONPATH=$PWD python3 -c 'import sys, atomflow_bench; print("package", atomflow_bench.__file__); from atomflow_bench.cli import cli; cli()' run "$m" --weights "$w" \
+              --ctx 128 --tokens 256 --repeats 5 --json "$OUT/run-$tag.json") >"$OUT/run-$tag.log" 2>&1
+          else
+            atomflow-bench run "$m" --weights "$w" --ctx 128 --tokens 256 --repeats 5 --json "$OUT/run-$tag.json" \
+              >"$OUT/run-$tag.log" 2>&1
+          fi
+          note "run $tag: rc=$? $(grep -E 'TPOT|^package' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
+        done
       done ;;
     *) note "unknown stage $st" ;;
   esac
