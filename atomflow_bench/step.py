@@ -35,9 +35,8 @@ GEMV_THREADS = 256
 GEMV_WARPS = GEMV_THREADS // 32
 GEMV_BLOCKS_PER_SM = 2  # = GEMV_MIN_BLOCKS in gemv_common.cuh (tiled GEMVs): the grid never exceeds one resident wave
 ROWS_BLOCKS_PER_SM = 4  # = ROWS_MIN_BLOCKS (lm_head)
-GEMV_ASYNC = {"fp8": 1, "fp16": 0}  # = GEMV_ASYNC_F8 / _F16: weights through the cp.async ring or registers
-GEMV_STAGES = 5            # deepest ring (groups of 128 inputs per warp) a launch may get; knob GEMV_STAGES
-GEMV_RING_DEPTHS = (2, 3, 4, 5)  # the depths gemv_common.cuh gemv_tiled_cfg has instances for
+GEMV_STAGES = 5            # fp8: deepest cp.async ring (groups of 128 inputs per warp) a launch may get; knob
+GEMV_RING_DEPTHS = (2, 3, 4, 5)  # the depths gemv_fp8.cu has kernels for (gemv_f8_<variant>_r<depth>)
 GEMV_ONE_WAVE = 1          # knob: tile counts in (2, 3] x SMs run one tile per block at 3 blocks per SM
 ATT_THREADS = 128
 SMEM_PER_SM = 227 * 1024  # usable shared memory per block on sm_90 (sm_89: 99 KB; only limits residency)
@@ -75,18 +74,18 @@ def gemv_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), smem
               depth: int | None = None) -> tuple[int, int, int]:
     """(ring depth, blocks per SM, dynamic shared memory) of a tiled GEMV launch of `tiles` 16-row tiles.
 
-    Register path (fp16): no ring, 2 blocks per SM. cp.async path (fp8): the deepest ring <= GEMV_STAGES at
+    fp16 (register path): no ring (depth 0), 2 blocks per SM. fp8 (cp.async ring): the deepest ring <= GEMV_STAGES at
     which 2 blocks fit an SM (5 groups per warp at K <= ~11k, 4 above: 8B's down projection); but a launch of
     more tiles than 2 per SM and at most 3 per SM (3B/8B QKV) runs one tile per block at 3 blocks per SM (ring 3:
     a warp's whole share of the tile is requested before the wait) instead of a partial second round.
-    gemv_common.cuh reads the depth back from the dynamic shared memory size (gemv_ring_stages). `depth` forces
-    that ring depth at 1 block per SM (tests: every depth, several tiles per block)."""
+    The launch runs gemv_f8_<variant>_r<depth>. `depth` forces that ring depth at 1 block per SM (tests: every
+    depth, several tiles per block)."""
     fp8 = fmt == "fp8"
     base = k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4  # x in fragment order + partial sums + block_sum scratch
     per_sm = knob("GEMV_GRID_PER_SM", GEMV_BLOCKS_PER_SM, defines)
-    if not knob(f"GEMV_ASYNC_{'F8' if fp8 else 'F16'}", GEMV_ASYNC[fmt], defines):
+    if not fp8:
         return 0, min(per_sm, blocks_fit(base, smem)), base
-    slot = GEMV_WARPS * (2048 + 256 if fp8 else 4096)  # one ring slot of every warp (+ the fp8 scales)
+    slot = GEMV_WARPS * (2048 + 256)  # one ring slot of every warp: a group's 16 rows x 128 fp8 + its scales
     if depth is not None:
         if depth not in GEMV_RING_DEPTHS:
             raise AtomflowError(f"GEMV ring depth {depth} has no kernel instance (one of {GEMV_RING_DEPTHS})")
@@ -118,7 +117,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     if variant == "f32":
         if fp8 or k % 8:
             raise AtomflowError(f"lm_head GEMV needs fp16 weights with K % 8 == 0, got {fmt} K={k}")
-        shmem = k * 2
+        shmem, depth = k * 2, 0
         grid_units = -(-n_out // (GEMV_THREADS // 32))  # a warp per output row
         per_sm = ROWS_BLOCKS_PER_SM
     else:
@@ -127,8 +126,8 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         except VerifyError as e:
             raise AtomflowError(f"GEMV {role or variant}: {e}") from None
         grid_units = rows // 16  # a block per 16-row tile
-        _, per_sm, shmem = gemv_plan(fmt, grid_units, k, n_sm, lib.defines, smem_limits(), ring_depth)
-    fn = lib[f"gemv_{'f8' if fp8 else 'f16'}_{variant}"]
+        depth, per_sm, shmem = gemv_plan(fmt, grid_units, k, n_sm, lib.defines, smem_limits(), ring_depth)
+    fn = lib[f"gemv_f8_{variant}_r{depth}" if fp8 else f"gemv_f16_{variant}"]
     allow_dynamic_smem(fn, shmem)
     per_sm = max(1, min(per_sm, blocks_fit(shmem, smem_limits())))
     grid = (min(grid_units, n_sm * per_sm),)

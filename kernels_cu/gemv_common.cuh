@@ -51,25 +51,17 @@
 #define GEMV_THREADS 256
 // TILED configuration per weight format (measured, results/PERF_NOTES.md v7.1-v9; -D overrides are A/B knobs,
 // scripts/gpu_check.sh knobs; the host mirrors them in atomflow_bench/step.py):
-//   fp8:  weights through a cp.async shared-memory ring (gemv_tiled_async), 3 to 5 groups of 2 KB per warp:
-//         the host picks the depth per launch (step.py gemv_plan) and sizes the dynamic shared memory for it;
-//         the kernel reads the depth back from %dynamic_smem_size (one source of truth, the launch);
-//   fp16: weights through registers (gemv_tiled), 24 16-byte loads per lane per batch.
-// Both: <= 128 registers (2 resident blocks per SM; fp8 uses ~55, so 3 fit where the shared memory does).
+//   fp8:  weights through a cp.async shared-memory ring (gemv_tiled_async), NS groups of 2 KB per warp in flight;
+//         one kernel per ring depth NS (GEMV_RING_INSTANCE: name suffix _r<NS>), picked per launch by the
+//         host plan (step.py gemv_plan), which sizes the dynamic shared memory for that depth;
+//   fp16: weights through registers (gemv_tiled), 24 16-byte loads per lane per batch (measured faster than the
+//         ring for fp16, v7.2).
+// Both: <= 128 registers (2 resident blocks per SM; the fp8 kernels use ~55, so 3 fit where the shared memory does).
 #ifndef GEMV_MIN_BLOCKS
 #define GEMV_MIN_BLOCKS 2   // resident blocks per SM the register budget is planned for
 #endif
-#ifndef GEMV_ASYNC_F8
-#define GEMV_ASYNC_F8 1
-#endif
-#ifndef GEMV_ASYNC_F16
-#define GEMV_ASYNC_F16 0
-#endif
-#ifndef GEMV_LOADS_F8
-#define GEMV_LOADS_F8 16    // register path: 16-byte weight loads in flight per lane per batch (a multiple of 8)
-#endif
 #ifndef GEMV_LOADS_F16
-#define GEMV_LOADS_F16 24
+#define GEMV_LOADS_F16 24   // register path: 16-byte weight loads in flight per lane per batch (a multiple of 8)
 #endif
 // ROWS (lm_head): 8 loads per lane, 4 blocks per SM (<= 64 registers): ~100% of copy bandwidth as is.
 #define ROWS_MIN_BLOCKS 4
@@ -269,7 +261,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;  // weight rows per output
   constexpr int KU = FP8 ? 32 : 16;                                   // inputs per unit (lane: 16 bytes)
   constexpr int UPG = 128 / KU;                                       // units per group of 128 inputs
-  constexpr int LOADS = FP8 ? GEMV_LOADS_F8 : GEMV_LOADS_F16;          // 16-byte loads per lane per batch
+  constexpr int LOADS = FP8 ? 16 : GEMV_LOADS_F16;                     // 16-byte loads per lane per batch
   constexpr int GPB = LOADS / UPG;                                    // groups per batch of loads
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
@@ -382,55 +374,46 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   cp_async_wait<0>();
 }
 
-// Ring slots per warp of the cp.async path, as the launch sized them: the dynamic shared memory beyond x and the
-// partial sums (gemv_tiled_async's layout; step.py gemv_plan computes the same) divided by one slot of all warps.
-template <bool FP8>
-__device__ __forceinline__ int gemv_ring_stages(int K) {
-  unsigned dyn;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-  const int nw = blockDim.x / AF_WARP;
-  const int fixed = K * (int)sizeof(__half) + (2 * nw * GEMV_TILE + 32) * (int)sizeof(float);
-  return ((int)dyn - fixed) / (nw * (FP8 ? 2048 + AF_WARP * 8 : 4096));
-}
-
-// The format's configured path (see GEMV_ASYNC_F8 / GEMV_ASYNC_F16 above); the ring depth of the launch's plan.
-template <bool FP8, int PRO, int EPI, class Sync>
-__device__ __forceinline__ void gemv_tiled_cfg(const GemvArgs a, const RopeArgs rope, const Sync sync,
-                                               unsigned char* smem_raw) {
-  if constexpr (FP8 ? GEMV_ASYNC_F8 : GEMV_ASYNC_F16) {
-    switch (gemv_ring_stages<FP8>(a.K)) {
-      case 2: gemv_tiled_async<FP8, PRO, EPI, 2>(a, rope, sync, smem_raw); break;
-      case 3: gemv_tiled_async<FP8, PRO, EPI, 3>(a, rope, sync, smem_raw); break;
-      case 4: gemv_tiled_async<FP8, PRO, EPI, 4>(a, rope, sync, smem_raw); break;
-      case 5: gemv_tiled_async<FP8, PRO, EPI, 5>(a, rope, sync, smem_raw); break;
-      default: __trap();  // a launch sized for a depth without an instance here (step.py GEMV_RING_DEPTHS)
-    }
-  } else {
-    gemv_tiled<FP8, PRO, EPI>(a, rope, sync, smem_raw);
-  }
-}
-
-#define GEMV_INSTANCE(NAME, FP8, PRO, EPI)                                                                \
+// fp16 layer GEMVs: the register path.
+#define GEMV_INSTANCE(NAME, PRO, EPI)                                                                     \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
   NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
        const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
-    gemv_tiled_cfg<FP8, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, PdlSync{},   \
-                              smem_raw);                                                                  \
+    gemv_tiled<false, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, PdlSync{},   \
+                                smem_raw);                                                                \
   }
 
-// The QKV projection with RoPE and the KV-cache append in its epilogue.
-#define GEMV_ROPE_INSTANCE(NAME, FP8)                                                                     \
+// fp8 layer GEMVs: the cp.async ring at depth NS; the kernel is NAME_r<NS> (the host picks the depth per launch).
+#define GEMV_RING_INSTANCE(NAME, PRO, EPI, NS)                                                            \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
-  NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
-       const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K,              \
-       const float2* __restrict__ cos_sin, const int* __restrict__ pos, __half* __restrict__ k_cache,     \
-       __half* __restrict__ v_cache, int n_q, int n_kv, int hd) {                                        \
+  NAME##_r##NS(const unsigned char* __restrict__ W, const float* __restrict__ scales,                    \
+               const void* __restrict__ x, const __half* __restrict__ norm_w, float eps, void* __restrict__ y, \
+               int n_out, int K) {                                                                        \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
-    gemv_tiled_cfg<FP8, PRO_NORM, EPI_ROPE>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},                \
-                                        RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}, PdlSync{}, \
-                                        smem_raw);                                                        \
+    gemv_tiled_async<true, PRO, EPI, NS>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{},     \
+                                         PdlSync{}, smem_raw);                                            \
   }
+
+// The QKV projection with RoPE and the KV-cache append in its epilogue: fp16 (NS = 0: registers) or fp8 at
+// ring depth NS (NAME_r<NS>).
+#define GEMV_ROPE_ARGS                                                                                    \
+  (const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x,     \
+   const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K,                  \
+   const float2* __restrict__ cos_sin, const int* __restrict__ pos, __half* __restrict__ k_cache,         \
+   __half* __restrict__ v_cache, int n_q, int n_kv, int hd)
+#define GEMV_ROPE_CALL(PATH)                                                                              \
+  {                                                                                                       \
+    extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
+    PATH(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},                                                \
+         RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}, PdlSync{}, smem_raw);                   \
+  }
+#define GEMV_ROPE_INSTANCE(NAME)                                                                          \
+  extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS) NAME GEMV_ROPE_ARGS        \
+  GEMV_ROPE_CALL((gemv_tiled<false, PRO_NORM, EPI_ROPE>))
+#define GEMV_ROPE_RING_INSTANCE(NAME, NS)                                                                 \
+  extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS) NAME##_r##NS GEMV_ROPE_ARGS \
+  GEMV_ROPE_CALL((gemv_tiled_async<true, PRO_NORM, EPI_ROPE, NS>))
 
 // ---- ROWS: lm_head (fp16, row-major) -------------------------------------------------------------------
 

@@ -20,8 +20,8 @@
 //   gemv_f16_f32          plain / fp32 store          lm_head logits (row-major)
 #include "gemv_common.cuh"
 
-GEMV_ROPE_INSTANCE(gemv_f16_qkv_rope, false)
-GEMV_INSTANCE(gemv_f16_norm_swiglu, false, PRO_NORM, EPI_SWIGLU)
-GEMV_INSTANCE(gemv_f16_resid, false, PRO_PLAIN, EPI_RESID)
-GEMV_INSTANCE(gemv_f16_store, false, PRO_PLAIN, EPI_STORE)
+GEMV_ROPE_INSTANCE(gemv_f16_qkv_rope)
+GEMV_INSTANCE(gemv_f16_norm_swiglu, PRO_NORM, EPI_SWIGLU)
+GEMV_INSTANCE(gemv_f16_resid, PRO_PLAIN, EPI_RESID)
+GEMV_INSTANCE(gemv_f16_store, PRO_PLAIN, EPI_STORE)
 GEMV_ROWS_INSTANCE(gemv_f16_f32, EPI_F32)

@@ -10,13 +10,27 @@
 // Requires   rows % 16 == 0, K % 32 == 0. K need not be a multiple of 128: the last group is short
 //            (e.g. SmolLM2's K = 576 = 4.5 groups) and its scale covers only the elements present.
 // Bytes      rows * K (weights) + rows * ceil(K/128) * 4 (scales) + K * 2..4 per block (x) + outputs.
-// Launch     grid = min(tiles, 4 blocks per SM), block = 256, dyn. smem = K*2 + 1152 bytes.
-// Instances  same roles as gemv_fp16.cu:
-//   gemv_f8_qkv_rope (QKV + RoPE + KV append), gemv_f8_norm_swiglu (gate+up), gemv_f8_resid (o_proj, down_proj),
-//   gemv_f8_store (generic). lm_head stays fp16 (gemv_f16_f32), as in AtomFlow.
+// Launch     block = 256, one kernel per cp.async ring depth (suffix _r2.._r5: groups of 128 inputs per warp in
+//            flight); the host plan (step.py gemv_plan) picks depth and blocks per SM (2, or 3 for 2-3 tiles
+//            per SM), grid = min(tiles, blocks per SM * SMs), dyn. smem = K*2 + 1152 + depth * 8 * 2304 bytes.
+// Instances  same roles as gemv_fp16.cu, each at ring depths 2-5:
+//   gemv_f8_qkv_rope_r* (QKV + RoPE + KV append), gemv_f8_norm_swiglu_r* (gate+up), gemv_f8_resid_r* (o_proj,
+//   down_proj), gemv_f8_store_r* (generic). lm_head stays fp16 (gemv_f16_f32), as in AtomFlow.
 #include "gemv_common.cuh"
 
-GEMV_ROPE_INSTANCE(gemv_f8_qkv_rope, true)
-GEMV_INSTANCE(gemv_f8_norm_swiglu, true, PRO_NORM, EPI_SWIGLU)
-GEMV_INSTANCE(gemv_f8_resid, true, PRO_PLAIN, EPI_RESID)
-GEMV_INSTANCE(gemv_f8_store, true, PRO_PLAIN, EPI_STORE)
+GEMV_ROPE_RING_INSTANCE(gemv_f8_qkv_rope, 2)
+GEMV_ROPE_RING_INSTANCE(gemv_f8_qkv_rope, 3)
+GEMV_ROPE_RING_INSTANCE(gemv_f8_qkv_rope, 4)
+GEMV_ROPE_RING_INSTANCE(gemv_f8_qkv_rope, 5)
+GEMV_RING_INSTANCE(gemv_f8_norm_swiglu, PRO_NORM, EPI_SWIGLU, 2)
+GEMV_RING_INSTANCE(gemv_f8_norm_swiglu, PRO_NORM, EPI_SWIGLU, 3)
+GEMV_RING_INSTANCE(gemv_f8_norm_swiglu, PRO_NORM, EPI_SWIGLU, 4)
+GEMV_RING_INSTANCE(gemv_f8_norm_swiglu, PRO_NORM, EPI_SWIGLU, 5)
+GEMV_RING_INSTANCE(gemv_f8_resid, PRO_PLAIN, EPI_RESID, 2)
+GEMV_RING_INSTANCE(gemv_f8_resid, PRO_PLAIN, EPI_RESID, 3)
+GEMV_RING_INSTANCE(gemv_f8_resid, PRO_PLAIN, EPI_RESID, 4)
+GEMV_RING_INSTANCE(gemv_f8_resid, PRO_PLAIN, EPI_RESID, 5)
+GEMV_RING_INSTANCE(gemv_f8_store, PRO_PLAIN, EPI_STORE, 2)
+GEMV_RING_INSTANCE(gemv_f8_store, PRO_PLAIN, EPI_STORE, 3)
+GEMV_RING_INSTANCE(gemv_f8_store, PRO_PLAIN, EPI_STORE, 4)
+GEMV_RING_INSTANCE(gemv_f8_store, PRO_PLAIN, EPI_STORE, 5)
