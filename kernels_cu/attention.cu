@@ -14,8 +14,8 @@
 //            splits at ~4 blocks per SM (all resident: <= 128 registers per thread at G <= 3).
 //            With one split the block writes `out` directly. Otherwise it writes (max, sum, o[hd]) partials;
 //            the last block of head j to finish (acq_rel atomic ticket) rescales and sums them into `out`
-//            (all (max, sum) pairs in one round, then float4 L2 loads, ATT_COMBINE_LOADS in flight per
-//            thread) and resets its ticket. Blocks whose split is empty at this L exit at once, so one launch
+//            (the first round of float4 partial-o L2 loads, ATT_COMBINE_LOADS in flight per thread, goes out
+//            together with the one round of all (max, sum) pairs; further rounds follow) and resets its ticket. Blocks whose split is empty at this L exit at once, so one launch
 //            shape (captured in the graph) serves every position < max_seq.
 //            History (results/PERF_NOTES.md v8-v8.2): a block-wide walk (3 block barriers per 32 positions)
 //            was latency-bound — 1 block/SM with 64 KB in flight was slowest — which this warp-level walk removes.

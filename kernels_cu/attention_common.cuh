@@ -8,13 +8,6 @@
 #define ATT_PASS_ROWS 2  // positions per lane per warp pass (x 32 / (hd/8) lanes side by side: 4 at hd 128, 8 at hd 64)
 #endif
 
-#ifndef ATT_EARLY_NEXT
-#define ATT_EARLY_NEXT 1  // a warp's second pass of K/V rows is requested before the PDL wait too (v9.1; A/B knob)
-#endif
-#ifndef ATT_COMBINE_EARLY
-#define ATT_COMBINE_EARLY 1  // the combine's first partial-o round goes out before the (m, l) round (v9.1; A/B knob)
-#endif
-
 #ifndef ATT_COMBINE_LOADS
 #define ATT_COMBINE_LOADS 8  // independent 16-byte partial loads per thread per round of the split combine
 #endif
@@ -76,22 +69,18 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     }
   };
 
-  // this warp's first two passes are requested before the PDL wait (kr/vr: current pass, kn/vn: the next)
+  // this warp's first pass is requested before the PDL wait (kr/vr: current pass, kn/vn: the next). Requesting
+  // the second pass there too was measured slower (results/PERF_NOTES.md v9.3: register pressure at 127 of 128).
   int base = p0 + warp * PASS;
   uint4 kr[I], vr[I], kn[I], vn[I];
   load(base, kr, vr, true);
-  if (ATT_EARLY_NEXT) load(base + NW * PASS, kn, vn, true);
   sync.arrive_wait();  // q and the K/V row at len - 1 come from the previous kernel
 #pragma unroll
   for (int i = 0; i < I; ++i) {
-    const int t = base + h + PW * i, tn = t + NW * PASS;
+    const int t = base + h + PW * i;
     if (t == len - 1) {
       kr[i] = ld_stream(k_cache + (size_t)t * kv_dim + col);
       vr[i] = ld_stream(v_cache + (size_t)t * kv_dim + col);
-    }
-    if (ATT_EARLY_NEXT && tn == len - 1) {
-      kn[i] = ld_stream(k_cache + (size_t)tn * kv_dim + col);
-      vn[i] = ld_stream(v_cache + (size_t)tn * kv_dim + col);
     }
   }
 
@@ -105,7 +94,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     for (int e = 0; e < 8; ++e) q_s[i * 8 + e] = f[e] * scale;
   }
   __syncthreads();
-  if (!ATT_EARLY_NEXT) load(base + NW * PASS, kn, vn, false);
+  load(base + NW * PASS, kn, vn, false);
 
   float m[G], lsum[G], o[G][8];
 #pragma unroll
@@ -245,7 +234,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     return reinterpret_cast<const float4*>(part_o + (size_t)(j * G + g) * max_splits * HD + cidx * 4 % HD);
   };
   float4 pre[ATT_COMBINE_LOADS];
-  if (ATT_COMBINE_EARLY && threadIdx.x < R * COLS) {
+  if (threadIdx.x < R * COLS) {
     int cidx, r;
     const float4* po = col_of(threadIdx.x, cidx, r);
 #pragma unroll
@@ -285,7 +274,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
 #pragma unroll
     for (int u = 0; u < ATT_COMBINE_LOADS; ++u) a[u] = make_float4(0.f, 0.f, 0.f, 0.f);
     int sp = r;
-    if (ATT_COMBINE_EARLY && i == threadIdx.x) {  // the first column: its first round is already in registers
+    if (i == threadIdx.x) {  // the first column: its first round is already in registers
 #pragma unroll
       for (int u = 0; u < ATT_COMBINE_LOADS; ++u) {
         const float w = sp + u * R < n_splits ? cf[sp + u * R] : 0.f;
