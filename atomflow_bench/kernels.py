@@ -23,8 +23,9 @@ KERNELS_DIR = Path(os.environ.get("ATOMFLOW_KERNELS_DIR", Path(__file__).resolve
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
 _DEFINE = re.compile(r"^[ \t]*#[ \t]*define(?:[^\n]*\\\n)*[^\n]*", re.M)  # a #define with continuations
+GEMV_RING_DEPTHS = (2, 3, 4, 5)  # fp8 GEMV ring depths with a kernel each (gemv_common.cuh GEMV_RING_INSTANCES)
 _MACRO_INSTANCE = re.compile(r"^(?:GEMV_(?:ROPE_|ROWS_)?INSTANCE\((\w+)[,)]"  # NAME
-                             r"|GEMV_(?:ROPE_)?RING_INSTANCE\((\w+),(?:[^)]*,)? *(\d+)\)"  # NAME_r<depth>
+                             r"|GEMV_(?:ROPE_)?RING_INSTANCES\((\w+)[,)]"  # NAME_r<depth> for every depth
                              r"|ATTENTION_INSTANCE\((\d+), (\d+)\))", re.M)  # attention_decode_hd<HD>_g<G>
 
 
@@ -47,8 +48,11 @@ def kernel_names(path: Path) -> list[str]:
     """The extern "C" kernels a .cu file defines (directly or through the instance macros)."""
     text = _DEFINE.sub("", path.read_text())
     names = _KERNEL.findall(text)
-    for gemv, ring, depth, hd, g in _MACRO_INSTANCE.findall(text):
-        names.append(gemv or (f"{ring}_r{depth}" if ring else f"attention_decode_hd{hd}_g{g}"))
+    for gemv, ring, hd, g in _MACRO_INSTANCE.findall(text):
+        if ring:
+            names += [f"{ring}_r{d}" for d in GEMV_RING_DEPTHS]
+        else:
+            names.append(gemv or f"attention_decode_hd{hd}_g{g}")
     return names
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from .arena import ARGMAX_THREADS, ATT_CHUNK, Arena, linear_regions
 from .config import ModelConfig
 from .errors import AtomflowError, VerifyError
-from .kernels import KernelLib, Launch, allow_dynamic_smem, knob
+from .kernels import GEMV_RING_DEPTHS, KernelLib, Launch, allow_dynamic_smem, knob
 from .weights import check_tiled
 
 GEMV_THREADS = 256
@@ -36,7 +36,6 @@ GEMV_WARPS = GEMV_THREADS // 32
 GEMV_BLOCKS_PER_SM = 2  # = GEMV_MIN_BLOCKS in gemv_common.cuh (tiled GEMVs): the grid never exceeds one resident wave
 ROWS_BLOCKS_PER_SM = 4  # = ROWS_MIN_BLOCKS (lm_head)
 GEMV_STAGES = 5            # fp8: deepest cp.async ring (groups of 128 inputs per warp) a launch may get; knob
-GEMV_RING_DEPTHS = (2, 3, 4, 5)  # the depths gemv_fp8.cu has kernels for (gemv_f8_<variant>_r<depth>)
 GEMV_ONE_WAVE = 1          # knob: tile counts in (2, 3] x SMs run one tile per block at 3 blocks per SM
 ATT_THREADS = 128
 SMEM_PER_SM = 227 * 1024  # usable shared memory per block on sm_90 (sm_89: 99 KB; only limits residency)

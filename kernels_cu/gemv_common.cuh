@@ -395,6 +395,11 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
                                          PdlSync{}, smem_raw);                                            \
   }
 
+// One kernel per ring depth the host plan may pick (atomflow_bench/kernels.py GEMV_RING_DEPTHS lists the same).
+#define GEMV_RING_INSTANCES(NAME, PRO, EPI)                                                               \
+  GEMV_RING_INSTANCE(NAME, PRO, EPI, 2) GEMV_RING_INSTANCE(NAME, PRO, EPI, 3)                            \
+  GEMV_RING_INSTANCE(NAME, PRO, EPI, 4) GEMV_RING_INSTANCE(NAME, PRO, EPI, 5)
+
 // The QKV projection with RoPE and the KV-cache append in its epilogue: fp16 (NS = 0: registers) or fp8 at
 // ring depth NS (NAME_r<NS>).
 #define GEMV_ROPE_ARGS                                                                                    \
@@ -414,6 +419,9 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 #define GEMV_ROPE_RING_INSTANCE(NAME, NS)                                                                 \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS) NAME##_r##NS GEMV_ROPE_ARGS \
   GEMV_ROPE_CALL((gemv_tiled_async<true, PRO_NORM, EPI_ROPE, NS>))
+#define GEMV_ROPE_RING_INSTANCES(NAME)                                                                    \
+  GEMV_ROPE_RING_INSTANCE(NAME, 2) GEMV_ROPE_RING_INSTANCE(NAME, 3) GEMV_ROPE_RING_INSTANCE(NAME, 4)      \
+  GEMV_ROPE_RING_INSTANCE(NAME, 5)
 
 // ---- ROWS: lm_head (fp16, row-major) -------------------------------------------------------------------
 

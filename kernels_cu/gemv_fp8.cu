@@ -18,19 +18,7 @@
 //   down_proj), gemv_f8_store_r* (generic). lm_head stays fp16 (gemv_f16_f32), as in AtomFlow.
 #include "gemv_common.cuh"
 
-GEMV_ROPE_RING_INSTANCE(gemv_f8_qkv_rope, 2)
-GEMV_ROPE_RING_INSTANCE(gemv_f8_qkv_rope, 3)
-GEMV_ROPE_RING_INSTANCE(gemv_f8_qkv_rope, 4)
-GEMV_ROPE_RING_INSTANCE(gemv_f8_qkv_rope, 5)
-GEMV_RING_INSTANCE(gemv_f8_norm_swiglu, PRO_NORM, EPI_SWIGLU, 2)
-GEMV_RING_INSTANCE(gemv_f8_norm_swiglu, PRO_NORM, EPI_SWIGLU, 3)
-GEMV_RING_INSTANCE(gemv_f8_norm_swiglu, PRO_NORM, EPI_SWIGLU, 4)
-GEMV_RING_INSTANCE(gemv_f8_norm_swiglu, PRO_NORM, EPI_SWIGLU, 5)
-GEMV_RING_INSTANCE(gemv_f8_resid, PRO_PLAIN, EPI_RESID, 2)
-GEMV_RING_INSTANCE(gemv_f8_resid, PRO_PLAIN, EPI_RESID, 3)
-GEMV_RING_INSTANCE(gemv_f8_resid, PRO_PLAIN, EPI_RESID, 4)
-GEMV_RING_INSTANCE(gemv_f8_resid, PRO_PLAIN, EPI_RESID, 5)
-GEMV_RING_INSTANCE(gemv_f8_store, PRO_PLAIN, EPI_STORE, 2)
-GEMV_RING_INSTANCE(gemv_f8_store, PRO_PLAIN, EPI_STORE, 3)
-GEMV_RING_INSTANCE(gemv_f8_store, PRO_PLAIN, EPI_STORE, 4)
-GEMV_RING_INSTANCE(gemv_f8_store, PRO_PLAIN, EPI_STORE, 5)
+GEMV_ROPE_RING_INSTANCES(gemv_f8_qkv_rope)
+GEMV_RING_INSTANCES(gemv_f8_norm_swiglu, PRO_NORM, EPI_SWIGLU)
+GEMV_RING_INSTANCES(gemv_f8_resid, PRO_PLAIN, EPI_RESID)
+GEMV_RING_INSTANCES(gemv_f8_store, PRO_PLAIN, EPI_STORE)
