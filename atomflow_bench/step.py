@@ -39,7 +39,7 @@ GEMV_STAGES = 5            # fp8: deepest cp.async ring (groups of 128 inputs pe
 GEMV_ONE_WAVE = 1          # knob: tile counts in (2, 3] x SMs run one tile per block at 3 blocks per SM
 ATT_THREADS = 128
 SMEM_PER_SM = 227 * 1024  # usable shared memory per block on sm_90 (sm_89: 99 KB; only limits residency)
-SMEM_H100 = (227 * 1024, 228 * 1024, 1024)  # (per block, per SM, reserved per resident block): sm_90
+SMEM_H100 = (SMEM_PER_SM, 228 * 1024, 1024)  # (per block, per SM, reserved per resident block): sm_90
 NULL = np.uint64(0)
 
 

@@ -255,17 +255,18 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-template <bool FP8, int PRO, int EPI, class Sync>
+// fp16 weights through registers: each lane's loads of a batch (GEMV_LOADS_F16 x 16 bytes) are in flight at once.
+template <int PRO, int EPI, class Sync>
 __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope, const Sync sync,
                                            unsigned char* smem_raw) {
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;  // weight rows per output
-  constexpr int KU = FP8 ? 32 : 16;                                   // inputs per unit (lane: 16 bytes)
+  constexpr int KU = 16;                                              // inputs per unit (lane: 16 bytes)
   constexpr int UPG = 128 / KU;                                       // units per group of 128 inputs
-  constexpr int LOADS = FP8 ? 16 : GEMV_LOADS_F16;                     // 16-byte loads per lane per batch
+  constexpr int LOADS = GEMV_LOADS_F16;                               // 16-byte loads per lane per batch
   constexpr int GPB = LOADS / UPG;                                    // groups per batch of loads
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
-  const int t = lane & 3, g = lane >> 2;
+  const int t = lane & 3;
   const int nunits = K / KU, ngroups = (K + 127) >> 7;
   const int ntiles = a.n_out * R / GEMV_TILE;
   const int nb = warp < ngroups ? ((ngroups - warp + nw - 1) / nw + GPB - 1) / GPB : 0;  // batches per tile
@@ -275,8 +276,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   float* rs = red + 2 * nw * GEMV_TILE;                                   // block_sum scratch (32 floats)
 
   uint4 wv[LOADS];
-  float2 sc[GPB];
-  // Batch b of tile T: this warp's groups warp + (b*GPB + q)*nw, q < GPB (fp8: with their 2 scales per lane).
+  // Batch b of tile T: this warp's groups warp + (b*GPB + q)*nw, q < GPB.
   const unsigned char* wbase = a.W + (size_t)warp * UPG * 512 + lane * 16;  // this lane's bytes of unit warp*UPG
   auto load = [&](int T, int b) {
 #pragma unroll
@@ -286,9 +286,6 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
 #pragma unroll
       for (int j = 0; j < UPG; ++j)
         wv[q * UPG + j] = (G < ngroups && G * UPG + j < nunits) ? ld_stream(src + j * 512) : make_uint4(0, 0, 0, 0);
-      if (FP8)  // rows g and g + 8 of the tile are adjacent: one 8-byte load
-        sc[q] = G < ngroups ? __ldg(reinterpret_cast<const float2*>(a.scales) + ((size_t)T * ngroups + G) * 8 + g)
-                            : make_float2(0.f, 0.f);
     }
   };
 
@@ -305,25 +302,26 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
       for (int q = 0; q < GPB; ++q) {
         const int G = warp + (b * GPB + q) * nw;
         if (G < ngroups)
-          group_mma<FP8, UPG>(d, acc, [&](int j) { return wv[q * UPG + j]; }, xs, G, nunits, t, sc[q]);
+          group_mma<false, UPG>(d, acc, [&](int j) { return wv[q * UPG + j]; }, xs, G, nunits, t,
+                                make_float2(0.f, 0.f));
       }
     }
-    gemv_tiled_finish<FP8>(d, acc);
+    gemv_tiled_finish<false>(d, acc);
     if (nb > 0 && T + (int)gridDim.x < ntiles) load(T + gridDim.x, 0);  // next tile's loads fly during the sum
     tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc);
   }
 }
 
-// The same GEMV with the weights streamed through shared memory by cp.async (the fp8 default): every lane keeps
+// The same GEMV for fp8 weights, streamed through shared memory by cp.async: every lane keeps
 // NS of its 128-input groups in flight in a private ring (it reads back only the 16-byte fragments it
 // copied itself, so no barrier guards the ring), across tile boundaries and through each tile's reduction;
 // the first NS groups are requested before the wait for the previous kernel. Registers no longer
 // bound the bytes in flight. Ring: [warp][stage][unit of the group][lane] 16 B (+ fp8 scales [warp][stage][lane]).
-template <bool FP8, int PRO, int EPI, int NS, class Sync>
+template <int PRO, int EPI, int NS, class Sync>
 __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArgs rope, const Sync sync,
                                                  unsigned char* smem_raw) {
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
-  constexpr int KU = FP8 ? 32 : 16, UPG = 128 / KU;  // a ring slot: one group, 2 KB (fp8) / 4 KB (fp16) per warp
+  constexpr int KU = 32, UPG = 128 / KU;  // a ring slot: one group of 128 inputs, 2 KB per warp (+ its scales)
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
   const int t = lane & 3, g = lane >> 2;
@@ -348,7 +346,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 #pragma unroll
       for (int j = 0; j < UPG; ++j)
         if (G * UPG + j < nunits) cp_async16(dst + j * 512, src + j * 512);
-      if (FP8) cp_async8(sring + (n % NS) * AF_WARP, reinterpret_cast<const float2*>(a.scales) + ((size_t)T * ngroups + G) * 8 + g);
+      cp_async8(sring + (n % NS) * AF_WARP, reinterpret_cast<const float2*>(a.scales) + ((size_t)T * ngroups + G) * 8 + g);
     }
     cp_async_commit();  // always one group per call: wait_group counts stay uniform
   };
@@ -364,11 +362,11 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
     for (int gi = 0; gi < my_groups; ++gi, ++n) {
       cp_async_wait<NS - 1>();  // this lane's copies of group n have landed
       const unsigned char* src = ring + (n % NS) * UPG * 512;
-      group_mma<FP8, UPG>(d, acc, [&](int j) { return *reinterpret_cast<const uint4*>(src + j * 512); }, xs,
-                          warp + gi * nw, nunits, t, FP8 ? sring[(n % NS) * AF_WARP] : make_float2(0.f, 0.f));
+      group_mma<true, UPG>(d, acc, [&](int j) { return *reinterpret_cast<const uint4*>(src + j * 512); }, xs,
+                           warp + gi * nw, nunits, t, sring[(n % NS) * AF_WARP]);
       issue(n + NS);  // the slot just read is refilled (this lane's own bytes: program order protects them)
     }
-    gemv_tiled_finish<FP8>(d, acc);
+    gemv_tiled_finish<true>(d, acc);
     tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc);
   }
   cp_async_wait<0>();
@@ -380,7 +378,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
        const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
-    gemv_tiled<false, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, PdlSync{},   \
+    gemv_tiled<PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, PdlSync{},   \
                                 smem_raw);                                                                \
   }
 
@@ -391,7 +389,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
                const void* __restrict__ x, const __half* __restrict__ norm_w, float eps, void* __restrict__ y, \
                int n_out, int K) {                                                                        \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
-    gemv_tiled_async<true, PRO, EPI, NS>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{},     \
+    gemv_tiled_async<PRO, EPI, NS>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{},     \
                                          PdlSync{}, smem_raw);                                            \
   }
 
@@ -400,7 +398,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   GEMV_RING_INSTANCE(NAME, PRO, EPI, 2) GEMV_RING_INSTANCE(NAME, PRO, EPI, 3)                            \
   GEMV_RING_INSTANCE(NAME, PRO, EPI, 4) GEMV_RING_INSTANCE(NAME, PRO, EPI, 5)
 
-// The QKV projection with RoPE and the KV-cache append in its epilogue: fp16 (NS = 0: registers) or fp8 at
+// The QKV projection with RoPE and the KV-cache append in its epilogue: fp16 through registers (NAME) or fp8 at
 // ring depth NS (NAME_r<NS>).
 #define GEMV_ROPE_ARGS                                                                                    \
   (const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x,     \
@@ -415,10 +413,10 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   }
 #define GEMV_ROPE_INSTANCE(NAME)                                                                          \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS) NAME GEMV_ROPE_ARGS        \
-  GEMV_ROPE_CALL((gemv_tiled<false, PRO_NORM, EPI_ROPE>))
+  GEMV_ROPE_CALL((gemv_tiled<PRO_NORM, EPI_ROPE>))
 #define GEMV_ROPE_RING_INSTANCE(NAME, NS)                                                                 \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS) NAME##_r##NS GEMV_ROPE_ARGS \
-  GEMV_ROPE_CALL((gemv_tiled_async<true, PRO_NORM, EPI_ROPE, NS>))
+  GEMV_ROPE_CALL((gemv_tiled_async<PRO_NORM, EPI_ROPE, NS>))
 #define GEMV_ROPE_RING_INSTANCES(NAME)                                                                    \
   GEMV_ROPE_RING_INSTANCE(NAME, 2) GEMV_ROPE_RING_INSTANCE(NAME, 3) GEMV_ROPE_RING_INSTANCE(NAME, 4)      \
   GEMV_ROPE_RING_INSTANCE(NAME, 5)

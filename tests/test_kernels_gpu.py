@@ -64,13 +64,11 @@ def variant_of(region: str) -> str:
     return {"wqkv": "store", "wo": "resid", "wgu": "norm_swiglu", "wd": "resid"}[region]
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-@pytest.mark.parametrize("model,region,rows,k", gemv_cases(), ids=lambda v: str(v))
-def test_gemv(kernel_lib, n_sm, fmt, model, region, rows, k):
+def check_gemv(kernel_lib, n_sm, rng, fmt: str, variant: str, rows: int, k: int, **launch_kw):
+    """One tiled GEMV launch (weights in the tiled layout, output poisoned / residual random) against the float64
+    reference on the row-major (fp8: dequantised) weights; returns the launch."""
     import cupy as cp
 
-    rng = rng_for("gemv", fmt, model, region)
-    variant = variant_of(region)
     n_out = rows // 2 if variant == "norm_swiglu" else rows
     w16 = (rng.standard_normal((rows, k), dtype=np.float32) * 0.02).astype(np.float16)
     pairing = VARIANT_PAIRING[variant]
@@ -96,7 +94,9 @@ def test_gemv(kernel_lib, n_sm, fmt, model, region, rows, k):
         y_dev = cp.asarray(h0)
     else:
         y_dev = cp.full(n_out, np.nan, dtype=np.float16)
-    gemv_launch(kernel_lib, fmt, variant, w_dev, s_dev, x_dev, y_dev, n_out, k, n_sm, norm_w=nw_dev, eps=eps)()
+    ln = gemv_launch(kernel_lib, fmt, variant, w_dev, s_dev, x_dev, y_dev, n_out, k, n_sm, norm_w=nw_dev, eps=eps,
+                     **launch_kw)
+    ln()
     out = y_dev.get()
     if variant == "resid":
         assert rel_err(out.astype(np.float64) - h0, y_ref) < FP32_TOL
@@ -107,45 +107,23 @@ def test_gemv(kernel_lib, n_sm, fmt, model, region, rows, k):
         assert rel_err(out, ref) < FP16_TOL
     else:
         assert rel_err(out, y_ref) < FP16_TOL
+    return ln
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("model,region,rows,k", gemv_cases(), ids=lambda v: str(v))
+def test_gemv(kernel_lib, n_sm, fmt, model, region, rows, k):
+    check_gemv(kernel_lib, n_sm, rng_for("gemv", fmt, model, region), fmt, variant_of(region), rows, k)
 
 
 @pytest.mark.parametrize("depth", [2, 3, 4, 5])
 @pytest.mark.parametrize("variant,rows,k", [("resid", 3072, 8192), ("store", 5120, 3072), ("norm_swiglu", 4608, 576)])
 def test_gemv_every_ring_depth(kernel_lib, n_sm, depth, variant, rows, k):
-    """fp8's cp.async ring at each depth the kernel has an instance for (it reads the depth back from the launch's
-    shared memory size), at 1 block per SM so every block walks several tiles through one ring."""
-    import cupy as cp
-
-    rng = rng_for("ring", depth, variant, rows, k)
-    n_out = rows // 2 if variant == "norm_swiglu" else rows
-    q, s = quantize_fp8((rng.standard_normal((rows, k), dtype=np.float32) * 0.02).astype(np.float16))
-    w_eff = dequantize_fp8(q, s).astype(np.float64)
-    pairing = VARIANT_PAIRING[variant]
-    w_dev, s_dev = cp.asarray(tiled(q, "fp8", pairing)), cp.asarray(tiled_scales(s, pairing))
-    nw_dev = None
-    if variant == "norm_swiglu":
-        h = rng.standard_normal(k, dtype=np.float32) * 3
-        nw = (1 + 0.1 * rng.standard_normal(k)).astype(np.float16)
-        x_dev, nw_dev, x_eff = cp.asarray(h), cp.asarray(nw), norm_ref(h, nw, 1e-5).astype(np.float64)
-    else:
-        x16 = rng.standard_normal(k, dtype=np.float32).astype(np.float16)
-        x_dev, x_eff = cp.asarray(x16), x16.astype(np.float64)
-    y_ref = w_eff @ x_eff
-    h0 = rng.standard_normal(n_out, dtype=np.float32)
-    y_dev = cp.asarray(h0) if variant == "resid" else cp.full(n_out, np.nan, dtype=np.float16)
-    ln = gemv_launch(kernel_lib, "fp8", variant, w_dev, s_dev, x_dev, y_dev, n_out, k, n_sm, norm_w=nw_dev,
-                     ring_depth=depth)
+    """fp8's cp.async ring at each depth that has a kernel (gemv_f8_<variant>_r<depth>), at 1 block per SM so
+    every block walks several tiles through one ring."""
+    ln = check_gemv(kernel_lib, n_sm, rng_for("ring", depth, variant, rows, k), "fp8", variant, rows, k,
+                    ring_depth=depth)
     assert ln.grid[0] == n_sm < rows // 16  # 1 block per SM: every block walks several tiles
-    ln()
-    out = y_dev.get().astype(np.float64)
-    if variant == "resid":
-        assert rel_err(out - h0, y_ref) < FP32_TOL
-    elif variant == "norm_swiglu":
-        g = y_ref[:n_out].astype(np.float16).astype(np.float64)
-        u = y_ref[n_out:].astype(np.float16).astype(np.float64)
-        assert rel_err(out, (g / (1 + np.exp(-g))).astype(np.float16).astype(np.float64) * u) < FP16_TOL
-    else:
-        assert rel_err(out, y_ref) < FP16_TOL
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
