@@ -150,10 +150,13 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
 @click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000))
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--timeline", "timeline_replays", default=0, show_default=True, type=click.IntRange(0, 200),
+              help="Also record this many graph replays with the in-kernel timeline instrument (a second build).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def profile(model, weights, context, steps, json_path):
+def profile(model, weights, context, steps, timeline_replays, json_path):
     """Per-kernel time breakdown of one decode step (events, eager) + graph step time and idle gap, and what
-    each role adds inside the graph (the step replayed without it)."""
+    each role adds inside the graph (the step replayed without it); with --timeline N, when every launch of the
+    graph step starts, is released and ends on the GPU clock."""
     from pathlib import Path
 
     from . import report
@@ -161,14 +164,29 @@ def profile(model, weights, context, steps, json_path):
     from .fetch import resolve_model
     from .profile import attention_line, marginal_table, profile_step, profile_table
 
-    eng = Engine(resolve_model(model, console=console), weights=weights, max_seq=context + steps + 64)
+    model_dir = resolve_model(model, console=console)
+    eng = Engine(model_dir, weights=weights, max_seq=context + steps + 64)
+    gpu = eng.gpu
     p = profile_step(eng, context, steps)
     console.print(profile_table(p))
     console.print(marginal_table(p))
     console.print(attention_line(p), soft_wrap=True)
+    if timeline_replays:
+        import gc
+
+        import cupy
+
+        from . import timeline
+
+        del eng  # the instrumented build gets its own arena
+        gc.collect()
+        cupy.get_default_memory_pool().free_all_blocks()
+        p["timeline"] = timeline.record(model_dir, weights, context, timeline_replays, p["copy_bandwidth_gbs"],
+                                        plain_step_us=p["graph_step_us"])
+        console.print(timeline.timeline_table(p["timeline"]))
     if json_path:
         rec = {"schema": "atomflow-bench/profile/1", "tool": report.tool_info(), "created": report.now_iso(),
-               "command": report.command_line(), "gpu": eng.gpu, "model": model, "weights": weights, **p}
+               "command": report.command_line(), "gpu": gpu, "model": model, "weights": weights, **p}
         report.write(rec, Path(json_path))
 
 

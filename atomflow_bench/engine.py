@@ -48,7 +48,7 @@ def gpu_info() -> dict:
 
 class Engine:
     def __init__(self, model_dir: str | Path, weights: str = "fp8", max_seq: int = 2048, progress=None,
-                 pdl: bool | None = None):
+                 pdl: bool | None = None, kernel_defines: tuple = ()):
         cupy = require_gpu()
         self.ckpt = Checkpoint(model_dir)
         self.cfg = self.ckpt.config
@@ -56,7 +56,7 @@ class Engine:
         self.gpu = gpu_info()
         self.plan = plan_arena(self.cfg, weights, max_seq, self.gpu["sms"])
         self.max_seq = max_seq
-        self.lib = KernelLib()
+        self.lib = KernelLib(extra_defines=kernel_defines)  # kernel_defines: e.g. the timeline instrument
         self.lib.compile_all()                     # NVRTC (or CuPy's cache) before anything is timed
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)

@@ -88,7 +88,7 @@ class KernelLib:
 
     OPTIONS = ("-std=c++17",)
 
-    def __init__(self, kernels_dir: Path = KERNELS_DIR):
+    def __init__(self, kernels_dir: Path = KERNELS_DIR, extra_defines: tuple = ()):
         import cupy  # noqa: F401  (fail here, clearly, when CuPy is missing)
 
         self.dir = Path(kernels_dir)
@@ -99,7 +99,8 @@ class KernelLib:
         self._modules: dict[Path, object] = {}
         self._kernels: dict[str, object] = {}
         # extra -D macros for A/B experiments (ATOMFLOW_KERNEL_DEFINES="NAME=VALUE ..."), recorded in run results
-        self.defines = tuple(os.environ.get("ATOMFLOW_KERNEL_DEFINES", "").split())
+        # plus `extra_defines` from the caller (e.g. the timeline instrument, AF_TIMELINE=<slots>)
+        self.defines = tuple(os.environ.get("ATOMFLOW_KERNEL_DEFINES", "").split()) + tuple(extra_defines)
         self.options = (self.OPTIONS + tuple(f"-D{d}" for d in self.defines)
                         + tuple(f"-I{d}" for d in cuda_include_dirs()))
 

@@ -40,6 +40,7 @@ extern "C" __global__ void argmax_advance(const float* __restrict__ logits, int 
                                           unsigned int* counter, int* pos, int* cur_token,
                                           const int* __restrict__ prompt, const int* __restrict__ prompt_len,
                                           int* out_tokens) {
+  AF_TIMELINE_BLOCK;
   __shared__ bool last;
   pdl_wait();
   pdl_launch_dependents();

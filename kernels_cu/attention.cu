@@ -42,6 +42,7 @@
       const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache, \
       const int* __restrict__ pos_ptr, float* part_ml, float* part_o, unsigned int* counters,             \
       __half* __restrict__ out, int n_kv, int max_splits, float scale) {                                  \
+    AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ float smem[];                                                                       \
     /* pos was written by the previous step's argmax, complete before this step's first kernel: readable */ \
     /* before the PDL wait, and so are the K/V rows before pos (attention_item waits before row pos and q) */ \

@@ -13,6 +13,50 @@
 #define AF_WARP 32
 #define AF_INF __int_as_float(0x7f800000)  // +inf (NVRTC has no math.h INFINITY)
 
+// ---- timeline instrument (`profile --timeline`, atomflow_bench/timeline.py) ------------------------------
+// Compiled in only with -DAF_TIMELINE=<record slots per SM>; without it AF_TIMELINE_BLOCK is empty and nothing
+// below exists. Thread 0 of every block of every step kernel records, in %globaltimer nanoseconds: its launch's
+// %gridid, the block's start, the return of its PDL wait (0 when it exits before waiting) and its end, into
+// af_tl_rec[SM * AF_TIMELINE + slot]; af_tl_next[SM] hands out the SM's slots (the atomic is issued at the
+// start, its result used only at the end, so it delays nothing). Every module (.cu) holds its own copy; the
+// host clears and reads them all around one graph replay.
+#ifdef AF_TIMELINE
+#define AF_TL_SMS 256  // SM ids covered (H100: 132)
+__device__ unsigned long long af_tl_rec[AF_TL_SMS * AF_TIMELINE][4];
+__device__ unsigned int af_tl_next[AF_TL_SMS];
+__shared__ unsigned long long af_tl_wait;
+
+__device__ __forceinline__ unsigned long long af_tl_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+struct AfTimelineBlock {
+  unsigned long long t0 = 0;
+  unsigned int slot = 0, sm = 0;
+  __device__ AfTimelineBlock() {
+    if (threadIdx.x == 0) {
+      t0 = af_tl_now();
+      af_tl_wait = 0ull;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      slot = sm < AF_TL_SMS ? atomicAdd(&af_tl_next[sm], 1u) : 0u;
+    }
+  }
+  __device__ ~AfTimelineBlock() {
+    if (threadIdx.x == 0 && sm < AF_TL_SMS && slot < AF_TIMELINE) {
+      unsigned long long g;
+      asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
+      unsigned long long* r = af_tl_rec[sm * AF_TIMELINE + slot];
+      r[0] = g; r[1] = t0; r[2] = af_tl_wait; r[3] = af_tl_now();
+    }
+  }
+};
+#define AF_TIMELINE_BLOCK AfTimelineBlock af_tl_block_
+#else
+#define AF_TIMELINE_BLOCK
+#endif
+
 // Programmatic dependent launch (sm_90+). A kernel launched with the PDL attribute may start while its
 // predecessor still runs; it must call pdl_wait() before reading anything the predecessor writes (it may
 // read weights before). pdl_launch_dependents() lets the next kernel start launching. Both are no-ops
@@ -20,6 +64,9 @@
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#ifdef AF_TIMELINE
+  if (threadIdx.x == 0) af_tl_wait = af_tl_now();
 #endif
 }
 

@@ -9,6 +9,7 @@
 
 extern "C" __global__ void embed_lookup(const int* __restrict__ token, const __half* __restrict__ emb,
                                         float* __restrict__ h, int H) {
+  AF_TIMELINE_BLOCK;
   pdl_wait();
   pdl_launch_dependents();
   const size_t base = (size_t)(*token) * H;

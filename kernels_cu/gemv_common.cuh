@@ -377,6 +377,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
   NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
        const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
+    AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     gemv_tiled<PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, PdlSync{},   \
                                 smem_raw);                                                                \
@@ -388,6 +389,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   NAME##_r##NS(const unsigned char* __restrict__ W, const float* __restrict__ scales,                    \
                const void* __restrict__ x, const __half* __restrict__ norm_w, float eps, void* __restrict__ y, \
                int n_out, int K) {                                                                        \
+    AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     gemv_tiled_async<PRO, EPI, NS>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{},     \
                                          PdlSync{}, smem_raw);                                            \
@@ -407,6 +409,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
    __half* __restrict__ v_cache, int n_q, int n_kv, int hd)
 #define GEMV_ROPE_CALL(PATH)                                                                              \
   {                                                                                                       \
+    AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     PATH(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},                                                \
          RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}, PdlSync{}, smem_raw);                   \
@@ -489,6 +492,7 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, ROWS_MIN_BLOCKS)                            \
   NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
        const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
+    AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     gemv_rows<EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, PdlSync{}, smem_raw);               \
   }

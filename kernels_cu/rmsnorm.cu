@@ -11,6 +11,7 @@
 
 extern "C" __global__ void rmsnorm_f32_f16(const float* __restrict__ h, const __half* __restrict__ w, float eps,
                                            __half* __restrict__ out, int K) {
+  AF_TIMELINE_BLOCK;
   __shared__ float red[32];
   pdl_wait();
   pdl_launch_dependents();

@@ -3,7 +3,8 @@
 #   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench bench-ab knobs profile gemv
 #                                       validate evidence attention att-profile ab (default: info kernels engine bench)
 #   BENCH_SPECS="model:fmt ..."  CTX=128  KNOBS="DEF=V,DEF=V ..." (knobs: compile-time -D variants, 3B fp8)
-#   PROFILE_SPECS="model:fmt ..." PROFILE_DEFINES="DEF=V ..." (profile stage)
+#   PROFILE_SPECS="model:fmt ..." PROFILE_DEFINES="DEF=V ..." TIMELINE=N (profile stage; N replays of the
+#                                       in-kernel timeline instrument, 0 = off)
 #   AB_DIR=.ab/<commit> AB_SPEC="model:fmt" AB_ROUNDS=2 (ab stage: the other tree vs this one, same machine)
 set -uo pipefail
 FINAL=${OUT:-/tmp/atomflow-out}; OUT=$(mktemp -d); mkdir -p "$FINAL"   # logs go to $OUT, bundled into $FINAL
@@ -50,12 +51,18 @@ for st in $stages; do
       for spec in ${PROFILE_SPECS:-"llama-3.2-3b:fp8" "llama-3.2-3b:fp16"}; do
         m=${spec%%:*}; w=${spec##*:}; tag="${m#llama-}-$w"
         ATOMFLOW_KERNEL_DEFINES="${PROFILE_DEFINES:-}" atomflow-bench profile "$m" --weights $w --ctx 128 \
-          --json "$OUT/profile-$tag.json" >"$OUT/profile-$tag.log" 2>&1
+          --timeline "${TIMELINE:-0}" --json "$OUT/profile-$tag.json" >"$OUT/profile-$tag.log" 2>&1
         note "profile $tag: rc=$? $(grep -E 'sum of kernels' -A1 "$OUT/profile-$tag.log" | tr -s ' ' | tr '\n' ' ')"
         note "  in graph, role adds/floor µs per launch: $(python3 -c 'import json, sys
 m = json.load(open(sys.argv[1]))["role_marginals"]
 print(" ".join("%s=%.2f/%.2f" % (r["role"], r["saved_us_per_launch"], r["floor_us"] / r["count"]) for r in m["rows"]),
       "| step %.1f us, floor %.1f" % (m["step_us"]["median"], m["floor_us"]))' "$OUT/profile-$tag.json" 2>&1 | tail -1)"
+        [ "${TIMELINE:-0}" != 0 ] && note "  timeline, role span/floor (release, after release) µs per launch: $(python3 -c 'import json, sys
+t = json.load(open(sys.argv[1]))["timeline"]
+f = lambda v: "-" if v is None else "%.2f" % v
+print(" ".join("%s=%.2f/%.2f(%s,%s)" % (r["role"], r["span_us"], r["floor_us"], f(r["release_us"]), f(r["after_release_us"]))
+               for r in t["rows"]), "| replay %.1f us, instrumented %.1f, plain %.1f, clock %.0f ns" % (t["step_us"]["median"],
+      t["instrumented_replay_us"], t["plain_replay_us"], t["clock_granularity_ns"]))' "$OUT/profile-$tag.json" 2>&1 | tail -1)"
       done ;;
     gemv)
       atomflow-bench gemv llama-3.2-3b --json "$OUT/gemv-3b.json" >"$OUT/gemv-3b.log" 2>&1

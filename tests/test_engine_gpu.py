@@ -233,3 +233,31 @@ def test_profile_roles_in_graph(tiny_dir):
     again = role_marginals(eng, copy, replays=3)
     assert int(eng.arena["pos"].get()[0]) == pos_after  # the role graphs leave the position alone
     assert again["length"] == m["length"]
+
+
+def test_timeline_instrument(tiny_dir):
+    """`profile --timeline`: the instrumented build decodes the same tokens as the plain one; one replay's
+    records cover every block of every launch, their grid ids map onto the step's launches in order (else
+    timeline.launch_times raises), and the per-role spans add up to the replay."""
+    from atomflow_bench import timeline
+    from atomflow_bench.engine import Engine
+    from atomflow_bench.profile import step_role
+
+    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 50)]
+    plain = Engine(tiny_dir, weights="fp8", max_seq=120)
+    inst = Engine(tiny_dir, weights="fp8", max_seq=120, kernel_defines=(timeline.DEFINE,))
+    assert inst.generate(prompt, 16) == plain.generate(prompt, 16)
+    t = timeline.record(tiny_dir, "fp8", context=40, replays=4, copy={"median": 3000.0}, plain_step_us=1.0)
+    L = plain.cfg.num_hidden_layers
+    assert {r["role"]: r["count"] for r in t["rows"]} == {
+        "embed_lookup": 1, "wqkv": L, "attention_decode": L, "wo": L, "wgu": L, "wd": L, "rmsnorm_f32_f16": 1,
+        "lm_head": 1, "argmax_advance": 1}
+    assert [x["role"] for x in t["per_launch"]] == [step_role(ln) for ln in plain.launches]
+    assert t["blocks_per_step"] == sum(int(np.prod(ln.grid)) for ln in plain.launches)
+    assert t["length"] == 40 + 1 + (4 - 1) // 2  # the median position of the recorded replays
+    assert sum(r["us_per_step"] for r in t["rows"]) == pytest.approx(t["step_us"]["median"], rel=0.1)
+    for r in t["rows"]:
+        assert r["span_us"] >= 0 and r["tail_us"] >= 0
+        if r["release_us"] is not None:
+            assert r["start_us"] <= r["release_us"]  # every block starts before its wait returns
+    assert 0 < t["clock_granularity_ns"] <= 1000 and t["instrumented_replay_us"] > 0

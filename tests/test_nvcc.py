@@ -15,9 +15,9 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 SOURCES = sorted(KERNELS_DIR.glob("*.cu"))
 
 
-def compile_report(src, arch: str, tmp_path) -> str:
+def compile_report(src, arch: str, tmp_path, defines=()) -> str:
     out = subprocess.run([NVCC, f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings", "-Xptxas", "-v",
-                          "-c", str(src), "-o", str(tmp_path / f"{src.stem}-{arch}.o")],
+                          *[f"-D{d}" for d in defines], "-c", str(src), "-o", str(tmp_path / f"{src.stem}-{arch}.o")],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, f"{src.name} ({arch}) failed:\n{out.stderr[-3000:]}"
     return out.stderr
@@ -33,6 +33,17 @@ def test_compiles_without_spills(src, arch, tmp_path):
     assert len(frames) == len(entries)
     spilled = [(e, f) for e, f in zip(entries, frames) if any(int(v) for v in f)]
     assert not spilled, f"local memory use (stack/spills) in {spilled}"
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
+def test_timeline_build_compiles_without_spills(src, tmp_path):
+    """The timeline instrument (-DAF_TIMELINE, `profile --timeline`) must not push a kernel into local memory,
+    or the instrumented step would time something else."""
+    from atomflow_bench.timeline import DEFINE
+
+    report = compile_report(src, "sm_90", tmp_path, defines=(DEFINE,))
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert frames and not [f for f in frames if any(int(v) for v in f)]
 
 
 def test_every_source_has_a_header():

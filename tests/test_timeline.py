@@ -1,0 +1,68 @@
+"""The timeline instrument's analysis (CPU): records of one replay -> per-launch times -> per-role summary."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atomflow_bench.errors import AtomflowError
+from atomflow_bench.timeline import (
+    granularity_ns,
+    launch_times,
+    relative,
+    summarize_roles,
+)
+
+
+def records(launches, rng):
+    """launches: [(grid id, [(start, wait, end) per block])] -> shuffled [N, 4] uint64 rows (ns + a base)."""
+    base = 10**12 + int(rng.integers(0, 10**6))
+    rows = [(g, base + s, base + w if w else 0, base + e) for g, blocks in launches for s, w, e in blocks]
+    rows = np.array(rows, dtype=np.uint64)
+    return rows[rng.permutation(len(rows))]
+
+
+def test_launch_times_and_spans():
+    rng = np.random.default_rng()
+    step = [(40, [(0, 0, 1000), (100, 0, 1200)]),                         # no PDL wait recorded
+            (41, [(900, 1500, 3000), (950, 1400, 3500), (2000, 2100, 3100)]),  # started before 40 ended
+            (47, [(3600, 3700, 4000)])]
+    t = launch_times(records(step, rng), [2, 3, 1])
+    np.testing.assert_allclose(t[0], [0, np.nan, 1100, 1200])
+    np.testing.assert_allclose(t[1], [900, 1400, 3100, 3500])
+    np.testing.assert_allclose(t[2], [3600, 3700, 4000, 4000])
+    rel = relative(t)
+    # start, release, span, tail relative to the predecessor's last end (first launch: its own start)
+    np.testing.assert_allclose(rel[1], [900 - 1200, 1400 - 1200, 3500 - 1200, 3500 - 3100])
+    np.testing.assert_allclose(rel[2], [100, 200, 500, 0])
+    assert rel[:, 2].sum() == t[-1, 3] - t[0, 0]  # the spans add up to the replay
+
+
+def test_launch_times_refuses_a_wrong_mapping():
+    rng = np.random.default_rng()
+    step = [(5, [(0, 0, 10)]), (6, [(5, 6, 20), (7, 8, 30)])]
+    with pytest.raises(AtomflowError, match="expected the step's 2 launches"):
+        launch_times(records(step, rng), [2, 1])
+    with pytest.raises(AtomflowError, match="3 launches"):
+        launch_times(records(step, rng), [1, 2, 1])
+
+
+def test_summarize_roles_and_granularity():
+    rng = np.random.default_rng()
+    roles = ["embed", "qkv", "att", "qkv", "att"]
+    nbytes = [0, 3000, 10, 3000, 10]
+    rels = []
+    for _ in range(3):
+        r = np.zeros((5, 4))
+        r[:, 2] = [500, 2000 + rng.integers(0, 50), 1000, 2100, 900]  # spans, ns
+        r[:, 1] = [np.nan, 300, 400, 350, 450]
+        r[:, 3] = [0, 100, 50, 100, 50]
+        rels.append(r)
+    s = summarize_roles(rels, roles, nbytes, bw_gbs=3.0)  # 3 GB/s: 1 byte = 1/3 ns
+    by = {r["role"]: r for r in s["rows"]}
+    assert by["qkv"]["count"] == 2 and by["att"]["us_per_step"] == pytest.approx(1.9)
+    assert by["qkv"]["floor_us"] == pytest.approx(1.0)  # 3000 bytes at 3 GB/s per launch
+    assert by["embed"]["release_us"] is None and by["att"]["release_us"] == pytest.approx(0.425)
+    assert sum(r["us_per_step"] for r in s["rows"]) == pytest.approx(s["step_us"]["median"], abs=0.06)
+    assert sum(r["pct_of_step"] for r in s["rows"]) == pytest.approx(100, abs=2)
+    rec = records([(1, [(0, 0, 64), (32, 0, 96)])], rng)
+    assert granularity_ns(rec) == 32
