@@ -165,7 +165,7 @@ def record(model_dir, weights: str, context: int, replays: int, copy: dict, plai
     ev1.synchronize()
     inst_us = cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / timed
     out = summarize_roles(rels, roles, nbytes, copy["median"])
-    out.update({"length": length, "replays": replays, "launches": len(launches), "blocks_per_step": sum(blocks),
+    out.update({"length": length, "max_seq": eng.max_seq, "replays": replays, "launches": len(launches), "blocks_per_step": sum(blocks),
                 "clock_granularity_ns": float(np.nanmin(gran)), "instrumented_replay_us": inst_us,
                 "plain_replay_us": plain_step_us, "floor_us": sum(nbytes) / (copy["median"] * 1e9) * 1e6,
                 "per_launch": [{"role": ro, "start_us": float(np.median([x[i, 0] for x in rels]) / 1e3),

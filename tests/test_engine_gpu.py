@@ -243,11 +243,11 @@ def test_timeline_instrument(tiny_dir):
     from atomflow_bench.engine import Engine
     from atomflow_bench.profile import step_role
 
-    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 50)]
-    plain = Engine(tiny_dir, weights="fp8", max_seq=120)
-    inst = Engine(tiny_dir, weights="fp8", max_seq=120, kernel_defines=(timeline.DEFINE,))
-    assert inst.generate(prompt, 16) == plain.generate(prompt, 16)
     t = timeline.record(tiny_dir, "fp8", context=40, replays=4, copy={"median": 3000.0}, plain_step_us=1.0)
+    prompt = [int(x) for x in np.random.default_rng().integers(0, 1000, 50)]
+    plain = Engine(tiny_dir, weights="fp8", max_seq=t["max_seq"])  # the same launch shapes as the recorded one
+    inst = Engine(tiny_dir, weights="fp8", max_seq=t["max_seq"], kernel_defines=(timeline.DEFINE,))
+    assert inst.generate(prompt, 16) == plain.generate(prompt, 16)
     L = plain.cfg.num_hidden_layers
     assert {r["role"]: r["count"] for r in t["rows"]} == {
         "embed_lookup": 1, "wqkv": L, "attention_decode": L, "wo": L, "wgu": L, "wd": L, "rmsnorm_f32_f16": 1,
