@@ -22,8 +22,6 @@ POOLS = ("weights", "kv", "activations", "scratch")
 ATT_CHUNK = 32          # positions per attention sub-chunk (kernels_cu/attention_common.cuh ATT_CHUNK)
 ATT_BLOCKS_PER_SM = 4   # attention splits are capped at ~this many blocks per SM (attention.cu: longer splits);
                         # A/B knob ATT_BLOCKS_PER_SM in ATOMFLOW_KERNEL_DEFINES
-ATT_CLUSTER = 8         # attention splits of a kv head meet in thread block clusters of up to this many blocks
-                        # (sm_90+; 8 = the portable maximum; A/B knob ATT_CLUSTER, 1 = no clusters)
 ARGMAX_THREADS = 1024   # block size of argmax_advance
 RESERVE = 512 << 20     # VRAM left free for the CUDA context, CuPy and load-time staging slack
 
@@ -74,16 +72,11 @@ def linear_regions(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return {"wqkv": (cfg.qkv_dim, H), "wo": (H, cfg.q_dim), "wgu": (2 * I, H), "wd": (H, I)}
 
 
-def attention_splits(max_seq: int, n_kv: int, n_sm: int, blocks_per_sm: int | None = None,
-                     cluster: int | None = None) -> int:
+def attention_splits(max_seq: int, n_kv: int, n_sm: int, blocks_per_sm: int | None = None) -> int:
     """Split capacity per kv head (= the attention launch's grid.y): one split per ATT_CHUNK positions, capped so
-    the whole launch is about ATT_BLOCKS_PER_SM blocks per SM; beyond the cap a split walks several sub-chunks.
-    Rounded up to a multiple of the cluster size (ATT_CLUSTER) so that the splits group into whole clusters
-    (the blocks past the context length's split count exit at once, or idle through their cluster's barriers)."""
+    the whole launch is about ATT_BLOCKS_PER_SM blocks per SM; beyond the cap a split walks several sub-chunks."""
     per_sm = blocks_per_sm or knob("ATT_BLOCKS_PER_SM", ATT_BLOCKS_PER_SM)
-    c = cluster or knob("ATT_CLUSTER", ATT_CLUSTER)
-    s = max(1, min(-(-max_seq // ATT_CHUNK), -(-per_sm * n_sm // n_kv)))
-    return s if s == 1 or c <= 1 else -(-s // c) * c
+    return max(1, min(-(-max_seq // ATT_CHUNK), -(-per_sm * n_sm // n_kv)))
 
 
 def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> ArenaPlan:

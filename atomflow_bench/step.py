@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from .arena import ARGMAX_THREADS, ATT_CHUNK, ATT_CLUSTER, Arena, linear_regions
+from .arena import ARGMAX_THREADS, ATT_CHUNK, Arena, linear_regions
 from .config import ModelConfig
 from .errors import AtomflowError, VerifyError
 from .kernels import GEMV_RING_DEPTHS, KernelLib, Launch, allow_dynamic_smem, knob
@@ -167,10 +167,9 @@ def attention_smem(group: int, hd: int, splits: int) -> int:
 
 
 def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, counters, out, n_kv: int,
-                     group: int, hd: int, taps=None, cluster_limit: int | None = None) -> Launch:
+                     group: int, hd: int, taps=None) -> Launch:
     """k_cache/v_cache: one layer's [max_seq, kv_dim] slab; part_*: [n_heads, splits, ...] scratch, whose split
-    count is the launch's grid.y (arena.attention_splits: at long contexts a split walks several sub-chunks).
-    cluster_limit: the most blocks per cluster (default: the ATT_CLUSTER knob; 1 = no cluster launch)."""
+    count is the launch's grid.y (arena.attention_splits: at long contexts a split walks several sub-chunks)."""
     splits = part_ml.shape[1]
     if part_o.shape[1] != splits or splits < 1:
         raise AtomflowError("attention partials: att_ml and att_o disagree on the split count")
@@ -181,20 +180,7 @@ def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, 
     allow_dynamic_smem(fn, shmem)
     return Launch(fn, "attention_decode", (n_kv, splits), (ATT_THREADS,),
                   (q, k_cache, v_cache, pos, part_ml, part_o, counters, out, i32(n_kv), i32(splits),
-                   np.float32(1.0 / math.sqrt(hd))), shmem, taps or {}, 0,
-                  cluster=attention_cluster(splits, cluster_limit or lib.define("ATT_CLUSTER", ATT_CLUSTER)))
-
-
-def attention_cluster(splits: int, limit: int, cc: int | None = None) -> int:
-    """Blocks per thread block cluster of the attention launch: the largest divisor of the split count (grid.y)
-    up to `limit` (at most 8, the portable cluster size); 1 (no cluster launch) below sm_90."""
-    if cc is None:
-        import cupy
-
-        cc = int(cupy.cuda.Device().compute_capability)
-    if cc < 90:
-        return 1
-    return max(d for d in range(1, min(limit, 8) + 1) if splits % d == 0)
+                   np.float32(1.0 / math.sqrt(hd))), shmem, taps or {}, 0)
 
 
 def rmsnorm_launch(lib: KernelLib, h, w, eps: float, out, taps=None) -> Launch:

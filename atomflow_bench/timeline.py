@@ -136,6 +136,7 @@ def record(model_dir, weights: str, context: int, replays: int, copy: dict, plai
     prompt = synthetic_prompt(eng.cfg.vocab_size, context)
     eng.reset(prompt)
     eng.run(len(prompt) - 1)
+    eng.stream.synchronize()  # the graph runs on the engine's stream: pos is final only after it
     launches = eng.launches
     blocks = [int(np.prod(ln.grid)) for ln in launches]
     roles = [step_role(ln) for ln in launches]

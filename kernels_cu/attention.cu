@@ -12,13 +12,7 @@
 //            barrier inside the walk — and the next pass's K/V loads in flight while the current one is
 //            scored; the warps' states are merged through shared memory at the end. The launch caps the
 //            splits at ~4 blocks per SM (all resident: <= 128 registers per thread at G <= 3).
-//            Clusters (sm_90+, when the launch asks for them): the C blocks of a thread block cluster hold C
-//            consecutive splits of one kv head; each publishes its state (max, sum, o) in its shared memory, and
-//            after a cluster barrier rank 0 combines the C states through distributed shared memory — no global
-//            partials, ticket or extra L2 round for the splits of one cluster — and carries the result on as one
-//            "part" (up to 8 splits, e.g. contexts <= 256 at one split per 32 positions, that is the whole head).
-//            Without clusters every split is a part.
-//            With one part the block writes `out` directly. Otherwise it writes (max, sum, o[hd]) partials;
+//            With one split the block writes `out` directly. Otherwise it writes (max, sum, o[hd]) partials;
 //            the last block of head j to finish (acq_rel atomic ticket) rescales and sums them into `out`
 //            (the first round of float4 partial-o L2 loads, ATT_COMBINE_LOADS in flight per thread, goes out
 //            together with the one round of all (max, sum) pairs; further rounds follow) and resets its ticket. Blocks whose split is empty at this L exit at once, so one launch
@@ -28,10 +22,9 @@
 // Layouts    q fp16 [n_heads*hd] (post-RoPE, start of the qkv buffer); k_cache/v_cache: this layer's slab
 //            fp16 [max_seq][n_kv*hd]; part_ml fp32 [n_heads][max_splits][2]; part_o fp32
 //            [n_heads][max_splits][hd]; counters uint32 [n_kv]; out fp16 [n_heads*hd].
-// Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + partials n_heads * parts * (hd + 2) * 4 * 2.
+// Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + partials n_heads * splits * (hd + 2) * 4 * 2.
 // Launch     attention_decode_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv, max_splits), block = 128, dyn. smem =
-//            max(warp states, combine scratch) (step.py attention_smem); optionally clusters of (1, C <= 8) blocks
-//            with C dividing max_splits (step.py attention_cluster; the arena rounds max_splits to whole clusters).
+//            max(warp states, combine scratch) (step.py attention_smem).
 // Code       the work item is attention_common.cuh.
 #include "attention_common.cuh"
 

@@ -17,61 +17,6 @@ __device__ __forceinline__ void f8_from_u4(uint4 u, float* f) {
   f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
 }
 
-// Thread block clusters (sm_90+): the launch may group the splits of a kv head into clusters of C blocks along
-// grid.y (step.py attention_launch); without a cluster launch every block is its own cluster of 1.
-__device__ __forceinline__ unsigned int cluster_size() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  unsigned int n;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-  return n;
-#else
-  return 1u;
-#endif
-}
-
-__device__ __forceinline__ unsigned int cluster_rank() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  unsigned int r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-#else
-  return 0u;
-#endif
-}
-
-// All threads of every block of the cluster: shared-memory writes before it are visible to the cluster after it.
-__device__ __forceinline__ void cluster_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
-// A float (or float4) of block `rank`'s shared memory at the address of `p` in this block's (DSMEM).
-__device__ __forceinline__ unsigned int dsmem_addr(const void* p, unsigned int rank) {
-  unsigned int a = (unsigned int)__cvta_generic_to_shared(p), r = a;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-#endif
-  return r;
-}
-
-__device__ __forceinline__ float ld_dsmem(const float* p, unsigned int rank) {
-  float v = *p;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(dsmem_addr(p, rank)) : "memory");
-#endif
-  return v;
-}
-
-__device__ __forceinline__ float4 ld_dsmem4(const float* p, unsigned int rank) {
-  float4 v = *reinterpret_cast<const float4*>(p);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(dsmem_addr(p, rank)) : "memory");
-#endif
-  return v;
-}
-
 // Splits of kv head j at context length len: one per ATT_CHUNK-position sub-chunk up to max_splits (the
 // launch's grid.y), beyond that each split takes a contiguous, even share of the sub-chunks.
 __device__ __forceinline__ int attention_splits(int len, int max_splits) {
@@ -104,12 +49,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   static_assert(ATT_CHUNK % PASS == 0, "a sub-chunk must hold whole passes");
   const int n_sub = (len + ATT_CHUNK - 1) / ATT_CHUNK;
   const int n_splits = attention_splits(len, max_splits);
-  // a cluster launch groups C consecutive splits: its blocks meet in distributed shared memory and its first
-  // block (rank 0) carries their combined state on as one "part"; without clusters every split is a part
-  const int C = (int)cluster_size();
-  const int part = split / C, n_parts = (n_splits + C - 1) / C;
-  if (part * C >= n_splits) return;          // nothing for this cluster at this context length (before any barrier)
-  // a block past n_splits in a live cluster walks an empty range (p0 >= p1: m = -inf, l = 0) and joins the barriers
+  if (split >= n_splits) return;             // nothing at this context length (before any barrier)
   const int p0 = (int)((long long)split * n_sub / n_splits) * ATT_CHUNK;
   const int p1 = min((int)((long long)(split + 1) * n_sub / n_splits) * ATT_CHUNK, len);
   const size_t kv_dim = (size_t)n_kv * HD;
@@ -253,8 +193,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     float L = 0.f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
-      // 0 for a warp that had no pass (m = -inf); a block with an empty range (M = -inf) has no weights at all
-      const float a = M == -AF_INF ? 0.f : __expf(w_m[w][g] - M);
+      const float a = __expf(w_m[w][g] - M);  // 0 for a warp that had no pass (m = -inf)
       s_w[w][g] = a;
       L += a * w_l[w][g];
     }
@@ -262,77 +201,22 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     s_l[g] = L;
   }
   __syncthreads();
-  if (C == 1) {  // no cluster: this block's state is its part
-    for (int i = threadIdx.x; i < gh; i += T) {
-      const int g = i / HD;
-      float acc = 0.f;
+  for (int i = threadIdx.x; i < gh; i += T) {
+    const int g = i / HD;
+    float acc = 0.f;
 #pragma unroll
-      for (int w = 0; w < NW; ++w) acc = fmaf(s_w[w][g], wo[(size_t)w * gh + i], acc);
-      if (n_parts == 1) out[(size_t)j * gh + i] = __float2half(acc / s_l[g]);  // one split: finish here
-      else part_o[((size_t)(j * G + g) * max_splits + part) * HD + i % HD] = acc;
-    }
-    if (n_parts == 1) return;
-    if (threadIdx.x < G) {
-      float* ml = part_ml + ((size_t)(j * G + threadIdx.x) * max_splits + part) * 2;
-      ml[0] = s_m[threadIdx.x];
-      ml[1] = s_l[threadIdx.x];
-    }
-  } else {  // cluster: every block publishes its state (bo relative to s_m, s_l) in its shared memory ...
-    __shared__ __align__(16) float bo[G * HD];
-    __shared__ float c_w[8][G], c_m[G], c_l[G];  // cluster weights per rank (C <= 8), combined max and sum
-    for (int i = threadIdx.x; i < gh; i += T) {
-      const int g = i / HD;
-      float acc = 0.f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) acc = fmaf(s_w[w][g], wo[(size_t)w * gh + i], acc);
-      bo[i] = acc;
-    }
-    cluster_sync();  // every block's (s_m, s_l, bo) written and visible to the cluster
-    const bool leader = cluster_rank() == 0;
-    if (leader) {    // ... and rank 0 combines them through distributed shared memory
-      if (threadIdx.x < G) {
-        const int g = threadIdx.x;
-        float M = -AF_INF;
-        for (int r = 0; r < C; ++r) M = fmaxf(M, ld_dsmem(&s_m[g], r));  // finite: rank 0's split is not empty
-        float L = 0.f;
-        for (int r = 0; r < C; ++r) {
-          const float mr = ld_dsmem(&s_m[g], r);
-          const float a = mr == -AF_INF ? 0.f : __expf(mr - M);
-          c_w[r][g] = a;
-          L += a * ld_dsmem(&s_l[g], r);
-        }
-        c_m[g] = M;
-        c_l[g] = L;
-      }
-      __syncthreads();
-      for (int i = threadIdx.x * 4; i < gh; i += T * 4) {
-        const int g = i / HD;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int r = 0; r < C; ++r) {
-          const float a = c_w[r][g];
-          const float4 v = ld_dsmem4(&bo[i], r);
-          acc.x = fmaf(a, v.x, acc.x); acc.y = fmaf(a, v.y, acc.y); acc.z = fmaf(a, v.z, acc.z); acc.w = fmaf(a, v.w, acc.w);
-        }
-        if (n_parts == 1) {  // one cluster: finish here
-          const float inv = 1.f / c_l[g];
-          __half2* dst = reinterpret_cast<__half2*>(out + (size_t)j * gh + i);
-          dst[0] = __floats2half2_rn(acc.x * inv, acc.y * inv);
-          dst[1] = __floats2half2_rn(acc.z * inv, acc.w * inv);
-        } else {
-          *reinterpret_cast<float4*>(part_o + ((size_t)(j * G + g) * max_splits + part) * HD + i % HD) = acc;
-        }
-      }
-      if (n_parts > 1 && threadIdx.x < G) {
-        float* ml = part_ml + ((size_t)(j * G + threadIdx.x) * max_splits + part) * 2;
-        ml[0] = c_m[threadIdx.x];
-        ml[1] = c_l[threadIdx.x];
-      }
-    }
-    cluster_sync();  // the other blocks leave only once rank 0 has read their shared memory
-    if (!leader || n_parts == 1) return;
+    for (int w = 0; w < NW; ++w) acc = fmaf(s_w[w][g], wo[(size_t)w * gh + i], acc);
+    if (n_splits == 1) out[(size_t)j * gh + i] = __float2half(acc / s_l[g]);  // one split: finish here
+    else part_o[((size_t)(j * G + g) * max_splits + split) * HD + i % HD] = acc;
+  }
+  if (n_splits == 1) return;
+  if (threadIdx.x < G) {
+    float* ml = part_ml + ((size_t)(j * G + threadIdx.x) * max_splits + split) * 2;
+    ml[0] = s_m[threadIdx.x];
+    ml[1] = s_l[threadIdx.x];
   }
   __syncthreads();  // all partials of this block written; thread 0's acq_rel ticket publishes them
-  if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(counters + j, 1u) == (unsigned int)n_parts - 1;
+  if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(counters + j, 1u) == (unsigned int)n_splits - 1;
   __syncthreads();
   if (!last) return;  // the last block acquired every other block's partials through its ticket
 
@@ -355,12 +239,12 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     const float4* po = col_of(threadIdx.x, cidx, r);
 #pragma unroll
     for (int u = 0; u < ATT_COMBINE_LOADS; ++u)
-      pre[u] = r + u * R < n_parts ? __ldcg(po + (size_t)(r + u * R) * (HD / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      pre[u] = r + u * R < n_splits ? __ldcg(po + (size_t)(r + u * R) * (HD / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   float* coef = smem;                        // [G][max_splits]: m_s, then the weights (wo is dead)
   float* l_s = coef + G * max_splits;       // [G][max_splits]: l_s
-  for (int i = threadIdx.x; i < G * n_parts; i += T) {  // every (m, l) pair in one round of L2 loads
-    const int g = i / n_parts, sp = i % n_parts;
+  for (int i = threadIdx.x; i < G * n_splits; i += T) {  // every (m, l) pair in one round of L2 loads
+    const int g = i / n_splits, sp = i % n_splits;
     const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml) + (size_t)(j * G + g) * max_splits + sp);
     coef[g * max_splits + sp] = ml.x;
     l_s[g * max_splits + sp] = ml.y;
@@ -368,17 +252,17 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   __syncthreads();
   for (int g = warp; g < G; g += T / AF_WARP) {
     float M = -AF_INF;
-    for (int sp = lane; sp < n_parts; sp += AF_WARP) M = fmaxf(M, coef[g * max_splits + sp]);
+    for (int sp = lane; sp < n_splits; sp += AF_WARP) M = fmaxf(M, coef[g * max_splits + sp]);
     M = warp_max(M);
     float L = 0.f;
-    for (int sp = lane; sp < n_parts; sp += AF_WARP) {
+    for (int sp = lane; sp < n_splits; sp += AF_WARP) {
       const float w = __expf(coef[g * max_splits + sp] - M);
       coef[g * max_splits + sp] = w;
       L += w * l_s[g * max_splits + sp];
     }
     L = warp_sum(L);
     __syncwarp();
-    for (int sp = lane; sp < n_parts; sp += AF_WARP) coef[g * max_splits + sp] /= L;
+    for (int sp = lane; sp < n_splits; sp += AF_WARP) coef[g * max_splits + sp] /= L;
   }
   __syncthreads();
   float4* red = reinterpret_cast<float4*>(coef + ((2 * G * max_splits + 3) & ~3));  // [R][COLS]
@@ -393,12 +277,12 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     if (i == threadIdx.x) {  // the first column: its first round is already in registers
 #pragma unroll
       for (int u = 0; u < ATT_COMBINE_LOADS; ++u) {
-        const float w = sp + u * R < n_parts ? cf[sp + u * R] : 0.f;
+        const float w = sp + u * R < n_splits ? cf[sp + u * R] : 0.f;
         a[u].x = w * pre[u].x; a[u].y = w * pre[u].y; a[u].z = w * pre[u].z; a[u].w = w * pre[u].w;
       }
       sp += ATT_COMBINE_LOADS * R;
     }
-    for (; sp + (ATT_COMBINE_LOADS - 1) * R < n_parts; sp += ATT_COMBINE_LOADS * R) {
+    for (; sp + (ATT_COMBINE_LOADS - 1) * R < n_splits; sp += ATT_COMBINE_LOADS * R) {
 #pragma unroll
       for (int u = 0; u < ATT_COMBINE_LOADS; ++u) {
         const float w = cf[sp + u * R];
@@ -407,7 +291,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
         a[u].z = fmaf(w, v.z, a[u].z); a[u].w = fmaf(w, v.w, a[u].w);
       }
     }
-    for (; sp < n_parts; sp += R) {
+    for (; sp < n_splits; sp += R) {
       const float w = cf[sp];
       const float4 v = __ldcg(po + (size_t)sp * (HD / 4));
       a[0].x = fmaf(w, v.x, a[0].x); a[0].y = fmaf(w, v.y, a[0].y);

@@ -1,55 +1,32 @@
 """CPU: the attention launch plan (arena.attention_splits, step.attention_smem) for every supported shape."""
 import pytest
 
-from atomflow_bench.arena import ATT_BLOCKS_PER_SM, ATT_CHUNK, ATT_CLUSTER, attention_splits, plan_arena
+from atomflow_bench.arena import ATT_BLOCKS_PER_SM, ATT_CHUNK, attention_splits, plan_arena
 from atomflow_bench.config import get_preset
-from atomflow_bench.step import ATT_THREADS, SMEM_PER_SM, attention_cluster, attention_smem
+from atomflow_bench.step import ATT_THREADS, SMEM_PER_SM, attention_smem
 
 
 @pytest.mark.parametrize("n_kv", [1, 3, 8])
 def test_short_contexts_get_one_split_per_chunk(n_kv):
-    for max_seq in (1, 31, 32, 33, 160, 384):
-        assert attention_splits(max_seq, n_kv, 132, cluster=1) == -(-max_seq // ATT_CHUNK)
-        # with clusters: rounded up to whole clusters (one split stays one split)
-        s = attention_splits(max_seq, n_kv, 132, cluster=ATT_CLUSTER)
-        chunks = -(-max_seq // ATT_CHUNK)
-        assert s == (1 if chunks == 1 else -(-chunks // ATT_CLUSTER) * ATT_CLUSTER)
-
-
-def test_cluster_is_the_largest_divisor_up_to_the_limit():
-    assert attention_cluster(16, 8, cc=90) == 8
-    assert attention_cluster(72, 8, cc=90) == 8
-    assert attention_cluster(130, 8, cc=90) == 5
-    assert attention_cluster(7, 8, cc=90) == 7
-    assert attention_cluster(13, 8, cc=90) == 1
-    assert attention_cluster(16, 4, cc=90) == 4
-    assert attention_cluster(16, 1, cc=90) == 1
-    assert attention_cluster(16, 64, cc=90) == 8  # never past the portable cluster size
-    assert attention_cluster(16, 8, cc=89) == 1   # no clusters before Hopper
-    for s in range(1, 200):  # the plan's split counts always form whole clusters of ATT_CLUSTER
-        n = attention_splits(s * ATT_CHUNK, 8, 132)
-        assert n == 1 or attention_cluster(n, ATT_CLUSTER, cc=90) == ATT_CLUSTER
+    for max_seq in (1, 31, 32, 33, 160):
+        assert attention_splits(max_seq, n_kv, 132) == -(-max_seq // ATT_CHUNK)
 
 
 @pytest.mark.parametrize("n_kv,n_sm", [(1, 132), (3, 132), (8, 132), (8, 78), (8, 170)])
 def test_long_contexts_are_capped_near_the_block_budget(n_kv, n_sm):
-    s = attention_splits(32768, n_kv, n_sm, cluster=1)
+    s = attention_splits(32768, n_kv, n_sm)
     assert s == -(-ATT_BLOCKS_PER_SM * n_sm // n_kv)
     assert (s - 1) * n_kv < ATT_BLOCKS_PER_SM * n_sm <= s * n_kv
-    c = attention_splits(32768, n_kv, n_sm)
-    assert c % ATT_CLUSTER == 0 and s <= c < s + ATT_CLUSTER
     assert s * ATT_CHUNK < 32768  # so splits really walk several sub-chunks there
 
 
 def test_block_budget_knob(monkeypatch):
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "GEMV_STAGES=5 ATT_BLOCKS_PER_SM=4 ATT_CLUSTER=1")
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "GEMV_STAGES=5 ATT_BLOCKS_PER_SM=4")
     assert attention_splits(32768, 8, 132) == 66
     cfg = get_preset("llama-3.2-3b").config
     assert plan_arena(cfg, "fp8", 8192 + 64, 132).regions["att_ml"].shape == (cfg.num_attention_heads, 66, 2)
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "ATT_BLOCKS_PER_SM=4")
-    assert plan_arena(cfg, "fp8", 8192 + 64, 132).regions["att_ml"].shape == (cfg.num_attention_heads, 72, 2)
     monkeypatch.delenv("ATOMFLOW_KERNEL_DEFINES")
-    assert attention_splits(32768, 8, 132, cluster=1) == -(-ATT_BLOCKS_PER_SM * 132 // 8)
+    assert attention_splits(32768, 8, 132) == -(-ATT_BLOCKS_PER_SM * 132 // 8)
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
