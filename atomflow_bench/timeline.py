@@ -10,7 +10,10 @@ predecessor's last block end as time 0:
 * release  its first block's return from the PDL wait (the predecessor's completion reaching it);
 * span     its last block's end: what the launch adds to the step's critical path (the spans of a replay add up
            to the replay, first block start to last block end);
-* tail     its last block's end minus its median block end (stragglers).
+* tail     its last block's end minus its median block end (stragglers);
+* marks    the kernel's own stages (AF_TL_MARK k in kernels_cu: GEMV 0 x staged, 1 dot products done, 2 epilogue
+           done; attention 0 q loaded, 1 passes done, 2 partials stored, 3 ticket back), each block's time from its
+           own wait return, median over the blocks that reach the mark.
 
 Per role (wqkv, attention_decode, ...) the medians over layers and replays, and the role's share of the step
 against its bytes at the copy bandwidth. The instrument costs one atomic and four stores per block: its step
@@ -24,12 +27,13 @@ from .errors import AtomflowError
 
 SLOTS = 1024  # record slots per SM and module (-DAF_TIMELINE=SLOTS)
 TL_SMS = 256  # kernels_cu/common.cuh AF_TL_SMS: SM ids covered
+MARKS = 4     # kernels_cu/common.cuh AF_TL_MARKS: stage marks per record
 DEFINE = f"AF_TIMELINE={SLOTS}"
 
 
 # ---- device side: the records of one replay ---------------------------------------------------------------
 def buffers(lib) -> list[tuple]:
-    """(records [TL_SMS * SLOTS, 4] uint64, next-slot counters [TL_SMS] uint32) of every loaded module."""
+    """(records [TL_SMS * SLOTS, 4 + MARKS] uint64, next-slot counters [TL_SMS] uint32) of every loaded module."""
     import cupy as cp
 
     out = []
@@ -38,7 +42,7 @@ def buffers(lib) -> list[tuple]:
             rec, nxt = mod.get_global("af_tl_rec"), mod.get_global("af_tl_next")
         except Exception as e:  # noqa: BLE001 — CuPy raises a driver error for a missing symbol
             raise AtomflowError(f"{path.name} was not compiled with the timeline instrument ({e})") from None
-        out.append((cp.ndarray((TL_SMS * SLOTS, 4), cp.uint64, rec), cp.ndarray((TL_SMS,), cp.uint32, nxt)))
+        out.append((cp.ndarray((TL_SMS * SLOTS, 4 + MARKS), cp.uint64, rec), cp.ndarray((TL_SMS,), cp.uint32, nxt)))
     return out
 
 
@@ -48,7 +52,8 @@ def clear(bufs) -> None:
 
 
 def read(bufs) -> tuple[np.ndarray, int]:
-    """All records written since `clear` ([N, 4]: grid id, start, wait, end) and how many did not fit."""
+    """All records written since `clear` ([N, 4 + MARKS]: grid id, start, wait, end, marks) and how many did not
+    fit."""
     rows, dropped = [], 0
     for rec, nxt in bufs:
         n = nxt.get().astype(np.int64)
@@ -58,38 +63,45 @@ def read(bufs) -> tuple[np.ndarray, int]:
         r = rec.get()
         for sm in np.flatnonzero(n):
             rows.append(r[sm * SLOTS: sm * SLOTS + min(int(n[sm]), SLOTS)])
-    return (np.concatenate(rows) if rows else np.zeros((0, 4), np.uint64)), dropped
+    return (np.concatenate(rows) if rows else np.zeros((0, 4 + MARKS), np.uint64)), dropped
 
 
 # ---- analysis (CPU) ------------------------------------------------------------------------------------------
 def launch_times(rec: np.ndarray, blocks: list[int]) -> np.ndarray:
-    """Per launch of one replay, in ns: [start_min, wait_min (nan: no block waited), end_median, end_max]."""
+    """Per launch of one replay, in ns: [start_min, wait_min (nan: no block waited), end_median, end_max, then per
+    mark the median over its blocks of mark - own wait (nan: no block has both)]."""
     ids, inv = np.unique(rec[:, 0], return_inverse=True)
     counts = np.bincount(inv.reshape(-1), minlength=len(ids))
     if len(ids) != len(blocks) or list(counts) != list(blocks):
         raise AtomflowError(f"timeline: {len(ids)} grids with {counts.tolist()[:8]}... blocks, expected the step's "
                             f"{len(blocks)} launches with {list(blocks)[:8]}... blocks")
     inv = inv.reshape(-1)
-    t = rec[:, 1:].astype(np.int64)
+    t = rec[:, 1:4].astype(np.int64)
+    marks = rec[:, 4:].astype(np.int64)
     t0 = t[:, 0].min()
-    out = np.empty((len(ids), 4))
+    out = np.full((len(ids), 4 + marks.shape[1]), np.nan)
     for i in range(len(ids)):
         start, wait, end = (t[inv == i] - np.array([t0, 0, t0])).T
+        mine = marks[inv == i]
+        for k in range(mine.shape[1]):
+            ok = (mine[:, k] > 0) & (wait > 0)
+            if ok.any():
+                out[i, 4 + k] = np.median(mine[ok, k] - wait[ok])
         wait = wait[wait > 0] - t0  # 0: the block exited before waiting
-        out[i] = (start.min(), wait.min() if wait.size else np.nan, np.median(end), end.max())
+        out[i, :4] = (start.min(), wait.min() if wait.size else np.nan, np.median(end), end.max())
     return out
 
 
 def relative(times: np.ndarray) -> np.ndarray:
     """Per launch [start, release, span, tail] in ns relative to the predecessor's last block end (the first
-    launch: to its own first block start)."""
+    launch: to its own first block start), then the marks as they are."""
     prev = np.concatenate([[times[0, 0]], times[:-1, 3]])
     rel = np.empty((len(times), 4))
     rel[:, 0] = times[:, 0] - prev
     rel[:, 1] = times[:, 1] - prev
     rel[:, 2] = times[:, 3] - prev
     rel[:, 3] = times[:, 3] - times[:, 2]
-    return rel
+    return np.concatenate([rel, times[:, 4:]], axis=1)  # the marks are already relative to each block's wait
 
 
 def granularity_ns(rec: np.ndarray) -> float:
@@ -101,12 +113,13 @@ def granularity_ns(rec: np.ndarray) -> float:
 
 def summarize_roles(rels: list[np.ndarray], roles: list[str], nbytes: list[int], bw_gbs: float) -> dict:
     """Per role: medians over its launches and the replays; µs per step = the role's spans summed per replay."""
-    R = np.stack(rels) / 1e3  # [replays, launches, 4] in µs
+    R = np.stack(rels) / 1e3  # [replays, launches, 4 + marks] in µs
     step = R[:, :, 2].sum(axis=1)
     rows = []
     for role in dict.fromkeys(roles):
         idx = [i for i, r in enumerate(roles) if r == role]
-        sub = R[:, idx, :].reshape(-1, 4)
+        sub = R[:, idx, :].reshape(-1, R.shape[2])
+        marks = [float(np.median(m[~np.isnan(m)])) if (~np.isnan(m)).any() else None for m in sub[:, 4:].T]
         per_step = float(np.median(R[:, idx, 2].sum(axis=1)))
         floor = sum(nbytes[i] for i in idx) / (bw_gbs * 1e9) * 1e6
         rel = sub[:, 1][~np.isnan(sub[:, 1])]
@@ -116,7 +129,7 @@ def summarize_roles(rels: list[np.ndarray], roles: list[str], nbytes: list[int],
                      "start_us": float(np.median(sub[:, 0])),
                      "release_us": float(np.median(rel)) if rel.size else None,
                      "after_release_us": float(np.median(sub[:, 2] - sub[:, 1])) if rel.size else None,
-                     "tail_us": float(np.median(sub[:, 3])),
+                     "tail_us": float(np.median(sub[:, 3])), "marks_us": marks,
                      "pct_of_copy": 100 * floor / per_step if per_step > 0 else None})
     return {"step_us": {"median": float(np.median(step)), "min": float(step.min()), "max": float(step.max()),
                         "n": int(step.size)}, "rows": rows}
@@ -182,7 +195,7 @@ def timeline_table(t: dict):
     tab = Table(title=f"graph step timeline (GPU clock, thread 0 of every block; length {t['length']}, "
                       f"{t['replays']} replays; times relative to the predecessor's last block end)")
     for c in ("role", "launches", "µs/step", "% step", "span µs", "bytes floor µs", "first start", "release",
-              "after release", "tail"):
+              "after release", "tail", "marks after own release"):
         tab.add_column(c, justify="left" if c == "role" else "right")
 
     def f(v):
@@ -190,7 +203,8 @@ def timeline_table(t: dict):
 
     for r in t["rows"]:
         tab.add_row(r["role"], str(r["count"]), f"{r['us_per_step']:.1f}", f"{r['pct_of_step']:.1f}", f(r["span_us"]),
-                    f(r["floor_us"]), f(r["start_us"]), f(r["release_us"]), f(r["after_release_us"]), f(r["tail_us"]))
+                    f(r["floor_us"]), f(r["start_us"]), f(r["release_us"]), f(r["after_release_us"]), f(r["tail_us"]),
+                    " ".join(f(m) for m in r.get("marks_us", [])))
     s = t["step_us"]
     plain = f"{t['plain_replay_us']:.1f}" if t.get("plain_replay_us") else "-"
     tab.caption = (f"replay first start -> last end {s['median']:.1f} µs ({s['min']:.1f}-{s['max']:.1f}); bytes floor "

@@ -94,6 +94,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     for (int e = 0; e < 8; ++e) q_s[i * 8 + e] = f[e] * scale;
   }
   __syncthreads();
+  AF_TL_MARK(0);  // timeline: q in shared memory (the first L2 round after the wait)
   load(base + NW * PASS, kn, vn, false);
 
   float m[G], lsum[G], o[G][8];
@@ -161,6 +162,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     }
   }
 
+  AF_TL_MARK(1);  // timeline: this thread's (warp 0's) passes done
   // ---- merge: the lanes' position groups, then the warps (weights exp(m_w - M)) ----
   float* wo = smem;                          // [NW][G][HD] each warp's o (relative to its own m)
 #pragma unroll
@@ -216,8 +218,10 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     ml[1] = s_l[threadIdx.x];
   }
   __syncthreads();  // all partials of this block written; thread 0's acq_rel ticket publishes them
+  AF_TL_MARK(2);  // timeline: merged, partials stored
   if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(counters + j, 1u) == (unsigned int)n_splits - 1;
   __syncthreads();
+  AF_TL_MARK(3);  // timeline: ticket back
   if (!last) return;  // the last block acquired every other block's partials through its ticket
 
   // ---- combine (last block of kv head j): weights exp(m_s - M) / sum_s l_s exp(m_s - M) ----

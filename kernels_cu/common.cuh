@@ -14,17 +14,19 @@
 #define AF_INF __int_as_float(0x7f800000)  // +inf (NVRTC has no math.h INFINITY)
 
 // ---- timeline instrument (`profile --timeline`, atomflow_bench/timeline.py) ------------------------------
-// Compiled in only with -DAF_TIMELINE=<record slots per SM>; without it AF_TIMELINE_BLOCK is empty and nothing
-// below exists. Thread 0 of every block of every step kernel records, in %globaltimer nanoseconds: its launch's
-// %gridid, the block's start, the return of its PDL wait (0 when it exits before waiting) and its end, into
-// af_tl_rec[SM * AF_TIMELINE + slot]; af_tl_next[SM] hands out the SM's slots (the atomic is issued at the
-// start, its result used only at the end, so it delays nothing). Every module (.cu) holds its own copy; the
-// host clears and reads them all around one graph replay.
+// Compiled in only with -DAF_TIMELINE=<record slots per SM>; without it AF_TIMELINE_BLOCK and AF_TL_MARK are
+// empty and nothing below exists. Thread 0 of every block of every step kernel records, in %globaltimer
+// nanoseconds: its launch's %gridid, the block's start, the return of its PDL wait (0 when it exits before
+// waiting), its end, and up to AF_TL_MARKS marks of the kernel's own stages (AF_TL_MARK(k) where thread 0 passes
+// stage k; 0 when it does not), into af_tl_rec[SM * AF_TIMELINE + slot]; af_tl_next[SM] hands out the SM's slots
+// (the atomic is issued at the start, its result used only at the end, so it delays nothing). Every module
+// (.cu) holds its own copy; the host clears and reads them all around one graph replay.
 #ifdef AF_TIMELINE
 #define AF_TL_SMS 256  // SM ids covered (H100: 132)
-__device__ unsigned long long af_tl_rec[AF_TL_SMS * AF_TIMELINE][4];
+#define AF_TL_MARKS 4
+__device__ unsigned long long af_tl_rec[AF_TL_SMS * AF_TIMELINE][4 + AF_TL_MARKS];
 __device__ unsigned int af_tl_next[AF_TL_SMS];
-__shared__ unsigned long long af_tl_wait;
+__shared__ unsigned long long af_tl_wait, af_tl_marks[AF_TL_MARKS];
 
 __device__ __forceinline__ unsigned long long af_tl_now() {
   unsigned long long t;
@@ -39,6 +41,7 @@ struct AfTimelineBlock {
     if (threadIdx.x == 0) {
       t0 = af_tl_now();
       af_tl_wait = 0ull;
+      for (int k = 0; k < AF_TL_MARKS; ++k) af_tl_marks[k] = 0ull;
       asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
       slot = sm < AF_TL_SMS ? atomicAdd(&af_tl_next[sm], 1u) : 0u;
     }
@@ -49,12 +52,15 @@ struct AfTimelineBlock {
       asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
       unsigned long long* r = af_tl_rec[sm * AF_TIMELINE + slot];
       r[0] = g; r[1] = t0; r[2] = af_tl_wait; r[3] = af_tl_now();
+      for (int k = 0; k < AF_TL_MARKS; ++k) r[4 + k] = af_tl_marks[k];
     }
   }
 };
 #define AF_TIMELINE_BLOCK AfTimelineBlock af_tl_block_
+#define AF_TL_MARK(k) do { if (threadIdx.x == 0) af_tl_marks[k] = af_tl_now(); } while (0)
 #else
 #define AF_TIMELINE_BLOCK
+#define AF_TL_MARK(k) do { } while (0)
 #endif
 
 // Programmatic dependent launch (sm_90+). A kernel launched with the PDL attribute may start while its

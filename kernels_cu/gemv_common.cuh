@@ -293,6 +293,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   if (T < ntiles && nb > 0) load(T, 0);
   sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous kernel is done
   stage_x_tiled<PRO>(a, xs, rs);
+  AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
   for (int parity = 0; T < ntiles; T += gridDim.x, parity ^= 1) {
     float acc[2] = {0.f, 0.f}, d[4] = {0.f, 0.f, 0.f, 0.f};
@@ -307,9 +308,11 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
       }
     }
     gemv_tiled_finish<false>(d, acc);
+    AF_TL_MARK(1);  // timeline: the (last) tile's dot products done
     if (nb > 0 && T + (int)gridDim.x < ntiles) load(T + gridDim.x, 0);  // next tile's loads fly during the sum
     tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc);
   }
+  AF_TL_MARK(2);  // timeline: epilogue done
 }
 
 // The same GEMV for fp8 weights, streamed through shared memory by cp.async: every lane keeps
@@ -355,6 +358,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   for (int n = 0; n < NS; ++n) issue(n);
   sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous kernel is done
   stage_x_tiled<PRO>(a, xs, rs);
+  AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
   int n = 0;
   for (int T = blockIdx.x, parity = 0; T < ntiles; T += gridDim.x, parity ^= 1) {
@@ -367,8 +371,10 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
       issue(n + NS);  // the slot just read is refilled (this lane's own bytes: program order protects them)
     }
     gemv_tiled_finish<true>(d, acc);
+    AF_TL_MARK(1);  // timeline: the (last) tile's dot products done
     tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc);
   }
+  AF_TL_MARK(2);  // timeline: epilogue done
   cp_async_wait<0>();
 }
 

@@ -60,8 +60,8 @@ print(" ".join("%s=%.2f/%.2f" % (r["role"], r["saved_us_per_launch"], r["floor_u
         [ "${TIMELINE:-0}" != 0 ] && note "  timeline, role span/floor (release, after release) µs per launch: $(python3 -c 'import json, sys
 t = json.load(open(sys.argv[1]))["timeline"]
 f = lambda v: "-" if v is None else "%.2f" % v
-print(" ".join("%s=%.2f/%.2f(%s,%s)" % (r["role"], r["span_us"], r["floor_us"], f(r["release_us"]), f(r["after_release_us"]))
-               for r in t["rows"]), "| replay %.1f us, instrumented %.1f, plain %.1f, clock %.0f ns" % (t["step_us"]["median"],
+print(" ".join("%s=%.2f/%.2f(%s,%s)[%s]" % (r["role"], r["span_us"], r["floor_us"], f(r["release_us"]), f(r["after_release_us"]),
+               "/".join(f(m) for m in r["marks_us"])) for r in t["rows"]), "| replay %.1f us, instrumented %.1f, plain %.1f, clock %.0f ns" % (t["step_us"]["median"],
       t["instrumented_replay_us"], t["plain_replay_us"], t["clock_granularity_ns"]))' "$OUT/profile-$tag.json" 2>&1 | tail -1)"
       done ;;
     gemv)

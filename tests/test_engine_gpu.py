@@ -261,3 +261,9 @@ def test_timeline_instrument(tiny_dir):
         if r["release_us"] is not None:
             assert r["start_us"] <= r["release_us"]  # every block starts before its wait returns
     assert 0 < t["clock_granularity_ns"] <= 1000 and t["instrumented_replay_us"] > 0
+    # the kernels' stage marks, from each block's own wait: in program order (medians of ordered values)
+    by = {r["role"]: r["marks_us"] for r in t["rows"]}
+    for role in ("wqkv", "wo", "wgu", "wd"):  # x staged <= dot products done <= epilogue done
+        assert None not in by[role][:3] and 0 <= by[role][0] <= by[role][1] <= by[role][2]
+    att = by["attention_decode"]  # q loaded <= passes done; at length 41-44 (2 splits): stored <= ticket back
+    assert None not in att and 0 <= att[0] <= att[1] and att[2] <= att[3]

@@ -6,6 +6,7 @@ import pytest
 
 from atomflow_bench.errors import AtomflowError
 from atomflow_bench.timeline import (
+    MARKS,
     granularity_ns,
     launch_times,
     relative,
@@ -14,9 +15,12 @@ from atomflow_bench.timeline import (
 
 
 def records(launches, rng):
-    """launches: [(grid id, [(start, wait, end) per block])] -> shuffled [N, 4] uint64 rows (ns + a base)."""
+    """launches: [(grid id, [(start, wait, end, *marks) per block])] -> shuffled [N, 4 + MARKS] uint64 rows (ns +
+    a base; a wait or mark of 0 stays 0 = not reached)."""
     base = 10**12 + int(rng.integers(0, 10**6))
-    rows = [(g, base + s, base + w if w else 0, base + e) for g, blocks in launches for s, w, e in blocks]
+    at = lambda v: base + v if v else 0
+    rows = [(g, base + b[0], at(b[1]), base + b[2], *[at(m) for m in (tuple(b[3:]) + (0,) * MARKS)[:MARKS]])
+            for g, blocks in launches for b in blocks]
     rows = np.array(rows, dtype=np.uint64)
     return rows[rng.permutation(len(rows))]
 
@@ -27,13 +31,14 @@ def test_launch_times_and_spans():
             (41, [(900, 1500, 3000), (950, 1400, 3500), (2000, 2100, 3100)]),  # started before 40 ended
             (47, [(3600, 3700, 4000)])]
     t = launch_times(records(step, rng), [2, 3, 1])
-    np.testing.assert_allclose(t[0], [0, np.nan, 1100, 1200])
-    np.testing.assert_allclose(t[1], [900, 1400, 3100, 3500])
-    np.testing.assert_allclose(t[2], [3600, 3700, 4000, 4000])
+    np.testing.assert_allclose(t[0, :4], [0, np.nan, 1100, 1200])
+    np.testing.assert_allclose(t[1, :4], [900, 1400, 3100, 3500])
+    np.testing.assert_allclose(t[2, :4], [3600, 3700, 4000, 4000])
+    assert np.isnan(t[:, 4:]).all()  # no marks recorded
     rel = relative(t)
     # start, release, span, tail relative to the predecessor's last end (first launch: its own start)
-    np.testing.assert_allclose(rel[1], [900 - 1200, 1400 - 1200, 3500 - 1200, 3500 - 3100])
-    np.testing.assert_allclose(rel[2], [100, 200, 500, 0])
+    np.testing.assert_allclose(rel[1, :4], [900 - 1200, 1400 - 1200, 3500 - 1200, 3500 - 3100])
+    np.testing.assert_allclose(rel[2, :4], [100, 200, 500, 0])
     assert rel[:, 2].sum() == t[-1, 3] - t[0, 0]  # the spans add up to the replay
 
 
@@ -66,3 +71,16 @@ def test_summarize_roles_and_granularity():
     assert sum(r["pct_of_step"] for r in s["rows"]) == pytest.approx(100, abs=2)
     rec = records([(1, [(0, 0, 64), (32, 0, 96)])], rng)
     assert granularity_ns(rec) == 32
+
+
+def test_marks_are_per_block_from_its_own_wait():
+    rng = np.random.default_rng()
+    # mark 0 reached by every block, mark 2 by one (the others stop earlier), marks 1 and 3 by none;
+    # a block that never waited does not count
+    step = [(3, [(0, 100, 900, 300), (10, 200, 1000, 600, 0, 900), (20, 0, 50, 40)])]
+    t = launch_times(records(step, rng), [3])
+    np.testing.assert_allclose(t[0, 4:4 + MARKS], [300, np.nan, 700, np.nan])  # median(200, 400); 900 - 200
+    rel = relative(t)
+    np.testing.assert_allclose(rel[0, 4:], t[0, 4:])
+    s = summarize_roles([rel, rel], ["x"], [0], bw_gbs=1.0)
+    assert s["rows"][0]["marks_us"] == [pytest.approx(0.3), None, pytest.approx(0.7), None]
