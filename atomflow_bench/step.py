@@ -232,7 +232,17 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int) 
             gemv(f"L{i}.wd", "resid", act, h, H, I, taps={p + "mlp": h}),
         ]
     steps.append(rmsnorm_launch(lib, h, a["final_norm"], eps, xnorm, taps={"final_norm": xnorm}))
+    check_residual_order([ln.name for ln in steps])
     return steps + tail
+
+
+def check_residual_order(names: list[str]) -> None:
+    """A residual GEMV reads h[o] before its PDL wait (gemv_common.cuh epilogue_operand): that is safe only when
+    the last writer of h is not its direct predecessor (a kernel starts once its predecessor passed its own wait,
+    so everything before the predecessor is complete). Writers of h: the embedding and the residual GEMVs."""
+    for prev, name in zip(names, names[1:]):
+        if "_resid" in name and (prev == "embed_lookup" or "_resid" in prev):
+            raise AtomflowError(f"step order: {name} right after {prev}, which writes h (read before the wait)")
 
 
 def run_eager(launches: list[Launch], taps: dict | None = None) -> None:

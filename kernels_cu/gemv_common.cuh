@@ -90,10 +90,35 @@ struct GemvArgs {
   int n_out, K;
 };
 
+// What the epilogue of an output reads besides its dot product, fetched BEFORE the PDL wait by the epilogue
+// threads of a block's first tile, so that the epilogue runs without an L2 round: EPI_RESID h[o] (the residual;
+// the step never launches a residual GEMV right after a writer of h — step.py build_step checks — and a kernel
+// starts only after its predecessor passed its own wait, so the last writer of h is complete), EPI_ROPE the
+// (cos, sin) of pos (pos is written by the previous step's argmax; the table is constant).
+struct EpiOperand {
+  float h;
+  float2 cs;
+};
+
+template <int EPI, int R>
+__device__ __forceinline__ EpiOperand epilogue_operand(const GemvArgs& a, const RopeArgs& rope, int T) {
+  EpiOperand p{0.f, make_float2(1.f, 0.f)};
+  if (threadIdx.x < GEMV_TILE / R && T < a.n_out * R / GEMV_TILE) {
+    const int o = T * (GEMV_TILE / R) + threadIdx.x;
+    if (EPI == EPI_RESID) p.h = __ldcg(reinterpret_cast<const float*>(a.y) + o);
+    if (EPI == EPI_ROPE) {
+      const int half_d = rope.hd / 2;
+      if (o / half_d < rope.n_q + rope.n_kv) p.cs = rope.cos_sin[(size_t)*rope.pos * half_d + o % half_d];
+    }
+  }
+  return p;
+}
+
 // The epilogue of output o: acc0 = its row 0, acc1 = its row R-1 (R = 2: gate and up, or RoPE pair rows
-// i and i + hd/2).
+// i and i + hd/2). With `have_pre` its operand is `pre` (fetched before the wait: epilogue_operand), else read here.
 template <int EPI>
-__device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs& rope, int o, float acc0, float acc1) {
+__device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs& rope, int o, float acc0, float acc1,
+                                              const EpiOperand pre = EpiOperand{}, bool have_pre = false) {
   const int half_d = EPI == EPI_ROPE ? rope.hd / 2 : 1;
   if (EPI == EPI_STORE) {
     reinterpret_cast<__half*>(a.y)[o] = __float2half(acc0);
@@ -101,7 +126,7 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
     reinterpret_cast<float*>(a.y)[o] = acc0;
   } else if (EPI == EPI_RESID) {
     float* hp = reinterpret_cast<float*>(a.y) + o;
-    *hp = __ldcg(hp) + acc0;
+    *hp = (have_pre ? pre.h : __ldcg(hp)) + acc0;
   } else if (EPI == EPI_SWIGLU) {  // HF rounds gate and up to fp16, then silu(gate) * up in fp16
     const float g = __half2float(__float2half(acc0));
     const float u = __half2float(__float2half(acc1));
@@ -112,7 +137,7 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
     float x0 = __half2float(__float2half(acc0)), x1 = __half2float(__float2half(acc1));
     const int pos = *rope.pos;
     if (head < rope.n_q + rope.n_kv) {
-      const float2 cs = rope.cos_sin[(size_t)pos * half_d + i];
+      const float2 cs = have_pre ? pre.cs : rope.cos_sin[(size_t)pos * half_d + i];
       const float r0 = x0 * cs.x - x1 * cs.y, r1 = x1 * cs.x + x0 * cs.y;
       x0 = r0;
       x1 = r1;
@@ -223,7 +248,7 @@ __device__ __forceinline__ void gemv_tiled_finish(const float (&d)[4], float (&a
 // the next tile writes the other half, so one __syncthreads per tile suffices); 16/R threads run the epilogue.
 template <int R, int EPI>
 __device__ __forceinline__ void tile_epilogue(const GemvArgs& a, const RopeArgs& rope, float* part, int T,
-                                              const float (&acc)[2]) {
+                                              const float (&acc)[2], const EpiOperand& pre) {
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
   if ((lane & 3) == 0) {  // rows g and g + 8 (all 8 mma columns are equal; quad lane 0 holds column 0)
     part[warp * GEMV_TILE + (lane >> 2)] = acc[0];
@@ -237,7 +262,7 @@ __device__ __forceinline__ void tile_epilogue(const GemvArgs& a, const RopeArgs&
       s0 += part[w * GEMV_TILE + r];
       if (R == 2) s1 += part[w * GEMV_TILE + r + 8];
     }
-    gemv_epilogue<EPI>(a, rope, T * (GEMV_TILE / R) + r, s0, R == 2 ? s1 : s0);
+    gemv_epilogue<EPI>(a, rope, T * (GEMV_TILE / R) + r, s0, R == 2 ? s1 : s0, pre, T == (int)blockIdx.x);
   }
 }
 
@@ -291,6 +316,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
 
   int T = blockIdx.x;
   if (T < ntiles && nb > 0) load(T, 0);
+  const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, T);  // the first tile's, before the wait
   sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous kernel is done
   stage_x_tiled<PRO>(a, xs, rs);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
@@ -310,7 +336,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
     gemv_tiled_finish<false>(d, acc);
     AF_TL_MARK(1);  // timeline: the (last) tile's dot products done
     if (nb > 0 && T + (int)gridDim.x < ntiles) load(T + gridDim.x, 0);  // next tile's loads fly during the sum
-    tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc);
+    tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc, pre);
   }
   AF_TL_MARK(2);  // timeline: epilogue done
 }
@@ -356,6 +382,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 
 #pragma unroll
   for (int n = 0; n < NS; ++n) issue(n);
+  const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
   sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous kernel is done
   stage_x_tiled<PRO>(a, xs, rs);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
@@ -372,7 +399,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
     }
     gemv_tiled_finish<true>(d, acc);
     AF_TL_MARK(1);  // timeline: the (last) tile's dot products done
-    tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc);
+    tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc, pre);
   }
   AF_TL_MARK(2);  // timeline: epilogue done
   cp_async_wait<0>();

@@ -72,3 +72,16 @@ def test_smaller_shared_memory_gives_fewer_blocks_not_a_failed_launch():
     assert gemv_plan("fp8", 512, 3072, 58, smem=sm89)[:2] == (2, 2)  # blocks per SM first, then depth
     with pytest.raises(AtomflowError, match="no ring"):
         gemv_plan("fp8", 512, 65536, 58, smem=sm89)
+
+
+def test_residual_gemv_never_follows_a_writer_of_h():
+    """The residual GEMVs read h before their PDL wait: the step order must keep a non-writer in between."""
+    from atomflow_bench.step import check_residual_order
+
+    layer = ["gemv_f8_qkv_rope_r3", "attention_decode_hd128_g3", "gemv_f8_resid_r5", "gemv_f8_norm_swiglu_r5",
+             "gemv_f8_resid_r5"]
+    check_residual_order(["embed_lookup"] + layer * 3 + ["rmsnorm_f32_f16"])
+    with pytest.raises(AtomflowError, match="right after embed_lookup"):
+        check_residual_order(["embed_lookup", "gemv_f16_resid"])
+    with pytest.raises(AtomflowError, match="right after gemv_f8_resid_r5"):
+        check_residual_order(["gemv_f8_resid_r5", "gemv_f8_resid_r4"])
