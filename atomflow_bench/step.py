@@ -237,14 +237,12 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int) 
 
 
 def check_residual_order(names: list[str]) -> None:
-    """A residual GEMV reads h[o] before its PDL wait (gemv_common.cuh epilogue_operand). That is safe when its
-    predecessor lets it launch only after the predecessor's own wait (then every kernel before the predecessor is
-    complete) and the last writer of h is not the predecessor itself. Writers of h: the embedding and the residual
-    GEMVs; kernels that trigger before their wait (gemv_common.cuh GemvSync): the residual GEMVs and QKV."""
+    """A residual GEMV reads h[o] before its PDL wait (gemv_common.cuh epilogue_operand): that is safe only when
+    the last writer of h is not its direct predecessor (a kernel starts once its predecessor passed its own wait,
+    so everything before the predecessor is complete). Writers of h: the embedding and the residual GEMVs."""
     for prev, name in zip(names, names[1:]):
-        if "_resid" in name and (prev == "embed_lookup" or "_resid" in prev or "_qkv_rope" in prev):
-            raise AtomflowError(f"step order: {name} right after {prev}, which writes h or lets it launch before "
-                                f"its own wait (h is read before the wait)")
+        if "_resid" in name and (prev == "embed_lookup" or "_resid" in prev):
+            raise AtomflowError(f"step order: {name} right after {prev}, which writes h (read before the wait)")
 
 
 def run_eager(launches: list[Launch], taps: dict | None = None) -> None:

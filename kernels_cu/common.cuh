@@ -146,25 +146,13 @@ __device__ __forceinline__ void rmsnorm_to_half(const float* h, const __half* __
   for (int k = threadIdx.x; k < K; k += (int)blockDim.x) out[k] = __float2half(rmsnorm_elem(__ldcg(h + k), inv, w[k]));
 }
 
-// Synchronisation with the previous kernel, used by the GEMV skeletons (gemv_common.cuh) and attention between
-// issuing their loads that are independent of the previous kernel and reading its outputs: wait for the
-// predecessor (programmatic dependent launch), then let the next kernel start launching. Triggering only after
-// the wait keeps "when a kernel starts, every kernel before its predecessor is complete", which the residual
-// GEMVs' h read before their wait relies on (gemv_common.cuh epilogue_operand; step.py check_residual_order).
+// Synchronisation with the previous kernel, used by the GEMV skeletons (gemv_common.cuh) between issuing their
+// weight loads (independent of the previous kernel) and reading its outputs: wait for the predecessor
+// (programmatic dependent launch), then let the next kernel start launching.
 struct PdlSync {
   __device__ __forceinline__ void arrive_wait() const {
     pdl_wait();
     pdl_launch_dependents();
-  }
-};
-
-// The same with the trigger BEFORE the wait: the next kernel may be dispatched while this one's predecessor still
-// runs. Only for kernels whose successor reads nothing before its own wait that this kernel's predecessor writes
-// (step.py build_step: QKV -> attention, o_proj -> gate/up, down -> the next QKV).
-struct PdlSyncEarly {
-  __device__ __forceinline__ void arrive_wait() const {
-    pdl_launch_dependents();
-    pdl_wait();
   }
 };
 

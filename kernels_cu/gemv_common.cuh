@@ -71,19 +71,6 @@
 enum { PRO_PLAIN = 0, PRO_NORM = 1 };
 enum { EPI_STORE = 0, EPI_F32 = 1, EPI_RESID = 2, EPI_SWIGLU = 3, EPI_ROPE = 4 };
 
-#ifndef GEMV_EARLY_TRIGGER
-#define GEMV_EARLY_TRIGGER 1  // A/B knob: 0 = every GEMV lets its successor launch only after its own wait
-#endif
-// When a GEMV lets the next kernel launch (common.cuh PdlSync / PdlSyncEarly): QKV (-> attention) and the residual
-// GEMVs (o_proj -> gate/up, down -> the next QKV) before their own wait, since those successors read only weights,
-// earlier steps' K/V rows and pos before waiting; gate/up (-> down, which reads h before its wait) after it.
-template <bool EARLY>
-struct GemvSyncOf { using type = PdlSync; };
-template <>
-struct GemvSyncOf<true> { using type = PdlSyncEarly; };
-template <int EPI>
-using GemvSync = typename GemvSyncOf<GEMV_EARLY_TRIGGER && (EPI == EPI_RESID || EPI == EPI_ROPE)>::type;
-
 struct RopeArgs {
   const float2* cos_sin;  // [max_seq][hd/2] (cos, sin) of pos * inv_freq[i], precomputed by the host
   const int* pos;
@@ -425,7 +412,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
        const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
-    gemv_tiled<PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, GemvSync<EPI>{}, \
+    gemv_tiled<PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, PdlSync{},   \
                                 smem_raw);                                                                \
   }
 
@@ -438,7 +425,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     gemv_tiled_async<PRO, EPI, NS>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{},     \
-                                         GemvSync<EPI>{}, smem_raw);                                      \
+                                         PdlSync{}, smem_raw);                                            \
   }
 
 // One kernel per ring depth the host plan may pick (atomflow_bench/kernels.py GEMV_RING_DEPTHS lists the same).
@@ -458,7 +445,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     PATH(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},                                                \
-         RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}, GemvSync<EPI_ROPE>{}, smem_raw);        \
+         RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}, PdlSync{}, smem_raw);                   \
   }
 #define GEMV_ROPE_INSTANCE(NAME)                                                                          \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS) NAME GEMV_ROPE_ARGS        \
