@@ -183,11 +183,46 @@ __device__ __forceinline__ int xs_pair(int p) {
 
 // x staged in shared memory in fragment order as fp16 by the whole block: RMSNorm(h_fp32) * norm_w
 // (PRO_NORM) or a copy of the fp16 input; read through L2 (.cg: written by the previous kernel).
-template <int PRO>
+// ONE_PASS (the fp8 ring path, whose registers are free here): with K <= 4096 each thread keeps its float4 chunks
+// of h and of norm_w in registers from the one L2 round that also feeds the sum of squares, instead of reading h
+// a second time to normalise (same sums in the same order: bit-identical x). The fp16 register path holds its
+// weight batch in registers through the prologue and keeps the two rounds.
+#define STAGE_CHUNKS 4  // float4 chunks of h per thread in the one-pass prologue (K <= 4 * 4 * 256)
+template <int PRO, bool ONE_PASS = false>
 __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, float* red) {
   unsigned* xs2 = reinterpret_cast<unsigned*>(xs);
   const int npairs = a.K / 2;
-  if (PRO == PRO_NORM) {
+  if (PRO == PRO_NORM && ONE_PASS && a.K <= STAGE_CHUNKS * 4 * (int)blockDim.x) {
+    const float4* h4 = reinterpret_cast<const float4*>(a.x);
+    const uint2* w4 = reinterpret_cast<const uint2*>(a.norm_w);
+    const int nchunks = a.K / 4;
+    float4 hv[STAGE_CHUNKS];
+    uint2 wv[STAGE_CHUNKS];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < STAGE_CHUNKS; ++i) {
+      const int c = threadIdx.x + i * blockDim.x;
+      if (c < nchunks) {
+        hv[i] = __ldcg(h4 + c);
+        wv[i] = w4[c];
+        ss += hv[i].x * hv[i].x + hv[i].y * hv[i].y + hv[i].z * hv[i].z + hv[i].w * hv[i].w;
+      }
+    }
+    const float inv = rsqrtf(block_sum(ss, red) / (float)a.K + a.eps);  // = rms_inv's value, bit for bit
+#pragma unroll
+    for (int i = 0; i < STAGE_CHUNKS; ++i) {
+      const int c = threadIdx.x + i * blockDim.x;
+      if (c < nchunks) {
+        const __half2 w01 = *reinterpret_cast<const __half2*>(&wv[i].x), w23 = *reinterpret_cast<const __half2*>(&wv[i].y);
+        const __half2 v01 = __halves2half2(__float2half(rmsnorm_elem(hv[i].x, inv, __low2half(w01))),
+                                           __float2half(rmsnorm_elem(hv[i].y, inv, __high2half(w01))));
+        const __half2 v23 = __halves2half2(__float2half(rmsnorm_elem(hv[i].z, inv, __low2half(w23))),
+                                           __float2half(rmsnorm_elem(hv[i].w, inv, __high2half(w23))));
+        xs2[xs_pair(2 * c)] = *reinterpret_cast<const unsigned*>(&v01);
+        xs2[xs_pair(2 * c + 1)] = *reinterpret_cast<const unsigned*>(&v23);
+      }
+    }
+  } else if (PRO == PRO_NORM) {
     const float* h = reinterpret_cast<const float*>(a.x);
     const float inv = rms_inv(h, a.eps, a.K, red);
     for (int p = threadIdx.x; p < npairs; p += blockDim.x) {
@@ -384,7 +419,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   for (int n = 0; n < NS; ++n) issue(n);
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
   sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous kernel is done
-  stage_x_tiled<PRO>(a, xs, rs);
+  stage_x_tiled<PRO, true>(a, xs, rs);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
   int n = 0;
