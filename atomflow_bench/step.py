@@ -70,7 +70,7 @@ def blocks_fit(shmem: int, smem: tuple = SMEM_H100) -> int:
 
 
 def gemv_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), smem: tuple = SMEM_H100,
-              depth: int | None = None) -> tuple[int, int, int]:
+              depth: int | None = None, norm: bool = False) -> tuple[int, int, int]:
     """(ring depth, blocks per SM, dynamic shared memory) of a tiled GEMV launch of `tiles` 16-row tiles.
 
     fp16 (register path): no ring (depth 0), 2 blocks per SM. fp8 (cp.async ring): the deepest ring <= GEMV_STAGES at
@@ -78,11 +78,13 @@ def gemv_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), smem
     more tiles than 2 per SM and at most 3 per SM (3B/8B QKV) runs one tile per block at 3 blocks per SM (ring 3:
     a warp's whole share of the tile is requested before the wait) instead of a partial second round.
     The launch runs gemv_f8_<variant>_r<depth>. `depth` forces that ring depth at 1 block per SM (tests: every
-    depth, several tiles per block)."""
+    depth, several tiles per block). `norm`: an RMSNorm prologue (fp16: h and norm_w parked in shared memory,
+    k * 6 bytes more; gemv_common.cuh STAGE_SMEM)."""
     fp8 = fmt == "fp8"
     base = k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4  # x in fragment order + partial sums + block_sum scratch
     per_sm = knob("GEMV_GRID_PER_SM", GEMV_BLOCKS_PER_SM, defines)
     if not fp8:
+        base += k * 6 if norm else 0
         return 0, min(per_sm, blocks_fit(base, smem)), base
     slot = GEMV_WARPS * (2048 + 256)  # one ring slot of every warp: a group's 16 rows x 128 fp8 + its scales
     if depth is not None:
@@ -125,7 +127,8 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         except VerifyError as e:
             raise AtomflowError(f"GEMV {role or variant}: {e}") from None
         grid_units = rows // 16  # a block per 16-row tile
-        depth, per_sm, shmem = gemv_plan(fmt, grid_units, k, n_sm, lib.defines, smem_limits(), ring_depth)
+        depth, per_sm, shmem = gemv_plan(fmt, grid_units, k, n_sm, lib.defines, smem_limits(), ring_depth,
+                                         norm=variant in ("norm_swiglu", "qkv_rope"))
     fn = lib[f"gemv_f8_{variant}_r{depth}" if fp8 else f"gemv_f16_{variant}"]
     allow_dynamic_smem(fn, shmem)
     per_sm = max(1, min(per_sm, blocks_fit(shmem, smem_limits())))

@@ -181,18 +181,61 @@ __device__ __forceinline__ int xs_pair(int p) {
   return (p & ~15) | ((r & 3) << 2) | ((r >> 3) << 1) | ((r >> 2) & 1);
 }
 
+// 16 (or 8: the fp8 scale pair) bytes global -> shared without passing through registers (sm_80+), and the
+// per-thread commit / wait of such copies.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
 // x staged in shared memory in fragment order as fp16 by the whole block: RMSNorm(h_fp32) * norm_w
 // (PRO_NORM) or a copy of the fp16 input; read through L2 (.cg: written by the previous kernel).
-// ONE_PASS (the fp8 ring path, whose registers are free here): with K <= 4096 each thread keeps its float4 chunks
-// of h and of norm_w in registers from the one L2 round that also feeds the sum of squares, instead of reading h
-// a second time to normalise (same sums in the same order: bit-identical x). The fp16 register path holds its
-// weight batch in registers through the prologue and keeps the two rounds.
+// The norm prologue reads h through L2 once (results/PERF_NOTES.md v10.4-v10.5), in one of two ways:
+// STAGE_REGS (the fp8 ring path, whose registers are free here; K <= 4096): each thread keeps its float4 chunks of
+// h and of norm_w in registers from the one round that also feeds the sum of squares; STAGE_SMEM (the fp16
+// register path, whose registers hold its weight batch): h is parked in shared memory `hs` (fp32 [K]) by that
+// round and norm_w was copied to `nws` (fp16 [K]) by cp.async before the PDL wait (stage_norm_w_async). Either
+// way the sums run in rms_inv's order: x is bit-identical to the two-round form, which remains for K > 4096 in
+// STAGE_REGS.
 #define STAGE_CHUNKS 4  // float4 chunks of h per thread in the one-pass prologue (K <= 4 * 4 * 256)
-template <int PRO, bool ONE_PASS = false>
-__device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, float* red) {
+enum { STAGE_REGS = 0, STAGE_SMEM = 1 };
+
+// Before the wait (STAGE_SMEM): this thread's 16-byte pieces of norm_w -> nws, one cp.async group, committed.
+__device__ __forceinline__ void stage_norm_w_async(const GemvArgs& a, __half* nws) {
+  for (int c = threadIdx.x; c < a.K / 8; c += blockDim.x) cp_async16(nws + c * 8, a.norm_w + c * 8);
+  cp_async_commit();
+}
+
+template <int PRO, int MODE>
+__device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, float* red, float* hs = nullptr,
+                                              const __half* nws = nullptr) {
   unsigned* xs2 = reinterpret_cast<unsigned*>(xs);
   const int npairs = a.K / 2;
-  if (PRO == PRO_NORM && ONE_PASS && a.K <= STAGE_CHUNKS * 4 * (int)blockDim.x) {
+  if (PRO == PRO_NORM && MODE == STAGE_SMEM) {
+    const float4* h4 = reinterpret_cast<const float4*>(a.x);
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < a.K / 4; c += blockDim.x) {
+      const float4 v = __ldcg(h4 + c);
+      reinterpret_cast<float4*>(hs)[c] = v;
+      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    cp_async_wait<0>();  // this thread's norm_w pieces; block_sum's barriers publish everyone's hs and nws
+    const float inv = rsqrtf(block_sum(ss, red) / (float)a.K + a.eps);  // = rms_inv's value, bit for bit
+    for (int p = threadIdx.x; p < npairs; p += blockDim.x) {
+      const float2 hv = reinterpret_cast<const float2*>(hs)[p];
+      const __half2 w = reinterpret_cast<const __half2*>(nws)[p];
+      const __half2 v = __halves2half2(__float2half(rmsnorm_elem(hv.x, inv, __low2half(w))),
+                                       __float2half(rmsnorm_elem(hv.y, inv, __high2half(w))));
+      xs2[xs_pair(p)] = *reinterpret_cast<const unsigned*>(&v);
+    }
+  } else if (PRO == PRO_NORM && a.K <= STAGE_CHUNKS * 4 * (int)blockDim.x) {
     const float4* h4 = reinterpret_cast<const float4*>(a.x);
     const uint2* w4 = reinterpret_cast<const uint2*>(a.norm_w);
     const int nchunks = a.K / 4;
@@ -301,19 +344,6 @@ __device__ __forceinline__ void tile_epilogue(const GemvArgs& a, const RopeArgs&
   }
 }
 
-// 16 (or 8: the fp8 scale pair) bytes global -> shared without passing through registers (sm_80+), and the
-// per-thread commit / wait of such copies.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // fp16 weights through registers: each lane's loads of a batch (GEMV_LOADS_F16 x 16 bytes) are in flight at once.
 template <int PRO, int EPI, class Sync>
@@ -334,6 +364,8 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   __half* xs = reinterpret_cast<__half*>(smem_raw);
   float* red = reinterpret_cast<float*>(smem_raw + K * sizeof(__half));  // [2][nw][16] partial sums
   float* rs = red + 2 * nw * GEMV_TILE;                                   // block_sum scratch (32 floats)
+  float* hs = rs + 32;                                                    // PRO_NORM: h (fp32 [K]), then
+  __half* nws = reinterpret_cast<__half*>(hs + K);                        // norm_w (fp16 [K]) (step.py gemv_plan)
 
   uint4 wv[LOADS];
   // Batch b of tile T: this warp's groups warp + (b*GPB + q)*nw, q < GPB.
@@ -352,8 +384,9 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   int T = blockIdx.x;
   if (T < ntiles && nb > 0) load(T, 0);
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, T);  // the first tile's, before the wait
+  if (PRO == PRO_NORM) stage_norm_w_async(a, nws);
   sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous kernel is done
-  stage_x_tiled<PRO>(a, xs, rs);
+  stage_x_tiled<PRO, STAGE_SMEM>(a, xs, rs, hs, nws);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
   for (int parity = 0; T < ntiles; T += gridDim.x, parity ^= 1) {
@@ -419,7 +452,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   for (int n = 0; n < NS; ++n) issue(n);
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
   sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous kernel is done
-  stage_x_tiled<PRO, true>(a, xs, rs);
+  stage_x_tiled<PRO, STAGE_REGS>(a, xs, rs);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
   int n = 0;

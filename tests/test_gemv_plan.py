@@ -42,6 +42,15 @@ def test_register_path_has_no_ring():
 
 
 @pytest.mark.parametrize("model", sorted(CATALOG))
+def test_norm_prologue_parks_h_and_norm_w_in_shared_memory_on_the_register_path(model):
+    """fp16 norm GEMVs (QKV, gate/up) get h (fp32) and norm_w (fp16) staging: k * 6 bytes more, 2 blocks/SM kept."""
+    k = CATALOG[model].config.hidden_size
+    plain, norm = gemv_plan("fp16", 256, k, N_SM), gemv_plan("fp16", 256, k, N_SM, norm=True)
+    assert norm[2] - plain[2] == k * 6 and norm[:2] == plain[:2] == (0, 2)
+    assert gemv_plan("fp8", 256, k, N_SM, norm=True) == gemv_plan("fp8", 256, k, N_SM)  # fp8: registers
+
+
+@pytest.mark.parametrize("model", sorted(CATALOG))
 @pytest.mark.parametrize("fmt", ["fp8", "fp16"])
 def test_every_plan_fits_and_encodes_its_depth(model, fmt):
     cfg = CATALOG[model].config
