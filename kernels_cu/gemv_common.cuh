@@ -205,6 +205,7 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // way the sums run in rms_inv's order: x is bit-identical to the two-round form, which remains for K > 4096 in
 // STAGE_REGS.
 #define STAGE_CHUNKS 4  // float4 chunks of h per thread in the one-pass prologue (K <= 4 * 4 * 256)
+#define STAGE_LOADS 4   // 16-byte x loads in flight per thread when copying x (K <= 4 * 8 * 256 in one round)
 enum { STAGE_REGS = 0, STAGE_SMEM = 1 };
 
 // Before the wait (STAGE_SMEM): this thread's 16-byte pieces of norm_w -> nws, one cp.async group, committed.
@@ -275,9 +276,27 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
                                        __float2half(rmsnorm_elem(hv.y, inv, __high2half(w))));
       xs2[xs_pair(p)] = *reinterpret_cast<const unsigned*>(&v);
     }
-  } else {
-    const unsigned* src = reinterpret_cast<const unsigned*>(a.x);
-    for (int p = threadIdx.x; p < npairs; p += blockDim.x) xs2[xs_pair(p)] = __ldcg(src + p);
+  } else {  // a copy: 16-byte pieces (4 pairs), STAGE_LOADS in flight per thread (one L2 round up to K = 8192)
+    const uint4* src = reinterpret_cast<const uint4*>(a.x);
+    const int n16 = a.K / 8;
+    for (int c0 = threadIdx.x; c0 < n16; c0 += STAGE_LOADS * blockDim.x) {
+      uint4 v[STAGE_LOADS];
+#pragma unroll
+      for (int i = 0; i < STAGE_LOADS; ++i) {
+        const int c = c0 + i * blockDim.x;
+        if (c < n16) v[i] = __ldcg(src + c);
+      }
+#pragma unroll
+      for (int i = 0; i < STAGE_LOADS; ++i) {
+        const int c = c0 + i * blockDim.x;
+        if (c < n16) {
+          xs2[xs_pair(4 * c)] = v[i].x;
+          xs2[xs_pair(4 * c + 1)] = v[i].y;
+          xs2[xs_pair(4 * c + 2)] = v[i].z;
+          xs2[xs_pair(4 * c + 3)] = v[i].w;
+        }
+      }
+    }
   }
   __syncthreads();
 }
