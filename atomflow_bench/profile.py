@@ -13,7 +13,11 @@
   out of all these graphs so that the position stays put). Next to it the role's bytes floor at the copy
   bandwidth: the excess over it is what a faster or fused version of the role could save at most.
 * `gemv_bench`: every GEMV shape of a model alone, fp16 and fp8, L2-cold: the weights rotate through
-  enough copies that the set is several times the L2 size, so each launch streams from DRAM.
+  enough copies that the set is several times the L2 size, so each launch streams from DRAM. Two figures per
+  shape: isolated (an event pair around every launch: launch, ramp-up and drain included) and chained (the
+  copies launched back to back with programmatic dependent launch and captured as one CUDA graph, as the decode
+  step runs them: each launch requests its weights while its predecessor drains and waits for it before reading
+  x; µs per launch = replay time / launches).
 Both report GB/s against the copy bandwidth measured in the same run.
 """
 from __future__ import annotations
@@ -161,6 +165,7 @@ def gemv_bench(cfg: ModelConfig, lib, n_sm: int, formats=("fp16", "fp8"), reps: 
     from .step import gemv_launch
 
     copy = copy or copy_bandwidth()
+    pdl = float(cp.cuda.Device().compute_capability) >= 90
     rows_out = []
     rng = cp.random.default_rng(0)
     for fmt in formats:
@@ -193,10 +198,27 @@ def gemv_bench(cfg: ModelConfig, lib, n_sm: int, formats=("fp16", "fp8"), reps: 
             s = summarize(us)
             moved = launches[0].bytes_moved
             gbs = moved / (s["median"] * 1e-6) / 1e9
+            chain = chained_us(launches, pdl, reps)
+            cgbs = moved / (chain["median"] * 1e-6) / 1e9
             rows_out.append({"role": role, "format": f, "rows": rows, "k": k, "bytes": moved, "us": s,
-                             "gbs": gbs, "pct_of_copy": 100 * gbs / copy["median"]})
-            del ws, ss
-    return {"rows": rows_out, "copy_bandwidth_gbs": copy, "l2_rotation_bytes": 4 * l2_bytes}
+                             "gbs": gbs, "pct_of_copy": 100 * gbs / copy["median"], "chained_us": chain,
+                             "chained_gbs": cgbs, "chained_pct_of_copy": 100 * cgbs / copy["median"],
+                             "chain_launches": copies})
+            del ws, ss, launches
+    return {"rows": rows_out, "copy_bandwidth_gbs": copy, "l2_rotation_bytes": 4 * l2_bytes, "chained_pdl": pdl}
+
+
+def chained_us(launches, pdl: bool, reps: int) -> dict:
+    """µs per launch of `launches` run back to back as one CUDA graph (programmatic dependent launch between
+    them when `pdl`), replayed `reps` times after 2 warm-up replays; events between replays."""
+    import cupy as cp
+
+    if pdl:
+        for ln in launches[1:]:
+            ln.enable_pdl()
+    stream = cp.cuda.Stream(non_blocking=True)
+    r = graph_replay_us(launches, stream, max(5, reps // 5))
+    return {k: (v / len(launches) if k != "n" else v) for k, v in r.items()}
 
 
 def profile_table(p: dict):
@@ -226,12 +248,16 @@ def gemv_table(g: dict):
     from rich.table import Table
 
     t = Table(title=f"GEMV microbenchmark (L2-cold: weights rotate over {g['l2_rotation_bytes'] >> 20} MiB+)")
-    for c in ("GEMV", "format", "rows x K", "MB", "median µs", "p10-p90 µs", "GB/s", "% copy BW"):
+    for c in ("GEMV", "format", "rows x K", "MB", "isolated µs", "p10-p90 µs", "GB/s", "% copy BW", "chained µs",
+              "chained GB/s", "chained % copy BW"):
         t.add_column(c, justify="left" if c in ("GEMV", "format") else "right")
     for r in g["rows"]:
         t.add_row(r["role"], r["format"], f"{r['rows']}x{r['k']}", f"{r['bytes'] / 1e6:.1f}", f"{r['us']['median']:.2f}",
-                  f"{r['us']['p10']:.1f}-{r['us']['p90']:.1f}", f"{r['gbs']:.0f}", f"{r['pct_of_copy']:.1f}")
-    t.caption = f"copy bandwidth (same run) {g['copy_bandwidth_gbs']['median']:.0f} GB/s"
+                  f"{r['us']['p10']:.1f}-{r['us']['p90']:.1f}", f"{r['gbs']:.0f}", f"{r['pct_of_copy']:.1f}",
+                  f"{r['chained_us']['median']:.2f}", f"{r['chained_gbs']:.0f}", f"{r['chained_pct_of_copy']:.1f}")
+    chain = "with programmatic dependent launch" if g.get("chained_pdl") else "without PDL (pre-sm_90)"
+    t.caption = (f"copy bandwidth (same run) {g['copy_bandwidth_gbs']['median']:.0f} GB/s; isolated = an event pair "
+                 f"around every launch; chained = the rotating copies back to back in one CUDA graph {chain}")
     return t
 
 

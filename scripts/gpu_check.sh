@@ -66,7 +66,10 @@ print(" ".join("%s=%.2f/%.2f(%s,%s)[%s]" % (r["role"], r["span_us"], r["floor_us
       done ;;
     gemv)
       atomflow-bench gemv llama-3.2-3b --json "$OUT/gemv-3b.json" >"$OUT/gemv-3b.log" 2>&1
-      note "gemv 3b: rc=$?" ;;
+      note "gemv 3b: rc=$? % of copy BW isolated/chained: $(python3 -c 'import json, sys
+g = json.load(open(sys.argv[1]))
+print(" ".join("%s-%s=%.0f/%.0f" % (r["role"], r["format"], r["pct_of_copy"], r["chained_pct_of_copy"]) for r in g["rows"]))' \
+        "$OUT/gemv-3b.json" 2>&1 | tail -1)" ;;
     validate)
       for w in fp16 fp8; do
         atomflow-bench validate llama-3.2-3b --weights $w --steps 32 --json "$OUT/validate-3b-$w.json" \

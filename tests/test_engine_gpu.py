@@ -267,3 +267,23 @@ def test_timeline_instrument(tiny_dir):
         assert None not in by[role][:3] and 0 <= by[role][0] <= by[role][1] <= by[role][2]
     att = by["attention_decode"]  # q loaded <= passes done; at length 41-44 (2 splits): stored <= ticket back
     assert None not in att and 0 <= att[0] <= att[1] and att[2] <= att[3]
+
+
+def test_gemv_bench_isolated_and_chained():
+    """`atomflow-bench gemv`: every GEMV shape of a (tiny) model in both formats, lm_head once, each timed as
+    isolated launches and as a PDL chain captured in one graph; bytes per launch from the operands."""
+    from atomflow_bench.kernels import KernelLib
+    from atomflow_bench.profile import gemv_bench, gemv_shapes
+
+    cfg = tiny_config(tied=False)
+    lib = KernelLib()
+    g = gemv_bench(cfg, lib, 132, ("fp16", "fp8"), reps=10, l2_bytes=1 << 20, copy={"median": 3000.0})
+    shapes = gemv_shapes(cfg)
+    assert [(r["role"], r["format"]) for r in g["rows"]] == (
+        [(role, "fp16") for role, *_ in shapes] + [(role, "fp8") for role, *_ in shapes if role != "lm_head"])
+    for r in g["rows"]:
+        w = r["rows"] * r["k"] * (1 if r["format"] == "fp8" else 2)
+        assert w < r["bytes"] < w * 1.2  # weights (+ fp8 scales) + x + y
+        assert r["chain_launches"] >= 2 and r["chained_us"]["n"] >= 5
+        assert 0 < r["chained_us"]["median"] and 0 < r["us"]["median"]
+        assert r["chained_pct_of_copy"] == pytest.approx(100 * r["chained_gbs"] / 3000.0)
