@@ -127,7 +127,7 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> Are
     splits = attention_splits(max_seq, cfg.num_key_value_heads, n_sm)
     p.add("scratch", "att_ml", (cfg.num_attention_heads, splits, 2), np.float32)
     p.add("scratch", "att_o", (cfg.num_attention_heads, splits, cfg.head_dim), np.float32)
-    p.add("scratch", "att_flags", (L, cfg.num_key_value_heads, 1 + splits), np.uint32)  # epoch + split flags
+    p.add("scratch", "att_counters", (L, cfg.num_key_value_heads), np.uint32)
     am_blocks = min(-(-V // ARGMAX_THREADS), n_sm)
     p.add("scratch", "am_val", (am_blocks,), np.float32)
     p.add("scratch", "am_idx", (am_blocks,), np.int32)

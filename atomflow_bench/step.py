@@ -169,22 +169,20 @@ def attention_smem(group: int, hd: int, splits: int) -> int:
     return 4 * max(warps, combine)
 
 
-def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, flags, out, n_kv: int,
+def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, counters, out, n_kv: int,
                      group: int, hd: int, taps=None) -> Launch:
     """k_cache/v_cache: one layer's [max_seq, kv_dim] slab; part_*: [n_heads, splits, ...] scratch, whose split
     count is the launch's grid.y (arena.attention_splits: at long contexts a split walks several sub-chunks)."""
     splits = part_ml.shape[1]
     if part_o.shape[1] != splits or splits < 1:
         raise AtomflowError("attention partials: att_ml and att_o disagree on the split count")
-    if tuple(flags.shape) != (n_kv, splits + 1) or flags.dtype != np.uint32:
-        raise AtomflowError(f"attention flags must be uint32 [{n_kv}, {splits + 1}] (epoch + one per split)")
     fn = lib[f"attention_decode_hd{hd}_g{group}"]
     shmem = attention_smem(group, hd, splits)
     if shmem > SMEM_PER_SM:
         raise AtomflowError(f"{splits} attention splits need {shmem} bytes of shared memory (> {SMEM_PER_SM})")
     allow_dynamic_smem(fn, shmem)
     return Launch(fn, "attention_decode", (n_kv, splits), (ATT_THREADS,),
-                  (q, k_cache, v_cache, pos, part_ml, part_o, flags, out, i32(n_kv), i32(splits),
+                  (q, k_cache, v_cache, pos, part_ml, part_o, counters, out, i32(n_kv), i32(splits),
                    np.float32(1.0 / math.sqrt(hd))), shmem, taps or {}, 0)
 
 
@@ -230,7 +228,7 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int) 
                        cfg.num_key_value_heads, hd),
                  taps={p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}),
             attention_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], a["att_ml"], a["att_o"],
-                             a["att_flags"][i], attn_out, cfg.num_key_value_heads, cfg.group_size, hd,
+                             a["att_counters"][i], attn_out, cfg.num_key_value_heads, cfg.group_size, hd,
                              taps={p + "attn_out": attn_out}),
             gemv(f"L{i}.wo", "resid", attn_out, h, H, q_dim, taps={p + "attn": h}),
             gemv(f"L{i}.wgu", "norm_swiglu", h, act, I, H, norm_w=a[f"L{i}.mlp_norm"], taps={p + "act": act}),

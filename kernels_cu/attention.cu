@@ -12,19 +12,16 @@
 //            barrier inside the walk — and the next pass's K/V loads in flight while the current one is
 //            scored; the warps' states are merged through shared memory at the end. The launch caps the
 //            splits at ~4 blocks per SM (all resident: <= 128 registers per thread at G <= 3).
-//            With one split the block writes `out` directly. Otherwise every split writes (max, sum, o[hd])
-//            partials; splits 1.. publish them with a release-stored flag carrying head j's epoch, and split 0
-//            waits for those flags (acquire loads), then rescales and sums all partials into `out` (the first
-//            round of float4 partial-o L2 loads, ATT_COMBINE_LOADS in flight per thread, goes out together with
-//            the one round of all (max, sum) pairs; further rounds follow) and advances the epoch, so no flag
-//            needs resetting. Blocks whose split is empty at this L exit at once, so one launch shape
-//            (captured in the graph) serves every position < max_seq.
+//            With one split the block writes `out` directly. Otherwise it writes (max, sum, o[hd]) partials;
+//            the last block of head j to finish (acq_rel atomic ticket) rescales and sums them into `out`
+//            (the first round of float4 partial-o L2 loads, ATT_COMBINE_LOADS in flight per thread, goes out
+//            together with the one round of all (max, sum) pairs; further rounds follow) and resets its ticket. Blocks whose split is empty at this L exit at once, so one launch
+//            shape (captured in the graph) serves every position < max_seq.
 //            History (results/PERF_NOTES.md v8-v8.2): a block-wide walk (3 block barriers per 32 positions)
 //            was latency-bound — 1 block/SM with 64 KB in flight was slowest — which this warp-level walk removes.
 // Layouts    q fp16 [n_heads*hd] (post-RoPE, start of the qkv buffer); k_cache/v_cache: this layer's slab
 //            fp16 [max_seq][n_kv*hd]; part_ml fp32 [n_heads][max_splits][2]; part_o fp32
-//            [n_heads][max_splits][hd]; flags uint32 [n_kv][1 + max_splits] (epoch, then one flag per
-//            split; zero-initialised once); out fp16 [n_heads*hd].
+//            [n_heads][max_splits][hd]; counters uint32 [n_kv]; out fp16 [n_heads*hd].
 // Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + partials n_heads * splits * (hd + 2) * 4 * 2.
 // Launch     attention_decode_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv, max_splits), block = 128, dyn. smem =
 //            max(warp states, combine scratch) (step.py attention_smem).
@@ -43,14 +40,14 @@
   extern "C" __global__ void __launch_bounds__(ATT_THREADS, ATT_MIN_BLOCKS(G))                           \
       attention_decode_hd##HD##_g##G(                                                                     \
       const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache, \
-      const int* __restrict__ pos_ptr, float* part_ml, float* part_o, unsigned int* flags,                \
+      const int* __restrict__ pos_ptr, float* part_ml, float* part_o, unsigned int* counters,             \
       __half* __restrict__ out, int n_kv, int max_splits, float scale) {                                  \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ float smem[];                                                                       \
     /* pos was written by the previous step's argmax, complete before this step's first kernel: readable */ \
     /* before the PDL wait, and so are the K/V rows before pos (attention_item waits before row pos and q) */ \
     attention_item<HD, G, ATT_THREADS>(q, k_cache, v_cache, *pos_ptr + 1, blockIdx.x, blockIdx.y, part_ml, \
-                                       part_o, flags, out, n_kv, max_splits, scale, smem, PdlSync{});     \
+                                       part_o, counters, out, n_kv, max_splits, scale, smem, PdlSync{});  \
   }
 
 ATTENTION_INSTANCE(64, 1)

@@ -39,7 +39,7 @@ __device__ __forceinline__ int attention_splits(int len, int max_splits) {
 template <int HD, int G, int T, class Sync>
 __device__ __forceinline__ void attention_item(const __half* q, const __half* k_cache, const __half* v_cache,
                                                int len, int j, int split, float* part_ml, float* part_o,
-                                               unsigned int* flags, __half* out, int n_kv, int max_splits,
+                                               unsigned int* counters, __half* out, int n_kv, int max_splits,
                                                float scale, float* smem, const Sync sync) {
   constexpr int DG = HD / 8;                 // 16-byte slices per head row = lanes per position
   constexpr int PW = AF_WARP / DG;           // positions side by side in a warp
@@ -50,10 +50,6 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   const int n_sub = (len + ATT_CHUNK - 1) / ATT_CHUNK;
   const int n_splits = attention_splits(len, max_splits);
   if (split >= n_splits) return;             // nothing at this context length (before any barrier)
-  // kv head j's flags: [0] its epoch (advanced by the combiner each step with > 1 split), [1 + s] split s's flag;
-  // written by earlier steps only, so readable before the PDL wait
-  unsigned int* fl = flags + (size_t)j * (max_splits + 1);
-  const unsigned int epoch = n_splits > 1 ? __ldcg(fl) + 1u : 0u;
   const int p0 = (int)((long long)split * n_sub / n_splits) * ATT_CHUNK;
   const int p1 = min((int)((long long)(split + 1) * n_sub / n_splits) * ATT_CHUNK, len);
   const size_t kv_dim = (size_t)n_kv * HD;
@@ -90,6 +86,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
 
   __shared__ __align__(16) float q_s[G * HD];  // q * scale (fp32), read by every warp
   __shared__ float w_m[NW][G], w_l[NW][G];     // each warp's final running max and sum
+  __shared__ bool last;
   for (int i = threadIdx.x; i < G * HD / 8; i += T) {
     float f[8];
     f8_from_u4(*reinterpret_cast<const uint4*>(q + (size_t)j * G * HD + i * 8), f);
@@ -220,24 +217,14 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     ml[0] = s_m[threadIdx.x];
     ml[1] = s_l[threadIdx.x];
   }
-  __syncthreads();  // all partials of this block written
+  __syncthreads();  // all partials of this block written; thread 0's acq_rel ticket publishes them
   AF_TL_MARK(2);  // timeline: merged, partials stored
-  if (split != 0) {  // publish: one release store by thread 0 after the barrier (no round trip awaited)
-    if (threadIdx.x == 0) st_release_gpu(fl + 1 + split, epoch);
-    return;
-  }
-  // split 0 combines: wait until every other split's flag shows this step's epoch. Only split-0 blocks ever wait
-  // and only on blocks that never wait, so the spin ends whether or not the whole grid is resident. The acquire
-  // loads and the barrier make the partials visible to the whole block.
-  if (threadIdx.x < AF_WARP)
-    for (int sp = 1 + (int)threadIdx.x; sp < n_splits; sp += AF_WARP)
-      while (ld_acquire_gpu(fl + 1 + sp) != epoch) {
-      }
+  if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(counters + j, 1u) == (unsigned int)n_splits - 1;
   __syncthreads();
-  AF_TL_MARK(3);  // timeline: every split's flag seen
-  if (threadIdx.x == 0) fl[0] = epoch;  // read again only by the next step's launch
+  AF_TL_MARK(3);  // timeline: ticket back
+  if (!last) return;  // the last block acquired every other block's partials through its ticket
 
-  // ---- combine (split 0 of kv head j): weights exp(m_s - M) / sum_s l_s exp(m_s - M) ----
+  // ---- combine (last block of kv head j): weights exp(m_s - M) / sum_s l_s exp(m_s - M) ----
   // out[g][d..d+3] = sum_s coef[g][s] * part_o[g][s][d..d+3]: a thread per (float4 column, split phase r of R),
   // ATT_COMBINE_LOADS independent 16-byte L2 loads in flight per thread (one dependent round per that many
   // splits instead of one per split). The first round of a thread's first column is requested before the
@@ -332,4 +319,5 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     dst[0] = __floats2half2_rn(s.x, s.y);
     dst[1] = __floats2half2_rn(s.z, s.w);
   }
+  if (threadIdx.x == 0) counters[j] = 0u;
 }

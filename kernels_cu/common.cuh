@@ -156,14 +156,10 @@ struct PdlSync {
   }
 };
 
-// GPU-scope release store / acquire load (the attention kernel's split flags: a split publishes its partials
-// with one release store; the combiner's acquire load of the flag makes them visible to it).
-__device__ __forceinline__ void st_release_gpu(unsigned int* p, unsigned int v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ unsigned int ld_acquire_gpu(const unsigned int* p) {
-  unsigned int v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
+// GPU-scope acquire-release atomic (the attention kernel's split ticket: the last block of a kv head sees every
+// other block's partials). Replaces __threadfence() (fence.sc.gpu), which costs far more.
+__device__ __forceinline__ unsigned int atom_add_acq_rel_gpu(unsigned int* p, unsigned int v) {
+  unsigned int old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
 }
