@@ -221,23 +221,11 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
   const int npairs = a.K / 2;
   if (PRO == PRO_NORM && MODE == STAGE_SMEM) {
     const float4* h4 = reinterpret_cast<const float4*>(a.x);
-    const int nchunks = a.K / 4;
     float ss = 0.f;
-    for (int c0 = threadIdx.x; c0 < nchunks; c0 += STAGE_CHUNKS * blockDim.x) {  // STAGE_CHUNKS loads in flight
-      float4 v[STAGE_CHUNKS];
-#pragma unroll
-      for (int i = 0; i < STAGE_CHUNKS; ++i) {
-        const int c = c0 + i * blockDim.x;
-        if (c < nchunks) v[i] = __ldcg(h4 + c);
-      }
-#pragma unroll
-      for (int i = 0; i < STAGE_CHUNKS; ++i) {
-        const int c = c0 + i * blockDim.x;
-        if (c < nchunks) {
-          reinterpret_cast<float4*>(hs)[c] = v[i];
-          ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
-        }
-      }
+    for (int c = threadIdx.x; c < a.K / 4; c += blockDim.x) {
+      const float4 v = __ldcg(h4 + c);
+      reinterpret_cast<float4*>(hs)[c] = v;
+      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
     cp_async_wait<0>();  // this thread's norm_w pieces; block_sum's barriers publish everyone's hs and nws
     const float inv = rsqrtf(block_sum(ss, red) / (float)a.K + a.eps);  // = rms_inv's value, bit for bit
