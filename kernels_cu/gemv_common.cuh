@@ -214,6 +214,13 @@ __device__ __forceinline__ void stage_norm_w_async(const GemvArgs& a, __half* nw
   cp_async_commit();
 }
 
+// RMSNorm of two inputs (h0, h1) with their fp16 weights w as one packed half2 (rmsnorm_elem each).
+__device__ __forceinline__ unsigned norm_pair(float h0, float h1, float inv, __half2 w) {
+  const __half2 v = __halves2half2(__float2half(rmsnorm_elem(h0, inv, __low2half(w))),
+                                   __float2half(rmsnorm_elem(h1, inv, __high2half(w))));
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+
 template <int PRO, int MODE>
 __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, float* red, float* hs = nullptr,
                                               const __half* nws = nullptr) {
@@ -231,10 +238,7 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
     const float inv = rsqrtf(block_sum(ss, red) / (float)a.K + a.eps);  // = rms_inv's value, bit for bit
     for (int p = threadIdx.x; p < npairs; p += blockDim.x) {
       const float2 hv = reinterpret_cast<const float2*>(hs)[p];
-      const __half2 w = reinterpret_cast<const __half2*>(nws)[p];
-      const __half2 v = __halves2half2(__float2half(rmsnorm_elem(hv.x, inv, __low2half(w))),
-                                       __float2half(rmsnorm_elem(hv.y, inv, __high2half(w))));
-      xs2[xs_pair(p)] = *reinterpret_cast<const unsigned*>(&v);
+      xs2[xs_pair(p)] = norm_pair(hv.x, hv.y, inv, reinterpret_cast<const __half2*>(nws)[p]);
     }
   } else if (PRO == PRO_NORM && a.K <= STAGE_CHUNKS * 4 * (int)blockDim.x) {
     const float4* h4 = reinterpret_cast<const float4*>(a.x);
@@ -258,12 +262,9 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
       const int c = threadIdx.x + i * blockDim.x;
       if (c < nchunks) {
         const __half2 w01 = *reinterpret_cast<const __half2*>(&wv[i].x), w23 = *reinterpret_cast<const __half2*>(&wv[i].y);
-        const __half2 v01 = __halves2half2(__float2half(rmsnorm_elem(hv[i].x, inv, __low2half(w01))),
-                                           __float2half(rmsnorm_elem(hv[i].y, inv, __high2half(w01))));
-        const __half2 v23 = __halves2half2(__float2half(rmsnorm_elem(hv[i].z, inv, __low2half(w23))),
-                                           __float2half(rmsnorm_elem(hv[i].w, inv, __high2half(w23))));
-        xs2[xs_pair(2 * c)] = *reinterpret_cast<const unsigned*>(&v01);
-        xs2[xs_pair(2 * c + 1)] = *reinterpret_cast<const unsigned*>(&v23);
+        const unsigned v01 = norm_pair(hv[i].x, hv[i].y, inv, w01), v23 = norm_pair(hv[i].z, hv[i].w, inv, w23);
+        xs2[xs_pair(2 * c)] = v01;
+        xs2[xs_pair(2 * c + 1)] = v23;
       }
     }
   } else if (PRO == PRO_NORM) {
@@ -271,10 +272,7 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
     const float inv = rms_inv(h, a.eps, a.K, red);
     for (int p = threadIdx.x; p < npairs; p += blockDim.x) {
       const float2 hv = __ldcg(reinterpret_cast<const float2*>(h) + p);
-      const __half2 w = reinterpret_cast<const __half2*>(a.norm_w)[p];
-      const __half2 v = __halves2half2(__float2half(rmsnorm_elem(hv.x, inv, __low2half(w))),
-                                       __float2half(rmsnorm_elem(hv.y, inv, __high2half(w))));
-      xs2[xs_pair(p)] = *reinterpret_cast<const unsigned*>(&v);
+      xs2[xs_pair(p)] = norm_pair(hv.x, hv.y, inv, reinterpret_cast<const __half2*>(a.norm_w)[p]);
     }
   } else {  // a copy: 16-byte pieces (4 pairs), STAGE_LOADS in flight per thread (one L2 round up to K = 8192)
     const uint4* src = reinterpret_cast<const uint4*>(a.x);
