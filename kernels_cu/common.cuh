@@ -26,7 +26,8 @@
 #define AF_TL_MARKS 4
 __device__ unsigned long long af_tl_rec[AF_TL_SMS * AF_TIMELINE][4 + AF_TL_MARKS];
 __device__ unsigned int af_tl_next[AF_TL_SMS];
-__shared__ unsigned long long af_tl_wait, af_tl_marks[AF_TL_MARKS];
+__shared__ unsigned long long af_tl_t0, af_tl_wait, af_tl_marks[AF_TL_MARKS];
+__shared__ unsigned int af_tl_sm;
 
 __device__ __forceinline__ unsigned long long af_tl_now() {
   unsigned long long t;
@@ -34,24 +35,25 @@ __device__ __forceinline__ unsigned long long af_tl_now() {
   return t;
 }
 
-struct AfTimelineBlock {
-  unsigned long long t0 = 0;
-  unsigned int slot = 0, sm = 0;
+struct AfTimelineBlock {  // holds only the slot in a register (the kernels run close to their register budget)
+  unsigned int slot = 0;
   __device__ AfTimelineBlock() {
     if (threadIdx.x == 0) {
-      t0 = af_tl_now();
+      af_tl_t0 = af_tl_now();
       af_tl_wait = 0ull;
       for (int k = 0; k < AF_TL_MARKS; ++k) af_tl_marks[k] = 0ull;
+      unsigned int sm;
       asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      af_tl_sm = sm;
       slot = sm < AF_TL_SMS ? atomicAdd(&af_tl_next[sm], 1u) : 0u;
     }
   }
   __device__ ~AfTimelineBlock() {
-    if (threadIdx.x == 0 && sm < AF_TL_SMS && slot < AF_TIMELINE) {
+    if (threadIdx.x == 0 && af_tl_sm < AF_TL_SMS && slot < AF_TIMELINE) {
       unsigned long long g;
       asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
-      unsigned long long* r = af_tl_rec[sm * AF_TIMELINE + slot];
-      r[0] = g; r[1] = t0; r[2] = af_tl_wait; r[3] = af_tl_now();
+      unsigned long long* r = af_tl_rec[af_tl_sm * AF_TIMELINE + slot];
+      r[0] = g; r[1] = af_tl_t0; r[2] = af_tl_wait; r[3] = af_tl_now();
       for (int k = 0; k < AF_TL_MARKS; ++k) r[4 + k] = af_tl_marks[k];
     }
   }
