@@ -17,7 +17,8 @@
   shape: isolated (an event pair around every launch: launch, ramp-up and drain included) and chained (the
   copies launched back to back with programmatic dependent launch and captured as one CUDA graph, as the decode
   step runs them: each launch requests its weights while its predecessor drains and waits for it before reading
-  x; µs per launch = replay time / launches).
+  x; µs per launch = replay time / launches; the residual variant reads y before its wait, which races with the
+  predecessor's write here — a timing, not a result).
 Both report GB/s against the copy bandwidth measured in the same run.
 """
 from __future__ import annotations
