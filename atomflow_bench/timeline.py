@@ -154,7 +154,7 @@ def record(model_dir, weights: str, context: int, replays: int, copy: dict, plai
     blocks = [int(np.prod(ln.grid)) for ln in launches]
     roles = [step_role(ln) for ln in launches]
     bufs = buffers(eng.lib)
-    rels, gran, dropped = [], [], 0
+    rels, gran = [], []
     length0 = int(eng.arena["pos"].get()[0]) + 1
     for r in range(replays + 1):  # the first replay warms up
         with eng.stream:
@@ -164,7 +164,6 @@ def record(model_dir, weights: str, context: int, replays: int, copy: dict, plai
         rec, lost = read(bufs)
         if r == 0:
             continue
-        dropped += lost
         if lost:
             raise AtomflowError(f"timeline: {lost} block records did not fit {SLOTS} slots per SM")
         rels.append(relative(launch_times(rec, blocks)))

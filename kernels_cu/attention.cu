@@ -15,8 +15,9 @@
 //            With one split the block writes `out` directly. Otherwise it writes (max, sum, o[hd]) partials;
 //            the last block of head j to finish (acq_rel atomic ticket) rescales and sums them into `out`
 //            (the first round of float4 partial-o L2 loads, ATT_COMBINE_LOADS in flight per thread, goes out
-//            together with the one round of all (max, sum) pairs; further rounds follow) and resets its ticket. Blocks whose split is empty at this L exit at once, so one launch
-//            shape (captured in the graph) serves every position < max_seq.
+//            together with the one round of all (max, sum) pairs; further rounds follow) and resets its ticket.
+//            Blocks whose split is empty at this L exit at once, so one launch shape (captured in the graph)
+//            serves every position < max_seq.
 //            History (results/PERF_NOTES.md v8-v8.2): a block-wide walk (3 block barriers per 32 positions)
 //            was latency-bound — 1 block/SM with 64 KB in flight was slowest — which this warp-level walk removes.
 // Layouts    q fp16 [n_heads*hd] (post-RoPE, start of the qkv buffer); k_cache/v_cache: this layer's slab

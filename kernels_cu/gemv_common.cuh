@@ -361,7 +361,6 @@ __device__ __forceinline__ void tile_epilogue(const GemvArgs& a, const RopeArgs&
   }
 }
 
-
 // fp16 weights through registers: each lane's loads of a batch (GEMV_LOADS_F16 x 16 bytes) are in flight at once.
 template <int PRO, int EPI, class Sync>
 __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope, const Sync sync,
