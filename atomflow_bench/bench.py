@@ -74,7 +74,22 @@ def time_decode(engine, context: int, tokens: int, repeats: int, graph: bool = T
         ids = engine.tokens(len(prompt) - 1, tokens)
     out = summarize(samples)
     out["repeat_medians"] = per_repeat
-    return {"tpot_ms": out, "token_ids": ids, "prompt_len": len(prompt)}
+    per_token = np.median(np.reshape(samples, (repeats, tokens)), axis=0) if repeats else np.zeros(0)
+    return {"tpot_ms": out, "token_ids": ids, "prompt_len": len(prompt), "per_token_ms": per_token.tolist()}
+
+
+def by_bucket(engine, context: int, per_token_ms: list[float]) -> list[dict]:
+    """Median per-token time of the generated tokens in each attention bucket (token i runs at length
+    context + i)."""
+    groups: dict = {}
+    for i, t in enumerate(per_token_ms):
+        L = context + i
+        g = groups.setdefault(engine.bucket(L), {"attention": engine.bucket(L), "lengths": [L, L], "ms": []})
+        g["lengths"][1] = L
+        g["ms"].append(t)
+    return [{"attention": "split" if g["attention"] is None else f"short <= {g['attention']}",
+             "lengths": g["lengths"], "tokens": len(g["ms"]), "tpot_ms": float(np.median(g["ms"]))}
+            for g in groups.values()]
 
 
 def benchmark(model_dir, model_name: str, source: str, weights: str, context: int, tokens: int, repeats: int,
@@ -109,6 +124,7 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
                   "config": eng.cfg.to_hf_dict()},
         "weights": weights, "context": context, "tokens": tokens, "repeats": repeats,
         "tpot_ms": tpot, "tok_per_s": 1e3 / tpot["median"],
+        "attention_buckets": by_bucket(eng, context, g["per_token_ms"]),
         "bytes_per_token": nbytes, "bandwidth_gbs": bw,
         "roofline": {"tpot_floor_ms": floor_ms, "pct": 100.0 * floor_ms / tpot["median"]},
         "vram_bytes": eng.vram(),

@@ -3,6 +3,10 @@
     eng = Engine(model_dir, weights="fp8", max_seq=512)
     ids = eng.generate(prompt_ids, 32)              # graph replays
     eng.reset(prompt_ids); taps = eng.step_eager(taps=True)   # probes from the same launches
+
+The step exists in one form per attention bucket (step.attention_short_caps: the short kernel holding 128, 256,
+... positions, then the split kernel), each captured into its own graph. The step advances the position by
+exactly one, so the engine keeps a host copy of it and runs every step with the bucket of its context length.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import numpy as np
 from .arena import Arena, plan_arena
 from .errors import AtomflowError, GpuUnavailable
 from .kernels import KernelLib
-from .step import build_step, run_eager
+from .step import attention_short_caps, build_step, run_eager, smem_limits
 from .weights import Checkpoint, upload_weights
 
 
@@ -60,7 +64,11 @@ class Engine:
         self.lib.compile_all()                     # NVRTC (or CuPy's cache) before anything is timed
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)
-        self.launches = build_step(self.cfg, weights, self.arena, self.lib, self.gpu["sms"])
+        # one step per attention bucket (capacity -> launches; None: the split kernel, for lengths beyond)
+        cfg = self.cfg
+        self.att_caps = attention_short_caps(cfg.group_size, cfg.head_dim, max_seq, self.lib.defines, smem_limits())
+        keys = self.att_caps + ([None] if not self.att_caps or self.att_caps[-1] < max_seq else [])
+        self.variants = {k: build_step(cfg, weights, self.arena, self.lib, self.gpu["sms"], att_cap=k) for k in keys}
         # Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it
         # prefetches weights and waits (griddepcontrol.wait) before touching the predecessor's outputs.
         # ATOMFLOW_PDL=0 turns it off (A/B measurements).
@@ -68,11 +76,13 @@ class Engine:
             pdl = float(self.gpu["cc"]) >= 9.0 and os.environ.get("ATOMFLOW_PDL", "1") != "0"
         self.pdl = bool(pdl)
         if self.pdl:
-            for ln in self.launches[1:]:
-                ln.enable_pdl()
+            for launches in self.variants.values():
+                for ln in launches[1:]:
+                    ln.enable_pdl()
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        self._graph = None
+        self._graphs = {}
         self._prompt_len = 0
+        self.position = 0  # host copy of the device's pos (the next step attends over position + 1 rows)
 
     # ---- state ---------------------------------------------------------------------------------
     def reset(self, prompt_ids) -> None:
@@ -91,29 +101,46 @@ class Engine:
         a["pos"].set(np.zeros(1, np.int32))
         a["cur_token"].set(ids[:1])
         self._prompt_len = int(ids.size)
+        self.position = 0
 
     # ---- running steps -------------------------------------------------------------------------
+    def bucket(self, length: int):
+        """The attention bucket of a step at context length `length` (capacity, or None: the split kernel)."""
+        return next((c for c in self.att_caps if length <= c), None)
+
+    @property
+    def launches(self) -> list:
+        """The launches of the next step (the bucket of its length: position + 1)."""
+        return self.variants[self.bucket(self.position + 1)]
+
+    def graph(self, key):
+        if key not in self._graphs:
+            from .graph import StepGraph
+
+            self._graphs[key] = StepGraph(self.variants[key], self.stream)
+        return self._graphs[key]
+
     def step_eager(self, taps: bool = False) -> dict | None:
         out = {} if taps else None
         with self.stream:
             run_eager(self.launches, out)
+        self.position += 1
         return out
 
-    @property
-    def graph(self):
-        if self._graph is None:
-            from .graph import StepGraph
-
-            self._graph = StepGraph(self.launches, self.stream)
-        return self._graph
-
     def run(self, n_steps: int, graph: bool = True) -> None:
-        """Queue n decode steps (asynchronous when graph=True)."""
-        if graph:
-            self.graph.replay(n_steps)
-        else:
-            for _ in range(n_steps):
-                self.step_eager()
+        """Queue n decode steps (asynchronous when graph=True), each with its length's bucket."""
+        if self.position + n_steps > self.max_seq:
+            raise AtomflowError(f"{n_steps} steps from position {self.position} exceed max_seq {self.max_seq}")
+        while n_steps > 0:
+            key = self.bucket(self.position + 1)
+            n = n_steps if key is None else min(n_steps, key - self.position)  # steps while length <= key
+            if graph:
+                self.graph(key).replay(n)
+                self.position += n
+            else:
+                for _ in range(n):
+                    self.step_eager()
+            n_steps -= n
 
     def tokens(self, start: int, n: int) -> list[int]:
         self.stream.synchronize()

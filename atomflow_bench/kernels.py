@@ -26,7 +26,7 @@ _DEFINE = re.compile(r"^[ \t]*#[ \t]*define(?:[^\n]*\\\n)*[^\n]*", re.M)  # a #d
 GEMV_RING_DEPTHS = (2, 3, 4, 5)  # fp8 GEMV ring depths with a kernel each (gemv_common.cuh GEMV_RING_INSTANCES)
 _MACRO_INSTANCE = re.compile(r"^(?:GEMV_(?:ROPE_|ROWS_)?INSTANCE\((\w+)[,)]"  # NAME
                              r"|GEMV_(?:ROPE_)?RING_INSTANCES\((\w+)[,)]"  # NAME_r<depth> for every depth
-                             r"|ATTENTION_INSTANCE\((\d+), (\d+)\))", re.M)  # attention_decode_hd<HD>_g<G>
+                             r"|ATTENTION_(SHORT_)?INSTANCE\((\d+), (\d+)\))", re.M)  # attention_{decode,short}_hd<HD>_g<G>
 
 
 def expand_source(path: Path, seen: set | None = None) -> str:
@@ -48,11 +48,11 @@ def kernel_names(path: Path) -> list[str]:
     """The extern "C" kernels a .cu file defines (directly or through the instance macros)."""
     text = _DEFINE.sub("", path.read_text())
     names = _KERNEL.findall(text)
-    for gemv, ring, hd, g in _MACRO_INSTANCE.findall(text):
+    for gemv, ring, short, hd, g in _MACRO_INSTANCE.findall(text):
         if ring:
             names += [f"{ring}_r{d}" for d in GEMV_RING_DEPTHS]
         else:
-            names.append(gemv or f"attention_decode_hd{hd}_g{g}")
+            names.append(gemv or f"attention_{'short' if short else 'decode'}_hd{hd}_g{g}")
     return names
 
 

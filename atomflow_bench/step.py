@@ -6,7 +6,9 @@ into a CUDA Graph (graph.py). Per layer 5 launches:
 
     gemv  QKV      RMSNorm prologue (input_layernorm), q|k|v rows stacked; epilogue: RoPE on q and k,
                    k and v appended to the cache at pos                        -> qkv (fp16)
-    attention      GQA over cache[0..pos], split over the sequence, combine fused -> attn_out (fp16)
+    attention      GQA over cache[0..pos] -> attn_out (fp16): at short contexts one block per kv head with
+                   the whole K/V range in shared memory (attention_short.cu, `att_cap` = the positions it
+                   holds), beyond that split over the sequence with the combine fused (attention.cu)
     gemv  o_proj   residual epilogue                                           h += Wo . attn_out
     gemv  gate/up  RMSNorm prologue (post_attention_layernorm), SwiGLU epilogue -> act (fp16)
     gemv  down     residual epilogue                                           h += Wd . act
@@ -38,6 +40,8 @@ ROWS_BLOCKS_PER_SM = 4  # = ROWS_MIN_BLOCKS (lm_head)
 GEMV_STAGES = 5            # fp8: deepest cp.async ring (groups of 128 inputs per warp) a launch may get; knob
 GEMV_ONE_WAVE = 1          # knob: tile counts in (2, 3] x SMs run one tile per block at 3 blocks per SM
 ATT_THREADS = 128
+ATS_THREADS = 256          # attention_short.cu
+ATT_SHORT_BUCKETS = (128, 256)  # short-attention capacities captured below the largest that fits (engine graphs)
 SMEM_PER_SM = 227 * 1024  # usable shared memory per block on sm_90 (sm_89: 99 KB; only limits residency)
 SMEM_H100 = (SMEM_PER_SM, 228 * 1024, 1024)  # (per block, per SM, reserved per resident block): sm_90
 NULL = np.uint64(0)
@@ -186,6 +190,54 @@ def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, 
                    np.float32(1.0 / math.sqrt(hd))), shmem, taps or {}, 0)
 
 
+def attention_short_smem(group: int, hd: int, cap: int) -> int:
+    """Bytes of dynamic shared memory of attention_short.cu at capacity `cap` positions: K [cap][hd] fp16 (at
+    least the final reduction scratch [warps][G][hd] fp32), V [cap][hd] fp16, probabilities [cap][G padded to 4]
+    fp32."""
+    warps = ATS_THREADS // 32
+    return max(cap * hd * 2, warps * group * hd * 4) + cap * hd * 2 + cap * (-(-group // 4) * 4) * 4
+
+
+def attention_short_static(group: int, hd: int) -> int:
+    """Static shared memory of attention_short.cu (q [G][hd] and the per-warp [warps][G] scratch, fp32) plus 1 KB
+    for the timeline instrument's and the compiler's own."""
+    return group * hd * 4 + (ATS_THREADS // 32) * group * 4 + 1024
+
+
+def attention_short_caps(group: int, hd: int, max_seq: int, defines: tuple | None = None, smem: tuple = SMEM_H100
+                         ) -> list[int]:
+    """Capacities of the short-attention graphs the engine captures: ATT_SHORT_BUCKETS below the largest
+    multiple of ATT_CHUNK that one block's shared memory holds, then that one; only as many as lengths up to
+    max_seq need. [] when the knob ATT_SHORT=0 or not even ATT_CHUNK positions fit (the split kernel always)."""
+    if not knob("ATT_SHORT", 1, defines):
+        return []
+    room = smem[0] - attention_short_static(group, hd)
+    top = 0
+    while attention_short_smem(group, hd, top + ATT_CHUNK) <= room:
+        top += ATT_CHUNK
+    caps = []
+    for c in sorted({b for b in ATT_SHORT_BUCKETS if b < top} | ({top} if top else set())):
+        caps.append(c)
+        if c >= max_seq:
+            break
+    return caps
+
+
+def attention_short_launch(lib: KernelLib, q, k_cache, v_cache, pos, out, n_kv: int, group: int, hd: int, cap: int,
+                           taps=None) -> Launch:
+    """One block per kv head holding up to `cap` positions of K and V in shared memory (longer contexts are
+    walked in chunks of `cap`: correct, but the engine switches to attention_launch there)."""
+    fn = lib[f"attention_short_hd{hd}_g{group}"]
+    shmem = attention_short_smem(group, hd, cap)
+    if cap < 1 or shmem + attention_short_static(group, hd) > smem_limits()[0]:
+        raise AtomflowError(f"short attention of {cap} positions needs {shmem} bytes of shared memory per block "
+                            f"(this GPU: {smem_limits()[0]})")
+    allow_dynamic_smem(fn, shmem)
+    return Launch(fn, "attention_decode", (n_kv,), (ATS_THREADS,),
+                  (q, k_cache, v_cache, pos, out, i32(n_kv), i32(cap), np.float32(1.0 / math.sqrt(hd))), shmem,
+                  taps or {}, 0)
+
+
 def rmsnorm_launch(lib: KernelLib, h, w, eps: float, out, taps=None) -> Launch:
     K = h.shape[0]
     return Launch(lib["rmsnorm_f32_f16"], "rmsnorm_f32_f16", (1,), (1024,), (h, w, np.float32(eps), out, i32(K)),
@@ -202,8 +254,10 @@ def argmax_launch(lib: KernelLib, logits, part_val, part_idx, counter, pos, cur_
 
 # ---- the step --------------------------------------------------------------------------------------------
 
-def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int) -> list[Launch]:
-    """The step's launches, each with its probes as taps (validation copies them after each launch)."""
+def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, att_cap: int | None = None
+               ) -> list[Launch]:
+    """The step's launches, each with its probes as taps (validation copies them after each launch). `att_cap`:
+    the short attention kernel holding that many positions (lengths up to it), else the split kernel."""
     head = a["embed" if cfg.tie_word_embeddings else "lm_head"]
     tail = [gemv_launch(lib, "fp16", "f32", head, None, a["xnorm"], a["logits"], cfg.vocab_size, cfg.hidden_size,
                         n_sm, taps={"logits": a["logits"]}, role="lm_head"),
@@ -227,6 +281,9 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int) 
                  rope=(a["rope_cs"], a["pos"], a["k_cache"][i], a["v_cache"][i], cfg.num_attention_heads,
                        cfg.num_key_value_heads, hd),
                  taps={p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}),
+            attention_short_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], attn_out,
+                                   cfg.num_key_value_heads, cfg.group_size, hd, att_cap, taps={p + "attn_out": attn_out})
+            if att_cap else
             attention_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], a["att_ml"], a["att_o"],
                              a["att_counters"][i], attn_out, cfg.num_key_value_heads, cfg.group_size, hd,
                              taps={p + "attn_out": attn_out}),

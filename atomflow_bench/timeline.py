@@ -151,12 +151,14 @@ def record(model_dir, weights: str, context: int, replays: int, copy: dict, plai
     eng.run(len(prompt) - 1)
     eng.stream.synchronize()  # the graph runs on the engine's stream: pos is final only after it
     launches = eng.launches
-    blocks = [int(np.prod(ln.grid)) for ln in launches]
     roles = [step_role(ln) for ln in launches]
     bufs = buffers(eng.lib)
     rels, gran = [], []
     length0 = int(eng.arena["pos"].get()[0]) + 1
     for r in range(replays + 1):  # the first replay warms up
+        blocks = [int(np.prod(ln.grid)) for ln in eng.launches]  # this replay's attention bucket
+        if [step_role(ln) for ln in eng.launches] != roles:
+            raise AtomflowError("timeline: the step's launches changed between replays")
         with eng.stream:
             clear(bufs)
         eng.run(1)

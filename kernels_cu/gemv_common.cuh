@@ -181,20 +181,6 @@ __device__ __forceinline__ int xs_pair(int p) {
   return (p & ~15) | ((r & 3) << 2) | ((r >> 3) << 1) | ((r >> 2) & 1);
 }
 
-// 16 (or 8: the fp8 scale pair) bytes global -> shared without passing through registers (sm_80+), and the
-// per-thread commit / wait of such copies.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
 // x staged in shared memory in fragment order as fp16 by the whole block: RMSNorm(h_fp32) * norm_w
 // (PRO_NORM) or a copy of the fp16 input; read through L2 (.cg: written by the previous kernel).
 // The norm prologue reads h through L2 once (results/PERF_NOTES.md v10.4-v10.5), in one of two ways:

@@ -14,6 +14,11 @@ export PYTHONUNBUFFERED=1 ATOMFLOW_HOME=${ATOMFLOW_HOME:-/tmp/atomflow-home}
 stages=${*:-info kernels engine bench}
 summary=()
 note() { summary+=("$1"); }
+buckets() {  # per attention bucket of a run record: lengths and median TPOT
+  python3 -c 'import json, sys
+r = json.load(open(sys.argv[1]))
+print(" ".join("[%s L%d-%d %.4f ms]" % (b["attention"], *b["lengths"], b["tpot_ms"]) for b in r.get("attention_buckets", [])))' "$1" 2>/dev/null
+}
 
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >>"$OUT/install.log" 2>&1 && export PYTHONPATH=/tmp/site; fi
@@ -38,6 +43,7 @@ for st in $stages; do
           ATOMFLOW_PDL=$p atomflow-bench run "$m" --weights "$w" --ctx "${CTX:-128}" --tokens 256 --repeats 5 \
             --json "$OUT/run-$tag.json" >"$OUT/run-$tag.log" 2>&1
           note "run $tag: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
+          note "  $(buckets "$OUT/run-$tag.json")"
         done
       done ;;
     knobs)   # compile-time variants (ATOMFLOW_KERNEL_DEFINES), e.g. KNOBS="GEMV_LOADS=16 NAME=V,NAME2=V" on
@@ -46,6 +52,7 @@ for st in $stages; do
         ATOMFLOW_KERNEL_DEFINES="${k//,/ }" timeout 240 atomflow-bench run "${ks%%:*}" --weights "${ks##*:}" \
           --json "$OUT/run-$tag.json" >"$OUT/run-$tag.log" 2>&1
         note "run $tag: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
+        note "  $(buckets "$OUT/run-$tag.json")"
       done ;;
     profile)   # PROFILE_SPECS="model:fmt ..." (default 3B fp8 and fp16); the note: role=adds/floor µs per launch
       for spec in ${PROFILE_SPECS:-"llama-3.2-3b:fp8" "llama-3.2-3b:fp16"}; do

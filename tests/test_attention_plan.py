@@ -40,3 +40,38 @@ def test_shared_memory_covers_warp_states_and_the_combine(group, hd):
     assert smem // 4 >= warps
     assert smem // 4 >= -(-2 * group * splits // 4) * 4 + phases * cols * 4
     assert smem <= SMEM_PER_SM
+
+
+# ---- the short-context kernel (attention_short.cu) and the engine's buckets --------------------------------
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("hd", [64, 128])
+def test_short_attention_capacity_fits_one_block(group, hd):
+    from atomflow_bench.step import (ATS_THREADS, SMEM_H100, attention_short_caps, attention_short_smem,
+                                     attention_short_static)
+
+    caps = attention_short_caps(group, hd, 10**6)
+    top = caps[-1]
+    room = SMEM_H100[0] - attention_short_static(group, hd)
+    assert top % ATT_CHUNK == 0 and attention_short_smem(group, hd, top) <= room
+    assert attention_short_smem(group, hd, top + ATT_CHUNK) > room  # the largest that fits
+    assert caps == sorted(caps) and caps[:-1] == [c for c in (128, 256) if c < top]
+    # K and V rows, probabilities padded to 4 per position; never less than the final reduction scratch
+    gp = -(-group // 4) * 4
+    assert attention_short_smem(group, hd, 256) == 256 * hd * 4 + 256 * gp * 4
+    assert attention_short_smem(group, hd, 1) >= (ATS_THREADS // 32) * group * hd * 4
+    assert top >= (400 if hd == 128 else 760)  # the 3B/8B bench's 384 positions fit; 1B's far more
+
+
+def test_short_attention_buckets_follow_max_seq_and_the_knob(monkeypatch):
+    from atomflow_bench.step import attention_short_caps
+
+    assert attention_short_caps(3, 128, 100) == [128]
+    assert attention_short_caps(3, 128, 128) == [128]
+    assert attention_short_caps(3, 128, 129) == [128, 256]
+    assert attention_short_caps(3, 128, 8448) == [128, 256, 416]
+    assert attention_short_caps(3, 128, 8448, defines=("ATT_SHORT=0",)) == []
+    assert attention_short_caps(3, 128, 8448, smem=(48 * 1024, 100 * 1024, 1024)) == [32 * 2]  # small GPUs
+    assert attention_short_caps(8, 128, 8448, smem=(8 * 1024, 100 * 1024, 1024)) == []  # not even one chunk
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "ATT_SHORT=0")
+    assert attention_short_caps(3, 128, 8448) == []

@@ -113,10 +113,40 @@ def test_tiny_engine_matches_reference(tiny_dir, fmt):
     assert_matches_reference(tiny_dir, fmt, prompt_len=7, n_new=9, label="tiny")
 
 
+@pytest.mark.parametrize("att", ["short", "split"])
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_tiny_long_context(tiny_dir, fmt):
-    """300 positions = 10 attention splits combined by the last block of each kv head."""
-    assert_matches_reference(tiny_dir, fmt, prompt_len=300, n_new=3, label="tiny ctx 300")
+def test_tiny_long_context(tiny_dir, fmt, att, monkeypatch):
+    """300 positions through both attention kernels: the short one (buckets 128, 256 and the largest: the K/V
+    range in shared memory) and, with ATT_SHORT=0, the split one (10 splits combined by the last block)."""
+    if att == "split":
+        monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "ATT_SHORT=0")
+    assert_matches_reference(tiny_dir, fmt, prompt_len=300, n_new=3, label=f"tiny ctx 300 {att} attention")
+
+
+def test_attention_buckets(tiny_dir):
+    """The engine runs every step with its length's bucket: graph replays crossing from one short bucket to the
+    next and into the split kernel give the same tokens and logits as eager steps, and the host's copy of the
+    position stays equal to the device's."""
+    from atomflow_bench.engine import Engine
+
+    eng = Engine(tiny_dir, weights="fp16", max_seq=900)
+    caps = eng.att_caps
+    assert caps[:2] == [128, 256] and caps[-1] < 900 and list(eng.variants) == caps + [None]
+    assert [len(eng.variants[k][2].grid) for k in eng.variants] == [1] * len(caps) + [2]  # short: (n_kv,)
+    assert eng.bucket(1) == eng.bucket(128) == 128 and eng.bucket(129) == 256 and eng.bucket(caps[-1] + 1) is None
+    rng = np.random.default_rng()
+    for start in (120, caps[-1] - 6):  # 128 -> 256, and the largest bucket -> the split kernel
+        prompt = [int(t) for t in rng.integers(0, 1000, start)]
+        eager = eng.generate(prompt, 16, graph=False)
+        eager_logits = eng.arena["logits"].get()
+        assert eng.position == int(eng.arena["pos"].get()[0]) == start + 15
+        graph = eng.generate(prompt, 16, graph=True)
+        eng.stream.synchronize()
+        assert eng.position == int(eng.arena["pos"].get()[0]) == start + 15
+        np.testing.assert_array_equal(graph, eager)
+        np.testing.assert_array_equal(eng.arena["logits"].get(), eager_logits)
+    with pytest.raises(AtomflowError, match="exceed max_seq"):
+        eng.run(900 - eng.position + 1)
 
 
 def check_greedy(eng, seq, prompt_len, margins, logit_err):
@@ -235,14 +265,17 @@ def test_profile_roles_in_graph(tiny_dir):
     assert again["length"] == m["length"]
 
 
-def test_timeline_instrument(tiny_dir):
+@pytest.mark.parametrize("att", ["short", "split"])
+def test_timeline_instrument(tiny_dir, att, monkeypatch):
     """`profile --timeline`: the instrumented build decodes the same tokens as the plain one; one replay's
     records cover every block of every launch, their grid ids map onto the step's launches in order (else
-    timeline.launch_times raises), and the per-role spans add up to the replay."""
+    timeline.launch_times raises), and the per-role spans add up to the replay. Both attention kernels."""
     from atomflow_bench import timeline
     from atomflow_bench.engine import Engine
     from atomflow_bench.profile import step_role
 
+    if att == "split":
+        monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "ATT_SHORT=0")
     t = timeline.record(tiny_dir, "fp8", context=40, replays=4, copy={"median": 3000.0}, plain_step_us=1.0)
     prompt = [int(x) for x in np.random.default_rng().integers(0, 1000, 50)]
     plain = Engine(tiny_dir, weights="fp8", max_seq=t["max_seq"])  # the same launch shapes as the recorded one
@@ -265,8 +298,11 @@ def test_timeline_instrument(tiny_dir):
     by = {r["role"]: r["marks_us"] for r in t["rows"]}
     for role in ("wqkv", "wo", "wgu", "wd"):  # x staged <= dot products done <= epilogue done
         assert None not in by[role][:3] and 0 <= by[role][0] <= by[role][1] <= by[role][2]
-    att = by["attention_decode"]  # q loaded <= passes done; at length 41-44 (2 splits): stored <= ticket back
-    assert None not in att and 0 <= att[0] <= att[1] and att[2] <= att[3]
+    a = by["attention_decode"]
+    if att == "split":  # q loaded <= passes done; at length 41-44 (2 splits): stored <= ticket back
+        assert None not in a and 0 <= a[0] <= a[1] and a[2] <= a[3]
+    else:  # q and K/V in shared memory <= probabilities <= P.V done; no fourth mark
+        assert None not in a[:3] and 0 <= a[0] <= a[1] <= a[2] and a[3] is None
 
 
 def test_gemv_bench_isolated_and_chained():

@@ -19,8 +19,8 @@ from atomflow_bench.arena import ATT_CHUNK, linear_regions
 from atomflow_bench.config import CATALOG
 from atomflow_bench.errors import AtomflowError
 from atomflow_bench.quant import dequantize_fp8, quantize_fp8
-from atomflow_bench.step import (VARIANT_PAIRING, argmax_launch, attention_launch, embed_launch, gemv_launch,
-                                 quantize_launch, rmsnorm_launch)
+from atomflow_bench.step import (VARIANT_PAIRING, argmax_launch, attention_launch, attention_short_caps,
+                                 attention_short_launch, embed_launch, gemv_launch, quantize_launch, rmsnorm_launch)
 from atomflow_bench.weights import tiled, tiled_scales
 
 pytestmark = pytest.mark.gpu
@@ -235,17 +235,10 @@ ATT_SHAPES = {"llama-3.2-3b": (8, 3, 128), "llama-3.2-1b": (8, 4, 64), "smollm2-
               "llama-3.1-8b": (8, 4, 128)}
 
 
-@pytest.mark.parametrize("model", list(ATT_SHAPES))
-@pytest.mark.parametrize("length", [1, 2, 63, 64, 65, 200, 1000, 4097])
-@pytest.mark.parametrize("cap", [None, 7, 1])
-def test_attention(kernel_lib, model, length, cap):
-    """cap: the split count (grid.y). None = one split per 32-position sub-chunk of max_seq; 7 and 1 force
-    splits that walk several sub-chunks (online softmax, uneven shares), as long contexts do on the GPU."""
-    import cupy as cp
-
+def attention_case(model, length, max_seq):
+    """Random q and K/V caches (fp16) and the float64 reference output of GQA attention over `length` rows."""
     n_kv, G, hd = ATT_SHAPES[model]
-    nh, max_seq = n_kv * G, 4160
-    splits = cap or -(-max_seq // ATT_CHUNK)
+    nh = n_kv * G
     rng = rng_for("att", model, length)
     q = (rng.standard_normal(nh * hd, dtype=np.float32) * rng.uniform(0.5, 3)).astype(np.float16)
     kc = rng.standard_normal((max_seq, n_kv * hd), dtype=np.float32).astype(np.float16)
@@ -257,6 +250,55 @@ def test_attention(kernel_lib, model, length, cap):
         sc = kq[:, hq // G] @ q[hq * hd:(hq + 1) * hd].astype(np.float64) / np.sqrt(hd)
         p = np.exp(sc - sc.max())
         ref[hq] = (p / p.sum()) @ vq[:, hq // G]
+    return q, kc, vc, ref.reshape(-1)
+
+
+@pytest.mark.parametrize("model", list(ATT_SHAPES))
+@pytest.mark.parametrize("length", [1, 2, 63, 64, 65, 200, 416, 417, 833, 1000])
+@pytest.mark.parametrize("cap", ["max", 128, 7])
+def test_attention_short(kernel_lib, model, length, cap):
+    """The short-context kernel (one block per kv head, K/V staged in shared memory). cap: the positions its
+    shared memory holds — "max" = the engine's largest bucket (416 at hd 128, 832 at hd 64), 128 = a smaller
+    bucket; lengths beyond it (and cap 7) walk several chunks with the online-softmax rescale."""
+    import cupy as cp
+
+    n_kv, G, hd = ATT_SHAPES[model]
+    cap = attention_short_caps(G, hd, 10**6)[-1] if cap == "max" else cap
+    q, kc, vc, ref = attention_case(model, length, max_seq=1024)
+    out = cp.full(q.size, np.nan, dtype=cp.float16)
+    launch = attention_short_launch(kernel_lib, cp.asarray(q), cp.asarray(kc), cp.asarray(vc),
+                                    cp.asarray([length - 1], dtype=cp.int32), out, n_kv, G, hd, cap)
+    assert launch.grid == (n_kv,)
+    launch()
+    first = out.get()
+    assert rel_err(first, ref) < FP16_TOL
+    out.fill(np.nan)
+    launch()  # a replay gives the identical result
+    np.testing.assert_array_equal(out.get(), first)
+
+
+def test_attention_short_refuses_what_does_not_fit(kernel_lib):
+    import cupy as cp
+
+    n_kv, G, hd = ATT_SHAPES["llama-3.2-3b"]
+    too_many = attention_short_caps(G, hd, 10**6)[-1] + 32
+    z = cp.zeros(16, dtype=cp.float16)
+    with pytest.raises(AtomflowError, match="shared memory"):
+        attention_short_launch(kernel_lib, z, z, z, cp.zeros(1, dtype=cp.int32), z, n_kv, G, hd, too_many)
+
+
+@pytest.mark.parametrize("model", list(ATT_SHAPES))
+@pytest.mark.parametrize("length", [1, 2, 63, 64, 65, 200, 1000, 4097])
+@pytest.mark.parametrize("cap", [None, 7, 1])
+def test_attention(kernel_lib, model, length, cap):
+    """cap: the split count (grid.y). None = one split per 32-position sub-chunk of max_seq; 7 and 1 force
+    splits that walk several sub-chunks (online softmax, uneven shares), as long contexts do on the GPU."""
+    import cupy as cp
+
+    n_kv, G, hd = ATT_SHAPES[model]
+    nh, max_seq = n_kv * G, 4160
+    splits = cap or -(-max_seq // ATT_CHUNK)
+    q, kc, vc, ref = attention_case(model, length, max_seq)
     out = cp.full(nh * hd, np.nan, dtype=cp.float16)
     counters = cp.zeros(n_kv, dtype=cp.uint32)
     launch = attention_launch(kernel_lib, cp.asarray(q), cp.asarray(kc), cp.asarray(vc),
@@ -265,7 +307,7 @@ def test_attention(kernel_lib, model, length, cap):
                               cp.full((nh, splits, hd), np.nan, dtype=cp.float32), counters, out, n_kv, G, hd)
     launch()
     first = out.get()
-    assert rel_err(first, ref.reshape(-1)) < FP16_TOL
+    assert rel_err(first, ref) < FP16_TOL
     assert (counters.get() == 0).all(), "split-combine ticket not reset"
     out.fill(np.nan)
     launch()  # a replay must give the identical result (tickets reset, no stale partials)
