@@ -212,11 +212,13 @@ def attention_short_caps(group: int, hd: int, max_seq: int, defines: tuple | Non
     if not knob("ATT_SHORT", 1, defines):
         return []
     room = smem[0] - attention_short_static(group, hd)
+    limit = knob("ATT_SHORT_MAX", 1 << 30, defines)  # A/B knob: the largest capacity used
     top = 0
-    while attention_short_smem(group, hd, top + ATT_CHUNK) <= room:
+    while attention_short_smem(group, hd, top + ATT_CHUNK) <= room and top + ATT_CHUNK <= limit:
         top += ATT_CHUNK
+    below = ATT_SHORT_BUCKETS if knob("ATT_SHORT_STEPS", 1, defines) else ()  # A/B knob: 0 = the largest only
     caps = []
-    for c in sorted({b for b in ATT_SHORT_BUCKETS if b < top} | ({top} if top else set())):
+    for c in sorted({b for b in below if b < top} | ({top} if top else set())):
         caps.append(c)
         if c >= max_seq:
             break

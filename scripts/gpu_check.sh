@@ -3,7 +3,7 @@
 #   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench bench-ab knobs profile gemv
 #                                       validate evidence attention att-profile ab (default: info kernels engine bench)
 #   BENCH_SPECS="model:fmt ..."  CTX=128  KNOBS="DEF=V,DEF=V ..." (knobs: compile-time -D variants, 3B fp8)
-#   PROFILE_SPECS="model:fmt ..." PROFILE_DEFINES="DEF=V ..." TIMELINE=N (profile stage; N replays of the
+#   PROFILE_SPECS="model:fmt ..." PROFILE_DEFINES="DEF=V ..." PROFILE_CTX=128 TIMELINE=N (profile stage; N replays of the
 #                                       in-kernel timeline instrument, 0 = off)
 #   AB_DIR=.ab/<commit> AB_SPEC="model:fmt" AB_ROUNDS=2 (ab stage: the other tree vs this one, same machine)
 set -uo pipefail
@@ -57,7 +57,8 @@ for st in $stages; do
     profile)   # PROFILE_SPECS="model:fmt ..." (default 3B fp8 and fp16); the note: role=adds/floor µs per launch
       for spec in ${PROFILE_SPECS:-"llama-3.2-3b:fp8" "llama-3.2-3b:fp16"}; do
         m=${spec%%:*}; w=${spec##*:}; tag="${m#llama-}-$w"
-        ATOMFLOW_KERNEL_DEFINES="${PROFILE_DEFINES:-}" atomflow-bench profile "$m" --weights $w --ctx 128 \
+        [ "${PROFILE_CTX:-128}" != 128 ] && tag="$tag-ctx${PROFILE_CTX}"
+        ATOMFLOW_KERNEL_DEFINES="${PROFILE_DEFINES:-}" atomflow-bench profile "$m" --weights $w --ctx "${PROFILE_CTX:-128}" \
           --timeline "${TIMELINE:-0}" --json "$OUT/profile-$tag.json" >"$OUT/profile-$tag.log" 2>&1
         note "profile $tag: rc=$? $(grep -E 'sum of kernels' -A1 "$OUT/profile-$tag.log" | tr -s ' ' | tr '\n' ' ')"
         note "  in graph, role adds/floor µs per launch: $(python3 -c 'import json, sys
