@@ -41,6 +41,8 @@ GEMV_STAGES = 5            # fp8: deepest cp.async ring (groups of 128 inputs pe
 GEMV_ONE_WAVE = 1          # knob: tile counts in (2, 3] x SMs run one tile per block at 3 blocks per SM
 ATT_THREADS = 128
 ATS_THREADS = 256          # attention_short.cu
+ATS_HEADS = 8              # attention_short.cu: q heads per kv head padded to the mma's N
+ATS_CHUNK_MAX = 512        # attention_short.cu: positions its scores cover per chunk (the largest useful capacity)
 ATT_SHORT_BUCKETS = (128, 256)  # short-attention capacities captured below the largest that fits (engine graphs)
 SMEM_PER_SM = 227 * 1024  # usable shared memory per block on sm_90 (sm_89: 99 KB; only limits residency)
 SMEM_H100 = (SMEM_PER_SM, 228 * 1024, 1024)  # (per block, per SM, reserved per resident block): sm_90
@@ -191,28 +193,28 @@ def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, 
 
 
 def attention_short_smem(group: int, hd: int, cap: int) -> int:
-    """Bytes of dynamic shared memory of attention_short.cu at capacity `cap` positions: K [cap][hd] fp16 (at
-    least the final reduction scratch [warps][G][hd] fp32), V [cap][hd] fp16, probabilities [cap][G padded to 4]
-    fp32."""
-    warps = ATS_THREADS // 32
-    return max(cap * hd * 2, warps * group * hd * 4) + cap * hd * 2 + cap * (-(-group // 4) * 4) * 4
+    """Bytes of dynamic shared memory of attention_short.cu at capacity `cap` positions (rounded up to 16): K
+    [cap][hd] fp16 (at least the final reduction scratch [warps][16][8] fp32), V [cap][hd] fp16, P fp16
+    [8 heads][cap + 8]."""
+    cap16 = -(-cap // 16) * 16
+    return max(cap16 * hd * 2, (ATS_THREADS // 32) * 16 * ATS_HEADS * 4) + cap16 * hd * 2 + ATS_HEADS * (cap16 + 8) * 2
 
 
 def attention_short_static(group: int, hd: int) -> int:
-    """Static shared memory of attention_short.cu (q [G][hd] and the per-warp [warps][G] scratch, fp32) plus 1 KB
+    """Static shared memory of attention_short.cu (q fp16 [8][hd], the per-warp [warps][8] fp32 scratch) plus 1 KB
     for the timeline instrument's and the compiler's own."""
-    return group * hd * 4 + (ATS_THREADS // 32) * group * 4 + 1024
+    return ATS_HEADS * hd * 2 + (ATS_THREADS // 32) * ATS_HEADS * 4 + 1024
 
 
 def attention_short_caps(group: int, hd: int, max_seq: int, defines: tuple | None = None, smem: tuple = SMEM_H100
                          ) -> list[int]:
     """Capacities of the short-attention graphs the engine captures: ATT_SHORT_BUCKETS below the largest
-    multiple of ATT_CHUNK that one block's shared memory holds, then that one; only as many as lengths up to
-    max_seq need. [] when the knob ATT_SHORT=0 or not even ATT_CHUNK positions fit (the split kernel always)."""
+    multiple of ATT_CHUNK that one block's shared memory holds (at most ATS_CHUNK_MAX), then that one; only as
+    many as lengths up to max_seq need. [] when the knob ATT_SHORT=0 or not even ATT_CHUNK positions fit (the split kernel always)."""
     if not knob("ATT_SHORT", 1, defines):
         return []
     room = smem[0] - attention_short_static(group, hd)
-    limit = knob("ATT_SHORT_MAX", 1 << 30, defines)  # A/B knob: the largest capacity used
+    limit = min(ATS_CHUNK_MAX, knob("ATT_SHORT_MAX", 1 << 30, defines))  # A/B knob: the largest capacity used
     top = 0
     while attention_short_smem(group, hd, top + ATT_CHUNK) <= room and top + ATT_CHUNK <= limit:
         top += ATT_CHUNK

@@ -2,44 +2,41 @@
 // head, the head's whole K/V range staged in shared memory before the PDL wait, no split combine.
 //
 // Computes   for q head hq (kv head j = hq / G, G = n_heads / n_kv), L = *pos + 1 cached positions:
-//              out[hq] = sum_t softmax_t(q[hq] . K[t, j] * scale) V[t, j]       (fp32 math, fp16 out)
+//              out[hq] = sum_t softmax_t(q[hq] . K[t, j] * scale) V[t, j]   (fp16 in, fp32 scores and sums, fp16 out)
 //            — the same result as attention.cu, which splits the positions over many blocks and combines the
 //            splits through global partials and an atomic ticket (2-4 dependent L2 rounds after the release).
 // Scheme     block j = kv head j, all G q heads. Before the PDL wait the block cp.asyncs K and V rows
 //            0 .. L-2 (written by earlier steps; at most `cap`, the rows that fit) into shared memory; after it
 //            only q and row L-1 (this step's QKV kernel appends it) are read: one L2 round. Then, per chunk of
-//            at most `cap` positions (one chunk whenever L <= cap, which is when the engine uses this kernel):
-//              scores    a thread per position (two per pass), K rows read from shared memory in 16-byte
-//                        pieces, q (fp32, pre-scaled) broadcast from shared memory;
-//              softmax   one block max per q head (a barrier), p = exp(s - max) in place of the scores;
-//              P.V       a thread per (8-byte piece of a V row, position phase), the phases summed at the end.
+//            at most min(cap, 512) positions (one chunk whenever L <= cap, which is when the engine uses it), on
+//            the tensor cores (mma m16n8k16, fp16 x fp16 -> fp32; the G q heads padded to the mma's N = 8):
+//              scores    S[pos][head] = K q^T: warp w takes 16-position groups w, w + 8, ... (K by ldmatrix, q's
+//                        fragments loaded once), times scale in fp32;
+//              softmax   one block max per head (a barrier), P = exp(S - max) rounded to fp16, stored head-major,
+//                        the sums taken over the rounded values;
+//              P.V       O^T[dim][head] = V^T P^T: warp w takes the 16-dim tile w % (hd/16) over every
+//                        (8 / (hd/16))-th 16-position step (V by ldmatrix.trans), the phases summed at the end.
 //            Chunks after the first (L > cap: tests only) are loaded after the wait and folded in with the
-//            usual online-softmax rescale. Rows sit in shared memory with their 16-byte pieces XOR-swizzled by
-//            the row (piece c of row t at c ^ (t & 7)): a thread per row (scores) and a thread per piece (P.V)
-//            both read without bank conflicts.
+//            online-softmax rescale. K/V rows sit in shared memory with their 16-byte pieces XOR-swizzled by the
+//            row (piece c of row t at c ^ (t & 7)): ldmatrix reads 8 rows of one piece without bank conflicts.
+//            History (results/PERF_NOTES.md v11): a first form on the FP32 pipes (a thread per position) spent
+//            5.2 µs on the scores at L = 305 (hd 128, G = 3).
 // Layouts    q fp16 [n_heads*hd] (post-RoPE, start of the qkv buffer); k_cache/v_cache: this layer's slab
 //            fp16 [max_seq][n_kv*hd]; out fp16 [n_heads*hd]. Dynamic shared memory (step.py
-//            attention_short_smem): K [cap][hd] fp16 (also the phases' reduction scratch [NW][G][hd] fp32 at
-//            the end), V [cap][hd] fp16, probabilities [cap][GP] fp32 (GP = G rounded up to 4).
+//            attention_short_smem, cap16 = cap rounded up to 16): K [cap16][hd] fp16 (at the end the phases'
+//            reduction scratch [8 warps][16][8] fp32), V [cap16][hd] fp16, P fp16 [8][cap16 + 8].
 // Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + q and out.
 // Launch     attention_short_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv), block = 256, dyn. smem =
-//            attention_short_smem(G, hd, cap); 1 block per SM (the smem), <= 80 registers at G <= 4 so a block
-//            fits beside two of the QKV GEMV's blocks while that kernel drains.
+//            attention_short_smem(G, hd, cap); 1 block per SM (the smem); <= 80 registers so a block fits
+//            beside two of the fp8 QKV GEMV's blocks while that kernel drains.
 #include "common.cuh"
 
 #define ATS_THREADS 256
-// register budget: <= 80 per thread at G <= 4 on sm_90 (see Launch above); other targets' schedules, and the
-// timeline instrument's slot register at G = 4, spill at 80
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && !defined(AF_TIMELINE)
-#define ATS_MIN_BLOCKS(G) ((G) > 4 ? 1 : 3)
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-#define ATS_MIN_BLOCKS(G) ((G) > 4 ? 1 : (G) == 4 ? 2 : 3)
-#else
-#define ATS_MIN_BLOCKS(G) ((G) > 4 ? 1 : 2)
-#endif
-#define ATS_ROWS(G) ((G) < 4 ? 2 : 1)         // score rows per thread per pass (registers: 1 from G = 4)
+#define ATS_HEADS 8        // the mma's N: q heads of one kv head, padded to 8 (G <= 8)
+#define ATS_GROUPS 4       // 16-position score groups per warp per chunk
+#define ATS_CHUNK_MAX (16 * (ATS_THREADS / AF_WARP) * ATS_GROUPS)  // 512 positions per chunk (step.py)
 
-// byte offset of 16-byte piece c of row t in a staged [rows][HD] fp16 array
+// byte offset of 16-byte piece c of row t in a staged [rows][HD] fp16 array (pieces XOR-swizzled by the row)
 template <int HD>
 __device__ __forceinline__ int ats_swz(int t, int c) {
   return t * HD * 2 + ((c ^ (t & 7)) << 4);
@@ -59,38 +56,36 @@ __device__ __forceinline__ void ats_stage(const __half* k_cache, const __half* v
   cp_async_commit();
 }
 
-template <int HD, int G, int T, int TP>
+template <int HD, int G, int T>
 __device__ __forceinline__ void attention_short_item(const __half* q, const __half* k_cache, const __half* v_cache,
                                                      int len, int j, __half* out, int n_kv, int cap, float scale,
                                                      char* smem) {
-  constexpr int DG = HD / 8;          // 16-byte pieces per row (staging, scores)
-  constexpr int PD = HD / 4;          // 8-byte pieces per row (P.V: 4 outputs per q head per thread)
-  constexpr int R = T / PD;           // P.V position phases
+  constexpr int DG = HD / 8;          // 16-byte pieces per row
   constexpr int NW = T / AF_WARP;
-  constexpr int GP = (G + 3) & ~3;    // probabilities per position, padded to float4
-  constexpr int CU = G > 4 ? 1 : 4;   // score loop unrolling over the row's pieces (registers at G = 8)
-  static_assert(T % PD == 0 && AF_WARP % PD == 0, "a warp must hold whole rows of 8-byte pieces");
+  constexpr int DT = HD / 16;         // P.V: 16-dim tiles; NW / DT warps (phases) per tile
+  constexpr int WPT = NW / DT;
+  static_assert(G <= ATS_HEADS && NW % DT == 0, "shape");
   const size_t kv_dim = (size_t)n_kv * HD;
   const int tid = threadIdx.x, lane = tid % AF_WARP, warp = tid / AF_WARP;
-  const int kbytes = max(cap * HD * 2, NW * G * HD * 4);  // K, or the final reduction scratch
+  const int gid = lane >> 2, tig = lane & 3;  // mma fragment coordinates
+  const int cap16 = (cap + 15) & ~15;
+  const int psb = (cap16 + 8) * 2;            // bytes per head row of P (padded: ldmatrix without bank conflicts)
+  const int kbytes = max(cap16 * HD * 2, NW * 16 * ATS_HEADS * 4);  // K, or the final reduction scratch
   char* ks = smem;
   char* vs = smem + kbytes;
-  float* ps = reinterpret_cast<float*>(vs + cap * HD * 2);  // [cap][GP]
+  char* pt = vs + cap16 * HD * 2;             // P fp16 [ATS_HEADS][cap16 (+8)]: head-major (the P.V B operand)
 
   // ---- before the wait: rows 0 .. min(L - 1, cap) - 1 (row L-1 is the previous kernel's) ----
   ats_stage<HD, T>(k_cache, v_cache, kv_dim, j, 0, min(len - 1, cap), 0, ks, vs);
   pdl_wait();
   pdl_launch_dependents();
 
-  __shared__ __align__(16) float q_s[G * HD];  // q * scale, fp32
-  __shared__ float w_red[NW][G];               // per-warp max (each chunk), then per-warp sum (at the end)
-  for (int i = tid; i < G * HD / 8; i += T) {
-    float f[8];
-    const uint4 u = ld_cg16(q + (size_t)j * G * HD + i * 8);
-    const float2 a = h2_to_f2(u.x), b = h2_to_f2(u.y), c = h2_to_f2(u.z), d = h2_to_f2(u.w);
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) q_s[i * 8 + e] = f[e] * scale;
+  __shared__ __align__(16) __half q_h[ATS_HEADS * HD];  // q fp16 [8][HD] (rows >= G zero), rows swizzled
+  __shared__ float w_red[NW][ATS_HEADS];               // per-warp max (each chunk), then per-warp sums (end)
+  for (int i = tid; i < ATS_HEADS * DG; i += T) {
+    const int r = i / DG, c = i % DG;
+    const uint4 u = r < G ? ld_cg16(q + ((size_t)j * G + r) * HD + c * 8) : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(reinterpret_cast<char*>(q_h) + ats_swz<HD>(r, c)) = u;
   }
   if (len - 1 < cap && tid < 2 * DG) {  // row L-1, appended by the QKV kernel: after the wait, through L2
     const int c = tid % DG;
@@ -98,169 +93,130 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
     const uint4 u = ld_cg16((tid < DG ? k_cache : v_cache) + src);
     *reinterpret_cast<uint4*>((tid < DG ? ks : vs) + ats_swz<HD>(len - 1, c)) = u;
   }
+  const int n_first = min(cap, len);
+  for (int i = n_first * DG + tid; i < ((n_first + 15) & ~15) * DG; i += T)  // V rows up to the 16-boundary: 0
+    *reinterpret_cast<uint4*>(vs + ats_swz<HD>(i / DG, i % DG)) = make_uint4(0, 0, 0, 0);
   cp_async_wait<0>();
   __syncthreads();
   AF_TL_MARK(0);  // timeline: q and the first chunk in shared memory
 
-  float m_run[G], lsum[G], o[G][4];  // running max (same in every thread), this thread's sums, its P.V piece
+  unsigned qb[DT][2];  // q as the scores' B operand ([n = head][k = dim]), all HD/16 k-steps
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m_run[g] = -AF_INF;
-    lsum[g] = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[g][e] = 0.f;
-  }
-  const int pc = tid % PD, pr = tid / PD;  // P.V: this thread's 8-byte piece and position phase
+  for (int kk = 0; kk < DT; ++kk)
+    ldmatrix_x2(qb[kk], reinterpret_cast<char*>(q_h) + ats_swz<HD>(lane & 7, 2 * kk + ((lane >> 3) & 1)));
 
-  for (int c0 = 0; c0 < len; c0 += cap) {
-    const int n = min(cap, len - c0);
-    if (c0 > 0) {  // a later chunk (L > cap): everyone is done with the previous one, then load it
+  // this thread's heads: 2 tig and 2 tig + 1 (score fragments and P.V accumulator columns alike)
+  float m_run[2] = {-AF_INF, -AF_INF}, lsum[2] = {0.f, 0.f}, o[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int c0 = 0; c0 < len; c0 += min(cap, ATS_CHUNK_MAX)) {
+    const int n = min(min(cap, ATS_CHUNK_MAX), len - c0);
+    if (c0 > 0) {  // a later chunk (L > cap: tests only): everyone is done with the previous one, then load it
       __syncthreads();
       ats_stage<HD, T>(k_cache, v_cache, kv_dim, j, c0, c0 + n, c0, ks, vs);
+      for (int i = n * DG + tid; i < ((n + 15) & ~15) * DG; i += T)
+        *reinterpret_cast<uint4*>(vs + ats_swz<HD>(i / DG, i % DG)) = make_uint4(0, 0, 0, 0);
       cp_async_wait<0>();
       __syncthreads();
     }
-    // ---- scores: positions t, t + T, ... (TP per pass: q's shared-memory reads shared by TP rows) ----
-    float mx[G];
+    // ---- scores S[pos][head] = K q^T on the tensor cores: warp w takes 16-position groups w, w + NW, ... ----
+    float s[ATS_GROUPS][4], mx[2] = {-AF_INF, -AF_INF};
 #pragma unroll
-    for (int g = 0; g < G; ++g) mx[g] = -AF_INF;
-    for (int t = tid; t < n; t += TP * T) {
-      float sc[TP][G];
+    for (int i = 0; i < ATS_GROUPS; ++i) {
+      const int p0 = (warp + NW * i) * 16;
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      if (p0 < n) {  // warp-uniform
 #pragma unroll
-      for (int r = 0; r < TP; ++r)
-#pragma unroll
-        for (int g = 0; g < G; ++g) sc[r][g] = 0.f;
-#pragma unroll CU
-      for (int c = 0; c < DG; ++c) {
-        unsigned u[TP][4];
-#pragma unroll
-        for (int r = 0; r < TP; ++r) {  // past the end: a duplicate of row n-1, its score not stored
-          const uint4 k = *reinterpret_cast<const uint4*>(ks + ats_swz<HD>(min(t + r * T, n - 1), c));
-          u[r][0] = k.x; u[r][1] = k.y; u[r][2] = k.z; u[r][3] = k.w;
-        }
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float4 qa = *reinterpret_cast<const float4*>(q_s + g * HD + c * 8);
-          const float4 qb = *reinterpret_cast<const float4*>(q_s + g * HD + c * 8 + 4);
-          const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-#pragma unroll
-          for (int r = 0; r < TP; ++r)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const float2 f = h2_to_f2(u[r][e]);
-              sc[r][g] = fmaf(qv[2 * e], f.x, sc[r][g]);
-              sc[r][g] = fmaf(qv[2 * e + 1], f.y, sc[r][g]);
-            }
+        for (int kk = 0; kk < DT; ++kk) {
+          unsigned a[4];
+          ldmatrix_x4(a, ks + ats_swz<HD>(p0 + (lane & 15), 2 * kk + (lane >> 4)));
+          mma_16816(d, a[0], a[1], a[2], a[3], qb[kk][0], qb[kk][1]);
         }
       }
 #pragma unroll
-      for (int r = 0; r < TP; ++r) {
-        if (t + r * T < n) {
-          float* pt = ps + (size_t)(t + r * T) * GP;
-#pragma unroll
-          for (int g = 0; g < G; ++g) { pt[g] = sc[r][g]; mx[g] = fmaxf(mx[g], sc[r][g]); }
-        }
+      for (int e = 0; e < 4; ++e) {  // d[e]: position p0 + gid (+8 for e >= 2), head 2 tig + (e & 1)
+        const bool ok = p0 + gid + (e >> 1) * 8 < n && 2 * tig + (e & 1) < G;
+        s[i][e] = ok ? d[e] * scale : -AF_INF;
+        mx[e & 1] = fmaxf(mx[e & 1], s[i][e]);
       }
     }
-    // ---- the chunk's max per q head (block-wide), the running max, the rescale of what came before ----
+    // ---- the chunk's max per head (block-wide), the running max, the rescale of what came before ----
 #pragma unroll
-    for (int g = 0; g < G; ++g) mx[g] = warp_max(mx[g]);
-    if (lane == 0) {
+    for (int h = 0; h < 2; ++h) {
 #pragma unroll
-      for (int g = 0; g < G; ++g) w_red[warp][g] = mx[g];
+      for (int x = 4; x < AF_WARP; x <<= 1) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
     }
+    if (gid == 0) { w_red[warp][2 * tig] = mx[0]; w_red[warp][2 * tig + 1] = mx[1]; }
     __syncthreads();
-    float alpha[G];
+    float alpha[2];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float m = m_run[g];
+    for (int h = 0; h < 2; ++h) {
+      float m = m_run[h];
 #pragma unroll
-      for (int w = 0; w < NW; ++w) m = fmaxf(m, w_red[w][g]);
-      alpha[g] = __expf(m_run[g] - m);  // 0 on the first chunk (m_run = -inf, m finite: n >= 1)
-      m_run[g] = m;
-      lsum[g] *= alpha[g];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[g][e] *= alpha[g];
+      for (int w = 0; w < NW; ++w) m = fmaxf(m, w_red[w][2 * tig + h]);
+      alpha[h] = m == -AF_INF ? 1.f : __expf(m_run[h] - m);  // 0 on the first chunk; heads >= G stay -inf
+      m_run[h] = m;
+      lsum[h] *= alpha[h];
     }
-    // ---- p = exp(s - max) in place (this thread's own positions) ----
-    for (int t = tid; t < n; t += T) {
-      float* p = ps + (size_t)t * GP;
+    o[0] *= alpha[0]; o[1] *= alpha[1]; o[2] *= alpha[0]; o[3] *= alpha[1];
+    // ---- P = exp(S - max) as fp16, head-major; the sums of the rounded values ----
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float e = __expf(p[g] - m_run[g]);
-        p[g] = e;
-        lsum[g] += e;
-      }
-    }
-    __syncthreads();  // every p written; w_red free again
-    AF_TL_MARK(1);  // timeline: scores and probabilities done
-    // ---- P.V: this thread's piece of V over positions pr, pr + R, ... ----
-#pragma unroll 2
-    for (int t = pr; t < n; t += R) {
-      const uint2 v = *reinterpret_cast<const uint2*>(vs + ats_swz<HD>(t, pc / 2) + (pc % 2) * 8);
-      const unsigned uv[2] = {v.x, v.y};
-      float pg[GP];
+    for (int i = 0; i < ATS_GROUPS; ++i) {
+      const int p0 = (warp + NW * i) * 16;
+      if (p0 < n) {
 #pragma unroll
-      for (int g4 = 0; g4 < GP; g4 += 4) {
-        const float4 f = *reinterpret_cast<const float4*>(ps + (size_t)t * GP + g4);
-        pg[g4] = f.x; pg[g4 + 1] = f.y; pg[g4 + 2] = f.z; pg[g4 + 3] = f.w;
-      }
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float2 f = h2_to_f2(uv[e]);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          o[g][2 * e] = fmaf(pg[g], f.x, o[g][2 * e]);
-          o[g][2 * e + 1] = fmaf(pg[g], f.y, o[g][2 * e + 1]);
+        for (int e = 0; e < 4; ++e) {
+          const __half ph = __float2half(s[i][e] == -AF_INF ? 0.f : __expf(s[i][e] - m_run[e & 1]));
+          lsum[e & 1] += __half2float(ph);
+          *reinterpret_cast<__half*>(pt + (2 * tig + (e & 1)) * psb + (p0 + gid + (e >> 1) * 8) * 2) = ph;
         }
       }
+    }
+    __syncthreads();  // P complete; w_red free again
+    AF_TL_MARK(1);  // timeline: scores and probabilities done
+    // ---- O^T[dim][head] += V^T P^T on the tensor cores: warp w takes dim tile w % DT, positions phase w / DT ----
+    for (int p0 = (warp / DT) * 16; p0 < n; p0 += WPT * 16) {
+      unsigned a[4], b[2];
+      ldmatrix_x4_trans(a, vs + ats_swz<HD>(p0 + (lane & 7) + ((lane >> 4) << 3), 2 * (warp % DT) + ((lane >> 3) & 1)));
+      ldmatrix_x2(b, pt + (lane & 7) * psb + (p0 + ((lane >> 3) & 1) * 8) * 2);
+      mma_16816(o, a[0], a[1], a[2], a[3], b[0], b[1]);
     }
   }
   AF_TL_MARK(2);  // timeline: P.V done
 
-  // ---- the phases' o summed (warp shuffles, then the warps through shared memory) and the sums ----
-  float* red = reinterpret_cast<float*>(ks);  // [NW][G][HD]: K is dead (its last reads preceded a barrier)
+  // ---- the phases' O summed through shared memory, the sums per head, out = O / sum ----
+  float* red = reinterpret_cast<float*>(ks);  // [NW][16 dims][8 heads]: K is dead (its last reads preceded barriers)
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
+  for (int h = 0; h < 2; ++h) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-#pragma unroll
-      for (int x = PD; x < AF_WARP; x <<= 1) o[g][e] += __shfl_xor_sync(0xffffffffu, o[g][e], x);
-    }
-    lsum[g] = warp_sum(lsum[g]);
+    for (int x = 4; x < AF_WARP; x <<= 1) lsum[h] += __shfl_xor_sync(0xffffffffu, lsum[h], x);
   }
-  if (lane < PD) {
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-      *reinterpret_cast<float4*>(red + ((size_t)warp * G + g) * HD + pc * 4) = make_float4(o[g][0], o[g][1], o[g][2], o[g][3]);
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int g = 0; g < G; ++g) w_red[warp][g] = lsum[g];
-  }
+  if (gid == 0) { w_red[warp][2 * tig] = lsum[0]; w_red[warp][2 * tig + 1] = lsum[1]; }
+  float* rw = red + warp * 16 * ATS_HEADS;
+  rw[gid * ATS_HEADS + 2 * tig] = o[0];
+  rw[gid * ATS_HEADS + 2 * tig + 1] = o[1];
+  rw[(gid + 8) * ATS_HEADS + 2 * tig] = o[2];
+  rw[(gid + 8) * ATS_HEADS + 2 * tig + 1] = o[3];
   __syncthreads();
   for (int i = tid; i < G * HD; i += T) {
-    const int g = i / HD;
+    const int g = i / HD, d = i % HD;
     float acc = 0.f, l = 0.f;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      acc += red[(size_t)w * G * HD + i];
-      l += w_red[w][g];
-    }
+    for (int ph = 0; ph < WPT; ++ph) acc += red[((ph * DT + d / 16) * 16 + d % 16) * ATS_HEADS + g];
+#pragma unroll
+    for (int w = 0; w < NW; ++w) l += w_red[w][g];
     out[(size_t)j * G * HD + i] = __float2half(acc / l);
   }
 }
 
 // One kernel per (head_dim, q heads per kv head), like attention.cu. Block j = kv head j.
 #define ATTENTION_SHORT_INSTANCE(HD, G)                                                                   \
-  extern "C" __global__ void __launch_bounds__(ATS_THREADS, ATS_MIN_BLOCKS(G))                           \
+  extern "C" __global__ void __launch_bounds__(ATS_THREADS, 3)                                           \
       attention_short_hd##HD##_g##G(                                                                      \
       const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache, \
       const int* __restrict__ pos_ptr, __half* __restrict__ out, int n_kv, int cap, float scale) {        \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) char ats_smem[];                                                      \
     /* pos was written by the previous step's argmax, complete before this step's first kernel */        \
-    attention_short_item<HD, G, ATS_THREADS, ATS_ROWS(G)>(q, k_cache, v_cache, *pos_ptr + 1, blockIdx.x, out, n_kv, cap, \
+    attention_short_item<HD, G, ATS_THREADS>(q, k_cache, v_cache, *pos_ptr + 1, blockIdx.x, out, n_kv, cap, \
                                              scale, ats_smem);                                            \
   }
 

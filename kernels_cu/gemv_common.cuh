@@ -158,15 +158,6 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
 
 // ---- TILED: every layer projection ---------------------------------------------------------------------
 
-// D += A · B on the tensor cores: A 16x16 fp16 (row-major fragments a0..a3), B 16x8 fp16 (b0, b1), fp32 D.
-__device__ __forceinline__ void mma_16816(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                          unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // Two packed FP8-E4M3 values -> half2 bits (hardware cvt on sm_89+; exact: every E4M3 value is an fp16).
 __device__ __forceinline__ unsigned e4m3x2_to_h2(unsigned int u16) {
   const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(u16), __NV_E4M3);

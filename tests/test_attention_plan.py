@@ -47,20 +47,20 @@ def test_shared_memory_covers_warp_states_and_the_combine(group, hd):
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("hd", [64, 128])
 def test_short_attention_capacity_fits_one_block(group, hd):
-    from atomflow_bench.step import (ATS_THREADS, SMEM_H100, attention_short_caps, attention_short_smem,
-                                     attention_short_static)
+    from atomflow_bench.step import (ATS_CHUNK_MAX, ATS_HEADS, ATS_THREADS, SMEM_H100, attention_short_caps,
+                                     attention_short_smem, attention_short_static)
 
     caps = attention_short_caps(group, hd, 10**6)
     top = caps[-1]
     room = SMEM_H100[0] - attention_short_static(group, hd)
     assert top % ATT_CHUNK == 0 and attention_short_smem(group, hd, top) <= room
-    assert attention_short_smem(group, hd, top + ATT_CHUNK) > room  # the largest that fits
+    # the largest that fits, or the kernel's chunk (its scores cover ATS_CHUNK_MAX positions per chunk)
+    assert top == ATS_CHUNK_MAX or attention_short_smem(group, hd, top + ATT_CHUNK) > room
     assert caps == sorted(caps) and caps[:-1] == [c for c in (128, 256) if c < top]
-    # K and V rows, probabilities padded to 4 per position; never less than the final reduction scratch
-    gp = -(-group // 4) * 4
-    assert attention_short_smem(group, hd, 256) == 256 * hd * 4 + 256 * gp * 4
-    assert attention_short_smem(group, hd, 1) >= (ATS_THREADS // 32) * group * hd * 4
-    assert top >= (400 if hd == 128 else 760)  # the 3B/8B bench's 384 positions fit; 1B's far more
+    # K and V rows, P fp16 for 8 heads (+ 8 positions of padding); never less than the final reduction scratch
+    assert attention_short_smem(group, hd, 256) == 256 * hd * 4 + ATS_HEADS * (256 + 8) * 2
+    assert attention_short_smem(group, hd, 7) == max(16 * hd * 2, (ATS_THREADS // 32) * 16 * 8 * 4) + 16 * hd * 2 + 8 * 24 * 2
+    assert top == (416 if hd == 128 else 512)  # the 3B/8B bench's 384 positions fit
 
 
 def test_short_attention_buckets_follow_max_seq_and_the_knob(monkeypatch):
