@@ -4,9 +4,10 @@
     ids = eng.generate(prompt_ids, 32)              # graph replays
     eng.reset(prompt_ids); taps = eng.step_eager(taps=True)   # probes from the same launches
 
-The step exists in one form per attention bucket (step.attention_short_caps: the short kernel holding 128, 256,
-... positions, then the split kernel), each captured into its own graph. The step advances the position by
-exactly one, so the engine keeps a host copy of it and runs every step with the bucket of its context length.
+The step exists in one form per attention bucket (step.attention_short_caps: the short kernel for lengths up to
+the positions its shared memory holds, then the split kernel), each captured into its own graph. The step
+advances the position by exactly one, so the engine keeps a host copy of it and runs every step with the bucket
+of its context length.
 """
 from __future__ import annotations
 

@@ -43,7 +43,6 @@ ATT_THREADS = 128
 ATS_THREADS = 256          # attention_short.cu
 ATS_HEADS = 8              # attention_short.cu: q heads per kv head padded to the mma's N
 ATS_CHUNK_MAX = 512        # attention_short.cu: positions its scores cover per chunk (the largest useful capacity)
-ATT_SHORT_BUCKETS = (128, 256)  # short-attention capacities captured below the largest that fits (engine graphs)
 SMEM_PER_SM = 227 * 1024  # usable shared memory per block on sm_90 (sm_89: 99 KB; only limits residency)
 SMEM_H100 = (SMEM_PER_SM, 228 * 1024, 1024)  # (per block, per SM, reserved per resident block): sm_90
 NULL = np.uint64(0)
@@ -208,9 +207,10 @@ def attention_short_static(group: int, hd: int) -> int:
 
 def attention_short_caps(group: int, hd: int, max_seq: int, defines: tuple | None = None, smem: tuple = SMEM_H100
                          ) -> list[int]:
-    """Capacities of the short-attention graphs the engine captures: ATT_SHORT_BUCKETS below the largest
-    multiple of ATT_CHUNK that one block's shared memory holds (at most ATS_CHUNK_MAX), then that one; only as
-    many as lengths up to max_seq need. [] when the knob ATT_SHORT=0 or not even ATT_CHUNK positions fit (the split kernel always)."""
+    """Capacities of the short-attention graphs the engine captures: the largest multiple of ATT_CHUNK that one
+    block's shared memory holds (at most ATS_CHUNK_MAX; knob ATT_SHORT_MAX lowers it), one graph for every length
+    up to it (the launch takes the whole shared memory whatever the length: results/PERF_NOTES.md v11.2). []
+    when the knob ATT_SHORT=0 or not even ATT_CHUNK positions fit (the split kernel always)."""
     if not knob("ATT_SHORT", 1, defines):
         return []
     room = smem[0] - attention_short_static(group, hd)
@@ -218,24 +218,21 @@ def attention_short_caps(group: int, hd: int, max_seq: int, defines: tuple | Non
     top = 0
     while attention_short_smem(group, hd, top + ATT_CHUNK) <= room and top + ATT_CHUNK <= limit:
         top += ATT_CHUNK
-    below = ATT_SHORT_BUCKETS if knob("ATT_SHORT_STEPS", 1, defines) else ()  # A/B knob: 0 = the largest only
-    caps = []
-    for c in sorted({b for b in below if b < top} | ({top} if top else set())):
-        caps.append(c)
-        if c >= max_seq:
-            break
-    return caps
+    return [top] if top else []
 
 
 def attention_short_launch(lib: KernelLib, q, k_cache, v_cache, pos, out, n_kv: int, group: int, hd: int, cap: int,
                            taps=None) -> Launch:
     """One block per kv head holding up to `cap` positions of K and V in shared memory (longer contexts are
-    walked in chunks of `cap`: correct, but the engine switches to attention_launch there)."""
+    walked in chunks of `cap`: correct, but the engine switches to attention_launch there). The block asks for
+    all the shared memory a block may have, whatever `cap` needs: nothing else (the next GEMV's early blocks)
+    can share its SM, whose weight loads would stall this block's shared-memory traffic (PERF_NOTES v11.2)."""
     fn = lib[f"attention_short_hd{hd}_g{group}"]
-    shmem = attention_short_smem(group, hd, cap)
-    if cap < 1 or shmem + attention_short_static(group, hd) > smem_limits()[0]:
-        raise AtomflowError(f"short attention of {cap} positions needs {shmem} bytes of shared memory per block "
+    need, room = attention_short_smem(group, hd, cap), smem_limits()[0] - attention_short_static(group, hd)
+    if cap < 1 or need > room:
+        raise AtomflowError(f"short attention of {cap} positions needs {need} bytes of shared memory per block "
                             f"(this GPU: {smem_limits()[0]})")
+    shmem = room
     allow_dynamic_smem(fn, shmem)
     return Launch(fn, "attention_decode", (n_kv,), (ATS_THREADS,),
                   (q, k_cache, v_cache, pos, out, i32(n_kv), i32(cap), np.float32(1.0 / math.sqrt(hd))), shmem,

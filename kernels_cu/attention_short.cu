@@ -35,9 +35,6 @@
 #define ATS_HEADS 8        // the mma's N: q heads of one kv head, padded to 8 (G <= 8)
 #define ATS_GROUPS 4       // 16-position score groups per warp per chunk
 #define ATS_CHUNK_MAX (16 * (ATS_THREADS / AF_WARP) * ATS_GROUPS)  // 512 positions per chunk (step.py)
-#ifndef ATS_WARM
-#define ATS_WARM 0  // A/B knob: a dry run of the chunk code before the PDL wait (see attention_short_item)
-#endif
 
 // byte offset of 16-byte piece c of row t in a staged [rows][HD] fp16 array (pieces XOR-swizzled by the row)
 template <int HD>
@@ -80,51 +77,39 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
 
   // ---- before the wait: rows 0 .. min(L - 1, cap) - 1 (row L-1 is the previous kernel's) ----
   ats_stage<HD, T>(k_cache, v_cache, kv_dim, j, 0, min(len - 1, cap), 0, ks, vs);
+  pdl_wait();
+  pdl_launch_dependents();
+
   __shared__ __align__(16) __half q_h[ATS_HEADS * HD];  // q fp16 [8][HD] (rows >= G zero), rows swizzled
   __shared__ float w_red[NW][ATS_HEADS];               // per-warp max (each chunk), then per-warp sums (end)
-  unsigned qb[DT][2] = {};  // q as the scores' B operand ([n = head][k = dim]), all HD/16 k-steps
+  for (int i = tid; i < ATS_HEADS * DG; i += T) {
+    const int r = i / DG, c = i % DG;
+    const uint4 u = r < G ? ld_cg16(q + ((size_t)j * G + r) * HD + c * 8) : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(reinterpret_cast<char*>(q_h) + ats_swz<HD>(r, c)) = u;
+  }
+  if (len - 1 < cap && tid < 2 * DG) {  // row L-1, appended by the QKV kernel: after the wait, through L2
+    const int c = tid % DG;
+    const size_t src = (size_t)(len - 1) * kv_dim + (size_t)j * HD + c * 8;
+    const uint4 u = ld_cg16((tid < DG ? k_cache : v_cache) + src);
+    *reinterpret_cast<uint4*>((tid < DG ? ks : vs) + ats_swz<HD>(len - 1, c)) = u;
+  }
+  const int n_first = min(cap, len);
+  for (int i = n_first * DG + tid; i < ((n_first + 15) & ~15) * DG; i += T)  // V rows up to the 16-boundary: 0
+    *reinterpret_cast<uint4*>(vs + ats_swz<HD>(i / DG, i % DG)) = make_uint4(0, 0, 0, 0);
+  cp_async_wait<0>();
+  __syncthreads();
+  AF_TL_MARK(0);  // timeline: q and the first chunk in shared memory
 
-  // the PDL wait and everything that reads the previous kernel's outputs: q, K/V row L-1
-  auto after_wait = [&]() {
-    pdl_wait();
-    pdl_launch_dependents();
-    for (int i = tid; i < ATS_HEADS * DG; i += T) {
-      const int r = i / DG, c = i % DG;
-      const uint4 u = r < G ? ld_cg16(q + ((size_t)j * G + r) * HD + c * 8) : make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(reinterpret_cast<char*>(q_h) + ats_swz<HD>(r, c)) = u;
-    }
-    if (len - 1 < cap && tid < 2 * DG) {  // row L-1, appended by the QKV kernel: after the wait, through L2
-      const int c = tid % DG;
-      const size_t src = (size_t)(len - 1) * kv_dim + (size_t)j * HD + c * 8;
-      const uint4 u = ld_cg16((tid < DG ? k_cache : v_cache) + src);
-      *reinterpret_cast<uint4*>((tid < DG ? ks : vs) + ats_swz<HD>(len - 1, c)) = u;
-    }
-    const int n_first = min(min(cap, ATS_CHUNK_MAX), len);
-    for (int i = n_first * DG + tid; i < ((n_first + 15) & ~15) * DG; i += T)  // V rows to the 16-boundary: 0
-      *reinterpret_cast<uint4*>(vs + ats_swz<HD>(i / DG, i % DG)) = make_uint4(0, 0, 0, 0);
-    cp_async_wait<0>();
-    __syncthreads();
-    AF_TL_MARK(0);  // timeline: q and the first chunk in shared memory
+  unsigned qb[DT][2];  // q as the scores' B operand ([n = head][k = dim]), all HD/16 k-steps
 #pragma unroll
-    for (int kk = 0; kk < DT; ++kk)
-      ldmatrix_x2(qb[kk], reinterpret_cast<char*>(q_h) + ats_swz<HD>(lane & 7, 2 * kk + ((lane >> 3) & 1)));
-  };
+  for (int kk = 0; kk < DT; ++kk)
+    ldmatrix_x2(qb[kk], reinterpret_cast<char*>(q_h) + ats_swz<HD>(lane & 7, 2 * kk + ((lane >> 3) & 1)));
 
   // this thread's heads: 2 tig and 2 tig + 1 (score fragments and P.V accumulator columns alike)
   float m_run[2] = {-AF_INF, -AF_INF}, lsum[2] = {0.f, 0.f}, o[4] = {0.f, 0.f, 0.f, 0.f};
-  // ATS_WARM: the chunk loop's first iteration is a dry run over 16 staged rows before the PDL wait (q = 0, every
-  // result discarded): the loop's instructions are then cached when the real chunk starts (PERF_NOTES v11.2).
-  // `warm` comes from an opaque register so that the compiler keeps one copy of the loop body.
-  unsigned warm_bit = 0;
-#if ATS_WARM
-  asm volatile("mov.u32 %0, 1;" : "=r"(warm_bit));
-#endif
-  bool warm = warm_bit != 0;
-  if (!warm) after_wait();
-  const int chunk = min(cap, ATS_CHUNK_MAX);
-  for (int c0 = 0; c0 < len;) {
-    const int n = warm ? min(16, chunk) : min(chunk, len - c0);
-    if (!warm && c0 > 0) {  // a later chunk (L > cap: tests only): everyone is done with the previous one
+  for (int c0 = 0; c0 < len; c0 += min(cap, ATS_CHUNK_MAX)) {
+    const int n = min(min(cap, ATS_CHUNK_MAX), len - c0);
+    if (c0 > 0) {  // a later chunk (L > cap: tests only): everyone is done with the previous one, then load it
       __syncthreads();
       ats_stage<HD, T>(k_cache, v_cache, kv_dim, j, c0, c0 + n, c0, ks, vs);
       for (int i = n * DG + tid; i < ((n + 15) & ~15) * DG; i += T)
@@ -194,16 +179,6 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
       ldmatrix_x2(b, pt + (lane & 7) * psb + (p0 + ((lane >> 3) & 1) * 8) * 2);
       mma_16816(o, a[0], a[1], a[2], a[3], b[0], b[1]);
     }
-    if (warm) {  // the dry run is over: forget it, then the real first chunk
-      m_run[0] = m_run[1] = -AF_INF;
-      lsum[0] = lsum[1] = 0.f;
-      o[0] = o[1] = o[2] = o[3] = 0.f;
-      warm = false;
-      __syncthreads();  // every warp is done reading the dry run's P
-      after_wait();
-      continue;
-    }
-    c0 += chunk;
   }
   AF_TL_MARK(2);  // timeline: P.V done
 

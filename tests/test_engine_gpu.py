@@ -116,26 +116,26 @@ def test_tiny_engine_matches_reference(tiny_dir, fmt):
 @pytest.mark.parametrize("att", ["short", "split"])
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_tiny_long_context(tiny_dir, fmt, att, monkeypatch):
-    """300 positions through both attention kernels: the short one (buckets 128, 256 and the largest: the K/V
-    range in shared memory) and, with ATT_SHORT=0, the split one (10 splits combined by the last block)."""
+    """300 positions through both attention kernels: the short one (the K/V range in shared memory) and, with
+    ATT_SHORT=0, the split one (10 splits combined by the last block)."""
     if att == "split":
         monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "ATT_SHORT=0")
     assert_matches_reference(tiny_dir, fmt, prompt_len=300, n_new=3, label=f"tiny ctx 300 {att} attention")
 
 
 def test_attention_buckets(tiny_dir):
-    """The engine runs every step with its length's bucket: graph replays crossing from one short bucket to the
-    next and into the split kernel give the same tokens and logits as eager steps, and the host's copy of the
-    position stays equal to the device's."""
+    """The engine runs every step with its length's bucket: graph replays crossing from the short kernel into the
+    split kernel give the same tokens and logits as eager steps, and the host's copy of the position stays
+    equal to the device's."""
     from atomflow_bench.engine import Engine
 
     eng = Engine(tiny_dir, weights="fp16", max_seq=900)
-    caps = eng.att_caps
-    assert caps[:2] == [128, 256] and caps[-1] < 900 and list(eng.variants) == caps + [None]
-    assert [len(eng.variants[k][2].grid) for k in eng.variants] == [1] * len(caps) + [2]  # short: (n_kv,)
-    assert eng.bucket(1) == eng.bucket(128) == 128 and eng.bucket(129) == 256 and eng.bucket(caps[-1] + 1) is None
+    cap = eng.att_caps[-1]
+    assert eng.att_caps == [cap] and cap < 900 and list(eng.variants) == [cap, None]
+    assert [len(eng.variants[k][2].grid) for k in eng.variants] == [1, 2]  # short: (n_kv,), split: (n_kv, splits)
+    assert eng.bucket(1) == eng.bucket(cap) == cap and eng.bucket(cap + 1) is None
     rng = np.random.default_rng()
-    for start in (120, caps[-1] - 6):  # 128 -> 256, and the largest bucket -> the split kernel
+    for start in (120, cap - 6):  # inside the short bucket; across into the split kernel
         prompt = [int(t) for t in rng.integers(0, 1000, start)]
         eager = eng.generate(prompt, 16, graph=False)
         eager_logits = eng.arena["logits"].get()
