@@ -27,8 +27,8 @@
 //            reduction scratch [8 warps][16][8] fp32), V [cap16][hd] fp16, P fp16 [8][cap16 + 8].
 // Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + q and out.
 // Launch     attention_short_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv), block = 256, dyn. smem =
-//            all the shared memory a block may have (step.py attention_short_launch: whatever cap needs, so that
-//            no other kernel's block shares the SM — PERF_NOTES v11.2); 1 block per SM.
+//            attention_short_smem(G, hd, cap); 1 block per SM (the smem); <= 80 registers so a block fits
+//            beside two of the fp8 QKV GEMV's blocks while that kernel drains.
 #include "common.cuh"
 
 #define ATS_THREADS 256
@@ -106,7 +106,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
     ldmatrix_x2(qb[kk], reinterpret_cast<char*>(q_h) + ats_swz<HD>(lane & 7, 2 * kk + ((lane >> 3) & 1)));
 
   // this thread's heads: 2 tig and 2 tig + 1 (score fragments and P.V accumulator columns alike)
-  float m_run[2] = {-AF_INF, -AF_INF}, lsum[2] = {0.f, 0.f}, o[2][4] = {};  // P.V: two accumulators, summed at the end
+  float m_run[2] = {-AF_INF, -AF_INF}, lsum[2] = {0.f, 0.f}, o[4] = {0.f, 0.f, 0.f, 0.f};
   for (int c0 = 0; c0 < len; c0 += min(cap, ATS_CHUNK_MAX)) {
     const int n = min(min(cap, ATS_CHUNK_MAX), len - c0);
     if (c0 > 0) {  // a later chunk (L > cap: tests only): everyone is done with the previous one, then load it
@@ -123,18 +123,13 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
     for (int i = 0; i < ATS_GROUPS; ++i) {
       const int p0 = (warp + NW * i) * 16;
       float d[4] = {0.f, 0.f, 0.f, 0.f};
-      if (p0 < n) {  // warp-uniform; even and odd k-steps in two accumulators (two short mma chains)
-        float d1[4] = {0.f, 0.f, 0.f, 0.f};
+      if (p0 < n) {  // warp-uniform
 #pragma unroll
-        for (int kk = 0; kk < DT; kk += 2) {
-          unsigned a[4], a1[4];
+        for (int kk = 0; kk < DT; ++kk) {
+          unsigned a[4];
           ldmatrix_x4(a, ks + ats_swz<HD>(p0 + (lane & 15), 2 * kk + (lane >> 4)));
-          ldmatrix_x4(a1, ks + ats_swz<HD>(p0 + (lane & 15), 2 * kk + 2 + (lane >> 4)));
           mma_16816(d, a[0], a[1], a[2], a[3], qb[kk][0], qb[kk][1]);
-          mma_16816(d1, a1[0], a1[1], a1[2], a1[3], qb[kk + 1][0], qb[kk + 1][1]);
         }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) d[e] += d1[e];
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {  // d[e]: position p0 + gid (+8 for e >= 2), head 2 tig + (e & 1)
@@ -161,8 +156,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
       m_run[h] = m;
       lsum[h] *= alpha[h];
     }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) { o[u][0] *= alpha[0]; o[u][1] *= alpha[1]; o[u][2] *= alpha[0]; o[u][3] *= alpha[1]; }
+    o[0] *= alpha[0]; o[1] *= alpha[1]; o[2] *= alpha[0]; o[3] *= alpha[1];
     // ---- P = exp(S - max) as fp16, head-major; the sums of the rounded values ----
 #pragma unroll
     for (int i = 0; i < ATS_GROUPS; ++i) {
@@ -179,19 +173,11 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
     __syncthreads();  // P complete; w_red free again
     AF_TL_MARK(1);  // timeline: scores and probabilities done
     // ---- O^T[dim][head] += V^T P^T on the tensor cores: warp w takes dim tile w % DT, positions phase w / DT ----
-    // (two accumulators, alternate 16-position steps: two short mma chains; V rows and P up to the 16-boundary
-    // past n are zero, so the step after the last valid one adds nothing where it still lies inside cap16)
-    for (int p0 = (warp / DT) * 16; p0 < n; p0 += 2 * WPT * 16) {
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int pu = p0 + u * WPT * 16;
-        if (pu < n) {  // warp-uniform
-          unsigned a[4], b[2];
-          ldmatrix_x4_trans(a, vs + ats_swz<HD>(pu + (lane & 7) + ((lane >> 4) << 3), 2 * (warp % DT) + ((lane >> 3) & 1)));
-          ldmatrix_x2(b, pt + (lane & 7) * psb + (pu + ((lane >> 3) & 1) * 8) * 2);
-          mma_16816(o[u], a[0], a[1], a[2], a[3], b[0], b[1]);
-        }
-      }
+    for (int p0 = (warp / DT) * 16; p0 < n; p0 += WPT * 16) {
+      unsigned a[4], b[2];
+      ldmatrix_x4_trans(a, vs + ats_swz<HD>(p0 + (lane & 7) + ((lane >> 4) << 3), 2 * (warp % DT) + ((lane >> 3) & 1)));
+      ldmatrix_x2(b, pt + (lane & 7) * psb + (p0 + ((lane >> 3) & 1) * 8) * 2);
+      mma_16816(o, a[0], a[1], a[2], a[3], b[0], b[1]);
     }
   }
   AF_TL_MARK(2);  // timeline: P.V done
@@ -205,10 +191,10 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   }
   if (gid == 0) { w_red[warp][2 * tig] = lsum[0]; w_red[warp][2 * tig + 1] = lsum[1]; }
   float* rw = red + warp * 16 * ATS_HEADS;
-  rw[gid * ATS_HEADS + 2 * tig] = o[0][0] + o[1][0];
-  rw[gid * ATS_HEADS + 2 * tig + 1] = o[0][1] + o[1][1];
-  rw[(gid + 8) * ATS_HEADS + 2 * tig] = o[0][2] + o[1][2];
-  rw[(gid + 8) * ATS_HEADS + 2 * tig + 1] = o[0][3] + o[1][3];
+  rw[gid * ATS_HEADS + 2 * tig] = o[0];
+  rw[gid * ATS_HEADS + 2 * tig + 1] = o[1];
+  rw[(gid + 8) * ATS_HEADS + 2 * tig] = o[2];
+  rw[(gid + 8) * ATS_HEADS + 2 * tig + 1] = o[3];
   __syncthreads();
   for (int i = tid; i < G * HD; i += T) {
     const int g = i / HD, d = i % HD;
@@ -223,7 +209,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
 
 // One kernel per (head_dim, q heads per kv head), like attention.cu. Block j = kv head j.
 #define ATTENTION_SHORT_INSTANCE(HD, G)                                                                   \
-  extern "C" __global__ void __launch_bounds__(ATS_THREADS, 1)                                           \
+  extern "C" __global__ void __launch_bounds__(ATS_THREADS, 3)                                           \
       attention_short_hd##HD##_g##G(                                                                      \
       const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache, \
       const int* __restrict__ pos_ptr, __half* __restrict__ out, int n_kv, int cap, float scale) {        \
