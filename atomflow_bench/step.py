@@ -232,7 +232,7 @@ def attention_short_launch(lib: KernelLib, q, k_cache, v_cache, pos, out, n_kv: 
     if cap < 1 or need > room:
         raise AtomflowError(f"short attention of {cap} positions needs {need} bytes of shared memory per block "
                             f"(this GPU: {smem_limits()[0]})")
-    shmem = room
+    shmem = room if knob("ATT_SHORT_EXCLUSIVE", 1, lib.defines) else need  # A/B knob: 0 = only what cap needs
     allow_dynamic_smem(fn, shmem)
     return Launch(fn, "attention_decode", (n_kv,), (ATS_THREADS,),
                   (q, k_cache, v_cache, pos, out, i32(n_kv), i32(cap), np.float32(1.0 / math.sqrt(hd))), shmem,
