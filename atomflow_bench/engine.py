@@ -7,7 +7,9 @@
 The step exists in one form per attention bucket (step.attention_short_caps: the short kernel for lengths up to
 the positions its shared memory holds, then the split kernel), each captured into its own graph. The step
 advances the position by exactly one, so the engine keeps a host copy of it and runs every step with the bucket
-of its context length.
+of its context length. Whether the short kernel is used at all is measured, not assumed (`attention="auto"`):
+the engine times one step of each form at the longest length the short kernel would serve and keeps the faster
+(results/PERF_NOTES.md v11.2: on 8B fp16 the split kernel's longer attention hides o_proj's weight prefetch).
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def gpu_info() -> dict:
 
 class Engine:
     def __init__(self, model_dir: str | Path, weights: str = "fp8", max_seq: int = 2048, progress=None,
-                 pdl: bool | None = None, kernel_defines: tuple = ()):
+                 pdl: bool | None = None, kernel_defines: tuple = (), attention: str | None = None):
         cupy = require_gpu()
         self.ckpt = Checkpoint(model_dir)
         self.cfg = self.ckpt.config
@@ -65,11 +67,17 @@ class Engine:
         self.lib.compile_all()                     # NVRTC (or CuPy's cache) before anything is timed
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)
-        # one step per attention bucket (capacity -> launches; None: the split kernel, for lengths beyond)
+        # one step per attention bucket (capacity -> launches; None: the split kernel, for lengths beyond).
+        # attention: "auto" (measure both below), "short" or "split"; default $ATOMFLOW_ATTENTION or "auto".
+        attention = attention or os.environ.get("ATOMFLOW_ATTENTION", "auto")
+        if attention not in ("auto", "short", "split"):
+            raise AtomflowError(f"attention must be auto, short or split, not {attention!r}")
         cfg = self.cfg
-        self.att_caps = attention_short_caps(cfg.group_size, cfg.head_dim, max_seq, self.lib.defines, smem_limits())
-        keys = self.att_caps + ([None] if not self.att_caps or self.att_caps[-1] < max_seq else [])
-        self.variants = {k: build_step(cfg, weights, self.arena, self.lib, self.gpu["sms"], att_cap=k) for k in keys}
+        caps = [] if attention == "split" else attention_short_caps(cfg.group_size, cfg.head_dim, max_seq,
+                                                                     self.lib.defines, smem_limits())
+        self.variants = {k: build_step(cfg, weights, self.arena, self.lib, self.gpu["sms"], att_cap=k)
+                         for k in caps + [None]}
+        self.att_caps = caps
         # Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it
         # prefetches weights and waits (griddepcontrol.wait) before touching the predecessor's outputs.
         # ATOMFLOW_PDL=0 turns it off (A/B measurements).
@@ -84,6 +92,44 @@ class Engine:
         self._graphs = {}
         self._prompt_len = 0
         self.position = 0  # host copy of the device's pos (the next step attends over position + 1 rows)
+        self.attention_choice = {"mode": attention, "short_cap": caps[-1] if caps else None}
+        if attention == "auto" and caps:
+            self._choose_attention()
+        if self.att_caps and self.att_caps[-1] >= max_seq:
+            del self.variants[None]  # every length fits the short kernel
+
+    def _choose_attention(self, replays: int = 12) -> None:
+        """Time one step (without argmax: the position stays) with each attention kernel at the longest length
+        the short kernel would serve, and keep the faster. Writes nothing that a later reset() does not redo
+        (the K/V row of that position is rewritten before it is ever read)."""
+        import cupy as cp
+
+        from .graph import StepGraph
+
+        length = min(self.att_caps[-1], self.max_seq)
+        a = self.arena
+        a["pos"].set(np.array([length - 1], np.int32))
+        a["cur_token"].set(np.zeros(1, np.int32))
+        us = {}
+        for key in (self.att_caps[-1], None):
+            g = StepGraph(self.variants[key][:-1], self.stream)
+            ev = [cp.cuda.Event() for _ in range(replays + 1)]
+            with self.stream as s:
+                g.replay(3)
+                for i in range(replays):
+                    ev[i].record(s)
+                    g.replay(1)
+                ev[-1].record(s)
+            ev[-1].synchronize()
+            us["short" if key else "split"] = float(np.median(
+                [cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3 for i in range(replays)]))
+            del g
+        a["pos"].set(np.zeros(1, np.int32))
+        chosen = "short" if us["short"] <= us["split"] else "split"
+        self.attention_choice.update({"length": length, "step_us": us, "chosen": chosen})
+        if chosen == "split":
+            del self.variants[self.att_caps[-1]]
+            self.att_caps = []
 
     # ---- state ---------------------------------------------------------------------------------
     def reset(self, prompt_ids) -> None:

@@ -121,6 +121,15 @@ def run_table(rec: dict):
         t.add_row("first tokens", shown)
     t.add_row("launch", f"{rec['launches_per_step']} kernels/step in one CUDA Graph; "
                         f"programmatic dependent launch: {'on' if rec.get('pdl') else 'off'}")
+    ch = rec.get("attention_choice")
+    if ch:
+        how = ch["mode"]
+        if ch.get("step_us"):
+            how = (f"measured at length {ch['length']}: short {ch['step_us']['short']:.1f} µs vs split "
+                   f"{ch['step_us']['split']:.1f} µs per step -> {ch['chosen']}")
+        buckets = ", ".join(f"{b['attention']} (lengths {b['lengths'][0]}-{b['lengths'][1]}): {b['tpot_ms']:.4f} ms"
+                            for b in rec.get("attention_buckets", []))
+        t.add_row("attention", f"{how}; {buckets}")
     t.add_row("load", f"{rec['load']['seconds']:.1f} s" + (f", fp8 from {rec['load']['fp8_source']}"
                                                             if rec['load'].get('fp8_source') else ""))
     return t

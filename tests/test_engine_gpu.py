@@ -116,10 +116,9 @@ def test_tiny_engine_matches_reference(tiny_dir, fmt):
 @pytest.mark.parametrize("att", ["short", "split"])
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_tiny_long_context(tiny_dir, fmt, att, monkeypatch):
-    """300 positions through both attention kernels: the short one (the K/V range in shared memory) and, with
-    ATT_SHORT=0, the split one (10 splits combined by the last block)."""
-    if att == "split":
-        monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "ATT_SHORT=0")
+    """300 positions through both attention kernels (forced, not measured): the short one (the K/V range in shared
+    memory) and the split one (10 splits combined by the last block)."""
+    monkeypatch.setenv("ATOMFLOW_ATTENTION", att)
     assert_matches_reference(tiny_dir, fmt, prompt_len=300, n_new=3, label=f"tiny ctx 300 {att} attention")
 
 
@@ -129,7 +128,7 @@ def test_attention_buckets(tiny_dir):
     equal to the device's."""
     from atomflow_bench.engine import Engine
 
-    eng = Engine(tiny_dir, weights="fp16", max_seq=900)
+    eng = Engine(tiny_dir, weights="fp16", max_seq=900, attention="short")
     cap = eng.att_caps[-1]
     assert eng.att_caps == [cap] and cap < 900 and list(eng.variants) == [cap, None]
     assert [len(eng.variants[k][2].grid) for k in eng.variants] == [1, 2]  # short: (n_kv,), split: (n_kv, splits)
@@ -147,6 +146,27 @@ def test_attention_buckets(tiny_dir):
         np.testing.assert_array_equal(eng.arena["logits"].get(), eager_logits)
     with pytest.raises(AtomflowError, match="exceed max_seq"):
         eng.run(900 - eng.position + 1)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_attention_auto(tiny_dir, fmt):
+    """attention="auto": both forms of the step are timed at the short kernel's longest length and the faster is
+    kept; the measurement leaves nothing behind (position 0, the same tokens as an engine forced to that form)."""
+    from atomflow_bench.engine import Engine
+
+    eng = Engine(tiny_dir, weights=fmt, max_seq=900)
+    ch = eng.attention_choice
+    assert ch["mode"] == "auto" and ch["length"] == ch["short_cap"] == 512
+    assert all(v > 0 for v in ch["step_us"].values())
+    assert ch["chosen"] == min(ch["step_us"], key=ch["step_us"].get)
+    assert (eng.att_caps, list(eng.variants)) == (([512], [512, None]) if ch["chosen"] == "short" else ([], [None]))
+    assert eng.position == int(eng.arena["pos"].get()[0]) == 0
+    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 40)]
+    forced = Engine(tiny_dir, weights=fmt, max_seq=900, attention=ch["chosen"])
+    assert forced.attention_choice == {"mode": ch["chosen"], "short_cap": 512 if ch["chosen"] == "short" else None}
+    assert eng.generate(prompt, 12) == forced.generate(prompt, 12)
+    with pytest.raises(AtomflowError, match="attention must be"):
+        Engine(tiny_dir, weights=fmt, max_seq=64, attention="fast")
 
 
 def check_greedy(eng, seq, prompt_len, margins, logit_err):
@@ -274,8 +294,7 @@ def test_timeline_instrument(tiny_dir, att, monkeypatch):
     from atomflow_bench.engine import Engine
     from atomflow_bench.profile import step_role
 
-    if att == "split":
-        monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "ATT_SHORT=0")
+    monkeypatch.setenv("ATOMFLOW_ATTENTION", att)
     t = timeline.record(tiny_dir, "fp8", context=40, replays=4, copy={"median": 3000.0}, plain_step_us=1.0)
     prompt = [int(x) for x in np.random.default_rng().integers(0, 1000, 50)]
     plain = Engine(tiny_dir, weights="fp8", max_seq=t["max_seq"])  # the same launch shapes as the recorded one

@@ -161,3 +161,27 @@ def test_nothing_listening_is_a_clean_error():
 @pytest.mark.parametrize("base", ["http://h:1", "http://h:1/", "http://h:1/v1", "http://h:1/v1/", "http://h:1/v1/completions"])
 def test_completions_url(base):
     assert completions_url(base) == "http://h:1/v1/completions"
+
+
+def test_run_table_shows_the_attention_choice():
+    """The `run` table names the attention kernel the engine measured and chose, and the TPOT per bucket."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from atomflow_bench.report import run_table
+    from helpers_runs import make_run
+
+    rec = make_run(1.5)
+    rec.update({"vram_bytes": {"weights": 1 << 30, "kv": 1 << 20, "activations": 1 << 16, "scratch": 1 << 16,
+                               "total": (1 << 30) + (1 << 20) + (1 << 17)},
+                "launches_per_step": 144, "pdl": True, "load": {"seconds": 1.0},
+                "attention_choice": {"mode": "auto", "short_cap": 416, "length": 416, "chosen": "short",
+                                     "step_us": {"short": 1480.25, "split": 1555.5}},
+                "attention_buckets": [{"attention": "short <= 416", "lengths": [128, 383], "tokens": 256,
+                                       "tpot_ms": 1.5}]})
+    out = StringIO()
+    Console(file=out, width=300).print(run_table(rec))
+    text = out.getvalue()
+    assert "measured at length 416: short 1480.2 µs vs split 1555.5 µs per step -> short" in text
+    assert "short <= 416 (lengths 128-383): 1.5000 ms" in text
