@@ -35,9 +35,6 @@
 #define ATS_HEADS 8        // the mma's N: q heads of one kv head, padded to 8 (G <= 8)
 #define ATS_GROUPS 4       // 16-position score groups per warp per chunk
 #define ATS_CHUNK_MAX (16 * (ATS_THREADS / AF_WARP) * ATS_GROUPS)  // 512 positions per chunk (step.py)
-#ifndef ATS_EARLY_TRIGGER
-#define ATS_EARLY_TRIGGER 0  // A/B knob: let the next kernel (o_proj) launch before this one's PDL wait
-#endif
 
 // byte offset of 16-byte piece c of row t in a staged [rows][HD] fp16 array (pieces XOR-swizzled by the row)
 template <int HD>
@@ -79,16 +76,9 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   char* pt = vs + cap16 * HD * 2;             // P fp16 [ATS_HEADS][cap16 (+8)]: head-major (the P.V B operand)
 
   // ---- before the wait: rows 0 .. min(L - 1, cap) - 1 (row L-1 is the previous kernel's) ----
-#if ATS_EARLY_TRIGGER
-  // o_proj may launch now: its pre-wait reads (weights, h) are complete, h's last writer (the previous layer's
-  // down GEMV) having finished before the QKV kernel's own wait returned, which preceded this launch
-  pdl_launch_dependents();
-#endif
   ats_stage<HD, T>(k_cache, v_cache, kv_dim, j, 0, min(len - 1, cap), 0, ks, vs);
   pdl_wait();
-#if !ATS_EARLY_TRIGGER
   pdl_launch_dependents();
-#endif
 
   __shared__ __align__(16) __half q_h[ATS_HEADS * HD];  // q fp16 [8][HD] (rows >= G zero), rows swizzled
   __shared__ float w_red[NW][ATS_HEADS];               // per-warp max (each chunk), then per-warp sums (end)
