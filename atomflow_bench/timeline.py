@@ -136,8 +136,10 @@ def summarize_roles(rels: list[np.ndarray], roles: list[str], nbytes: list[int],
 
 
 # ---- the measurement (GPU) -----------------------------------------------------------------------------------
-def record(model_dir, weights: str, context: int, replays: int, copy: dict, plain_step_us: float | None = None) -> dict:
-    """Build an instrumented engine, feed a `context`-token prompt, record `replays` single-token replays."""
+def record(model_dir, weights: str, context: int, replays: int, copy: dict, plain_step_us: float | None = None,
+           attention: str | None = None) -> dict:
+    """Build an instrumented engine, feed a `context`-token prompt, record `replays` single-token replays.
+    `attention`: the attention form (engine.Engine) — pass the one the plain engine chose."""
     import cupy as cp
 
     from .bench import synthetic_prompt
@@ -145,7 +147,8 @@ def record(model_dir, weights: str, context: int, replays: int, copy: dict, plai
     from .profile import _kv_bytes, step_role
 
     timed = 20
-    eng = Engine(model_dir, weights=weights, max_seq=context + replays + timed + 8, kernel_defines=(DEFINE,))
+    eng = Engine(model_dir, weights=weights, max_seq=context + replays + timed + 8, kernel_defines=(DEFINE,),
+                 attention=attention)
     prompt = synthetic_prompt(eng.cfg.vocab_size, context)
     eng.reset(prompt)
     eng.run(len(prompt) - 1)
@@ -180,7 +183,8 @@ def record(model_dir, weights: str, context: int, replays: int, copy: dict, plai
     ev1.synchronize()
     inst_us = cp.cuda.get_elapsed_time(ev0, ev1) * 1e3 / timed
     out = summarize_roles(rels, roles, nbytes, copy["median"])
-    out.update({"length": length, "max_seq": eng.max_seq, "replays": replays, "launches": len(launches), "blocks_per_step": sum(blocks),
+    out.update({"attention": "short" if eng.att_caps else "split", "length": length, "max_seq": eng.max_seq,
+                "replays": replays, "launches": len(launches), "blocks_per_step": sum(blocks),
                 "clock_granularity_ns": float(np.nanmin(gran)), "instrumented_replay_us": inst_us,
                 "plain_replay_us": plain_step_us, "floor_us": sum(nbytes) / (copy["median"] * 1e9) * 1e6,
                 "per_launch": [{"role": ro, "start_us": float(np.median([x[i, 0] for x in rels]) / 1e3),

@@ -307,6 +307,7 @@ def test_timeline_instrument(tiny_dir, att, monkeypatch):
     assert [x["role"] for x in t["per_launch"]] == [step_role(ln) for ln in plain.launches]
     assert t["blocks_per_step"] == sum(int(np.prod(ln.grid)) for ln in plain.launches)
     assert t["length"] == 40 + 1 + (4 - 1) // 2  # the median position of the recorded replays
+    assert t["attention"] == att  # the form asked for ($ATOMFLOW_ATTENTION here; profile passes the plain one's)
     assert sum(r["us_per_step"] for r in t["rows"]) == pytest.approx(t["step_us"]["median"], rel=0.1)
     for r in t["rows"]:
         assert r["span_us"] >= 0 and r["tail_us"] >= 0
