@@ -4,7 +4,7 @@
     ids = eng.generate(prompt_ids, 32)              # graph replays
     eng.reset(prompt_ids); taps = eng.step_eager(taps=True)   # probes from the same launches
 
-The step exists in one form per attention bucket (step.attention_short_caps: the short kernel for lengths up to
+The step exists in one form per attention bucket (step.attention_short_cap: the short kernel for lengths up to
 the positions its shared memory holds, then the split kernel), each captured into its own graph. The step
 advances the position by exactly one, so the engine keeps a host copy of it and runs every step with the bucket
 of its context length. Whether the short kernel is used at all is measured, not assumed (`attention="auto"`):
@@ -21,7 +21,7 @@ import numpy as np
 from .arena import Arena, plan_arena
 from .errors import AtomflowError, GpuUnavailable
 from .kernels import KernelLib
-from .step import attention_short_caps, build_step, run_eager, smem_limits
+from .step import attention_short_cap, build_step, run_eager, smem_limits
 from .weights import Checkpoint, upload_weights
 
 
@@ -73,8 +73,8 @@ class Engine:
         if attention not in ("auto", "short", "split"):
             raise AtomflowError(f"attention must be auto, short or split, not {attention!r}")
         cfg = self.cfg
-        caps = [] if attention == "split" else attention_short_caps(cfg.group_size, cfg.head_dim, max_seq,
-                                                                     self.lib.defines, smem_limits())
+        cap = 0 if attention == "split" else attention_short_cap(cfg.head_dim, self.lib.defines, smem_limits())
+        caps = [cap] if cap else []
         self.variants = {k: build_step(cfg, weights, self.arena, self.lib, self.gpu["sms"], att_cap=k)
                          for k in caps + [None]}
         self.att_caps = caps

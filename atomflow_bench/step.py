@@ -191,7 +191,7 @@ def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, 
                    np.float32(1.0 / math.sqrt(hd))), shmem, taps or {}, 0)
 
 
-def attention_short_smem(group: int, hd: int, cap: int) -> int:
+def attention_short_smem(hd: int, cap: int) -> int:
     """Bytes of dynamic shared memory of attention_short.cu at capacity `cap` positions (rounded up to 16): K
     [cap][hd] fp16 (at least the final reduction scratch [warps][16][8] fp32), V [cap][hd] fp16, P fp16
     [8 heads][cap + 8]."""
@@ -199,26 +199,24 @@ def attention_short_smem(group: int, hd: int, cap: int) -> int:
     return max(cap16 * hd * 2, (ATS_THREADS // 32) * 16 * ATS_HEADS * 4) + cap16 * hd * 2 + ATS_HEADS * (cap16 + 8) * 2
 
 
-def attention_short_static(group: int, hd: int) -> int:
+def attention_short_static(hd: int) -> int:
     """Static shared memory of attention_short.cu (q fp16 [8][hd], the per-warp [warps][8] fp32 scratch) plus 1 KB
     for the timeline instrument's and the compiler's own."""
     return ATS_HEADS * hd * 2 + (ATS_THREADS // 32) * ATS_HEADS * 4 + 1024
 
 
-def attention_short_caps(group: int, hd: int, max_seq: int, defines: tuple | None = None, smem: tuple = SMEM_H100
-                         ) -> list[int]:
-    """Capacities of the short-attention graphs the engine captures: the largest multiple of ATT_CHUNK that one
-    block's shared memory holds (at most ATS_CHUNK_MAX; knob ATT_SHORT_MAX lowers it), one graph for every length
-    up to it (the launch takes the whole shared memory whatever the length: results/PERF_NOTES.md v11.2). []
-    when the knob ATT_SHORT=0 or not even ATT_CHUNK positions fit (the split kernel always)."""
+def attention_short_cap(hd: int, defines: tuple | None = None, smem: tuple = SMEM_H100) -> int:
+    """Positions the short-attention kernel holds (the engine's short graph serves every length up to it): the
+    largest multiple of ATT_CHUNK that one block's shared memory holds, at most ATS_CHUNK_MAX (knob ATT_SHORT_MAX
+    lowers it). 0 when the knob ATT_SHORT=0 or not even ATT_CHUNK positions fit (the split kernel always)."""
     if not knob("ATT_SHORT", 1, defines):
-        return []
-    room = smem[0] - attention_short_static(group, hd)
+        return 0
+    room = smem[0] - attention_short_static(hd)
     limit = min(ATS_CHUNK_MAX, knob("ATT_SHORT_MAX", 1 << 30, defines))  # A/B knob: the largest capacity used
     top = 0
-    while attention_short_smem(group, hd, top + ATT_CHUNK) <= room and top + ATT_CHUNK <= limit:
+    while attention_short_smem(hd, top + ATT_CHUNK) <= room and top + ATT_CHUNK <= limit:
         top += ATT_CHUNK
-    return [top] if top else []
+    return top
 
 
 def attention_short_launch(lib: KernelLib, q, k_cache, v_cache, pos, out, n_kv: int, group: int, hd: int, cap: int,
@@ -228,7 +226,7 @@ def attention_short_launch(lib: KernelLib, q, k_cache, v_cache, pos, out, n_kv: 
     all the shared memory a block may have, whatever `cap` needs: nothing else (the next GEMV's early blocks)
     can share its SM, whose weight loads would stall this block's shared-memory traffic (PERF_NOTES v11.2)."""
     fn = lib[f"attention_short_hd{hd}_g{group}"]
-    need, room = attention_short_smem(group, hd, cap), smem_limits()[0] - attention_short_static(group, hd)
+    need, room = attention_short_smem(hd, cap), smem_limits()[0] - attention_short_static(hd)
     if cap < 1 or need > room:
         raise AtomflowError(f"short attention of {cap} positions needs {need} bytes of shared memory per block "
                             f"(this GPU: {smem_limits()[0]})")

@@ -26,9 +26,10 @@
 //            attention_short_smem, cap16 = cap rounded up to 16): K [cap16][hd] fp16 (at the end the phases'
 //            reduction scratch [8 warps][16][8] fp32), V [cap16][hd] fp16, P fp16 [8][cap16 + 8].
 // Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + q and out.
-// Launch     attention_short_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv), block = 256, dyn. smem =
-//            attention_short_smem(G, hd, cap); 1 block per SM (the smem); <= 80 registers so a block fits
-//            beside two of the fp8 QKV GEMV's blocks while that kernel drains.
+// Launch     attention_short_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv), block = 256, dyn. smem = all a block may
+//            have (step.py attention_short_launch; attention_short_smem(hd, cap) is what cap needs): no other
+//            kernel's block shares the SM (PERF_NOTES v11.2). <= 80 registers per thread (sized when blocks still
+//            shared SMs; lifting the cap measured no gain, v11.3).
 #include "common.cuh"
 
 #define ATS_THREADS 256

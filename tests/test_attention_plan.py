@@ -44,33 +44,30 @@ def test_shared_memory_covers_warp_states_and_the_combine(group, hd):
 
 # ---- the short-context kernel (attention_short.cu) and the engine's buckets --------------------------------
 
-@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("hd", [64, 128])
-def test_short_attention_capacity_fits_one_block(group, hd):
-    from atomflow_bench.step import (ATS_CHUNK_MAX, ATS_HEADS, ATS_THREADS, SMEM_H100, attention_short_caps,
+def test_short_attention_capacity_fits_one_block(hd):
+    from atomflow_bench.step import (ATS_CHUNK_MAX, ATS_HEADS, ATS_THREADS, SMEM_H100, attention_short_cap,
                                      attention_short_smem, attention_short_static)
 
-    caps = attention_short_caps(group, hd, 10**6)
-    top = caps[-1]
-    room = SMEM_H100[0] - attention_short_static(group, hd)
-    assert top % ATT_CHUNK == 0 and attention_short_smem(group, hd, top) <= room
+    top = attention_short_cap(hd)
+    room = SMEM_H100[0] - attention_short_static(hd)
+    assert top % ATT_CHUNK == 0 and attention_short_smem(hd, top) <= room
     # the largest that fits, or the kernel's chunk (its scores cover ATS_CHUNK_MAX positions per chunk)
-    assert top == ATS_CHUNK_MAX or attention_short_smem(group, hd, top + ATT_CHUNK) > room
-    assert caps == [top]  # one capacity: the launch takes the whole shared memory anyway
+    assert top == ATS_CHUNK_MAX or attention_short_smem(hd, top + ATT_CHUNK) > room
     # K and V rows, P fp16 for 8 heads (+ 8 positions of padding); never less than the final reduction scratch
-    assert attention_short_smem(group, hd, 256) == 256 * hd * 4 + ATS_HEADS * (256 + 8) * 2
-    assert attention_short_smem(group, hd, 7) == max(16 * hd * 2, (ATS_THREADS // 32) * 16 * 8 * 4) + 16 * hd * 2 + 8 * 24 * 2
+    assert attention_short_smem(hd, 256) == 256 * hd * 4 + ATS_HEADS * (256 + 8) * 2
+    assert attention_short_smem(hd, 7) == max(16 * hd * 2, (ATS_THREADS // 32) * 16 * 8 * 4) + 16 * hd * 2 + 8 * 24 * 2
     assert top == (416 if hd == 128 else 512)  # the 3B/8B bench's 384 positions fit
 
 
 def test_short_attention_capacity_and_the_knobs(monkeypatch):
-    from atomflow_bench.step import attention_short_caps
+    from atomflow_bench.step import attention_short_cap
 
-    assert attention_short_caps(3, 128, 100) == attention_short_caps(3, 128, 8448) == [416]
-    assert attention_short_caps(4, 64, 8448) == [512]  # the chunk the kernel's scores cover
-    assert attention_short_caps(3, 128, 8448, defines=("ATT_SHORT=0",)) == []
-    assert attention_short_caps(3, 128, 8448, defines=("ATT_SHORT_MAX=256",)) == [256]
-    assert attention_short_caps(3, 128, 8448, smem=(48 * 1024, 100 * 1024, 1024)) == [32 * 2]  # small GPUs
-    assert attention_short_caps(8, 128, 8448, smem=(8 * 1024, 100 * 1024, 1024)) == []  # not even one chunk
+    assert attention_short_cap(128) == 416
+    assert attention_short_cap(64) == 512  # the chunk the kernel's scores cover
+    assert attention_short_cap(128, defines=("ATT_SHORT=0",)) == 0
+    assert attention_short_cap(128, defines=("ATT_SHORT_MAX=256",)) == 256
+    assert attention_short_cap(128, smem=(48 * 1024, 100 * 1024, 1024)) == 32 * 2  # small GPUs
+    assert attention_short_cap(128, smem=(8 * 1024, 100 * 1024, 1024)) == 0  # not even one chunk
     monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "ATT_SHORT=0")
-    assert attention_short_caps(3, 128, 8448) == []
+    assert attention_short_cap(128) == 0

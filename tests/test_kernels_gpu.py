@@ -19,7 +19,7 @@ from atomflow_bench.arena import ATT_CHUNK, linear_regions
 from atomflow_bench.config import CATALOG
 from atomflow_bench.errors import AtomflowError
 from atomflow_bench.quant import dequantize_fp8, quantize_fp8
-from atomflow_bench.step import (VARIANT_PAIRING, argmax_launch, attention_launch, attention_short_caps,
+from atomflow_bench.step import (VARIANT_PAIRING, argmax_launch, attention_launch, attention_short_cap,
                                  attention_short_launch, embed_launch, gemv_launch, quantize_launch, rmsnorm_launch)
 from atomflow_bench.weights import tiled, tiled_scales
 
@@ -263,7 +263,7 @@ def test_attention_short(kernel_lib, model, length, cap):
     import cupy as cp
 
     n_kv, G, hd = ATT_SHAPES[model]
-    cap = attention_short_caps(G, hd, 10**6)[-1] if cap == "max" else cap
+    cap = attention_short_cap(hd) if cap == "max" else cap
     q, kc, vc, ref = attention_case(model, length, max_seq=1024)
     out = cp.full(q.size, np.nan, dtype=cp.float16)
     launch = attention_short_launch(kernel_lib, cp.asarray(q), cp.asarray(kc), cp.asarray(vc),
@@ -281,7 +281,7 @@ def test_attention_short_refuses_what_does_not_fit(kernel_lib):
     import cupy as cp
 
     n_kv, G, hd = ATT_SHAPES["llama-3.2-3b"]
-    too_many = attention_short_caps(G, hd, 10**6)[-1] + 32
+    too_many = attention_short_cap(hd) + 32
     z = cp.zeros(16, dtype=cp.float16)
     with pytest.raises(AtomflowError, match="shared memory"):
         attention_short_launch(kernel_lib, z, z, z, cp.zeros(1, dtype=cp.int32), z, n_kv, G, hd, too_many)
