@@ -12,8 +12,9 @@ predecessor's last block end as time 0:
            to the replay, first block start to last block end);
 * tail     its last block's end minus its median block end (stragglers);
 * marks    the kernel's own stages (AF_TL_MARK k in kernels_cu: GEMV 0 x staged, 1 dot products done, 2 epilogue
-           done; attention 0 q loaded, 1 passes done, 2 partials stored, 3 ticket back), each block's time from its
-           own wait return, median over the blocks that reach the mark.
+           done; split attention 0 q loaded, 1 passes done, 2 partials stored, 3 ticket back; short attention 0 q
+           and K/V in shared memory, 1 scores and maxima, 2 probabilities stored, 3 P.V done), each block's time
+           from its own wait return, median over the blocks that reach the mark.
 
 Per role (wqkv, attention_decode, ...) the medians over layers and replays, and the role's share of the step
 against its bytes at the copy bandwidth. The instrument costs one atomic and four stores per block: its step

@@ -36,6 +36,11 @@
 #define ATS_HEADS 8        // the mma's N: q heads of one kv head, padded to 8 (G <= 8)
 #define ATS_GROUPS 4       // 16-position score groups per warp per chunk
 #define ATS_CHUNK_MAX (16 * (ATS_THREADS / AF_WARP) * ATS_GROUPS)  // 512 positions per chunk (step.py)
+#ifdef AF_TIMELINE
+#define ATS_MIN_BLOCKS 2  // the instrument's four marks need more than 80 registers (the block has its SM alone)
+#else
+#define ATS_MIN_BLOCKS 3  // <= 80 registers (see Launch above)
+#endif
 
 // byte offset of 16-byte piece c of row t in a staged [rows][HD] fp16 array (pieces XOR-swizzled by the row)
 template <int HD>
@@ -147,6 +152,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
     }
     if (gid == 0) { w_red[warp][2 * tig] = mx[0]; w_red[warp][2 * tig + 1] = mx[1]; }
     __syncthreads();
+    AF_TL_MARK(1);  // timeline: every warp's scores and maxima done
     float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -172,7 +178,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
       }
     }
     __syncthreads();  // P complete; w_red free again
-    AF_TL_MARK(1);  // timeline: scores and probabilities done
+    AF_TL_MARK(2);  // timeline: probabilities stored
     // ---- O^T[dim][head] += V^T P^T on the tensor cores: warp w takes dim tile w % DT, positions phase w / DT ----
     for (int p0 = (warp / DT) * 16; p0 < n; p0 += WPT * 16) {
       unsigned a[4], b[2];
@@ -181,7 +187,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
       mma_16816(o, a[0], a[1], a[2], a[3], b[0], b[1]);
     }
   }
-  AF_TL_MARK(2);  // timeline: P.V done
+  AF_TL_MARK(3);  // timeline: P.V done
 
   // ---- the phases' O summed through shared memory, the sums per head, out = O / sum ----
   float* red = reinterpret_cast<float*>(ks);  // [NW][16 dims][8 heads]: K is dead (its last reads preceded barriers)
@@ -210,7 +216,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
 
 // One kernel per (head_dim, q heads per kv head), like attention.cu. Block j = kv head j.
 #define ATTENTION_SHORT_INSTANCE(HD, G)                                                                   \
-  extern "C" __global__ void __launch_bounds__(ATS_THREADS, 3)                                           \
+  extern "C" __global__ void __launch_bounds__(ATS_THREADS, ATS_MIN_BLOCKS)                              \
       attention_short_hd##HD##_g##G(                                                                      \
       const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache, \
       const int* __restrict__ pos_ptr, __half* __restrict__ out, int n_kv, int cap, float scale) {        \

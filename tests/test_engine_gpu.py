@@ -321,8 +321,8 @@ def test_timeline_instrument(tiny_dir, att, monkeypatch):
     a = by["attention_decode"]
     if att == "split":  # q loaded <= passes done; at length 41-44 (2 splits): stored <= ticket back
         assert None not in a and 0 <= a[0] <= a[1] and a[2] <= a[3]
-    else:  # q and K/V in shared memory <= probabilities <= P.V done; no fourth mark
-        assert None not in a[:3] and 0 <= a[0] <= a[1] <= a[2] and a[3] is None
+    else:  # q and K/V in shared memory <= scores and maxima <= probabilities <= P.V done
+        assert None not in a and 0 <= a[0] <= a[1] <= a[2] <= a[3]
 
 
 def test_gemv_bench_isolated_and_chained():
