@@ -28,19 +28,15 @@
 // Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + q and out.
 // Launch     attention_short_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv), block = 256, dyn. smem = all a block may
 //            have (step.py attention_short_launch; attention_short_smem(hd, cap) is what cap needs): no other
-//            kernel's block shares the SM (PERF_NOTES v11.2). <= 80 registers per thread (sized when blocks still
-//            shared SMs; lifting the cap measured no gain, v11.3).
+//            kernel's block shares the SM (PERF_NOTES v11.2); <= 128 registers per thread.
 #include "common.cuh"
 
 #define ATS_THREADS 256
 #define ATS_HEADS 8        // the mma's N: q heads of one kv head, padded to 8 (G <= 8)
 #define ATS_GROUPS 4       // 16-position score groups per warp per chunk
 #define ATS_CHUNK_MAX (16 * (ATS_THREADS / AF_WARP) * ATS_GROUPS)  // 512 positions per chunk (step.py)
-#ifdef AF_TIMELINE
-#define ATS_MIN_BLOCKS 2  // the instrument's four marks need more than 80 registers (the block has its SM alone)
-#else
-#define ATS_MIN_BLOCKS 3  // <= 80 registers (see Launch above)
-#endif
+#define ATS_MIN_BLOCKS 2  // <= 128 registers: the block has its SM to itself (see Launch above)
+#define ATS_BATCH 4       // ldmatrix loads issued before their mmas (scores: k-steps; P.V: 16-position steps)
 
 // byte offset of 16-byte piece c of row t in a staged [rows][HD] fp16 array (pieces XOR-swizzled by the row)
 template <int HD>
@@ -70,7 +66,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   constexpr int NW = T / AF_WARP;
   constexpr int DT = HD / 16;         // P.V: 16-dim tiles; NW / DT warps (phases) per tile
   constexpr int WPT = NW / DT;
-  static_assert(G <= ATS_HEADS && NW % DT == 0, "shape");
+  static_assert(G <= ATS_HEADS && NW % DT == 0 && DT % ATS_BATCH == 0, "shape");
   const size_t kv_dim = (size_t)n_kv * HD;
   const int tid = threadIdx.x, lane = tid % AF_WARP, warp = tid / AF_WARP;
   const int gid = lane >> 2, tig = lane & 3;  // mma fragment coordinates
@@ -129,12 +125,17 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
     for (int i = 0; i < ATS_GROUPS; ++i) {
       const int p0 = (warp + NW * i) * 16;
       float d[4] = {0.f, 0.f, 0.f, 0.f};
-      if (p0 < n) {  // warp-uniform
+      if (p0 < n) {  // warp-uniform; ATS_BATCH ldmatrix issued back to back, then their mmas (the asm is volatile:
+                     // program order is issue order, so one load per mma would wait out every load's latency)
 #pragma unroll
-        for (int kk = 0; kk < DT; ++kk) {
-          unsigned a[4];
-          ldmatrix_x4(a, ks + ats_swz<HD>(p0 + (lane & 15), 2 * kk + (lane >> 4)));
-          mma_16816(d, a[0], a[1], a[2], a[3], qb[kk][0], qb[kk][1]);
+        for (int k0 = 0; k0 < DT; k0 += ATS_BATCH) {
+          unsigned a[ATS_BATCH][4];
+#pragma unroll
+          for (int u = 0; u < ATS_BATCH; ++u)
+            ldmatrix_x4(a[u], ks + ats_swz<HD>(p0 + (lane & 15), 2 * (k0 + u) + (lane >> 4)));
+#pragma unroll
+          for (int u = 0; u < ATS_BATCH; ++u)
+            mma_16816(d, a[u][0], a[u][1], a[u][2], a[u][3], qb[k0 + u][0], qb[k0 + u][1]);
         }
       }
 #pragma unroll
@@ -180,11 +181,20 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
     __syncthreads();  // P complete; w_red free again
     AF_TL_MARK(2);  // timeline: probabilities stored
     // ---- O^T[dim][head] += V^T P^T on the tensor cores: warp w takes dim tile w % DT, positions phase w / DT ----
-    for (int p0 = (warp / DT) * 16; p0 < n; p0 += WPT * 16) {
-      unsigned a[4], b[2];
-      ldmatrix_x4_trans(a, vs + ats_swz<HD>(p0 + (lane & 7) + ((lane >> 4) << 3), 2 * (warp % DT) + ((lane >> 3) & 1)));
-      ldmatrix_x2(b, pt + (lane & 7) * psb + (p0 + ((lane >> 3) & 1) * 8) * 2);
-      mma_16816(o, a[0], a[1], a[2], a[3], b[0], b[1]);
+    // (ATS_BATCH steps' ldmatrix back to back, then their mmas; V rows and P past n up to the 16-boundary are 0)
+    for (int p0 = (warp / DT) * 16; p0 < n; p0 += ATS_BATCH * WPT * 16) {
+      unsigned a[ATS_BATCH][4], b[ATS_BATCH][2];
+#pragma unroll
+      for (int u = 0; u < ATS_BATCH; ++u) {
+        const int pu = p0 + u * WPT * 16;
+        if (pu < n) {  // warp-uniform
+          ldmatrix_x4_trans(a[u], vs + ats_swz<HD>(pu + (lane & 7) + ((lane >> 4) << 3), 2 * (warp % DT) + ((lane >> 3) & 1)));
+          ldmatrix_x2(b[u], pt + (lane & 7) * psb + (pu + ((lane >> 3) & 1) * 8) * 2);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < ATS_BATCH; ++u)
+        if (p0 + u * WPT * 16 < n) mma_16816(o, a[u][0], a[u][1], a[u][2], a[u][3], b[u][0], b[u][1]);
     }
   }
   AF_TL_MARK(3);  // timeline: P.V done
