@@ -58,6 +58,14 @@ __device__ __forceinline__ void ats_stage(const __half* k_cache, const __half* v
   cp_async_commit();
 }
 
+// V rows [n, n rounded up to 16) -> 0: the last 16-position P.V step reads them (with P = 0 there)
+template <int HD, int T>
+__device__ __forceinline__ void ats_zero_tail(char* vs, int n) {
+  constexpr int DG = HD / 8;
+  for (int i = n * DG + (int)threadIdx.x; i < ((n + 15) & ~15) * DG; i += T)
+    *reinterpret_cast<uint4*>(vs + ats_swz<HD>(i / DG, i % DG)) = make_uint4(0, 0, 0, 0);
+}
+
 template <int HD, int G, int T>
 __device__ __forceinline__ void attention_short_item(const __half* q, const __half* k_cache, const __half* v_cache,
                                                      int len, int j, __half* out, int n_kv, int cap, float scale,
@@ -95,9 +103,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
     const uint4 u = ld_cg16((tid < DG ? k_cache : v_cache) + src);
     *reinterpret_cast<uint4*>((tid < DG ? ks : vs) + ats_swz<HD>(len - 1, c)) = u;
   }
-  const int n_first = min(cap, len);
-  for (int i = n_first * DG + tid; i < ((n_first + 15) & ~15) * DG; i += T)  // V rows up to the 16-boundary: 0
-    *reinterpret_cast<uint4*>(vs + ats_swz<HD>(i / DG, i % DG)) = make_uint4(0, 0, 0, 0);
+  ats_zero_tail<HD, T>(vs, min(cap, len));
   cp_async_wait<0>();
   __syncthreads();
   AF_TL_MARK(0);  // timeline: q and the first chunk in shared memory
@@ -114,8 +120,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
     if (c0 > 0) {  // a later chunk (L > cap: tests only): everyone is done with the previous one, then load it
       __syncthreads();
       ats_stage<HD, T>(k_cache, v_cache, kv_dim, j, c0, c0 + n, c0, ks, vs);
-      for (int i = n * DG + tid; i < ((n + 15) & ~15) * DG; i += T)
-        *reinterpret_cast<uint4*>(vs + ats_swz<HD>(i / DG, i % DG)) = make_uint4(0, 0, 0, 0);
+      ats_zero_tail<HD, T>(vs, n);
       cp_async_wait<0>();
       __syncthreads();
     }
