@@ -402,16 +402,32 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   AF_TL_MARK(2);  // timeline: epilogue done
 }
 
-// The same GEMV for fp8 weights, streamed through shared memory by cp.async: every lane keeps
-// NS of its 128-input groups in flight in a private ring (it reads back only the 16-byte fragments it
-// copied itself, so no barrier guards the ring), across tile boundaries and through each tile's reduction;
-// the first NS groups are requested before the wait for the previous kernel. Registers no longer
-// bound the bytes in flight. Ring: [warp][stage][unit of the group][lane] 16 B (+ fp8 scales [warp][stage][lane]).
+// The same GEMV for fp8 weights, streamed through shared memory: every warp keeps NS of its 128-input groups
+// in flight in a private ring, across tile boundaries and through each tile's reduction; the first NS groups are
+// requested before the wait for the previous kernel. Registers no longer bound the bytes in flight.
+// Two ways to fill the ring (the same ring and shared-memory plan):
+//   GEMV_BULK (sm_90+, default): lane 0 copies a group's 2 KB of weights and 64 bytes of scales with two bulk
+//     copies (`cp.async.bulk`, the copy engine; a group is contiguous in the tiled layout) that complete on the
+//     slot's mbarrier; the lanes wait for the slot's phase and __syncwarp before lane 0 refills it. The SM's load
+//     path stays free for the activations read after the wait (results/PERF_NOTES.md v12).
+//     Ring: [warp][stage][unit][lane] 16 B, scales + mbarrier [warp][stage] 256 B (64 B scales, 8 B barrier).
+//   cp.async (GEMV_BULK=0, and below sm_90): each lane copies its own 16-byte fragments of the group (4 x 16 B)
+//     and its scale pair; it reads back only what it copied, so no barrier guards the ring.
+//     Ring: [warp][stage][unit][lane] 16 B, scales [warp][stage][lane] 8 B.
+#ifndef GEMV_BULK
+#define GEMV_BULK 1
+#endif
+#if GEMV_BULK && AF_HAS_BULK
+#define GEMV_RING_BULK 1
+#else
+#define GEMV_RING_BULK 0
+#endif
 template <int PRO, int EPI, int NS, class Sync>
 __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArgs rope, const Sync sync,
                                                  unsigned char* smem_raw) {
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
   constexpr int KU = 32, UPG = 128 / KU;  // a ring slot: one group of 128 inputs, 2 KB per warp (+ its scales)
+  constexpr int SLOT = UPG * 512, SSLOT = AF_WARP * 8;  // bytes of a warp's slot: weights, scales area
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
   const int t = lane & 3, g = lane >> 2;
@@ -424,22 +440,48 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   __half* xs = reinterpret_cast<__half*>(smem_raw);
   float* red = reinterpret_cast<float*>(smem_raw + K * sizeof(__half));
   float* rs = red + 2 * nw * GEMV_TILE;
-  unsigned char* ring = reinterpret_cast<unsigned char*>(rs + 32) + (size_t)warp * NS * UPG * 512 + lane * 16;
-  float2* sring = reinterpret_cast<float2*>(reinterpret_cast<unsigned char*>(rs + 32) + (size_t)nw * NS * UPG * 512)
-                  + (size_t)warp * NS * AF_WARP + lane;
-
-  auto issue = [&](int n) {  // group n of this warp's sequence (tile n / my_groups, group n % my_groups)
+  unsigned char* wring = reinterpret_cast<unsigned char*>(rs + 32) + (size_t)warp * NS * SLOT;  // this warp's slots
+  unsigned char* sarea = reinterpret_cast<unsigned char*>(rs + 32) + (size_t)nw * NS * SLOT + (size_t)warp * NS * SSLOT;
+  // Group n of this warp's sequence: tile blockIdx.x + (n / my_groups) * gridDim.x, group warp + (n % my_groups) * nw.
+  auto tile_of = [&](int n) { return (int)blockIdx.x + (n / my_groups) * (int)gridDim.x; };
+  auto group_of = [&](int n) { return warp + (n % my_groups) * nw; };
+#if GEMV_RING_BULK
+  auto bar = [&](int slot) { return reinterpret_cast<unsigned long long*>(sarea + slot * SSLOT + 64); };
+  if (lane == 0) {
+    for (int s = 0; s < NS; ++s) mbar_init(bar(s), 1);
+    mbar_init_fence();
+  }
+  __syncwarp();
+  auto issue = [&](int n) {  // lane 0: the group's weights and scales into slot n % NS
+    if (lane == 0 && n < total) {
+      const int T = tile_of(n), G = group_of(n), slot = n % NS;
+      const unsigned wbytes = (unsigned)min(UPG, nunits - G * UPG) * 512u;  // the last group may be short
+      mbar_expect_tx(bar(slot), wbytes + 64u);
+      bulk_g2s(wring + slot * SLOT, a.W + (size_t)T * tile_bytes + (size_t)G * SLOT, wbytes, bar(slot));
+      bulk_g2s(sarea + slot * SSLOT, a.scales + ((size_t)T * ngroups + G) * 16, 64u, bar(slot));
+    }
+  };
+  auto ready = [&](int n) { mbar_wait(bar(n % NS), (unsigned)(n / NS) & 1u); };
+  auto scale = [&](int n) { return reinterpret_cast<const float2*>(sarea + (n % NS) * SSLOT)[g]; };
+  auto release = [&]() { __syncwarp(); };  // every lane has read the slot before lane 0 refills it
+#else
+  auto issue = [&](int n) {  // every lane: its fragments of the group and its scale pair into slot n % NS
     if (n < total) {
-      const int T = blockIdx.x + (n / my_groups) * gridDim.x, G = warp + (n % my_groups) * nw;
-      const unsigned char* src = a.W + (size_t)T * tile_bytes + (size_t)G * UPG * 512 + lane * 16;
-      unsigned char* dst = ring + (n % NS) * UPG * 512;
+      const int T = tile_of(n), G = group_of(n);
+      const unsigned char* src = a.W + (size_t)T * tile_bytes + (size_t)G * SLOT + lane * 16;
+      unsigned char* dst = wring + (n % NS) * SLOT + lane * 16;
 #pragma unroll
       for (int j = 0; j < UPG; ++j)
         if (G * UPG + j < nunits) cp_async16(dst + j * 512, src + j * 512);
-      cp_async8(sring + (n % NS) * AF_WARP, reinterpret_cast<const float2*>(a.scales) + ((size_t)T * ngroups + G) * 8 + g);
+      cp_async8(sarea + (n % NS) * SSLOT + lane * 8,
+                reinterpret_cast<const float2*>(a.scales) + ((size_t)T * ngroups + G) * 8 + g);
     }
     cp_async_commit();  // always one group per call: wait_group counts stay uniform
   };
+  auto ready = [&](int) { cp_async_wait<NS - 1>(); };  // this lane's copies of group n have landed
+  auto scale = [&](int n) { return reinterpret_cast<const float2*>(sarea + (n % NS) * SSLOT)[lane]; };
+  auto release = [&]() {};  // a lane refills only what it read itself: program order protects it
+#endif
 
 #pragma unroll
   for (int n = 0; n < NS; ++n) issue(n);
@@ -452,18 +494,21 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   for (int T = blockIdx.x, parity = 0; T < ntiles; T += gridDim.x, parity ^= 1) {
     float acc[2] = {0.f, 0.f}, d[4] = {0.f, 0.f, 0.f, 0.f};
     for (int gi = 0; gi < my_groups; ++gi, ++n) {
-      cp_async_wait<NS - 1>();  // this lane's copies of group n have landed
-      const unsigned char* src = ring + (n % NS) * UPG * 512;
+      ready(n);
+      const unsigned char* src = wring + (n % NS) * SLOT + lane * 16;
       group_mma<true, UPG>(d, acc, [&](int j) { return *reinterpret_cast<const uint4*>(src + j * 512); }, xs,
-                           warp + gi * nw, nunits, t, sring[(n % NS) * AF_WARP]);
-      issue(n + NS);  // the slot just read is refilled (this lane's own bytes: program order protects them)
+                           warp + gi * nw, nunits, t, scale(n));
+      release();
+      issue(n + NS);  // the slot just read is refilled
     }
     gemv_tiled_finish<true>(d, acc);
     AF_TL_MARK(1);  // timeline: the (last) tile's dot products done
     tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc, pre);
   }
   AF_TL_MARK(2);  // timeline: epilogue done
+#if !GEMV_RING_BULK
   cp_async_wait<0>();
+#endif
 }
 
 // fp16 layer GEMVs: the register path.

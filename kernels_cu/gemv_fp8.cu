@@ -10,8 +10,9 @@
 // Requires   rows % 16 == 0, K % 32 == 0. K need not be a multiple of 128: the last group is short
 //            (e.g. SmolLM2's K = 576 = 4.5 groups) and its scale covers only the elements present.
 // Bytes      rows * K (weights) + rows * ceil(K/128) * 4 (scales) + K * 2..4 per block (x) + outputs.
-// Launch     block = 256, one kernel per cp.async ring depth (suffix _r2.._r5: groups of 128 inputs per warp in
-//            flight); the host plan (step.py gemv_plan) picks depth and blocks per SM (2, or 3 for 2-3 tiles
+// Launch     block = 256, one kernel per shared-memory ring depth (suffix _r2.._r5: groups of 128 inputs per warp in
+//            flight; filled by bulk copies on sm_90+, per-lane cp.async below or with -DGEMV_BULK=0);
+//            the host plan (step.py gemv_plan) picks depth and blocks per SM (2, or 3 for 2-3 tiles
 //            per SM), grid = min(tiles, blocks per SM * SMs), dyn. smem = K*2 + 1152 + depth * 8 * 2304 bytes.
 // Instances  same roles as gemv_fp16.cu, each at ring depths 2-5:
 //   gemv_f8_qkv_rope_r* (QKV + RoPE + KV append), gemv_f8_norm_swiglu_r* (gate+up), gemv_f8_resid_r* (o_proj,

@@ -126,6 +126,24 @@ def test_gemv_every_ring_depth(kernel_lib, n_sm, depth, variant, rows, k):
     assert ln.grid[0] == n_sm < rows // 16  # 1 block per SM: every block walks several tiles
 
 
+@pytest.fixture(scope="module")
+def kernel_lib_cp_async():
+    """The kernels built with GEMV_BULK=0: fp8's ring filled lane by lane with cp.async (sm_89's path, A/B knob)."""
+    from atomflow_bench.kernels import KernelLib
+
+    return KernelLib(extra_defines=("GEMV_BULK=0",))
+
+
+@pytest.mark.parametrize("depth", [2, 5])
+@pytest.mark.parametrize("variant,rows,k", [("resid", 3072, 8192), ("store", 5120, 3072), ("norm_swiglu", 4608, 576)])
+def test_gemv_cp_async_ring(kernel_lib_cp_async, n_sm, depth, variant, rows, k):
+    """The per-lane cp.async fill of the fp8 ring (the default is the bulk copy on sm_90+), several tiles per block."""
+    ln = check_gemv(kernel_lib_cp_async, n_sm, rng_for("cp.async ring", depth, variant, rows, k), "fp8", variant,
+                    rows, k, ring_depth=depth)
+    assert ln.grid[0] == n_sm < rows // 16
+    assert "GEMV_BULK=0" in kernel_lib_cp_async.defines
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 @pytest.mark.parametrize("rows,k", [(40, 96), (32, 80)])
 def test_gemv_refuses_untileable_shapes(kernel_lib, n_sm, fmt, rows, k):
