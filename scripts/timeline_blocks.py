@@ -1,11 +1,14 @@
 """Diagnostic (GPU): one instrumented graph replay, block by block, around one layer's attention launch.
 
-    python3 scripts/timeline_blocks.py MODEL WEIGHTS CONTEXT [LAYER]
+    python3 scripts/timeline_blocks.py MODEL WEIGHTS CONTEXT [LAYER] [--layer]
 
-For every block of the layer's attention launch: its SM, start / wait return / marks / end (µs, relative to
-the attention launch's first wait return), and every block of any other launch that was resident on the same
-SM at the same time (role, start, end). Answers "what shares the SM with attention". Not part of any test or
-figure; results/PERF_NOTES.md quotes what it showed.
+Default: for every block of the layer's attention launch, its SM, start / wait return / marks / end (µs, relative
+to the attention launch's first wait return), and every block of any other launch that was resident on the same
+SM at the same time (role, start, end). Answers "what shares the SM with attention".
+--layer: for each launch of the layer (QKV .. down, then the next QKV), the spread over its blocks (min, p10,
+median, p90, max) of start, wait return, marks and end, in µs after the previous launch's last block ended.
+Answers "which blocks of a launch are late, and at which stage". Not part of any test or figure;
+results/PERF_NOTES.md quotes what it showed.
 """
 from __future__ import annotations
 
@@ -21,8 +24,9 @@ def main() -> None:
     from atomflow_bench.fetch import resolve_model
     from atomflow_bench.profile import step_role
 
-    model, weights, context = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    layer = int(sys.argv[4]) if len(sys.argv) > 4 else 10
+    args = [a for a in sys.argv[1:] if a != "--layer"]
+    model, weights, context = args[0], args[1], int(args[2])
+    layer = int(args[3]) if len(args) > 3 else 10
     eng = Engine(resolve_model(model), weights=weights, max_seq=context + 16, kernel_defines=(timeline.DEFINE,))
     eng.reset(synthetic_prompt(eng.cfg.vocab_size, context))
     eng.run(context - 1)
@@ -46,6 +50,9 @@ def main() -> None:
     roles = [step_role(ln) for ln in launches]
     launch_of = {int(g): i for i, g in enumerate(ids)}
     att = [i for i, r in enumerate(roles) if r == "attention_decode"][layer]
+    if "--layer" in sys.argv:
+        layer_spread(rec, ids, roles, att, model, weights, context, layer)
+        return
     mine = rec[:, 0] == ids[att]
     t0 = rec[mine, 2].astype(np.int64).min()
 
@@ -63,6 +70,26 @@ def main() -> None:
         for o in np.flatnonzero(same):
             li = launch_of[int(rec[o, 0])]
             print(f"        with {roles[li]:16s} (launch {li:3d}) start {us(rec[o, 1]):7.2f} end {us(rec[o, 3]):7.2f}")
+
+
+def layer_spread(rec, ids, roles, att, model, weights, context, layer) -> None:
+    """Per launch from the layer's QKV to the next layer's QKV: quantiles over blocks, µs after the previous
+    launch's last block end (negative: before it)."""
+    print(f"{model} {weights} length {context + 2}: layer {layer}; µs after the previous launch's last block end; "
+          "min / p10 / median / p90 / max over the launch's blocks")
+    cols = [("start", 1), ("wait", 2)] + [(f"mark{k}", 4 + k) for k in range(rec.shape[1] - 4)] + [("end", 3)]
+    for li in range(att - 1, att + 5):
+        prev = rec[rec[:, 0] == ids[li - 1]]
+        mine = rec[rec[:, 0] == ids[li]]
+        t0 = prev[:, 3].astype(np.int64).max()
+        print(f"  launch {li} {roles[li]}: {len(mine)} blocks, {int((mine[:, 1].astype(np.int64) < t0).sum())} "
+              "started before the previous launch ended")
+        for name, c in cols:
+            v = mine[:, c].astype(np.int64)
+            v = v[v > 0]
+            if len(v):
+                q = np.percentile((v - t0) / 1e3, [0, 10, 50, 90, 100])
+                print(f"    {name:6s} " + " ".join(f"{x:7.2f}" for x in q))
 
 
 if __name__ == "__main__":
