@@ -39,6 +39,11 @@ GEMV_BLOCKS_PER_SM = 2  # = GEMV_MIN_BLOCKS in gemv_common.cuh (tiled GEMVs): th
 ROWS_BLOCKS_PER_SM = 4  # = ROWS_MIN_BLOCKS (lm_head)
 GEMV_STAGES = 5            # fp8: deepest cp.async ring (groups of 128 inputs per warp) a launch may get; knob
 GEMV_ONE_WAVE = 1          # knob: tile counts in (2, 3] x SMs run one tile per block at 3 blocks per SM
+GEMV_WS = 1                # knob: the warp-specialised GEMVs (producer warp + bulk copies, sm_90+); 0 = the forms before
+GEMV_WS_THREADS = GEMV_THREADS + 32  # 8 consumer warps + the producer (gemv_common.cuh gemv_tiled_ws)
+GEMV_WS_SLOT = 16384       # = GEMV_WS_SLOT: weight bytes per ring slot (fp8: 8 groups of 128 inputs, fp16: 4)
+GEMV_WS_MAX = 16           # = GEMV_WS_MAX: most slots a ring may have
+GEMV_WS_SLOTS = 6          # knob: the deepest ring a launch gets (~96 KB in flight per block, as the fp16 batch was)
 ATT_THREADS = 128
 ATS_THREADS = 256          # attention_short.cu
 ATS_HEADS = 8              # attention_short.cu: q heads per kv head padded to the mma's N
@@ -106,6 +111,47 @@ def gemv_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), smem
     raise AtomflowError(f"GEMV with K={k}: no ring of {depths} fits the {smem[0]} bytes of shared memory per block")
 
 
+@functools.lru_cache(maxsize=None)
+def compute_capability() -> int:
+    """The current device's compute capability as an integer (90 for sm_90)."""
+    import cupy as cp
+
+    return int(cp.cuda.Device().compute_capability)
+
+
+def gemv_ws(defines: tuple = (), cc: int | None = None) -> bool:
+    """Whether the tiled GEMVs run warp-specialised (sm_90+: bulk copies; knob GEMV_WS=0 turns it off)."""
+    return bool(knob("GEMV_WS", GEMV_WS, defines)) and (compute_capability() if cc is None else cc) >= 90
+
+
+def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), smem: tuple = SMEM_H100,
+                 depth: int | None = None) -> tuple[int, int, int]:
+    """(ring slots, blocks per SM, dynamic shared memory) of a warp-specialised tiled GEMV (gemv_tiled_ws).
+
+    2 blocks per SM (3 for more than 2 and at most 3 tiles per SM: one tile per block, one wave), each with the
+    deepest ring <= GEMV_WS_SLOTS that fits, but no deeper than the slots its tiles fill; fewer blocks per SM if not
+    even 2 slots fit. The kernel reads its ring depth back from the dynamic shared memory size. `depth` forces that
+    many slots at 1 block per SM (tests)."""
+    fp8 = fmt == "fp8"
+    base = k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4 + 2 * GEMV_WS_MAX * 8  # x, partial sums, scratch, barriers
+    slot = GEMV_WS_SLOT + (8 * 64 if fp8 else 0)
+    if depth is not None:
+        if not 1 <= depth <= GEMV_WS_MAX:
+            raise AtomflowError(f"GEMV ring of {depth} slots: 1 to {GEMV_WS_MAX}")
+        return depth, 1, base + depth * slot
+    per_sm = knob("GEMV_GRID_PER_SM", GEMV_BLOCKS_PER_SM, defines)
+    if knob("GEMV_ONE_WAVE", GEMV_ONE_WAVE, defines) and per_sm * n_sm < tiles <= (per_sm + 1) * n_sm:
+        per_sm += 1
+    per_tile = -(-(-(-k // 128)) // (8 if fp8 else 4))  # slots per tile
+    for b in range(per_sm, 0, -1):
+        need = -(-tiles // min(tiles, b * n_sm)) * per_tile  # slots the busiest block fills
+        want = min(knob("GEMV_WS_SLOTS", GEMV_WS_SLOTS, defines), GEMV_WS_MAX, need)
+        fits = [ns for ns in range(want, 0, -1) if blocks_fit(base + ns * slot, smem) >= b]
+        if fits and (fits[0] >= 2 or need == 1):
+            return fits[0], b, base + fits[0] * slot
+    raise AtomflowError(f"GEMV with K={k}: not even a ring of 2 slots fits the {smem[0]} bytes of shared memory")
+
+
 def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: int, k: int, n_sm: int,
                 norm_w=None, eps: float = 1e-5, taps=None, role: str = "", rope: tuple = (),
                 ring_depth: int | None = None) -> Launch:
@@ -114,7 +160,8 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     row-major weights).
 
     qkv_rope: n_out = qkv_dim / 2 (one output per rotation pair); `rope` = (cos_sin, pos, k_cache, v_cache,
-    n_q_heads, n_kv_heads, head_dim) for this layer. `ring_depth`: see gemv_plan (tests).
+    n_q_heads, n_kv_heads, head_dim) for this layer. `ring_depth`: see gemv_ws_plan / gemv_plan (tests). The
+    tiled variants run warp-specialised on sm_90+ (gemv_ws), else the fp16 register path / fp8 ring.
     """
     fp8 = fmt == "fp8"
     rows = 2 * n_out if variant in ("norm_swiglu", "qkv_rope") else n_out
@@ -123,7 +170,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     if variant == "f32":
         if fp8 or k % 8:
             raise AtomflowError(f"lm_head GEMV needs fp16 weights with K % 8 == 0, got {fmt} K={k}")
-        shmem, depth = k * 2, 0
+        shmem, depth, ws = k * 2, 0, False
         grid_units = -(-n_out // (GEMV_THREADS // 32))  # a warp per output row
         per_sm = ROWS_BLOCKS_PER_SM
     else:
@@ -132,9 +179,14 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         except VerifyError as e:
             raise AtomflowError(f"GEMV {role or variant}: {e}") from None
         grid_units = rows // 16  # a block per 16-row tile
-        depth, per_sm, shmem = gemv_plan(fmt, grid_units, k, n_sm, lib.defines, smem_limits(), ring_depth,
-                                         norm=variant in ("norm_swiglu", "qkv_rope"))
-    fn = lib[f"gemv_f8_{variant}_r{depth}" if fp8 else f"gemv_f16_{variant}"]
+        ws = gemv_ws(lib.defines)
+        if ws:
+            depth, per_sm, shmem = gemv_ws_plan(fmt, grid_units, k, n_sm, lib.defines, smem_limits(), ring_depth)
+        else:
+            depth, per_sm, shmem = gemv_plan(fmt, grid_units, k, n_sm, lib.defines, smem_limits(), ring_depth,
+                                             norm=variant in ("norm_swiglu", "qkv_rope"))
+    name = f"gemv_f8_{variant}" if fp8 else f"gemv_f16_{variant}"
+    fn = lib[f"{name}_ws" if ws else f"{name}_r{depth}" if fp8 else name]
     allow_dynamic_smem(fn, shmem)
     per_sm = max(1, min(per_sm, blocks_fit(shmem, smem_limits())))
     grid = (min(grid_units, n_sm * per_sm),)
@@ -144,7 +196,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd = rope
         extra = (cos_sin, pos, k_cache, v_cache, i32(n_q), i32(n_kv), i32(hd))
         moved += 2 * n_kv * hd * 2  # the K and V rows appended to the cache
-    return Launch(fn, f"gemv_{fmt}_{variant}", grid, (GEMV_THREADS,),
+    return Launch(fn, f"gemv_{fmt}_{variant}", grid, (GEMV_WS_THREADS if ws else GEMV_THREADS,),
                   (w, scales if fp8 else NULL, x, NULL if norm_w is None else norm_w, np.float32(eps), y,
                    i32(n_out), i32(k)) + extra, shmem, taps or {}, moved,
                   f"gemv {fmt} {role or variant} {rows}x{k}")

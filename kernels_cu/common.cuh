@@ -96,13 +96,27 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Sum over the block's threads; `red` must hold blockDim.x / 32 floats. Every thread gets the result.
+// A barrier of the block's first NT threads (NT = 0: the whole block, __syncthreads). A warp-specialised kernel
+// syncs only its NT consumer threads (named barrier 1); its producer warp never joins. nthreads<NT>(): their count.
+template <int NT>
+__device__ __forceinline__ void sync_n() {
+  if constexpr (NT == 0) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync 1, %0;" ::"n"(NT) : "memory");
+  }
+}
+template <int NT>
+__device__ __forceinline__ int nthreads() { return NT == 0 ? (int)blockDim.x : NT; }
+
+// Sum over the block's (first NT) threads; `red` must hold nthreads / 32 floats. Every such thread gets the result.
+template <int NT = 0>
 __device__ __forceinline__ float block_sum(float v, float* red) {
-  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = (int)blockDim.x / AF_WARP;
+  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = nthreads<NT>() / AF_WARP;
   v = warp_sum(v);
-  __syncthreads();  // `red` may still be read by a previous call
+  sync_n<NT>();  // `red` may still be read by a previous call
   if (lane == 0) red[warp] = v;
-  __syncthreads();
+  sync_n<NT>();
   float t = lane < nw ? red[lane] : 0.f;
   return warp_sum(t);
 }
@@ -133,7 +147,7 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Bulk copies by the copy engine (TMA, sm_90+) completing on an mbarrier in shared memory: one thread arms the
 // barrier with the bytes to expect (mbar_expect_tx, which is also its arrival: init count 1) and issues the copies
 // (bulk_g2s: 16-byte aligned, a multiple of 16 bytes); the consumers wait for the phase (mbar_wait, parity of the
-// phase's ordinal). Only compiled for sm_90+ (callers guard with AF_HAS_BULK).
+// phase's ordinal); mbar_arrive is a plain arrival (a consumer releasing a slot). Only compiled for sm_90+ (callers guard with AF_HAS_BULK).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define AF_HAS_BULK 1
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
@@ -155,6 +169,9 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned by
                ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes),
                "r"((unsigned)__cvta_generic_to_shared(bar))
                : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
   const unsigned a = (unsigned)__cvta_generic_to_shared(bar);
@@ -201,15 +218,16 @@ __device__ __forceinline__ float2 h2_to_f2(unsigned int u) {
   return __half22float2(h);
 }
 
-// 1 / RMS of the fp32 residual h[K] (K % 4 == 0), every thread of the block gets it. h is read through
+// 1 / RMS of the fp32 residual h[K] (K % 4 == 0), every thread of the block (or its first NT) gets it. h is read through
 // L2 (.cg): the previous kernel wrote it.
+template <int NT = 0>
 __device__ __forceinline__ float rms_inv(const float* h, float eps, int K, float* red) {
   float ss = 0.f;
-  for (int k = threadIdx.x * 4; k < K; k += (int)blockDim.x * 4) {
+  for (int k = threadIdx.x * 4; k < K; k += nthreads<NT>() * 4) {
     const float4 v = __ldcg(reinterpret_cast<const float4*>(h + k));
     ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
   }
-  return rsqrtf(block_sum(ss, red) / (float)K + eps);
+  return rsqrtf(block_sum<NT>(ss, red) / (float)K + eps);
 }
 
 // RMSNorm(h) * w exactly as HF computes it for an fp16 model: normalise in fp32, round to fp16, multiply

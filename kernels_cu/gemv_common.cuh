@@ -198,26 +198,27 @@ __device__ __forceinline__ unsigned norm_pair(float h0, float h1, float inv, __h
   return *reinterpret_cast<const unsigned*>(&v);
 }
 
-template <int PRO, int MODE>
+template <int PRO, int MODE, int NT = 0>
 __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, float* red, float* hs = nullptr,
                                               const __half* nws = nullptr) {
+  const int nth = nthreads<NT>();  // the staging threads: the block, or its NT consumers
   unsigned* xs2 = reinterpret_cast<unsigned*>(xs);
   const int npairs = a.K / 2;
   if (PRO == PRO_NORM && MODE == STAGE_SMEM) {
     const float4* h4 = reinterpret_cast<const float4*>(a.x);
     float ss = 0.f;
-    for (int c = threadIdx.x; c < a.K / 4; c += blockDim.x) {
+    for (int c = threadIdx.x; c < a.K / 4; c += nth) {
       const float4 v = __ldcg(h4 + c);
       reinterpret_cast<float4*>(hs)[c] = v;
       ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
     cp_async_wait<0>();  // this thread's norm_w pieces; block_sum's barriers publish everyone's hs and nws
-    const float inv = rsqrtf(block_sum(ss, red) / (float)a.K + a.eps);  // = rms_inv's value, bit for bit
-    for (int p = threadIdx.x; p < npairs; p += blockDim.x) {
+    const float inv = rsqrtf(block_sum<NT>(ss, red) / (float)a.K + a.eps);  // = rms_inv's value, bit for bit
+    for (int p = threadIdx.x; p < npairs; p += nth) {
       const float2 hv = reinterpret_cast<const float2*>(hs)[p];
       xs2[xs_pair(p)] = norm_pair(hv.x, hv.y, inv, reinterpret_cast<const __half2*>(nws)[p]);
     }
-  } else if (PRO == PRO_NORM && a.K <= STAGE_CHUNKS * 4 * (int)blockDim.x) {
+  } else if (PRO == PRO_NORM && a.K <= STAGE_CHUNKS * 4 * nth) {
     const float4* h4 = reinterpret_cast<const float4*>(a.x);
     const uint2* w4 = reinterpret_cast<const uint2*>(a.norm_w);
     const int nchunks = a.K / 4;
@@ -226,17 +227,17 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < STAGE_CHUNKS; ++i) {
-      const int c = threadIdx.x + i * blockDim.x;
+      const int c = threadIdx.x + i * nth;
       if (c < nchunks) {
         hv[i] = __ldcg(h4 + c);
         wv[i] = w4[c];
         ss += hv[i].x * hv[i].x + hv[i].y * hv[i].y + hv[i].z * hv[i].z + hv[i].w * hv[i].w;
       }
     }
-    const float inv = rsqrtf(block_sum(ss, red) / (float)a.K + a.eps);  // = rms_inv's value, bit for bit
+    const float inv = rsqrtf(block_sum<NT>(ss, red) / (float)a.K + a.eps);  // = rms_inv's value, bit for bit
 #pragma unroll
     for (int i = 0; i < STAGE_CHUNKS; ++i) {
-      const int c = threadIdx.x + i * blockDim.x;
+      const int c = threadIdx.x + i * nth;
       if (c < nchunks) {
         const __half2 w01 = *reinterpret_cast<const __half2*>(&wv[i].x), w23 = *reinterpret_cast<const __half2*>(&wv[i].y);
         const unsigned v01 = norm_pair(hv[i].x, hv[i].y, inv, w01), v23 = norm_pair(hv[i].z, hv[i].w, inv, w23);
@@ -246,24 +247,24 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
     }
   } else if (PRO == PRO_NORM) {
     const float* h = reinterpret_cast<const float*>(a.x);
-    const float inv = rms_inv(h, a.eps, a.K, red);
-    for (int p = threadIdx.x; p < npairs; p += blockDim.x) {
+    const float inv = rms_inv<NT>(h, a.eps, a.K, red);
+    for (int p = threadIdx.x; p < npairs; p += nth) {
       const float2 hv = __ldcg(reinterpret_cast<const float2*>(h) + p);
       xs2[xs_pair(p)] = norm_pair(hv.x, hv.y, inv, reinterpret_cast<const __half2*>(a.norm_w)[p]);
     }
   } else {  // a copy: 16-byte pieces (4 pairs), STAGE_LOADS in flight per thread (one L2 round up to K = 8192)
     const uint4* src = reinterpret_cast<const uint4*>(a.x);
     const int n16 = a.K / 8;
-    for (int c0 = threadIdx.x; c0 < n16; c0 += STAGE_LOADS * blockDim.x) {
+    for (int c0 = threadIdx.x; c0 < n16; c0 += STAGE_LOADS * nth) {
       uint4 v[STAGE_LOADS];
 #pragma unroll
       for (int i = 0; i < STAGE_LOADS; ++i) {
-        const int c = c0 + i * blockDim.x;
+        const int c = c0 + i * nth;
         if (c < n16) v[i] = __ldcg(src + c);
       }
 #pragma unroll
       for (int i = 0; i < STAGE_LOADS; ++i) {
-        const int c = c0 + i * blockDim.x;
+        const int c = c0 + i * nth;
         if (c < n16) {
           xs2[xs_pair(4 * c)] = v[i].x;
           xs2[xs_pair(4 * c + 1)] = v[i].y;
@@ -273,7 +274,7 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
       }
     }
   }
-  __syncthreads();
+  sync_n<NT>();
 }
 
 // The mma(s) of one 512-byte unit u (16 rows x KU inputs) for lane quad t: fp16 one k-tile, fp8 two.
@@ -318,15 +319,15 @@ __device__ __forceinline__ void gemv_tiled_finish(const float (&d)[4], float (&a
 
 // The 8 warps' partial sums of tile T meet in shared memory (`part`: [nw][16], double-buffered by the caller:
 // the next tile writes the other half, so one __syncthreads per tile suffices); 16/R threads run the epilogue.
-template <int R, int EPI>
+template <int R, int EPI, int NT = 0>
 __device__ __forceinline__ void tile_epilogue(const GemvArgs& a, const RopeArgs& rope, float* part, int T,
                                               const float (&acc)[2], const EpiOperand& pre) {
-  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
+  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = nthreads<NT>() / AF_WARP;
   if ((lane & 3) == 0) {  // rows g and g + 8 (all 8 mma columns are equal; quad lane 0 holds column 0)
     part[warp * GEMV_TILE + (lane >> 2)] = acc[0];
     part[warp * GEMV_TILE + (lane >> 2) + 8] = acc[1];
   }
-  __syncthreads();
+  sync_n<NT>();
   if (threadIdx.x < GEMV_TILE / R) {
     const int r = threadIdx.x;
     float s0 = 0.f, s1 = 0.f;
@@ -510,6 +511,123 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   cp_async_wait<0>();
 #endif
 }
+
+// Warp-specialised form (sm_90+, the host's default; knob GEMV_WS=0 launches the two above): 8 consumer warps + 1 producer warp.
+// The producer's lane 0 streams the block's weights (its tiles in order, each a contiguous run of groups) into a
+// ring of NS slots of GEMV_WS_SLOT bytes (fp8: 8 groups + their 512 B of scales; fp16: 4 groups) with bulk copies
+// completing on the slot's `full` mbarrier; it starts at the block's start, never waits for the previous kernel
+// and refills a slot once the 8 consumer warps have arrived on its `empty` mbarrier. The consumers never issue a
+// weight load: they wait for the previous kernel, stage x (named barrier of 256 threads), and in every slot take
+// the group they own (group g belongs to warp g % 8, as in the forms above), then release the slot. NS is what the
+// host gave: (dynamic shared memory - x - scratch - barriers) / slot (step.py gemv_ws_plan), at most GEMV_WS_MAX.
+// Shared memory: xs [K] fp16 | partial sums [2][8][16] f32 | block_sum scratch [32] f32 | full [GEMV_WS_MAX],
+// empty [GEMV_WS_MAX] u64 | ring [NS][slot] (weights GEMV_WS_SLOT, then fp8 scales [8 groups][8][2] f32).
+#define GEMV_WS_SLOT 16384  // weight bytes per ring slot
+#define GEMV_WS_MAX 16      // most slots a ring may have (barriers reserved for all)
+#define GEMV_WS_THREADS (GEMV_THREADS + AF_WARP)
+#if AF_HAS_BULK
+template <bool FP8, int PRO, int EPI>
+__device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs rope, unsigned char* smem_raw) {
+  constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
+  constexpr int NWC = GEMV_THREADS / AF_WARP;                   // consumer warps
+  constexpr int KU = FP8 ? 32 : 16, UPG = 128 / KU;            // inputs per 512-byte unit, units per group
+  constexpr int GPS = GEMV_WS_SLOT / (UPG * 512);              // groups per slot: fp8 8, fp16 4
+  constexpr int SLOTB = GEMV_WS_SLOT + (FP8 ? GPS * 64 : 0);   // a slot's bytes (fp8: + the groups' scales)
+  static_assert(NWC == 8 && GPS <= NWC && NWC % GPS == 0, "a slot holds at most one group per consumer warp");
+  const int K = a.K;
+  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, t = lane & 3;
+  const int nunits = K / KU, ngroups = (K + 127) >> 7, spt = (ngroups + GPS - 1) / GPS;  // slots per tile
+  const int ntiles = a.n_out * R / GEMV_TILE;
+  const int my_tiles = blockIdx.x < ntiles ? (ntiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const int tile_bytes = nunits * 512;
+  __half* xs = reinterpret_cast<__half*>(smem_raw);
+  float* red = reinterpret_cast<float*>(smem_raw + K * sizeof(__half));
+  float* rs = red + 2 * NWC * GEMV_TILE;
+  unsigned long long* full = reinterpret_cast<unsigned long long*>(rs + 32);
+  unsigned long long* empty = full + GEMV_WS_MAX;
+  unsigned char* ring = reinterpret_cast<unsigned char*>(empty + GEMV_WS_MAX);
+  unsigned dyn;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+  const int NS = min(GEMV_WS_MAX, (int)((dyn - (unsigned)(ring - smem_raw)) / SLOTB));
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < NS; ++s) {
+      mbar_init(full + s, 1);
+      mbar_init(empty + s, NWC);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();  // the only whole-block barrier: the producer leaves below
+
+  if (warp == NWC) {  // the producer: slot n of the block's stream = tile blockIdx.x + (n / spt) * gridDim.x, part n % spt
+    if (lane == 0) {
+      for (int n = 0; n < my_tiles * spt; ++n) {
+        const int slot = n % NS;
+        if (n >= NS) mbar_wait(empty + slot, (unsigned)(n / NS - 1) & 1u);
+        const int T = blockIdx.x + (n / spt) * gridDim.x, g0 = (n % spt) * GPS, g1 = min(ngroups, g0 + GPS);
+        const int u0 = g0 * UPG, u1 = min(nunits, g1 * UPG);  // the last group of a tile may be short
+        const unsigned wbytes = (unsigned)(u1 - u0) * 512u, sbytes = FP8 ? (unsigned)(g1 - g0) * 64u : 0u;
+        mbar_expect_tx(full + slot, wbytes + sbytes);
+        bulk_g2s(ring + slot * SLOTB, a.W + (size_t)T * tile_bytes + (size_t)u0 * 512, wbytes, full + slot);
+        if (FP8)
+          bulk_g2s(ring + slot * SLOTB + GEMV_WS_SLOT, a.scales + ((size_t)T * ngroups + g0) * 16, sbytes, full + slot);
+      }
+    }
+    return;
+  }
+
+  const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
+  PdlSync{}.arrive_wait();  // x / h / pos only once the previous kernel is done (weights are the producer's)
+  stage_x_tiled<PRO, STAGE_REGS, GEMV_THREADS>(a, xs, rs);
+  AF_TL_MARK(0);  // timeline: x staged (prologue done)
+
+  int n = 0;
+  for (int T = blockIdx.x, parity = 0; T < ntiles; T += gridDim.x, parity ^= 1) {
+    float acc[2] = {0.f, 0.f}, d[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int p = 0; p < spt; ++p, ++n) {
+      const int slot = n % NS;
+      const int g0 = p * GPS, off = (warp - g0) & (NWC - 1), G = g0 + off;  // this warp's group in the slot
+      mbar_wait(full + slot, (unsigned)(n / NS) & 1u);
+      if (off < GPS && G < ngroups) {
+        const unsigned char* src = ring + slot * SLOTB + off * UPG * 512 + lane * 16;
+        const float2 sc = FP8 ? reinterpret_cast<const float2*>(ring + slot * SLOTB + GEMV_WS_SLOT + off * 64)[lane >> 2]
+                              : make_float2(0.f, 0.f);
+        group_mma<FP8, UPG>(d, acc, [&](int j) { return *reinterpret_cast<const uint4*>(src + j * 512); }, xs, G,
+                            nunits, t, sc);
+      }
+      __syncwarp();  // every lane has read the slot
+      if (lane == 0) mbar_arrive(empty + slot);
+    }
+    gemv_tiled_finish<FP8>(d, acc);
+    AF_TL_MARK(1);  // timeline: the (last) tile's dot products done
+    tile_epilogue<R, EPI, GEMV_THREADS>(a, rope, red + parity * NWC * GEMV_TILE, T, acc, pre);
+  }
+  AF_TL_MARK(2);  // timeline: epilogue done
+}
+#endif
+
+// The warp-specialised kernels NAME (FP8: fp8 weights + scales, else fp16), 288 threads. Declared for every
+// architecture (the host pass needs them), built for sm_90+ only: below, the body traps — the host launches these
+// only on sm_90+ and not with GEMV_WS=0 (step.py gemv_ws).
+#if AF_HAS_BULK
+#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE)                                                                 \
+  AF_TIMELINE_BLOCK;                                                                                      \
+  extern __shared__ __align__(16) unsigned char smem_raw[];                                               \
+  gemv_tiled_ws<FP8, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, ROPE, smem_raw);
+#elif defined(__CUDA_ARCH__)
+#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE) __trap();
+#else
+#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE)
+#endif
+#define GEMV_WS_INSTANCE(NAME, FP8, PRO, EPI)                                                             \
+  extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3)                                        \
+  NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
+       const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
+    GEMV_WS_BODY(FP8, PRO, EPI, RopeArgs{})                                                               \
+  }
+#define GEMV_WS_ROPE_INSTANCE(NAME, FP8)                                                                  \
+  extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME GEMV_ROPE_ARGS {                  \
+    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}))      \
+  }
 
 // fp16 layer GEMVs: the register path.
 #define GEMV_INSTANCE(NAME, PRO, EPI)                                                                     \

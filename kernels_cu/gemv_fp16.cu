@@ -9,19 +9,27 @@
 // Requires   tiled: rows % 16 == 0, K % 32 == 0; lm_head: K % 8 == 0 (16-byte rows). The host rejects others.
 // Bytes      rows * K * 2 (weights, streamed once, no L1 allocation) + K * 2..4 per block (x, from L2)
 //            + n_out * 2..4 (output).
-// Launch     block = 256, at most 4 blocks per SM; tiled: grid = min(tiles, 4 * SMs), dyn. smem = K*2 + 1152
-//            bytes (x in fragment order + partial sums); lm_head: grid = min(ceil(rows / 8), 4 * SMs),
-//            dyn. smem = K*2 bytes.
+// Launch     tiled, sm_90+ (the _ws instances): block = 288 (8 consumer warps + 1 producer warp filling a ring of
+//            16 KB slots with bulk copies), 2-3 blocks per SM, grid = min(tiles, blocks per SM * SMs), dyn. smem
+//            = K*2 + 1408 + slots * 16384 (step.py gemv_ws_plan); sm_89 or GEMV_WS=0: block = 256 through
+//            registers, 2 blocks per SM, dyn. smem = K*2 + 1152 (+ K*6 with the RMSNorm prologue);
+//            lm_head: block = 256, grid = min(ceil(rows / 8), 4 * SMs), dyn. smem = K*2 bytes.
 // Instances  (name: prologue / epilogue / used for)
 //   gemv_f16_qkv_rope     RMSNorm / RoPE + KV append  fused QKV projection (q|k|v rows, RoPE pairs tiled)
 //   gemv_f16_norm_swiglu  RMSNorm / silu(gate)*up     fused gate+up projection (gate|up rows tiled in pairs)
 //   gemv_f16_resid        plain / h += W·x            o_proj and down_proj with the residual add
 //   gemv_f16_store        plain / fp16 store          generic (tests, microbenchmarks)
 //   gemv_f16_f32          plain / fp32 store          lm_head logits (row-major)
+//   gemv_f16_<variant>_ws the same four tiled variants, warp-specialised (sm_90+)
 #include "gemv_common.cuh"
 
 GEMV_ROPE_INSTANCE(gemv_f16_qkv_rope)
 GEMV_INSTANCE(gemv_f16_norm_swiglu, PRO_NORM, EPI_SWIGLU)
 GEMV_INSTANCE(gemv_f16_resid, PRO_PLAIN, EPI_RESID)
 GEMV_INSTANCE(gemv_f16_store, PRO_PLAIN, EPI_STORE)
+// The warp-specialised forms (sm_90+ only: producer warp + bulk copies; the host's default there).
+GEMV_WS_ROPE_INSTANCE(gemv_f16_qkv_rope_ws, false)
+GEMV_WS_INSTANCE(gemv_f16_norm_swiglu_ws, false, PRO_NORM, EPI_SWIGLU)
+GEMV_WS_INSTANCE(gemv_f16_resid_ws, false, PRO_PLAIN, EPI_RESID)
+GEMV_WS_INSTANCE(gemv_f16_store_ws, false, PRO_PLAIN, EPI_STORE)
 GEMV_ROWS_INSTANCE(gemv_f16_f32, EPI_F32)

@@ -10,16 +10,24 @@
 // Requires   rows % 16 == 0, K % 32 == 0. K need not be a multiple of 128: the last group is short
 //            (e.g. SmolLM2's K = 576 = 4.5 groups) and its scale covers only the elements present.
 // Bytes      rows * K (weights) + rows * ceil(K/128) * 4 (scales) + K * 2..4 per block (x) + outputs.
-// Launch     block = 256, one kernel per shared-memory ring depth (suffix _r2.._r5: groups of 128 inputs per warp in
+// Launch     sm_90+ (the _ws instances): block = 288 (8 consumer warps + 1 producer warp filling a ring of 16 KB +
+//            512 B slots with bulk copies), 2-3 blocks per SM, dyn. smem = K*2 + 1408 + slots * 16896 (step.py
+//            gemv_ws_plan). sm_89 or GEMV_WS=0: block = 256, one kernel per shared-memory ring depth (suffix _r2.._r5: groups of 128 inputs per warp in
 //            flight; filled by bulk copies on sm_90+, per-lane cp.async below or with -DGEMV_BULK=0);
 //            the host plan (step.py gemv_plan) picks depth and blocks per SM (2, or 3 for 2-3 tiles
 //            per SM), grid = min(tiles, blocks per SM * SMs), dyn. smem = K*2 + 1152 + depth * 8 * 2304 bytes.
 // Instances  same roles as gemv_fp16.cu, each at ring depths 2-5:
 //   gemv_f8_qkv_rope_r* (QKV + RoPE + KV append), gemv_f8_norm_swiglu_r* (gate+up), gemv_f8_resid_r* (o_proj,
-//   down_proj), gemv_f8_store_r* (generic). lm_head stays fp16 (gemv_f16_f32), as in AtomFlow.
+//   down_proj), gemv_f8_store_r* (generic), and gemv_f8_<variant>_ws. lm_head stays fp16 (gemv_f16_f32), as in
+//   AtomFlow.
 #include "gemv_common.cuh"
 
 GEMV_ROPE_RING_INSTANCES(gemv_f8_qkv_rope)
 GEMV_RING_INSTANCES(gemv_f8_norm_swiglu, PRO_NORM, EPI_SWIGLU)
 GEMV_RING_INSTANCES(gemv_f8_resid, PRO_PLAIN, EPI_RESID)
 GEMV_RING_INSTANCES(gemv_f8_store, PRO_PLAIN, EPI_STORE)
+// The warp-specialised forms (sm_90+ only: producer warp + bulk copies; the host's default there).
+GEMV_WS_ROPE_INSTANCE(gemv_f8_qkv_rope_ws, true)
+GEMV_WS_INSTANCE(gemv_f8_norm_swiglu_ws, true, PRO_NORM, EPI_SWIGLU)
+GEMV_WS_INSTANCE(gemv_f8_resid_ws, true, PRO_PLAIN, EPI_RESID)
+GEMV_WS_INSTANCE(gemv_f8_store_ws, true, PRO_PLAIN, EPI_STORE)

@@ -1,8 +1,10 @@
-"""The tiled GEMV launch plan (step.gemv_plan): ring depth, blocks per SM and shared memory per launch (CPU).
+"""The tiled GEMV launch plans (CPU): ring depth, blocks per SM and shared memory per launch.
 
-An fp8 launch runs the kernel of its ring depth (gemv_fp8.cu gemv_f8_<variant>_r<depth>), whose shared-memory
-layout (gemv_common.cuh gemv_tiled_async) needs exactly x + partial sums + depth ring slots; these tests pin
-the plans of the catalog shapes, that every plan fits the SM, and the knobs that change them."""
+step.gemv_ws_plan (sm_90+, the default): the warp-specialised kernels (gemv_common.cuh gemv_tiled_ws) read their
+ring depth back from the dynamic shared memory, so the plan must size it exactly: x + partial sums + barriers +
+slots. step.gemv_plan (GEMV_WS=0, sm_89): an fp8 launch runs the kernel of its ring depth (gemv_fp8.cu
+gemv_f8_<variant>_r<depth>), whose layout (gemv_tiled_async) needs exactly x + partial sums + depth ring slots.
+These tests pin the plans of the catalog shapes, that every plan fits the SM, and the knobs that change them."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +12,9 @@ import pytest
 from atomflow_bench.arena import linear_regions
 from atomflow_bench.config import CATALOG, get_preset
 from atomflow_bench.errors import AtomflowError
-from atomflow_bench.step import GEMV_RING_DEPTHS, GEMV_WARPS, SMEM_H100, blocks_fit, gemv_plan
+from atomflow_bench.kernels import KERNELS_DIR
+from atomflow_bench.step import (GEMV_RING_DEPTHS, GEMV_WARPS, GEMV_WS_MAX, GEMV_WS_SLOT, SMEM_H100, blocks_fit,
+                                 gemv_plan, gemv_ws, gemv_ws_plan)
 
 N_SM = 132
 
@@ -94,3 +98,61 @@ def test_residual_gemv_never_follows_a_writer_of_h():
         check_residual_order(["embed_lookup", "gemv_f16_resid"])
     with pytest.raises(AtomflowError, match="right after gemv_f8_resid_r5"):
         check_residual_order(["gemv_f8_resid_r5", "gemv_f8_resid_r4"])
+
+
+# ---- the warp-specialised plan (gemv_ws_plan) ----------------------------------------------------------
+
+def ws_plans(model: str, fmt: str, defines: tuple = ()) -> dict:
+    cfg = get_preset(model).config
+    return {role: gemv_ws_plan(fmt, rows // 16, k, N_SM, defines)[:2]
+            for role, (rows, k) in linear_regions(cfg).items()}
+
+
+def ws_layout(k: int, fmt: str, slots: int) -> int:
+    """gemv_tiled_ws's shared memory: x (fp16, K), partial sums [2][8][16] + 32 floats, full and empty mbarriers
+    for GEMV_WS_MAX slots, then the slots (16 KB of weights, fp8 + 8 groups x 64 bytes of scales)."""
+    return k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4 + 2 * GEMV_WS_MAX * 8 + slots * (16384 + (512 if fmt == "fp8" else 0))
+
+
+def test_ws_constants_mirror_the_kernel():
+    src = (KERNELS_DIR / "gemv_common.cuh").read_text()
+    assert f"#define GEMV_WS_SLOT {GEMV_WS_SLOT} " in src and f"#define GEMV_WS_MAX {GEMV_WS_MAX} " in src
+
+
+def test_ws_3b_plans():
+    # QKV (320 tiles): one tile per block at 3 blocks/SM, a ring of its 3 (fp8) / 6 (fp16, 4 fit) slots;
+    # o_proj (192 tiles, 1 per block): no deeper than its tile; gate/up and down: the deepest ring <= 6 that fits 2
+    assert ws_plans("llama-3.2-3b", "fp8") == {"wqkv": (3, 3), "wo": (3, 2), "wgu": (6, 2), "wd": (5, 2)}
+    assert ws_plans("llama-3.2-3b", "fp16") == {"wqkv": (4, 3), "wo": (6, 2), "wgu": (6, 2), "wd": (5, 2)}
+
+
+@pytest.mark.parametrize("model", sorted(CATALOG))
+@pytest.mark.parametrize("fmt", ["fp8", "fp16"])
+def test_every_ws_plan_fits_and_sizes_its_ring(model, fmt):
+    cfg = CATALOG[model].config
+    for rows, k in linear_regions(cfg).values():
+        slots, per_sm, shmem = gemv_ws_plan(fmt, rows // 16, k, N_SM)
+        assert blocks_fit(shmem, SMEM_H100) >= per_sm >= 1
+        assert shmem == ws_layout(k, fmt, slots)
+        per_tile = -(-(-(-k // 128)) // (8 if fmt == "fp8" else 4))
+        assert 1 <= slots <= GEMV_WS_MAX and (slots >= 2 or per_tile == 1)
+
+
+def test_ws_knobs_forced_depth_and_small_shared_memory():
+    assert ws_plans("llama-3.2-3b", "fp8", ("GEMV_WS_SLOTS=3",)) == {"wqkv": (3, 3), "wo": (3, 2), "wgu": (3, 2),
+                                                                     "wd": (3, 2)}
+    assert ws_plans("llama-3.2-3b", "fp8", ("GEMV_ONE_WAVE=0",))["wqkv"] == (6, 2)
+    assert gemv_ws_plan("fp16", 192, 8192, N_SM, depth=1)[:2] == (1, 1)
+    with pytest.raises(AtomflowError, match="1 to 16"):
+        gemv_ws_plan("fp16", 192, 8192, N_SM, depth=17)
+    sm_small = (99 * 1024, 100 * 1024, 1024)
+    slots, per_sm, shmem = gemv_ws_plan("fp16", 512, 8192, 58, smem=sm_small)
+    assert (slots, per_sm) == (5, 1) and shmem <= sm_small[0]  # 2 blocks would leave 1 slot each
+    with pytest.raises(AtomflowError, match="not even a ring of 2 slots"):
+        gemv_ws_plan("fp16", 512, 49152, 58, smem=sm_small)
+
+
+def test_ws_needs_sm90_and_the_knob():
+    assert gemv_ws((), cc=90) and gemv_ws((), cc=120)
+    assert not gemv_ws((), cc=89)
+    assert not gemv_ws(("GEMV_WS=0",), cc=90)

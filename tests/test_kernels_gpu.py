@@ -20,7 +20,8 @@ from atomflow_bench.config import CATALOG
 from atomflow_bench.errors import AtomflowError
 from atomflow_bench.quant import dequantize_fp8, quantize_fp8
 from atomflow_bench.step import (VARIANT_PAIRING, argmax_launch, attention_launch, attention_short_cap,
-                                 attention_short_launch, embed_launch, gemv_launch, quantize_launch, rmsnorm_launch)
+                                 attention_short_launch, embed_launch, gemv_launch, gemv_ws, quantize_launch,
+                                 rmsnorm_launch)
 from atomflow_bench.weights import tiled, tiled_scales
 
 pytestmark = pytest.mark.gpu
@@ -116,32 +117,46 @@ def test_gemv(kernel_lib, n_sm, fmt, model, region, rows, k):
     check_gemv(kernel_lib, n_sm, rng_for("gemv", fmt, model, region), fmt, variant_of(region), rows, k)
 
 
-@pytest.mark.parametrize("depth", [2, 3, 4, 5])
-@pytest.mark.parametrize("variant,rows,k", [("resid", 3072, 8192), ("store", 5120, 3072), ("norm_swiglu", 4608, 576)])
-def test_gemv_every_ring_depth(kernel_lib, n_sm, depth, variant, rows, k):
-    """fp8's cp.async ring at each depth that has a kernel (gemv_f8_<variant>_r<depth>), at 1 block per SM so
-    every block walks several tiles through one ring."""
-    ln = check_gemv(kernel_lib, n_sm, rng_for("ring", depth, variant, rows, k), "fp8", variant, rows, k,
+RING_CASES = [("resid", 3072, 8192), ("store", 5120, 3072), ("norm_swiglu", 4608, 576)]
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("depth", [1, 2, 3, 5])
+@pytest.mark.parametrize("variant,rows,k", RING_CASES)
+def test_gemv_ws_every_ring_depth(kernel_lib, n_sm, fmt, depth, variant, rows, k):
+    """The warp-specialised GEMV (producer warp + bulk copies, sm_90+) with rings of 1-5 slots at 1 block per SM:
+    every block walks several tiles through one ring, whose slots wrap many times."""
+    if not gemv_ws(kernel_lib.defines):
+        pytest.skip("warp-specialised GEMVs need sm_90+ (and GEMV_WS != 0)")
+    ln = check_gemv(kernel_lib, n_sm, rng_for("ws ring", fmt, depth, variant, rows, k), fmt, variant, rows, k,
                     ring_depth=depth)
-    assert ln.grid[0] == n_sm < rows // 16  # 1 block per SM: every block walks several tiles
+    assert ln.grid[0] == n_sm < rows // 16 and ln.block[0] == 288
 
 
-@pytest.fixture(scope="module")
-def kernel_lib_cp_async():
-    """The kernels built with GEMV_BULK=0: fp8's ring filled lane by lane with cp.async (sm_89's path, A/B knob)."""
+@pytest.fixture(scope="module", params=["GEMV_WS=0", "GEMV_WS=0 GEMV_BULK=0"])
+def kernel_lib_legacy(request):
+    """The kernels as launched on sm_89 or with GEMV_WS=0: fp16 through registers, fp8 through a per-warp ring filled
+    by bulk copies (sm_90+) or, with GEMV_BULK=0 (sm_89's path), lane by lane with cp.async."""
     from atomflow_bench.kernels import KernelLib
 
-    return KernelLib(extra_defines=("GEMV_BULK=0",))
+    return KernelLib(extra_defines=tuple(request.param.split()))
 
 
-@pytest.mark.parametrize("depth", [2, 5])
-@pytest.mark.parametrize("variant,rows,k", [("resid", 3072, 8192), ("store", 5120, 3072), ("norm_swiglu", 4608, 576)])
-def test_gemv_cp_async_ring(kernel_lib_cp_async, n_sm, depth, variant, rows, k):
-    """The per-lane cp.async fill of the fp8 ring (the default is the bulk copy on sm_90+), several tiles per block."""
-    ln = check_gemv(kernel_lib_cp_async, n_sm, rng_for("cp.async ring", depth, variant, rows, k), "fp8", variant,
-                    rows, k, ring_depth=depth)
-    assert ln.grid[0] == n_sm < rows // 16
-    assert "GEMV_BULK=0" in kernel_lib_cp_async.defines
+@pytest.mark.parametrize("depth", [2, 3, 4, 5])
+@pytest.mark.parametrize("variant,rows,k", RING_CASES)
+def test_gemv_legacy_every_ring_depth(kernel_lib_legacy, n_sm, depth, variant, rows, k):
+    """fp8's per-warp ring at each depth that has a kernel (gemv_f8_<variant>_r<depth>), at 1 block per SM."""
+    ln = check_gemv(kernel_lib_legacy, n_sm, rng_for("ring", depth, variant, rows, k), "fp8", variant, rows, k,
+                    ring_depth=depth)
+    assert ln.grid[0] == n_sm < rows // 16 and ln.block[0] == 256
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("region,rows,k", [(r, *rk) for r, rk in linear_regions(CATALOG["llama-3.2-3b"].config).items()])
+def test_gemv_legacy_plans(kernel_lib_legacy, n_sm, fmt, region, rows, k):
+    """The forms before the warp-specialised one, at their own launch plans (step.gemv_plan), on the 3B shapes."""
+    ln = check_gemv(kernel_lib_legacy, n_sm, rng_for("legacy", fmt, region), fmt, variant_of(region), rows, k)
+    assert ln.block[0] == 256
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
