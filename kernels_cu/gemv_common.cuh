@@ -521,10 +521,16 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 // the group they own (group g belongs to warp g % 8, as in the forms above), then release the slot. NS is what the
 // host gave: (dynamic shared memory - x - scratch - barriers) / slot (step.py gemv_ws_plan), at most GEMV_WS_MAX.
 // Shared memory: xs [K] fp16 | partial sums [2][8][16] f32 | block_sum scratch [32] f32 | full [GEMV_WS_MAX],
-// empty [GEMV_WS_MAX] u64 | ring [NS][slot] (weights GEMV_WS_SLOT, then fp8 scales [8 groups][8][2] f32).
+// empty [GEMV_WS_MAX], go [2] u64 | ring [NS][slot] (weights GEMV_WS_SLOT, then fp8 scales [8 groups][8][2] f32).
 #define GEMV_WS_SLOT 16384  // weight bytes per ring slot
 #define GEMV_WS_MAX 16      // most slots a ring may have (barriers reserved for all)
 #define GEMV_WS_THREADS (GEMV_THREADS + AF_WARP)
+#ifndef GEMV_WS_PRE
+#define GEMV_WS_PRE 0  // A/B knob: slots the producer may fill before the consumers passed their wait (0: the ring)
+#endif
+#ifndef GEMV_WS_L2
+#define GEMV_WS_L2 0   // A/B knob: slots beyond the ring the producer asks L2 to prefetch (0: none)
+#endif
 #if AF_HAS_BULK
 template <bool FP8, int PRO, int EPI>
 __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs rope, unsigned char* smem_raw) {
@@ -545,7 +551,8 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   float* rs = red + 2 * NWC * GEMV_TILE;
   unsigned long long* full = reinterpret_cast<unsigned long long*>(rs + 32);
   unsigned long long* empty = full + GEMV_WS_MAX;
-  unsigned char* ring = reinterpret_cast<unsigned char*>(empty + GEMV_WS_MAX);
+  unsigned long long* go = empty + GEMV_WS_MAX;  // one arrival: the consumers passed their wait (GEMV_WS_PRE)
+  unsigned char* ring = reinterpret_cast<unsigned char*>(go + 2);
   unsigned dyn;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
   const int NS = min(GEMV_WS_MAX, (int)((dyn - (unsigned)(ring - smem_raw)) / SLOTB));
@@ -554,20 +561,36 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
       mbar_init(full + s, 1);
       mbar_init(empty + s, NWC);
     }
+    mbar_init(go, 1);
     mbar_init_fence();
   }
   __syncthreads();  // the only whole-block barrier: the producer leaves below
 
   if (warp == NWC) {  // the producer: slot n of the block's stream = tile blockIdx.x + (n / spt) * gridDim.x, part n % spt
     if (lane == 0) {
-      for (int n = 0; n < my_tiles * spt; ++n) {
+      const int total = my_tiles * spt;
+      auto part = [&](int n, int& T, int& g0, int& g1, int& u0, int& u1) {  // slot n's tile, groups and units
+        T = blockIdx.x + (n / spt) * gridDim.x;
+        g0 = (n % spt) * GPS;
+        g1 = min(ngroups, g0 + GPS);
+        u0 = g0 * UPG;
+        u1 = min(nunits, g1 * UPG);  // the last group of a tile may be short
+      };
+      int pf = NS;  // the next slot to ask L2 for (GEMV_WS_L2): those past the ring's first fill
+      for (int n = 0; n < total; ++n) {
         const int slot = n % NS;
+        if (GEMV_WS_PRE > 0 && n == GEMV_WS_PRE) mbar_wait(go, 0u);
         if (n >= NS) mbar_wait(empty + slot, (unsigned)(n / NS - 1) & 1u);
-        const int T = blockIdx.x + (n / spt) * gridDim.x, g0 = (n % spt) * GPS, g1 = min(ngroups, g0 + GPS);
-        const int u0 = g0 * UPG, u1 = min(nunits, g1 * UPG);  // the last group of a tile may be short
+        int T, g0, g1, u0, u1;
+        part(n, T, g0, g1, u0, u1);
         const unsigned wbytes = (unsigned)(u1 - u0) * 512u, sbytes = FP8 ? (unsigned)(g1 - g0) * 64u : 0u;
         mbar_expect_tx(full + slot, wbytes + sbytes);
         bulk_g2s(ring + slot * SLOTB, a.W + (size_t)T * tile_bytes + (size_t)u0 * 512, wbytes, full + slot);
+        for (; GEMV_WS_L2 > 0 && pf < min(total, n + 1 + GEMV_WS_L2); ++pf) {  // L2 look-ahead past the ring
+          int T2, h0, h1, v0, v1;
+          part(pf, T2, h0, h1, v0, v1);
+          bulk_prefetch_l2(a.W + (size_t)T2 * tile_bytes + (size_t)v0 * 512, (unsigned)(v1 - v0) * 512u);
+        }
         if (FP8)
           bulk_g2s(ring + slot * SLOTB + GEMV_WS_SLOT, a.scales + ((size_t)T * ngroups + g0) * 16, sbytes, full + slot);
       }
@@ -577,6 +600,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
   PdlSync{}.arrive_wait();  // x / h / pos only once the previous kernel is done (weights are the producer's)
+  if (GEMV_WS_PRE > 0 && threadIdx.x == 0) mbar_arrive(go);
   stage_x_tiled<PRO, STAGE_REGS, GEMV_THREADS>(a, xs, rs);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
