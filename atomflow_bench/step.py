@@ -143,9 +143,12 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), s
     if knob("GEMV_ONE_WAVE", GEMV_ONE_WAVE, defines) and per_sm * n_sm < tiles <= (per_sm + 1) * n_sm:
         per_sm += 1
     per_tile = -(-(-(-k // 128)) // (8 if fp8 else 4))  # slots per tile
+    cap = knob("GEMV_WS_SLOTS", GEMV_WS_SLOTS, defines)
+    if knob("GEMV_WS_SOLO", 0, defines) and tiles <= n_sm:  # A/B knob: a grid of <= 1 block per SM gets the SM's ring
+        per_sm, cap = 1, GEMV_WS_MAX
     for b in range(per_sm, 0, -1):
         need = -(-tiles // min(tiles, b * n_sm)) * per_tile  # slots the busiest block fills
-        want = min(knob("GEMV_WS_SLOTS", GEMV_WS_SLOTS, defines), GEMV_WS_MAX, need)
+        want = min(cap, GEMV_WS_MAX, need)
         fits = [ns for ns in range(want, 0, -1) if blocks_fit(base + ns * slot, smem) >= b]
         if fits and (fits[0] >= 2 or need == 1):
             return fits[0], b, base + fits[0] * slot
