@@ -133,7 +133,7 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), s
     even 2 slots fit. The kernel reads its ring depth back from the dynamic shared memory size. `depth` forces that
     many slots at 1 block per SM (tests)."""
     fp8 = fmt == "fp8"
-    base = k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4 + (2 * GEMV_WS_MAX + 2) * 8  # x, sums, scratch, barriers
+    base = k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4 + (2 * GEMV_WS_MAX + 2) * 8 + 128  # x, sums, barriers, align
     slot = GEMV_WS_SLOT + (8 * 64 if fp8 else 0)
     if depth is not None:
         if not 1 <= depth <= GEMV_WS_MAX:

@@ -521,7 +521,8 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 // the group they own (group g belongs to warp g % 8, as in the forms above), then release the slot. NS is what the
 // host gave: (dynamic shared memory - x - scratch - barriers) / slot (step.py gemv_ws_plan), at most GEMV_WS_MAX.
 // Shared memory: xs [K] fp16 | partial sums [2][8][16] f32 | block_sum scratch [32] f32 | full [GEMV_WS_MAX],
-// empty [GEMV_WS_MAX], go [2] u64 | ring [NS][slot] (weights GEMV_WS_SLOT, then fp8 scales [8 groups][8][2] f32).
+// empty [GEMV_WS_MAX], go [2] u64 | up to 127 bytes of padding | ring [NS][slot], 128-byte aligned (weights
+// GEMV_WS_SLOT, then fp8 scales [8 groups][8][2] f32). An unaligned ring measured ~5% slower (PERF_NOTES v13).
 #define GEMV_WS_SLOT 16384  // weight bytes per ring slot
 #define GEMV_WS_MAX 16      // most slots a ring may have (barriers reserved for all)
 #define GEMV_WS_THREADS (GEMV_THREADS + AF_WARP)
@@ -553,6 +554,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   unsigned long long* empty = full + GEMV_WS_MAX;
   unsigned long long* go = empty + GEMV_WS_MAX;  // one arrival: the consumers passed their wait (GEMV_WS_PRE)
   unsigned char* ring = reinterpret_cast<unsigned char*>(go + 2);
+  ring += (128u - ((unsigned)__cvta_generic_to_shared(ring) & 127u)) & 127u;  // slots 128-byte aligned (host: +128)
   unsigned dyn;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
   const int NS = min(GEMV_WS_MAX, (int)((dyn - (unsigned)(ring - smem_raw)) / SLOTB));

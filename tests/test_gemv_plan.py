@@ -110,8 +110,8 @@ def ws_plans(model: str, fmt: str, defines: tuple = ()) -> dict:
 
 def ws_layout(k: int, fmt: str, slots: int) -> int:
     """gemv_tiled_ws's shared memory: x (fp16, K), partial sums [2][8][16] + 32 floats, full and empty mbarriers
-    for GEMV_WS_MAX slots and the `go` one (padded to 16 bytes), then the slots (16 KB of weights, fp8 + 8 groups x 64 bytes of scales)."""
-    return k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4 + (2 * GEMV_WS_MAX + 2) * 8 + slots * (16384 + (512 if fmt == "fp8" else 0))
+    for GEMV_WS_MAX slots and the `go` one (padded to 16 bytes), up to 128 bytes to align the ring, then the slots (16 KB of weights, fp8 + 8 groups x 64 bytes of scales)."""
+    return k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4 + (2 * GEMV_WS_MAX + 2) * 8 + 128 + slots * (16384 + (512 if fmt == "fp8" else 0))
 
 
 def test_ws_constants_mirror_the_kernel():
