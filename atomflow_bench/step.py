@@ -39,7 +39,9 @@ GEMV_BLOCKS_PER_SM = 2  # = GEMV_MIN_BLOCKS in gemv_common.cuh (tiled GEMVs): th
 ROWS_BLOCKS_PER_SM = 4  # = ROWS_MIN_BLOCKS (lm_head)
 GEMV_STAGES = 5            # fp8: deepest cp.async ring (groups of 128 inputs per warp) a launch may get; knob
 GEMV_ONE_WAVE = 1          # knob: tile counts in (2, 3] x SMs run one tile per block at 3 blocks per SM
-GEMV_WS = 1                # knob: the warp-specialised GEMVs (producer warp + bulk copies, sm_90+); 0 = the forms before
+GEMV_WS = 1                # knob: warp-specialised GEMVs (producer warp + bulk copies, sm_90+) for 1 = fp16 only,
+                           # 2 = fp16 and fp8, 0 = none (measured: fp16 -53 µs on 3B, fp8 +32 µs: PERF_NOTES v13)
+GEMV_WS_SOLO = 1           # knob: a warp-specialised grid of <= 1 block per SM gets the whole SM's ring (1B down: -47 µs)
 GEMV_WS_THREADS = GEMV_THREADS + 32  # 8 consumer warps + the producer (gemv_common.cuh gemv_tiled_ws)
 GEMV_WS_SLOT = 16384       # = GEMV_WS_SLOT: weight bytes per ring slot (fp8: 8 groups of 128 inputs, fp16: 4)
 GEMV_WS_MAX = 16           # = GEMV_WS_MAX: most slots a ring may have
@@ -119,9 +121,11 @@ def compute_capability() -> int:
     return int(cp.cuda.Device().compute_capability)
 
 
-def gemv_ws(defines: tuple = (), cc: int | None = None) -> bool:
-    """Whether the tiled GEMVs run warp-specialised (sm_90+: bulk copies; knob GEMV_WS=0 turns it off)."""
-    return bool(knob("GEMV_WS", GEMV_WS, defines)) and (compute_capability() if cc is None else cc) >= 90
+def gemv_ws(fmt: str, defines: tuple = (), cc: int | None = None) -> bool:
+    """Whether the tiled GEMVs of `fmt` run warp-specialised: sm_90+ (bulk copies) and knob GEMV_WS (1: fp16 only,
+    the default; 2: fp8 too; 0: neither)."""
+    level = knob("GEMV_WS", GEMV_WS, defines)
+    return level >= (2 if fmt == "fp8" else 1) and (compute_capability() if cc is None else cc) >= 90
 
 
 def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), smem: tuple = SMEM_H100,
@@ -130,7 +134,7 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), s
 
     2 blocks per SM (3 for more than 2 and at most 3 tiles per SM: one tile per block, one wave), each with the
     deepest ring <= GEMV_WS_SLOTS that fits, but no deeper than the slots its tiles fill; fewer blocks per SM if not
-    even 2 slots fit. The kernel reads its ring depth back from the dynamic shared memory size. `depth` forces that
+    even 2 slots fit. A grid of at most one block per SM (GEMV_WS_SOLO) gets up to GEMV_WS_MAX slots. The kernel reads its ring depth back from the dynamic shared memory size. `depth` forces that
     many slots at 1 block per SM (tests)."""
     fp8 = fmt == "fp8"
     base = k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4 + (2 * GEMV_WS_MAX + 2) * 8 + 128  # x, sums, barriers, align
@@ -144,7 +148,7 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), s
         per_sm += 1
     per_tile = -(-(-(-k // 128)) // (8 if fp8 else 4))  # slots per tile
     cap = knob("GEMV_WS_SLOTS", GEMV_WS_SLOTS, defines)
-    if knob("GEMV_WS_SOLO", 0, defines) and tiles <= n_sm:  # A/B knob: a grid of <= 1 block per SM gets the SM's ring
+    if knob("GEMV_WS_SOLO", GEMV_WS_SOLO, defines) and tiles <= n_sm:  # <= 1 block per SM anyway: the SM's ring
         per_sm, cap = 1, GEMV_WS_MAX
     for b in range(per_sm, 0, -1):
         need = -(-tiles // min(tiles, b * n_sm)) * per_tile  # slots the busiest block fills
@@ -182,7 +186,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         except VerifyError as e:
             raise AtomflowError(f"GEMV {role or variant}: {e}") from None
         grid_units = rows // 16  # a block per 16-row tile
-        ws = gemv_ws(lib.defines)
+        ws = gemv_ws(fmt, lib.defines)
         if ws:
             depth, per_sm, shmem = gemv_ws_plan(fmt, grid_units, k, n_sm, lib.defines, smem_limits(), ring_depth)
         else:

@@ -153,6 +153,15 @@ def test_ws_knobs_forced_depth_and_small_shared_memory():
 
 
 def test_ws_needs_sm90_and_the_knob():
-    assert gemv_ws((), cc=90) and gemv_ws((), cc=120)
-    assert not gemv_ws((), cc=89)
-    assert not gemv_ws(("GEMV_WS=0",), cc=90)
+    assert gemv_ws("fp16", (), cc=90) and gemv_ws("fp16", (), cc=120)
+    assert not gemv_ws("fp8", (), cc=90)  # fp8 keeps its per-warp ring unless GEMV_WS=2
+    assert gemv_ws("fp8", ("GEMV_WS=2",), cc=90)
+    assert not gemv_ws("fp16", (), cc=89) and not gemv_ws("fp8", ("GEMV_WS=2",), cc=89)
+    assert not gemv_ws("fp16", ("GEMV_WS=0",), cc=90)
+
+
+def test_ws_solo_grid_gets_the_whole_sm():
+    # 1B down projection: 128 tiles on 132 SMs, one block per SM anyway -> 13 slots (208 KB) instead of 5
+    assert gemv_ws_plan("fp16", 128, 8192, N_SM)[:2] == (13, 1)
+    assert gemv_ws_plan("fp16", 128, 8192, N_SM, ("GEMV_WS_SOLO=0",))[:2] == (5, 2)
+    assert gemv_ws_plan("fp16", 133, 8192, N_SM)[:2] == (5, 2)

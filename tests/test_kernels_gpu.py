@@ -120,15 +120,33 @@ def test_gemv(kernel_lib, n_sm, fmt, model, region, rows, k):
 RING_CASES = [("resid", 3072, 8192), ("store", 5120, 3072), ("norm_swiglu", 4608, 576)]
 
 
+@pytest.fixture(scope="module")
+def kernel_lib_ws():
+    """The kernels with GEMV_WS=2: fp8 warp-specialised too (fp16 is by default on sm_90+)."""
+    from atomflow_bench.kernels import KernelLib
+
+    return KernelLib(extra_defines=("GEMV_WS=2",))
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("region,rows,k", [(r, *rk) for r, rk in linear_regions(CATALOG["llama-3.2-3b"].config).items()])
+def test_gemv_ws_plans(kernel_lib_ws, n_sm, fmt, region, rows, k):
+    """Both formats warp-specialised at their launch plans (step.gemv_ws_plan) on the 3B shapes."""
+    if not gemv_ws(fmt, kernel_lib_ws.defines):
+        pytest.skip("warp-specialised GEMVs need sm_90+")
+    ln = check_gemv(kernel_lib_ws, n_sm, rng_for("ws", fmt, region), fmt, variant_of(region), rows, k)
+    assert ln.block[0] == 288
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 @pytest.mark.parametrize("depth", [1, 2, 3, 5])
 @pytest.mark.parametrize("variant,rows,k", RING_CASES)
-def test_gemv_ws_every_ring_depth(kernel_lib, n_sm, fmt, depth, variant, rows, k):
+def test_gemv_ws_every_ring_depth(kernel_lib_ws, n_sm, fmt, depth, variant, rows, k):
     """The warp-specialised GEMV (producer warp + bulk copies, sm_90+) with rings of 1-5 slots at 1 block per SM:
     every block walks several tiles through one ring, whose slots wrap many times."""
-    if not gemv_ws(kernel_lib.defines):
-        pytest.skip("warp-specialised GEMVs need sm_90+ (and GEMV_WS != 0)")
-    ln = check_gemv(kernel_lib, n_sm, rng_for("ws ring", fmt, depth, variant, rows, k), fmt, variant, rows, k,
+    if not gemv_ws(fmt, kernel_lib_ws.defines):
+        pytest.skip("warp-specialised GEMVs need sm_90+")
+    ln = check_gemv(kernel_lib_ws, n_sm, rng_for("ws ring", fmt, depth, variant, rows, k), fmt, variant, rows, k,
                     ring_depth=depth)
     assert ln.grid[0] == n_sm < rows // 16 and ln.block[0] == 288
 
