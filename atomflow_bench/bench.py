@@ -126,6 +126,7 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
         "tpot_ms": tpot, "tok_per_s": 1e3 / tpot["median"],
         "attention_buckets": by_bucket(eng, context, g["per_token_ms"]),
         "attention_choice": eng.attention_choice,
+        "gemv_choice": eng.gemv_choice,
         "bytes_per_token": nbytes, "bandwidth_gbs": bw,
         "roofline": {"tpot_floor_ms": floor_ms, "pct": 100.0 * floor_ms / tpot["median"]},
         "vram_bytes": eng.vram(),

@@ -178,12 +178,13 @@ def profile(model, weights, context, steps, timeline_replays, json_path):
 
         from . import timeline
 
-        form = "short" if eng.att_caps else "split"  # the instrumented build runs the form the plain one chose
+        form = "short" if eng.att_caps else "split"  # the instrumented build runs the forms the plain one chose
+        gemv_form = eng.gemv_choice["chosen"]
         del eng  # the instrumented build gets its own arena
         gc.collect()
         cupy.get_default_memory_pool().free_all_blocks()
         p["timeline"] = timeline.record(model_dir, weights, context, timeline_replays, p["copy_bandwidth_gbs"],
-                                        plain_step_us=p["graph_step_us"], attention=form)
+                                        plain_step_us=p["graph_step_us"], attention=form, gemv=gemv_form)
         console.print(timeline.timeline_table(p["timeline"]))
     if json_path:
         rec = {"schema": "atomflow-bench/profile/1", "tool": report.tool_info(), "created": report.now_iso(),

@@ -10,6 +10,9 @@ advances the position by exactly one, so the engine keeps a host copy of it and 
 of its context length. Whether the short kernel is used at all is measured, not assumed (`attention="auto"`):
 the engine times one step of each form at the longest length the short kernel would serve and keeps the faster
 (results/PERF_NOTES.md v11.2: on 8B fp16 the split kernel's longer attention hides o_proj's weight prefetch).
+The layer GEMVs' form is chosen the same way (`gemv="auto"`, sm_90+): warp-specialised (producer warp + bulk
+copies) or the per-warp ring / register path, timed together with the attention forms, the fastest pair kept
+(PERF_NOTES v13: the warp-specialised fp8 GEMVs are faster on 8B and slower on 3B).
 """
 from __future__ import annotations
 
@@ -55,7 +58,8 @@ def gpu_info() -> dict:
 
 class Engine:
     def __init__(self, model_dir: str | Path, weights: str = "fp8", max_seq: int = 2048, progress=None,
-                 pdl: bool | None = None, kernel_defines: tuple = (), attention: str | None = None):
+                 pdl: bool | None = None, kernel_defines: tuple = (), attention: str | None = None,
+                 gemv: str | None = None):
         cupy = require_gpu()
         self.ckpt = Checkpoint(model_dir)
         self.cfg = self.ckpt.config
@@ -72,11 +76,21 @@ class Engine:
         attention = attention or os.environ.get("ATOMFLOW_ATTENTION", "auto")
         if attention not in ("auto", "short", "split"):
             raise AtomflowError(f"attention must be auto, short or split, not {attention!r}")
+        # gemv: "auto" (sm_90+: time both forms with the attention forms), "ws" or "ring"; $ATOMFLOW_GEMV or "auto".
+        gemv = gemv or os.environ.get("ATOMFLOW_GEMV", "auto")
+        if gemv not in ("auto", "ws", "ring"):
+            raise AtomflowError(f"gemv must be auto, ws or ring, not {gemv!r}")
+        ws_ok = float(self.gpu["cc"]) >= 9.0
+        if gemv == "ws" and not ws_ok:
+            raise AtomflowError("gemv='ws' needs sm_90+ (bulk copies)")
+        forms = (["ws", "ring"] if ws_ok else ["ring"]) if gemv == "auto" else [gemv]
         cfg = self.cfg
-        cap = 0 if attention == "split" else attention_short_cap(cfg.head_dim, self.lib.defines, smem_limits())
+        full_cap = attention_short_cap(cfg.head_dim, self.lib.defines, smem_limits())
+        cap = 0 if attention == "split" else full_cap
         caps = [cap] if cap else []
-        self.variants = {k: build_step(cfg, weights, self.arena, self.lib, self.gpu["sms"], att_cap=k)
-                         for k in caps + [None]}
+        self._forms = {f: {k: build_step(cfg, weights, self.arena, self.lib, self.gpu["sms"], att_cap=k,
+                                         gemv_ws=f == "ws") for k in caps + [None]} for f in forms}
+        self.variants = self._forms[forms[0]]
         self.att_caps = caps
         # Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it
         # prefetches weights and waits (griddepcontrol.wait) before touching the predecessor's outputs.
@@ -85,51 +99,61 @@ class Engine:
             pdl = float(self.gpu["cc"]) >= 9.0 and os.environ.get("ATOMFLOW_PDL", "1") != "0"
         self.pdl = bool(pdl)
         if self.pdl:
-            for launches in self.variants.values():
-                for ln in launches[1:]:
-                    ln.enable_pdl()
+            for variants in self._forms.values():
+                for launches in variants.values():
+                    for ln in launches[1:]:
+                        ln.enable_pdl()
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._graphs = {}
         self._prompt_len = 0
         self.position = 0  # host copy of the device's pos (the next step attends over position + 1 rows)
         self.attention_choice = {"mode": attention, "short_cap": caps[-1] if caps else None}
-        if attention == "auto" and caps:
-            self._choose_attention()
+        self.gemv_choice = {"mode": gemv, "chosen": forms[0]}
+        keys = [caps[-1], None] if attention == "auto" and caps else [caps[-1] if caps else None]
+        if len(forms) * len(keys) > 1:
+            self._choose(forms, keys, min(full_cap or max_seq, max_seq))
+        del self._forms
         if self.att_caps and self.att_caps[-1] >= max_seq:
             del self.variants[None]  # every length fits the short kernel
 
-    def _choose_attention(self, replays: int = 12) -> None:
-        """Time one step (without argmax: the position stays) with each attention kernel at the longest length
-        the short kernel would serve, and keep the faster. Writes nothing that a later reset() does not redo
-        (the K/V row of that position is rewritten before it is ever read)."""
+    def _choose(self, forms: list, keys: list, length: int, replays: int = 12) -> None:
+        """Time one step (without argmax: the position stays) of every (GEMV form, attention bucket) pair at
+        `length` (the longest length the short kernel would serve) and keep the fastest. Writes nothing that a
+        later reset() does not redo (the K/V row of that position is rewritten before it is ever read)."""
         import cupy as cp
 
         from .graph import StepGraph
 
-        length = min(self.att_caps[-1], self.max_seq)
         a = self.arena
         a["pos"].set(np.array([length - 1], np.int32))
         a["cur_token"].set(np.zeros(1, np.int32))
         us = {}
-        for key in (self.att_caps[-1], None):
-            g = StepGraph(self.variants[key][:-1], self.stream)
-            ev = [cp.cuda.Event() for _ in range(replays + 1)]
-            with self.stream as s:
-                g.replay(3)
-                for i in range(replays):
-                    ev[i].record(s)
-                    g.replay(1)
-                ev[-1].record(s)
-            ev[-1].synchronize()
-            us["short" if key else "split"] = float(np.median(
-                [cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3 for i in range(replays)]))
-            del g
+        for f in forms:
+            for key in keys:
+                g = StepGraph(self._forms[f][key][:-1], self.stream)
+                ev = [cp.cuda.Event() for _ in range(replays + 1)]
+                with self.stream as s:
+                    g.replay(3)
+                    for i in range(replays):
+                        ev[i].record(s)
+                        g.replay(1)
+                    ev[-1].record(s)
+                ev[-1].synchronize()
+                us[f, key] = float(np.median([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3
+                                              for i in range(replays)]))
+                del g
         a["pos"].set(np.zeros(1, np.int32))
-        chosen = "short" if us["short"] <= us["split"] else "split"
-        self.attention_choice.update({"length": length, "step_us": us, "chosen": chosen})
-        if chosen == "split":
-            del self.variants[self.att_caps[-1]]
-            self.att_caps = []
+        form, key = min(us, key=us.get)
+        self.variants = self._forms[form]
+        if len(forms) > 1:
+            self.gemv_choice.update({"length": length, "chosen": form,
+                                     "step_us": {f: min(us[f, k] for k in keys) for f in forms}})
+        if len(keys) > 1:
+            self.attention_choice.update({"length": length, "chosen": "short" if key else "split",
+                                          "step_us": {"short" if k else "split": us[form, k] for k in keys}})
+            if key is None:
+                del self.variants[self.att_caps[-1]]
+                self.att_caps = []
 
     # ---- state ---------------------------------------------------------------------------------
     def reset(self, prompt_ids) -> None:

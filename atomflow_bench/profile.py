@@ -84,6 +84,7 @@ def profile_step(engine, context: int = 128, steps: int = 20, copy: dict | None 
     return {"rows": rows, "kernel_sum_us": total, "graph_step_us": graph["median"] * 1e3,
             "eager_launches": n, "idle_gap_us": graph["median"] * 1e3 - total, "copy_bandwidth_gbs": copy,
             "context": context, "steps": steps, "attention_choice": engine.attention_choice,
+            "gemv_choice": engine.gemv_choice,
             "attention_graph": attention_graph(engine, copy),
             "role_marginals": role_marginals(engine, copy)}
 

@@ -16,6 +16,7 @@ from . import __version__
 from .store import write_json_atomic
 
 SCHEMA = "atomflow-bench/run/1"
+GEMV_FORMS = {"ws": "warp-specialised: producer warp + bulk copies", "ring": "per-warp ring (fp8) / registers (fp16)"}
 REQUIRED = ("schema", "gpu", "model", "weights", "context", "tokens", "tpot_ms", "copy_bandwidth_gbs",
             "bytes_per_token", "roofline")
 
@@ -130,6 +131,12 @@ def run_table(rec: dict):
         buckets = ", ".join(f"{b['attention']} (lengths {b['lengths'][0]}-{b['lengths'][1]}): {b['tpot_ms']:.4f} ms"
                             for b in rec.get("attention_buckets", []))
         t.add_row("attention", f"{how}; {buckets}")
+    gc = rec.get("gemv_choice")
+    if gc:
+        how = gc["mode"] if not gc.get("step_us") else (
+            f"measured at length {gc['length']}: " + " vs ".join(f"{f} {v:.1f} µs" for f, v in gc["step_us"].items())
+            + " per step")
+        t.add_row("layer GEMVs", f"{how} -> {gc['chosen']} ({GEMV_FORMS[gc['chosen']]})")
     t.add_row("load", f"{rec['load']['seconds']:.1f} s" + (f", fp8 from {rec['load']['fp8_source']}"
                                                             if rec['load'].get('fp8_source') else ""))
     return t

@@ -40,7 +40,9 @@ ROWS_BLOCKS_PER_SM = 4  # = ROWS_MIN_BLOCKS (lm_head)
 GEMV_STAGES = 5            # fp8: deepest cp.async ring (groups of 128 inputs per warp) a launch may get; knob
 GEMV_ONE_WAVE = 1          # knob: tile counts in (2, 3] x SMs run one tile per block at 3 blocks per SM
 GEMV_WS = 1                # knob: warp-specialised GEMVs (producer warp + bulk copies, sm_90+) for 1 = fp16 only,
-                           # 2 = fp16 and fp8, 0 = none (measured: fp16 -53 µs on 3B, fp8 +32 µs: PERF_NOTES v13)
+                           # 2 = fp16 and fp8, 0 = none (measured: fp16 -53 µs on 3B, fp8 +32 µs: PERF_NOTES v13) —
+                           # the rule for launches built outside the engine (tests, `atomflow-bench gemv`); the engine
+                           # measures both forms (Engine gemv="auto")
 GEMV_WS_SOLO = 1           # knob: a warp-specialised grid of <= 1 block per SM gets the whole SM's ring (1B down: -47 µs)
 GEMV_WS_THREADS = GEMV_THREADS + 32  # 8 consumer warps + the producer (gemv_common.cuh gemv_tiled_ws)
 GEMV_WS_SLOT = 16384       # = GEMV_WS_SLOT: weight bytes per ring slot (fp8: 8 groups of 128 inputs, fp16: 4)
@@ -161,14 +163,15 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), s
 
 def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: int, k: int, n_sm: int,
                 norm_w=None, eps: float = 1e-5, taps=None, role: str = "", rope: tuple = (),
-                ring_depth: int | None = None) -> Launch:
+                ring_depth: int | None = None, ws: bool | None = None) -> Launch:
     """y = W.x in `fmt` (fp16 | fp8) with `variant` in qkv_rope | norm_swiglu | resid | store (weights, and fp8
     scales, in the tiled layout of weights.tile_view with the variant's VARIANT_PAIRING) or f32 (lm_head: fp16
     row-major weights).
 
     qkv_rope: n_out = qkv_dim / 2 (one output per rotation pair); `rope` = (cos_sin, pos, k_cache, v_cache,
-    n_q_heads, n_kv_heads, head_dim) for this layer. `ring_depth`: see gemv_ws_plan / gemv_plan (tests). The
-    tiled variants run warp-specialised on sm_90+ (gemv_ws), else the fp16 register path / fp8 ring.
+    n_q_heads, n_kv_heads, head_dim) for this layer. `ring_depth`: see gemv_ws_plan / gemv_plan (tests). `ws`:
+    the tiled variants warp-specialised (sm_90+) or not; None: the rule of gemv_ws (knob GEMV_WS). The engine
+    passes the form it measured faster (Engine gemv="auto").
     """
     fp8 = fmt == "fp8"
     rows = 2 * n_out if variant in ("norm_swiglu", "qkv_rope") else n_out
@@ -186,7 +189,9 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         except VerifyError as e:
             raise AtomflowError(f"GEMV {role or variant}: {e}") from None
         grid_units = rows // 16  # a block per 16-row tile
-        ws = gemv_ws(fmt, lib.defines)
+        ws = gemv_ws(fmt, lib.defines) if ws is None else ws
+        if ws and compute_capability() < 90:
+            raise AtomflowError("warp-specialised GEMVs need sm_90+ (bulk copies)")
         if ws:
             depth, per_sm, shmem = gemv_ws_plan(fmt, grid_units, k, n_sm, lib.defines, smem_limits(), ring_depth)
         else:
@@ -312,10 +317,11 @@ def argmax_launch(lib: KernelLib, logits, part_val, part_idx, counter, pos, cur_
 
 # ---- the step --------------------------------------------------------------------------------------------
 
-def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, att_cap: int | None = None
-               ) -> list[Launch]:
+def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, att_cap: int | None = None,
+               gemv_ws: bool | None = None) -> list[Launch]:
     """The step's launches, each with its probes as taps (validation copies them after each launch). `att_cap`:
-    the short attention kernel holding that many positions (lengths up to it), else the split kernel."""
+    the short attention kernel holding that many positions (lengths up to it), else the split kernel. `gemv_ws`:
+    the layer GEMVs warp-specialised or not (None: gemv_launch's rule)."""
     head = a["embed" if cfg.tie_word_embeddings else "lm_head"]
     tail = [gemv_launch(lib, "fp16", "f32", head, None, a["xnorm"], a["logits"], cfg.vocab_size, cfg.hidden_size,
                         n_sm, taps={"logits": a["logits"]}, role="lm_head"),
@@ -329,7 +335,7 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
     def gemv(weight, variant, x, y, n_out, k, **kw):
         scales = a[weight + ".scale"] if fmt == "fp8" else None
         return gemv_launch(lib, fmt, variant, a[weight], scales, x, y, n_out, k, n_sm, eps=eps,
-                           role=weight.split(".", 1)[1], **kw)
+                           role=weight.split(".", 1)[1], ws=gemv_ws, **kw)
 
     steps = [embed_launch(lib, a["cur_token"], a["embed"], h, taps={"embed": h})]
     for i in range(cfg.num_hidden_layers):

@@ -138,9 +138,9 @@ def summarize_roles(rels: list[np.ndarray], roles: list[str], nbytes: list[int],
 
 # ---- the measurement (GPU) -----------------------------------------------------------------------------------
 def record(model_dir, weights: str, context: int, replays: int, copy: dict, plain_step_us: float | None = None,
-           attention: str | None = None) -> dict:
+           attention: str | None = None, gemv: str | None = None) -> dict:
     """Build an instrumented engine, feed a `context`-token prompt, record `replays` single-token replays.
-    `attention`: the attention form (engine.Engine) — pass the one the plain engine chose."""
+    `attention`, `gemv`: the attention and GEMV forms (engine.Engine) — pass the ones the plain engine chose."""
     import cupy as cp
 
     from .bench import synthetic_prompt
@@ -149,7 +149,7 @@ def record(model_dir, weights: str, context: int, replays: int, copy: dict, plai
 
     timed = 20
     eng = Engine(model_dir, weights=weights, max_seq=context + replays + timed + 8, kernel_defines=(DEFINE,),
-                 attention=attention)
+                 attention=attention, gemv=gemv)
     prompt = synthetic_prompt(eng.cfg.vocab_size, context)
     eng.reset(prompt)
     eng.run(len(prompt) - 1)

@@ -169,6 +169,33 @@ def test_attention_auto(tiny_dir, fmt):
         Engine(tiny_dir, weights=fmt, max_seq=64, attention="fast")
 
 
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_gemv_auto(tiny_dir, fmt):
+    """gemv="auto" (sm_90+): both layer-GEMV forms are timed with the attention forms and the fastest pair is kept;
+    every layer GEMV then runs that form. The forms sum in the same mma order, so an engine forced to the other
+    form gives the same greedy tokens."""
+    from atomflow_bench.engine import Engine
+
+    eng = Engine(tiny_dir, weights=fmt, max_seq=900)
+    g = eng.gemv_choice
+    if float(eng.gpu["cc"]) < 9.0:
+        assert g == {"mode": "auto", "chosen": "ring"}
+        return
+    assert g["mode"] == "auto" and g["length"] == eng.attention_choice["length"] == 512
+    assert set(g["step_us"]) == {"ws", "ring"} and all(v > 0 for v in g["step_us"].values())
+    assert g["chosen"] == min(g["step_us"], key=g["step_us"].get)
+    layer_gemvs = [ln for ln in eng.launches if ln.name.startswith("gemv_") and not ln.name.endswith("_f32")]
+    assert layer_gemvs and {ln.block[0] for ln in layer_gemvs} == {288 if g["chosen"] == "ws" else 256}
+    assert eng.position == int(eng.arena["pos"].get()[0]) == 0
+    other = "ring" if g["chosen"] == "ws" else "ws"
+    forced = Engine(tiny_dir, weights=fmt, max_seq=900, gemv=other, attention=eng.attention_choice["chosen"])
+    assert forced.gemv_choice == {"mode": other, "chosen": other}
+    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 40)]
+    assert eng.generate(prompt, 12) == forced.generate(prompt, 12)
+    with pytest.raises(AtomflowError, match="gemv must be"):
+        Engine(tiny_dir, weights=fmt, max_seq=64, gemv="fast")
+
+
 def check_greedy(eng, seq, prompt_len, margins, logit_err):
     """Engine greedy (graph) == reference greedy up to the first step whose reference margin is within the
     format's error (2x the largest logit difference measured in the teacher-forced run)."""

@@ -185,3 +185,28 @@ def test_run_table_shows_the_attention_choice():
     text = out.getvalue()
     assert "measured at length 416: short 1480.2 µs vs split 1555.5 µs per step -> short" in text
     assert "short <= 416 (lengths 128-383): 1.5000 ms" in text
+
+
+def test_run_table_shows_the_gemv_choice():
+    """The `run` table names the layer-GEMV form the engine measured and chose (or was forced to)."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from atomflow_bench.report import run_table
+    from helpers_runs import make_run
+
+    rec = make_run(1.5)
+    rec.update({"vram_bytes": {"weights": 1 << 30, "kv": 1 << 20, "activations": 1 << 16, "scratch": 1 << 16,
+                               "total": (1 << 30) + (1 << 20) + (1 << 17)},
+                "launches_per_step": 144, "pdl": True, "load": {"seconds": 1.0},
+                "gemv_choice": {"mode": "auto", "length": 416, "chosen": "ring",
+                                "step_us": {"ws": 1530.5, "ring": 1497.25}}})
+    out = StringIO()
+    Console(file=out, width=300).print(run_table(rec))
+    text = out.getvalue()
+    assert "measured at length 416: ws 1530.5 µs vs ring 1497.2 µs per step -> ring (per-warp ring" in text
+    rec["gemv_choice"] = {"mode": "ws", "chosen": "ws"}
+    out = StringIO()
+    Console(file=out, width=300).print(run_table(rec))
+    assert "ws -> ws (warp-specialised" in out.getvalue()
