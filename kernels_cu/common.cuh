@@ -170,10 +170,6 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned by
                "r"((unsigned)__cvta_generic_to_shared(bar))
                : "memory");
 }
-// An L2 prefetch of `bytes` (a multiple of 16) global bytes by the copy engine (no completion to wait for).
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
 }

@@ -516,7 +516,8 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 // The producer's lane 0 streams the block's weights (its tiles in order, each a contiguous run of groups) into a
 // ring of NS slots of GEMV_WS_SLOT bytes (fp8: 8 groups + their 512 B of scales; fp16: 4 groups) with bulk copies
 // completing on the slot's `full` mbarrier; it starts at the block's start, never waits for the previous kernel
-// and refills a slot once the 8 consumer warps have arrived on its `empty` mbarrier. The consumers never issue a
+// (but fills at most PRE slots before the consumers have: the `go` mbarrier) and refills a slot once the 8 consumer
+// warps have arrived on its `empty` mbarrier. The consumers never issue a
 // weight load: they wait for the previous kernel, stage x (named barrier of 256 threads), and in every slot take
 // the group they own (group g belongs to warp g % 8, as in the forms above), then release the slot. NS is what the
 // host gave: (dynamic shared memory - x - scratch - barriers) / slot (step.py gemv_ws_plan), at most GEMV_WS_MAX.
@@ -526,11 +527,14 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 #define GEMV_WS_SLOT 16384  // weight bytes per ring slot
 #define GEMV_WS_MAX 16      // most slots a ring may have (barriers reserved for all)
 #define GEMV_WS_THREADS (GEMV_THREADS + AF_WARP)
-#ifndef GEMV_WS_PRE
-#define GEMV_WS_PRE 0  // A/B knob: slots the producer may fill before the consumers passed their wait (0: the ring)
+// Slots the producer may fill before the consumers have passed their wait (0: the whole ring), per format (knobs):
+// fewer bytes requested before the wait let the previous kernel's completion and this kernel's x loads through
+// sooner (measured, PERF_NOTES v13.2: fp16 3 of 6 slots -78 µs on 3B; fp8 2 was slower on 8B).
+#ifndef GEMV_WS_PRE_F16
+#define GEMV_WS_PRE_F16 3
 #endif
-#ifndef GEMV_WS_L2
-#define GEMV_WS_L2 0   // A/B knob: slots beyond the ring the producer asks L2 to prefetch (0: none)
+#ifndef GEMV_WS_PRE_F8
+#define GEMV_WS_PRE_F8 0
 #endif
 #if AF_HAS_BULK
 template <bool FP8, int PRO, int EPI>
@@ -540,6 +544,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   constexpr int KU = FP8 ? 32 : 16, UPG = 128 / KU;            // inputs per 512-byte unit, units per group
   constexpr int GPS = GEMV_WS_SLOT / (UPG * 512);              // groups per slot: fp8 8, fp16 4
   constexpr int SLOTB = GEMV_WS_SLOT + (FP8 ? GPS * 64 : 0);   // a slot's bytes (fp8: + the groups' scales)
+  constexpr int PRE = FP8 ? GEMV_WS_PRE_F8 : GEMV_WS_PRE_F16;
   static_assert(NWC == 8 && GPS <= NWC && NWC % GPS == 0, "a slot holds at most one group per consumer warp");
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, t = lane & 3;
@@ -552,7 +557,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   float* rs = red + 2 * NWC * GEMV_TILE;
   unsigned long long* full = reinterpret_cast<unsigned long long*>(rs + 32);
   unsigned long long* empty = full + GEMV_WS_MAX;
-  unsigned long long* go = empty + GEMV_WS_MAX;  // one arrival: the consumers passed their wait (GEMV_WS_PRE)
+  unsigned long long* go = empty + GEMV_WS_MAX;  // one arrival: the consumers passed their wait (PRE)
   unsigned char* ring = reinterpret_cast<unsigned char*>(go + 2);
   ring += (128u - ((unsigned)__cvta_generic_to_shared(ring) & 127u)) & 127u;  // slots 128-byte aligned (host: +128)
   unsigned dyn;
@@ -578,21 +583,15 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
         u0 = g0 * UPG;
         u1 = min(nunits, g1 * UPG);  // the last group of a tile may be short
       };
-      int pf = NS;  // the next slot to ask L2 for (GEMV_WS_L2): those past the ring's first fill
       for (int n = 0; n < total; ++n) {
         const int slot = n % NS;
-        if (GEMV_WS_PRE > 0 && n == GEMV_WS_PRE) mbar_wait(go, 0u);
+        if (PRE > 0 && n == PRE) mbar_wait(go, 0u);  // the rest once the consumers passed their wait
         if (n >= NS) mbar_wait(empty + slot, (unsigned)(n / NS - 1) & 1u);
         int T, g0, g1, u0, u1;
         part(n, T, g0, g1, u0, u1);
         const unsigned wbytes = (unsigned)(u1 - u0) * 512u, sbytes = FP8 ? (unsigned)(g1 - g0) * 64u : 0u;
         mbar_expect_tx(full + slot, wbytes + sbytes);
         bulk_g2s(ring + slot * SLOTB, a.W + (size_t)T * tile_bytes + (size_t)u0 * 512, wbytes, full + slot);
-        for (; GEMV_WS_L2 > 0 && pf < min(total, n + 1 + GEMV_WS_L2); ++pf) {  // L2 look-ahead past the ring
-          int T2, h0, h1, v0, v1;
-          part(pf, T2, h0, h1, v0, v1);
-          bulk_prefetch_l2(a.W + (size_t)T2 * tile_bytes + (size_t)v0 * 512, (unsigned)(v1 - v0) * 512u);
-        }
         if (FP8)
           bulk_g2s(ring + slot * SLOTB + GEMV_WS_SLOT, a.scales + ((size_t)T * ngroups + g0) * 16, sbytes, full + slot);
       }
@@ -602,7 +601,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
   PdlSync{}.arrive_wait();  // x / h / pos only once the previous kernel is done (weights are the producer's)
-  if (GEMV_WS_PRE > 0 && threadIdx.x == 0) mbar_arrive(go);
+  if (PRE > 0 && threadIdx.x == 0) mbar_arrive(go);
   stage_x_tiled<PRO, STAGE_REGS, GEMV_THREADS>(a, xs, rs);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
