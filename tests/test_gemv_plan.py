@@ -54,18 +54,6 @@ def test_norm_prologue_parks_h_and_norm_w_in_shared_memory_on_the_register_path(
     assert gemv_plan("fp8", 256, k, N_SM, norm=True) == gemv_plan("fp8", 256, k, N_SM)  # fp8: registers
 
 
-@pytest.mark.parametrize("model", sorted(CATALOG))
-@pytest.mark.parametrize("fmt", ["fp8", "fp16"])
-def test_every_plan_fits_and_encodes_its_depth(model, fmt):
-    cfg = CATALOG[model].config
-    for rows, k in linear_regions(cfg).values():
-        depth, per_sm, shmem = gemv_plan(fmt, rows // 16, k, N_SM)
-        assert blocks_fit(shmem, SMEM_H100) >= per_sm >= 1
-        if fmt == "fp8":
-            assert depth in GEMV_RING_DEPTHS
-            assert shmem == smem_layout(k, depth)
-
-
 def test_knobs_change_the_plan():
     assert plans("llama-3.2-3b", "fp8", ("GEMV_STAGES=4",)) == {"wqkv": (3, 3), "wo": (4, 2), "wgu": (4, 2),
                                                                 "wd": (4, 2)}
@@ -128,14 +116,19 @@ def test_ws_3b_plans():
 
 @pytest.mark.parametrize("model", sorted(CATALOG))
 @pytest.mark.parametrize("fmt", ["fp8", "fp16"])
-def test_every_ws_plan_fits_and_sizes_its_ring(model, fmt):
-    cfg = CATALOG[model].config
-    for rows, k in linear_regions(cfg).values():
-        slots, per_sm, shmem = gemv_ws_plan(fmt, rows // 16, k, N_SM)
+@pytest.mark.parametrize("ws", [False, True], ids=["ring", "ws"])
+def test_every_plan_fits_and_sizes_its_ring(model, fmt, ws):
+    """Every plan (gemv_plan, gemv_ws_plan) fits the SM, and its shared memory is exactly the kernel's layout for
+    the ring depth it encodes."""
+    for rows, k in linear_regions(CATALOG[model].config).values():
+        depth, per_sm, shmem = (gemv_ws_plan if ws else gemv_plan)(fmt, rows // 16, k, N_SM)
         assert blocks_fit(shmem, SMEM_H100) >= per_sm >= 1
-        assert shmem == ws_layout(k, fmt, slots)
-        per_tile = -(-(-(-k // 128)) // (8 if fmt == "fp8" else 4))
-        assert 1 <= slots <= GEMV_WS_MAX and (slots >= 2 or per_tile == 1)
+        if ws:
+            per_tile = -(-(-(-k // 128)) // (8 if fmt == "fp8" else 4))
+            assert shmem == ws_layout(k, fmt, depth)
+            assert 1 <= depth <= GEMV_WS_MAX and (depth >= 2 or per_tile == 1)
+        elif fmt == "fp8":
+            assert depth in GEMV_RING_DEPTHS and shmem == smem_layout(k, depth)
 
 
 def test_ws_knobs_forced_depth_and_small_shared_memory():
