@@ -136,8 +136,9 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), s
 
     2 blocks per SM (3 for more than 2 and at most 3 tiles per SM: one tile per block, one wave), each with the
     deepest ring <= GEMV_WS_SLOTS that fits, but no deeper than the slots its tiles fill; fewer blocks per SM if not
-    even 2 slots fit. A grid of at most one block per SM (GEMV_WS_SOLO) gets up to GEMV_WS_MAX slots. The kernel reads its ring depth back from the dynamic shared memory size. `depth` forces that
-    many slots at 1 block per SM (tests)."""
+    even 2 slots fit. A grid of at most one block per SM (GEMV_WS_SOLO) gets up to GEMV_WS_MAX slots. The kernel
+    reads its ring depth back from the dynamic shared memory size. `depth` forces that many slots at 1 block per SM
+    (tests)."""
     fp8 = fmt == "fp8"
     base = k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4 + (2 * GEMV_WS_MAX + 2) * 8 + 128  # x, sums, barriers, align
     slot = GEMV_WS_SLOT + (8 * 64 if fp8 else 0)
