@@ -165,10 +165,10 @@ def gemv_bench(cfg: ModelConfig, lib, n_sm: int, formats=("fp16", "fp8"), reps: 
     """Each GEMV shape alone, L2-cold (rotating >= 4x L2 of weights), events per launch; median µs."""
     import cupy as cp
 
-    from .step import gemv_launch
+    from .step import compute_capability, gemv_launch
 
     copy = copy or copy_bandwidth()
-    pdl = float(cp.cuda.Device().compute_capability) >= 90
+    pdl = compute_capability() >= 90
     rows_out = []
     rng = cp.random.default_rng(0)
     for fmt in formats:

@@ -55,7 +55,13 @@ def clear(bufs) -> None:
 def read(bufs) -> tuple[np.ndarray, int]:
     """All records written since `clear` ([N, 4 + MARKS]: grid id, start, wait, end, marks) and how many did not
     fit."""
-    rows, dropped = [], 0
+    rec, _, dropped = read_with_sm(bufs)
+    return rec, dropped
+
+
+def read_with_sm(bufs) -> tuple[np.ndarray, np.ndarray, int]:
+    """`read`, plus the SM of every record ([N] int)."""
+    rows, sms, dropped = [], [], 0
     for rec, nxt in bufs:
         n = nxt.get().astype(np.int64)
         if not n.any():
@@ -63,8 +69,12 @@ def read(bufs) -> tuple[np.ndarray, int]:
         dropped += int(np.maximum(n - SLOTS, 0).sum())
         r = rec.get()
         for sm in np.flatnonzero(n):
-            rows.append(r[sm * SLOTS: sm * SLOTS + min(int(n[sm]), SLOTS)])
-    return (np.concatenate(rows) if rows else np.zeros((0, 4 + MARKS), np.uint64)), dropped
+            k = min(int(n[sm]), SLOTS)
+            rows.append(r[sm * SLOTS: sm * SLOTS + k])
+            sms += [int(sm)] * k
+    if not rows:
+        return np.zeros((0, 4 + MARKS), np.uint64), np.zeros(0, np.int64), dropped
+    return np.concatenate(rows), np.array(sms), dropped
 
 
 # ---- analysis (CPU) ------------------------------------------------------------------------------------------

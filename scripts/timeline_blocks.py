@@ -37,15 +37,7 @@ def main() -> None:
             timeline.clear(bufs)
         eng.run(1)
         eng.stream.synchronize()
-    rows, sms = [], []
-    for rec, nxt in bufs:
-        n = nxt.get().astype(np.int64)
-        r = rec.get()
-        for sm in np.flatnonzero(n):
-            k = min(int(n[sm]), timeline.SLOTS)
-            rows.append(r[sm * timeline.SLOTS: sm * timeline.SLOTS + k])
-            sms += [int(sm)] * k
-    rec, sms = np.concatenate(rows), np.array(sms)
+    rec, sms, _ = timeline.read_with_sm(bufs)
     ids = np.unique(rec[:, 0])  # grid ids ascend in launch order (timeline.launch_times relies on the same)
     roles = [step_role(ln) for ln in launches]
     launch_of = {int(g): i for i, g in enumerate(ids)}
