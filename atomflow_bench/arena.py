@@ -20,7 +20,7 @@ from .kernels import knob
 ALIGN = 256
 POOLS = ("weights", "kv", "activations", "scratch")
 ATT_CHUNK = 32          # positions per attention sub-chunk (kernels_cu/attention_common.cuh ATT_CHUNK)
-ATT_BLOCKS_PER_SM = 4   # attention splits are capped at ~this many blocks per SM (attention.cu: longer splits);
+ATT_BLOCKS_PER_SM = 2   # attention splits are capped at ~this many blocks per SM (attention.cu: 96 KB of rings each);
                         # A/B knob ATT_BLOCKS_PER_SM in ATOMFLOW_KERNEL_DEFINES
 ARGMAX_THREADS = 1024   # block size of argmax_advance
 RESERVE = 512 << 20     # VRAM left free for the CUDA context, CuPy and load-time staging slack

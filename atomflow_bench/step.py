@@ -49,6 +49,7 @@ GEMV_WS_SLOT = 16384       # = GEMV_WS_SLOT: weight bytes per ring slot (fp8: 8 
 GEMV_WS_MAX = 16           # = GEMV_WS_MAX: most slots a ring may have
 GEMV_WS_SLOTS = 6          # knob: the deepest ring a launch gets (~96 KB in flight per block, as the fp16 batch was)
 ATT_THREADS = 128
+ATT_RING_BYTES = 24 * 1024  # attention.cu: each warp's K/V ring (3 groups at hd 128, 6 at hd 64)
 ATS_THREADS = 256          # attention_short.cu
 ATS_HEADS = 8              # attention_short.cu: q heads per kv head padded to the mma's N
 ATS_CHUNK_MAX = 512        # attention_short.cu: positions its scores cover per chunk (the largest useful capacity)
@@ -228,15 +229,16 @@ def embed_launch(lib: KernelLib, token, emb, h, taps=None) -> Launch:
                   taps or {}, H * 2 + H * 4)
 
 
-def attention_smem(group: int, hd: int, splits: int) -> int:
-    """Bytes of dynamic shared memory of attention.cu (attention_common.cuh): fp32, the larger of the warps'
-    states [warps][G][hd] and the split combine's scratch (m and l [2][G][splits], rounded to 4, + float4 sums
-    [R][G*hd/4])."""
-    warps = (ATT_THREADS // 32) * group * hd
+def attention_smem(group: int, hd: int, splits: int, defines: tuple | None = None) -> int:
+    """Bytes of dynamic shared memory of attention.cu: the larger of the warps' K/V rings (ATT_RING_BYTES each,
+    knob), their O states at the merge ([warps][G][hd] fp32) and the split combine's scratch (fp32 m and l
+    [2][G][splits], rounded to 4, + float4 sums [R][G*hd/4])."""
+    warps = ATT_THREADS // 32
+    rings = warps * knob("ATT_RING_BYTES", ATT_RING_BYTES, defines)
     cols = group * hd // 4
     phases = ATT_THREADS // cols if ATT_THREADS > cols else 1
     combine = -(-2 * group * splits // 4) * 4 + phases * cols * 4
-    return 4 * max(warps, combine)
+    return max(rings, 4 * warps * group * hd, 4 * combine)
 
 
 def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, counters, out, n_kv: int,
@@ -247,7 +249,7 @@ def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, 
     if part_o.shape[1] != splits or splits < 1:
         raise AtomflowError("attention partials: att_ml and att_o disagree on the split count")
     fn = lib[f"attention_decode_hd{hd}_g{group}"]
-    shmem = attention_smem(group, hd, splits)
+    shmem = attention_smem(group, hd, splits, lib.defines)
     if shmem > SMEM_PER_SM:
         raise AtomflowError(f"{splits} attention splits need {shmem} bytes of shared memory (> {SMEM_PER_SM})")
     allow_dynamic_smem(fn, shmem)

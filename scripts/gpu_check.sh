@@ -5,7 +5,8 @@
 #   BENCH_SPECS="model:fmt ..."  CTX=128  KNOBS="DEF=V,DEF=V ..." (knobs: compile-time -D variants, 3B fp8)
 #   PROFILE_SPECS="model:fmt ..." PROFILE_DEFINES="DEF=V ..." PROFILE_CTX=128 TIMELINE=N (profile stage; N replays of the
 #                                       in-kernel timeline instrument, 0 = off)
-#   AB_DIR=.ab/<commit> AB_SPEC="model:fmt" AB_ROUNDS=2 (ab stage: the other tree vs this one, same machine)
+#   AB_DIR=.ab/<commit> AB_SPEC="model:fmt" AB_ROUNDS=2 (ab stage: the other tree vs this one, same machine;
+#                                       att-profile: the other tree's ctx 8192 profile before this one's)
 set -uo pipefail
 FINAL=${OUT:-/tmp/atomflow-out}; OUT=$(mktemp -d); mkdir -p "$FINAL"   # logs go to $OUT, bundled into $FINAL
 export PYTHONUNBUFFERED=1 ATOMFLOW_HOME=${ATOMFLOW_HOME:-/tmp/atomflow-home}
@@ -13,7 +14,7 @@ export PYTHONUNBUFFERED=1 ATOMFLOW_HOME=${ATOMFLOW_HOME:-/tmp/atomflow-home}
 [ -d .carry/wheels ] && export ATOMFLOW_WHEELHOUSE=$PWD/.carry/wheels
 stages=${*:-info kernels engine bench}
 summary=()
-note() { summary+=("$1"); }
+note() { summary+=("$1"); printf '%s\n' "$1" | tee -a "$FINAL/summary-so-far.txt"; }  # kept if the call is cut short
 buckets() {  # per attention bucket of a run record: lengths and median TPOT
   python3 -c 'import json, sys
 r = json.load(open(sys.argv[1]))
@@ -99,11 +100,20 @@ print(" ".join("%s-%s=%.0f/%.0f" % (r["role"], r["format"], r["pct_of_copy"], r[
         python3 -m pytest -q tests/test_kernels_gpu.py -k attention -p no:cacheprovider >"$OUT/attention.log" 2>&1
         note "attention tests: rc=$? $(tail -1 "$OUT/attention.log")"
       fi
-      for k in ${ATT_KNOBS:-default}; do
+      for k in ${ATT_KNOBS:-default}; do   # AB_DIR set: the other tree's profile first, same machine
         d=""; [ "$k" != default ] && d="${k//,/ }"; tag="ctx8192-${k//[=,]/_}"
-        ATOMFLOW_KERNEL_DEFINES="$d" atomflow-bench profile llama-3.2-3b --weights fp8 --ctx 8192 --steps 8 \
-          --json "$OUT/profile-3b-fp8-$tag.json" >"$OUT/profile-3b-fp8-$tag.log" 2>&1
-        note "profile 3b fp8 $tag: rc=$? $(grep -E 'graph step|alone in a graph' "$OUT/profile-3b-fp8-$tag.log" | tr -s ' ' | tr '\n' ' ')"
+        for side in ${AB_DIR:+old} new; do
+          t="$tag"; [ -n "${AB_DIR:-}" ] && t="$tag-$side"
+          if [ $side = old ]; then
+            (cd "$AB_DIR" && ATOMFLOW_KERNEL_DEFINES="$d" PYTHONPATH=$PWD python3 -c 'from atomflow_bench.cli import cli; cli()' \
+              profile llama-3.2-3b --weights fp8 --ctx 8192 --steps 8 --json "$OUT/profile-3b-fp8-$t.json") \
+              >"$OUT/profile-3b-fp8-$t.log" 2>&1
+          else
+            ATOMFLOW_KERNEL_DEFINES="$d" atomflow-bench profile llama-3.2-3b --weights fp8 --ctx 8192 --steps 8 \
+              --json "$OUT/profile-3b-fp8-$t.json" >"$OUT/profile-3b-fp8-$t.log" 2>&1
+          fi
+          note "profile 3b fp8 $t: rc=$? $(grep -E 'graph step|alone in a graph' "$OUT/profile-3b-fp8-$t.log" | tr -s ' ' | tr '\n' ' ')"
+        done
       done ;;
     ab)   # same-machine A/B against another commit's tree (AB_DIR, e.g. `git archive C atomflow_bench kernels_cu
       # pyproject.toml | tar -x -C .ab/C`, carried), interleaved AB_ROUNDS times: AB_SPEC="model:fmt"

@@ -3,7 +3,7 @@ import pytest
 
 from atomflow_bench.arena import ATT_BLOCKS_PER_SM, ATT_CHUNK, attention_splits, plan_arena
 from atomflow_bench.config import get_preset
-from atomflow_bench.step import ATT_THREADS, SMEM_PER_SM, attention_smem
+from atomflow_bench.step import ATT_RING_BYTES, ATT_THREADS, attention_smem
 
 
 @pytest.mark.parametrize("n_kv", [1, 3, 8])
@@ -31,15 +31,19 @@ def test_block_budget_knob(monkeypatch):
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("hd", [64, 128])
-def test_shared_memory_covers_warp_states_and_the_combine(group, hd):
+def test_shared_memory_covers_rings_warp_states_and_the_combine(group, hd):
     splits = attention_splits(32768, 1, 170, blocks_per_sm=4)  # more splits than any default plan asks for
     smem = attention_smem(group, hd, splits)
-    warps = (ATT_THREADS // 32) * group * hd
+    warps = ATT_THREADS // 32
     cols = group * hd // 4
     phases = max(1, ATT_THREADS // cols)
-    assert smem // 4 >= warps
+    assert smem >= warps * ATT_RING_BYTES  # every warp's K/V ring
+    assert ATT_RING_BYTES // (2 * 16 * hd * 2) == (3 if hd == 128 else 6)  # 16-position groups of K and V per ring
+    assert smem // 4 >= warps * group * hd  # the warps' O at the merge
     assert smem // 4 >= -(-2 * group * splits // 4) * 4 + phases * cols * 4
-    assert smem <= SMEM_PER_SM
+    # two blocks per SM (the split cap's assumption) fit the H100's 228 KB with their static shared memory
+    assert 2 * (attention_smem(group, hd, attention_splits(32768, 8, 132)) + 1024) <= 228 * 1024
+    assert attention_smem(group, hd, splits, defines=("ATT_RING_BYTES=8192",)) < smem  # the knob shrinks the rings
 
 
 # ---- the short-context kernel (attention_short.cu) and the engine's buckets --------------------------------

@@ -296,6 +296,8 @@ def attention_case(model, length, max_seq):
     vc = rng.standard_normal((max_seq, n_kv * hd), dtype=np.float32).astype(np.float16)
     kq = kc[:length].astype(np.float64).reshape(length, n_kv, hd)
     vq = vc[:length].astype(np.float64).reshape(length, n_kv, hd)
+    kc[length:] = np.nan  # rows past the length must never reach the output (a masked score still multiplies V)
+    vc[length:] = np.nan
     ref = np.empty((nh, hd))
     for hq in range(nh):
         sc = kq[:, hq // G] @ q[hq * hd:(hq + 1) * hd].astype(np.float64) / np.sqrt(hd)
@@ -340,15 +342,18 @@ def test_attention_short_refuses_what_does_not_fit(kernel_lib):
 
 @pytest.mark.parametrize("model", list(ATT_SHAPES))
 @pytest.mark.parametrize("length", [1, 2, 63, 64, 65, 200, 1000, 4097])
-@pytest.mark.parametrize("cap", [None, 7, 1])
-def test_attention(kernel_lib, model, length, cap):
-    """cap: the split count (grid.y). None = one split per 32-position sub-chunk of max_seq; 7 and 1 force
-    splits that walk several sub-chunks (online softmax, uneven shares), as long contexts do on the GPU."""
+@pytest.mark.parametrize("cap", [None, "plan", 7, 1])
+def test_attention(kernel_lib, model, length, cap, n_sm):
+    """cap: the split count (grid.y). None = one split per 32-position sub-chunk of max_seq; "plan" = the engine's
+    (arena.attention_splits: ~2 blocks per SM); 7 and 1 force splits that walk many 16-position groups per warp
+    (the ring wraps; row L-1 is staged after the wait; online softmax, uneven shares)."""
     import cupy as cp
+
+    from atomflow_bench.arena import attention_splits
 
     n_kv, G, hd = ATT_SHAPES[model]
     nh, max_seq = n_kv * G, 4160
-    splits = cap or -(-max_seq // ATT_CHUNK)
+    splits = attention_splits(max_seq, n_kv, n_sm) if cap == "plan" else cap or -(-max_seq // ATT_CHUNK)
     q, kc, vc, ref = attention_case(model, length, max_seq)
     out = cp.full(nh * hd, np.nan, dtype=cp.float16)
     counters = cp.zeros(n_kv, dtype=cp.uint32)
