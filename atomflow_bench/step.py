@@ -230,15 +230,18 @@ def embed_launch(lib: KernelLib, token, emb, h, taps=None) -> Launch:
 
 
 def attention_smem(group: int, hd: int, splits: int, defines: tuple | None = None) -> int:
-    """Bytes of dynamic shared memory of attention.cu: the larger of the warps' K/V rings (ATT_RING_BYTES each,
-    knob), their O states at the merge ([warps][G][hd] fp32) and the split combine's scratch (fp32 m and l
-    [2][G][splits], rounded to 4, + float4 sums [R][G*hd/4])."""
+    """Bytes of dynamic shared memory of attention.cu: the warps' K/V rings (ATT_RING_BYTES each, knob). The kernel
+    reuses them at its end for the warps' O ([warps][G][hd] fp32) and for the split combine (fp32 m and l
+    [2][G][splits] rounded to 4, the float4 sums [G*hd/4], then the partial o of as many splits as fit, at least
+    one); a plan where those do not fit is refused."""
     warps = ATT_THREADS // 32
     rings = warps * knob("ATT_RING_BYTES", ATT_RING_BYTES, defines)
-    cols = group * hd // 4
-    phases = ATT_THREADS // cols if ATT_THREADS > cols else 1
-    combine = -(-2 * group * splits // 4) * 4 + phases * cols * 4
-    return max(rings, 4 * warps * group * hd, 4 * combine)
+    merge = 4 * warps * group * hd
+    combine = 4 * (-(-2 * group * splits // 4) * 4 + 2 * group * hd)
+    if max(merge, combine) > rings:
+        raise AtomflowError(f"attention: {splits} splits of {group} heads x {hd} do not fit the kernel's "
+                            f"{rings} bytes of shared memory")
+    return rings
 
 
 def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, counters, out, n_kv: int,

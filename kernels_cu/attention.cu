@@ -19,9 +19,9 @@
 //                       memory), V rows by ldmatrix.trans as the B operand.
 //            No block barrier inside the walk; the 4 warps' (max, sum, O) merge once through shared memory.
 //            With one split the block writes `out`. Otherwise it writes (max, sum, o[hd]) partials; the last block
-//            of head j to finish (acq_rel atomic ticket) rescales and sums them into `out` (the first round of
-//            float4 partial-o L2 loads, ATT_COMBINE_LOADS in flight per thread, goes out together with the one
-//            round of all (max, sum) pairs) and resets its ticket. Blocks whose split is empty at this L exit at
+//            of head j to finish (acq_rel atomic ticket) rescales and sums them into `out` (every partial o of
+//            the head copied into shared memory by cp.async in one L2 round, together with the one round of all
+//            (max, sum) pairs; in batches when they do not fit) and resets its ticket. Blocks whose split is empty at this L exit at
 //            once, so one launch shape (captured in the graph) serves every position < max_seq.
 //            Rows past the split in a warp's last group: V zero-filled (P is 0 there, but 0 * NaN is NaN), K's
 //            scores masked to -inf. K/V rows sit in shared memory with their 16-byte pieces XOR-swizzled by
@@ -32,7 +32,8 @@
 //            fp16 [max_seq][n_kv*hd]; part_ml fp32 [n_heads][max_splits][2] (max in log2 units, sum); part_o
 //            fp32 [n_heads][max_splits][hd]; counters uint32 [n_kv]; out fp16 [n_heads*hd].
 //            Dynamic shared memory (step.py attention_smem): 4 warp rings of ATT_RING_BYTES ([slot][K group |
-//            V group], each [16][hd] fp16), reused at the end for the warps' O [4][G][hd] fp32 and the combine.
+//            V group], each [16][hd] fp16), reused at the end for the warps' O [4][G][hd] fp32 and the combine
+//            (m, l [2][G][max_splits], sums [G*hd/4] float4, then as many splits' partial o [G*hd] as fit).
 // Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + partials n_heads * splits * (hd + 2) * 4 * 2.
 // Launch     attention_decode_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv, max_splits), block = 128 (step.py
 //            attention_launch; arena.attention_splits caps max_splits at ~2 blocks per SM).
@@ -45,9 +46,6 @@
 #define ATT_BATCH 4     // ldmatrix loads issued before their mmas
 #ifndef ATT_RING_BYTES
 #define ATT_RING_BYTES (24 * 1024)  // per warp (step.py ATT_RING_BYTES; A/B knob)
-#endif
-#ifndef ATT_COMBINE_LOADS
-#define ATT_COMBINE_LOADS 8  // independent 16-byte partial loads per thread per round of the split combine
 #endif
 
 __device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: 2^-inf = +0)
@@ -71,30 +69,28 @@ __device__ __forceinline__ int att_swz(int t, int c) {
 }
 
 // The last block of kv head j: out = sum_s coef[g][s] * part_o[g][s] with coef = exp2(m_s - M) / sum_s l_s
-// exp2(m_s - M). A thread per (float4 column, split phase r of R), ATT_COMBINE_LOADS independent 16-byte L2
-// loads in flight per thread; the first round of a thread's first column is requested before the (m, l) round.
+// exp2(m_s - M). Every partial o of the head is copied into shared memory by cp.async in one round of 16-byte L2
+// copies (in batches of the splits that fit, when G x splits x hd floats exceed the rings), together with the
+// (m, l) round; the sums are then taken from shared memory. `smem`: the block's rings (dead by now).
 template <int HD, int G>
 __device__ __forceinline__ void attention_combine(const float* part_ml, const float* part_o, __half* out, int j,
                                                   int n_splits, int max_splits, float* smem) {
-  constexpr int T = ATT_THREADS, COLS = G * HD / 4, R = T > COLS ? T / COLS : 1;
+  constexpr int T = ATT_THREADS, COLS = G * HD / 4;  // float4 columns of the head group's output
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP;
-  auto col_of = [&](int i, int& cidx, int& r) -> const float4* {
-    cidx = i % COLS;
-    r = i / COLS;
-    const int g = cidx * 4 / HD;
-    return reinterpret_cast<const float4*>(part_o + (size_t)(j * G + g) * max_splits * HD + cidx * 4 % HD);
+  float* coef = smem;                                  // [G][max_splits]: m_s, then the weights
+  float* l_s = coef + G * max_splits;                  // [G][max_splits]: l_s
+  float4* sums = reinterpret_cast<float4*>(coef + ((2 * G * max_splits + 3) & ~3));  // [COLS]
+  float4* po = sums + COLS;                            // [batch][COLS] partial o of one batch of splits
+  const int batch = (int)((ATT_WARPS * ATT_RING_BYTES / 16 - (po - reinterpret_cast<float4*>(smem))) / COLS);
+  auto stage = [&](int s0, int s1) {  // partial o of splits [s0, s1) -> po, one cp.async group
+    for (int e = threadIdx.x; e < (s1 - s0) * COLS; e += T) {
+      const int sp = e / COLS, c = e % COLS, g = c * 4 / HD;
+      cp_async16(po + e, part_o + ((size_t)(j * G + g) * max_splits + s0 + sp) * HD + c * 4 % HD);
+    }
+    cp_async_commit();
   };
-  float4 pre[ATT_COMBINE_LOADS];
-  if (threadIdx.x < R * COLS) {
-    int cidx, r;
-    const float4* po = col_of(threadIdx.x, cidx, r);
-#pragma unroll
-    for (int u = 0; u < ATT_COMBINE_LOADS; ++u)
-      pre[u] = r + u * R < n_splits ? __ldcg(po + (size_t)(r + u * R) * (HD / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  float* coef = smem;                  // [G][max_splits]: m_s, then the weights
-  float* l_s = coef + G * max_splits;  // [G][max_splits]: l_s
-  for (int i = threadIdx.x; i < G * n_splits; i += T) {  // every (m, l) pair in one round of L2 loads
+  stage(0, min(batch, n_splits));
+  for (int i = threadIdx.x; i < G * n_splits; i += T) {  // every (m, l) pair, in the same round
     const int g = i / n_splits, sp = i % n_splits;
     const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml) + (size_t)(j * G + g) * max_splits + sp);
     coef[g * max_splits + sp] = ml.x;
@@ -115,56 +111,30 @@ __device__ __forceinline__ void attention_combine(const float* part_ml, const fl
     __syncwarp();
     for (int sp = lane; sp < n_splits; sp += AF_WARP) coef[g * max_splits + sp] /= L;
   }
-  __syncthreads();
-  float4* red = reinterpret_cast<float4*>(coef + ((2 * G * max_splits + 3) & ~3));  // [R][COLS]
-  for (int i = threadIdx.x; i < R * COLS; i += T) {
-    int cidx, r;
-    const float4* po = col_of(i, cidx, r);
-    const float* cf = coef + cidx * 4 / HD * max_splits;
-    float4 a[ATT_COMBINE_LOADS];
-#pragma unroll
-    for (int u = 0; u < ATT_COMBINE_LOADS; ++u) a[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-    int sp = r;
-    if (i == threadIdx.x) {  // the first column: its first round is already in registers
-#pragma unroll
-      for (int u = 0; u < ATT_COMBINE_LOADS; ++u) {
-        const float w = sp + u * R < n_splits ? cf[sp + u * R] : 0.f;
-        a[u].x = w * pre[u].x; a[u].y = w * pre[u].y; a[u].z = w * pre[u].z; a[u].w = w * pre[u].w;
+  for (int s0 = 0; s0 < n_splits; s0 += batch) {
+    const int s1 = min(s0 + batch, n_splits);
+    cp_async_wait<0>();
+    __syncthreads();  // the batch's copies (and, the first time, the weights) are visible to every thread
+    for (int c = threadIdx.x; c < COLS; c += T) {
+      const float* cf = coef + c * 4 / HD * max_splits;
+      float4 a = s0 == 0 ? make_float4(0.f, 0.f, 0.f, 0.f) : sums[c];
+#pragma unroll 4
+      for (int sp = s0; sp < s1; ++sp) {
+        const float w = cf[sp];
+        const float4 v = po[(sp - s0) * COLS + c];
+        a.x = fmaf(w, v.x, a.x); a.y = fmaf(w, v.y, a.y); a.z = fmaf(w, v.z, a.z); a.w = fmaf(w, v.w, a.w);
       }
-      sp += ATT_COMBINE_LOADS * R;
-    }
-    for (; sp + (ATT_COMBINE_LOADS - 1) * R < n_splits; sp += ATT_COMBINE_LOADS * R) {
-#pragma unroll
-      for (int u = 0; u < ATT_COMBINE_LOADS; ++u) {
-        const float w = cf[sp + u * R];
-        const float4 v = __ldcg(po + (size_t)(sp + u * R) * (HD / 4));
-        a[u].x = fmaf(w, v.x, a[u].x); a[u].y = fmaf(w, v.y, a[u].y);
-        a[u].z = fmaf(w, v.z, a[u].z); a[u].w = fmaf(w, v.w, a[u].w);
+      if (s1 < n_splits) sums[c] = a;
+      else {
+        __half2* dst = reinterpret_cast<__half2*>(out + (size_t)j * G * HD + c * 4);
+        dst[0] = __floats2half2_rn(a.x, a.y);
+        dst[1] = __floats2half2_rn(a.z, a.w);
       }
     }
-    for (; sp < n_splits; sp += R) {
-      const float w = cf[sp];
-      const float4 v = __ldcg(po + (size_t)sp * (HD / 4));
-      a[0].x = fmaf(w, v.x, a[0].x); a[0].y = fmaf(w, v.y, a[0].y);
-      a[0].z = fmaf(w, v.z, a[0].z); a[0].w = fmaf(w, v.w, a[0].w);
+    if (s1 < n_splits) {
+      __syncthreads();  // po is free again
+      stage(s1, min(s1 + batch, n_splits));
     }
-#pragma unroll
-    for (int u = 1; u < ATT_COMBINE_LOADS; ++u) {
-      a[0].x += a[u].x; a[0].y += a[u].y; a[0].z += a[u].z; a[0].w += a[u].w;
-    }
-    red[r * COLS + cidx] = a[0];
-  }
-  __syncthreads();
-  for (int cidx = threadIdx.x; cidx < COLS; cidx += T) {
-    float4 s = red[cidx];
-#pragma unroll
-    for (int r = 1; r < R; ++r) {
-      const float4 v = red[r * COLS + cidx];
-      s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
-    }
-    __half2* dst = reinterpret_cast<__half2*>(out + (size_t)j * G * HD + cidx * 4);
-    dst[0] = __floats2half2_rn(s.x, s.y);
-    dst[1] = __floats2half2_rn(s.z, s.w);
   }
 }
 

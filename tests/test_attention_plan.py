@@ -35,15 +35,24 @@ def test_shared_memory_covers_rings_warp_states_and_the_combine(group, hd):
     splits = attention_splits(32768, 1, 170, blocks_per_sm=4)  # more splits than any default plan asks for
     smem = attention_smem(group, hd, splits)
     warps = ATT_THREADS // 32
-    cols = group * hd // 4
-    phases = max(1, ATT_THREADS // cols)
-    assert smem >= warps * ATT_RING_BYTES  # every warp's K/V ring
+    assert smem == warps * ATT_RING_BYTES  # every warp's K/V ring; the end of the kernel reuses them
     assert ATT_RING_BYTES // (2 * 16 * hd * 2) == (3 if hd == 128 else 6)  # 16-position groups of K and V per ring
-    assert smem // 4 >= warps * group * hd  # the warps' O at the merge
-    assert smem // 4 >= -(-2 * group * splits // 4) * 4 + phases * cols * 4
+    assert smem >= 4 * warps * group * hd  # the warps' O at the merge
+    # the combine: (m, l) per split, the float4 sums, and at least one split's partial o
+    assert smem >= 4 * (-(-2 * group * splits // 4) * 4 + 2 * group * hd)
     # two blocks per SM (the split cap's assumption) fit the H100's 228 KB with their static shared memory
     assert 2 * (attention_smem(group, hd, attention_splits(32768, 8, 132)) + 1024) <= 228 * 1024
-    assert attention_smem(group, hd, splits, defines=("ATT_RING_BYTES=8192",)) < smem  # the knob shrinks the rings
+    assert attention_smem(group, hd, 8, defines=("ATT_RING_BYTES=8192",)) == warps * 8192  # the knob
+
+
+def test_a_combine_that_does_not_fit_is_refused():
+    from atomflow_bench.errors import AtomflowError
+
+    with pytest.raises(AtomflowError, match="do not fit"):
+        attention_smem(8, 128, 4096)
+    with pytest.raises(AtomflowError, match="do not fit"):
+        attention_smem(8, 128, 600, defines=("ATT_RING_BYTES=8192",))  # smaller rings (knob) hold fewer splits
+    assert attention_smem(8, 128, 300, defines=("ATT_RING_BYTES=8192",)) == 4 * 8192
 
 
 # ---- the short-context kernel (attention_short.cu) and the engine's buckets --------------------------------
