@@ -23,6 +23,8 @@ ATT_CHUNK = 32          # positions per attention sub-chunk (kernels_cu/attentio
 ATT_BLOCKS_PER_SM = 2   # attention splits are capped at ~this many blocks per SM (attention.cu: 96 KB of rings each);
                         # A/B knob ATT_BLOCKS_PER_SM in ATOMFLOW_KERNEL_DEFINES
 ARGMAX_THREADS = 1024   # block size of argmax_advance
+ROWS_WARPS = 8          # lm_head GEMV (gemv_rows): warps per block, one output row each at a time
+ROWS_BLOCKS_PER_SM = 4  # = ROWS_MIN_BLOCKS (lm_head): its grid is at most this many blocks per SM
 RESERVE = 512 << 20     # VRAM left free for the CUDA context, CuPy and load-time staging slack
 
 
@@ -128,7 +130,8 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> Are
     p.add("scratch", "att_ml", (cfg.num_attention_heads, splits, 2), np.float32)
     p.add("scratch", "att_o", (cfg.num_attention_heads, splits, cfg.head_dim), np.float32)
     p.add("scratch", "att_counters", (L, cfg.num_key_value_heads), np.uint32)
-    am_blocks = min(-(-V // ARGMAX_THREADS), n_sm)
+    # argmax partials: one per block of argmax_advance or of the lm_head GEMV that does the argmax itself
+    am_blocks = max(min(-(-V // ARGMAX_THREADS), n_sm), min(-(-V // ROWS_WARPS), ROWS_BLOCKS_PER_SM * n_sm))
     p.add("scratch", "am_val", (am_blocks,), np.float32)
     p.add("scratch", "am_idx", (am_blocks,), np.int32)
     p.add("scratch", "am_counter", (1,), np.uint32)

@@ -24,7 +24,7 @@ import numpy as np
 from .arena import Arena, plan_arena
 from .errors import AtomflowError, GpuUnavailable
 from .kernels import KernelLib
-from .step import attention_short_cap, build_step, run_eager, smem_limits
+from .step import attention_short_cap, build_step, hold_position, run_eager, smem_limits
 from .weights import Checkpoint, upload_weights
 
 
@@ -117,7 +117,7 @@ class Engine:
             del self.variants[None]  # every length fits the short kernel
 
     def _choose(self, forms: list, keys: list, length: int, replays: int = 12) -> None:
-        """Time one step (without argmax: the position stays) of every (GEMV form, attention bucket) pair at
+        """Time one step (step.hold_position: the position stays) of every (GEMV form, attention bucket) pair at
         `length` (the longest length the short kernel would serve) and keep the fastest. Writes nothing that a
         later reset() does not redo (the K/V row of that position is rewritten before it is ever read)."""
         import cupy as cp
@@ -130,7 +130,7 @@ class Engine:
         us = {}
         for f in forms:
             for key in keys:
-                g = StepGraph(self._forms[f][key][:-1], self.stream)
+                g = StepGraph(hold_position(self._forms[f][key]), self.stream)
                 ev = [cp.cuda.Event() for _ in range(replays + 1)]
                 with self.stream as s:
                     g.replay(3)

@@ -1,7 +1,8 @@
 """Stage 6 of the decode path: the decode step captured once into a CUDA Graph and replayed.
 
-Because the step reads the token and position from device memory and advances them itself (argmax.cu),
-N tokens are N replays queued back to back: no host round trip, no per-token Python launch overhead.
+Because the step reads the token and position from device memory and advances them itself (the lm_head
+GEMV's epilogue, argmax_common.cuh), N tokens are N replays queued back to back: no host round trip, no
+per-token Python launch overhead.
 """
 from __future__ import annotations
 

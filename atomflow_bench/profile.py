@@ -9,8 +9,8 @@
   at the copy bandwidth). The layers' caches are read in turn, so once they exceed L2 every launch is cold.
 * `role_marginals`: what each role of the step (QKV, attention, o_proj, gate/up, down, lm_head, ...) costs
   INSIDE the graph: the step replayed with that role's launches left out, against the whole step; the
-  difference is what the role adds to the token time, overlap with its neighbours included (argmax is left
-  out of all these graphs so that the position stays put). Next to it the role's bytes floor at the copy
+  difference is what the role adds to the token time, overlap with its neighbours included (these graphs hold
+  the position: step.hold_position). Next to it the role's bytes floor at the copy
   bandwidth: the excess over it is what a faster or fused version of the role could save at most.
 * `gemv_bench`: every GEMV shape of a model alone, fp16 and fp8, L2-cold: the weights rotate through
   enough copies that the set is several times the L2 size, so each launch streams from DRAM. Two figures per
@@ -28,6 +28,7 @@ import numpy as np
 from .arena import linear_regions
 from .bench import copy_bandwidth, summarize, synthetic_prompt, time_decode
 from .config import GROUP, ModelConfig
+from .step import hold_position
 
 
 L2_BYTES = 50 << 20  # H100 L2 size: a working set of 4x this is treated as L2-cold
@@ -108,15 +109,16 @@ def graph_replay_us(launches, stream, replays: int = 30) -> dict:
 
 def step_role(ln) -> str:
     """The role of one launch of the step: the weight role of a GEMV (wqkv, wo, wgu, wd, lm_head), else the
-    kernel (attention_decode, embed_lookup, rmsnorm_f32_f16, argmax_advance)."""
+    kernel (attention_decode, embed_lookup, rmsnorm_f32_f16, argmax_advance with the knob LMHEAD_ARGMAX=0)."""
     if ln.name.startswith("gemv_"):
         return ln.label.split()[2]
     return ln.name
 
 
 def role_marginals(engine, copy: dict, replays: int = 30) -> dict:
-    """Each role's marginal cost in the graph: step (without argmax) minus the step without that role."""
-    launches = [ln for ln in engine.launches if ln.name != "argmax_advance"]
+    """Each role's marginal cost in the graph: step (position held: step.hold_position) minus the step without
+    that role."""
+    launches = hold_position(engine.launches)
     length = int(engine.arena["pos"].get()[0]) + 1
     full = graph_replay_us(launches, engine.stream, replays)
     roles = list(dict.fromkeys(step_role(ln) for ln in launches))
@@ -277,6 +279,6 @@ def marginal_table(p: dict):
         t.add_row(r["role"], str(r["count"]), f"{r['step_without_us']['median']:.1f}", f"{r['saved_us']:.1f}",
                   f"{r['saved_us_per_launch']:.2f}", f"{r['floor_us']:.1f}", f"{r['excess_us']:.1f}")
     s = m["step_us"]
-    t.caption = (f"step without argmax {s['median']:.1f} µs ({s['p10']:.1f}-{s['p90']:.1f}); roles add up to "
+    t.caption = (f"step, position held {s['median']:.1f} µs ({s['p10']:.1f}-{s['p90']:.1f}); roles add up to "
                  f"{m['sum_saved_us']:.1f} µs; bytes floor {m['floor_us']:.1f} µs")
     return t

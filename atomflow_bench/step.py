@@ -13,8 +13,9 @@ into a CUDA Graph (graph.py). Per layer 5 launches:
     gemv  gate/up  RMSNorm prologue (post_attention_layernorm), SwiGLU epilogue -> act (fp16)
     gemv  down     residual epilogue                                           h += Wd . act
 
-plus the embedding lookup before the layers and final RMSNorm, lm_head (fp16, fp32 logits) and argmax
-after. (A second form, one persistent kernel for all layers, was built, measured slower and removed:
+plus the embedding lookup before the layers and final RMSNorm, then lm_head (fp16, fp32 logits) with the
+greedy argmax and the step's bookkeeping in its epilogue (knob LMHEAD_ARGMAX=0: a separate argmax kernel).
+(A second form, one persistent kernel for all layers, was built, measured slower and removed:
 results/PERF_NOTES.md v5-v7.)
 
 Each op has one launch factory below (`*_launch`), shared by the step, the kernel tests and the
@@ -22,12 +23,13 @@ microbenchmarks: grid/block/shared-memory rules live in exactly one place.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import numpy as np
 
-from .arena import ARGMAX_THREADS, ATT_CHUNK, Arena, linear_regions
+from .arena import ARGMAX_THREADS, ATT_CHUNK, ROWS_BLOCKS_PER_SM, ROWS_WARPS, Arena, linear_regions
 from .config import ModelConfig
 from .errors import AtomflowError, VerifyError
 from .kernels import GEMV_RING_DEPTHS, KernelLib, Launch, allow_dynamic_smem, knob
@@ -36,7 +38,7 @@ from .weights import check_tiled
 GEMV_THREADS = 256
 GEMV_WARPS = GEMV_THREADS // 32
 GEMV_BLOCKS_PER_SM = 2  # = GEMV_MIN_BLOCKS in gemv_common.cuh (tiled GEMVs): the grid never exceeds one resident wave
-ROWS_BLOCKS_PER_SM = 4  # = ROWS_MIN_BLOCKS (lm_head)
+LMHEAD_ARGMAX = 1          # knob: the argmax in the lm_head GEMV's epilogue (0: argmax_advance after it)
 GEMV_STAGES = 5            # fp8: deepest cp.async ring (groups of 128 inputs per warp) a launch may get; knob
 GEMV_ONE_WAVE = 1          # knob: tile counts in (2, 3] x SMs run one tile per block at 3 blocks per SM
 GEMV_WS = 1                # knob: warp-specialised GEMVs (producer warp + bulk copies, sm_90+) for 1 = fp16 only,
@@ -183,7 +185,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         if fp8 or k % 8:
             raise AtomflowError(f"lm_head GEMV needs fp16 weights with K % 8 == 0, got {fmt} K={k}")
         shmem, depth, ws = k * 2, 0, False
-        grid_units = -(-n_out // (GEMV_THREADS // 32))  # a warp per output row
+        grid_units = -(-n_out // ROWS_WARPS)  # a warp per output row
         per_sm = ROWS_BLOCKS_PER_SM
     else:
         try:
@@ -321,6 +323,40 @@ def argmax_launch(lib: KernelLib, logits, part_val, part_idx, counter, pos, cur_
                   0, {}, logits.nbytes)
 
 
+def lm_head_launches(lib: KernelLib, a: Arena, cfg: ModelConfig, n_sm: int) -> list[Launch]:
+    """The step's tail after the final norm: logits = lm_head . xnorm (fp32), the greedy token and the step
+    state (argmax.cu's contract) — one launch, the argmax in the GEMV's epilogue, or with the knob
+    LMHEAD_ARGMAX=0 the plain GEMV and argmax_advance."""
+    head = a["embed" if cfg.tie_word_embeddings else "lm_head"]
+    gemv = gemv_launch(lib, "fp16", "f32", head, None, a["xnorm"], a["logits"], cfg.vocab_size, cfg.hidden_size,
+                       n_sm, taps={"logits": a["logits"]}, role="lm_head")
+    state = (a["pos"], a["cur_token"], a["prompt"], a["prompt_len"], a["out_tokens"])
+    if not knob("LMHEAD_ARGMAX", LMHEAD_ARGMAX, lib.defines):
+        return [gemv, argmax_launch(lib, a["logits"], a["am_val"], a["am_idx"], a["am_counter"], *state)]
+    if a["am_val"].shape[0] < gemv.grid[0]:
+        raise AtomflowError(f"argmax partials for {a['am_val'].shape[0]} blocks, lm_head has {gemv.grid[0]}")
+    fn = lib["gemv_f16_f32_argmax"]
+    allow_dynamic_smem(fn, gemv.shmem)
+    return [dataclasses.replace(gemv, fn=fn, name="gemv_fp16_f32_argmax",
+                                args=gemv.args + (a["am_val"], a["am_idx"], a["am_counter"], *state, i32(1)))]
+
+
+def hold_position(launches: list[Launch]) -> list[Launch]:
+    """The step without advancing the position, for timing runs that replay it many times at one length:
+    argmax_advance left out, or the fused lm_head launched with advance = 0 (it still finds the token, so the
+    time includes the argmax)."""
+    out = []
+    for ln in launches:
+        if ln.name == "argmax_advance":
+            continue
+        if ln.name == "gemv_fp16_f32_argmax":
+            ln = dataclasses.replace(ln, args=ln.args[:-1] + (i32(0),), _ex=None)
+            if ln.pdl:
+                ln.enable_pdl()
+        out.append(ln)
+    return out
+
+
 # ---- the step --------------------------------------------------------------------------------------------
 
 def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, att_cap: int | None = None,
@@ -328,11 +364,7 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
     """The step's launches, each with its probes as taps (validation copies them after each launch). `att_cap`:
     the short attention kernel holding that many positions (lengths up to it), else the split kernel. `gemv_ws`:
     the layer GEMVs warp-specialised or not (None: gemv_launch's rule)."""
-    head = a["embed" if cfg.tie_word_embeddings else "lm_head"]
-    tail = [gemv_launch(lib, "fp16", "f32", head, None, a["xnorm"], a["logits"], cfg.vocab_size, cfg.hidden_size,
-                        n_sm, taps={"logits": a["logits"]}, role="lm_head"),
-            argmax_launch(lib, a["logits"], a["am_val"], a["am_idx"], a["am_counter"], a["pos"], a["cur_token"],
-                          a["prompt"], a["prompt_len"], a["out_tokens"])]
+    tail = lm_head_launches(lib, a, cfg, n_sm)
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_norm_eps
     h, qkv, attn_out, act, xnorm = (a[n] for n in ("h", "qkv", "attn_out", "act", "xnorm"))

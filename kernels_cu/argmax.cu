@@ -11,63 +11,20 @@
 //            pos, cur_token, prompt_len int32 [1]; prompt, out_tokens int32 [max_seq].
 // Bytes      V * 4 read; a few bytes written.
 // Launch     grid = min(ceil(V / 1024), #SMs), block = 1024.
-#include "common.cuh"
-
-__device__ __forceinline__ void better(float& bv, int& bi, float v, int i) {
-  if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
-}
-
-// Block-wide (value, index) reduction; result valid in thread 0.
-__device__ __forceinline__ void block_argmax(float& bv, int& bi) {
-  __shared__ float sv[32];
-  __shared__ int si[32];
-  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP;
-#pragma unroll
-  for (int o = AF_WARP / 2; o > 0; o >>= 1)
-    better(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
-  if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
-  __syncthreads();
-  if (warp == 0) {
-    bv = lane < (int)(blockDim.x / AF_WARP) ? sv[lane] : -AF_INF;
-    bi = lane < (int)(blockDim.x / AF_WARP) ? si[lane] : 0x7fffffff;
-#pragma unroll
-    for (int o = AF_WARP / 2; o > 0; o >>= 1)
-      better(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
-  }
-}
+// Used       only with the knob LMHEAD_ARGMAX=0: by default the lm_head GEMV does the same in its epilogue
+//            (gemv_fp16.cu gemv_f16_f32_argmax; the shared code is argmax_common.cuh).
+#include "argmax_common.cuh"
 
 extern "C" __global__ void argmax_advance(const float* __restrict__ logits, int V, float* part_val, int* part_idx,
                                           unsigned int* counter, int* pos, int* cur_token,
                                           const int* __restrict__ prompt, const int* __restrict__ prompt_len,
                                           int* out_tokens) {
   AF_TIMELINE_BLOCK;
-  __shared__ bool last;
   pdl_wait();
   pdl_launch_dependents();
   float bv = -AF_INF;
   int bi = 0x7fffffff;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < V; i += gridDim.x * blockDim.x)
     better(bv, bi, logits[i], i);
-  block_argmax(bv, bi);
-  if (threadIdx.x == 0) {
-    part_val[blockIdx.x] = bv;
-    part_idx[blockIdx.x] = bi;
-    __threadfence();
-    last = atomicAdd(counter, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  bv = -AF_INF;
-  bi = 0x7fffffff;
-  for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) better(bv, bi, __ldcg(part_val + b), __ldcg(part_idx + b));
-  block_argmax(bv, bi);
-  if (threadIdx.x == 0) {
-    const int p = *pos;
-    const int best = bi == 0x7fffffff ? 0 : bi;
-    out_tokens[p] = best;
-    *cur_token = (p + 1 < *prompt_len) ? prompt[p + 1] : best;
-    *pos = p + 1;
-    *counter = 0u;
-  }
+  argmax_finish(bv, bi, ArgmaxArgs{part_val, part_idx, counter, pos, cur_token, prompt, prompt_len, out_tokens, 1});
 }

@@ -47,6 +47,7 @@
 //   x: const float* (fp32 residual) with PRO_NORM, else const half*;  y: half* / float* per epilogue.
 #pragma once
 #include "common.cuh"
+#include "argmax_common.cuh"
 
 #define GEMV_THREADS 256
 // TILED configuration per weight format (measured, results/PERF_NOTES.md v7.1-v9; -D overrides are A/B knobs,
@@ -721,8 +722,11 @@ __device__ __forceinline__ float dot8_f16(uint4 w, const __half* xs, int k) {
 }
 
 // y[o] (EPI) = W[o, :] · x for fp16 row-major W, x fp16: every warp owns outputs gw, gw + n_warps, ... .
-template <int EPI, class Sync>
-__device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, unsigned char* smem_raw) {
+// ARGMAX: each warp also keeps the best (y[o], o) of its outputs, and the block ends with argmax_finish
+// (argmax_common.cuh): the greedy token and the step's bookkeeping without a kernel of their own.
+template <int EPI, class Sync, bool ARGMAX = false>
+__device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, unsigned char* smem_raw,
+                                          const ArgmaxArgs am = {}) {
   const int K = a.K, n_out = a.n_out;
   __half* xs = reinterpret_cast<__half*>(smem_raw);
   const int lane = threadIdx.x % AF_WARP;
@@ -747,6 +751,8 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
   __syncthreads();
 
   bool prefetched = true;
+  float bv = -AF_INF;  // ARGMAX: this warp's best (value, index) so far (the same in every lane)
+  int bi = 0x7fffffff;
   for (; o < n_out; o += stride) {
     const unsigned char* wrow = a.W + (size_t)o * row_bytes;
     float acc = 0.f;
@@ -767,7 +773,9 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
     }
     acc = warp_sum(acc);
     if (lane == 0) gemv_epilogue<EPI>(a, RopeArgs{}, o, acc, acc);
+    if (ARGMAX) better(bv, bi, acc, o);  // acc is what EPI_F32 stored
   }
+  if (ARGMAX) argmax_finish(bv, bi, am);
 }
 
 #define GEMV_ROWS_INSTANCE(NAME, EPI)                                                                     \
@@ -777,4 +785,17 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     gemv_rows<EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, PdlSync{}, smem_raw);               \
+  }
+// The lm_head with the greedy argmax and the step's bookkeeping in its epilogue (fp32 logits, EPI_F32).
+#define GEMV_ROWS_ARGMAX_INSTANCE(NAME)                                                                   \
+  extern "C" __global__ void __launch_bounds__(GEMV_THREADS, ROWS_MIN_BLOCKS)                            \
+  NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
+       const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K,              \
+       float* part_val, int* part_idx, unsigned int* counter, int* pos, int* cur_token,                   \
+       const int* __restrict__ prompt, const int* __restrict__ prompt_len, int* out_tokens, int advance) { \
+    AF_TIMELINE_BLOCK;                                                                                    \
+    extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
+    gemv_rows<EPI_F32, PdlSync, true>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, PdlSync{}, smem_raw, \
+                                      ArgmaxArgs{part_val, part_idx, counter, pos, cur_token, prompt,     \
+                                                 prompt_len, out_tokens, advance});                       \
   }

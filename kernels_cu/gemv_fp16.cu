@@ -19,7 +19,9 @@
 //   gemv_f16_norm_swiglu  RMSNorm / silu(gate)*up     fused gate+up projection (gate|up rows tiled in pairs)
 //   gemv_f16_resid        plain / h += W·x            o_proj and down_proj with the residual add
 //   gemv_f16_store        plain / fp16 store          generic (tests, microbenchmarks)
-//   gemv_f16_f32          plain / fp32 store          lm_head logits (row-major)
+//   gemv_f16_f32          plain / fp32 store          lm_head logits (row-major; knob LMHEAD_ARGMAX=0, tests)
+//   gemv_f16_f32_argmax   plain / fp32 store + argmax lm_head logits, the greedy token and the step state
+//                         (argmax_common.cuh; + V_blocks * 8 bytes of partials, a ticket)
 //   gemv_f16_<variant>_ws the same four tiled variants, warp-specialised (sm_90+)
 #include "gemv_common.cuh"
 
@@ -33,3 +35,4 @@ GEMV_WS_INSTANCE(gemv_f16_norm_swiglu_ws, false, PRO_NORM, EPI_SWIGLU)
 GEMV_WS_INSTANCE(gemv_f16_resid_ws, false, PRO_PLAIN, EPI_RESID)
 GEMV_WS_INSTANCE(gemv_f16_store_ws, false, PRO_PLAIN, EPI_STORE)
 GEMV_ROWS_INSTANCE(gemv_f16_f32, EPI_F32)
+GEMV_ROWS_ARGMAX_INSTANCE(gemv_f16_f32_argmax)

@@ -229,6 +229,23 @@ def test_graph_bit_identical_to_eager(tiny_dir, fmt):
     np.testing.assert_array_equal(eng.arena["logits"].get(), eager_logits)
 
 
+def test_separate_argmax_same_tokens(tiny_dir, monkeypatch):
+    """The knob LMHEAD_ARGMAX=0 (lm_head, then argmax_advance) generates the tokens and logits of the default
+    step (the argmax in lm_head's epilogue), and its step has the one launch more."""
+    from atomflow_bench.engine import Engine
+
+    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 20)]
+    fused = Engine(tiny_dir, weights="fp16", max_seq=64)
+    want, want_logits = fused.generate(prompt, 24), fused.arena["logits"].get()
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "LMHEAD_ARGMAX=0")
+    split = Engine(tiny_dir, weights="fp16", max_seq=64)
+    assert [ln.name for ln in split.launches][-2:] == ["gemv_fp16_f32", "argmax_advance"]
+    assert [ln.name for ln in fused.launches][-1] == "gemv_fp16_f32_argmax"
+    assert len(split.launches) == len(fused.launches) + 1
+    np.testing.assert_array_equal(split.generate(prompt, 24), want)
+    np.testing.assert_array_equal(split.arena["logits"].get(), want_logits)
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_group8_matches_reference(tmp_path, fmt):
     """8 q heads per one kv head (the attention kernel's largest group) through the whole engine."""
@@ -284,7 +301,7 @@ def test_refuses_model_that_does_not_fit():
 
 def test_profile_roles_in_graph(tiny_dir):
     """`profile`'s graph-mode breakdown: every role of the step left out once, the position never advanced
-    (argmax is not in these graphs), bytes per role from the launches, and the eager table covers the step."""
+    (step.hold_position), bytes per role from the launches, and the eager table covers the step."""
     from atomflow_bench.bench import copy_bandwidth
     from atomflow_bench.engine import Engine
     from atomflow_bench.profile import profile_step, role_marginals, step_role
@@ -330,7 +347,7 @@ def test_timeline_instrument(tiny_dir, att, monkeypatch):
     L = plain.cfg.num_hidden_layers
     assert {r["role"]: r["count"] for r in t["rows"]} == {
         "embed_lookup": 1, "wqkv": L, "attention_decode": L, "wo": L, "wgu": L, "wd": L, "rmsnorm_f32_f16": 1,
-        "lm_head": 1, "argmax_advance": 1}
+        "lm_head": 1}  # the argmax is in lm_head's epilogue (LMHEAD_ARGMAX=1)
     assert [x["role"] for x in t["per_launch"]] == [step_role(ln) for ln in plain.launches]
     assert t["blocks_per_step"] == sum(int(np.prod(ln.grid)) for ln in plain.launches)
     assert t["length"] == 40 + 1 + (4 - 1) // 2  # the median position of the recorded replays

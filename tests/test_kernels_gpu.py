@@ -20,8 +20,8 @@ from atomflow_bench.config import CATALOG
 from atomflow_bench.errors import AtomflowError
 from atomflow_bench.quant import dequantize_fp8, quantize_fp8
 from atomflow_bench.step import (VARIANT_PAIRING, argmax_launch, attention_launch, attention_short_cap,
-                                 attention_short_launch, embed_launch, gemv_launch, gemv_ws, quantize_launch,
-                                 rmsnorm_launch)
+                                 attention_short_launch, embed_launch, gemv_launch, gemv_ws, hold_position,
+                                 lm_head_launches, quantize_launch, rmsnorm_launch)
 from atomflow_bench.weights import tiled, tiled_scales
 
 pytestmark = pytest.mark.gpu
@@ -368,6 +368,60 @@ def test_attention(kernel_lib, model, length, cap, n_sm):
     out.fill(np.nan)
     launch()  # a replay must give the identical result (tickets reset, no stale partials)
     np.testing.assert_array_equal(out.get(), first)
+
+
+@pytest.mark.parametrize("rows,k", [(128256, 3072), (49152, 576), (1000, 2048)])
+def test_lm_head_argmax(kernel_lib, n_sm, rows, k):
+    """The lm_head GEMV with the argmax in its epilogue (gemv_f16_f32_argmax): the logits as the plain GEMV's
+    bound, the token = the first maximum of those very logits (NaN never wins, ties -> the smaller index), the
+    step state as argmax_advance writes it, the ticket reset; with advance = 0 (step.hold_position) the same
+    search but the state left alone. Partials, logits and tokens poisoned before every launch."""
+    import types
+
+    import cupy as cp
+
+    rng = rng_for("lm_head_argmax", rows, k)
+    w = (rng.standard_normal((rows, k), dtype=np.float32) * 0.02).astype(np.float16)
+    x = rng.standard_normal(k, dtype=np.float32).astype(np.float16)
+    w[rows // 3, 5] = np.nan  # a NaN logit never wins
+    cfg = types.SimpleNamespace(tie_word_embeddings=False, vocab_size=rows, hidden_size=k)
+    n_part = min(-(-rows // 8), 4 * n_sm)
+    a = {"lm_head": cp.asarray(w), "xnorm": cp.asarray(x), "logits": cp.empty(rows, cp.float32),
+         "am_val": cp.empty(n_part, cp.float32), "am_idx": cp.empty(n_part, cp.int32),
+         "am_counter": cp.zeros(1, cp.uint32), "pos": cp.zeros(1, cp.int32), "cur_token": cp.zeros(1, cp.int32),
+         "prompt": cp.asarray(rng.integers(0, rows, 8).astype(np.int32)), "prompt_len": cp.full(1, 5, cp.int32),
+         "out_tokens": cp.empty(16, cp.int32)}
+    (launch,) = lm_head_launches(kernel_lib, a, cfg, n_sm)
+    assert launch.name == "gemv_fp16_f32_argmax" and launch.grid[0] <= n_part
+    (held,) = hold_position([launch])
+    ref = w.astype(np.float64) @ x.astype(np.float64)
+    prompt = a["prompt"].get()
+
+    def run(ln, pos):
+        for name, v in (("logits", np.nan), ("am_val", np.nan), ("am_idx", -1), ("out_tokens", -1)):
+            a[name].fill(v)
+        a["pos"].fill(pos)
+        a["cur_token"].fill(-7)
+        ln()
+        got = a["logits"].get()
+        assert np.isnan(got[rows // 3]) and rel_err(np.nan_to_num(got), np.nan_to_num(ref)) < FP32_TOL
+        assert int(a["am_counter"].get()[0]) == 0
+        finite = np.where(np.isnan(got), -np.inf, got)
+        return int(np.flatnonzero(finite == finite.max())[0])
+
+    want = run(launch, 2)  # no plant: the reduction over every block's rows must find the first maximum
+    assert int(a["out_tokens"].get()[2]) == want
+    assert int(a["pos"].get()[0]) == 3 and int(a["cur_token"].get()[0]) == prompt[3]  # still inside the prompt
+    best = int(rng.integers(rows // 2, rows - 8))  # a planted maximum and its exact tie 7 rows later
+    w[best] = w[best + 7] = (np.sign(x.astype(np.float32)) * 0.05).astype(np.float16)
+    a["lm_head"].set(w)
+    ref = w.astype(np.float64) @ x.astype(np.float64)
+    assert run(launch, 4) == best
+    assert int(a["out_tokens"].get()[4]) == best
+    assert int(a["pos"].get()[0]) == 5 and int(a["cur_token"].get()[0]) == best  # the first generated token
+    assert run(held, 4) == best  # advance = 0: the same search, the state untouched
+    assert int(a["pos"].get()[0]) == 4 and int(a["cur_token"].get()[0]) == -7
+    assert (a["out_tokens"].get() == -1).all()
 
 
 def test_argmax_advance(kernel_lib, n_sm):
