@@ -48,9 +48,11 @@ for st in $stages; do
         done
       done ;;
     knobs)   # compile-time variants (ATOMFLOW_KERNEL_DEFINES), e.g. KNOBS="GEMV_LOADS=16 NAME=V,NAME2=V" on
-      for k in ${KNOBS:-}; do   # KNOB_SPEC="model:fmt" (default llama-3.2-3b:fp8)
-        ks=${KNOB_SPEC:-llama-3.2-3b:fp8}; ktag=${ks#llama-}; tag="knob-${ktag//:/-}-${k//[=,]/_}"
-        ATOMFLOW_KERNEL_DEFINES="${k//,/ }" timeout 240 atomflow-bench run "${ks%%:*}" --weights "${ks##*:}" \
+      for k in ${KNOBS:-}; do   # KNOB_SPEC="model:fmt" (default llama-3.2-3b:fp8); an entry "model:fmt@DEFS" names its
+        ks=${KNOB_SPEC:-llama-3.2-3b:fp8}; [[ $k == *@* ]] && { ks=${k%%@*}; k=${k#*@}; }   # own spec; "default": no -D
+        ktag=${ks#llama-}; tag="knob-${ktag//:/-}-${k//[=,]/_}"; d="${k//,/ }"; [ "$k" = default ] && d=""
+        [ -e "$OUT/run-$tag.json" ] && tag="$tag-again"
+        ATOMFLOW_KERNEL_DEFINES="$d" timeout 240 atomflow-bench run "${ks%%:*}" --weights "${ks##*:}" \
           --json "$OUT/run-$tag.json" >"$OUT/run-$tag.log" 2>&1
         note "run $tag: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
         note "  $(buckets "$OUT/run-$tag.json")"
