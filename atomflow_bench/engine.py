@@ -11,8 +11,10 @@ of its context length. Whether the short kernel is used at all is measured, not 
 the engine times one step of each form at the longest length the short kernel would serve and keeps the faster
 (results/PERF_NOTES.md v11.2: on 8B fp16 the split kernel's longer attention hides o_proj's weight prefetch).
 The layer GEMVs' form is chosen the same way (`gemv="auto"`, sm_90+): warp-specialised (producer warp + bulk
-copies) or the per-warp ring / register path, timed together with the attention forms, the fastest pair kept
-(PERF_NOTES v13: the warp-specialised fp8 GEMVs are faster on 8B and slower on 3B).
+copies; "ws" with the default count of ring slots filled before the PDL wait, "ws-pre<N>" with N, the counts of
+step.GEMV_WS_PRE_TRY) or the per-warp ring / register path ("ring"), timed together with the attention forms, the
+fastest pair kept (PERF_NOTES v13: the warp-specialised fp8 GEMVs are faster on 8B and slower on 3B; v16: 1B fp16
+is faster with 2 slots before the wait, 3B with 3).
 """
 from __future__ import annotations
 
@@ -24,7 +26,19 @@ import numpy as np
 from .arena import Arena, plan_arena
 from .errors import AtomflowError, GpuUnavailable
 from .kernels import KernelLib
-from .step import attention_short_cap, build_step, hold_position, run_eager, smem_limits
+from .step import GEMV_WS_PRE_TRY, attention_short_cap, build_step, hold_position, run_eager, smem_limits
+
+
+def gemv_form(form: str) -> tuple[bool, int | None]:
+    """(warp-specialised, slots before the wait or None for the default) of a layer-GEMV form: "ring", "ws" or
+    "ws-pre<N>"."""
+    if form == "ring":
+        return False, None
+    if form == "ws":
+        return True, None
+    if form.startswith("ws-pre") and form[6:].isdigit():
+        return True, int(form[6:])
+    raise AtomflowError(f"gemv must be auto, ws, ws-pre<N> or ring, not {form!r}")
 from .weights import Checkpoint, upload_weights
 
 
@@ -76,20 +90,21 @@ class Engine:
         attention = attention or os.environ.get("ATOMFLOW_ATTENTION", "auto")
         if attention not in ("auto", "short", "split"):
             raise AtomflowError(f"attention must be auto, short or split, not {attention!r}")
-        # gemv: "auto" (sm_90+: time both forms with the attention forms), "ws" or "ring"; $ATOMFLOW_GEMV or "auto".
+        # gemv: "auto" (sm_90+: time the forms with the attention forms), "ws", "ws-pre<N>" or "ring";
+        # $ATOMFLOW_GEMV or "auto".
         gemv = gemv or os.environ.get("ATOMFLOW_GEMV", "auto")
-        if gemv not in ("auto", "ws", "ring"):
-            raise AtomflowError(f"gemv must be auto, ws or ring, not {gemv!r}")
         ws_ok = float(self.gpu["cc"]) >= 9.0
-        if gemv == "ws" and not ws_ok:
-            raise AtomflowError("gemv='ws' needs sm_90+ (bulk copies)")
-        forms = (["ws", "ring"] if ws_ok else ["ring"]) if gemv == "auto" else [gemv]
+        if gemv != "auto" and gemv_form(gemv)[0] and not ws_ok:
+            raise AtomflowError(f"gemv={gemv!r} needs sm_90+ (bulk copies)")
+        tries = [f"ws-pre{n}" for n in GEMV_WS_PRE_TRY[weights]]
+        forms = (["ws", *tries, "ring"] if ws_ok else ["ring"]) if gemv == "auto" else [gemv]
         cfg = self.cfg
         full_cap = attention_short_cap(cfg.head_dim, self.lib.defines, smem_limits())
         cap = 0 if attention == "split" else full_cap
         caps = [cap] if cap else []
         self._forms = {f: {k: build_step(cfg, weights, self.arena, self.lib, self.gpu["sms"], att_cap=k,
-                                         gemv_ws=f == "ws") for k in caps + [None]} for f in forms}
+                                         gemv_ws=gemv_form(f)[0], ws_pre=gemv_form(f)[1]) for k in caps + [None]}
+                       for f in forms}
         self.variants = self._forms[forms[0]]
         self.att_caps = caps
         # Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it

@@ -109,7 +109,8 @@ def graph_replay_us(launches, stream, replays: int = 30) -> dict:
 
 def step_role(ln) -> str:
     """The role of one launch of the step: the weight role of a GEMV (wqkv, wo, wgu, wd, lm_head), else the
-    kernel (attention_decode, embed_lookup, rmsnorm_f32_f16, argmax_advance with the knob LMHEAD_ARGMAX=0)."""
+    kernel (attention_decode, embed_lookup; rmsnorm_f32_f16 and argmax_advance with the knobs LMHEAD_NORM=0 and
+    LMHEAD_ARGMAX=0)."""
     if ln.name.startswith("gemv_"):
         return ln.label.split()[2]
     return ln.name

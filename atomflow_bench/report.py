@@ -17,6 +17,13 @@ from .store import write_json_atomic
 
 SCHEMA = "atomflow-bench/run/1"
 GEMV_FORMS = {"ws": "warp-specialised: producer warp + bulk copies", "ring": "per-warp ring (fp8) / registers (fp16)"}
+
+
+def gemv_form_text(form: str) -> str:
+    """What a layer-GEMV form name (engine.gemv_form: ring, ws, ws-pre<N>) means, for the run table."""
+    if form.startswith("ws-pre"):
+        return f"{GEMV_FORMS['ws']}, {form[6:]} ring slots filled before the PDL wait"
+    return GEMV_FORMS.get(form, form)
 REQUIRED = ("schema", "gpu", "model", "weights", "context", "tokens", "tpot_ms", "copy_bandwidth_gbs",
             "bytes_per_token", "roofline")
 
@@ -136,7 +143,7 @@ def run_table(rec: dict):
         how = gc["mode"] if not gc.get("step_us") else (
             f"measured at length {gc['length']}: " + " vs ".join(f"{f} {v:.1f} µs" for f, v in gc["step_us"].items())
             + " per step")
-        t.add_row("layer GEMVs", f"{how} -> {gc['chosen']} ({GEMV_FORMS[gc['chosen']]})")
+        t.add_row("layer GEMVs", f"{how} -> {gc['chosen']} ({gemv_form_text(gc['chosen'])})")
     t.add_row("load", f"{rec['load']['seconds']:.1f} s" + (f", fp8 from {rec['load']['fp8_source']}"
                                                             if rec['load'].get('fp8_source') else ""))
     return t

@@ -13,8 +13,9 @@ into a CUDA Graph (graph.py). Per layer 5 launches:
     gemv  gate/up  RMSNorm prologue (post_attention_layernorm), SwiGLU epilogue -> act (fp16)
     gemv  down     residual epilogue                                           h += Wd . act
 
-plus the embedding lookup before the layers and final RMSNorm, then lm_head (fp16, fp32 logits) with the
-greedy argmax and the step's bookkeeping in its epilogue (knob LMHEAD_ARGMAX=0: a separate argmax kernel).
+plus the embedding lookup before the layers, then lm_head (fp16, fp32 logits) with the final RMSNorm in its
+prologue and the greedy argmax and the step's bookkeeping in its epilogue (knobs LMHEAD_NORM=0 / LMHEAD_ARGMAX=0:
+separate rmsnorm / argmax kernels).
 (A second form, one persistent kernel for all layers, was built, measured slower and removed:
 results/PERF_NOTES.md v5-v7.)
 
@@ -39,6 +40,7 @@ GEMV_THREADS = 256
 GEMV_WARPS = GEMV_THREADS // 32
 GEMV_BLOCKS_PER_SM = 2  # = GEMV_MIN_BLOCKS in gemv_common.cuh (tiled GEMVs): the grid never exceeds one resident wave
 LMHEAD_ARGMAX = 1          # knob: the argmax in the lm_head GEMV's epilogue (0: argmax_advance after it)
+LMHEAD_NORM = 1            # knob: the final RMSNorm in the lm_head GEMV's prologue (0: rmsnorm_f32_f16 before it)
 GEMV_STAGES = 5            # fp8: deepest cp.async ring (groups of 128 inputs per warp) a launch may get; knob
 GEMV_ONE_WAVE = 1          # knob: tile counts in (2, 3] x SMs run one tile per block at 3 blocks per SM
 GEMV_WS = 1                # knob: warp-specialised GEMVs (producer warp + bulk copies, sm_90+) for 1 = fp16 only,
@@ -50,6 +52,9 @@ GEMV_WS_THREADS = GEMV_THREADS + 32  # 8 consumer warps + the producer (gemv_com
 GEMV_WS_SLOT = 16384       # = GEMV_WS_SLOT: weight bytes per ring slot (fp8: 8 groups of 128 inputs, fp16: 4)
 GEMV_WS_MAX = 16           # = GEMV_WS_MAX: most slots a ring may have
 GEMV_WS_SLOTS = 6          # knob: the deepest ring a launch gets (~96 KB in flight per block, as the fp16 batch was)
+GEMV_WS_PRE = {"fp16": 3, "fp8": 0}  # ring slots the producer fills before the consumers passed their PDL wait
+                           # (0: all; a kernel argument; knobs GEMV_WS_PRE_F16 / _F8): PERF_NOTES v13.2, v16
+GEMV_WS_PRE_TRY = {"fp16": (2,), "fp8": ()}  # other counts the engine times per shape (1B fp16 is faster at 2: v16)
 ATT_THREADS = 128
 ATT_RING_BYTES = 24 * 1024  # attention.cu: each warp's K/V ring (3 groups at hd 128, 6 at hd 64)
 ATS_THREADS = 256          # attention_short.cu
@@ -133,6 +138,12 @@ def gemv_ws(fmt: str, defines: tuple = (), cc: int | None = None) -> bool:
     return level >= (2 if fmt == "fp8" else 1) and (compute_capability() if cc is None else cc) >= 90
 
 
+def gemv_ws_pre(fmt: str, defines: tuple = ()) -> int:
+    """The default count of ring slots a warp-specialised GEMV of `fmt` fills before its PDL wait (GEMV_WS_PRE, knobs
+    GEMV_WS_PRE_F16 / GEMV_WS_PRE_F8)."""
+    return knob("GEMV_WS_PRE_F8" if fmt == "fp8" else "GEMV_WS_PRE_F16", GEMV_WS_PRE[fmt], defines)
+
+
 def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), smem: tuple = SMEM_H100,
                  depth: int | None = None) -> tuple[int, int, int]:
     """(ring slots, blocks per SM, dynamic shared memory) of a warp-specialised tiled GEMV (gemv_tiled_ws).
@@ -167,15 +178,19 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), s
 
 def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: int, k: int, n_sm: int,
                 norm_w=None, eps: float = 1e-5, taps=None, role: str = "", rope: tuple = (),
-                ring_depth: int | None = None, ws: bool | None = None) -> Launch:
+                ring_depth: int | None = None, ws: bool | None = None, ws_pre: int | None = None,
+                x_out=None) -> Launch:
     """y = W.x in `fmt` (fp16 | fp8) with `variant` in qkv_rope | norm_swiglu | resid | store (weights, and fp8
     scales, in the tiled layout of weights.tile_view with the variant's VARIANT_PAIRING) or f32 (lm_head: fp16
     row-major weights).
 
     qkv_rope: n_out = qkv_dim / 2 (one output per rotation pair); `rope` = (cos_sin, pos, k_cache, v_cache,
     n_q_heads, n_kv_heads, head_dim) for this layer. `ring_depth`: see gemv_ws_plan / gemv_plan (tests). `ws`:
-    the tiled variants warp-specialised (sm_90+) or not; None: the rule of gemv_ws (knob GEMV_WS). The engine
-    passes the form it measured faster (Engine gemv="auto").
+    the tiled variants warp-specialised (sm_90+) or not; None: the rule of gemv_ws (knob GEMV_WS). `ws_pre`: the
+    ring slots a warp-specialised launch fills before its wait (None: gemv_ws_pre). The engine passes the form it
+    measured fastest (Engine gemv="auto").
+    f32 (lm_head): with `norm_w`, x is the fp32 residual and the kernel's prologue is the final RMSNorm; `x_out`
+    (fp16 [k]) receives the normalised x (block 0).
     """
     fp8 = fmt == "fp8"
     rows = 2 * n_out if variant in ("norm_swiglu", "qkv_rope") else n_out
@@ -184,7 +199,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     if variant == "f32":
         if fp8 or k % 8:
             raise AtomflowError(f"lm_head GEMV needs fp16 weights with K % 8 == 0, got {fmt} K={k}")
-        shmem, depth, ws = k * 2, 0, False
+        shmem, depth, ws = (k * 2 if norm_w is None else k * 8 + 128), 0, False  # gemv_common.cuh gemv_rows
         grid_units = -(-n_out // ROWS_WARPS)  # a warp per output row
         per_sm = ROWS_BLOCKS_PER_SM
     else:
@@ -212,6 +227,14 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd = rope
         extra = (cos_sin, pos, k_cache, v_cache, i32(n_q), i32(n_kv), i32(hd))
         moved += 2 * n_kv * hd * 2  # the K and V rows appended to the cache
+    if variant == "f32":
+        extra = (NULL if x_out is None else x_out,)
+        moved += 0 if norm_w is None else norm_w.nbytes + (0 if x_out is None else x_out.nbytes)
+    if ws:
+        pre = gemv_ws_pre(fmt, lib.defines) if ws_pre is None else ws_pre
+        if not 0 <= pre <= GEMV_WS_MAX:
+            raise AtomflowError(f"GEMV ring slots before the wait: 0 to {GEMV_WS_MAX}, not {pre}")
+        extra += (i32(pre),)
     return Launch(fn, f"gemv_{fmt}_{variant}", grid, (GEMV_WS_THREADS if ws else GEMV_THREADS,),
                   (w, scales if fp8 else NULL, x, NULL if norm_w is None else norm_w, np.float32(eps), y,
                    i32(n_out), i32(k)) + extra, shmem, taps or {}, moved,
@@ -310,9 +333,10 @@ def attention_short_launch(lib: KernelLib, q, k_cache, v_cache, pos, out, n_kv: 
 
 
 def rmsnorm_launch(lib: KernelLib, h, w, eps: float, out, taps=None) -> Launch:
+    """256 threads: the sums in the order of the lm_head's norm prologue (gemv_rows), so that both give the same x."""
     K = h.shape[0]
-    return Launch(lib["rmsnorm_f32_f16"], "rmsnorm_f32_f16", (1,), (1024,), (h, w, np.float32(eps), out, i32(K)),
-                  0, taps or {}, K * 8)
+    return Launch(lib["rmsnorm_f32_f16"], "rmsnorm_f32_f16", (1,), (GEMV_THREADS,),
+                  (h, w, np.float32(eps), out, i32(K)), 0, taps or {}, K * 8)
 
 
 def argmax_launch(lib: KernelLib, logits, part_val, part_idx, counter, pos, cur_token, prompt, prompt_len,
@@ -323,13 +347,24 @@ def argmax_launch(lib: KernelLib, logits, part_val, part_idx, counter, pos, cur_
                   0, {}, logits.nbytes)
 
 
+def lm_head_norm(lib: KernelLib) -> bool:
+    """Whether the final RMSNorm runs as the lm_head GEMV's prologue (knob LMHEAD_NORM)."""
+    return bool(knob("LMHEAD_NORM", LMHEAD_NORM, lib.defines))
+
+
 def lm_head_launches(lib: KernelLib, a: Arena, cfg: ModelConfig, n_sm: int) -> list[Launch]:
-    """The step's tail after the final norm: logits = lm_head . xnorm (fp32), the greedy token and the step
-    state (argmax.cu's contract) — one launch, the argmax in the GEMV's epilogue, or with the knob
-    LMHEAD_ARGMAX=0 the plain GEMV and argmax_advance."""
+    """The step's tail after the last layer: xnorm = RMSNorm(h) * final_norm, logits = lm_head . xnorm (fp32), the
+    greedy token and the step state (argmax.cu's contract) — one launch: the norm in the GEMV's prologue (block 0
+    also stores xnorm, the `final_norm` probe) and the argmax in its epilogue. The knob LMHEAD_NORM=0 reads xnorm
+    written by rmsnorm_f32_f16 before it (build_step), LMHEAD_ARGMAX=0 adds argmax_advance after it."""
     head = a["embed" if cfg.tie_word_embeddings else "lm_head"]
-    gemv = gemv_launch(lib, "fp16", "f32", head, None, a["xnorm"], a["logits"], cfg.vocab_size, cfg.hidden_size,
-                       n_sm, taps={"logits": a["logits"]}, role="lm_head")
+    if lm_head_norm(lib):
+        gemv = gemv_launch(lib, "fp16", "f32", head, None, a["h"], a["logits"], cfg.vocab_size, cfg.hidden_size,
+                           n_sm, norm_w=a["final_norm"], eps=cfg.rms_norm_eps, x_out=a["xnorm"],
+                           taps={"final_norm": a["xnorm"], "logits": a["logits"]}, role="lm_head")
+    else:
+        gemv = gemv_launch(lib, "fp16", "f32", head, None, a["xnorm"], a["logits"], cfg.vocab_size,
+                           cfg.hidden_size, n_sm, taps={"logits": a["logits"]}, role="lm_head")
     state = (a["pos"], a["cur_token"], a["prompt"], a["prompt_len"], a["out_tokens"])
     if not knob("LMHEAD_ARGMAX", LMHEAD_ARGMAX, lib.defines):
         return [gemv, argmax_launch(lib, a["logits"], a["am_val"], a["am_idx"], a["am_counter"], *state)]
@@ -360,10 +395,10 @@ def hold_position(launches: list[Launch]) -> list[Launch]:
 # ---- the step --------------------------------------------------------------------------------------------
 
 def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, att_cap: int | None = None,
-               gemv_ws: bool | None = None) -> list[Launch]:
+               gemv_ws: bool | None = None, ws_pre: int | None = None) -> list[Launch]:
     """The step's launches, each with its probes as taps (validation copies them after each launch). `att_cap`:
     the short attention kernel holding that many positions (lengths up to it), else the split kernel. `gemv_ws`:
-    the layer GEMVs warp-specialised or not (None: gemv_launch's rule)."""
+    the layer GEMVs warp-specialised or not (None: gemv_launch's rule); `ws_pre`: their slots before the wait."""
     tail = lm_head_launches(lib, a, cfg, n_sm)
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_norm_eps
@@ -373,7 +408,7 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
     def gemv(weight, variant, x, y, n_out, k, **kw):
         scales = a[weight + ".scale"] if fmt == "fp8" else None
         return gemv_launch(lib, fmt, variant, a[weight], scales, x, y, n_out, k, n_sm, eps=eps,
-                           role=weight.split(".", 1)[1], ws=gemv_ws, **kw)
+                           role=weight.split(".", 1)[1], ws=gemv_ws, ws_pre=ws_pre, **kw)
 
     steps = [embed_launch(lib, a["cur_token"], a["embed"], h, taps={"embed": h})]
     for i in range(cfg.num_hidden_layers):
@@ -393,7 +428,8 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
             gemv(f"L{i}.wgu", "norm_swiglu", h, act, I, H, norm_w=a[f"L{i}.mlp_norm"], taps={p + "act": act}),
             gemv(f"L{i}.wd", "resid", act, h, H, I, taps={p + "mlp": h}),
         ]
-    steps.append(rmsnorm_launch(lib, h, a["final_norm"], eps, xnorm, taps={"final_norm": xnorm}))
+    if not lm_head_norm(lib):
+        steps.append(rmsnorm_launch(lib, h, a["final_norm"], eps, xnorm, taps={"final_norm": xnorm}))
     check_residual_order([ln.name for ln in steps])
     return steps + tail
 

@@ -517,7 +517,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 // The producer's lane 0 streams the block's weights (its tiles in order, each a contiguous run of groups) into a
 // ring of NS slots of GEMV_WS_SLOT bytes (fp8: 8 groups + their 512 B of scales; fp16: 4 groups) with bulk copies
 // completing on the slot's `full` mbarrier; it starts at the block's start, never waits for the previous kernel
-// (but fills at most PRE slots before the consumers have: the `go` mbarrier) and refills a slot once the 8 consumer
+// (but fills at most npre slots before the consumers have: the `go` mbarrier) and refills a slot once the 8 consumer
 // warps have arrived on its `empty` mbarrier. The consumers never issue a
 // weight load: they wait for the previous kernel, stage x (named barrier of 256 threads), and in every slot take
 // the group they own (group g belongs to warp g % 8, as in the forms above), then release the slot. NS is what the
@@ -528,24 +528,19 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 #define GEMV_WS_SLOT 16384  // weight bytes per ring slot
 #define GEMV_WS_MAX 16      // most slots a ring may have (barriers reserved for all)
 #define GEMV_WS_THREADS (GEMV_THREADS + AF_WARP)
-// Slots the producer may fill before the consumers have passed their wait (0: the whole ring), per format (knobs):
-// fewer bytes requested before the wait let the previous kernel's completion and this kernel's x loads through
-// sooner (measured, PERF_NOTES v13.2: fp16 3 of 6 slots -78 µs on 3B; fp8 2 was slower on 8B).
-#ifndef GEMV_WS_PRE_F16
-#define GEMV_WS_PRE_F16 3
-#endif
-#ifndef GEMV_WS_PRE_F8
-#define GEMV_WS_PRE_F8 0
-#endif
+// `npre` (a kernel argument, chosen per launch by the host: step.py gemv_ws_pre, and measured per shape by the
+// engine): slots the producer may fill before the consumers have passed their wait (0: the whole ring). Fewer
+// bytes requested before the wait let the previous kernel's completion and this kernel's x loads through sooner
+// (measured, PERF_NOTES v13.2: fp16 3 of 6 slots -78 µs on 3B; v16: 1B fp16 is faster at 2; fp8 2 was slower on 8B).
 #if AF_HAS_BULK
 template <bool FP8, int PRO, int EPI>
-__device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs rope, unsigned char* smem_raw) {
+__device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs rope, unsigned char* smem_raw,
+                                              const int npre) {
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
   constexpr int NWC = GEMV_THREADS / AF_WARP;                   // consumer warps
   constexpr int KU = FP8 ? 32 : 16, UPG = 128 / KU;            // inputs per 512-byte unit, units per group
   constexpr int GPS = GEMV_WS_SLOT / (UPG * 512);              // groups per slot: fp8 8, fp16 4
   constexpr int SLOTB = GEMV_WS_SLOT + (FP8 ? GPS * 64 : 0);   // a slot's bytes (fp8: + the groups' scales)
-  constexpr int PRE = FP8 ? GEMV_WS_PRE_F8 : GEMV_WS_PRE_F16;
   static_assert(NWC == 8 && GPS <= NWC && NWC % GPS == 0, "a slot holds at most one group per consumer warp");
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, t = lane & 3;
@@ -558,7 +553,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   float* rs = red + 2 * NWC * GEMV_TILE;
   unsigned long long* full = reinterpret_cast<unsigned long long*>(rs + 32);
   unsigned long long* empty = full + GEMV_WS_MAX;
-  unsigned long long* go = empty + GEMV_WS_MAX;  // one arrival: the consumers passed their wait (PRE)
+  unsigned long long* go = empty + GEMV_WS_MAX;  // one arrival: the consumers passed their wait (npre)
   unsigned char* ring = reinterpret_cast<unsigned char*>(go + 2);
   ring += (128u - ((unsigned)__cvta_generic_to_shared(ring) & 127u)) & 127u;  // slots 128-byte aligned (host: +128)
   unsigned dyn;
@@ -586,7 +581,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
       };
       for (int n = 0; n < total; ++n) {
         const int slot = n % NS;
-        if (PRE > 0 && n == PRE) mbar_wait(go, 0u);  // the rest once the consumers passed their wait
+        if (npre > 0 && n == npre) mbar_wait(go, 0u);  // the rest once the consumers passed their wait
         if (n >= NS) mbar_wait(empty + slot, (unsigned)(n / NS - 1) & 1u);
         int T, g0, g1, u0, u1;
         part(n, T, g0, g1, u0, u1);
@@ -602,7 +597,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
   PdlSync{}.arrive_wait();  // x / h / pos only once the previous kernel is done (weights are the producer's)
-  if (PRE > 0 && threadIdx.x == 0) mbar_arrive(go);
+  if (npre > 0 && threadIdx.x == 0) mbar_arrive(go);
   stage_x_tiled<PRO, STAGE_REGS, GEMV_THREADS>(a, xs, rs);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
@@ -638,7 +633,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 #define GEMV_WS_BODY(FP8, PRO, EPI, ROPE)                                                                 \
   AF_TIMELINE_BLOCK;                                                                                      \
   extern __shared__ __align__(16) unsigned char smem_raw[];                                               \
-  gemv_tiled_ws<FP8, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, ROPE, smem_raw);
+  gemv_tiled_ws<FP8, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, ROPE, smem_raw, npre);
 #elif defined(__CUDA_ARCH__)
 #define GEMV_WS_BODY(FP8, PRO, EPI, ROPE) __trap();
 #else
@@ -647,11 +642,11 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 #define GEMV_WS_INSTANCE(NAME, FP8, PRO, EPI)                                                             \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3)                                        \
   NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
-       const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
+       const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K, int npre) {  \
     GEMV_WS_BODY(FP8, PRO, EPI, RopeArgs{})                                                               \
   }
 #define GEMV_WS_ROPE_INSTANCE(NAME, FP8)                                                                  \
-  extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME GEMV_ROPE_ARGS {                  \
+  extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_ROPE_PARAMS, int npre) {     \
     GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}))      \
   }
 
@@ -685,11 +680,12 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 
 // The QKV projection with RoPE and the KV-cache append in its epilogue: fp16 through registers (NAME) or fp8 at
 // ring depth NS (NAME_r<NS>).
-#define GEMV_ROPE_ARGS                                                                                    \
-  (const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x,     \
+#define GEMV_ROPE_PARAMS                                                                                  \
+  const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x,      \
    const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K,                  \
    const float2* __restrict__ cos_sin, const int* __restrict__ pos, __half* __restrict__ k_cache,         \
-   __half* __restrict__ v_cache, int n_q, int n_kv, int hd)
+   __half* __restrict__ v_cache, int n_q, int n_kv, int hd
+#define GEMV_ROPE_ARGS (GEMV_ROPE_PARAMS)
 #define GEMV_ROPE_CALL(PATH)                                                                              \
   {                                                                                                       \
     AF_TIMELINE_BLOCK;                                                                                    \
@@ -721,14 +717,42 @@ __device__ __forceinline__ float dot8_f16(uint4 w, const __half* xs, int k) {
   return acc;
 }
 
+// The final RMSNorm as the lm_head's prologue (a.norm_w != 0; a.x = the fp32 residual h): every block computes
+// x = RMSNorm(h) * norm_w into its shared memory `xs` the way rmsnorm.cu does (rms_inv's sums in its order at the
+// block's 256 threads, rmsnorm_elem per input: bit-identical to rmsnorm_f32_f16 launched with 256 threads), h read
+// through L2 once and parked in `hs` (fp32 [K]), norm_w copied to `nws` (fp16 [K]) before the PDL wait
+// (stage_norm_w_async). Block 0 also stores x to `x_out` (the `final_norm` probe) when given.
+__device__ __forceinline__ void stage_x_rows_norm(const GemvArgs& a, __half* xs, float* hs, const __half* nws,
+                                                  float* red) {
+  const float4* h4 = reinterpret_cast<const float4*>(a.x);
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < a.K / 4; c += blockDim.x) {
+    const float4 v = __ldcg(h4 + c);
+    reinterpret_cast<float4*>(hs)[c] = v;
+    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+  }
+  cp_async_wait<0>();  // this thread's norm_w pieces; block_sum's barriers publish everyone's hs and nws
+  const float inv = rsqrtf(block_sum(ss, red) / (float)a.K + a.eps);  // = rms_inv's value, bit for bit
+  unsigned* xs2 = reinterpret_cast<unsigned*>(xs);
+  for (int p = threadIdx.x; p < a.K / 2; p += blockDim.x) {
+    const float2 hv = reinterpret_cast<const float2*>(hs)[p];
+    xs2[p] = norm_pair(hv.x, hv.y, inv, reinterpret_cast<const __half2*>(nws)[p]);
+  }
+}
+
 // y[o] (EPI) = W[o, :] · x for fp16 row-major W, x fp16: every warp owns outputs gw, gw + n_warps, ... .
+// With a.norm_w: x = RMSNorm(a.x) * norm_w (stage_x_rows_norm; shared memory K * 8 + 128 bytes, else K * 2).
 // ARGMAX: each warp also keeps the best (y[o], o) of its outputs, and the block ends with argmax_finish
 // (argmax_common.cuh): the greedy token and the step's bookkeeping without a kernel of their own.
 template <int EPI, class Sync, bool ARGMAX = false>
 __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, unsigned char* smem_raw,
-                                          const ArgmaxArgs am = {}) {
+                                          __half* x_out, const ArgmaxArgs am = {}) {
   const int K = a.K, n_out = a.n_out;
   __half* xs = reinterpret_cast<__half*>(smem_raw);
+  float* hs = reinterpret_cast<float*>(smem_raw + (size_t)K * 2);
+  __half* nws = reinterpret_cast<__half*>(smem_raw + (size_t)K * 6);
+  float* red = reinterpret_cast<float*>(smem_raw + (size_t)K * 8);
+  const bool norm = a.norm_w != nullptr;
   const int lane = threadIdx.x % AF_WARP;
   const int nwarps = blockDim.x / AF_WARP;
   const int stride = gridDim.x * nwarps;
@@ -745,10 +769,18 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
       wv[u] = c < nchunks ? ld_stream(wrow + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
     }
   }
+  if (norm) stage_norm_w_async(a, nws);  // constant: before the wait
   sync.arrive_wait();
-  const __half* src = reinterpret_cast<const __half*>(a.x);
-  for (int i = threadIdx.x; i < K / 8; i += blockDim.x) reinterpret_cast<uint4*>(xs)[i] = ld_cg16(src + 8 * i);
+  if (norm) {
+    stage_x_rows_norm(a, xs, hs, nws, red);
+  } else {
+    const __half* src = reinterpret_cast<const __half*>(a.x);
+    for (int i = threadIdx.x; i < K / 8; i += blockDim.x) reinterpret_cast<uint4*>(xs)[i] = ld_cg16(src + 8 * i);
+  }
   __syncthreads();
+  if (x_out != nullptr && blockIdx.x == 0)
+    for (int i = threadIdx.x; i < K / 8; i += blockDim.x)
+      reinterpret_cast<uint4*>(x_out)[i] = reinterpret_cast<const uint4*>(xs)[i];
 
   bool prefetched = true;
   float bv = -AF_INF;  // ARGMAX: this warp's best (value, index) so far (the same in every lane)
@@ -778,24 +810,27 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
   if (ARGMAX) argmax_finish(bv, bi, am);
 }
 
+// x_out: where block 0 stores x (0: nowhere); with norm_w the final norm's output (the `final_norm` probe).
 #define GEMV_ROWS_INSTANCE(NAME, EPI)                                                                     \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, ROWS_MIN_BLOCKS)                            \
   NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
-       const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
+       const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K,              \
+       __half* __restrict__ x_out) {                                                                      \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
-    gemv_rows<EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, PdlSync{}, smem_raw);               \
+    gemv_rows<EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, PdlSync{}, smem_raw, x_out);        \
   }
 // The lm_head with the greedy argmax and the step's bookkeeping in its epilogue (fp32 logits, EPI_F32).
 #define GEMV_ROWS_ARGMAX_INSTANCE(NAME)                                                                   \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, ROWS_MIN_BLOCKS)                            \
   NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
        const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K,              \
-       float* part_val, int* part_idx, unsigned int* counter, int* pos, int* cur_token,                   \
-       const int* __restrict__ prompt, const int* __restrict__ prompt_len, int* out_tokens, int advance) { \
+       __half* __restrict__ x_out, float* part_val, int* part_idx, unsigned int* counter, int* pos,       \
+       int* cur_token, const int* __restrict__ prompt, const int* __restrict__ prompt_len, int* out_tokens, \
+       int advance) {                                                                                     \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     gemv_rows<EPI_F32, PdlSync, true>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, PdlSync{}, smem_raw, \
-                                      ArgmaxArgs{part_val, part_idx, counter, pos, cur_token, prompt,     \
+                                      x_out, ArgmaxArgs{part_val, part_idx, counter, pos, cur_token, prompt,     \
                                                  prompt_len, out_tokens, advance});                       \
   }

@@ -13,16 +13,20 @@
 //            16 KB slots with bulk copies), 2-3 blocks per SM, grid = min(tiles, blocks per SM * SMs), dyn. smem
 //            = K*2 + 1408 + slots * 16384 (step.py gemv_ws_plan); sm_89 or GEMV_WS=0: block = 256 through
 //            registers, 2 blocks per SM, dyn. smem = K*2 + 1152 (+ K*6 with the RMSNorm prologue);
-//            lm_head: block = 256, grid = min(ceil(rows / 8), 4 * SMs), dyn. smem = K*2 bytes.
+//            lm_head: block = 256, grid = min(ceil(rows / 8), 4 * SMs), dyn. smem = K*2 bytes (K*8 + 128 with
+//            the final RMSNorm as its prologue: x, h fp32 and norm_w parked in shared memory).
 // Instances  (name: prologue / epilogue / used for)
 //   gemv_f16_qkv_rope     RMSNorm / RoPE + KV append  fused QKV projection (q|k|v rows, RoPE pairs tiled)
 //   gemv_f16_norm_swiglu  RMSNorm / silu(gate)*up     fused gate+up projection (gate|up rows tiled in pairs)
 //   gemv_f16_resid        plain / h += W·x            o_proj and down_proj with the residual add
 //   gemv_f16_store        plain / fp16 store          generic (tests, microbenchmarks)
-//   gemv_f16_f32          plain / fp32 store          lm_head logits (row-major; knob LMHEAD_ARGMAX=0, tests)
-//   gemv_f16_f32_argmax   plain / fp32 store + argmax lm_head logits, the greedy token and the step state
-//                         (argmax_common.cuh; + V_blocks * 8 bytes of partials, a ticket)
-//   gemv_f16_<variant>_ws the same four tiled variants, warp-specialised (sm_90+)
+//   gemv_f16_f32          RMSNorm or plain / fp32     lm_head logits (row-major; knob LMHEAD_ARGMAX=0, tests)
+//   gemv_f16_f32_argmax   RMSNorm or plain / fp32     lm_head logits, the greedy token and the step state
+//                         store + argmax              (argmax_common.cuh; + V_blocks * 8 bytes of partials, a ticket)
+//                         The lm_head's prologue is the final RMSNorm when norm_w is given (x = the fp32 residual;
+//                         block 0 stores the normalised x to x_out: the `final_norm` probe), else a copy of x.
+//   gemv_f16_<variant>_ws the same four tiled variants, warp-specialised (sm_90+; a last argument `npre`: ring
+//                         slots filled before the PDL wait)
 #include "gemv_common.cuh"
 
 GEMV_ROPE_INSTANCE(gemv_f16_qkv_rope)

@@ -1,12 +1,12 @@
 // rmsnorm.cu — RMSNorm of the fp32 residual stream into an fp16 vector, as HF LlamaRMSNorm computes it:
 // out = fp16(h * rsqrt(mean(h^2) + eps)) * w.
 //
-// Used standalone only for the final norm before lm_head (its output is the `final_norm` probe). Inside
-// the layers the same math (common.cuh: rms_inv, rmsnorm_elem) runs in the prologue of the QKV and gate/up
-// GEMVs (gemv_common.cuh stage_x_tiled), so no separate launch or round trip exists there.
+// Used standalone only with the knob LMHEAD_NORM=0 (the final norm before lm_head) and as the tests' reference:
+// the same math (common.cuh: rms_inv, rmsnorm_elem) runs in the prologue of the QKV and gate/up GEMVs
+// (gemv_common.cuh stage_x_tiled) and of the lm_head GEMV (stage_x_rows_norm: bit-identical at 256 threads).
 // Layouts    h fp32 [K], w fp16 [K], out fp16 [K]; K % 4 == 0.
 // Bytes      K * 4 + K * 2 read, K * 2 written.
-// Launch     grid = 1, block = 1024.
+// Launch     grid = 1, block = 256 (step.py rmsnorm_launch; the sums' order is the lm_head prologue's).
 #include "common.cuh"
 
 extern "C" __global__ void rmsnorm_f32_f16(const float* __restrict__ h, const __half* __restrict__ w, float eps,

@@ -171,10 +171,12 @@ def test_attention_auto(tiny_dir, fmt):
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_gemv_auto(tiny_dir, fmt):
-    """gemv="auto" (sm_90+): both layer-GEMV forms are timed with the attention forms and the fastest pair is kept;
-    every layer GEMV then runs that form. The forms sum in the same mma order, so an engine forced to the other
-    form gives the same greedy tokens."""
+    """gemv="auto" (sm_90+): the layer-GEMV forms (warp-specialised with each count of ring slots before the wait
+    that step.GEMV_WS_PRE_TRY lists, and the ring) are timed with the attention forms and the fastest pair is kept;
+    every layer GEMV then runs that form. The forms sum in the same mma order, so engines forced to another form
+    or another slot count give the same greedy tokens."""
     from atomflow_bench.engine import Engine
+    from atomflow_bench.step import GEMV_WS_PRE, GEMV_WS_PRE_TRY
 
     eng = Engine(tiny_dir, weights=fmt, max_seq=900)
     g = eng.gemv_choice
@@ -182,18 +184,25 @@ def test_gemv_auto(tiny_dir, fmt):
         assert g == {"mode": "auto", "chosen": "ring"}
         return
     assert g["mode"] == "auto" and g["length"] == eng.attention_choice["length"] == 512
-    assert set(g["step_us"]) == {"ws", "ring"} and all(v > 0 for v in g["step_us"].values())
+    assert set(g["step_us"]) == {"ws", "ring"} | {f"ws-pre{n}" for n in GEMV_WS_PRE_TRY[fmt]}
+    assert all(v > 0 for v in g["step_us"].values())
     assert g["chosen"] == min(g["step_us"], key=g["step_us"].get)
+    ws = g["chosen"].startswith("ws")
     layer_gemvs = [ln for ln in eng.launches if ln.name.startswith("gemv_") and " lm_head " not in ln.label]
-    assert layer_gemvs and {ln.block[0] for ln in layer_gemvs} == {288 if g["chosen"] == "ws" else 256}
+    assert layer_gemvs and {ln.block[0] for ln in layer_gemvs} == {288 if ws else 256}
+    if ws:  # the slots-before-the-wait argument, last
+        pre = int(g["chosen"][6:]) if g["chosen"] != "ws" else GEMV_WS_PRE[fmt]
+        assert {int(ln.args[-1]) for ln in layer_gemvs} == {pre}
     assert eng.position == int(eng.arena["pos"].get()[0]) == 0
-    other = "ring" if g["chosen"] == "ws" else "ws"
-    forced = Engine(tiny_dir, weights=fmt, max_seq=900, gemv=other, attention=eng.attention_choice["chosen"])
-    assert forced.gemv_choice == {"mode": other, "chosen": other}
     prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 40)]
-    assert eng.generate(prompt, 12) == forced.generate(prompt, 12)
-    with pytest.raises(AtomflowError, match="gemv must be"):
-        Engine(tiny_dir, weights=fmt, max_seq=64, gemv="fast")
+    want = eng.generate(prompt, 12)
+    for other in ("ring" if ws else "ws", "ws-pre1"):
+        forced = Engine(tiny_dir, weights=fmt, max_seq=900, gemv=other, attention=eng.attention_choice["chosen"])
+        assert forced.gemv_choice == {"mode": other, "chosen": other}
+        assert forced.generate(prompt, 12) == want, other
+    for bad in ("fast", "ws-pre", "ws-prex"):
+        with pytest.raises(AtomflowError, match="gemv must be"):
+            Engine(tiny_dir, weights=fmt, max_seq=64, gemv=bad)
 
 
 def check_greedy(eng, seq, prompt_len, margins, logit_err):
@@ -229,21 +238,33 @@ def test_graph_bit_identical_to_eager(tiny_dir, fmt):
     np.testing.assert_array_equal(eng.arena["logits"].get(), eager_logits)
 
 
-def test_separate_argmax_same_tokens(tiny_dir, monkeypatch):
-    """The knob LMHEAD_ARGMAX=0 (lm_head, then argmax_advance) generates the tokens and logits of the default
-    step (the argmax in lm_head's epilogue), and its step has the one launch more."""
+@pytest.mark.parametrize("knobs,tail", [
+    ("LMHEAD_ARGMAX=0", ["gemv_fp16_f32", "argmax_advance"]),
+    ("LMHEAD_NORM=0", ["rmsnorm_f32_f16", "gemv_fp16_f32_argmax"]),
+    ("LMHEAD_NORM=0 LMHEAD_ARGMAX=0", ["rmsnorm_f32_f16", "gemv_fp16_f32", "argmax_advance"])])
+def test_separate_tail_same_tokens(tiny_dir, monkeypatch, knobs, tail):
+    """The knobs LMHEAD_ARGMAX=0 (lm_head, then argmax_advance) and LMHEAD_NORM=0 (rmsnorm_f32_f16, then lm_head)
+    generate the tokens and the logits of the default step (norm and argmax inside the lm_head launch), bit for
+    bit, and give the same `final_norm` probe; each knob costs its step one launch more."""
     from atomflow_bench.engine import Engine
 
     prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 20)]
-    fused = Engine(tiny_dir, weights="fp16", max_seq=64)
+    forms = {"attention": "short", "gemv": "ring"}  # the same forms in both (no measured choice between them)
+    fused = Engine(tiny_dir, weights="fp16", max_seq=64, **forms)
     want, want_logits = fused.generate(prompt, 24), fused.arena["logits"].get()
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "LMHEAD_ARGMAX=0")
-    split = Engine(tiny_dir, weights="fp16", max_seq=64)
-    assert [ln.name for ln in split.launches][-2:] == ["gemv_fp16_f32", "argmax_advance"]
-    assert [ln.name for ln in fused.launches][-1] == "gemv_fp16_f32_argmax"
-    assert len(split.launches) == len(fused.launches) + 1
+    fused.reset(prompt)
+    want_taps = fused.step_eager(taps=True)
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", knobs)
+    split = Engine(tiny_dir, weights="fp16", max_seq=64, **forms)
+    assert [ln.name for ln in fused.launches][-2:] == ["gemv_fp16_resid", "gemv_fp16_f32_argmax"]
+    assert [ln.name for ln in split.launches][-len(tail):] == tail
+    assert len(split.launches) == len(fused.launches) + len(tail) - 1
     np.testing.assert_array_equal(split.generate(prompt, 24), want)
     np.testing.assert_array_equal(split.arena["logits"].get(), want_logits)
+    split.reset(prompt)
+    taps = split.step_eager(taps=True)
+    for name in ("final_norm", "logits"):
+        np.testing.assert_array_equal(taps[name], want_taps[name], err_msg=name)
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
@@ -313,8 +334,7 @@ def test_profile_roles_in_graph(tiny_dir):
     m = p["role_marginals"]
     L = eng.cfg.num_hidden_layers
     assert {r["role"]: r["count"] for r in m["rows"]} == {
-        "embed_lookup": 1, "wqkv": L, "attention_decode": L, "wo": L, "wgu": L, "wd": L, "rmsnorm_f32_f16": 1,
-        "lm_head": 1}
+        "embed_lookup": 1, "wqkv": L, "attention_decode": L, "wo": L, "wgu": L, "wd": L, "lm_head": 1}
     assert m["length"] == pos_after + 1 == p["attention_graph"]["length"]
     by_role = {r["role"]: r for r in m["rows"]}
     assert by_role["wgu"]["bytes"] == sum(ln.bytes_moved for ln in eng.launches if step_role(ln) == "wgu")
@@ -346,8 +366,8 @@ def test_timeline_instrument(tiny_dir, att, monkeypatch):
     assert inst.generate(prompt, 16) == plain.generate(prompt, 16)
     L = plain.cfg.num_hidden_layers
     assert {r["role"]: r["count"] for r in t["rows"]} == {
-        "embed_lookup": 1, "wqkv": L, "attention_decode": L, "wo": L, "wgu": L, "wd": L, "rmsnorm_f32_f16": 1,
-        "lm_head": 1}  # the argmax is in lm_head's epilogue (LMHEAD_ARGMAX=1)
+        "embed_lookup": 1, "wqkv": L, "attention_decode": L, "wo": L, "wgu": L, "wd": L,
+        "lm_head": 1}  # the final norm and the argmax are lm_head's prologue and epilogue
     assert [x["role"] for x in t["per_launch"]] == [step_role(ln) for ln in plain.launches]
     assert t["blocks_per_step"] == sum(int(np.prod(ln.grid)) for ln in plain.launches)
     assert t["length"] == 40 + 1 + (4 - 1) // 2  # the median position of the recorded replays

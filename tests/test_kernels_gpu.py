@@ -151,6 +151,20 @@ def test_gemv_ws_every_ring_depth(kernel_lib_ws, n_sm, fmt, depth, variant, rows
     assert ln.grid[0] == n_sm < rows // 16 and ln.block[0] == 288
 
 
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("pre", [0, 1, 2, 3, 5, 16])
+@pytest.mark.parametrize("variant,rows,k", RING_CASES[:2])
+def test_gemv_ws_slots_before_the_wait(kernel_lib_ws, n_sm, fmt, pre, variant, rows, k):
+    """The warp-specialised GEMV with 0 (the whole ring), 1-5 or more slots than the ring has filled before the
+    PDL wait (the kernel argument the engine's choice varies: step.GEMV_WS_PRE_TRY), at 1 block per SM with a ring
+    of 4 slots: the producer's `go` barrier is crossed at every count and never deadlocks."""
+    if not gemv_ws(fmt, kernel_lib_ws.defines):
+        pytest.skip("warp-specialised GEMVs need sm_90+")
+    ln = check_gemv(kernel_lib_ws, n_sm, rng_for("ws pre", fmt, pre, variant), fmt, variant, rows, k,
+                    ring_depth=4, ws_pre=pre)
+    assert ln.block[0] == 288 and int(ln.args[-1]) == pre
+
+
 @pytest.fixture(scope="module", params=["GEMV_WS=0", "GEMV_WS=0 GEMV_BULK=0"])
 def kernel_lib_legacy(request):
     """The kernels as launched on sm_89 or with GEMV_WS=0: fp16 through registers, fp8 through a per-warp ring filled
@@ -370,39 +384,50 @@ def test_attention(kernel_lib, model, length, cap, n_sm):
     np.testing.assert_array_equal(out.get(), first)
 
 
-@pytest.mark.parametrize("rows,k", [(128256, 3072), (49152, 576), (1000, 2048)])
+@pytest.mark.parametrize("rows,k", [(128256, 3072), (49152, 576), (1000, 2048), (2000, 4096)])
 def test_lm_head_argmax(kernel_lib, n_sm, rows, k):
-    """The lm_head GEMV with the argmax in its epilogue (gemv_f16_f32_argmax): the logits as the plain GEMV's
-    bound, the token = the first maximum of those very logits (NaN never wins, ties -> the smaller index), the
-    step state as argmax_advance writes it, the ticket reset; with advance = 0 (step.hold_position) the same
-    search but the state left alone. Partials, logits and tokens poisoned before every launch."""
+    """The step's lm_head launch (step.lm_head_launches: gemv_f16_f32_argmax with the final RMSNorm as its
+    prologue and the argmax in its epilogue): xnorm as rmsnorm_f32_f16 writes it (bit for bit) and within the fp16
+    bound of the NumPy norm, the logits of that xnorm within the plain GEMV's bound, the token = the first maximum
+    of those very logits (NaN never wins, ties -> the smaller index), the step state as argmax_advance writes it,
+    the ticket reset; with advance = 0 (step.hold_position) the same search but the state left alone. Partials,
+    xnorm, logits and tokens poisoned before every launch."""
     import types
 
     import cupy as cp
 
     rng = rng_for("lm_head_argmax", rows, k)
     w = (rng.standard_normal((rows, k), dtype=np.float32) * 0.02).astype(np.float16)
-    x = rng.standard_normal(k, dtype=np.float32).astype(np.float16)
+    h = rng.standard_normal(k, dtype=np.float32) * 5
+    nw = (1 + 0.2 * rng.standard_normal(k)).astype(np.float16)
     w[rows // 3, 5] = np.nan  # a NaN logit never wins
-    cfg = types.SimpleNamespace(tie_word_embeddings=False, vocab_size=rows, hidden_size=k)
+    cfg = types.SimpleNamespace(tie_word_embeddings=False, vocab_size=rows, hidden_size=k, rms_norm_eps=1e-5)
     n_part = min(-(-rows // 8), 4 * n_sm)
-    a = {"lm_head": cp.asarray(w), "xnorm": cp.asarray(x), "logits": cp.empty(rows, cp.float32),
+    a = {"lm_head": cp.asarray(w), "h": cp.asarray(h), "final_norm": cp.asarray(nw),
+         "xnorm": cp.empty(k, cp.float16), "logits": cp.empty(rows, cp.float32),
          "am_val": cp.empty(n_part, cp.float32), "am_idx": cp.empty(n_part, cp.int32),
          "am_counter": cp.zeros(1, cp.uint32), "pos": cp.zeros(1, cp.int32), "cur_token": cp.zeros(1, cp.int32),
          "prompt": cp.asarray(rng.integers(0, rows, 8).astype(np.int32)), "prompt_len": cp.full(1, 5, cp.int32),
          "out_tokens": cp.empty(16, cp.int32)}
     (launch,) = lm_head_launches(kernel_lib, a, cfg, n_sm)
     assert launch.name == "gemv_fp16_f32_argmax" and launch.grid[0] <= n_part
+    assert set(launch.taps) == {"final_norm", "logits"}
     (held,) = hold_position([launch])
+    x_sep = cp.full(k, np.nan, dtype=cp.float16)
+    rmsnorm_launch(kernel_lib, a["h"], a["final_norm"], 1e-5, x_sep)()
+    x = x_sep.get()
+    assert rel_err(x, norm_ref(h, nw, 1e-5)) < FP16_TOL
     ref = w.astype(np.float64) @ x.astype(np.float64)
     prompt = a["prompt"].get()
 
     def run(ln, pos):
-        for name, v in (("logits", np.nan), ("am_val", np.nan), ("am_idx", -1), ("out_tokens", -1)):
+        for name, v in (("logits", np.nan), ("xnorm", np.nan), ("am_val", np.nan), ("am_idx", -1),
+                        ("out_tokens", -1)):
             a[name].fill(v)
         a["pos"].fill(pos)
         a["cur_token"].fill(-7)
         ln()
+        np.testing.assert_array_equal(a["xnorm"].get(), x)  # the norm prologue = rmsnorm_f32_f16, bit for bit
         got = a["logits"].get()
         assert np.isnan(got[rows // 3]) and rel_err(np.nan_to_num(got), np.nan_to_num(ref)) < FP32_TOL
         assert int(a["am_counter"].get()[0]) == 0
