@@ -8,7 +8,8 @@ The step exists in one form per attention bucket (step.attention_short_cap: the 
 the positions its shared memory holds, then the split kernel), each captured into its own graph. The step
 advances the position by exactly one, so the engine keeps a host copy of it and runs every step with the bucket
 of its context length. Whether the short kernel is used at all is measured, not assumed (`attention="auto"`):
-the engine times one step of each form at the longest length the short kernel would serve and keeps the faster
+the engine times one step of each form at the longest length the short kernel would serve (and at half of it,
+the mean of the two) and keeps the faster
 (results/PERF_NOTES.md v11.2: on 8B fp16 the split kernel's longer attention hides o_proj's weight prefetch).
 The layer GEMVs' form is chosen the same way (`gemv="auto"`, sm_90+): warp-specialised (producer warp + bulk
 copies; "ws" with the default count of ring slots filled before the PDL wait, "ws-pre<N>" with N, the counts of
@@ -132,39 +133,46 @@ class Engine:
             del self.variants[None]  # every length fits the short kernel
 
     def _choose(self, forms: list, keys: list, length: int, replays: int = 12, rounds: int = 3) -> None:
-        """Time one step (step.hold_position: the position stays) of every (GEMV form, attention bucket) pair at
-        `length` (the longest length the short kernel would serve) and keep the fastest (`fastest`: `rounds`
-        interleaved rounds of `replays` replays each). Writes nothing that a later reset() does not redo (the
-        K/V row of that position is rewritten before it is ever read)."""
+        """Time one step (step.hold_position: the position stays) of every (GEMV form, attention bucket) pair and
+        keep the fastest (`fastest`: `rounds` interleaved rounds of `replays` replays each). A pair's time is the
+        mean of its step at `length` (the longest length the short kernel would serve: where short attention is at
+        its slowest against the split one) and at half of it (the GEMV forms' differences depend on the length: on
+        1B fp16 the ring slots filled before the wait cost the same at 512 and 5 µs at 128-383, PERF_NOTES v17).
+        Writes nothing that a later reset() does not redo (the K/V rows of those positions are rewritten before
+        they are ever read)."""
         import cupy as cp
 
         from .graph import StepGraph
 
         a = self.arena
-        a["pos"].set(np.array([length - 1], np.int32))
+        lengths = sorted({max(1, length // 2), length})
         a["cur_token"].set(np.zeros(1, np.int32))
         graphs = {(f, k): StepGraph(hold_position(self._forms[f][k]), self.stream) for f in forms for k in keys}
 
         def time_once(pair) -> float:
-            g, ev = graphs[pair], [cp.cuda.Event() for _ in range(replays + 1)]
-            with self.stream as s:
-                g.replay(3)
-                for i in range(replays):
-                    ev[i].record(s)
-                    g.replay(1)
-                ev[-1].record(s)
-            ev[-1].synchronize()
-            return float(np.median([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3 for i in range(replays)]))
+            g, us = graphs[pair], []
+            for n in lengths:
+                ev = [cp.cuda.Event() for _ in range(replays + 1)]
+                with self.stream as s:
+                    a["pos"].set(np.array([n - 1], np.int32), stream=s)
+                    g.replay(3)
+                    for i in range(replays):
+                        ev[i].record(s)
+                        g.replay(1)
+                    ev[-1].record(s)
+                ev[-1].synchronize()
+                us.append(float(np.median([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3 for i in range(replays)])))
+            return float(np.mean(us))
 
         (form, key), us = fastest(time_once, list(graphs), rounds)
         del graphs
         a["pos"].set(np.zeros(1, np.int32))
         self.variants = self._forms[form]
         if len(forms) > 1:
-            self.gemv_choice.update({"length": length, "chosen": form,
+            self.gemv_choice.update({"length": length, "lengths": lengths, "chosen": form,
                                      "step_us": {f: min(us[f, k] for k in keys) for f in forms}})
         if len(keys) > 1:
-            self.attention_choice.update({"length": length, "chosen": "short" if key else "split",
+            self.attention_choice.update({"length": length, "lengths": lengths, "chosen": "short" if key else "split",
                                           "step_us": {"short" if k else "split": us[form, k] for k in keys}})
             if key is None:
                 del self.variants[self.att_caps[-1]]

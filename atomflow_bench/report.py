@@ -19,6 +19,12 @@ SCHEMA = "atomflow-bench/run/1"
 GEMV_FORMS = {"ws": "warp-specialised: producer warp + bulk copies", "ring": "per-warp ring (fp8) / registers (fp16)"}
 
 
+def choice_lengths(ch: dict) -> str:
+    """Where the engine timed its form choice: "length 416", or "lengths 208 and 416 (mean)"."""
+    ls = ch.get("lengths") or [ch["length"]]
+    return f"length {ls[0]}" if len(ls) == 1 else "lengths " + " and ".join(map(str, ls)) + " (mean)"
+
+
 def gemv_form_text(form: str) -> str:
     """What a layer-GEMV form name (engine.gemv_form: ring, ws, ws-pre<N>) means, for the run table."""
     if form.startswith("ws-pre"):
@@ -133,7 +139,7 @@ def run_table(rec: dict):
     if ch:
         how = ch["mode"]
         if ch.get("step_us"):
-            how = (f"measured at length {ch['length']}: short {ch['step_us']['short']:.1f} µs vs split "
+            how = (f"measured at {choice_lengths(ch)}: short {ch['step_us']['short']:.1f} µs vs split "
                    f"{ch['step_us']['split']:.1f} µs per step -> {ch['chosen']}")
         buckets = ", ".join(f"{b['attention']} (lengths {b['lengths'][0]}-{b['lengths'][1]}): {b['tpot_ms']:.4f} ms"
                             for b in rec.get("attention_buckets", []))
@@ -141,7 +147,7 @@ def run_table(rec: dict):
     gc = rec.get("gemv_choice")
     if gc:
         how = gc["mode"] if not gc.get("step_us") else (
-            f"measured at length {gc['length']}: " + " vs ".join(f"{f} {v:.1f} µs" for f, v in gc["step_us"].items())
+            f"measured at {choice_lengths(gc)}: " + " vs ".join(f"{f} {v:.1f} µs" for f, v in gc["step_us"].items())
             + " per step")
         t.add_row("layer GEMVs", f"{how} -> {gc['chosen']} ({gemv_form_text(gc['chosen'])})")
     t.add_row("load", f"{rec['load']['seconds']:.1f} s" + (f", fp8 from {rec['load']['fp8_source']}"

@@ -41,7 +41,6 @@ GEMV_WARPS = GEMV_THREADS // 32
 GEMV_BLOCKS_PER_SM = 2  # = GEMV_MIN_BLOCKS in gemv_common.cuh (tiled GEMVs): the grid never exceeds one resident wave
 LMHEAD_ARGMAX = 1          # knob: the argmax in the lm_head GEMV's epilogue (0: argmax_advance after it)
 LMHEAD_NORM = 1            # knob: the final RMSNorm in the lm_head GEMV's prologue (0: rmsnorm_f32_f16 before it)
-GEMV_RESID_EARLY = 0       # = GEMV_RESID_EARLY (gemv_common.cuh): residual GEMVs let their successor launch at their start
 GEMV_STAGES = 5            # fp8: deepest cp.async ring (groups of 128 inputs per warp) a launch may get; knob
 GEMV_ONE_WAVE = 1          # knob: tile counts in (2, 3] x SMs run one tile per block at 3 blocks per SM
 GEMV_WS = 1                # knob: warp-specialised GEMVs (producer warp + bulk copies, sm_90+) for 1 = fp16 only,
@@ -233,7 +232,6 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         moved += 0 if norm_w is None else norm_w.nbytes + (0 if x_out is None else x_out.nbytes)
     if ws:
         pre = gemv_ws_pre(fmt, lib.defines) if ws_pre is None else ws_pre
-        pre = knob(f"GEMV_WS_PRE_{role.upper()}", pre, lib.defines) if role else pre  # A/B knob per role (wo, ...)
         if not 0 <= pre <= GEMV_WS_MAX:
             raise AtomflowError(f"GEMV ring slots before the wait: 0 to {GEMV_WS_MAX}, not {pre}")
         extra += (i32(pre),)
@@ -433,8 +431,6 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
     if not lm_head_norm(lib):
         steps.append(rmsnorm_launch(lib, h, a["final_norm"], eps, xnorm, taps={"final_norm": xnorm}))
     check_residual_order([ln.name for ln in steps + tail])
-    if knob("GEMV_RESID_EARLY", GEMV_RESID_EARLY, lib.defines):
-        check_early_successors([ln.name for ln in steps + tail])
     return steps + tail
 
 
@@ -445,20 +441,6 @@ def check_residual_order(names: list[str]) -> None:
     for prev, name in zip(names, names[1:]):
         if "_resid" in name and (prev == "embed_lookup" or "_resid" in prev):
             raise AtomflowError(f"step order: {name} right after {prev}, which writes h (read before the wait)")
-
-
-EARLY_SUCCESSORS = ("_norm_swiglu", "_qkv_rope", "gemv_fp16_f32", "rmsnorm_f32_f16")
-
-
-def check_early_successors(names: list[str]) -> None:
-    """With GEMV_RESID_EARLY a residual GEMV lets its successor launch at its start, before its own PDL wait, so the
-    successor may run while the residual GEMV's predecessor still does: the successor must read before its wait
-    nothing that kernel writes — true of the norm GEMVs (QKV, gate/up: weights, norm weights, RoPE table, pos),
-    lm_head and rmsnorm (gemv_common.cuh early_trigger), not of another residual GEMV (h) or attention."""
-    for name, nxt in zip(names, names[1:] + [""]):
-        if "_resid" in name and not any(s in nxt for s in EARLY_SUCCESSORS):
-            raise AtomflowError(f"step order: {nxt or 'the end of the step'} after {name}, which lets its successor "
-                                "launch before its own wait (GEMV_RESID_EARLY)")
 
 
 def run_eager(launches: list[Launch], taps: dict | None = None) -> None:

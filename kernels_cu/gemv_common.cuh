@@ -101,20 +101,6 @@ struct EpiOperand {
   float2 cs;
 };
 
-// Residual GEMVs (o_proj, down) may let their successor launch at their very start instead of after their PDL wait
-// (knob GEMV_RESID_EARLY): the successor's blocks then become resident, and request their weights, while this
-// kernel still waits (o_proj waits on attention, which leaves most SMs and much of DRAM idle). Safe because the
-// successors of a residual GEMV (the gate/up or QKV GEMV, lm_head, or rmsnorm) read before their own wait only
-// constants (weights, norm weights, the RoPE table) and pos (written by the previous step's lm_head, complete):
-// step.py check_early_successors checks the step's order. griddepcontrol.wait still waits for this whole grid.
-#ifndef GEMV_RESID_EARLY
-#define GEMV_RESID_EARLY 0
-#endif
-template <int EPI>
-__device__ __forceinline__ void early_trigger() {
-  if (EPI == EPI_RESID && GEMV_RESID_EARLY) pdl_launch_dependents();
-}
-
 template <int EPI, int R>
 __device__ __forceinline__ EpiOperand epilogue_operand(const GemvArgs& a, const RopeArgs& rope, int T) {
   EpiOperand p{0.f, make_float2(1.f, 0.f)};
@@ -362,7 +348,6 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   constexpr int KU = 16;                                              // inputs per unit (lane: 16 bytes)
   constexpr int UPG = 128 / KU;                                       // units per group of 128 inputs
   constexpr int LOADS = GEMV_LOADS_F16;                               // 16-byte loads per lane per batch
-  early_trigger<EPI>();
   constexpr int GPB = LOADS / UPG;                                    // groups per batch of loads
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
@@ -445,7 +430,6 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
   constexpr int KU = 32, UPG = 128 / KU;  // a ring slot: one group of 128 inputs, 2 KB per warp (+ its scales)
   constexpr int SLOT = UPG * 512, SSLOT = AF_WARP * 8;  // bytes of a warp's slot: weights, scales area
-  early_trigger<EPI>();
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
   const int t = lane & 3, g = lane >> 2;
@@ -559,7 +543,6 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   constexpr int SLOTB = GEMV_WS_SLOT + (FP8 ? GPS * 64 : 0);   // a slot's bytes (fp8: + the groups' scales)
   static_assert(NWC == 8 && GPS <= NWC && NWC % GPS == 0, "a slot holds at most one group per consumer warp");
   const int K = a.K;
-  early_trigger<EPI>();
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, t = lane & 3;
   const int nunits = K / KU, ngroups = (K + 127) >> 7, spt = (ngroups + GPS - 1) / GPS;  // slots per tile
   const int ntiles = a.n_out * R / GEMV_TILE;

@@ -150,13 +150,13 @@ def test_attention_buckets(tiny_dir):
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_attention_auto(tiny_dir, fmt):
-    """attention="auto": both forms of the step are timed at the short kernel's longest length and the faster is
-    kept; the measurement leaves nothing behind (position 0, the same tokens as an engine forced to that form)."""
+    """attention="auto": both forms of the step are timed at the short kernel's longest length and half of it and
+    the faster (mean) is kept; the measurement leaves nothing behind (position 0, the same tokens as an engine forced to that form)."""
     from atomflow_bench.engine import Engine
 
     eng = Engine(tiny_dir, weights=fmt, max_seq=900)
     ch = eng.attention_choice
-    assert ch["mode"] == "auto" and ch["length"] == ch["short_cap"] == 512
+    assert ch["mode"] == "auto" and ch["length"] == ch["short_cap"] == 512 and ch["lengths"] == [256, 512]
     assert all(v > 0 for v in ch["step_us"].values())
     assert ch["chosen"] == min(ch["step_us"], key=ch["step_us"].get)
     assert (eng.att_caps, list(eng.variants)) == (([512], [512, None]) if ch["chosen"] == "short" else ([], [None]))
@@ -183,7 +183,7 @@ def test_gemv_auto(tiny_dir, fmt):
     if float(eng.gpu["cc"]) < 9.0:
         assert g == {"mode": "auto", "chosen": "ring"}
         return
-    assert g["mode"] == "auto" and g["length"] == eng.attention_choice["length"] == 512
+    assert g["mode"] == "auto" and g["length"] == eng.attention_choice["length"] == 512 and g["lengths"] == [256, 512]
     assert set(g["step_us"]) == {"ws", "ring"} | {f"ws-pre{n}" for n in GEMV_WS_PRE_TRY[fmt]}
     assert all(v > 0 for v in g["step_us"].values())
     assert g["chosen"] == min(g["step_us"], key=g["step_us"].get)

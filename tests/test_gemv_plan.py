@@ -88,22 +88,6 @@ def test_residual_gemv_never_follows_a_writer_of_h():
         check_residual_order(["gemv_f8_resid_r5", "gemv_f8_resid_r4"])
 
 
-def test_early_trigger_successors():
-    """GEMV_RESID_EARLY: a residual GEMV's successor may start before the residual GEMV's own wait, so it must be one
-    that reads only constants (and pos) before its wait: the norm GEMVs, lm_head, rmsnorm."""
-    from atomflow_bench.step import check_early_successors
-
-    layer = ["gemv_fp8_qkv_rope", "attention_decode", "gemv_fp8_resid", "gemv_fp8_norm_swiglu", "gemv_fp8_resid"]
-    check_early_successors(["embed_lookup"] + layer * 3 + ["gemv_fp16_f32_argmax"])
-    check_early_successors(["embed_lookup"] + layer + ["rmsnorm_f32_f16", "gemv_fp16_f32", "argmax_advance"])
-    with pytest.raises(AtomflowError, match="attention_decode after gemv_fp16_resid"):
-        check_early_successors(["gemv_fp16_resid", "attention_decode"])
-    with pytest.raises(AtomflowError, match="gemv_fp8_resid after gemv_fp8_resid"):
-        check_early_successors(["gemv_fp8_resid", "gemv_fp8_resid", "gemv_fp8_norm_swiglu"])
-    with pytest.raises(AtomflowError, match="the end of the step after gemv_fp8_resid"):
-        check_early_successors(layer)
-
-
 # ---- the warp-specialised plan (gemv_ws_plan) ----------------------------------------------------------
 
 def ws_plans(model: str, fmt: str, defines: tuple = ()) -> dict:

@@ -210,9 +210,9 @@ def test_run_table_shows_the_gemv_choice():
     out = StringIO()
     Console(file=out, width=300).print(run_table(rec))
     assert "ws -> ws (warp-specialised" in out.getvalue()
-    rec["gemv_choice"] = {"mode": "auto", "length": 416, "chosen": "ws-pre2",
+    rec["gemv_choice"] = {"mode": "auto", "length": 416, "lengths": [208, 416], "chosen": "ws-pre2",
                           "step_us": {"ws": 931.4, "ws-pre2": 928.9, "ring": 990.0}}
     out = StringIO()
     Console(file=out, width=300).print(run_table(rec))
-    assert ("ws 931.4 µs vs ws-pre2 928.9 µs vs ring 990.0 µs per step -> ws-pre2 (warp-specialised: producer warp + "
+    assert ("measured at lengths 208 and 416 (mean): ws 931.4 µs vs ws-pre2 928.9 µs vs ring 990.0 µs per step -> ws-pre2 (warp-specialised: producer warp + "
             "bulk copies, 2 ring slots filled before the PDL wait)") in out.getvalue()
