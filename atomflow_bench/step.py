@@ -408,7 +408,11 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
     def gemv(weight, variant, x, y, n_out, k, **kw):
         scales = a[weight + ".scale"] if fmt == "fp8" else None
         return gemv_launch(lib, fmt, variant, a[weight], scales, x, y, n_out, k, n_sm, eps=eps,
-                           role=weight.split(".", 1)[1], ws=gemv_ws, ws_pre=ws_pre, **kw)
+                           role=weight.split(".", 1)[1], ws=role_ws(weight.split(".", 1)[1]), ws_pre=ws_pre, **kw)
+
+    def role_ws(role):  # A/B knob GEMV_WS_ROLE_<ROLE>=0|1: this role's form whatever the step's
+        v = knob(f"GEMV_WS_ROLE_{role.upper()}", -1, lib.defines)
+        return gemv_ws if v < 0 else bool(v)
 
     steps = [embed_launch(lib, a["cur_token"], a["embed"], h, taps={"embed": h})]
     for i in range(cfg.num_hidden_layers):
