@@ -13,8 +13,8 @@ the mean of the two) and keeps the faster
 (results/PERF_NOTES.md v11.2: on 8B fp16 the split kernel's longer attention hides o_proj's weight prefetch).
 The layer GEMVs' form is chosen the same way (`gemv="auto"`, sm_90+): warp-specialised (producer warp + bulk
 copies; "ws" with the default count of ring slots filled before the PDL wait, "ws-pre<N>" with N, the counts of
-step.GEMV_WS_PRE_TRY) or the per-warp ring / register path ("ring"), timed together with the attention forms, the
-fastest pair kept (PERF_NOTES v13: the warp-specialised fp8 GEMVs are faster on 8B and slower on 3B; v16: 1B fp16
+step.GEMV_WS_PRE_TRY) or the per-warp ring / register path ("ring"; "ring+wd": with the down projection
+warp-specialised, step.GEMV_MIXED_TRY), timed together with the attention forms, the fastest pair kept (PERF_NOTES v13: the warp-specialised fp8 GEMVs are faster on 8B and slower on 3B; v16: 1B fp16
 is faster with 2 slots before the wait, 3B with 3).
 """
 from __future__ import annotations
@@ -27,19 +27,21 @@ import numpy as np
 from .arena import Arena, plan_arena
 from .errors import AtomflowError, GpuUnavailable
 from .kernels import KernelLib
-from .step import GEMV_WS_PRE_TRY, attention_short_cap, build_step, hold_position, run_eager, smem_limits
+from .step import (GEMV_MIXED_TRY, GEMV_ROLES, GEMV_WS_PRE_TRY, attention_short_cap, build_step, hold_position,
+                   run_eager, smem_limits)
 
 
-def gemv_form(form: str) -> tuple[bool, int | None]:
-    """(warp-specialised, slots before the wait or None for the default) of a layer-GEMV form: "ring", "ws" or
-    "ws-pre<N>"."""
-    if form == "ring":
-        return False, None
-    if form == "ws":
-        return True, None
-    if form.startswith("ws-pre") and form[6:].isdigit():
-        return True, int(form[6:])
-    raise AtomflowError(f"gemv must be auto, ws, ws-pre<N> or ring, not {form!r}")
+def gemv_form(form: str) -> tuple[bool, int | None, tuple]:
+    """(warp-specialised, slots before the wait or None for the default, roles warp-specialised in a ring step) of
+    a layer-GEMV form: "ring", "ws", "ws-pre<N>" or "ring+<role>[+<role>...]" (e.g. ring+wd)."""
+    base, *roles = form.split("+")
+    if base == "ring" and all(r in GEMV_ROLES for r in roles) and len(set(roles)) == len(roles):
+        return False, None, tuple(roles)
+    if base == "ws" and not roles:
+        return True, None, ()
+    if base.startswith("ws-pre") and base[6:].isdigit() and not roles:
+        return True, int(base[6:]), ()
+    raise AtomflowError(f"gemv must be auto, ws, ws-pre<N>, ring or ring+<{'|'.join(GEMV_ROLES)}>..., not {form!r}")
 from .weights import Checkpoint, upload_weights
 
 
@@ -95,16 +97,18 @@ class Engine:
         # $ATOMFLOW_GEMV or "auto".
         gemv = gemv or os.environ.get("ATOMFLOW_GEMV", "auto")
         ws_ok = float(self.gpu["cc"]) >= 9.0
-        if gemv != "auto" and gemv_form(gemv)[0] and not ws_ok:
+        if gemv != "auto" and (gemv_form(gemv)[0] or gemv_form(gemv)[2]) and not ws_ok:
             raise AtomflowError(f"gemv={gemv!r} needs sm_90+ (bulk copies)")
         tries = [f"ws-pre{n}" for n in GEMV_WS_PRE_TRY[weights]]
-        forms = (["ws", *tries, "ring"] if ws_ok else ["ring"]) if gemv == "auto" else [gemv]
+        mixed = ["+".join(("ring",) + roles) for roles in GEMV_MIXED_TRY[weights]]
+        forms = (["ws", *tries, "ring", *mixed] if ws_ok else ["ring"]) if gemv == "auto" else [gemv]
         cfg = self.cfg
         full_cap = attention_short_cap(cfg.head_dim, self.lib.defines, smem_limits())
         cap = 0 if attention == "split" else full_cap
         caps = [cap] if cap else []
         self._forms = {f: {k: build_step(cfg, weights, self.arena, self.lib, self.gpu["sms"], att_cap=k,
-                                         gemv_ws=gemv_form(f)[0], ws_pre=gemv_form(f)[1]) for k in caps + [None]}
+                                         gemv_ws=gemv_form(f)[0], ws_pre=gemv_form(f)[1], ws_roles=gemv_form(f)[2])
+                           for k in caps + [None]}
                        for f in forms}
         self.variants = self._forms[forms[0]]
         self.att_caps = caps

@@ -29,6 +29,8 @@ def gemv_form_text(form: str) -> str:
     """What a layer-GEMV form name (engine.gemv_form: ring, ws, ws-pre<N>) means, for the run table."""
     if form.startswith("ws-pre"):
         return f"{GEMV_FORMS['ws']}, {form[6:]} ring slots filled before the PDL wait"
+    if form.startswith("ring+"):
+        return f"{GEMV_FORMS['ring']}, but {', '.join(form.split('+')[1:])} warp-specialised"
     return GEMV_FORMS.get(form, form)
 REQUIRED = ("schema", "gpu", "model", "weights", "context", "tokens", "tpot_ms", "copy_bandwidth_gbs",
             "bytes_per_token", "roofline")

@@ -55,6 +55,9 @@ GEMV_WS_SLOTS = 6          # knob: the deepest ring a launch gets (~96 KB in fli
 GEMV_WS_PRE = {"fp16": 3, "fp8": 0}  # ring slots the producer fills before the consumers passed their PDL wait
                            # (0: all; a kernel argument; knobs GEMV_WS_PRE_F16 / _F8): PERF_NOTES v13.2, v16
 GEMV_WS_PRE_TRY = {"fp16": (2,), "fp8": ()}  # other counts the engine times per shape (1B fp16 is faster at 2: v16)
+GEMV_MIXED_TRY = {"fp16": (), "fp8": (("wd",),)}  # ring steps with these roles warp-specialised, timed by the engine
+                           # (3B W8A16: down warp-specialised -14 µs, PERF_NOTES v17.3)
+GEMV_ROLES = ("wqkv", "wo", "wgu", "wd")
 ATT_THREADS = 128
 ATT_RING_BYTES = 24 * 1024  # attention.cu: each warp's K/V ring (3 groups at hd 128, 6 at hd 64)
 ATS_THREADS = 256          # attention_short.cu
@@ -395,10 +398,11 @@ def hold_position(launches: list[Launch]) -> list[Launch]:
 # ---- the step --------------------------------------------------------------------------------------------
 
 def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, att_cap: int | None = None,
-               gemv_ws: bool | None = None, ws_pre: int | None = None) -> list[Launch]:
+               gemv_ws: bool | None = None, ws_pre: int | None = None, ws_roles: tuple = ()) -> list[Launch]:
     """The step's launches, each with its probes as taps (validation copies them after each launch). `att_cap`:
     the short attention kernel holding that many positions (lengths up to it), else the split kernel. `gemv_ws`:
-    the layer GEMVs warp-specialised or not (None: gemv_launch's rule); `ws_pre`: their slots before the wait."""
+    the layer GEMVs warp-specialised or not (None: gemv_launch's rule); `ws_pre`: their slots before the wait;
+    `ws_roles`: roles (wqkv, wo, wgu, wd) warp-specialised whatever `gemv_ws` says."""
     tail = lm_head_launches(lib, a, cfg, n_sm)
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_norm_eps
@@ -406,13 +410,10 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
     rows = linear_regions(cfg)
 
     def gemv(weight, variant, x, y, n_out, k, **kw):
+        role = weight.split(".", 1)[1]
         scales = a[weight + ".scale"] if fmt == "fp8" else None
         return gemv_launch(lib, fmt, variant, a[weight], scales, x, y, n_out, k, n_sm, eps=eps,
-                           role=weight.split(".", 1)[1], ws=role_ws(weight.split(".", 1)[1]), ws_pre=ws_pre, **kw)
-
-    def role_ws(role):  # A/B knob GEMV_WS_ROLE_<ROLE>=0|1: this role's form whatever the step's
-        v = knob(f"GEMV_WS_ROLE_{role.upper()}", -1, lib.defines)
-        return gemv_ws if v < 0 else bool(v)
+                           role=role, ws=True if role in ws_roles else gemv_ws, ws_pre=ws_pre, **kw)
 
     steps = [embed_launch(lib, a["cur_token"], a["embed"], h, taps={"embed": h})]
     for i in range(cfg.num_hidden_layers):

@@ -172,11 +172,12 @@ def test_attention_auto(tiny_dir, fmt):
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_gemv_auto(tiny_dir, fmt):
     """gemv="auto" (sm_90+): the layer-GEMV forms (warp-specialised with each count of ring slots before the wait
-    that step.GEMV_WS_PRE_TRY lists, and the ring) are timed with the attention forms and the fastest pair is kept;
-    every layer GEMV then runs that form. The forms sum in the same mma order, so engines forced to another form
-    or another slot count give the same greedy tokens."""
-    from atomflow_bench.engine import Engine
-    from atomflow_bench.step import GEMV_WS_PRE, GEMV_WS_PRE_TRY
+    that step.GEMV_WS_PRE_TRY lists, the ring, and the ring with the roles of step.GEMV_MIXED_TRY warp-specialised)
+    are timed with the attention forms and the fastest pair is kept; every layer GEMV then runs its role's part of
+    that form. The forms sum in the same mma order, so engines forced to another form, another slot count or
+    another mix give the same greedy tokens."""
+    from atomflow_bench.engine import Engine, gemv_form
+    from atomflow_bench.step import GEMV_MIXED_TRY, GEMV_WS_PRE, GEMV_WS_PRE_TRY
 
     eng = Engine(tiny_dir, weights=fmt, max_seq=900)
     g = eng.gemv_choice
@@ -184,23 +185,26 @@ def test_gemv_auto(tiny_dir, fmt):
         assert g == {"mode": "auto", "chosen": "ring"}
         return
     assert g["mode"] == "auto" and g["length"] == eng.attention_choice["length"] == 512 and g["lengths"] == [256, 512]
-    assert set(g["step_us"]) == {"ws", "ring"} | {f"ws-pre{n}" for n in GEMV_WS_PRE_TRY[fmt]}
+    assert set(g["step_us"]) == ({"ws", "ring"} | {f"ws-pre{n}" for n in GEMV_WS_PRE_TRY[fmt]}
+                                 | {"+".join(("ring",) + r) for r in GEMV_MIXED_TRY[fmt]})
     assert all(v > 0 for v in g["step_us"].values())
     assert g["chosen"] == min(g["step_us"], key=g["step_us"].get)
-    ws = g["chosen"].startswith("ws")
+    ws, pre, ws_roles = gemv_form(g["chosen"])
     layer_gemvs = [ln for ln in eng.launches if ln.name.startswith("gemv_") and " lm_head " not in ln.label]
-    assert layer_gemvs and {ln.block[0] for ln in layer_gemvs} == {288 if ws else 256}
-    if ws:  # the slots-before-the-wait argument, last
-        pre = int(g["chosen"][6:]) if g["chosen"] != "ws" else GEMV_WS_PRE[fmt]
-        assert {int(ln.args[-1]) for ln in layer_gemvs} == {pre}
+    for ln in layer_gemvs:  # the role's form; warp-specialised: the slots-before-the-wait argument, last
+        role_ws = ws or ln.label.split()[2] in ws_roles
+        assert ln.block[0] == (288 if role_ws else 256), ln.label
+        if role_ws:
+            assert int(ln.args[-1]) == (GEMV_WS_PRE[fmt] if pre is None else pre)
+    assert len(layer_gemvs) == 4 * eng.cfg.num_hidden_layers
     assert eng.position == int(eng.arena["pos"].get()[0]) == 0
     prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 40)]
     want = eng.generate(prompt, 12)
-    for other in ("ring" if ws else "ws", "ws-pre1"):
+    for other in ("ring" if ws else "ws", "ws-pre1", "ring+wd+wqkv"):
         forced = Engine(tiny_dir, weights=fmt, max_seq=900, gemv=other, attention=eng.attention_choice["chosen"])
         assert forced.gemv_choice == {"mode": other, "chosen": other}
         assert forced.generate(prompt, 12) == want, other
-    for bad in ("fast", "ws-pre", "ws-prex"):
+    for bad in ("fast", "ws-pre", "ws-prex", "ring+wx", "ring+wd+wd", "ws+wd"):
         with pytest.raises(AtomflowError, match="gemv must be"):
             Engine(tiny_dir, weights=fmt, max_seq=64, gemv=bad)
 

@@ -216,3 +216,7 @@ def test_run_table_shows_the_gemv_choice():
     Console(file=out, width=300).print(run_table(rec))
     assert ("measured at lengths 208 and 416 (mean): ws 931.4 µs vs ws-pre2 928.9 µs vs ring 990.0 µs per step -> ws-pre2 (warp-specialised: producer warp + "
             "bulk copies, 2 ring slots filled before the PDL wait)") in out.getvalue()
+    rec["gemv_choice"] = {"mode": "ring+wd", "chosen": "ring+wd"}
+    out = StringIO()
+    Console(file=out, width=300).print(run_table(rec))
+    assert "ring+wd -> ring+wd (per-warp ring (fp8) / registers (fp16), but wd warp-specialised)" in out.getvalue()
