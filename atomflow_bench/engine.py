@@ -14,7 +14,7 @@ the mean of the two) and keeps the faster
 The layer GEMVs' form is chosen the same way (`gemv="auto"`, sm_90+): warp-specialised (producer warp + bulk
 copies; "ws" with the default count of ring slots filled before the PDL wait, "ws-pre<N>" with N, the counts of
 step.GEMV_WS_PRE_TRY) or the per-warp ring / register path ("ring"; "ring+wd": with the down projection
-warp-specialised, step.GEMV_MIXED_TRY), timed together with the attention forms, the fastest pair kept (PERF_NOTES v13: the warp-specialised fp8 GEMVs are faster on 8B and slower on 3B; v16: 1B fp16
+warp-specialised: only when forced, or listed in step.GEMV_MIXED_TRY), timed together with the attention forms, the fastest pair kept (PERF_NOTES v13: the warp-specialised fp8 GEMVs are faster on 8B and slower on 3B; v16: 1B fp16
 is faster with 2 slots before the wait, 3B with 3).
 """
 from __future__ import annotations

@@ -55,8 +55,8 @@ GEMV_WS_SLOTS = 6          # knob: the deepest ring a launch gets (~96 KB in fli
 GEMV_WS_PRE = {"fp16": 3, "fp8": 0}  # ring slots the producer fills before the consumers passed their PDL wait
                            # (0: all; a kernel argument; knobs GEMV_WS_PRE_F16 / _F8): PERF_NOTES v13.2, v16
 GEMV_WS_PRE_TRY = {"fp16": (2,), "fp8": ()}  # other counts the engine times per shape (1B fp16 is faster at 2: v16)
-GEMV_MIXED_TRY = {"fp16": (), "fp8": (("wd",),)}  # ring steps with these roles warp-specialised, timed by the engine
-                           # (3B W8A16: down warp-specialised -14 µs, PERF_NOTES v17.3)
+GEMV_MIXED_TRY = {"fp16": (), "fp8": ()}  # ring steps with these roles warp-specialised, timed by the engine (none:
+                           # 3B W8A16 ring+wd measured -14 µs in one call, +13 µs forced in another: PERF_NOTES v17.3)
 GEMV_ROLES = ("wqkv", "wo", "wgu", "wd")
 ATT_THREADS = 128
 ATT_RING_BYTES = 24 * 1024  # attention.cu: each warp's K/V ring (3 groups at hd 128, 6 at hd 64)
