@@ -14,8 +14,9 @@ the mean of the two) and keeps the faster
 The layer GEMVs' form is chosen the same way (`gemv="auto"`, sm_90+): warp-specialised (producer warp + bulk
 copies; "ws" with the default count of ring slots filled before the PDL wait, "ws-pre<N>" with N, the counts of
 step.GEMV_WS_PRE_TRY) or the per-warp ring / register path ("ring"; "ring+wd": with the down projection
-warp-specialised: only when forced, or listed in step.GEMV_MIXED_TRY), timed together with the attention forms, the fastest pair kept (PERF_NOTES v13: the warp-specialised fp8 GEMVs are faster on 8B and slower on 3B; v16: 1B fp16
-is faster with 2 slots before the wait, 3B with 3).
+warp-specialised: only when forced, or listed in step.GEMV_MIXED_TRY), timed together with the attention forms,
+the fastest pair kept (PERF_NOTES v13: the warp-specialised fp8 GEMVs are faster on 8B and slower on 3B; v16: 1B
+fp16 is faster with 2 slots before the wait, 3B with 3).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from .errors import AtomflowError, GpuUnavailable
 from .kernels import KernelLib
 from .step import (GEMV_MIXED_TRY, GEMV_ROLES, GEMV_WS_PRE_TRY, attention_short_cap, build_step, hold_position,
                    run_eager, smem_limits)
+from .weights import Checkpoint, upload_weights
 
 
 def gemv_form(form: str) -> tuple[bool, int | None, tuple]:
@@ -42,7 +44,6 @@ def gemv_form(form: str) -> tuple[bool, int | None, tuple]:
     if base.startswith("ws-pre") and base[6:].isdigit() and not roles:
         return True, int(base[6:]), ()
     raise AtomflowError(f"gemv must be auto, ws, ws-pre<N>, ring or ring+<{'|'.join(GEMV_ROLES)}>..., not {form!r}")
-from .weights import Checkpoint, upload_weights
 
 
 def require_gpu():
@@ -93,11 +94,11 @@ class Engine:
         attention = attention or os.environ.get("ATOMFLOW_ATTENTION", "auto")
         if attention not in ("auto", "short", "split"):
             raise AtomflowError(f"attention must be auto, short or split, not {attention!r}")
-        # gemv: "auto" (sm_90+: time the forms with the attention forms), "ws", "ws-pre<N>" or "ring";
+        # gemv: "auto" (sm_90+: time the forms with the attention forms) or one form (gemv_form);
         # $ATOMFLOW_GEMV or "auto".
         gemv = gemv or os.environ.get("ATOMFLOW_GEMV", "auto")
         ws_ok = float(self.gpu["cc"]) >= 9.0
-        if gemv != "auto" and (gemv_form(gemv)[0] or gemv_form(gemv)[2]) and not ws_ok:
+        if gemv != "auto" and any(gemv_form(gemv)[::2]) and not ws_ok:  # warp-specialised, or some roles
             raise AtomflowError(f"gemv={gemv!r} needs sm_90+ (bulk copies)")
         tries = [f"ws-pre{n}" for n in GEMV_WS_PRE_TRY[weights]]
         mixed = ["+".join(("ring",) + roles) for roles in GEMV_MIXED_TRY[weights]]
@@ -106,10 +107,8 @@ class Engine:
         full_cap = attention_short_cap(cfg.head_dim, self.lib.defines, smem_limits())
         cap = 0 if attention == "split" else full_cap
         caps = [cap] if cap else []
-        self._forms = {f: {k: build_step(cfg, weights, self.arena, self.lib, self.gpu["sms"], att_cap=k,
-                                         gemv_ws=gemv_form(f)[0], ws_pre=gemv_form(f)[1], ws_roles=gemv_form(f)[2])
-                           for k in caps + [None]}
-                       for f in forms}
+        self._forms = {f: {k: build_step(cfg, weights, self.arena, self.lib, self.gpu["sms"], k, *gemv_form(f))
+                           for k in caps + [None]} for f in forms}
         self.variants = self._forms[forms[0]]
         self.att_caps = caps
         # Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it

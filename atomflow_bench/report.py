@@ -17,6 +17,8 @@ from .store import write_json_atomic
 
 SCHEMA = "atomflow-bench/run/1"
 GEMV_FORMS = {"ws": "warp-specialised: producer warp + bulk copies", "ring": "per-warp ring (fp8) / registers (fp16)"}
+REQUIRED = ("schema", "gpu", "model", "weights", "context", "tokens", "tpot_ms", "copy_bandwidth_gbs",
+            "bytes_per_token", "roofline")
 
 
 def choice_lengths(ch: dict) -> str:
@@ -32,8 +34,6 @@ def gemv_form_text(form: str) -> str:
     if form.startswith("ring+"):
         return f"{GEMV_FORMS['ring']}, but {', '.join(form.split('+')[1:])} warp-specialised"
     return GEMV_FORMS.get(form, form)
-REQUIRED = ("schema", "gpu", "model", "weights", "context", "tokens", "tpot_ms", "copy_bandwidth_gbs",
-            "bytes_per_token", "roofline")
 
 
 def git_commit() -> str | None:

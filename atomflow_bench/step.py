@@ -361,13 +361,11 @@ def lm_head_launches(lib: KernelLib, a: Arena, cfg: ModelConfig, n_sm: int) -> l
     also stores xnorm, the `final_norm` probe) and the argmax in its epilogue. The knob LMHEAD_NORM=0 reads xnorm
     written by rmsnorm_f32_f16 before it (build_step), LMHEAD_ARGMAX=0 adds argmax_advance after it."""
     head = a["embed" if cfg.tie_word_embeddings else "lm_head"]
-    if lm_head_norm(lib):
-        gemv = gemv_launch(lib, "fp16", "f32", head, None, a["h"], a["logits"], cfg.vocab_size, cfg.hidden_size,
-                           n_sm, norm_w=a["final_norm"], eps=cfg.rms_norm_eps, x_out=a["xnorm"],
-                           taps={"final_norm": a["xnorm"], "logits": a["logits"]}, role="lm_head")
-    else:
-        gemv = gemv_launch(lib, "fp16", "f32", head, None, a["xnorm"], a["logits"], cfg.vocab_size,
-                           cfg.hidden_size, n_sm, taps={"logits": a["logits"]}, role="lm_head")
+    norm = lm_head_norm(lib)
+    kw = dict(norm_w=a["final_norm"], eps=cfg.rms_norm_eps, x_out=a["xnorm"]) if norm else {}
+    gemv = gemv_launch(lib, "fp16", "f32", head, None, a["h" if norm else "xnorm"], a["logits"], cfg.vocab_size,
+                       cfg.hidden_size, n_sm, taps={**({"final_norm": a["xnorm"]} if norm else {}),
+                                                    "logits": a["logits"]}, role="lm_head", **kw)
     state = (a["pos"], a["cur_token"], a["prompt"], a["prompt_len"], a["out_tokens"])
     if not knob("LMHEAD_ARGMAX", LMHEAD_ARGMAX, lib.defines):
         return [gemv, argmax_launch(lib, a["logits"], a["am_val"], a["am_idx"], a["am_counter"], *state)]

@@ -199,6 +199,27 @@ __device__ __forceinline__ unsigned norm_pair(float h0, float h1, float inv, __h
   return *reinterpret_cast<const unsigned*>(&v);
 }
 
+// x = RMSNorm(h_fp32) * norm_w with h parked: the (first NT) threads read h through L2 once into `hs` (fp32 [K]) while
+// summing its squares in rms_inv's order, norm_w is in `nws` (stage_norm_w_async, before the wait); input pair p of
+// x goes out as store(p, its two fp16 values packed). Used by stage_x_tiled (STAGE_SMEM) and the lm_head's prologue.
+template <int NT, class Store>
+__device__ __forceinline__ void norm_x_parked(const GemvArgs& a, float* red, float* hs, const __half* nws, Store store) {
+  const int nth = nthreads<NT>();
+  const float4* h4 = reinterpret_cast<const float4*>(a.x);
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < a.K / 4; c += nth) {
+    const float4 v = __ldcg(h4 + c);
+    reinterpret_cast<float4*>(hs)[c] = v;
+    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+  }
+  cp_async_wait<0>();  // this thread's norm_w pieces; block_sum's barriers publish everyone's hs and nws
+  const float inv = rsqrtf(block_sum<NT>(ss, red) / (float)a.K + a.eps);  // = rms_inv's value, bit for bit
+  for (int p = threadIdx.x; p < a.K / 2; p += nth) {
+    const float2 hv = reinterpret_cast<const float2*>(hs)[p];
+    store(p, norm_pair(hv.x, hv.y, inv, reinterpret_cast<const __half2*>(nws)[p]));
+  }
+}
+
 template <int PRO, int MODE, int NT = 0>
 __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, float* red, float* hs = nullptr,
                                               const __half* nws = nullptr) {
@@ -206,19 +227,7 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
   unsigned* xs2 = reinterpret_cast<unsigned*>(xs);
   const int npairs = a.K / 2;
   if (PRO == PRO_NORM && MODE == STAGE_SMEM) {
-    const float4* h4 = reinterpret_cast<const float4*>(a.x);
-    float ss = 0.f;
-    for (int c = threadIdx.x; c < a.K / 4; c += nth) {
-      const float4 v = __ldcg(h4 + c);
-      reinterpret_cast<float4*>(hs)[c] = v;
-      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-    cp_async_wait<0>();  // this thread's norm_w pieces; block_sum's barriers publish everyone's hs and nws
-    const float inv = rsqrtf(block_sum<NT>(ss, red) / (float)a.K + a.eps);  // = rms_inv's value, bit for bit
-    for (int p = threadIdx.x; p < npairs; p += nth) {
-      const float2 hv = reinterpret_cast<const float2*>(hs)[p];
-      xs2[xs_pair(p)] = norm_pair(hv.x, hv.y, inv, reinterpret_cast<const __half2*>(nws)[p]);
-    }
+    norm_x_parked<NT>(a, red, hs, nws, [&](int p, unsigned v) { xs2[xs_pair(p)] = v; });
   } else if (PRO == PRO_NORM && a.K <= STAGE_CHUNKS * 4 * nth) {
     const float4* h4 = reinterpret_cast<const float4*>(a.x);
     const uint2* w4 = reinterpret_cast<const uint2*>(a.norm_w);
@@ -717,31 +726,10 @@ __device__ __forceinline__ float dot8_f16(uint4 w, const __half* xs, int k) {
   return acc;
 }
 
-// The final RMSNorm as the lm_head's prologue (a.norm_w != 0; a.x = the fp32 residual h): every block computes
-// x = RMSNorm(h) * norm_w into its shared memory `xs` the way rmsnorm.cu does (rms_inv's sums in its order at the
-// block's 256 threads, rmsnorm_elem per input: bit-identical to rmsnorm_f32_f16 launched with 256 threads), h read
-// through L2 once and parked in `hs` (fp32 [K]), norm_w copied to `nws` (fp16 [K]) before the PDL wait
-// (stage_norm_w_async). Block 0 also stores x to `x_out` (the `final_norm` probe) when given.
-__device__ __forceinline__ void stage_x_rows_norm(const GemvArgs& a, __half* xs, float* hs, const __half* nws,
-                                                  float* red) {
-  const float4* h4 = reinterpret_cast<const float4*>(a.x);
-  float ss = 0.f;
-  for (int c = threadIdx.x; c < a.K / 4; c += blockDim.x) {
-    const float4 v = __ldcg(h4 + c);
-    reinterpret_cast<float4*>(hs)[c] = v;
-    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-  }
-  cp_async_wait<0>();  // this thread's norm_w pieces; block_sum's barriers publish everyone's hs and nws
-  const float inv = rsqrtf(block_sum(ss, red) / (float)a.K + a.eps);  // = rms_inv's value, bit for bit
-  unsigned* xs2 = reinterpret_cast<unsigned*>(xs);
-  for (int p = threadIdx.x; p < a.K / 2; p += blockDim.x) {
-    const float2 hv = reinterpret_cast<const float2*>(hs)[p];
-    xs2[p] = norm_pair(hv.x, hv.y, inv, reinterpret_cast<const __half2*>(nws)[p]);
-  }
-}
-
 // y[o] (EPI) = W[o, :] · x for fp16 row-major W, x fp16: every warp owns outputs gw, gw + n_warps, ... .
-// With a.norm_w: x = RMSNorm(a.x) * norm_w (stage_x_rows_norm; shared memory K * 8 + 128 bytes, else K * 2).
+// With a.norm_w (the final RMSNorm as the lm_head's prologue): x = RMSNorm(a.x) * norm_w by norm_x_parked, bit-identical
+// to rmsnorm_f32_f16 at 256 threads (h parked in `hs`, norm_w copied to `nws` before the PDL wait; shared memory
+// K * 8 + 128 bytes, else K * 2); block 0 also stores x to `x_out` (the `final_norm` probe) when given.
 // ARGMAX: each warp also keeps the best (y[o], o) of its outputs, and the block ends with argmax_finish
 // (argmax_common.cuh): the greedy token and the step's bookkeeping without a kernel of their own.
 template <int EPI, class Sync, bool ARGMAX = false>
@@ -772,7 +760,7 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
   if (norm) stage_norm_w_async(a, nws);  // constant: before the wait
   sync.arrive_wait();
   if (norm) {
-    stage_x_rows_norm(a, xs, hs, nws, red);
+    norm_x_parked<0>(a, red, hs, nws, [&](int p, unsigned v) { reinterpret_cast<unsigned*>(xs)[p] = v; });
   } else {
     const __half* src = reinterpret_cast<const __half*>(a.x);
     for (int i = threadIdx.x; i < K / 8; i += blockDim.x) reinterpret_cast<uint4*>(xs)[i] = ld_cg16(src + 8 * i);

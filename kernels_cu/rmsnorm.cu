@@ -3,7 +3,7 @@
 //
 // Used standalone only with the knob LMHEAD_NORM=0 (the final norm before lm_head) and as the tests' reference:
 // the same math (common.cuh: rms_inv, rmsnorm_elem) runs in the prologue of the QKV and gate/up GEMVs
-// (gemv_common.cuh stage_x_tiled) and of the lm_head GEMV (stage_x_rows_norm: bit-identical at 256 threads).
+// (gemv_common.cuh stage_x_tiled) and of the lm_head GEMV (norm_x_parked: bit-identical at 256 threads).
 // Layouts    h fp32 [K], w fp16 [K], out fp16 [K]; K % 4 == 0.
 // Bytes      K * 4 + K * 2 read, K * 2 written.
 // Launch     grid = 1, block = 256 (step.py rmsnorm_launch; the sums' order is the lm_head prologue's).
