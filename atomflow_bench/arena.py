@@ -78,7 +78,8 @@ def attention_splits(max_seq: int, n_kv: int, n_sm: int, blocks_per_sm: int | No
     """Split capacity per kv head (= the attention launch's grid.y): one split per ATT_CHUNK positions, capped so
     the whole launch is about ATT_BLOCKS_PER_SM blocks per SM; beyond the cap a split walks several sub-chunks."""
     per_sm = blocks_per_sm or knob("ATT_BLOCKS_PER_SM", ATT_BLOCKS_PER_SM)
-    return max(1, min(-(-max_seq // ATT_CHUNK), -(-per_sm * n_sm // n_kv)))
+    free = knob("ATT_FREE_SLOTS", 0)  # A/B knob: block slots left free for the previous launch's combining blocks
+    return max(1, min(-(-max_seq // ATT_CHUNK), -(-(per_sm * n_sm - free) // n_kv)))
 
 
 def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> ArenaPlan:

@@ -62,6 +62,15 @@ __device__ __forceinline__ int attention_splits(int len, int max_splits) {
   return min((len + ATT_CHUNK - 1) / ATT_CHUNK, max_splits);
 }
 
+// First sub-chunk of split s of n: an even share each, except the last split, which takes ATT_LAST_SHARE / 4 of
+// a share (A/B knob; 4 = even).
+#ifndef ATT_LAST_SHARE
+#define ATT_LAST_SHARE 4
+#endif
+__device__ __forceinline__ int att_split_start(int s, int n_sub, int n) {
+  return s >= n ? n_sub : (int)((long long)4 * s * n_sub / (4 * (n - 1) + ATT_LAST_SHARE));
+}
+
 // byte offset of 16-byte piece c of row t in a staged [16][HD] fp16 group (pieces XOR-swizzled by the row)
 template <int HD>
 __device__ __forceinline__ int att_swz(int t, int c) {
@@ -153,8 +162,8 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   const int n_sub = (len + ATT_CHUNK - 1) / ATT_CHUNK;
   const int n_splits = attention_splits(len, max_splits);
   if (split >= n_splits) return;  // nothing at this context length (before any barrier)
-  const int p0 = (int)((long long)split * n_sub / n_splits) * ATT_CHUNK;
-  const int p1 = min((int)((long long)(split + 1) * n_sub / n_splits) * ATT_CHUNK, len);
+  const int p0 = att_split_start(split, n_sub, n_splits) * ATT_CHUNK;
+  const int p1 = min(att_split_start(split + 1, n_sub, n_splits) * ATT_CHUNK, len);
   const size_t kv_dim = (size_t)n_kv * HD;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP;
   const int gid = lane >> 2, tig = lane & 3;  // mma fragment coordinates: gid = the q head row

@@ -1,13 +1,17 @@
 """Diagnostic (GPU): one instrumented graph replay, block by block, around one layer's attention launch.
 
-    python3 scripts/timeline_blocks.py MODEL WEIGHTS CONTEXT [LAYER] [--layer]
+    python3 scripts/timeline_blocks.py MODEL WEIGHTS CONTEXT [LAYER] [--layer | --alone]
 
 Default: for every block of the layer's attention launch, its SM, start / wait return / marks / end (µs, relative
 to the attention launch's first wait return), and every block of any other launch that was resident on the same
 SM at the same time (role, start, end). Answers "what shares the SM with attention".
 --layer: for each launch of the layer (QKV .. down, then the next QKV), the spread over its blocks (min, p10,
 median, p90, max) of start, wait return, marks and end, in µs after the previous launch's last block ended.
-Answers "which blocks of a launch are late, and at which stage". Not part of any test or figure;
+Answers "which blocks of a launch are late, and at which stage".
+--alone: the step's attention launches alone in one graph (profile's `attention_graph`), one replay recorded; for
+launches LAYER .. LAYER + 2 the same spread, the blocks that found no SM until the previous launch ended, and the
+last block of each kv head (the combine): its ticket and end. Answers "where the time per launch goes when
+attention is chained with itself". Not part of any test or figure;
 results/PERF_NOTES.md quotes what it showed.
 """
 from __future__ import annotations
@@ -24,13 +28,16 @@ def main() -> None:
     from atomflow_bench.fetch import resolve_model
     from atomflow_bench.profile import step_role
 
-    args = [a for a in sys.argv[1:] if a != "--layer"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
     model, weights, context = args[0], args[1], int(args[2])
     layer = int(args[3]) if len(args) > 3 else 10
     eng = Engine(resolve_model(model), weights=weights, max_seq=context + 16, kernel_defines=(timeline.DEFINE,))
     eng.reset(synthetic_prompt(eng.cfg.vocab_size, context))
     eng.run(context - 1)
     bufs = timeline.buffers(eng.lib)
+    if "--alone" in sys.argv:
+        alone(eng, bufs, model, weights, layer)
+        return
     for _ in range(3):  # the last replay is the one read
         launches = eng.launches
         with eng.stream:
@@ -82,6 +89,47 @@ def layer_spread(rec, ids, roles, att, model, weights, context, layer) -> None:
             if len(v):
                 q = np.percentile((v - t0) / 1e3, [0, 10, 50, 90, 100])
                 print(f"    {name:6s} " + " ".join(f"{x:7.2f}" for x in q))
+
+
+def alone(eng, bufs, model, weights, layer) -> None:
+    """The attention launches alone in a graph (as profile.attention_graph replays them); one replay read."""
+    from atomflow_bench import timeline
+    from atomflow_bench.graph import StepGraph
+
+    launches = [ln for ln in eng.launches if ln.name == "attention_decode"]
+    g = StepGraph(launches, eng.stream)
+    for _ in range(3):  # the last replay is the one read
+        with eng.stream:
+            timeline.clear(bufs)
+        g.replay(1)
+        eng.stream.synchronize()
+    rec, sms, _ = timeline.read_with_sm(bufs)
+    ids = np.unique(rec[:, 0])
+    n_kv = launches[0].grid[0]
+    length = int(eng.arena["pos"].get()[0]) + 1
+    ends = [rec[rec[:, 0] == i, 3].astype(np.int64).max() for i in ids]
+    spans = np.diff(np.array(ends)) / 1e3
+    print(f"{model} {weights} length {length}: {len(ids)} attention launches alone in one graph, grid {launches[0].grid}; "
+          f"span per launch (last end - previous last end) median {np.median(spans):.2f} µs "
+          f"(min {spans.min():.2f}, max {spans.max():.2f})")
+    cols = [("start", 1), ("wait", 2)] + [(f"mark{k}", 4 + k) for k in range(rec.shape[1] - 4)] + [("end", 3)]
+    for li in range(max(layer, 1), min(layer + 3, len(ids))):
+        mine = rec[rec[:, 0] == ids[li]]
+        t0 = ends[li - 1]
+        st = mine[:, 1].astype(np.int64)
+        late = st >= t0
+        print(f"  launch {li}: {len(mine)} blocks, span {(ends[li] - t0) / 1e3:.2f} µs; {int(late.sum())} blocks started "
+              f"only after the previous launch ended; µs after that end, min / p10 / median / p90 / max:")
+        for name, c in cols:
+            for tag, sel in (("all", np.ones(len(mine), bool)), ("late", late)):
+                v = mine[sel, c].astype(np.int64)
+                v = v[v > 0]
+                if len(v) and (tag == "all" or late.any()):
+                    q = np.percentile((v - t0) / 1e3, [0, 10, 50, 90, 100])
+                    print(f"    {name:6s} {tag:4s} " + " ".join(f"{x:7.2f}" for x in q))
+        last = np.argsort(mine[:, 3].astype(np.int64))[-n_kv:]  # the combining blocks end last
+        print("    last blocks (ticket -> end): " + ", ".join(
+            f"{(int(mine[b, 7]) - t0) / 1e3:.2f}->{(int(mine[b, 3]) - t0) / 1e3:.2f}" for b in last))
 
 
 if __name__ == "__main__":
