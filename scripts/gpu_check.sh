@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, benchmarks. Prints a short table last; full logs/JSON under $OUT.
 #   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench bench-ab knobs profile gemv
-#                                       validate evidence attention att-profile ab (default: info kernels engine bench)
+#                                       validate evidence attention att-profile att-alone ab (default: info kernels engine bench)
 #   BENCH_SPECS="model:fmt ..."  CTX=128  KNOBS="DEF=V,DEF=V ..." (knobs: compile-time -D variants, 3B fp8)
 #   PROFILE_SPECS="model:fmt ..." PROFILE_DEFINES="DEF=V ..." PROFILE_CTX=128 TIMELINE=N (profile stage; N replays of the
 #                                       in-kernel timeline instrument, 0 = off)
@@ -119,10 +119,17 @@ print(" ".join("%s-%s=%.0f/%.0f" % (r["role"], r["format"], r["pct_of_copy"], r[
           note "profile 3b fp8 $t: rc=$? $(grep -E 'graph step|alone in a graph' "$OUT/profile-3b-fp8-$t.log" | tr -s ' ' | tr '\n' ' ')"
           if [ "${ATT_ALONE:-0}" != 0 ] && [ $side = new ]; then   # the in-kernel timeline of the launches alone
             ATOMFLOW_KERNEL_DEFINES="$d" timeout 200 python3 scripts/timeline_blocks.py llama-3.2-3b fp8 8192 10 --alone \
-              >"$OUT/alone-3b-fp8-$t.txt" 2>&1
-            note "  alone timeline: rc=$? $(head -1 "$OUT/alone-3b-fp8-$t.txt" | cut -c1-220)"
+              >"$FINAL/alone-3b-fp8-$t.txt" 2>&1
+            note "  alone timeline: rc=$? $(head -1 "$FINAL/alone-3b-fp8-$t.txt" | cut -c1-220)"
           fi
         done
+      done ;;
+    att-alone)   # only the in-kernel timeline of the attention launches alone, per ATT_KNOBS variant (files kept at once)
+      for k in ${ATT_KNOBS:-default}; do
+        d=""; [ "$k" != default ] && d="${k//,/ }"; t="ctx8192-${k//[=,]/_}"
+        ATOMFLOW_ATTENTION=split ATOMFLOW_GEMV=ring ATOMFLOW_KERNEL_DEFINES="$d" timeout 200 \
+          python3 scripts/timeline_blocks.py llama-3.2-3b fp8 8192 10 --alone >"$FINAL/alone-3b-fp8-$t.txt" 2>&1
+        note "alone timeline $t: rc=$? $(head -1 "$FINAL/alone-3b-fp8-$t.txt" | cut -c1-220)"
       done ;;
     ab)   # same-machine A/B against another commit's tree (AB_DIR, e.g. `git archive C atomflow_bench kernels_cu
       # pyproject.toml | tar -x -C .ab/C`, carried), interleaved AB_ROUNDS times: AB_SPEC="model:fmt"

@@ -112,8 +112,9 @@ def alone(eng, bufs, model, weights, layer) -> None:
     print(f"{model} {weights} length {length}: {len(ids)} attention launches alone in one graph, grid {launches[0].grid}; "
           f"span per launch (last end - previous last end) median {np.median(spans):.2f} µs "
           f"(min {spans.min():.2f}, max {spans.max():.2f})")
+    print("  spans: " + " ".join(f"{x:.2f}" for x in spans))
     cols = [("start", 1), ("wait", 2)] + [(f"mark{k}", 4 + k) for k in range(rec.shape[1] - 4)] + [("end", 3)]
-    for li in range(max(layer, 1), min(layer + 3, len(ids))):
+    for li in range(max(layer, 1), min(layer + 4, len(ids))):
         mine = rec[rec[:, 0] == ids[li]]
         t0 = ends[li - 1]
         st = mine[:, 1].astype(np.int64)
