@@ -58,7 +58,7 @@ GEMV_WS_PRE_TRY = {"fp16": (2,), "fp8": ()}  # other counts the engine times per
 GEMV_MIXED_TRY = {"fp16": (), "fp8": ()}  # ring steps with these roles warp-specialised, timed by the engine (none:
                            # 3B W8A16 ring+wd measured -14 µs in one call, +13 µs forced in another: PERF_NOTES v17.3)
 GEMV_ROLES = ("wqkv", "wo", "wgu", "wd")
-ATT_THREADS = 128
+ATT_THREADS = 128             # attention.cu block size (A/B knob ATT_THREADS)
 ATT_RING_BYTES = 24 * 1024  # attention.cu: each warp's K/V ring (3 groups at hd 128, 6 at hd 64)
 ATS_THREADS = 256          # attention_short.cu
 ATS_HEADS = 8              # attention_short.cu: q heads per kv head padded to the mma's N
@@ -262,7 +262,7 @@ def attention_smem(group: int, hd: int, splits: int, defines: tuple | None = Non
     reuses them at its end for the warps' O ([warps][G][hd] fp32) and for the split combine (fp32 m and l
     [2][G][splits] rounded to 4, the float4 sums [G*hd/4], then the partial o of as many splits as fit, at least
     one); a plan where those do not fit is refused."""
-    warps = ATT_THREADS // 32
+    warps = knob("ATT_THREADS", ATT_THREADS, defines) // 32
     rings = warps * knob("ATT_RING_BYTES", ATT_RING_BYTES, defines)
     merge = 4 * warps * group * hd
     combine = 4 * (-(-2 * group * splits // 4) * 4 + 2 * group * hd)
@@ -284,7 +284,7 @@ def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, 
     if shmem > SMEM_PER_SM:
         raise AtomflowError(f"{splits} attention splits need {shmem} bytes of shared memory (> {SMEM_PER_SM})")
     allow_dynamic_smem(fn, shmem)
-    return Launch(fn, "attention_decode", (n_kv, splits), (ATT_THREADS,),
+    return Launch(fn, "attention_decode", (n_kv, splits), (knob("ATT_THREADS", ATT_THREADS, lib.defines),),
                   (q, k_cache, v_cache, pos, part_ml, part_o, counters, out, i32(n_kv), i32(splits),
                    np.float32(1.0 / math.sqrt(hd))), shmem, taps or {}, 0)
 

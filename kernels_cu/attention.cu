@@ -40,7 +40,9 @@
 #include "common.cuh"
 
 #define ATT_CHUNK 32    // positions per sub-chunk: the unit splits are cut in (arena.py ATT_CHUNK)
-#define ATT_THREADS 128
+#ifndef ATT_THREADS
+#define ATT_THREADS 128 // step.py ATT_THREADS; A/B knob (256: one block per SM with the same 24 KB ring per warp)
+#endif
 #define ATT_WARPS (ATT_THREADS / AF_WARP)
 #define ATT_GROUP 16    // positions per group: a warp's unit of the walk (the P.V mma's K)
 #define ATT_BATCH 4     // ldmatrix loads issued before their mmas
@@ -343,7 +345,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
 // One kernel per (head_dim, q heads per kv head): G is a compile-time constant so the per-head arrays are
 // exactly sized. Block (j, s) = item (kv head j, split s). 2 blocks per SM (step.py attention_smem).
 #define ATTENTION_INSTANCE(HD, G)                                                                         \
-  extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attention_decode_hd##HD##_g##G(           \
+  extern "C" __global__ void __launch_bounds__(ATT_THREADS, 256 / ATT_THREADS) attention_decode_hd##HD##_g##G(           \
       const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache, \
       const int* __restrict__ pos_ptr, float* part_ml, float* part_o, unsigned int* counters,             \
       __half* __restrict__ out, int n_kv, int max_splits, float scale) {                                  \

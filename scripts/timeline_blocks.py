@@ -104,6 +104,8 @@ def alone(eng, bufs, model, weights, layer) -> None:
         g.replay(1)
         eng.stream.synchronize()
     rec, sms, _ = timeline.read_with_sm(bufs)
+    from atomflow_bench.profile import graph_replay_us
+    t = graph_replay_us(launches, eng.stream, 30)
     ids = np.unique(rec[:, 0])
     n_kv = launches[0].grid[0]
     length = int(eng.arena["pos"].get()[0]) + 1
@@ -111,7 +113,8 @@ def alone(eng, bufs, model, weights, layer) -> None:
     spans = np.diff(np.array(ends)) / 1e3
     print(f"{model} {weights} length {length}: {len(ids)} attention launches alone in one graph, grid {launches[0].grid}; "
           f"span per launch (last end - previous last end) median {np.median(spans):.2f} µs "
-          f"(min {spans.min():.2f}, max {spans.max():.2f})")
+          f"(min {spans.min():.2f}, max {spans.max():.2f}); 30 replays (instrumented build, events): "
+          f"{t['median'] / len(launches):.2f} µs per launch ({t['p10'] / len(launches):.2f}-{t['p90'] / len(launches):.2f})")
     print("  spans: " + " ".join(f"{x:.2f}" for x in spans))
     cols = [("start", 1), ("wait", 2)] + [(f"mark{k}", 4 + k) for k in range(rec.shape[1] - 4)] + [("end", 3)]
     for li in range(max(layer, 1), min(layer + 4, len(ids))):
