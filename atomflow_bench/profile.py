@@ -1,6 +1,7 @@
 """`profile` and `gemv`: where the decode step's time goes (GPU, CUDA events).
 
-* `profile_step`: the step's launches run eagerly with an event pair around every launch (like AtomFlow's
+* `profile_step`: the step's launches run eagerly with an event pair around every launch, queued behind a spin
+  kernel (`queued_event_us`: no host time inside a pair) (like AtomFlow's
   nsys table: kernel, % of step, count per step, mean µs, GB/s), plus the graph-mode step time measured
   the same way as `run`; the difference between the graph step and the sum of kernel times is the idle
   gap (launch latency + ramp-up/drain between dependent kernels).
@@ -14,7 +15,8 @@
   bandwidth: the excess over it is what a faster or fused version of the role could save at most.
 * `gemv_bench`: every GEMV shape of a model alone, fp16 and fp8, L2-cold: the weights rotate through
   enough copies that the set is several times the L2 size, so each launch streams from DRAM. Two figures per
-  shape: isolated (an event pair around every launch: launch, ramp-up and drain included) and chained (the
+  shape: isolated (an event pair around every launch, all of them queued behind a spin kernel so that the host's
+  submission time is not inside a pair: launch latency, ramp-up and drain included) and chained (the
   copies launched back to back with programmatic dependent launch and captured as one CUDA graph, as the decode
   step runs them: each launch requests its weights while its predecessor drains and waits for it before reading
   x; µs per launch = replay time / launches; the residual variant reads y before its wait, which races with the
@@ -28,6 +30,7 @@ import numpy as np
 from .arena import linear_regions
 from .bench import copy_bandwidth, summarize, synthetic_prompt, time_decode
 from .config import GROUP, ModelConfig
+from .errors import AtomflowError
 from .step import hold_position
 
 
@@ -39,8 +42,6 @@ def _kv_bytes(cfg: ModelConfig, length: int) -> int:
 
 
 def profile_step(engine, context: int = 128, steps: int = 20, copy: dict | None = None) -> dict:
-    import cupy as cp
-
     cfg = engine.cfg
     copy = copy or copy_bandwidth()
     prompt = synthetic_prompt(cfg.vocab_size, context)
@@ -49,15 +50,7 @@ def profile_step(engine, context: int = 128, steps: int = 20, copy: dict | None 
     engine.run(len(prompt) - 1, graph=True)
     launches = engine.launches
     n = len(launches)
-    ev = [[(cp.cuda.Event(), cp.cuda.Event()) for _ in range(n)] for _ in range(steps)]
-    with engine.stream as s:
-        for st in range(steps):
-            for i, ln in enumerate(launches):
-                ev[st][i][0].record(s)
-                ln()
-                ev[st][i][1].record(s)
-    engine.stream.synchronize()
-    per = np.array([[cp.cuda.get_elapsed_time(a, b) * 1e3 for a, b in row] for row in ev])  # µs [steps, n]
+    per = np.array(queued_event_us(engine.lib, launches * steps, engine.stream)).reshape(steps, n)  # µs [steps, n]
     step_us = per.sum(axis=1)
     groups: dict[str, dict] = {}
     for i, ln in enumerate(launches):
@@ -88,6 +81,34 @@ def profile_step(engine, context: int = 128, steps: int = 20, copy: dict | None 
             "gemv_choice": engine.gemv_choice,
             "attention_graph": attention_graph(engine, copy),
             "role_marginals": role_marginals(engine, copy)}
+
+
+def queued_event_us(lib, calls, stream, per_call_ns: int = 100_000) -> list[float]:
+    """µs between an event pair around each of `calls` (callables that queue GPU work on the current stream), all
+    queued on `stream` behind kernels_cu/spin.cu, so no host submission time falls inside a pair: each figure is
+    the work's own time on the GPU, its launch latency included. When the host took longer to queue everything
+    than the spin lasted, the figures are thrown away and taken again with a longer spin."""
+    import time
+
+    import cupy as cp
+
+    spin = lib["spin_ns"]
+    for attempt in range(3):
+        budget_ns = 200_000 + len(calls) * per_call_ns * 4 ** attempt
+        ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in calls]
+        with stream as s:
+            t0 = time.perf_counter()
+            spin((1,), (1,), (np.uint64(budget_ns),))
+            for (a, b), call in zip(ev, calls):
+                a.record(s)
+                call()
+                b.record(s)
+            queued_ns = (time.perf_counter() - t0) * 1e9
+        stream.synchronize()
+        if queued_ns < budget_ns:
+            return [cp.cuda.get_elapsed_time(a, b) * 1e3 for a, b in ev]
+    raise AtomflowError(f"timing: the host needed {queued_ns / 1e6:.1f} ms to queue {len(calls)} launches, longer "
+                        f"than the {budget_ns / 1e6:.1f} ms spin in front of them")
 
 
 def graph_replay_us(launches, stream, replays: int = 30) -> dict:
@@ -172,6 +193,7 @@ def gemv_bench(cfg: ModelConfig, lib, n_sm: int, formats=("fp16", "fp8"), reps: 
 
     copy = copy or copy_bandwidth()
     pdl = compute_capability() >= 90
+    stream = cp.cuda.Stream(non_blocking=True)
     rows_out = []
     rng = cp.random.default_rng(0)
     for fmt in formats:
@@ -194,14 +216,8 @@ def gemv_bench(cfg: ModelConfig, lib, n_sm: int, formats=("fp16", "fp8"), reps: 
             y = cp.zeros(n_out, dtype=cp.float32 if variant in ("resid", "f32") else cp.float16)
             launches = [gemv_launch(lib, f, variant, ws[c], ss[c], x, y, n_out, k, n_sm, norm_w=nw, role=role)
                         for c in range(copies)]
-            ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(reps + 5)]
-            for i, (a, b) in enumerate(ev):
-                a.record()
-                launches[i % copies]()
-                b.record()
-            ev[-1][1].synchronize()
-            us = [cp.cuda.get_elapsed_time(a, b) * 1e3 for a, b in ev[5:]]
-            s = summarize(us)
+            us = queued_event_us(lib, [launches[i % copies] for i in range(reps + 5)], stream)
+            s = summarize(us[5:])
             moved = launches[0].bytes_moved
             gbs = moved / (s["median"] * 1e-6) / 1e9
             chain = chained_us(launches, pdl, reps)

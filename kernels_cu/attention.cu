@@ -5,7 +5,8 @@
 // Computes   for q head hq (kv head j = hq / G, G = n_heads / n_kv), L = *pos + 1 cached positions:
 //              out[hq] = sum_t softmax_t(q[hq] . K[t, j] * scale) V[t, j]   (fp16 in, fp32 scores and sums, fp16 out)
 // Scheme     block (j, s) = kv head j, split s of the L positions (an even share of the ceil(L / ATT_CHUNK)
-//            32-position sub-chunks; up to max_splits = grid.y), all G q heads. The split is cut in 16-position
+//            32-position sub-chunks, the last split half a share: att_split_start; up to max_splits = grid.y),
+//            all G q heads. The split is cut in 16-position
 //            groups; warp w owns groups w, w + 4, ... and streams them through its own ring in shared memory
 //            (ATT_RING_BYTES: 3 groups of K and V at hd 128, 6 at hd 64) by cp.async — the whole ring requested
 //            before the PDL wait (the K/V rows of earlier steps; row L-1, which the QKV kernel appends, is
@@ -65,9 +66,13 @@ __device__ __forceinline__ int attention_splits(int len, int max_splits) {
 }
 
 // First sub-chunk of split s of n: an even share each, except the last split, which takes ATT_LAST_SHARE / 4 of
-// a share (A/B knob; 4 = even).
+// a share (A/B knob; 4 = even): the last split's blocks are dispatched last, some only when the previous launch's
+// combining blocks leave their SM, so they get less to read.
 #ifndef ATT_LAST_SHARE
-#define ATT_LAST_SHARE 4
+#define ATT_LAST_SHARE 2  // results/PERF_NOTES.md v18: the last split's blocks are dispatched last
+#endif
+#ifndef ATT_PRE_GROUPS
+#define ATT_PRE_GROUPS 1000  // ring groups requested before the PDL wait (A/B knob; default: the whole ring)
 #endif
 __device__ __forceinline__ int att_split_start(int s, int n_sub, int n) {
   return s >= n ? n_sub : (int)((long long)4 * s * n_sub / (4 * (n - 1) + ATT_LAST_SHARE));
@@ -198,9 +203,11 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   };
 
 #pragma unroll
-  for (int i = 0; i < D; ++i) stage(i, true);
+  for (int i = 0; i < ATT_PRE_GROUPS && i < D; ++i) stage(i, true);
   pdl_wait();
   pdl_launch_dependents();
+#pragma unroll
+  for (int i = ATT_PRE_GROUPS; i < D; ++i) stage(i, false);  // (A/B knob ATT_PRE_GROUPS < D only)
 
   // row len-1 (appended by the QKV kernel) into its slot, when its group was staged above
   const int gl = (len - 1 - p0) / ATT_GROUP;

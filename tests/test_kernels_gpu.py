@@ -242,6 +242,38 @@ def test_embedding(kernel_lib):
     np.testing.assert_array_equal(h.get(), emb[tok].astype(np.float32))
 
 
+def test_spin_and_queued_timing(kernel_lib):
+    """spin.cu lasts at least what it is asked for; profile.queued_event_us keeps the host's time out of the event
+    pairs: a 3 ms host sleep before each launch of a short kernel is not in its figure, the spin is not either."""
+    import time
+
+    import cupy as cp
+
+    from atomflow_bench.profile import queued_event_us
+
+    s = cp.cuda.Stream(non_blocking=True)
+    a, b = cp.cuda.Event(), cp.cuda.Event()
+    with s:
+        a.record(s)
+        kernel_lib["spin_ns"]((1,), (1,), (np.uint64(500_000),))
+        b.record(s)
+    b.synchronize()
+    assert 500 <= cp.cuda.get_elapsed_time(a, b) * 1e3 < 5000
+    h = cp.zeros(576, dtype=cp.float32)
+    emb = cp.ones((4, 576), dtype=cp.float16)
+    ln = embed_launch(kernel_lib, cp.asarray([1], dtype=cp.int32), emb, h)
+
+    def slow_host_launch():
+        time.sleep(0.003)
+        ln()
+
+    us = queued_event_us(kernel_lib, [slow_host_launch] * 3, s, per_call_ns=10_000_000)
+    assert len(us) == 3 and all(0 < u < 500 for u in us), us
+    np.testing.assert_array_equal(h.get(), np.ones(576, np.float32))
+    with pytest.raises(AtomflowError, match="longer than"):  # a spin too short for the host: refused, not used
+        queued_event_us(kernel_lib, [slow_host_launch] * 3, s, per_call_ns=1_000)
+
+
 @pytest.mark.parametrize("K", [576, 2048, 3072, 4096])
 def test_rmsnorm(kernel_lib, K):
     import cupy as cp
