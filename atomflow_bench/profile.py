@@ -83,11 +83,22 @@ def profile_step(engine, context: int = 128, steps: int = 20, copy: dict | None 
             "role_marginals": role_marginals(engine, copy)}
 
 
+QUEUE_BATCH = 64  # calls queued behind one spin: (event, launch, event) x 64 stays well inside a stream's queue
+
+
 def queued_event_us(lib, calls, stream, per_call_ns: int = 100_000) -> list[float]:
-    """µs between an event pair around each of `calls` (callables that queue GPU work on the current stream), all
-    queued on `stream` behind kernels_cu/spin.cu, so no host submission time falls inside a pair: each figure is
-    the work's own time on the GPU, its launch latency included. When the host took longer to queue everything
-    than the spin lasted, the figures are thrown away and taken again with a longer spin."""
+    """µs between an event pair around each of `calls` (callables that queue GPU work on the current stream), queued
+    on `stream` in batches of QUEUE_BATCH behind kernels_cu/spin.cu, so no host submission time falls inside a
+    pair: each figure is the work's own time on the GPU, its launch latency included. (Batches: past ~1000 pending
+    operations the host blocks in the launch until the GPU drains, i.e. until the spin ends.) When the host took
+    longer to queue a batch than its spin lasted, the batch is thrown away and taken again with a longer spin."""
+    out = []
+    for i in range(0, len(calls), QUEUE_BATCH):
+        out += _queued_batch(lib, calls[i:i + QUEUE_BATCH], stream, per_call_ns)
+    return out
+
+
+def _queued_batch(lib, calls, stream, per_call_ns: int) -> list[float]:
     import time
 
     import cupy as cp

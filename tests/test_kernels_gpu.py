@@ -244,7 +244,8 @@ def test_embedding(kernel_lib):
 
 def test_spin_and_queued_timing(kernel_lib):
     """spin.cu lasts at least what it is asked for; profile.queued_event_us keeps the host's time out of the event
-    pairs: a 3 ms host sleep before each launch of a short kernel is not in its figure, the spin is not either."""
+    pairs: a 3 ms host sleep before each launch of a short kernel is not in its figure, the spin is not either;
+    1500 calls (more than a stream queues before the host blocks) are taken in batches."""
     import time
 
     import cupy as cp
@@ -269,6 +270,8 @@ def test_spin_and_queued_timing(kernel_lib):
 
     us = queued_event_us(kernel_lib, [slow_host_launch] * 3, s, per_call_ns=10_000_000)
     assert len(us) == 3 and all(0 < u < 500 for u in us), us
+    many = queued_event_us(kernel_lib, [ln] * 1500, s)  # past a stream's queue depth: taken in batches
+    assert len(many) == 1500 and all(0 < u < 500 for u in many)
     np.testing.assert_array_equal(h.get(), np.ones(576, np.float32))
     with pytest.raises(AtomflowError, match="longer than"):  # a spin too short for the host: refused, not used
         queued_event_us(kernel_lib, [slow_host_launch] * 3, s, per_call_ns=1_000)
