@@ -263,8 +263,11 @@ def profile_table(p: dict):
     for r in p["rows"]:
         t.add_row(r["kernel"], f"{r['pct']:.1f}", str(r["count"]), f"{r['mean_us']:.2f}", f"{r['us_per_step']:.1f}",
                   f"{r['gbs']:.0f}" if r["gbs"] else "-", f"{r['pct_of_copy']:.0f}" if r["pct_of_copy"] else "-")
-    t.caption = (f"sum of kernels {p['kernel_sum_us']:.1f} µs; graph step {p['graph_step_us']:.1f} µs; idle gap "
-                 f"{p['idle_gap_us']:.1f} µs; copy bandwidth {p['copy_bandwidth_gbs']['median']:.0f} GB/s")
+    gap = p["idle_gap_us"]
+    what = "idle gap" if gap >= 0 else "overlap: the graph step is shorter than the kernels one by one by"
+    t.caption = (f"sum of kernels (each alone, launch latency included) {p['kernel_sum_us']:.1f} µs; graph step "
+                 f"{p['graph_step_us']:.1f} µs; {what} {abs(gap):.1f} µs; copy bandwidth "
+                 f"{p['copy_bandwidth_gbs']['median']:.0f} GB/s")
     return t
 
 

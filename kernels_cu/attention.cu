@@ -78,6 +78,28 @@ __device__ __forceinline__ int att_split_start(int s, int n_sub, int n) {
   return s >= n ? n_sub : (int)((long long)4 * s * n_sub / (4 * (n - 1) + ATT_LAST_SHARE));
 }
 
+// A/B knob ATT_SM_FLAG=1 (results/PERF_NOTES.md v18.3): a combining block counts itself in att_sm_combining[its SM]
+// for the length of its combine, and a block that starts on an SM where one is counted holds back its K/V
+// requests until it is done (at most ~ATT_SM_WAIT_NS): the combine's L2 reads then do not queue behind 96 KB of
+// HBM-bound cp.asyncs of the next launch's block beside it.
+#ifndef ATT_SM_FLAG
+#define ATT_SM_FLAG 0
+#endif
+#define ATT_SM_WAIT_NS 20000
+#if ATT_SM_FLAG
+__device__ unsigned int att_sm_combining[1024];
+__device__ __forceinline__ unsigned att_smid() {
+  unsigned s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s & 1023u;
+}
+__device__ __forceinline__ unsigned long long att_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#endif
+
 // byte offset of 16-byte piece c of row t in a staged [16][HD] fp16 group (pieces XOR-swizzled by the row)
 template <int HD>
 __device__ __forceinline__ int att_swz(int t, int c) {
@@ -202,6 +224,14 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     cp_async_commit();
   };
 
+#if ATT_SM_FLAG
+  if (threadIdx.x == 0) {
+    const volatile unsigned* busy = att_sm_combining + att_smid();
+    const unsigned long long t0 = att_now();
+    while (*busy != 0u && att_now() - t0 < ATT_SM_WAIT_NS) __nanosleep(128);
+  }
+  __syncthreads();
+#endif
 #pragma unroll
   for (int i = 0; i < ATT_PRE_GROUPS && i < D; ++i) stage(i, true);
   pdl_wait();
@@ -345,7 +375,13 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   __syncthreads();
   AF_TL_MARK(3);  // timeline: ticket back
   if (!last) return;  // the last block acquired every other block's partials through its ticket
+#if ATT_SM_FLAG
+  if (threadIdx.x == 0) atomicAdd(att_sm_combining + att_smid(), 1u);
+#endif
   attention_combine<HD, G>(part_ml, part_o, out, j, n_splits, max_splits, reinterpret_cast<float*>(smem));
+#if ATT_SM_FLAG
+  if (threadIdx.x == 0) atomicSub(att_sm_combining + att_smid(), 1u);  // after its own combine's writes: program order
+#endif
   if (threadIdx.x == 0) counters[j] = 0u;
 }
 
