@@ -6,8 +6,8 @@
 //              out[hq] = sum_t softmax_t(q[hq] . K[t, j] * scale) V[t, j]   (fp16 in, fp32 scores and sums, fp16 out)
 // Scheme     block (j, s) = kv head j, split s of the L positions (an even share of the ceil(L / ATT_CHUNK)
 //            32-position sub-chunks, the last split half a share: att_split_start; up to max_splits = grid.y),
-//            all G q heads. The split is cut in 16-position
-//            groups; warp w owns groups w, w + 4, ... and streams them through its own ring in shared memory
+//            all G q heads. The split is cut in 16-position groups; warp w owns groups w, w + 4, ... and
+//            streams them through its own ring in shared memory
 //            (ATT_RING_BYTES: 3 groups of K and V at hd 128, 6 at hd 64) by cp.async — the whole ring requested
 //            before the PDL wait (the K/V rows of earlier steps; row L-1, which the QKV kernel appends, is
 //            patched in after the wait or, in a later group, copied then). Per group, in registers
@@ -71,34 +71,9 @@ __device__ __forceinline__ int attention_splits(int len, int max_splits) {
 #ifndef ATT_LAST_SHARE
 #define ATT_LAST_SHARE 2  // results/PERF_NOTES.md v18: the last split's blocks are dispatched last
 #endif
-#ifndef ATT_PRE_GROUPS
-#define ATT_PRE_GROUPS 1000  // ring groups requested before the PDL wait (A/B knob; default: the whole ring)
-#endif
 __device__ __forceinline__ int att_split_start(int s, int n_sub, int n) {
   return s >= n ? n_sub : (int)((long long)4 * s * n_sub / (4 * (n - 1) + ATT_LAST_SHARE));
 }
-
-// A/B knob ATT_SM_FLAG=1 (results/PERF_NOTES.md v18.3): a combining block counts itself in att_sm_combining[its SM]
-// for the length of its combine, and a block that starts on an SM where one is counted holds back its K/V
-// requests until it is done (at most ~ATT_SM_WAIT_NS): the combine's L2 reads then do not queue behind 96 KB of
-// HBM-bound cp.asyncs of the next launch's block beside it.
-#ifndef ATT_SM_FLAG
-#define ATT_SM_FLAG 0
-#endif
-#define ATT_SM_WAIT_NS 20000
-#if ATT_SM_FLAG
-__device__ unsigned int att_sm_combining[1024];
-__device__ __forceinline__ unsigned att_smid() {
-  unsigned s;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
-  return s & 1023u;
-}
-__device__ __forceinline__ unsigned long long att_now() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-#endif
 
 // byte offset of 16-byte piece c of row t in a staged [16][HD] fp16 group (pieces XOR-swizzled by the row)
 template <int HD>
@@ -224,20 +199,10 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     cp_async_commit();
   };
 
-#if ATT_SM_FLAG
-  if (threadIdx.x == 0) {
-    const volatile unsigned* busy = att_sm_combining + att_smid();
-    const unsigned long long t0 = att_now();
-    while (*busy != 0u && att_now() - t0 < ATT_SM_WAIT_NS) __nanosleep(128);
-  }
-  __syncthreads();
-#endif
 #pragma unroll
-  for (int i = 0; i < ATT_PRE_GROUPS && i < D; ++i) stage(i, true);
+  for (int i = 0; i < D; ++i) stage(i, true);
   pdl_wait();
   pdl_launch_dependents();
-#pragma unroll
-  for (int i = ATT_PRE_GROUPS; i < D; ++i) stage(i, false);  // (A/B knob ATT_PRE_GROUPS < D only)
 
   // row len-1 (appended by the QKV kernel) into its slot, when its group was staged above
   const int gl = (len - 1 - p0) / ATT_GROUP;
@@ -375,20 +340,16 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   __syncthreads();
   AF_TL_MARK(3);  // timeline: ticket back
   if (!last) return;  // the last block acquired every other block's partials through its ticket
-#if ATT_SM_FLAG
-  if (threadIdx.x == 0) atomicAdd(att_sm_combining + att_smid(), 1u);
-#endif
   attention_combine<HD, G>(part_ml, part_o, out, j, n_splits, max_splits, reinterpret_cast<float*>(smem));
-#if ATT_SM_FLAG
-  if (threadIdx.x == 0) atomicSub(att_sm_combining + att_smid(), 1u);  // after its own combine's writes: program order
-#endif
   if (threadIdx.x == 0) counters[j] = 0u;
 }
 
 // One kernel per (head_dim, q heads per kv head): G is a compile-time constant so the per-head arrays are
-// exactly sized. Block (j, s) = item (kv head j, split s). 2 blocks per SM (step.py attention_smem).
+// exactly sized. Block (j, s) = item (kv head j, split s). 2 blocks per SM (step.py attention_smem; 1 with the
+// A/B knob ATT_THREADS=256).
 #define ATTENTION_INSTANCE(HD, G)                                                                         \
-  extern "C" __global__ void __launch_bounds__(ATT_THREADS, 256 / ATT_THREADS) attention_decode_hd##HD##_g##G(           \
+  extern "C" __global__ void __launch_bounds__(ATT_THREADS, 256 / ATT_THREADS)                          \
+      attention_decode_hd##HD##_g##G(                                                                     \
       const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache, \
       const int* __restrict__ pos_ptr, float* part_ml, float* part_o, unsigned int* counters,             \
       __half* __restrict__ out, int n_kv, int max_splits, float scale) {                                  \
