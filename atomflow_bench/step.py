@@ -60,9 +60,9 @@ GEMV_MIXED_TRY = {"fp16": (), "fp8": ()}  # ring steps with these roles warp-spe
 GEMV_ROLES = ("wqkv", "wo", "wgu", "wd")
 ATT_THREADS = 128             # attention.cu block size (A/B knob ATT_THREADS)
 ATT_RING_BYTES = 24 * 1024  # attention.cu: each warp's K/V ring (3 groups at hd 128, 6 at hd 64)
-ATS_THREADS = 256          # attention_short.cu (A/B knob ATS_THREADS)
+ATS_THREADS = 256          # attention_short.cu
 ATS_HEADS = 8              # attention_short.cu: q heads per kv head padded to the mma's N
-ATS_CHUNK_MAX = 512        # attention_short.cu: positions its scores cover per chunk at 256 threads (the largest capacity used)
+ATS_CHUNK_MAX = 512        # attention_short.cu: positions its scores cover per chunk (the largest useful capacity)
 SMEM_PER_SM = 227 * 1024  # usable shared memory per block on sm_90 (sm_89: 99 KB; only limits residency)
 SMEM_H100 = (SMEM_PER_SM, 228 * 1024, 1024)  # (per block, per SM, reserved per resident block): sm_90
 NULL = np.uint64(0)
@@ -294,18 +294,13 @@ def attention_short_smem(hd: int, cap: int) -> int:
     [cap][hd] fp16 (at least the final reduction scratch [warps][16][8] fp32), V [cap][hd] fp16, P fp16
     [8 heads][cap + 8]."""
     cap16 = -(-cap // 16) * 16
-    return max(cap16 * hd * 2, ats_warps() * 16 * ATS_HEADS * 4) + cap16 * hd * 2 + ATS_HEADS * (cap16 + 8) * 2
+    return max(cap16 * hd * 2, (ATS_THREADS // 32) * 16 * ATS_HEADS * 4) + cap16 * hd * 2 + ATS_HEADS * (cap16 + 8) * 2
 
 
 def attention_short_static(hd: int) -> int:
     """Static shared memory of attention_short.cu (q fp16 [8][hd], the per-warp [warps][8] fp32 scratch) plus 1 KB
     for the timeline instrument's and the compiler's own."""
-    return ATS_HEADS * hd * 2 + ats_warps() * ATS_HEADS * 4 + 1024
-
-
-def ats_warps(defines: tuple | None = None) -> int:
-    """Warps per block of attention_short.cu (A/B knob ATS_THREADS)."""
-    return knob("ATS_THREADS", ATS_THREADS, defines) // 32
+    return ATS_HEADS * hd * 2 + (ATS_THREADS // 32) * ATS_HEADS * 4 + 1024
 
 
 def attention_short_cap(hd: int, defines: tuple | None = None, smem: tuple = SMEM_H100) -> int:
@@ -335,7 +330,7 @@ def attention_short_launch(lib: KernelLib, q, k_cache, v_cache, pos, out, n_kv: 
                             f"(this GPU: {smem_limits()[0]})")
     shmem = room if knob("ATT_SHORT_EXCLUSIVE", 1, lib.defines) else need  # A/B knob: 0 = only what cap needs
     allow_dynamic_smem(fn, shmem)
-    return Launch(fn, "attention_decode", (n_kv,), (32 * ats_warps(lib.defines),),
+    return Launch(fn, "attention_decode", (n_kv,), (ATS_THREADS,),
                   (q, k_cache, v_cache, pos, out, i32(n_kv), i32(cap), np.float32(1.0 / math.sqrt(hd))), shmem,
                   taps or {}, 0)
 

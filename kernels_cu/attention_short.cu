@@ -31,13 +31,11 @@
 //            kernel's block shares the SM (PERF_NOTES v11.2); <= 128 registers per thread.
 #include "common.cuh"
 
-#ifndef ATS_THREADS
-#define ATS_THREADS 256    // step.py ATS_THREADS; A/B knob (512: 16 warps, half the groups and P.V steps per warp)
-#endif
+#define ATS_THREADS 256
 #define ATS_HEADS 8        // the mma's N: q heads of one kv head, padded to 8 (G <= 8)
-#define ATS_GROUPS (1024 / ATS_THREADS)  // 16-position score groups per warp per chunk (4 at 256 threads)
+#define ATS_GROUPS 4       // 16-position score groups per warp per chunk
 #define ATS_CHUNK_MAX (16 * (ATS_THREADS / AF_WARP) * ATS_GROUPS)  // 512 positions per chunk (step.py)
-#define ATS_MIN_BLOCKS (512 / ATS_THREADS)  // <= 128 registers: the block has its SM to itself (see Launch above)
+#define ATS_MIN_BLOCKS 2  // <= 128 registers: the block has its SM to itself (see Launch above)
 #define ATS_BATCH 4       // ldmatrix loads issued before their mmas (scores: k-steps; P.V: 16-position steps)
 
 // byte offset of 16-byte piece c of row t in a staged [rows][HD] fp16 array (pieces XOR-swizzled by the row)
