@@ -81,7 +81,9 @@ print(" ".join("%s=%.2f/%.2f(%s,%s)[%s]" % (r["role"], r["span_us"], r["floor_us
       atomflow-bench gemv llama-3.2-3b --json "$OUT/gemv-3b.json" >"$OUT/gemv-3b.log" 2>&1
       note "gemv 3b: rc=$? % of copy BW isolated/chained: $(python3 -c 'import json, sys
 g = json.load(open(sys.argv[1]))
-print(" ".join("%s-%s=%.0f/%.0f" % (r["role"], r["format"], r["pct_of_copy"], r["chained_pct_of_copy"]) for r in g["rows"]))' \
+print(" ".join("%s-%s=%.0f/%.0f" % (r["role"], r["format"], r["pct_of_copy"], r["chained_pct_of_copy"]) for r in g["rows"]),
+      "| empty launch %.2f us; isolated ceilings %s" % (g["empty_launch_us"]["median"],
+      " ".join("%.0f" % r["isolated_ceiling_pct"] for r in g["rows"])))' \
         "$OUT/gemv-3b.json" 2>&1 | tail -1)" ;;
     validate)
       for w in fp16 fp8; do

@@ -411,3 +411,7 @@ def test_gemv_bench_isolated_and_chained():
         assert r["chain_launches"] >= 2 and r["chained_us"]["n"] >= 5
         assert 0 < r["chained_us"]["median"] and 0 < r["us"]["median"]
         assert r["chained_pct_of_copy"] == pytest.approx(100 * r["chained_gbs"] / 3000.0)
+        floor = r["bytes"] / 3000e9 * 1e6
+        assert 0 < r["isolated_ceiling_pct"] < 100
+        assert r["isolated_ceiling_pct"] == pytest.approx(100 * floor / (floor + g["empty_launch_us"]["median"]))
+    assert 0 < g["empty_launch_us"]["median"] < 50  # an empty launch between two events, no host time inside
