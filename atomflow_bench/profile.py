@@ -1,10 +1,10 @@
 """`profile` and `gemv`: where the decode step's time goes (GPU, CUDA events).
 
-* `profile_step`: the step's launches run eagerly with an event pair around every launch, queued behind a spin
-  kernel (`queued_event_us`: no host time inside a pair) (like AtomFlow's
-  nsys table: kernel, % of step, count per step, mean µs, GB/s), plus the graph-mode step time measured
-  the same way as `run`; the difference between the graph step and the sum of kernel times is the idle
-  gap (launch latency + ramp-up/drain between dependent kernels).
+* `profile_step`: the step's launches run eagerly, one at a time, with an event pair around every launch, queued
+  behind a spin kernel (`queued_event_us`: no host time inside a pair) — like AtomFlow's nsys table: kernel, %
+  of step, count per step, mean µs, GB/s — plus the graph-mode step time measured the same way as `run`; the
+  graph step minus the sum of kernel times is the idle gap when positive, and the overlap the graph and PDL
+  win over the kernels one by one when negative.
 * `attention_graph`: the step's attention launches alone (one per layer, as captured in the step), replayed
   as a CUDA Graph: µs per launch at the current position against its KV-bytes floor (K and V rows read once
   at the copy bandwidth). The layers' caches are read in turn, so once they exceed L2 every launch is cold.

@@ -257,12 +257,17 @@ def embed_launch(lib: KernelLib, token, emb, h, taps=None) -> Launch:
                   taps or {}, H * 2 + H * 4)
 
 
+def att_threads(defines: tuple | None = None) -> int:
+    """Block size of attention.cu (A/B knob ATT_THREADS)."""
+    return knob("ATT_THREADS", ATT_THREADS, defines)
+
+
 def attention_smem(group: int, hd: int, splits: int, defines: tuple | None = None) -> int:
     """Bytes of dynamic shared memory of attention.cu: the warps' K/V rings (ATT_RING_BYTES each, knob). The kernel
     reuses them at its end for the warps' O ([warps][G][hd] fp32) and for the split combine (fp32 m and l
     [2][G][splits] rounded to 4, the float4 sums [G*hd/4], then the partial o of as many splits as fit, at least
     one); a plan where those do not fit is refused."""
-    warps = knob("ATT_THREADS", ATT_THREADS, defines) // 32
+    warps = att_threads(defines) // 32
     rings = warps * knob("ATT_RING_BYTES", ATT_RING_BYTES, defines)
     merge = 4 * warps * group * hd
     combine = 4 * (-(-2 * group * splits // 4) * 4 + 2 * group * hd)
@@ -284,7 +289,7 @@ def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, 
     if shmem > SMEM_PER_SM:
         raise AtomflowError(f"{splits} attention splits need {shmem} bytes of shared memory (> {SMEM_PER_SM})")
     allow_dynamic_smem(fn, shmem)
-    return Launch(fn, "attention_decode", (n_kv, splits), (knob("ATT_THREADS", ATT_THREADS, lib.defines),),
+    return Launch(fn, "attention_decode", (n_kv, splits), (att_threads(lib.defines),),
                   (q, k_cache, v_cache, pos, part_ml, part_o, counters, out, i32(n_kv), i32(splits),
                    np.float32(1.0 / math.sqrt(hd))), shmem, taps or {}, 0)
 

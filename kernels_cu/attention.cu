@@ -69,7 +69,7 @@ __device__ __forceinline__ int attention_splits(int len, int max_splits) {
 // a share (A/B knob; 4 = even): the last split's blocks are dispatched last, some only when the previous launch's
 // combining blocks leave their SM, so they get less to read.
 #ifndef ATT_LAST_SHARE
-#define ATT_LAST_SHARE 2  // results/PERF_NOTES.md v18: the last split's blocks are dispatched last
+#define ATT_LAST_SHARE 2  // results/PERF_NOTES.md v18
 #endif
 __device__ __forceinline__ int att_split_start(int s, int n_sub, int n) {
   return s >= n ? n_sub : (int)((long long)4 * s * n_sub / (4 * (n - 1) + ATT_LAST_SHARE));

@@ -7,8 +7,8 @@
 #                                       in-kernel timeline instrument, 0 = off)
 #   AB_DIR=.ab/<commit> AB_SPEC="model:fmt" AB_ROUNDS=2 (ab stage: the other tree vs this one, same machine;
 #                                       att-profile: the other tree's ctx 8192 profile before this one's)
-#   ATT_KNOBS="default DEF=V,DEF=V ..." ATT_ALONE=1 (attention / att-profile stages: per variant the ctx 8192 profile,
-#                                       and with ATT_ALONE the in-kernel timeline of the attention launches alone)
+#   ATT_KNOBS="default DEF=V,DEF=V ..." (attention / att-profile stages: per variant the ctx 8192 profile; att-alone:
+#                                       per variant the in-kernel timeline of the attention launches alone)
 set -uo pipefail
 FINAL=${OUT:-/tmp/atomflow-out}; OUT=$(mktemp -d); mkdir -p "$FINAL"   # logs go to $OUT, bundled into $FINAL
 export PYTHONUNBUFFERED=1 ATOMFLOW_HOME=${ATOMFLOW_HOME:-/tmp/atomflow-home}
@@ -119,11 +119,6 @@ print(" ".join("%s-%s=%.0f/%.0f" % (r["role"], r["format"], r["pct_of_copy"], r[
               --json "$OUT/profile-3b-fp8-$t.json" >"$OUT/profile-3b-fp8-$t.log" 2>&1
           fi
           note "profile 3b fp8 $t: rc=$? $(grep -E 'graph step|alone in a graph' "$OUT/profile-3b-fp8-$t.log" | tr -s ' ' | tr '\n' ' ')"
-          if [ "${ATT_ALONE:-0}" != 0 ] && [ $side = new ]; then   # the in-kernel timeline of the launches alone
-            ATOMFLOW_KERNEL_DEFINES="$d" timeout 200 python3 scripts/timeline_blocks.py llama-3.2-3b fp8 8192 10 --alone \
-              >"$FINAL/alone-3b-fp8-$t.txt" 2>&1
-            note "  alone timeline: rc=$? $(head -1 "$FINAL/alone-3b-fp8-$t.txt" | cut -c1-220)"
-          fi
         done
       done ;;
     att-alone)   # only the in-kernel timeline of the attention launches alone, per ATT_KNOBS variant (files kept at once)

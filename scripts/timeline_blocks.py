@@ -95,6 +95,7 @@ def alone(eng, bufs, model, weights, layer) -> None:
     """The attention launches alone in a graph (as profile.attention_graph replays them); one replay read."""
     from atomflow_bench import timeline
     from atomflow_bench.graph import StepGraph
+    from atomflow_bench.profile import graph_replay_us
 
     launches = [ln for ln in eng.launches if ln.name == "attention_decode"]
     g = StepGraph(launches, eng.stream)
@@ -104,7 +105,6 @@ def alone(eng, bufs, model, weights, layer) -> None:
         g.replay(1)
         eng.stream.synchronize()
     rec, sms, _ = timeline.read_with_sm(bufs)
-    from atomflow_bench.profile import graph_replay_us
     t = graph_replay_us(launches, eng.stream, 30)
     ids = np.unique(rec[:, 0])
     n_kv = launches[0].grid[0]
