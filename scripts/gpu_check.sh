@@ -2,6 +2,7 @@
 # One device call: install, GPU tests, benchmarks. Prints a short table last; full logs/JSON under $OUT.
 #   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench bench-ab knobs profile gemv
 #                                       validate evidence attention att-profile att-alone ab (default: info kernels engine bench)
+#   KERNELS_K="pytest -k expression" (kernels stage: a subset)
 #   BENCH_SPECS="model:fmt ..."  CTX=128  KNOBS="DEF=V,DEF=V ..." (knobs: compile-time -D variants, 3B fp8)
 #   PROFILE_SPECS="model:fmt ..." PROFILE_DEFINES="DEF=V ..." PROFILE_CTX=128 TIMELINE=N (profile stage; N replays of the
 #                                       in-kernel timeline instrument, 0 = off)
@@ -32,7 +33,8 @@ for st in $stages; do
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
       python3 -c "import cupy; print('cupy', cupy.__version__)" ;;
     kernels)
-      timeout 400 python3 -m pytest -q -x tests/test_kernels_gpu.py -p no:cacheprovider >"$OUT/kernels.log" 2>&1
+      timeout 400 python3 -m pytest -q -x tests/test_kernels_gpu.py -p no:cacheprovider ${KERNELS_K:+-k "$KERNELS_K"} \
+        >"$OUT/kernels.log" 2>&1
       note "kernels: rc=$? $(tail -1 "$OUT/kernels.log")" ;;
     engine)
       timeout 400 python3 -m pytest -q tests/test_engine_gpu.py -p no:cacheprovider -s >"$OUT/engine.log" 2>&1
