@@ -14,7 +14,7 @@ import ctypes
 import os
 import re
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -227,7 +227,6 @@ class Launch:
     bytes_moved: int = 0
     label: str = ""  # what `profile` groups by, e.g. "gemv fp8 qkv 5120x3072"
     pdl: bool = False  # set by enable_pdl(): launch with programmatic stream serialization
-    handoff: int = -1  # index in args of a hand-off counter it signals or waits on (step.py handoff), -1: none
     _ex: ExLauncher | None = None
 
     def __call__(self):
@@ -239,11 +238,3 @@ class Launch:
     def enable_pdl(self) -> None:
         self.pdl = True
         self._ex = ExLauncher(self.fn, self.grid, self.block, self.args, self.shmem)
-
-    def with_arg(self, index: int, value, **changes) -> "Launch":
-        """A copy with args[index] (index >= 0) replaced and other fields changed; launched with PDL if this one is."""
-        args = self.args[:index] + (value,) + self.args[index + 1:]
-        ln = replace(self, args=args, _ex=None, **changes)
-        if ln.pdl:
-            ln.enable_pdl()
-        return ln

@@ -31,7 +31,7 @@ from .arena import linear_regions
 from .bench import copy_bandwidth, summarize, synthetic_prompt, time_decode
 from .config import GROUP, ModelConfig
 from .errors import AtomflowError
-from .step import handoffs_paired, hold_position
+from .step import hold_position
 
 
 L2_BYTES = 50 << 20  # H100 L2 size: a working set of 4x this is treated as L2-cold
@@ -160,7 +160,7 @@ def role_marginals(engine, copy: dict, replays: int = 30) -> dict:
     for role in roles:
         mine = [ln for ln in launches if step_role(ln) == role]
         rest = [ln for ln in launches if step_role(ln) != role]
-        without = graph_replay_us(handoffs_paired(rest), engine.stream, replays) if rest else summarize([0.0])
+        without = graph_replay_us(rest, engine.stream, replays) if rest else summarize([0.0])
         nbytes = sum(_kv_bytes(engine.cfg, length) if ln.name == "attention_decode" else ln.bytes_moved
                      for ln in mine)
         saved = full["median"] - without["median"]
@@ -175,7 +175,7 @@ def role_marginals(engine, copy: dict, replays: int = 30) -> dict:
 def attention_graph(engine, copy: dict, replays: int = 30) -> dict:
     """The step's attention launches (one per layer) captured alone into a graph and replayed; the position is
     wherever the engine stands. µs per launch vs the floor 2 * L * kv_dim * 2 bytes / copy bandwidth."""
-    launches = handoffs_paired([ln for ln in engine.launches if ln.name == "attention_decode"])
+    launches = [ln for ln in engine.launches if ln.name == "attention_decode"]
     length = int(engine.arena["pos"].get()[0]) + 1
     replay = graph_replay_us(launches, engine.stream, replays)
     per = {k: (v / len(launches) if k != "n" else v) for k, v in replay.items()}

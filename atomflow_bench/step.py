@@ -8,8 +8,7 @@ into a CUDA Graph (graph.py). Per layer 5 launches:
                    k and v appended to the cache at pos                        -> qkv (fp16)
     attention      GQA over cache[0..pos] -> attn_out (fp16): at short contexts one block per kv head with
                    the whole K/V range in shared memory (attention_short.cu, `att_cap` = the positions it
-                   holds; it starts when its own head's QKV tiles are stored: `handoff`), beyond that split
-                   over the sequence with the combine fused (attention.cu)
+                   holds), beyond that split over the sequence with the combine fused (attention.cu)
     gemv  o_proj   residual epilogue                                           h += Wo . attn_out
     gemv  gate/up  RMSNorm prologue (post_attention_layernorm), SwiGLU epilogue -> act (fp16)
     gemv  down     residual epilogue                                           h += Wd . act
@@ -60,7 +59,6 @@ GEMV_MIXED_TRY = {"fp16": (), "fp8": ()}  # ring steps with these roles warp-spe
                            # 3B W8A16 ring+wd measured -14 µs in one call, +13 µs forced in another: PERF_NOTES v17.3)
 GEMV_ROLES = ("wqkv", "wo", "wgu", "wd")
 ATT_THREADS = 128             # attention.cu block size (A/B knob ATT_THREADS)
-ATT_HANDOFF = 1            # knob: the short attention waits on per-kv-head counters of QKV tiles, not the PDL wait
 ATT_RING_BYTES = 24 * 1024  # attention.cu: each warp's K/V ring (3 groups at hd 128, 6 at hd 64)
 ATS_THREADS = 256          # attention_short.cu
 ATS_HEADS = 8              # attention_short.cu: q heads per kv head padded to the mma's N
@@ -184,14 +182,13 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), s
 def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: int, k: int, n_sm: int,
                 norm_w=None, eps: float = 1e-5, taps=None, role: str = "", rope: tuple = (),
                 ring_depth: int | None = None, ws: bool | None = None, ws_pre: int | None = None,
-                x_out=None, ready=None) -> Launch:
+                x_out=None) -> Launch:
     """y = W.x in `fmt` (fp16 | fp8) with `variant` in qkv_rope | norm_swiglu | resid | store (weights, and fp8
     scales, in the tiled layout of weights.tile_view with the variant's VARIANT_PAIRING) or f32 (lm_head: fp16
     row-major weights).
 
     qkv_rope: n_out = qkv_dim / 2 (one output per rotation pair); `rope` = (cos_sin, pos, k_cache, v_cache,
-    n_q_heads, n_kv_heads, head_dim) for this layer; `ready` (uint32 [n_kv_heads], or None): the hand-off
-    counters the short attention after it waits on (handoff). `ring_depth`: see gemv_ws_plan / gemv_plan (tests). `ws`:
+    n_q_heads, n_kv_heads, head_dim) for this layer. `ring_depth`: see gemv_ws_plan / gemv_plan (tests). `ws`:
     the tiled variants warp-specialised (sm_90+) or not; None: the rule of gemv_ws (knob GEMV_WS). `ws_pre`: the
     ring slots a warp-specialised launch fills before its wait (None: gemv_ws_pre). The engine passes the form it
     measured fastest (Engine gemv="auto").
@@ -228,11 +225,10 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     per_sm = max(1, min(per_sm, blocks_fit(shmem, smem_limits())))
     grid = (min(grid_units, n_sm * per_sm),)
     moved = w.nbytes + (scales.nbytes if fp8 else 0) + x.nbytes + y.nbytes
-    extra, handoff = (), -1
+    extra = ()
     if variant == "qkv_rope":
         cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd = rope
-        extra = (cos_sin, pos, k_cache, v_cache, i32(n_q), i32(n_kv), i32(hd), NULL if ready is None else ready)
-        handoff = -1 if ready is None else 8 + len(extra) - 1
+        extra = (cos_sin, pos, k_cache, v_cache, i32(n_q), i32(n_kv), i32(hd))
         moved += 2 * n_kv * hd * 2  # the K and V rows appended to the cache
     if variant == "f32":
         extra = (NULL if x_out is None else x_out,)
@@ -245,7 +241,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     return Launch(fn, f"gemv_{fmt}_{variant}", grid, (GEMV_WS_THREADS if ws else GEMV_THREADS,),
                   (w, scales if fp8 else NULL, x, NULL if norm_w is None else norm_w, np.float32(eps), y,
                    i32(n_out), i32(k)) + extra, shmem, taps or {}, moved,
-                  f"gemv {fmt} {role or variant} {rows}x{k}", handoff=handoff)
+                  f"gemv {fmt} {role or variant} {rows}x{k}")
 
 
 def quantize_launch(lib: KernelLib, w16, q, s) -> Launch:
@@ -327,12 +323,11 @@ def attention_short_cap(hd: int, defines: tuple | None = None, smem: tuple = SME
 
 
 def attention_short_launch(lib: KernelLib, q, k_cache, v_cache, pos, out, n_kv: int, group: int, hd: int, cap: int,
-                           taps=None, ready=None) -> Launch:
+                           taps=None) -> Launch:
     """One block per kv head holding up to `cap` positions of K and V in shared memory (longer contexts are
     walked in chunks of `cap`: correct, but the engine switches to attention_launch there). The block asks for
     all the shared memory a block may have, whatever `cap` needs: nothing else (the next GEMV's early blocks)
-    can share its SM, whose weight loads would stall this block's shared-memory traffic (PERF_NOTES v11.2).
-    `ready`: the hand-off counters its QKV launch signals (handoff), else None (the PDL wait)."""
+    can share its SM, whose weight loads would stall this block's shared-memory traffic (PERF_NOTES v11.2)."""
     fn = lib[f"attention_short_hd{hd}_g{group}"]
     need, room = attention_short_smem(hd, cap), smem_limits()[0] - attention_short_static(hd)
     if cap < 1 or need > room:
@@ -341,8 +336,8 @@ def attention_short_launch(lib: KernelLib, q, k_cache, v_cache, pos, out, n_kv: 
     shmem = room if knob("ATT_SHORT_EXCLUSIVE", 1, lib.defines) else need  # A/B knob: 0 = only what cap needs
     allow_dynamic_smem(fn, shmem)
     return Launch(fn, "attention_decode", (n_kv,), (ATS_THREADS,),
-                  (q, k_cache, v_cache, pos, out, i32(n_kv), i32(cap), np.float32(1.0 / math.sqrt(hd)),
-                   NULL if ready is None else ready), shmem, taps or {}, 0, handoff=-1 if ready is None else 8)
+                  (q, k_cache, v_cache, pos, out, i32(n_kv), i32(cap), np.float32(1.0 / math.sqrt(hd))), shmem,
+                  taps or {}, 0)
 
 
 def rmsnorm_launch(lib: KernelLib, h, w, eps: float, out, taps=None) -> Launch:
@@ -396,31 +391,9 @@ def hold_position(launches: list[Launch]) -> list[Launch]:
         if ln.name == "argmax_advance":
             continue
         if ln.name == "gemv_fp16_f32_argmax":
-            ln = ln.with_arg(len(ln.args) - 1, i32(0))
-        out.append(ln)
-    return out
-
-
-def handoff(lib: KernelLib, att_cap: int | None) -> bool:
-    """Whether the step hands QKV over to the short attention per kv head (knob ATT_HANDOFF): each QKV tile, once
-    stored, adds 1 to its kv head's counter, and that head's attention block starts when its (G + 2) * hd/16 tiles
-    are in, instead of at the PDL wait for the whole QKV grid (gemv_common.cuh tile_epilogue, attention_short.cu).
-    The split kernel (long contexts) keeps the PDL wait."""
-    return bool(att_cap) and bool(knob("ATT_HANDOFF", ATT_HANDOFF, lib.defines))
-
-
-def handoffs_paired(launches: list[Launch]) -> list[Launch]:
-    """`launches` with every hand-off whose partner is not next to it switched off (counter pointer null: the
-    attention takes the PDL wait, the QKV launch counts nothing). A QKV launch and its attention work only as an
-    adjacent pair: alone, the attention would wait for counts that never come, and QKV's counts would pile up
-    for a later pair. For lists other than the whole step (profile's role subsets, attention alone in a graph)."""
-    ptr = [ln.args[ln.handoff].data.ptr if ln.handoff >= 0 else None for ln in launches]
-    out = []
-    for i, ln in enumerate(launches):
-        if ln.handoff >= 0:
-            j = i + 1 if ln.name.startswith("gemv_") else i - 1
-            if not (0 <= j < len(launches) and ptr[j] == ptr[i]):
-                ln = ln.with_arg(ln.handoff, NULL, handoff=-1)
+            ln = dataclasses.replace(ln, args=ln.args[:-1] + (i32(0),), _ex=None)
+            if ln.pdl:
+                ln.enable_pdl()
         out.append(ln)
     return out
 
@@ -446,18 +419,15 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
                            role=role, ws=True if role in ws_roles else gemv_ws, ws_pre=ws_pre, **kw)
 
     steps = [embed_launch(lib, a["cur_token"], a["embed"], h, taps={"embed": h})]
-    pair = handoff(lib, att_cap)
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
-        ready = a["att_ready"][i] if pair else None
         steps += [
             gemv(f"L{i}.wqkv", "qkv_rope", h, qkv, rows["wqkv"][0] // 2, H, norm_w=a[f"L{i}.attn_norm"],
                  rope=(a["rope_cs"], a["pos"], a["k_cache"][i], a["v_cache"][i], cfg.num_attention_heads,
-                       cfg.num_key_value_heads, hd), ready=ready,
+                       cfg.num_key_value_heads, hd),
                  taps={p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}),
             attention_short_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], attn_out,
-                                   cfg.num_key_value_heads, cfg.group_size, hd, att_cap, taps={p + "attn_out": attn_out},
-                                   ready=ready)
+                                   cfg.num_key_value_heads, cfg.group_size, hd, att_cap, taps={p + "attn_out": attn_out})
             if att_cap else
             attention_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], a["att_ml"], a["att_o"],
                              a["att_counters"][i], attn_out, cfg.num_key_value_heads, cfg.group_size, hd,

@@ -25,9 +25,6 @@
 //            fp16 [max_seq][n_kv*hd]; out fp16 [n_heads*hd]. Dynamic shared memory (step.py
 //            attention_short_smem, cap16 = cap rounded up to 16): K [cap16][hd] fp16 (at the end the phases'
 //            reduction scratch [8 warps][16][8] fp32), V [cap16][hd] fp16, P fp16 [8][cap16 + 8].
-// Hand-off   with `ready` (a counter per kv head, step.py handoff) the block waits for its own head's QKV tiles
-//            (gemv_common.cuh tile_epilogue counts them) instead of the PDL wait for the whole QKV grid, and sets
-//            the counter back to 0; null: the PDL wait (any other predecessor, or none).
 // Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + q and out.
 // Launch     attention_short_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv), block = 256, dyn. smem = all a block may
 //            have (step.py attention_short_launch; attention_short_smem(hd, cap) is what cap needs): no other
@@ -72,7 +69,7 @@ __device__ __forceinline__ void ats_zero_tail(char* vs, int n) {
 template <int HD, int G, int T>
 __device__ __forceinline__ void attention_short_item(const __half* q, const __half* k_cache, const __half* v_cache,
                                                      int len, int j, __half* out, int n_kv, int cap, float scale,
-                                                     unsigned int* ready, char* smem) {
+                                                     char* smem) {
   constexpr int DG = HD / 8;          // 16-byte pieces per row
   constexpr int NW = T / AF_WARP;
   constexpr int DT = HD / 16;         // P.V: 16-dim tiles; NW / DT warps (phases) per tile
@@ -90,12 +87,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
 
   // ---- before the wait: rows 0 .. min(L - 1, cap) - 1 (row L-1 is the previous kernel's) ----
   ats_stage<HD, T>(k_cache, v_cache, kv_dim, j, 0, min(len - 1, cap), 0, ks, vs);
-  if (ready != nullptr) {  // the hand-off: this head's (G + 2) * HD/16 QKV tiles stored, not the whole QKV grid done
-    if (tid == 0) handoff_acquire(ready + j, (G + 2) * HD / 16);
-    __syncthreads();
-  } else {
-    pdl_wait();
-  }
+  pdl_wait();
   pdl_launch_dependents();
 
   __shared__ __align__(16) __half q_h[ATS_HEADS * HD];  // q fp16 [8][HD] (rows >= G zero), rows swizzled
@@ -242,13 +234,12 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   extern "C" __global__ void __launch_bounds__(ATS_THREADS, ATS_MIN_BLOCKS)                              \
       attention_short_hd##HD##_g##G(                                                                      \
       const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache, \
-      const int* __restrict__ pos_ptr, __half* __restrict__ out, int n_kv, int cap, float scale,          \
-      unsigned int* __restrict__ ready) {                                                                 \
+      const int* __restrict__ pos_ptr, __half* __restrict__ out, int n_kv, int cap, float scale) {        \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) char ats_smem[];                                                      \
     /* pos was written by the previous step's argmax, complete before this step's first kernel */        \
     attention_short_item<HD, G, ATS_THREADS>(q, k_cache, v_cache, *pos_ptr + 1, blockIdx.x, out, n_kv, cap, \
-                                             scale, ready, ats_smem);                                     \
+                                             scale, ats_smem);                                            \
   }
 
 ATTENTION_SHORT_INSTANCE(64, 1)

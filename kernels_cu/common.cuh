@@ -252,28 +252,6 @@ struct PdlSync {
   }
 };
 
-// A hand-off counter between two kernels, finer than the PDL wait (step.py handoff): the producer's writers of one
-// unit of work store, meet in a warp barrier, and one of them adds 1 with release semantics (the barrier orders the
-// others' stores before it: the cooperative-groups grid barrier's pattern); the consumer's thread 0 waits with
-// acquire loads until the count reaches `expected`, sets it back to 0 for the next use, and the caller's block
-// barrier then orders every thread's reads after the acquire. A count that never arrives traps (a launch error,
-// not a hang): ~2^24 polls, seconds.
-__device__ __forceinline__ void handoff_signal(unsigned int* p) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p) : "memory");
-}
-
-__device__ __forceinline__ void handoff_acquire(unsigned int* p, unsigned int expected) {
-  unsigned int v, polls = 0;
-  do {
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    if (++polls == (1u << 24)) __trap();
-  } while (v < expected);
-  asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(p), "r"(0u) : "memory");
-#ifdef AF_TIMELINE
-  af_tl_wait = af_tl_now();
-#endif
-}
-
 // GPU-scope acquire-release atomic (the attention kernel's split ticket: the last block of a kv head sees every
 // other block's partials). Replaces __threadfence() (fence.sc.gpu), which costs far more.
 __device__ __forceinline__ unsigned int atom_add_acq_rel_gpu(unsigned int* p, unsigned int v) {

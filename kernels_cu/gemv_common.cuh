@@ -43,9 +43,7 @@
 //
 // Kernel signature for every instantiation (unused arguments are 0):
 //   (W, scales, x, norm_w, eps, y, n_out, K)            + for EPI_ROPE: (cos_sin, pos, k_cache, v_cache,
-//                                                                       n_q_heads, n_kv_heads, hd, ready)
-//   ready (EPI_ROPE, may be null): per kv head a counter; each tile adds 1 once its outputs are stored
-//   (handoff_signal), so the short attention of that head can start without waiting for the whole grid.
+//                                                                       n_q_heads, n_kv_heads, hd)
 //   x: const float* (fp32 residual) with PRO_NORM, else const half*;  y: half* / float* per epilogue.
 #pragma once
 #include "common.cuh"
@@ -80,14 +78,7 @@ struct RopeArgs {
   __half* k_cache;  // this layer's [max_seq][n_kv * hd]
   __half* v_cache;
   int n_q, n_kv, hd;
-  unsigned int* ready;  // per kv head: tiles of its q, k and v rows stored (the short attention's hand-off), or null
 };
-
-// The kv head whose attention reads output o of the QKV projection (q heads of a group first, then k, then v heads).
-__device__ __forceinline__ int rope_kv_head(const RopeArgs& rope, int o) {
-  const int head = o / (rope.hd / 2);
-  return head < rope.n_q ? head / (rope.n_q / rope.n_kv) : (head - rope.n_q) % rope.n_kv;
-}
 
 // One GEMV's operands (unused ones 0). x: const float* (fp32 residual) with PRO_NORM, else const half*.
 struct GemvArgs {
@@ -355,10 +346,6 @@ __device__ __forceinline__ void tile_epilogue(const GemvArgs& a, const RopeArgs&
       if (R == 2) s1 += part[w * GEMV_TILE + r + 8];
     }
     gemv_epilogue<EPI>(a, rope, T * (GEMV_TILE / R) + r, s0, R == 2 ? s1 : s0, pre, T == (int)blockIdx.x);
-    if (EPI == EPI_ROPE && rope.ready != nullptr) {  // the tile's outputs (one head's) stored: count the tile
-      __syncwarp((1u << (GEMV_TILE / R)) - 1u);
-      if (r == 0) handoff_signal(rope.ready + rope_kv_head(rope, T * (GEMV_TILE / R)));
-    }
   }
 }
 
@@ -669,7 +656,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   }
 #define GEMV_WS_ROPE_INSTANCE(NAME, FP8)                                                                  \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_ROPE_PARAMS, int npre) {     \
-    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, ready}))      \
+    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}))      \
   }
 
 // fp16 layer GEMVs: the register path.
@@ -706,14 +693,14 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x,      \
    const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K,                  \
    const float2* __restrict__ cos_sin, const int* __restrict__ pos, __half* __restrict__ k_cache,         \
-   __half* __restrict__ v_cache, int n_q, int n_kv, int hd, unsigned int* __restrict__ ready
+   __half* __restrict__ v_cache, int n_q, int n_kv, int hd
 #define GEMV_ROPE_ARGS (GEMV_ROPE_PARAMS)
 #define GEMV_ROPE_CALL(PATH)                                                                              \
   {                                                                                                       \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     PATH(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},                                                \
-         RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, ready}, PdlSync{}, smem_raw);                   \
+         RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}, PdlSync{}, smem_raw);                   \
   }
 #define GEMV_ROPE_INSTANCE(NAME)                                                                          \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS) NAME GEMV_ROPE_ARGS        \

@@ -96,9 +96,8 @@ def alone(eng, bufs, model, weights, layer) -> None:
     from atomflow_bench import timeline
     from atomflow_bench.graph import StepGraph
     from atomflow_bench.profile import graph_replay_us
-    from atomflow_bench.step import handoffs_paired
 
-    launches = handoffs_paired([ln for ln in eng.launches if ln.name == "attention_decode"])
+    launches = [ln for ln in eng.launches if ln.name == "attention_decode"]
     g = StepGraph(launches, eng.stream)
     for _ in range(3):  # the last replay is the one read
         with eng.stream:

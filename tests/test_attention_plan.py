@@ -84,38 +84,3 @@ def test_short_attention_capacity_and_the_knobs(monkeypatch):
     assert attention_short_cap(128, smem=(8 * 1024, 100 * 1024, 1024)) == 0  # not even one chunk
     monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "ATT_SHORT=0")
     assert attention_short_cap(128) == 0
-
-
-def _fake_pair(ptr: int):
-    """A QKV launch and the short attention after it sharing the hand-off counter at `ptr` (CPU stand-ins for device
-    arrays: handoffs_paired only reads .data.ptr)."""
-    from types import SimpleNamespace
-
-    from atomflow_bench.kernels import Launch
-
-    dev = SimpleNamespace(data=SimpleNamespace(ptr=ptr))
-    qkv = Launch(None, "gemv_fp8_qkv_rope", (320,), (256,), tuple(range(15)) + (dev,), handoff=15)
-    att = Launch(None, "attention_decode", (8,), (256,), tuple(range(8)) + (dev,), handoff=8)
-    return qkv, att
-
-
-def test_handoffs_paired_keeps_adjacent_pairs_and_detaches_the_rest():
-    from atomflow_bench.kernels import Launch
-    from atomflow_bench.step import NULL, handoffs_paired
-
-    (q0, a0), (q1, a1) = _fake_pair(1000), _fake_pair(2000)
-    other = Launch(None, "gemv_fp8_resid", (1,), (1,), (0,))
-    whole = [q0, a0, other, q1, a1, other]
-    assert handoffs_paired(whole) == whole  # the whole step: untouched
-    for subset, detached in (([a0, other, a1], [0, 2]),     # attention alone
-                             ([q0, other, q1, other], [0, 2]),  # QKV without its attention
-                             ([q0, a1], [0, 1]),              # neighbours with different counters
-                             ([a0, q0], [0, 1])):             # the wrong order
-        got = handoffs_paired(subset)
-        for i, (before, after) in enumerate(zip(subset, got)):
-            if i in detached:
-                assert after.handoff == -1 and after.args[before.handoff] == NULL
-                assert after.args[:before.handoff] == before.args[:before.handoff]
-            else:
-                assert after is before
-    assert q0.handoff == 15 and a0.handoff == 8  # the originals are not modified

@@ -20,8 +20,8 @@ from atomflow_bench.config import CATALOG
 from atomflow_bench.errors import AtomflowError
 from atomflow_bench.quant import dequantize_fp8, quantize_fp8
 from atomflow_bench.step import (VARIANT_PAIRING, argmax_launch, attention_launch, attention_short_cap,
-                                 attention_short_launch, compute_capability, embed_launch, gemv_launch, gemv_ws,
-                                 handoffs_paired, hold_position, lm_head_launches, quantize_launch, rmsnorm_launch)
+                                 attention_short_launch, embed_launch, gemv_launch, gemv_ws, hold_position,
+                                 lm_head_launches, quantize_launch, rmsnorm_launch)
 from atomflow_bench.weights import tiled, tiled_scales
 
 pytestmark = pytest.mark.gpu
@@ -377,89 +377,6 @@ def test_attention_short(kernel_lib, model, length, cap):
     out.fill(np.nan)
     launch()  # a replay gives the identical result
     np.testing.assert_array_equal(out.get(), first)
-
-
-@pytest.mark.parametrize("form", ["ws", "ws one block per SM", "registers or cp.async ring"])
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-@pytest.mark.parametrize("model", SHAPE_MODELS)
-def test_qkv_attention_handoff(kernel_lib, n_sm, fmt, model, form):
-    """QKV handed over to the short attention per kv head (step.handoff: each stored QKV tile counts for its head,
-    the attention block waits for its head's count instead of the PDL wait). Run eagerly, then as a PDL graph
-    replayed 100 times: attention's output equals the same pair joined by the PDL wait bit for bit and the float64
-    reference over the cache; every counter is back at 0 after each run. "one block per SM": every QKV block walks
-    several tiles, so a head's counts come from blocks at different points of their walk. handoffs_paired: the
-    attention alone falls back to the PDL wait (no hang), QKV alone counts nothing."""
-    import cupy as cp
-
-    from atomflow_bench.graph import StepGraph
-
-    if form.startswith("ws") and compute_capability() < 90:
-        pytest.skip("warp-specialised GEMVs need sm_90+")
-    cfg = CATALOG[model].config
-    nh, nkv, hd, H, G = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size,
-                         cfg.group_size)
-    rng = rng_for("handoff", fmt, model, form)
-    w16 = (rng.standard_normal((cfg.qkv_dim, H), dtype=np.float32) * 0.02).astype(np.float16)
-    if fmt == "fp8":
-        q8, s8 = quantize_fp8(w16)
-        w_dev, s_dev = cp.asarray(tiled(q8, fmt, "rope", hd // 2)), cp.asarray(tiled_scales(s8, "rope", hd // 2))
-    else:
-        w_dev, s_dev = cp.asarray(tiled(w16, fmt, "rope", hd // 2)), None
-    h = cp.asarray(rng.standard_normal(H, dtype=np.float32) * 3)
-    nw = cp.asarray((1 + 0.1 * rng.standard_normal(H)).astype(np.float16))
-    pos, max_seq = int(rng.integers(1, 300)), 320
-    cs = cp.asarray(cfg.rope_cos_sin(max_seq))
-    kc = cp.asarray(rng.standard_normal((max_seq, cfg.kv_dim), dtype=np.float32).astype(np.float16))
-    vc = cp.asarray(rng.standard_normal((max_seq, cfg.kv_dim), dtype=np.float32).astype(np.float16))
-    kc[pos:], vc[pos:] = np.nan, np.nan  # row pos is QKV's; rows past it must never be read
-    p_dev = cp.asarray([pos], dtype=cp.int32)
-    cap = attention_short_cap(hd)
-
-    def pair(ready, qkv, out):
-        kw = {"ws": form.startswith("ws"), "ring_depth": 2 if form == "ws one block per SM" else None}
-        return [gemv_launch(kernel_lib, fmt, "qkv_rope", w_dev, s_dev, h, qkv, cfg.qkv_dim // 2, H, n_sm, norm_w=nw,
-                            rope=(cs, p_dev, kc, vc, nh, nkv, hd), ready=ready, **kw),
-                attention_short_launch(kernel_lib, qkv, kc, vc, p_dev, out, nkv, G, hd, cap, ready=ready)]
-
-    base_qkv, base_out = (cp.full(n, np.nan, dtype=cp.float16) for n in (cfg.qkv_dim, cfg.q_dim))
-    for ln in pair(None, base_qkv, base_out):
-        ln()
-    qkv = base_qkv.get().astype(np.float64)
-    k_all, v_all = kc.get()[:pos + 1].astype(np.float64), vc.get()[:pos + 1].astype(np.float64)
-    ref = np.empty((nh, hd))
-    for hq in range(nh):
-        j = hq // G
-        sc = k_all[:, j * hd:(j + 1) * hd] @ qkv[hq * hd:(hq + 1) * hd] / np.sqrt(hd)
-        pr = np.exp(sc - sc.max())
-        ref[hq] = (pr / pr.sum()) @ v_all[:, j * hd:(j + 1) * hd]
-    expect = base_out.get()
-    assert rel_err(expect, ref.reshape(-1)) < FP16_TOL
-
-    ready = cp.zeros(nkv, dtype=cp.uint32)
-    out = cp.full(cfg.q_dim, np.nan, dtype=cp.float16)
-    launches = pair(ready, cp.full(cfg.qkv_dim, np.nan, dtype=cp.float16), out)
-    assert [ln.handoff for ln in launches] == [15, 8]
-    for ln in launches:
-        ln()
-    np.testing.assert_array_equal(out.get(), expect)
-    assert not ready.get().any(), "the attention must set its head's counter back to 0"
-    out.fill(np.nan)
-    for ln in launches:
-        ln.enable_pdl()
-    graph = StepGraph(launches, cp.cuda.get_current_stream())
-    graph.replay(100)
-    cp.cuda.get_current_stream().synchronize()
-    np.testing.assert_array_equal(out.get(), expect)
-    assert not ready.get().any()
-
-    alone = handoffs_paired(launches[1:])  # attention without its QKV: the PDL wait, no hang
-    assert alone[0].handoff == -1 and int(alone[0].args[8]) == 0 and launches[1].handoff == 8
-    out.fill(np.nan)
-    alone[0]()
-    np.testing.assert_array_equal(out.get(), expect)
-    handoffs_paired(launches[:1])[0]()  # QKV without its attention: counts nothing
-    cp.cuda.get_current_stream().synchronize()
-    assert not ready.get().any()
 
 
 def test_attention_short_refuses_what_does_not_fit(kernel_lib):
