@@ -157,6 +157,19 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
   }
 }
 
+// A/B knob GEMV_EARLY_RESID=1: the residual GEMVs (o_proj, down) let the next kernel launch before their own wait,
+// so gate/up's (and the next QKV's) blocks can take free shared memory and request weights while o_proj still waits
+// for attention. Safe: neither successor reads anything before its wait but weights, pos and the cos/sin table, and
+// the residual GEMVs' pre-wait read of h keeps its guarantee (their predecessors, attention and gate/up, still
+// trigger after their wait). PERF_NOTES v10.3 (split attention: +7 µs) and v20.
+#ifndef GEMV_EARLY_RESID
+#define GEMV_EARLY_RESID 0
+#endif
+template <int EPI>
+__device__ __forceinline__ void gemv_early_trigger() {
+  if (GEMV_EARLY_RESID && EPI == EPI_RESID) pdl_launch_dependents();
+}
+
 // ---- TILED: every layer projection ---------------------------------------------------------------------
 
 // Two packed FP8-E4M3 values -> half2 bits (hardware cvt on sm_89+; exact: every E4M3 value is an fp16).
@@ -389,6 +402,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   if (T < ntiles && nb > 0) load(T, 0);
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, T);  // the first tile's, before the wait
   if (PRO == PRO_NORM) stage_norm_w_async(a, nws);
+  gemv_early_trigger<EPI>();
   sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous kernel is done
   stage_x_tiled<PRO, STAGE_SMEM>(a, xs, rs, hs, nws);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
@@ -497,6 +511,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 #pragma unroll
   for (int n = 0; n < NS; ++n) issue(n);
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
+  gemv_early_trigger<EPI>();
   sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous kernel is done
   stage_x_tiled<PRO, STAGE_REGS>(a, xs, rs);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
@@ -605,6 +620,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   }
 
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
+  gemv_early_trigger<EPI>();
   PdlSync{}.arrive_wait();  // x / h / pos only once the previous kernel is done (weights are the producer's)
   if (npre > 0 && threadIdx.x == 0) mbar_arrive(go);
   stage_x_tiled<PRO, STAGE_REGS, GEMV_THREADS>(a, xs, rs);
