@@ -157,13 +157,14 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
   }
 }
 
-// A/B knob GEMV_EARLY_RESID=1: the residual GEMVs (o_proj, down) let the next kernel launch before their own wait,
-// so gate/up's (and the next QKV's) blocks can take free shared memory and request weights while o_proj still waits
-// for attention. Safe: neither successor reads anything before its wait but weights, pos and the cos/sin table, and
-// the residual GEMVs' pre-wait read of h keeps its guarantee (their predecessors, attention and gate/up, still
-// trigger after their wait). PERF_NOTES v10.3 (split attention: +7 µs) and v20.
+// GEMV_EARLY_RESID (knob, default 1): the residual GEMVs (o_proj, down) let the next kernel launch before their own
+// wait, so gate/up's (and the next QKV's) blocks take free shared memory and request weights while o_proj still
+// waits for attention. Safe: neither successor reads anything before its wait but weights, pos and the cos/sin
+// table, and the residual GEMVs' pre-wait read of h keeps its guarantee (their predecessors, attention and gate/up,
+// still trigger after their wait: step.py check_residual_order). Measured: PERF_NOTES v10.3 (with the split
+// attention, +7 µs) and v20 (short attention: 3B W8A16 -21 µs, 1B fp16 -14, 3B fp16 -18).
 #ifndef GEMV_EARLY_RESID
-#define GEMV_EARLY_RESID 0
+#define GEMV_EARLY_RESID 1
 #endif
 template <int EPI>
 __device__ __forceinline__ void gemv_early_trigger() {
