@@ -163,17 +163,13 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
 // table, and the residual GEMVs' pre-wait read of h keeps its guarantee (their predecessors, attention and gate/up,
 // still trigger after their wait: step.py check_residual_order). Measured: PERF_NOTES v10.3 (with the split
 // attention, +7 µs) and v20 (short attention: 3B W8A16 -21 µs, 1B fp16 -14, 3B fp16 -18).
-// A/B knob GEMV_EARLY_QKV=1: QKV too (the attention after it reads only pos and K/V rows of earlier steps before its
-// wait, and still triggers o_proj after its wait).
+// (The same for QKV, before the attention, measured neutral: v20.1.)
 #ifndef GEMV_EARLY_RESID
 #define GEMV_EARLY_RESID 1
 #endif
-#ifndef GEMV_EARLY_QKV
-#define GEMV_EARLY_QKV 0
-#endif
 template <int EPI>
 __device__ __forceinline__ void gemv_early_trigger() {
-  if ((GEMV_EARLY_RESID && EPI == EPI_RESID) || (GEMV_EARLY_QKV && EPI == EPI_ROPE)) pdl_launch_dependents();
+  if (GEMV_EARLY_RESID && EPI == EPI_RESID) pdl_launch_dependents();
 }
 
 // ---- TILED: every layer projection ---------------------------------------------------------------------
