@@ -36,11 +36,6 @@
 #define ATS_GROUPS 4       // 16-position score groups per warp per chunk
 #define ATS_CHUNK_MAX (16 * (ATS_THREADS / AF_WARP) * ATS_GROUPS)  // 512 positions per chunk (step.py)
 #define ATS_MIN_BLOCKS 2  // <= 128 registers: the block has its SM to itself (see Launch above)
-// A/B knob ATS_EARLY_TRIGGER=1: o_proj may launch before this kernel's wait. Safe for o_proj's pre-wait read of h:
-// this kernel was launched only once every QKV block had passed its own wait, so down (h's last writer) is complete.
-#ifndef ATS_EARLY_TRIGGER
-#define ATS_EARLY_TRIGGER 0
-#endif
 #define ATS_BATCH 4       // ldmatrix loads issued before their mmas (scores: k-steps; P.V: 16-position steps)
 
 // byte offset of 16-byte piece c of row t in a staged [rows][HD] fp16 array (pieces XOR-swizzled by the row)
@@ -92,7 +87,6 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
 
   // ---- before the wait: rows 0 .. min(L - 1, cap) - 1 (row L-1 is the previous kernel's) ----
   ats_stage<HD, T>(k_cache, v_cache, kv_dim, j, 0, min(len - 1, cap), 0, ks, vs);
-  if (ATS_EARLY_TRIGGER) pdl_launch_dependents();
   pdl_wait();
   pdl_launch_dependents();
 

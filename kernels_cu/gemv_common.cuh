@@ -167,19 +167,9 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
 #ifndef GEMV_EARLY_RESID
 #define GEMV_EARLY_RESID 1
 #endif
-// A/B knob GEMV_EARLY_SWIGLU=1: gate/up triggers down before its wait as well; down may then start before o_proj
-// (h's last writer) is complete, so the residual GEMVs read their h[o] right after their wait instead of before it.
-#ifndef GEMV_EARLY_SWIGLU
-#define GEMV_EARLY_SWIGLU 0
-#endif
 template <int EPI>
 __device__ __forceinline__ void gemv_early_trigger() {
-  if ((GEMV_EARLY_RESID && EPI == EPI_RESID) || (GEMV_EARLY_SWIGLU && EPI == EPI_SWIGLU)) pdl_launch_dependents();
-}
-// Whether the epilogue operand (h[o] of a residual GEMV) is read after the wait rather than before it.
-template <int EPI>
-__device__ __forceinline__ constexpr bool gemv_operand_after_wait() {
-  return GEMV_EARLY_SWIGLU && EPI == EPI_RESID;
+  if (GEMV_EARLY_RESID && EPI == EPI_RESID) pdl_launch_dependents();
 }
 
 // ---- TILED: every layer projection ---------------------------------------------------------------------
@@ -412,12 +402,10 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
 
   int T = blockIdx.x;
   if (T < ntiles && nb > 0) load(T, 0);
-  // the first tile's epilogue operand, before the wait (or right after it)
-  EpiOperand pre = gemv_operand_after_wait<EPI>() ? EpiOperand{} : epilogue_operand<EPI, R>(a, rope, T);
+  const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, T);  // the first tile's, before the wait
   if (PRO == PRO_NORM) stage_norm_w_async(a, nws);
   gemv_early_trigger<EPI>();
   sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous kernel is done
-  if (gemv_operand_after_wait<EPI>()) pre = epilogue_operand<EPI, R>(a, rope, T);
   stage_x_tiled<PRO, STAGE_SMEM>(a, xs, rs, hs, nws);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
@@ -524,10 +512,9 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 
 #pragma unroll
   for (int n = 0; n < NS; ++n) issue(n);
-  EpiOperand pre = gemv_operand_after_wait<EPI>() ? EpiOperand{} : epilogue_operand<EPI, R>(a, rope, blockIdx.x);
+  const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
   gemv_early_trigger<EPI>();
   sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous kernel is done
-  if (gemv_operand_after_wait<EPI>()) pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);
   stage_x_tiled<PRO, STAGE_REGS>(a, xs, rs);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
@@ -634,10 +621,9 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
     return;
   }
 
-  EpiOperand pre = gemv_operand_after_wait<EPI>() ? EpiOperand{} : epilogue_operand<EPI, R>(a, rope, blockIdx.x);
+  const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
   gemv_early_trigger<EPI>();
   PdlSync{}.arrive_wait();  // x / h / pos only once the previous kernel is done (weights are the producer's)
-  if (gemv_operand_after_wait<EPI>()) pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);
   if (npre > 0 && threadIdx.x == 0) mbar_arrive(go);
   stage_x_tiled<PRO, STAGE_REGS, GEMV_THREADS>(a, xs, rs);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
