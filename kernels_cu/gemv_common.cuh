@@ -169,7 +169,11 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
 #endif
 template <int EPI>
 __device__ __forceinline__ void gemv_early_trigger() {
-  if (GEMV_EARLY_RESID && EPI == EPI_RESID) pdl_launch_dependents();
+  if (GEMV_EARLY_RESID == 1 && EPI == EPI_RESID) pdl_launch_dependents();
+}
+template <int EPI>
+__device__ __forceinline__ void gemv_start_trigger() {  // TEMPORARY A/B: =2, v17.1's placement (kernel start)
+  if (GEMV_EARLY_RESID == 2 && EPI == EPI_RESID) pdl_launch_dependents();
 }
 
 // ---- TILED: every layer projection ---------------------------------------------------------------------
@@ -372,6 +376,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   constexpr int KU = 16;                                              // inputs per unit (lane: 16 bytes)
   constexpr int UPG = 128 / KU;                                       // units per group of 128 inputs
   constexpr int LOADS = GEMV_LOADS_F16;                               // 16-byte loads per lane per batch
+  gemv_start_trigger<EPI>();
   constexpr int GPB = LOADS / UPG;                                    // groups per batch of loads
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
@@ -455,6 +460,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
   constexpr int KU = 32, UPG = 128 / KU;  // a ring slot: one group of 128 inputs, 2 KB per warp (+ its scales)
   constexpr int SLOT = UPG * 512, SSLOT = AF_WARP * 8;  // bytes of a warp's slot: weights, scales area
+  gemv_start_trigger<EPI>();
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
   const int t = lane & 3, g = lane >> 2;
@@ -568,6 +574,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   constexpr int GPS = GEMV_WS_SLOT / (UPG * 512);              // groups per slot: fp8 8, fp16 4
   constexpr int SLOTB = GEMV_WS_SLOT + (FP8 ? GPS * 64 : 0);   // a slot's bytes (fp8: + the groups' scales)
   static_assert(NWC == 8 && GPS <= NWC && NWC % GPS == 0, "a slot holds at most one group per consumer warp");
+  gemv_start_trigger<EPI>();
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, t = lane & 3;
   const int nunits = K / KU, ngroups = (K + 127) >> 7, spt = (ngroups + GPS - 1) / GPS;  // slots per tile
