@@ -163,17 +163,15 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
 // table, and the residual GEMVs' pre-wait read of h keeps its guarantee (their predecessors, attention and gate/up,
 // still trigger after their wait: step.py check_residual_order). Measured: PERF_NOTES v10.3 (with the split
 // attention, +7 µs) and v20 (short attention: 3B W8A16 -21 µs, 1B fp16 -14, 3B fp16 -18).
-// (The same for QKV, before the attention, measured neutral: v20.1.)
+// Where: after this kernel's own pre-wait weight requests (ring path) or its mbarrier setup (warp-specialised), just
+// before the wait — at the kernel's very start (v17.1) the successor's requests went first: +38 µs on 3B W8A16,
+// +21 µs on 1B fp16 against this placement in one call (v20.2). (QKV triggering early too: neutral, v20.1.)
 #ifndef GEMV_EARLY_RESID
 #define GEMV_EARLY_RESID 1
 #endif
 template <int EPI>
 __device__ __forceinline__ void gemv_early_trigger() {
-  if (GEMV_EARLY_RESID == 1 && EPI == EPI_RESID) pdl_launch_dependents();
-}
-template <int EPI>
-__device__ __forceinline__ void gemv_start_trigger() {  // TEMPORARY A/B: =2, v17.1's placement (kernel start)
-  if (GEMV_EARLY_RESID == 2 && EPI == EPI_RESID) pdl_launch_dependents();
+  if (GEMV_EARLY_RESID && EPI == EPI_RESID) pdl_launch_dependents();
 }
 
 // ---- TILED: every layer projection ---------------------------------------------------------------------
@@ -376,7 +374,6 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   constexpr int KU = 16;                                              // inputs per unit (lane: 16 bytes)
   constexpr int UPG = 128 / KU;                                       // units per group of 128 inputs
   constexpr int LOADS = GEMV_LOADS_F16;                               // 16-byte loads per lane per batch
-  gemv_start_trigger<EPI>();
   constexpr int GPB = LOADS / UPG;                                    // groups per batch of loads
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
@@ -460,7 +457,6 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
   constexpr int KU = 32, UPG = 128 / KU;  // a ring slot: one group of 128 inputs, 2 KB per warp (+ its scales)
   constexpr int SLOT = UPG * 512, SSLOT = AF_WARP * 8;  // bytes of a warp's slot: weights, scales area
-  gemv_start_trigger<EPI>();
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = blockDim.x / AF_WARP;
   const int t = lane & 3, g = lane >> 2;
@@ -574,7 +570,6 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   constexpr int GPS = GEMV_WS_SLOT / (UPG * 512);              // groups per slot: fp8 8, fp16 4
   constexpr int SLOTB = GEMV_WS_SLOT + (FP8 ? GPS * 64 : 0);   // a slot's bytes (fp8: + the groups' scales)
   static_assert(NWC == 8 && GPS <= NWC && NWC % GPS == 0, "a slot holds at most one group per consumer warp");
-  gemv_start_trigger<EPI>();
   const int K = a.K;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, t = lane & 3;
   const int nunits = K / KU, ngroups = (K + 127) >> 7, spt = (ngroups + GPS - 1) / GPS;  // slots per tile
