@@ -169,9 +169,12 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
 #ifndef GEMV_EARLY_RESID
 #define GEMV_EARLY_RESID 1
 #endif
-template <int EPI>
-__device__ __forceinline__ void gemv_early_trigger() {
+// The GEMVs' synchronisation with the previous kernel (after the pre-wait weight requests): the early trigger of the
+// residual GEMVs above, then the wait (and the usual trigger after it).
+template <int EPI, class Sync>
+__device__ __forceinline__ void gemv_arrive_wait(const Sync& sync) {
   if (GEMV_EARLY_RESID && EPI == EPI_RESID) pdl_launch_dependents();
+  sync.arrive_wait();
 }
 
 // ---- TILED: every layer projection ---------------------------------------------------------------------
@@ -406,8 +409,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   if (T < ntiles && nb > 0) load(T, 0);
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, T);  // the first tile's, before the wait
   if (PRO == PRO_NORM) stage_norm_w_async(a, nws);
-  gemv_early_trigger<EPI>();
-  sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous kernel is done
+  gemv_arrive_wait<EPI>(sync);  // weights above may be read early; x / h / pos only once the previous kernel is done
   stage_x_tiled<PRO, STAGE_SMEM>(a, xs, rs, hs, nws);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
@@ -515,8 +517,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 #pragma unroll
   for (int n = 0; n < NS; ++n) issue(n);
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
-  gemv_early_trigger<EPI>();
-  sync.arrive_wait();  // weights above may be read early; x / h / pos only once the previous kernel is done
+  gemv_arrive_wait<EPI>(sync);  // weights above may be read early; x / h / pos only once the previous kernel is done
   stage_x_tiled<PRO, STAGE_REGS>(a, xs, rs);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
@@ -624,8 +625,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   }
 
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
-  gemv_early_trigger<EPI>();
-  PdlSync{}.arrive_wait();  // x / h / pos only once the previous kernel is done (weights are the producer's)
+  gemv_arrive_wait<EPI>(PdlSync{});  // x / h / pos only once the previous kernel is done (weights are the producer's)
   if (npre > 0 && threadIdx.x == 0) mbar_arrive(go);
   stage_x_tiled<PRO, STAGE_REGS, GEMV_THREADS>(a, xs, rs);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)

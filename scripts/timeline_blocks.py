@@ -71,24 +71,33 @@ def main() -> None:
             print(f"        with {roles[li]:16s} (launch {li:3d}) start {us(rec[o, 1]):7.2f} end {us(rec[o, 3]):7.2f}")
 
 
+def spread_cols(rec) -> list[tuple[str, int]]:
+    """(name, column) of a timeline record's times: start, wait return, each mark, end."""
+    return [("start", 1), ("wait", 2)] + [(f"mark{k}", 4 + k) for k in range(rec.shape[1] - 4)] + [("end", 3)]
+
+
+def print_spread(label: str, times: np.ndarray, t0: int) -> None:
+    """One row: min / p10 / median / p90 / max of `times` (GPU ns; 0 = not recorded, left out) in µs after t0."""
+    v = times.astype(np.int64)
+    v = v[v > 0]
+    if len(v):
+        q = np.percentile((v - t0) / 1e3, [0, 10, 50, 90, 100])
+        print(f"    {label} " + " ".join(f"{x:7.2f}" for x in q))
+
+
 def layer_spread(rec, ids, roles, att, model, weights, context, layer) -> None:
     """Per launch from the layer's QKV to the next layer's QKV: quantiles over blocks, µs after the previous
     launch's last block end (negative: before it)."""
     print(f"{model} {weights} length {context + 2}: layer {layer}; µs after the previous launch's last block end; "
           "min / p10 / median / p90 / max over the launch's blocks")
-    cols = [("start", 1), ("wait", 2)] + [(f"mark{k}", 4 + k) for k in range(rec.shape[1] - 4)] + [("end", 3)]
     for li in range(att - 1, att + 5):
         prev = rec[rec[:, 0] == ids[li - 1]]
         mine = rec[rec[:, 0] == ids[li]]
         t0 = prev[:, 3].astype(np.int64).max()
         print(f"  launch {li} {roles[li]}: {len(mine)} blocks, {int((mine[:, 1].astype(np.int64) < t0).sum())} "
               "started before the previous launch ended")
-        for name, c in cols:
-            v = mine[:, c].astype(np.int64)
-            v = v[v > 0]
-            if len(v):
-                q = np.percentile((v - t0) / 1e3, [0, 10, 50, 90, 100])
-                print(f"    {name:6s} " + " ".join(f"{x:7.2f}" for x in q))
+        for name, c in spread_cols(rec):
+            print_spread(f"{name:6s}", mine[:, c], t0)
 
 
 def alone(eng, bufs, model, weights, layer) -> None:
@@ -116,7 +125,6 @@ def alone(eng, bufs, model, weights, layer) -> None:
           f"(min {spans.min():.2f}, max {spans.max():.2f}); 30 replays (instrumented build, events): "
           f"{t['median'] / len(launches):.2f} µs per launch ({t['p10'] / len(launches):.2f}-{t['p90'] / len(launches):.2f})")
     print("  spans: " + " ".join(f"{x:.2f}" for x in spans))
-    cols = [("start", 1), ("wait", 2)] + [(f"mark{k}", 4 + k) for k in range(rec.shape[1] - 4)] + [("end", 3)]
     for li in range(max(layer, 1), min(layer + 4, len(ids))):
         mine = rec[rec[:, 0] == ids[li]]
         t0 = ends[li - 1]
@@ -124,13 +132,10 @@ def alone(eng, bufs, model, weights, layer) -> None:
         late = st >= t0
         print(f"  launch {li}: {len(mine)} blocks, span {(ends[li] - t0) / 1e3:.2f} µs; {int(late.sum())} blocks started "
               f"only after the previous launch ended; µs after that end, min / p10 / median / p90 / max:")
-        for name, c in cols:
-            for tag, sel in (("all", np.ones(len(mine), bool)), ("late", late)):
-                v = mine[sel, c].astype(np.int64)
-                v = v[v > 0]
-                if len(v) and (tag == "all" or late.any()):
-                    q = np.percentile((v - t0) / 1e3, [0, 10, 50, 90, 100])
-                    print(f"    {name:6s} {tag:4s} " + " ".join(f"{x:7.2f}" for x in q))
+        for name, c in spread_cols(rec):
+            print_spread(f"{name:6s} all ", mine[:, c], t0)
+            if late.any():
+                print_spread(f"{name:6s} late", mine[late, c], t0)
         last = np.argsort(mine[:, 3].astype(np.int64))[-n_kv:]  # the combining blocks end last
         print("    last blocks (ticket -> end): " + ", ".join(
             f"{(int(mine[b, 7]) - t0) / 1e3:.2f}->{(int(mine[b, 3]) - t0) / 1e3:.2f}" for b in last))
