@@ -74,12 +74,24 @@ def linear_regions(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return {"wqkv": (cfg.qkv_dim, H), "wo": (H, cfg.q_dim), "wgu": (2 * I, H), "wd": (H, I)}
 
 
-def attention_splits(max_seq: int, n_kv: int, n_sm: int, blocks_per_sm: int | None = None) -> int:
+def att_cluster(defines: tuple | None = None) -> int:
+    """Splits of a kv head per thread block cluster in attention.cu (A/B knob ATT_CLUSTER; 1 = no clusters)."""
+    c = knob("ATT_CLUSTER", 1, defines)
+    if c not in (1, 8, 16):  # C divides every G x hd (multiples of 64), a slice is <= 128 threads (G 8, hd 128)
+        raise AtomflowError(f"ATT_CLUSTER={c}: attention.cu takes clusters of 8 or 16 splits (or 1: none)")
+    return c
+
+
+def attention_splits(max_seq: int, n_kv: int, n_sm: int, blocks_per_sm: int | None = None,
+                     defines: tuple | None = None) -> int:
     """Split capacity per kv head (= the attention launch's grid.y): one split per ATT_CHUNK positions, capped so
-    the whole launch is about ATT_BLOCKS_PER_SM blocks per SM; beyond the cap a split walks several sub-chunks."""
-    per_sm = blocks_per_sm or knob("ATT_BLOCKS_PER_SM", ATT_BLOCKS_PER_SM)
-    free = knob("ATT_FREE_SLOTS", 0)  # A/B knob: block slots left free for the previous launch's combining blocks
-    return max(1, min(-(-max_seq // ATT_CHUNK), -(-(per_sm * n_sm - free) // n_kv)))
+    the whole launch is about ATT_BLOCKS_PER_SM blocks per SM; beyond the cap a split walks several sub-chunks.
+    With clusters (ATT_CLUSTER = C) rounded down to whole clusters, at least one."""
+    per_sm = blocks_per_sm or knob("ATT_BLOCKS_PER_SM", ATT_BLOCKS_PER_SM, defines)
+    free = knob("ATT_FREE_SLOTS", 0, defines)  # A/B knob: block slots left free for the previous launch's combining blocks
+    n = max(1, min(-(-max_seq // ATT_CHUNK), -(-(per_sm * n_sm - free) // n_kv)))
+    c = att_cluster(defines)
+    return max(c, n // c * c)
 
 
 def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> ArenaPlan:
@@ -130,7 +142,7 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> Are
     splits = attention_splits(max_seq, cfg.num_key_value_heads, n_sm)
     p.add("scratch", "att_ml", (cfg.num_attention_heads, splits, 2), np.float32)
     p.add("scratch", "att_o", (cfg.num_attention_heads, splits, cfg.head_dim), np.float32)
-    p.add("scratch", "att_counters", (L, cfg.num_key_value_heads), np.uint32)
+    p.add("scratch", "att_counters", (L, cfg.num_key_value_heads * att_cluster()), np.uint32)  # a ticket per slice
     # argmax partials: one per block of argmax_advance or of the lm_head GEMV that does the argmax itself
     am_blocks = max(min(-(-V // ARGMAX_THREADS), n_sm), min(-(-V // ROWS_WARPS), ROWS_BLOCKS_PER_SM * n_sm))
     p.add("scratch", "am_val", (am_blocks,), np.float32)

@@ -136,7 +136,8 @@ class KernelLib:
 # programmatic graph edge.
 
 class _AttrValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("value", ctypes.c_int)]  # programmatic stream serialization: an int
+    # programmatic stream serialization: an int; cluster dimension: three unsigned ints (x, y, z)
+    _fields_ = [("pad", ctypes.c_char * 64), ("value", ctypes.c_int), ("dim", ctypes.c_uint * 3)]
 
 
 class _Attr(ctypes.Structure):
@@ -150,7 +151,10 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_Attr)), ("numAttrs", ctypes.c_uint)]
 
 
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+PORTABLE_CLUSTER = 8  # larger clusters (up to 16 on H100) need the function's non-portable attribute
 _libcuda = None
 
 
@@ -161,6 +165,8 @@ def _driver():
         lib.cuLaunchKernelEx.restype = ctypes.c_int
         lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
                                          ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        lib.cuFuncSetAttribute.restype = ctypes.c_int
+        lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         _libcuda = lib
     return _libcuda
 
@@ -185,18 +191,31 @@ def _c_arg(a):
 
 
 class ExLauncher:
-    """Pre-built cuLaunchKernelEx call for one Launch with the PDL attribute (argument storage kept alive with
-    it)."""
+    """Pre-built cuLaunchKernelEx call for one Launch with launch attributes — PDL and/or a thread block cluster
+    of `cluster` blocks along grid.y (argument storage kept alive with it)."""
 
-    def __init__(self, fn, grid, block, args, shmem):
+    def __init__(self, fn, grid, block, args, shmem, pdl: bool = True, cluster: int = 1):
         self._args = [_c_arg(a) for a in args]
         self._params = (ctypes.c_void_p * len(self._args))(*[ctypes.addressof(a) for a in self._args])
-        self._attrs = (_Attr * 1)()
-        self._attrs[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        self._attrs[0].value.value = 1
+        self._attrs = (_Attr * 2)()
+        n = 0
+        if pdl:
+            self._attrs[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            self._attrs[n].value.value = 1
+            n += 1
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
-        self._cfg = _LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shmem, None, self._attrs, 1)
+        if cluster > 1:
+            if g[1] % cluster:
+                raise ValueError(f"grid.y {g[1]} is not a multiple of the cluster size {cluster}")
+            self._attrs[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            self._attrs[n].value.dim[:] = (1, cluster, 1)
+            n += 1
+            if cluster > PORTABLE_CLUSTER:
+                rc = _driver().cuFuncSetAttribute(fn.kernel.ptr, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+                if rc != 0:
+                    raise RuntimeError(f"cuFuncSetAttribute (non-portable cluster size) failed with CUresult {rc}")
+        self._cfg = _LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shmem, None, self._attrs, n)
         self._func = fn.kernel.ptr
         self._launch = _driver().cuLaunchKernelEx
 
@@ -227,7 +246,13 @@ class Launch:
     bytes_moved: int = 0
     label: str = ""  # what `profile` groups by, e.g. "gemv fp8 qkv 5120x3072"
     pdl: bool = False  # set by enable_pdl(): launch with programmatic stream serialization
+    cluster: int = 1   # blocks per thread block cluster along grid.y (sm_90+; 1 = no cluster launch)
     _ex: ExLauncher | None = None
+
+    def __post_init__(self):
+        if self.cluster > 1:
+            self._ex = ExLauncher(self.fn, self.grid, self.block, self.args, self.shmem, pdl=False,
+                                  cluster=self.cluster)
 
     def __call__(self):
         if self._ex is not None:
@@ -237,4 +262,4 @@ class Launch:
 
     def enable_pdl(self) -> None:
         self.pdl = True
-        self._ex = ExLauncher(self.fn, self.grid, self.block, self.args, self.shmem)
+        self._ex = ExLauncher(self.fn, self.grid, self.block, self.args, self.shmem, cluster=self.cluster)

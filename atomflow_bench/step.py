@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from .arena import ARGMAX_THREADS, ATT_CHUNK, ROWS_BLOCKS_PER_SM, ROWS_WARPS, Arena, linear_regions
+from .arena import ARGMAX_THREADS, ATT_CHUNK, att_cluster, ROWS_BLOCKS_PER_SM, ROWS_WARPS, Arena, linear_regions
 from .config import ModelConfig
 from .errors import AtomflowError, VerifyError
 from .kernels import GEMV_RING_DEPTHS, KernelLib, Launch, allow_dynamic_smem, knob
@@ -264,12 +264,12 @@ def att_threads(defines: tuple | None = None) -> int:
 
 def attention_smem(group: int, hd: int, splits: int, defines: tuple | None = None) -> int:
     """Bytes of dynamic shared memory of attention.cu: the warps' K/V rings (ATT_RING_BYTES each, knob). The kernel
-    reuses them at its end for the warps' O ([warps][G][hd] fp32) and for the split combine (fp32 m and l
+    reuses them at its end for the warps' O ([warps][G][hd] fp32; with clusters then the block's o) and for the split combine (fp32 m and l
     [2][G][splits] rounded to 4, the float4 sums [G*hd/4], then the partial o of as many splits as fit, at least
     one); a plan where those do not fit is refused."""
     warps = att_threads(defines) // 32
     rings = warps * knob("ATT_RING_BYTES", ATT_RING_BYTES, defines)
-    merge = 4 * warps * group * hd
+    merge = 4 * (warps + (att_cluster(defines) > 1)) * group * hd  # with clusters also the block's o [G][hd]
     combine = 4 * (-(-2 * group * splits // 4) * 4 + 2 * group * hd)
     if max(merge, combine) > rings:
         raise AtomflowError(f"attention: {splits} splits of {group} heads x {hd} do not fit the kernel's "
@@ -280,10 +280,16 @@ def attention_smem(group: int, hd: int, splits: int, defines: tuple | None = Non
 def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, counters, out, n_kv: int,
                      group: int, hd: int, taps=None) -> Launch:
     """k_cache/v_cache: one layer's [max_seq, kv_dim] slab; part_*: [n_heads, splits, ...] scratch, whose split
-    count is the launch's grid.y (arena.attention_splits: at long contexts a split walks several sub-chunks)."""
+    count is the launch's grid.y (arena.attention_splits: at long contexts a split walks several sub-chunks; whole
+    clusters of ATT_CLUSTER splits); counters: n_kv x ATT_CLUSTER tickets."""
     splits = part_ml.shape[1]
     if part_o.shape[1] != splits or splits < 1:
         raise AtomflowError("attention partials: att_ml and att_o disagree on the split count")
+    cluster = att_cluster(lib.defines)
+    if splits % cluster:
+        raise AtomflowError(f"{splits} attention splits are not whole clusters of {cluster} (arena.attention_splits)")
+    if counters.size < n_kv * cluster:
+        raise AtomflowError(f"attention: {counters.size} tickets for {n_kv} kv heads x {cluster} cluster slices")
     fn = lib[f"attention_decode_hd{hd}_g{group}"]
     shmem = attention_smem(group, hd, splits, lib.defines)
     if shmem > SMEM_PER_SM:
@@ -291,7 +297,7 @@ def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, 
     allow_dynamic_smem(fn, shmem)
     return Launch(fn, "attention_decode", (n_kv, splits), (att_threads(lib.defines),),
                   (q, k_cache, v_cache, pos, part_ml, part_o, counters, out, i32(n_kv), i32(splits),
-                   np.float32(1.0 / math.sqrt(hd))), shmem, taps or {}, 0)
+                   np.float32(1.0 / math.sqrt(hd))), shmem, taps or {}, 0, cluster=cluster)
 
 
 def attention_short_smem(hd: int, cap: int) -> int:

@@ -29,6 +29,34 @@ def test_block_budget_knob(monkeypatch):
     assert attention_splits(32768, 8, 132) == -(-ATT_BLOCKS_PER_SM * 132 // 8)
 
 
+@pytest.mark.parametrize("c", [8, 16])
+def test_clusters_round_the_splits_down_to_whole_clusters(c):
+    d = (f"ATT_CLUSTER={c}",)
+    for max_seq, n_kv, n_sm in [(1, 8, 132), (100, 8, 132), (8192 + 64, 8, 132), (32768, 3, 132), (32768, 1, 170)]:
+        plain, s = attention_splits(max_seq, n_kv, n_sm), attention_splits(max_seq, n_kv, n_sm, defines=d)
+        assert s % c == 0 and s >= c  # whole clusters, at least one
+        assert s == max(c, plain // c * c)  # never more blocks than the plan without clusters (but one cluster)
+    assert attention_splits(8192 + 64, 8, 132, defines=("ATT_CLUSTER=8",)) == 32  # 3B at ctx 8192: 33 -> 4 x 8
+
+
+def test_cluster_plan_holds_a_ticket_per_slice_and_the_block_state(monkeypatch):
+    cfg = get_preset("llama-3.2-3b").config
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "ATT_CLUSTER=8")
+    plan = plan_arena(cfg, "fp8", 8192 + 64, 132)
+    assert plan.regions["att_counters"].shape == (cfg.num_hidden_layers, cfg.num_key_value_heads * 8)
+    assert plan.regions["att_ml"].shape == (cfg.num_attention_heads, 32, 2)
+    monkeypatch.delenv("ATOMFLOW_KERNEL_DEFINES")
+    assert plan_arena(cfg, "fp8", 8192 + 64, 132).regions["att_counters"].shape == (cfg.num_hidden_layers,
+                                                                                     cfg.num_key_value_heads)
+    # the warps' O plus the block's o for its cluster fit the rings at the largest group
+    assert attention_smem(8, 128, 32, defines=("ATT_CLUSTER=16",)) >= 4 * (4 + 1) * 8 * 128
+    from atomflow_bench.errors import AtomflowError
+
+    for bad in (2, 12, 32):
+        with pytest.raises(AtomflowError, match="8 or 16"):
+            attention_splits(8192, 8, 132, defines=(f"ATT_CLUSTER={bad}",))
+
+
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("hd", [64, 128])
 def test_shared_memory_covers_rings_warp_states_and_the_combine(group, hd):

@@ -389,6 +389,16 @@ def test_attention_short_refuses_what_does_not_fit(kernel_lib):
         attention_short_launch(kernel_lib, z, z, z, cp.zeros(1, dtype=cp.int32), z, n_kv, G, hd, too_many)
 
 
+@pytest.fixture(scope="module", params=["ATT_CLUSTER=8", "ATT_CLUSTER=16", "ATT_COMBINE_SLICES=8",
+                                        "ATT_COMBINE_SLICES=3"])
+def kernel_lib_att(request):
+    """attention.cu's A/B forms: ATT_CLUSTER = 8 (portable) and 16 (non-portable) splits of a kv head per thread
+    block cluster; ATT_COMBINE_SLICES = 8 and 3 (uneven slices) of the head's last blocks sharing the combine."""
+    from atomflow_bench.kernels import KernelLib
+
+    return KernelLib(extra_defines=(request.param,))
+
+
 @pytest.mark.parametrize("model", list(ATT_SHAPES))
 @pytest.mark.parametrize("length", [1, 2, 63, 64, 65, 200, 1000, 4097])
 @pytest.mark.parametrize("cap", [None, "plan", 7, 1])
@@ -396,17 +406,34 @@ def test_attention(kernel_lib, model, length, cap, n_sm):
     """cap: the split count (grid.y). None = one split per 32-position sub-chunk of max_seq; "plan" = the engine's
     (arena.attention_splits: ~2 blocks per SM); 7 and 1 force splits that walk many 16-position groups per warp
     (the ring wraps; row L-1 is staged after the wait; online softmax, uneven shares)."""
+    check_attention(kernel_lib, n_sm, model, length, cap)
+
+
+@pytest.mark.parametrize("model", list(ATT_SHAPES))
+@pytest.mark.parametrize("length", [1, 2, 33, 200, 1000, 4097])
+@pytest.mark.parametrize("cap", [None, "plan", 2])
+def test_attention_variants(kernel_lib_att, model, length, cap, n_sm):
+    """ATT_CLUSTER = C: splits in clusters of C (the cap rounded to whole clusters: None = 136 or 144 splits, up to
+    17 clusters per head combined per slice through the tickets; 2 -> one cluster per head, which writes out
+    directly); lengths 1, 2, 33, 200 leave blocks of a live cluster with empty splits, whole clusters past the
+    length leave at once. ATT_COMBINE_SLICES = C: the head's last min(C, splits) blocks combine a slice each (2
+    splits at length 33 or cap 2: fewer slice blocks than C; 130 splits: batches of partials per slice)."""
+    check_attention(kernel_lib_att, n_sm, model, length, cap)
+
+
+def check_attention(lib, n_sm, model, length, cap):
     import cupy as cp
 
-    from atomflow_bench.arena import attention_splits
+    from atomflow_bench.arena import att_cluster, attention_splits
 
     n_kv, G, hd = ATT_SHAPES[model]
-    nh, max_seq = n_kv * G, 4160
-    splits = attention_splits(max_seq, n_kv, n_sm) if cap == "plan" else cap or -(-max_seq // ATT_CHUNK)
+    nh, max_seq, c = n_kv * G, 4160, att_cluster(lib.defines)
+    splits = attention_splits(max_seq, n_kv, n_sm, defines=lib.defines) if cap == "plan" else cap or -(-max_seq // ATT_CHUNK)
+    splits = -(-splits // c) * c
     q, kc, vc, ref = attention_case(model, length, max_seq)
     out = cp.full(nh * hd, np.nan, dtype=cp.float16)
-    counters = cp.zeros(n_kv, dtype=cp.uint32)
-    launch = attention_launch(kernel_lib, cp.asarray(q), cp.asarray(kc), cp.asarray(vc),
+    counters = cp.zeros(n_kv * c, dtype=cp.uint32)
+    launch = attention_launch(lib, cp.asarray(q), cp.asarray(kc), cp.asarray(vc),
                               cp.asarray([length - 1], dtype=cp.int32),
                               cp.full((nh, splits, 2), np.nan, dtype=cp.float32),
                               cp.full((nh, splits, hd), np.nan, dtype=cp.float32), counters, out, n_kv, G, hd)
