@@ -60,6 +60,7 @@ GEMV_MIXED_TRY = {"fp16": (), "fp8": ()}  # ring steps with these roles warp-spe
 GEMV_ROLES = ("wqkv", "wo", "wgu", "wd")
 ATT_THREADS = 128             # attention.cu block size (A/B knob ATT_THREADS)
 ATT_RING_BYTES = 24 * 1024  # attention.cu: each warp's K/V ring (3 groups at hd 128, 6 at hd 64)
+ATT_RING_BYTES_BULK = 26112  # the same with ATT_BULK (rows padded to 2*hd + 16 bytes: 3 groups at hd 128, 5 at hd 64)
 ATS_THREADS = 256          # attention_short.cu
 ATS_HEADS = 8              # attention_short.cu: q heads per kv head padded to the mma's N
 ATS_CHUNK_MAX = 512        # attention_short.cu: positions its scores cover per chunk (the largest useful capacity)
@@ -262,13 +263,19 @@ def att_threads(defines: tuple | None = None) -> int:
     return knob("ATT_THREADS", ATT_THREADS, defines)
 
 
+def att_ring_bytes(defines: tuple | None = None) -> int:
+    """Each warp's K/V ring in attention.cu (knob ATT_RING_BYTES; with ATT_BULK's padded rows 26112: 3 groups at hd
+    128 still)."""
+    return knob("ATT_RING_BYTES", ATT_RING_BYTES_BULK if knob("ATT_BULK", 0, defines) else ATT_RING_BYTES, defines)
+
+
 def attention_smem(group: int, hd: int, splits: int, defines: tuple | None = None) -> int:
     """Bytes of dynamic shared memory of attention.cu: the warps' K/V rings (ATT_RING_BYTES each, knob). The kernel
     reuses them at its end for the warps' O ([warps][G][hd] fp32; with clusters then the block's o) and for the split combine (fp32 m and l
     [2][G][splits] rounded to 4, the float4 sums [G*hd/4], then the partial o of as many splits as fit, at least
     one); a plan where those do not fit is refused."""
     warps = att_threads(defines) // 32
-    rings = warps * knob("ATT_RING_BYTES", ATT_RING_BYTES, defines)
+    rings = warps * att_ring_bytes(defines)
     merge = 4 * (warps + (att_cluster(defines) > 1)) * group * hd  # with clusters also the block's o [G][hd]
     combine = 4 * (-(-2 * group * splits // 4) * 4 + 2 * group * hd)
     if max(merge, combine) > rings:

@@ -53,8 +53,14 @@
 #define ATT_WARPS (ATT_THREADS / AF_WARP)
 #define ATT_GROUP 16    // positions per group: a warp's unit of the walk (the P.V mma's K)
 #define ATT_BATCH 4     // ldmatrix loads issued before their mmas
+#ifndef ATT_BULK
+#define ATT_BULK 0      // A/B knob: K/V rows staged by bulk copies (copy engine, sm_90+) into padded rows
+#endif
+#if ATT_BULK && defined(__CUDA_ARCH__) && !AF_HAS_BULK
+#error "ATT_BULK needs sm_90+ (cp.async.bulk)"
+#endif
 #ifndef ATT_RING_BYTES
-#define ATT_RING_BYTES (24 * 1024)  // per warp (step.py ATT_RING_BYTES; A/B knob)
+#define ATT_RING_BYTES (ATT_BULK ? 26112 : 24 * 1024)  // per warp (step.py att_ring_bytes; A/B knob)
 #endif
 #ifndef ATT_COMBINE_SLICES
 #define ATT_COMBINE_SLICES 1  // the head's last blocks to arrive that share its combine, a slice each (A/B knob)
@@ -87,10 +93,12 @@ __device__ __forceinline__ int att_split_start(int s, int n_sub, int n) {
   return s >= n ? n_sub : (int)((long long)4 * s * n_sub / (4 * (n - 1) + ATT_LAST_SHARE));
 }
 
-// byte offset of 16-byte piece c of row t in a staged [16][HD] fp16 group (pieces XOR-swizzled by the row)
+// byte offset of 16-byte piece c of row t in a staged [16][HD] fp16 group (pieces XOR-swizzled by the row; with
+// ATT_BULK rows padded by 16 bytes instead, a row being one bulk copy: ldmatrix's 8 rows then start 4 banks apart)
+#define ATT_ROW_BYTES(HD) ((HD) * 2 + 16 * ATT_BULK)
 template <int HD>
 __device__ __forceinline__ int att_swz(int t, int c) {
-  return t * HD * 2 + ((c ^ (t & 7)) << 4);
+  return ATT_BULK ? t * ATT_ROW_BYTES(HD) + (c << 4) : t * HD * 2 + ((c ^ (t & 7)) << 4);
 }
 
 // The last block of kv head j: out = sum_s coef[g][s] * part_o[g][s] with coef = exp2(m_s - M) / sum_s l_s
@@ -255,7 +263,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   constexpr int NW = ATT_WARPS;
   constexpr int DG = HD / 8;                    // 16-byte pieces per row = 8-dim tiles of O
   constexpr int KS = HD / 16;                   // k-steps of the scores
-  constexpr int GB = ATT_GROUP * HD * 2;        // bytes of one group's K (or V)
+  constexpr int GB = ATT_GROUP * ATT_ROW_BYTES(HD);  // bytes of one group's K (or V)
   constexpr int D = ATT_RING_BYTES / (2 * GB);  // ring slots per warp
   static_assert(D >= 1 && G <= 8 && KS % ATT_BATCH == 0 && DG % (2 * ATT_BATCH) == 0, "shape");
   const int n_sub = (len + ATT_CHUNK - 1) / ATT_CHUNK;
@@ -296,8 +304,41 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     cp_async_commit();
   };
 
+#if ATT_BULK
+  // the same walk with one bulk copy per row: lane l < 16 copies K row l of the group, lane 16 + l V row l, onto
+  // the slot's mbarrier (lane 0 arms it with the group's bytes; the consumer waits for the use's phase)
+  __shared__ unsigned long long att_bar[NW][D];
+  if (lane == 0) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) mbar_init(&att_bar[warp][d], 1);
+    mbar_init_fence();
+  }
+  __syncwarp();
+  auto stage_bulk = [&](int i, bool before_wait) {
+    if (i >= mine) return;
+    const int t0 = p0 + (warp + NW * i) * ATT_GROUP;
+    const int nv = min(p1 - t0, ATT_GROUP);  // rows present (>= 1)
+    const bool skip = before_wait && len - 1 >= t0 && len - 1 < t0 + nv;
+    unsigned long long* bar = &att_bar[warp][i % D];
+    char* row = ring + (i % D) * 2 * GB + (lane >= ATT_GROUP ? GB : 0) + (lane % ATT_GROUP) * ATT_ROW_BYTES(HD);
+    const int t = t0 + lane % ATT_GROUP;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's earlier reads before the copies
+    if (lane == 0) mbar_expect_tx(bar, (unsigned)(2 * (nv - skip) * HD * 2));
+    __syncwarp();
+    if (t < p1) {
+      if (!(before_wait && t == len - 1))
+        bulk_g2s(row, (lane < ATT_GROUP ? k_cache : v_cache) + (size_t)t * kv_dim + (size_t)j * HD, HD * 2, bar);
+    } else if (lane >= ATT_GROUP) {
+#pragma unroll
+      for (int c = 0; c < DG; ++c) *reinterpret_cast<uint4*>(row + c * 16) = make_uint4(0, 0, 0, 0);
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < D; ++i) stage_bulk(i, true);
+#else
 #pragma unroll
   for (int i = 0; i < D; ++i) stage(i, true);
+#endif
   pdl_wait();
   pdl_launch_dependents();
 
@@ -328,8 +369,12 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   for (int c = 0; c < DG; ++c) o[c][0] = o[c][1] = o[c][2] = o[c][3] = 0.f;
 
   for (int i = 0; i < mine; ++i) {
+#if ATT_BULK
+    mbar_wait(&att_bar[warp][i % D], (unsigned)(i / D) & 1u);  // group i's rows have landed ...
+#else
     cp_async_wait<D - 1>();  // this lane's copies of group i have landed ...
-    __syncwarp();            // ... and every lane's
+#endif
+    __syncwarp();            // ... and every lane's (and the zero rows, and row len-1)
     const char* ks = ring + (i % D) * 2 * GB;
     const char* vs = ks + GB;
     const int t0 = p0 + (warp + NW * i) * ATT_GROUP;
@@ -382,7 +427,11 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
       }
     }
     __syncwarp();          // every lane is done with slot i % D ...
+#if ATT_BULK
+    stage_bulk(i + D, false);
+#else
     stage(i + D, false);   // ... which takes group i + D
+#endif
   }
   cp_async_wait<0>();
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
