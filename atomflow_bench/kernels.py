@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import AtomflowError
+
 KERNELS_DIR = Path(os.environ.get("ATOMFLOW_KERNELS_DIR", Path(__file__).resolve().parent.parent / "kernels_cu"))
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
@@ -169,6 +171,44 @@ def _driver():
         lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         _libcuda = lib
     return _libcuda
+
+
+CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6  # cuda.h enums (CUDA 12/13)
+CU_TENSOR_MAP_SWIZZLE_128B = 3
+CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3
+TENSOR_MAP_BYTES = 128
+
+
+def tensor_map_2d(arr, box: tuple[int, int]) -> bytes:
+    """The CUtensorMap (128 bytes) of a C-contiguous 2D fp16 device array [rows][cols] for tiled copies of boxes
+    `box` = (cols, rows), 128-byte swizzle in shared memory, out-of-bounds rows read as zeros
+    (cuTensorMapEncodeTiled; sm_90+). The kernel reads it from device memory (see tensor_maps)."""
+    if arr.ndim != 2 or arr.dtype != np.float16 or not arr.flags.c_contiguous:
+        raise AtomflowError(f"tensor map: need a C-contiguous 2D fp16 array, got {arr.dtype} {arr.shape}")
+    lib = _driver()
+    fn = lib.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    raw = ctypes.create_string_buffer(2 * TENSOR_MAP_BYTES)  # the struct is declared 128-byte aligned
+    base = -ctypes.addressof(raw) % TENSOR_MAP_BYTES
+    dims = (ctypes.c_uint64 * 2)(arr.shape[1], arr.shape[0])
+    strides = (ctypes.c_uint64 * 1)(arr.strides[0])
+    boxd = (ctypes.c_uint32 * 2)(*box)
+    ones = (ctypes.c_uint32 * 2)(1, 1)
+    rc = fn(ctypes.c_void_p(ctypes.addressof(raw) + base), ctypes.c_int(CU_TENSOR_MAP_DATA_TYPE_FLOAT16),
+            ctypes.c_uint32(2), ctypes.c_void_p(arr.data.ptr), dims, strides, boxd, ones, ctypes.c_int(0),
+            ctypes.c_int(CU_TENSOR_MAP_SWIZZLE_128B), ctypes.c_int(CU_TENSOR_MAP_L2_PROMOTION_L2_256B), ctypes.c_int(0))
+    if rc != 0:
+        raise AtomflowError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for {arr.shape} box {box}")
+    return raw.raw[base:base + TENSOR_MAP_BYTES]
+
+
+def tensor_maps(arrays, box: tuple[int, int]):
+    """The tensor maps of `arrays` (tensor_map_2d each) back to back in one device array (128 bytes apart, the
+    allocation 256-byte aligned: the copies need 64)."""
+    import cupy as cp
+
+    blob = b"".join(tensor_map_2d(a, box) for a in arrays)
+    return cp.asarray(np.frombuffer(blob, dtype=np.uint8))
 
 
 def allow_dynamic_smem(fn, shmem: int) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 from .arena import ARGMAX_THREADS, ATT_CHUNK, att_cluster, ROWS_BLOCKS_PER_SM, ROWS_WARPS, Arena, linear_regions
 from .config import ModelConfig
 from .errors import AtomflowError, VerifyError
-from .kernels import GEMV_RING_DEPTHS, KernelLib, Launch, allow_dynamic_smem, knob
+from .kernels import GEMV_RING_DEPTHS, KernelLib, Launch, allow_dynamic_smem, knob, tensor_maps
 from .weights import check_tiled
 
 GEMV_THREADS = 256
@@ -59,6 +59,7 @@ GEMV_MIXED_TRY = {"fp16": (), "fp8": ()}  # ring steps with these roles warp-spe
                            # 3B W8A16 ring+wd measured -14 µs in one call, +13 µs forced in another: PERF_NOTES v17.3)
 GEMV_ROLES = ("wqkv", "wo", "wgu", "wd")
 ATT_THREADS = 128             # attention.cu block size (A/B knob ATT_THREADS)
+ATT_GROUP = 16                # attention.cu: positions per group (a warp's unit of the walk; ATT_TMA's box rows)
 ATT_RING_BYTES = 24 * 1024  # attention.cu: each warp's K/V ring (3 groups at hd 128, 6 at hd 64)
 ATT_RING_BYTES_BULK = 26112  # the same with ATT_BULK (rows padded to 2*hd + 16 bytes: 3 groups at hd 128, 5 at hd 64)
 ATS_THREADS = 256          # attention_short.cu
@@ -269,13 +270,19 @@ def att_ring_bytes(defines: tuple | None = None) -> int:
     return knob("ATT_RING_BYTES", ATT_RING_BYTES_BULK if knob("ATT_BULK", 0, defines) else ATT_RING_BYTES, defines)
 
 
+def att_tma(defines: tuple | None = None) -> int:
+    """1 when attention.cu stages K/V by 2D tensor copies (A/B knob ATT_TMA; sm_90+): the launch then carries the
+    layer's tensor maps."""
+    return knob("ATT_TMA", 0, defines)
+
+
 def attention_smem(group: int, hd: int, splits: int, defines: tuple | None = None) -> int:
     """Bytes of dynamic shared memory of attention.cu: the warps' K/V rings (ATT_RING_BYTES each, knob). The kernel
     reuses them at its end for the warps' O ([warps][G][hd] fp32; with clusters then the block's o) and for the split combine (fp32 m and l
     [2][G][splits] rounded to 4, the float4 sums [G*hd/4], then the partial o of as many splits as fit, at least
     one); a plan where those do not fit is refused."""
     warps = att_threads(defines) // 32
-    rings = warps * att_ring_bytes(defines)
+    rings = warps * att_ring_bytes(defines) + 1024 * att_tma(defines)  # TMA: the swizzle's 1 KB alignment
     merge = 4 * (warps + (att_cluster(defines) > 1)) * group * hd  # with clusters also the block's o [G][hd]
     combine = 4 * (-(-2 * group * splits // 4) * 4 + 2 * group * hd)
     if max(merge, combine) > rings:
@@ -302,9 +309,11 @@ def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, 
     if shmem > SMEM_PER_SM:
         raise AtomflowError(f"{splits} attention splits need {shmem} bytes of shared memory (> {SMEM_PER_SM})")
     allow_dynamic_smem(fn, shmem)
+    # ATT_TMA: the K and V slabs' tensor maps (boxes of 16 rows x 64 dims), kept alive by the launch's arguments
+    maps = (tensor_maps((k_cache, v_cache), (64, ATT_GROUP)),) if att_tma(lib.defines) else ()
     return Launch(fn, "attention_decode", (n_kv, splits), (att_threads(lib.defines),),
                   (q, k_cache, v_cache, pos, part_ml, part_o, counters, out, i32(n_kv), i32(splits),
-                   np.float32(1.0 / math.sqrt(hd))), shmem, taps or {}, 0, cluster=cluster)
+                   np.float32(1.0 / math.sqrt(hd))) + maps, shmem, taps or {}, 0, cluster=cluster)
 
 
 def attention_short_smem(hd: int, cap: int) -> int:

@@ -29,6 +29,10 @@
 //            then per slice over the head's clusters through a ticket (attention_cluster_finish).
 //            A/B knob ATT_COMBINE_SLICES = C > 1 (v23.1): the head's last C blocks to take the ticket combine a
 //            slice of the outputs each (the final arrival at once, the others after polling the ticket).
+//            A/B knob ATT_BULK = 1 (v23.2): K/V rows by one bulk copy each (rows padded by 16 bytes, no swizzle);
+//            A/B knob ATT_TMA = 1 (v23.3): a group's K and V by 2D tensor copies (boxes [16][64] fp16 with the
+//            128-byte swizzle; the layer slabs' tensor maps built by step.py attention_launch, passed as kv_map);
+//            both complete on one mbarrier per ring slot (sm_90+).
 //            Rows past the split in a warp's last group: V zero-filled (P is 0 there, but 0 * NaN is NaN), K's
 //            scores masked to -inf. K/V rows sit in shared memory with their 16-byte pieces XOR-swizzled by
 //            the row (piece c of row t at c ^ (t & 7)): ldmatrix reads 8 rows of one piece without bank conflicts.
@@ -59,6 +63,25 @@
 #if ATT_BULK && defined(__CUDA_ARCH__) && !AF_HAS_BULK
 #error "ATT_BULK needs sm_90+ (cp.async.bulk)"
 #endif
+#ifndef ATT_TMA
+#define ATT_TMA 0       // A/B knob: K/V groups staged by 2D tensor copies (TMA boxes [16][64], 128-byte swizzle), sm_90+
+#endif
+#if ATT_TMA && (ATT_BULK || ATT_CLUSTER > 1 || ATT_THREADS != 128)
+#error "ATT_TMA: with the default staging, no clusters, 128 threads"
+#endif
+#if ATT_TMA && defined(__CUDA_ARCH__) && !AF_HAS_BULK
+#error "ATT_TMA needs sm_90+ (cp.async.bulk.tensor)"
+#endif
+#if ATT_TMA
+#define ATT_TMA_PARAM , const char* __restrict__ kv_map  // this layer's tensor maps: K at +0, V at +128 (step.py)
+#define ATT_TMA_ARG , kv_map
+#else
+#define ATT_TMA_PARAM
+#define ATT_TMA_ARG
+#endif
+// the copy forms' code is device code of sm_90+ (the host pass compiles the default staging in its place)
+#define ATT_TMA_CODE (ATT_TMA && AF_HAS_BULK)
+#define ATT_BULK_CODE (ATT_BULK && AF_HAS_BULK)
 #ifndef ATT_RING_BYTES
 #define ATT_RING_BYTES (ATT_BULK ? 26112 : 24 * 1024)  // per warp (step.py att_ring_bytes; A/B knob)
 #endif
@@ -96,9 +119,13 @@ __device__ __forceinline__ int att_split_start(int s, int n_sub, int n) {
 // byte offset of 16-byte piece c of row t in a staged [16][HD] fp16 group (pieces XOR-swizzled by the row; with
 // ATT_BULK rows padded by 16 bytes instead, a row being one bulk copy: ldmatrix's 8 rows then start 4 banks apart)
 #define ATT_ROW_BYTES(HD) ((HD) * 2 + 16 * ATT_BULK)
+// With ATT_TMA the group is HD/64 boxes of [16][64] (2 KB, 128-byte rows) as the tensor copy's 128-byte swizzle
+// lays them: piece c of row t in box c / 8 at (c % 8) ^ (t & 7), the same XOR as without.
 template <int HD>
 __device__ __forceinline__ int att_swz(int t, int c) {
-  return ATT_BULK ? t * ATT_ROW_BYTES(HD) + (c << 4) : t * HD * 2 + ((c ^ (t & 7)) << 4);
+  return ATT_TMA    ? (c >> 3) * (ATT_GROUP * 128) + t * 128 + (((c & 7) ^ (t & 7)) << 4)
+         : ATT_BULK ? t * ATT_ROW_BYTES(HD) + (c << 4)
+                    : t * HD * 2 + ((c ^ (t & 7)) << 4);
 }
 
 // The last block of kv head j: out = sum_s coef[g][s] * part_o[g][s] with coef = exp2(m_s - M) / sum_s l_s
@@ -259,7 +286,7 @@ template <int HD, int G>
 __device__ __forceinline__ void attention_item(const __half* q, const __half* k_cache, const __half* v_cache, int len,
                                                int j, int split, float* part_ml, float* part_o,
                                                unsigned int* counters, __half* out, int n_kv, int max_splits,
-                                               float scale, char* smem) {
+                                               float scale, char* smem ATT_TMA_PARAM) {
   constexpr int NW = ATT_WARPS;
   constexpr int DG = HD / 8;                    // 16-byte pieces per row = 8-dim tiles of O
   constexpr int KS = HD / 16;                   // k-steps of the scores
@@ -276,6 +303,9 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   const size_t kv_dim = (size_t)n_kv * HD;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP;
   const int gid = lane >> 2, tig = lane & 3;  // mma fragment coordinates: gid = the q head row
+#if ATT_TMA_CODE
+  smem += (1024u - ((unsigned)__cvta_generic_to_shared(smem) & 1023u)) & 1023u;  // the swizzle's 1 KB (step.py: +1 KB)
+#endif
   char* ring = smem + warp * D * 2 * GB;
   const int n_grp = ATT_CLUSTER > 1 && p1 <= p0 ? 0 : (p1 - p0 + ATT_GROUP - 1) / ATT_GROUP;  // 0: empty split
   const int mine = warp < n_grp ? (n_grp - 1 - warp) / NW + 1 : 0;  // this warp's groups
@@ -304,16 +334,40 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     cp_async_commit();
   };
 
-#if ATT_BULK
-  // the same walk with one bulk copy per row: lane l < 16 copies K row l of the group, lane 16 + l V row l, onto
-  // the slot's mbarrier (lane 0 arms it with the group's bytes; the consumer waits for the use's phase)
-  __shared__ unsigned long long att_bar[NW][D];
+#if ATT_BULK_CODE || ATT_TMA_CODE
+  __shared__ unsigned long long att_bar[NW][D];  // a barrier per ring slot: the group's copies complete on it
   if (lane == 0) {
 #pragma unroll
     for (int d = 0; d < D; ++d) mbar_init(&att_bar[warp][d], 1);
     mbar_init_fence();
   }
   __syncwarp();
+#endif
+#if ATT_TMA_CODE
+  // the same walk with the group's K and V as HD/64 tensor boxes each, issued by lane 0 onto the slot's barrier;
+  // the group holding row len-1 goes after the wait (the QKV kernel is writing that row)
+  auto stage_tma = [&](int i, bool before_wait) {
+    if (i >= mine) return;
+    const int t0 = p0 + (warp + NW * i) * ATT_GROUP;
+    if (before_wait && len - 1 >= t0 && len - 1 < min(p1, t0 + ATT_GROUP)) return;
+    fence_proxy_async();  // the slot's earlier reads and zero rows (every lane's) before the copies
+    __syncwarp();
+    if (lane == 0) {
+      unsigned long long* bar = &att_bar[warp][i % D];
+      char* ks = ring + (i % D) * 2 * GB;
+      mbar_expect_tx(bar, 2 * GB);
+#pragma unroll
+      for (int h = 0; h < HD / 64; ++h) {
+        tma_load_2d(ks + h * ATT_GROUP * 128, kv_map, j * HD + h * 64, t0, bar);
+        tma_load_2d(ks + GB + h * ATT_GROUP * 128, kv_map + 128, j * HD + h * 64, t0, bar);
+      }
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < D; ++i) stage_tma(i, true);
+#elif ATT_BULK_CODE
+  // the same walk with one bulk copy per row: lane l < 16 copies K row l of the group, lane 16 + l V row l, onto
+  // the slot's mbarrier (lane 0 arms it with the group's bytes; the consumer waits for the use's phase)
   auto stage_bulk = [&](int i, bool before_wait) {
     if (i >= mine) return;
     const int t0 = p0 + (warp + NW * i) * ATT_GROUP;
@@ -322,7 +376,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     unsigned long long* bar = &att_bar[warp][i % D];
     char* row = ring + (i % D) * 2 * GB + (lane >= ATT_GROUP ? GB : 0) + (lane % ATT_GROUP) * ATT_ROW_BYTES(HD);
     const int t = t0 + lane % ATT_GROUP;
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's earlier reads before the copies
+    fence_proxy_async();  // the slot's earlier reads before the copies
     if (lane == 0) mbar_expect_tx(bar, (unsigned)(2 * (nv - skip) * HD * 2));
     __syncwarp();
     if (t < p1) {
@@ -342,8 +396,12 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   pdl_wait();
   pdl_launch_dependents();
 
-  // row len-1 (appended by the QKV kernel) into its slot, when its group was staged above
+  // row len-1 (appended by the QKV kernel) into its slot, when its group was staged above (with ATT_TMA: that
+  // group's copies, held back above)
   const int gl = (len - 1 - p0) / ATT_GROUP;
+#if ATT_TMA_CODE
+  if (len - 1 >= p0 && len - 1 < p1 && gl % NW == warp && gl / NW < D) stage_tma(gl / NW, false);
+#else
   if (len - 1 >= p0 && len - 1 < p1 && gl % NW == warp && gl / NW < D) {
     const int r = (len - 1 - p0) % ATT_GROUP;
     char* ks = ring + (gl / NW) * 2 * GB;
@@ -353,6 +411,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
       *reinterpret_cast<uint4*>(ks + (e < DG ? 0 : GB) + att_swz<HD>(r, c)) = ld_cg16((e < DG ? k_cache : v_cache) + src);
     }
   }
+#endif
   unsigned qa[KS][2];  // q head gid as the scores' A operand (rows gid + 8: padding, 0), every k-step
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) {
@@ -369,7 +428,16 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   for (int c = 0; c < DG; ++c) o[c][0] = o[c][1] = o[c][2] = o[c][3] = 0.f;
 
   for (int i = 0; i < mine; ++i) {
-#if ATT_BULK
+#if ATT_TMA_CODE
+    mbar_wait(&att_bar[warp][i % D], (unsigned)(i / D) & 1u);  // group i's boxes have landed ...
+    {
+      const int t0 = p0 + (warp + NW * i) * ATT_GROUP;
+      char* vz = ring + (i % D) * 2 * GB + GB;
+      if (t0 + ATT_GROUP > p1)  // ... V rows past the split zeroed (they may hold anything, and 0 * NaN is NaN)
+        for (int e = lane; e < ATT_GROUP * DG; e += AF_WARP)
+          if (t0 + e / DG >= p1) *reinterpret_cast<uint4*>(vz + att_swz<HD>(e / DG, e % DG)) = make_uint4(0, 0, 0, 0);
+    }
+#elif ATT_BULK_CODE
     mbar_wait(&att_bar[warp][i % D], (unsigned)(i / D) & 1u);  // group i's rows have landed ...
 #else
     cp_async_wait<D - 1>();  // this lane's copies of group i have landed ...
@@ -427,7 +495,9 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
       }
     }
     __syncwarp();          // every lane is done with slot i % D ...
-#if ATT_BULK
+#if ATT_TMA_CODE
+    stage_tma(i + D, false);
+#elif ATT_BULK_CODE
     stage_bulk(i + D, false);
 #else
     stage(i + D, false);   // ... which takes group i + D
@@ -535,13 +605,13 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
       attention_decode_hd##HD##_g##G(                                                                     \
       const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache, \
       const int* __restrict__ pos_ptr, float* part_ml, float* part_o, unsigned int* counters,             \
-      __half* __restrict__ out, int n_kv, int max_splits, float scale) {                                  \
+      __half* __restrict__ out, int n_kv, int max_splits, float scale ATT_TMA_PARAM) {                    \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) char att_smem[];                                                      \
     /* pos was written by the previous step's argmax, complete before this step's first kernel: readable */ \
     /* before the PDL wait, and so are the K/V rows before pos (attention_item waits before row pos and q) */ \
     attention_item<HD, G>(q, k_cache, v_cache, *pos_ptr + 1, blockIdx.x, blockIdx.y, part_ml, part_o, counters, \
-                          out, n_kv, max_splits, scale, att_smem);                                         \
+                          out, n_kv, max_splits, scale, att_smem ATT_TMA_ARG);                             \
   }
 
 ATTENTION_INSTANCE(64, 1)

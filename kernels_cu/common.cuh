@@ -170,6 +170,17 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned by
                "r"((unsigned)__cvta_generic_to_shared(bar))
                : "memory");
 }
+// A 2D tensor copy (TMA): the box of the tensor map `map` (a CUtensorMap in global memory, 64-byte aligned) at
+// element coordinates (c0 inner, c1 outer) into shared memory at `dst` (1024-byte aligned for the 128-byte
+// swizzle), completing on `bar`; rows past the tensor's bounds land as zeros (and count toward the bytes).
+__device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int c0, int c1, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+               ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(map), "r"(c0), "r"(c1),
+               "r"((unsigned)__cvta_generic_to_shared(bar))
+               : "memory");
+}
+// The generic proxy's earlier accesses to shared memory ordered before later copies of the async proxy into it.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"((unsigned)__cvta_generic_to_shared(bar)) : "memory");
 }

@@ -71,6 +71,9 @@ def test_shared_memory_covers_rings_warp_states_and_the_combine(group, hd):
     # two blocks per SM (the split cap's assumption) fit the H100's 228 KB with their static shared memory
     assert 2 * (attention_smem(group, hd, attention_splits(32768, 8, 132)) + 1024) <= 228 * 1024
     assert attention_smem(group, hd, 8, defines=("ATT_RING_BYTES=8192",)) == warps * 8192  # the knob
+    # ATT_TMA: 1 KB more to align the rings for the 128-byte swizzle; two blocks per SM still fit
+    tma = attention_smem(group, hd, attention_splits(32768, 8, 132), defines=("ATT_TMA=1",))
+    assert tma == warps * ATT_RING_BYTES + 1024 and 2 * (tma + 1024) <= 228 * 1024
 
 
 def test_a_combine_that_does_not_fit_is_refused():

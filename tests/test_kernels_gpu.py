@@ -390,11 +390,12 @@ def test_attention_short_refuses_what_does_not_fit(kernel_lib):
 
 
 @pytest.fixture(scope="module", params=["ATT_CLUSTER=8", "ATT_CLUSTER=16", "ATT_COMBINE_SLICES=8",
-                                        "ATT_COMBINE_SLICES=3", "ATT_BULK=1"])
+                                        "ATT_COMBINE_SLICES=3", "ATT_BULK=1", "ATT_TMA=1"])
 def kernel_lib_att(request):
     """attention.cu's A/B forms: ATT_CLUSTER = 8 (portable) and 16 (non-portable) splits of a kv head per thread
     block cluster; ATT_COMBINE_SLICES = 8 and 3 (uneven slices) of the head's last blocks sharing the combine;
-    ATT_BULK = 1: K/V rows staged by bulk copies on per-slot mbarriers (sm_90+)."""
+    ATT_BULK = 1: K/V rows staged by bulk copies on per-slot mbarriers (sm_90+); ATT_TMA = 1: K/V groups staged
+    by 2D tensor copies (sm_90+)."""
     from atomflow_bench.kernels import KernelLib
 
     return KernelLib(extra_defines=(request.param,))
@@ -420,11 +421,12 @@ def test_attention_variants(kernel_lib_att, model, length, cap, n_sm):
     length leave at once. ATT_COMBINE_SLICES = C: the head's last min(C, splits) blocks combine a slice each (2
     splits at length 33 or cap 2: fewer slice blocks than C; 130 splits: batches of partials per slice). ATT_BULK:
     cap 2 walks many groups per warp (the slots' mbarrier phases wrap), lengths 1, 2, 33 groups with row L-1 alone
-    or rows past the split (V zero-filled)."""
+    or rows past the split (V zero-filled). ATT_TMA: the same, the group of row L-1 issued after the wait, rows past
+    the length (NaN in the cache) zeroed in shared memory."""
     from atomflow_bench.step import compute_capability
 
-    if "ATT_BULK=1" in kernel_lib_att.defines and compute_capability() < 90:
-        pytest.skip("bulk copies need sm_90+")
+    if {"ATT_BULK=1", "ATT_TMA=1"} & set(kernel_lib_att.defines) and compute_capability() < 90:
+        pytest.skip("bulk and tensor copies need sm_90+")
     check_attention(kernel_lib_att, n_sm, model, length, cap)
 
 

@@ -46,6 +46,19 @@ def test_timeline_build_compiles_without_spills(src, tmp_path):
     assert frames and not [f for f in frames if any(int(v) for v in f)]
 
 
+@pytest.mark.parametrize("knob", ["ATT_TMA=1", "ATT_BULK=1"])
+def test_attention_copy_forms_compile_without_spills(knob, tmp_path):
+    """attention.cu's sm_90 staging forms (A/B knobs: 2D tensor copies, bulk copies) compile without local memory;
+    below sm_90 they refuse to compile."""
+    src = KERNELS_DIR / "attention.cu"
+    report = compile_report(src, "sm_90", tmp_path, defines=(knob,))
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert len(frames) == len(kernel_names(src)) and not [f for f in frames if any(int(v) for v in f)]
+    out = subprocess.run([NVCC, "-arch=sm_89", "-std=c++17", f"-D{knob}", "-c", str(src), "-o", str(tmp_path / "x.o")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and "needs sm_90+" in out.stderr
+
+
 def test_every_source_has_a_header():
     for src in SOURCES:
         head = src.read_text().splitlines()[0]
