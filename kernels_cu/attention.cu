@@ -344,12 +344,11 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   __syncwarp();
 #endif
 #if ATT_TMA_CODE
-  // the same walk with the group's K and V as HD/64 tensor boxes each, issued by lane 0 onto the slot's barrier;
-  // the group holding row len-1 goes after the wait (the QKV kernel is writing that row)
-  auto stage_tma = [&](int i, bool before_wait) {
+  // the same walk with the group's K and V as HD/64 tensor boxes each, issued by lane 0 onto the slot's barrier
+  // (a group staged before the wait brings row len-1 as it stood: patched below once the boxes have landed)
+  auto stage_tma = [&](int i) {
     if (i >= mine) return;
     const int t0 = p0 + (warp + NW * i) * ATT_GROUP;
-    if (before_wait && len - 1 >= t0 && len - 1 < min(p1, t0 + ATT_GROUP)) return;
     fence_proxy_async();  // the slot's earlier reads and zero rows (every lane's) before the copies
     __syncwarp();
     if (lane == 0) {
@@ -364,7 +363,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     }
   };
 #pragma unroll
-  for (int i = 0; i < D; ++i) stage_tma(i, true);
+  for (int i = 0; i < D; ++i) stage_tma(i);
 #elif ATT_BULK_CODE
   // the same walk with one bulk copy per row: lane l < 16 copies K row l of the group, lane 16 + l V row l, onto
   // the slot's mbarrier (lane 0 arms it with the group's bytes; the consumer waits for the use's phase)
@@ -396,13 +395,13 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   pdl_wait();
   pdl_launch_dependents();
 
-  // row len-1 (appended by the QKV kernel) into its slot, when its group was staged above (with ATT_TMA: that
-  // group's copies, held back above)
+  // row len-1 (appended by the QKV kernel) into its slot, when its group was staged above (with ATT_TMA once
+  // that group's boxes have landed: the patch must come after the copy's stale row)
   const int gl = (len - 1 - p0) / ATT_GROUP;
-#if ATT_TMA_CODE
-  if (len - 1 >= p0 && len - 1 < p1 && gl % NW == warp && gl / NW < D) stage_tma(gl / NW, false);
-#else
   if (len - 1 >= p0 && len - 1 < p1 && gl % NW == warp && gl / NW < D) {
+#if ATT_TMA_CODE
+    mbar_wait(&att_bar[warp][gl / NW], 0u);  // the slot's first use: phase 0
+#endif
     const int r = (len - 1 - p0) % ATT_GROUP;
     char* ks = ring + (gl / NW) * 2 * GB;
     for (int e = lane; e < 2 * DG; e += AF_WARP) {
@@ -411,7 +410,6 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
       *reinterpret_cast<uint4*>(ks + (e < DG ? 0 : GB) + att_swz<HD>(r, c)) = ld_cg16((e < DG ? k_cache : v_cache) + src);
     }
   }
-#endif
   unsigned qa[KS][2];  // q head gid as the scores' A operand (rows gid + 8: padding, 0), every k-step
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) {
@@ -496,7 +494,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     }
     __syncwarp();          // every lane is done with slot i % D ...
 #if ATT_TMA_CODE
-    stage_tma(i + D, false);
+    stage_tma(i + D);
 #elif ATT_BULK_CODE
     stage_bulk(i + D, false);
 #else

@@ -421,8 +421,8 @@ def test_attention_variants(kernel_lib_att, model, length, cap, n_sm):
     length leave at once. ATT_COMBINE_SLICES = C: the head's last min(C, splits) blocks combine a slice each (2
     splits at length 33 or cap 2: fewer slice blocks than C; 130 splits: batches of partials per slice). ATT_BULK:
     cap 2 walks many groups per warp (the slots' mbarrier phases wrap), lengths 1, 2, 33 groups with row L-1 alone
-    or rows past the split (V zero-filled). ATT_TMA: the same, the group of row L-1 issued after the wait, rows past
-    the length (NaN in the cache) zeroed in shared memory."""
+    or rows past the split (V zero-filled). ATT_TMA: the same, row L-1 patched once its group's boxes have landed,
+    rows past the length (NaN in the cache) zeroed in shared memory."""
     from atomflow_bench.step import compute_capability
 
     if {"ATT_BULK=1", "ATT_TMA=1"} & set(kernel_lib_att.defines) and compute_capability() < 90:
