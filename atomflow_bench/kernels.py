@@ -185,18 +185,16 @@ def tensor_map_2d(arr, box: tuple[int, int]) -> bytes:
     (cuTensorMapEncodeTiled; sm_90+). The kernel reads it from device memory (see tensor_maps)."""
     if arr.ndim != 2 or arr.dtype != np.float16 or not arr.flags.c_contiguous:
         raise AtomflowError(f"tensor map: need a C-contiguous 2D fp16 array, got {arr.dtype} {arr.shape}")
-    lib = _driver()
-    fn = lib.cuTensorMapEncodeTiled
-    fn.restype = ctypes.c_int
     raw = ctypes.create_string_buffer(2 * TENSOR_MAP_BYTES)  # the struct is declared 128-byte aligned
     base = -ctypes.addressof(raw) % TENSOR_MAP_BYTES
     dims = (ctypes.c_uint64 * 2)(arr.shape[1], arr.shape[0])
     strides = (ctypes.c_uint64 * 1)(arr.strides[0])
     boxd = (ctypes.c_uint32 * 2)(*box)
     ones = (ctypes.c_uint32 * 2)(1, 1)
-    rc = fn(ctypes.c_void_p(ctypes.addressof(raw) + base), ctypes.c_int(CU_TENSOR_MAP_DATA_TYPE_FLOAT16),
-            ctypes.c_uint32(2), ctypes.c_void_p(arr.data.ptr), dims, strides, boxd, ones, ctypes.c_int(0),
-            ctypes.c_int(CU_TENSOR_MAP_SWIZZLE_128B), ctypes.c_int(CU_TENSOR_MAP_L2_PROMOTION_L2_256B), ctypes.c_int(0))
+    rc = _driver().cuTensorMapEncodeTiled(  # returns a CUresult (ctypes' default int)
+        ctypes.c_void_p(ctypes.addressof(raw) + base), ctypes.c_int(CU_TENSOR_MAP_DATA_TYPE_FLOAT16), ctypes.c_uint32(2),
+        ctypes.c_void_p(arr.data.ptr), dims, strides, boxd, ones, ctypes.c_int(0),  # interleave: none
+        ctypes.c_int(CU_TENSOR_MAP_SWIZZLE_128B), ctypes.c_int(CU_TENSOR_MAP_L2_PROMOTION_L2_256B), ctypes.c_int(0))
     if rc != 0:
         raise AtomflowError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for {arr.shape} box {box}")
     return raw.raw[base:base + TENSOR_MAP_BYTES]

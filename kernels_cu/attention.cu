@@ -310,6 +310,58 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   const int n_grp = ATT_CLUSTER > 1 && p1 <= p0 ? 0 : (p1 - p0 + ATT_GROUP - 1) / ATT_GROUP;  // 0: empty split
   const int mine = warp < n_grp ? (n_grp - 1 - warp) / NW + 1 : 0;  // this warp's groups
 
+#if ATT_BULK_CODE || ATT_TMA_CODE
+  __shared__ unsigned long long att_bar[NW][D];  // a barrier per ring slot: the group's copies complete on it
+  if (lane == 0) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) mbar_init(&att_bar[warp][d], 1);
+    mbar_init_fence();
+  }
+  __syncwarp();
+#endif
+#if ATT_TMA_CODE
+  // ATT_TMA: the default walk (the last form below) with the group's K and V as HD/64 tensor boxes each, issued by
+  // lane 0 onto the slot's barrier (a group staged before the wait brings row len-1 as it stood: patched below
+  // once the boxes have landed)
+  auto stage = [&](int i, bool) {
+    if (i >= mine) return;
+    const int t0 = p0 + (warp + NW * i) * ATT_GROUP;
+    fence_proxy_async();  // the slot's earlier reads and zero rows (every lane's) before the copies
+    __syncwarp();
+    if (lane == 0) {
+      unsigned long long* bar = &att_bar[warp][i % D];
+      char* ks = ring + (i % D) * 2 * GB;
+      mbar_expect_tx(bar, 2 * GB);
+#pragma unroll
+      for (int h = 0; h < HD / 64; ++h) {
+        tma_load_2d(ks + h * ATT_GROUP * 128, kv_map, j * HD + h * 64, t0, bar);
+        tma_load_2d(ks + GB + h * ATT_GROUP * 128, kv_map + 128, j * HD + h * 64, t0, bar);
+      }
+    }
+  };
+#elif ATT_BULK_CODE
+  // ATT_BULK: the default walk with one bulk copy per row: lane l < 16 copies K row l of the group, lane 16 + l V
+  // row l, onto the slot's mbarrier (lane 0 arms it with the group's bytes; the consumer waits for the use's phase)
+  auto stage = [&](int i, bool before_wait) {
+    if (i >= mine) return;
+    const int t0 = p0 + (warp + NW * i) * ATT_GROUP;
+    const int nv = min(p1 - t0, ATT_GROUP);  // rows present (>= 1)
+    const bool skip = before_wait && len - 1 >= t0 && len - 1 < t0 + nv;
+    unsigned long long* bar = &att_bar[warp][i % D];
+    char* row = ring + (i % D) * 2 * GB + (lane >= ATT_GROUP ? GB : 0) + (lane % ATT_GROUP) * ATT_ROW_BYTES(HD);
+    const int t = t0 + lane % ATT_GROUP;
+    fence_proxy_async();  // the slot's earlier reads before the copies
+    if (lane == 0) mbar_expect_tx(bar, (unsigned)(2 * (nv - skip) * HD * 2));
+    __syncwarp();
+    if (t < p1) {
+      if (!(before_wait && t == len - 1))
+        bulk_g2s(row, (lane < ATT_GROUP ? k_cache : v_cache) + (size_t)t * kv_dim + (size_t)j * HD, HD * 2, bar);
+    } else if (lane >= ATT_GROUP) {
+#pragma unroll
+      for (int c = 0; c < DG; ++c) *reinterpret_cast<uint4*>(row + c * 16) = make_uint4(0, 0, 0, 0);
+    }
+  };
+#else
   // this warp's i-th group -> ring slot i % D (one cp.async group, committed even when empty so that the
   // wait counts stay uniform); before the wait row len-1 is skipped (the QKV kernel is still writing it)
   auto stage = [&](int i, bool before_wait) {
@@ -333,65 +385,9 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     }
     cp_async_commit();
   };
-
-#if ATT_BULK_CODE || ATT_TMA_CODE
-  __shared__ unsigned long long att_bar[NW][D];  // a barrier per ring slot: the group's copies complete on it
-  if (lane == 0) {
-#pragma unroll
-    for (int d = 0; d < D; ++d) mbar_init(&att_bar[warp][d], 1);
-    mbar_init_fence();
-  }
-  __syncwarp();
 #endif
-#if ATT_TMA_CODE
-  // the same walk with the group's K and V as HD/64 tensor boxes each, issued by lane 0 onto the slot's barrier
-  // (a group staged before the wait brings row len-1 as it stood: patched below once the boxes have landed)
-  auto stage_tma = [&](int i) {
-    if (i >= mine) return;
-    const int t0 = p0 + (warp + NW * i) * ATT_GROUP;
-    fence_proxy_async();  // the slot's earlier reads and zero rows (every lane's) before the copies
-    __syncwarp();
-    if (lane == 0) {
-      unsigned long long* bar = &att_bar[warp][i % D];
-      char* ks = ring + (i % D) * 2 * GB;
-      mbar_expect_tx(bar, 2 * GB);
-#pragma unroll
-      for (int h = 0; h < HD / 64; ++h) {
-        tma_load_2d(ks + h * ATT_GROUP * 128, kv_map, j * HD + h * 64, t0, bar);
-        tma_load_2d(ks + GB + h * ATT_GROUP * 128, kv_map + 128, j * HD + h * 64, t0, bar);
-      }
-    }
-  };
-#pragma unroll
-  for (int i = 0; i < D; ++i) stage_tma(i);
-#elif ATT_BULK_CODE
-  // the same walk with one bulk copy per row: lane l < 16 copies K row l of the group, lane 16 + l V row l, onto
-  // the slot's mbarrier (lane 0 arms it with the group's bytes; the consumer waits for the use's phase)
-  auto stage_bulk = [&](int i, bool before_wait) {
-    if (i >= mine) return;
-    const int t0 = p0 + (warp + NW * i) * ATT_GROUP;
-    const int nv = min(p1 - t0, ATT_GROUP);  // rows present (>= 1)
-    const bool skip = before_wait && len - 1 >= t0 && len - 1 < t0 + nv;
-    unsigned long long* bar = &att_bar[warp][i % D];
-    char* row = ring + (i % D) * 2 * GB + (lane >= ATT_GROUP ? GB : 0) + (lane % ATT_GROUP) * ATT_ROW_BYTES(HD);
-    const int t = t0 + lane % ATT_GROUP;
-    fence_proxy_async();  // the slot's earlier reads before the copies
-    if (lane == 0) mbar_expect_tx(bar, (unsigned)(2 * (nv - skip) * HD * 2));
-    __syncwarp();
-    if (t < p1) {
-      if (!(before_wait && t == len - 1))
-        bulk_g2s(row, (lane < ATT_GROUP ? k_cache : v_cache) + (size_t)t * kv_dim + (size_t)j * HD, HD * 2, bar);
-    } else if (lane >= ATT_GROUP) {
-#pragma unroll
-      for (int c = 0; c < DG; ++c) *reinterpret_cast<uint4*>(row + c * 16) = make_uint4(0, 0, 0, 0);
-    }
-  };
-#pragma unroll
-  for (int i = 0; i < D; ++i) stage_bulk(i, true);
-#else
 #pragma unroll
   for (int i = 0; i < D; ++i) stage(i, true);
-#endif
   pdl_wait();
   pdl_launch_dependents();
 
@@ -426,8 +422,12 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   for (int c = 0; c < DG; ++c) o[c][0] = o[c][1] = o[c][2] = o[c][3] = 0.f;
 
   for (int i = 0; i < mine; ++i) {
+#if ATT_BULK_CODE || ATT_TMA_CODE
+    mbar_wait(&att_bar[warp][i % D], (unsigned)(i / D) & 1u);  // group i's copies have landed ...
+#else
+    cp_async_wait<D - 1>();  // this lane's copies of group i have landed ...
+#endif
 #if ATT_TMA_CODE
-    mbar_wait(&att_bar[warp][i % D], (unsigned)(i / D) & 1u);  // group i's boxes have landed ...
     {
       const int t0 = p0 + (warp + NW * i) * ATT_GROUP;
       char* vz = ring + (i % D) * 2 * GB + GB;
@@ -435,10 +435,6 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
         for (int e = lane; e < ATT_GROUP * DG; e += AF_WARP)
           if (t0 + e / DG >= p1) *reinterpret_cast<uint4*>(vz + att_swz<HD>(e / DG, e % DG)) = make_uint4(0, 0, 0, 0);
     }
-#elif ATT_BULK_CODE
-    mbar_wait(&att_bar[warp][i % D], (unsigned)(i / D) & 1u);  // group i's rows have landed ...
-#else
-    cp_async_wait<D - 1>();  // this lane's copies of group i have landed ...
 #endif
     __syncwarp();            // ... and every lane's (and the zero rows, and row len-1)
     const char* ks = ring + (i % D) * 2 * GB;
@@ -493,13 +489,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
       }
     }
     __syncwarp();          // every lane is done with slot i % D ...
-#if ATT_TMA_CODE
-    stage_tma(i + D);
-#elif ATT_BULK_CODE
-    stage_bulk(i + D, false);
-#else
     stage(i + D, false);   // ... which takes group i + D
-#endif
   }
   cp_async_wait<0>();
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);

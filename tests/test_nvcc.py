@@ -23,13 +23,18 @@ def compile_report(src, arch: str, tmp_path, defines=()) -> str:
     return out.stderr
 
 
+def frames_of(report: str) -> list[tuple[str, str, str]]:
+    """Per kernel of an `-Xptxas -v` report: (stack frame, spill stores, spill loads) bytes."""
+    return re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+
+
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90", "sm_120"])
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
 def test_compiles_without_spills(src, arch, tmp_path):
     report = compile_report(src, arch, tmp_path)
     entries = re.findall(r"Compiling entry function '(\w+)'", report)
     assert sorted(entries) == sorted(kernel_names(src)), "kernel list of the loader disagrees with nvcc"
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    frames = frames_of(report)
     assert len(frames) == len(entries)
     spilled = [(e, f) for e, f in zip(entries, frames) if any(int(v) for v in f)]
     assert not spilled, f"local memory use (stack/spills) in {spilled}"
@@ -42,7 +47,7 @@ def test_timeline_build_compiles_without_spills(src, tmp_path):
     from atomflow_bench.timeline import DEFINE
 
     report = compile_report(src, "sm_90", tmp_path, defines=(DEFINE,))
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    frames = frames_of(report)
     assert frames and not [f for f in frames if any(int(v) for v in f)]
 
 
@@ -52,7 +57,7 @@ def test_attention_copy_forms_compile_without_spills(knob, tmp_path):
     below sm_90 they refuse to compile."""
     src = KERNELS_DIR / "attention.cu"
     report = compile_report(src, "sm_90", tmp_path, defines=(knob,))
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    frames = frames_of(report)
     assert len(frames) == len(kernel_names(src)) and not [f for f in frames if any(int(v) for v in f)]
     out = subprocess.run([NVCC, "-arch=sm_89", "-std=c++17", f"-D{knob}", "-c", str(src), "-o", str(tmp_path / "x.o")],
                          capture_output=True, text=True, timeout=600)
