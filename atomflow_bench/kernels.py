@@ -85,13 +85,25 @@ def knob(name: str, default: int, defines: tuple | None = None) -> int:
     return default
 
 
+def arch_defines(cc: int, defines: tuple) -> tuple:
+    """Knob values that depend on the GPU, added to a KernelLib's defines where the run does not set them: on sm_90+
+    attention.cu stages K/V groups by 2D tensor copies (ATT_TMA=1; results/PERF_NOTES.md v23.5), except beside the
+    forms it excludes (ATT_BULK, ATT_CLUSTER > 1, ATT_THREADS != 128: attention.cu's #error). The source default
+    (ATT_TMA 0) stays the portable form for older GPUs and nvcc."""
+    if any(d.startswith("ATT_TMA=") for d in defines) or cc < 90:
+        return ()
+    if knob("ATT_BULK", 0, defines) or knob("ATT_CLUSTER", 1, defines) > 1 or knob("ATT_THREADS", 128, defines) != 128:
+        return ()
+    return ("ATT_TMA=1",)
+
+
 class KernelLib:
     """Compiled kernels by name, one cupy.RawModule per .cu file, compiled on first use."""
 
     OPTIONS = ("-std=c++17",)
 
     def __init__(self, kernels_dir: Path = KERNELS_DIR, extra_defines: tuple = ()):
-        import cupy  # noqa: F401  (fail here, clearly, when CuPy is missing)
+        import cupy  # fail here, clearly, when CuPy is missing
 
         self.dir = Path(kernels_dir)
         self._file_of: dict[str, Path] = {}
@@ -102,7 +114,9 @@ class KernelLib:
         self._kernels: dict[str, object] = {}
         # extra -D macros for A/B experiments (ATOMFLOW_KERNEL_DEFINES="NAME=VALUE ..."), recorded in run results
         # plus `extra_defines` from the caller (e.g. the timeline instrument, AF_TIMELINE=<slots>)
-        self.defines = tuple(os.environ.get("ATOMFLOW_KERNEL_DEFINES", "").split()) + tuple(extra_defines)
+        # plus the GPU's own defaults (arch_defines), so that the launch rules reading lib.defines see them
+        given = tuple(os.environ.get("ATOMFLOW_KERNEL_DEFINES", "").split()) + tuple(extra_defines)
+        self.defines = given + arch_defines(int(cupy.cuda.Device().compute_capability), given)
         self.options = (self.OPTIONS + tuple(f"-D{d}" for d in self.defines)
                         + tuple(f"-I{d}" for d in cuda_include_dirs()))
 

@@ -271,8 +271,8 @@ def att_ring_bytes(defines: tuple | None = None) -> int:
 
 
 def att_tma(defines: tuple | None = None) -> int:
-    """1 when attention.cu stages K/V by 2D tensor copies (A/B knob ATT_TMA; sm_90+): the launch then carries the
-    layer's tensor maps."""
+    """1 when attention.cu stages K/V by 2D tensor copies (knob ATT_TMA, which a KernelLib's defines carry on sm_90+:
+    kernels.arch_defines): the launch then carries the layer's tensor maps."""
     return knob("ATT_TMA", 0, defines)
 
 

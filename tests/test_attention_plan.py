@@ -115,3 +115,22 @@ def test_short_attention_capacity_and_the_knobs(monkeypatch):
     assert attention_short_cap(128, smem=(8 * 1024, 100 * 1024, 1024)) == 0  # not even one chunk
     monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "ATT_SHORT=0")
     assert attention_short_cap(128) == 0
+
+
+@pytest.mark.parametrize("cc, given, added", [
+    (90, (), ("ATT_TMA=1",)),                       # sm_90+: K/V by 2D tensor copies (v23.5)
+    (100, ("GEMV_WS=2",), ("ATT_TMA=1",)),          # other knobs leave it on
+    (89, (), ()),                                   # no tensor copies before sm_90: the cp.async form
+    (90, ("ATT_TMA=0",), ()),                       # the run's own value wins
+    (90, ("ATT_BULK=1",), ()),                      # forms attention.cu refuses beside TMA (#error)
+    (90, ("ATT_CLUSTER=8",), ()),
+    (90, ("ATT_THREADS=256",), ()),
+    (90, ("ATT_BULK=0", "ATT_CLUSTER=1"), ("ATT_TMA=1",)),
+])
+def test_arch_defines_turn_tensor_copies_on_where_they_exist(cc, given, added):
+    from atomflow_bench.kernels import arch_defines
+    from atomflow_bench.step import att_tma
+
+    assert arch_defines(cc, given) == added
+    assert att_tma(given + added) == (added == ("ATT_TMA=1",))
+
