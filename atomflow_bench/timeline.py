@@ -29,12 +29,13 @@ from .errors import AtomflowError
 SLOTS = 1024  # record slots per SM and module (-DAF_TIMELINE=SLOTS)
 TL_SMS = 256  # kernels_cu/common.cuh AF_TL_SMS: SM ids covered
 MARKS = 4     # kernels_cu/common.cuh AF_TL_MARKS: stage marks per record
+WORDS = 5 + MARKS  # a record: grid id, start, wait, end, the marks, the block's index (x | y << 21 | z << 42)
 DEFINE = f"AF_TIMELINE={SLOTS}"
 
 
 # ---- device side: the records of one replay ---------------------------------------------------------------
 def buffers(lib) -> list[tuple]:
-    """(records [TL_SMS * SLOTS, 4 + MARKS] uint64, next-slot counters [TL_SMS] uint32) of every loaded module."""
+    """(records [TL_SMS * SLOTS, WORDS] uint64, next-slot counters [TL_SMS] uint32) of every loaded module."""
     import cupy as cp
 
     out = []
@@ -43,7 +44,7 @@ def buffers(lib) -> list[tuple]:
             rec, nxt = mod.get_global("af_tl_rec"), mod.get_global("af_tl_next")
         except Exception as e:  # noqa: BLE001 — CuPy raises a driver error for a missing symbol
             raise AtomflowError(f"{path.name} was not compiled with the timeline instrument ({e})") from None
-        out.append((cp.ndarray((TL_SMS * SLOTS, 4 + MARKS), cp.uint64, rec), cp.ndarray((TL_SMS,), cp.uint32, nxt)))
+        out.append((cp.ndarray((TL_SMS * SLOTS, WORDS), cp.uint64, rec), cp.ndarray((TL_SMS,), cp.uint32, nxt)))
     return out
 
 
@@ -55,12 +56,12 @@ def clear(bufs) -> None:
 def read(bufs) -> tuple[np.ndarray, int]:
     """All records written since `clear` ([N, 4 + MARKS]: grid id, start, wait, end, marks) and how many did not
     fit."""
-    rec, _, dropped = read_with_sm(bufs)
+    rec, _, _, dropped = read_with_sm(bufs)
     return rec, dropped
 
 
-def read_with_sm(bufs) -> tuple[np.ndarray, np.ndarray, int]:
-    """`read`, plus the SM of every record ([N] int)."""
+def read_with_sm(bufs) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """`read`, plus the SM of every record ([N] int) and its block's index ([N, 3] int: x, y, z)."""
     rows, sms, dropped = [], [], 0
     for rec, nxt in bufs:
         n = nxt.get().astype(np.int64)
@@ -73,8 +74,11 @@ def read_with_sm(bufs) -> tuple[np.ndarray, np.ndarray, int]:
             rows.append(r[sm * SLOTS: sm * SLOTS + k])
             sms += [int(sm)] * k
     if not rows:
-        return np.zeros((0, 4 + MARKS), np.uint64), np.zeros(0, np.int64), dropped
-    return np.concatenate(rows), np.array(sms), dropped
+        return np.zeros((0, 4 + MARKS), np.uint64), np.zeros(0, np.int64), np.zeros((0, 3), np.int64), dropped
+    rec = np.concatenate(rows)
+    idx = rec[:, 4 + MARKS].astype(np.int64)
+    block = np.stack([idx & 0x1FFFFF, (idx >> 21) & 0x1FFFFF, idx >> 42], axis=1)
+    return rec[:, :4 + MARKS], np.array(sms), block, dropped
 
 
 # ---- analysis (CPU) ------------------------------------------------------------------------------------------
@@ -101,6 +105,22 @@ def launch_times(rec: np.ndarray, blocks: list[int]) -> np.ndarray:
         wait = wait[wait > 0] - t0  # 0: the block exited before waiting
         out[i, :4] = (start.min(), wait.min() if wait.size else np.nan, np.median(end), end.max())
     return out
+
+
+def check_blocks(rec: np.ndarray, block: np.ndarray, grids: list[tuple]) -> None:
+    """Every launch's records (grid ids in launch order) hold each block of its grid exactly once (`block`: the
+    records' [x, y, z] indices, read_with_sm)."""
+    ids, inv = np.unique(rec[:, 0], return_inverse=True)
+    if len(ids) != len(grids):
+        raise AtomflowError(f"timeline: {len(ids)} grids recorded, the step has {len(grids)} launches")
+    inv = inv.reshape(-1)
+    for i, grid in enumerate(grids):
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        x, y, z = block[inv == i].T
+        lin = np.sort(x + gx * (y + gy * z))
+        if len(lin) != gx * gy * gz or (lin != np.arange(gx * gy * gz)).any() or (x >= gx).any() or (y >= gy).any():
+            raise AtomflowError(f"timeline: launch {i} (grid {tuple(grid)}) recorded blocks are not its grid's, "
+                                f"each once ({len(lin)} records)")
 
 
 def relative(times: np.ndarray) -> np.ndarray:
@@ -177,11 +197,12 @@ def record(model_dir, weights: str, context: int, replays: int, copy: dict, plai
             clear(bufs)
         eng.run(1)
         eng.stream.synchronize()
-        rec, lost = read(bufs)
+        rec, _, block, lost = read_with_sm(bufs)
         if r == 0:
             continue
         if lost:
             raise AtomflowError(f"timeline: {lost} block records did not fit {SLOTS} slots per SM")
+        check_blocks(rec, block, [ln.grid for ln in eng.launches])
         rels.append(relative(launch_times(rec, blocks)))
         gran.append(granularity_ns(rec))
     length = length0 + 1 + (replays - 1) // 2  # the recorded replays run at length0 + 1 ... length0 + replays

@@ -19,12 +19,13 @@
 // nanoseconds: its launch's %gridid, the block's start, the return of its PDL wait (0 when it exits before
 // waiting), its end, and up to AF_TL_MARKS marks of the kernel's own stages (AF_TL_MARK(k) where thread 0 passes
 // stage k; 0 when it does not), into af_tl_rec[SM * AF_TIMELINE + slot]; af_tl_next[SM] hands out the SM's slots
-// (the atomic is issued at the start, its result used only at the end, so it delays nothing). Every module
+// (the atomic is issued at the start, its result used only at the end, so it delays nothing), then the block's
+// index (x | y << 21 | z << 42; scripts/timeline_blocks.py names the stragglers by it). Every module
 // (.cu) holds its own copy; the host clears and reads them all around one graph replay.
 #ifdef AF_TIMELINE
 #define AF_TL_SMS 256  // SM ids covered (H100: 132)
 #define AF_TL_MARKS 4
-__device__ unsigned long long af_tl_rec[AF_TL_SMS * AF_TIMELINE][4 + AF_TL_MARKS];
+__device__ unsigned long long af_tl_rec[AF_TL_SMS * AF_TIMELINE][5 + AF_TL_MARKS];
 __device__ unsigned int af_tl_next[AF_TL_SMS];
 __shared__ unsigned long long af_tl_t0, af_tl_wait, af_tl_marks[AF_TL_MARKS];
 __shared__ unsigned int af_tl_sm;
@@ -55,6 +56,7 @@ struct AfTimelineBlock {  // holds only the slot in a register (the kernels run 
       unsigned long long* r = af_tl_rec[af_tl_sm * AF_TIMELINE + slot];
       r[0] = g; r[1] = af_tl_t0; r[2] = af_tl_wait; r[3] = af_tl_now();
       for (int k = 0; k < AF_TL_MARKS; ++k) r[4 + k] = af_tl_marks[k];
+      r[4 + AF_TL_MARKS] = blockIdx.x | (unsigned long long)blockIdx.y << 21 | (unsigned long long)blockIdx.z << 42;
     }
   }
 };

@@ -44,7 +44,7 @@ def main() -> None:
             timeline.clear(bufs)
         eng.run(1)
         eng.stream.synchronize()
-    rec, sms, _ = timeline.read_with_sm(bufs)
+    rec, sms, _, _ = timeline.read_with_sm(bufs)
     ids = np.unique(rec[:, 0])  # grid ids ascend in launch order (timeline.launch_times relies on the same)
     roles = [step_role(ln) for ln in launches]
     launch_of = {int(g): i for i, g in enumerate(ids)}
@@ -113,7 +113,8 @@ def alone(eng, bufs, model, weights, layer) -> None:
             timeline.clear(bufs)
         g.replay(1)
         eng.stream.synchronize()
-    rec, sms, _ = timeline.read_with_sm(bufs)
+    rec, sms, blk, _ = timeline.read_with_sm(bufs)
+    timeline.check_blocks(rec, blk, [ln.grid for ln in launches])
     t = graph_replay_us(launches, eng.stream, 30)
     ids = np.unique(rec[:, 0])
     n_kv = launches[0].grid[0]
@@ -139,6 +140,26 @@ def alone(eng, bufs, model, weights, layer) -> None:
         last = np.argsort(mine[:, 3].astype(np.int64))[-n_kv:]  # the combining blocks end last
         print("    last blocks (ticket -> end): " + ", ".join(
             f"{(int(mine[b, 7]) - t0) / 1e3:.2f}->{(int(mine[b, 3]) - t0) / 1e3:.2f}" for b in last))
+        stragglers(rec, sms, blk, ids, li, t0)
+
+
+def stragglers(rec, sms, blk, ids, li, t0) -> None:
+    """Per kv head of launch li, the block whose ticket came last (the one that combines): its split, SM, times
+    (µs after the previous launch's end), its head's median ticket, and the other blocks on its SM meanwhile."""
+    sel = np.flatnonzero(rec[:, 0] == ids[li])
+    f = lambda v: f"{(int(v) - t0) / 1e3:6.2f}" if int(v) else "     -"
+    print("    per head, the last ticket's block: head split SM | start wait mark0 mark1 mark2 ticket end | head's "
+          "median ticket | other blocks on that SM while it ran (launch offset:head/split start-end)")
+    for head in np.unique(blk[sel, 0]):
+        mine = sel[blk[sel, 0] == head]
+        tk = rec[mine, 7].astype(np.int64)
+        b = mine[np.argmax(tk)]
+        s, e = int(rec[b, 1]), int(rec[b, 3])
+        near = np.flatnonzero((sms == sms[b]) & (rec[:, 1].astype(np.int64) < e) & (rec[:, 3].astype(np.int64) > s))
+        others = " ".join(f"{int(np.searchsorted(ids, rec[o, 0])) - li:+d}:{blk[o, 0]}/{blk[o, 1]} {f(rec[o, 1]).strip()}-"
+                          f"{f(rec[o, 3]).strip()}" for o in near if o != b)
+        print(f"      {head:2d} {blk[b, 1]:3d} {sms[b]:3d} | " + " ".join(f(rec[b, c]) for c in (1, 2, 4, 5, 6, 7, 3))
+              + f" | {(np.median(tk[tk > 0]) - t0) / 1e3:6.2f} | {others}")
 
 
 if __name__ == "__main__":

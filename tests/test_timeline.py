@@ -7,6 +7,7 @@ import pytest
 from atomflow_bench.errors import AtomflowError
 from atomflow_bench.timeline import (
     MARKS,
+    check_blocks,
     granularity_ns,
     launch_times,
     relative,
@@ -49,6 +50,26 @@ def test_launch_times_refuses_a_wrong_mapping():
         launch_times(records(step, rng), [2, 1])
     with pytest.raises(AtomflowError, match="3 launches"):
         launch_times(records(step, rng), [1, 2, 1])
+
+
+def test_check_blocks_wants_each_block_of_each_grid_once():
+    rng = np.random.default_rng()
+    grids = [(3,), (2, 4)]  # launch order = grid id order
+    blocks = [(0, x, 0, 0) for x in range(3)] + [(1, x, y, 0) for x in range(2) for y in range(4)]
+    order = rng.permutation(len(blocks))
+    rec = np.array([(g + 7, 1, 2, 3) + (0,) * MARKS for g, *_ in blocks], np.uint64)[order]
+    idx = np.array([b[1:] for b in blocks], np.int64)[order]
+    check_blocks(rec, idx, grids)
+    twice = idx.copy()
+    twice[np.flatnonzero(rec[:, 0] == 8)[:2]] = (1, 3, 0)  # two records of block (1, 3) of the second launch
+    with pytest.raises(AtomflowError, match=r"launch 1 \(grid \(2, 4\)\)"):
+        check_blocks(rec, twice, grids)
+    outside = idx.copy()
+    outside[np.flatnonzero(rec[:, 0] == 7)[0]] = (3, 0, 0)  # x past the first grid
+    with pytest.raises(AtomflowError, match="launch 0"):
+        check_blocks(rec, outside, grids)
+    with pytest.raises(AtomflowError, match="3 launches"):
+        check_blocks(rec, idx, grids + [(1,)])
 
 
 def test_summarize_roles_and_granularity():
