@@ -34,8 +34,6 @@
 //            source default 0 is the cp.async form of older GPUs): a group's K and V by 2D tensor copies (boxes [16][64] fp16 with the
 //            128-byte swizzle; the layer slabs' tensor maps built by step.py attention_launch, passed as kv_map);
 //            both complete on one mbarrier per ring slot (sm_90+).
-//            A/B knob ATT_LATE_TRIGGER = 1 (v23.7): the next launch is triggered after a block's ticket instead of
-//            after its PDL wait (blocks leaving earlier trigger by exiting).
 //            Rows past the split in a warp's last group: V zero-filled (P is 0 there, but 0 * NaN is NaN), K's
 //            scores masked to -inf. K/V rows sit in shared memory with their 16-byte pieces XOR-swizzled by
 //            the row (piece c of row t at c ^ (t & 7)): ldmatrix reads 8 rows of one piece without bank conflicts.
@@ -90,9 +88,6 @@
 #endif
 #ifndef ATT_COMBINE_SLICES
 #define ATT_COMBINE_SLICES 1  // the head's last blocks to arrive that share its combine, a slice each (A/B knob)
-#endif
-#ifndef ATT_LATE_TRIGGER
-#define ATT_LATE_TRIGGER 0  // A/B knob (v23.7): trigger the next launch after the ticket, not after the PDL wait
 #endif
 #ifndef ATT_CLUSTER
 #define ATT_CLUSTER 1   // splits of a kv head per thread block cluster (arena.py / step.py read it too; A/B knob)
@@ -395,9 +390,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
 #pragma unroll
   for (int i = 0; i < D; ++i) stage(i, true);
   pdl_wait();
-#if !ATT_LATE_TRIGGER
   pdl_launch_dependents();
-#endif
 
   // row len-1 (appended by the QKV kernel) into its slot, when its group was staged above (with ATT_TMA once
   // that group's boxes have landed: the patch must come after the copy's stale row)
@@ -587,9 +580,6 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(counters + j, 1u) == (unsigned int)n_splits - 1;
   __syncthreads();
   AF_TL_MARK(3);  // timeline: ticket back
-#if ATT_LATE_TRIGGER
-  pdl_launch_dependents();  // the next launch's blocks (and their copies) only once every ticket is back
-#endif
   if (!last) return;  // the last block acquired every other block's partials through its ticket
   attention_combine<HD, G>(part_ml, part_o, out, j, n_splits, max_splits, reinterpret_cast<float*>(smem));
   if (threadIdx.x == 0) counters[j] = 0u;

@@ -390,15 +390,13 @@ def test_attention_short_refuses_what_does_not_fit(kernel_lib):
 
 
 @pytest.fixture(scope="module", params=["ATT_CLUSTER=8", "ATT_CLUSTER=16", "ATT_COMBINE_SLICES=8",
-                                        "ATT_COMBINE_SLICES=3", "ATT_BULK=1", "ATT_TMA=1", "ATT_TMA=0",
-                                        "ATT_LATE_TRIGGER=1"])
+                                        "ATT_COMBINE_SLICES=3", "ATT_BULK=1", "ATT_TMA=1", "ATT_TMA=0"])
 def kernel_lib_att(request):
     """attention.cu's A/B forms: ATT_CLUSTER = 8 (portable) and 16 (non-portable) splits of a kv head per thread
     block cluster; ATT_COMBINE_SLICES = 8 and 3 (uneven slices) of the head's last blocks sharing the combine
     (with the GPU's default staging); ATT_BULK = 1: K/V rows staged by bulk copies on per-slot mbarriers (sm_90+);
     ATT_TMA = 1: K/V groups staged by 2D tensor copies (sm_90+; the default there, kernels.arch_defines);
-    ATT_TMA = 0: by cp.async (the default before sm_90); ATT_LATE_TRIGGER = 1: the next launch triggered after the
-    ticket (a timing knob: the results must not move)."""
+    ATT_TMA = 0: by cp.async (the default before sm_90)."""
     from atomflow_bench.kernels import KernelLib
 
     return KernelLib(extra_defines=(request.param,))
