@@ -31,8 +31,9 @@
 //            slice of the outputs each (the final arrival at once, the others after polling the ticket).
 //            A/B knob ATT_BULK = 1 (v23.2): K/V rows by one bulk copy each (rows padded by 16 bytes, no swizzle);
 //            ATT_TMA = 1 (v23.3; the default on sm_90+ since v23.5, set by the host: kernels.arch_defines; the
-//            source default 0 is the cp.async form of older GPUs): a group's K and V by 2D tensor copies (boxes [16][64] fp16 with the
-//            128-byte swizzle; the layer slabs' tensor maps built by step.py attention_launch, passed as kv_map);
+//            source default 0 is the cp.async form of older GPUs): a group's K and V by 2D tensor copies (boxes
+//            [16][64] fp16 with the 128-byte swizzle; the layer slabs' tensor maps built by step.py
+//            attention_launch, passed as kv_map);
 //            both complete on one mbarrier per ring slot (sm_90+).
 //            Rows past the split in a warp's last group: V zero-filled (P is 0 there, but 0 * NaN is NaN), K's
 //            scores masked to -inf. K/V rows sit in shared memory with their 16-byte pieces XOR-swizzled by
@@ -65,7 +66,7 @@
 #error "ATT_BULK needs sm_90+ (cp.async.bulk)"
 #endif
 #ifndef ATT_TMA
-#define ATT_TMA 0       // K/V groups staged by 2D tensor copies (TMA boxes [16][64], 128-byte swizzle), sm_90+ (host: 1 there)
+#define ATT_TMA 0  // K/V groups by 2D tensor copies (TMA boxes [16][64], 128-byte swizzle), sm_90+ (host: 1 there)
 #endif
 #if ATT_TMA && (ATT_BULK || ATT_CLUSTER > 1 || ATT_THREADS != 128)
 #error "ATT_TMA: with the default staging, no clusters, 128 threads"

@@ -133,4 +133,3 @@ def test_arch_defines_turn_tensor_copies_on_where_they_exist(cc, given, added):
 
     assert arch_defines(cc, given) == added
     assert att_tma(given + added) == (added == ("ATT_TMA=1",))
-
