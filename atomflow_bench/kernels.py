@@ -11,6 +11,7 @@ eagerly or captured into a CUDA Graph (no duplicated launch boilerplate anywhere
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import sys
@@ -85,6 +86,14 @@ def knob(name: str, default: int, defines: tuple | None = None) -> int:
     return default
 
 
+@functools.lru_cache(maxsize=None)
+def compute_capability() -> int:
+    """The current device's compute capability as an integer (90 for sm_90)."""
+    import cupy as cp
+
+    return int(cp.cuda.Device().compute_capability)
+
+
 def arch_defines(cc: int, defines: tuple) -> tuple:
     """Knob values that depend on the GPU, added to a KernelLib's defines where the run does not set them: on sm_90+
     attention.cu stages K/V groups by 2D tensor copies (ATT_TMA=1; results/PERF_NOTES.md v23.5), except beside the
@@ -103,7 +112,7 @@ class KernelLib:
     OPTIONS = ("-std=c++17",)
 
     def __init__(self, kernels_dir: Path = KERNELS_DIR, extra_defines: tuple = ()):
-        import cupy  # fail here, clearly, when CuPy is missing
+        import cupy  # noqa: F401  (fail here, clearly, when CuPy is missing)
 
         self.dir = Path(kernels_dir)
         self._file_of: dict[str, Path] = {}
@@ -116,7 +125,7 @@ class KernelLib:
         # plus `extra_defines` from the caller (e.g. the timeline instrument, AF_TIMELINE=<slots>)
         # plus the GPU's own defaults (arch_defines), so that the launch rules reading lib.defines see them
         given = tuple(os.environ.get("ATOMFLOW_KERNEL_DEFINES", "").split()) + tuple(extra_defines)
-        self.defines = given + arch_defines(int(cupy.cuda.Device().compute_capability), given)
+        self.defines = given + arch_defines(compute_capability(), given)
         self.options = (self.OPTIONS + tuple(f"-D{d}" for d in self.defines)
                         + tuple(f"-I{d}" for d in cuda_include_dirs()))
 

@@ -33,7 +33,7 @@ import numpy as np
 from .arena import ARGMAX_THREADS, ATT_CHUNK, att_cluster, ROWS_BLOCKS_PER_SM, ROWS_WARPS, Arena, linear_regions
 from .config import ModelConfig
 from .errors import AtomflowError, VerifyError
-from .kernels import GEMV_RING_DEPTHS, KernelLib, Launch, allow_dynamic_smem, knob, tensor_maps
+from .kernels import GEMV_RING_DEPTHS, KernelLib, Launch, allow_dynamic_smem, compute_capability, knob, tensor_maps
 from .weights import check_tiled
 
 GEMV_THREADS = 256
@@ -126,14 +126,6 @@ def gemv_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), smem
         if blocks_fit(base + depth * slot, smem) >= b:
             return depth, b, base + depth * slot
     raise AtomflowError(f"GEMV with K={k}: no ring of {depths} fits the {smem[0]} bytes of shared memory per block")
-
-
-@functools.lru_cache(maxsize=None)
-def compute_capability() -> int:
-    """The current device's compute capability as an integer (90 for sm_90)."""
-    import cupy as cp
-
-    return int(cp.cuda.Device().compute_capability)
 
 
 def gemv_ws(fmt: str, defines: tuple = (), cc: int | None = None) -> bool:

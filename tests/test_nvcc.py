@@ -28,6 +28,11 @@ def frames_of(report: str) -> list[tuple[str, str, str]]:
     return re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
 
 
+def local_memory(frames) -> list:
+    """The frames of `frames_of` with any stack or spill bytes."""
+    return [f for f in frames if any(int(v) for v in f)]
+
+
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90", "sm_120"])
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
 def test_compiles_without_spills(src, arch, tmp_path):
@@ -36,8 +41,7 @@ def test_compiles_without_spills(src, arch, tmp_path):
     assert sorted(entries) == sorted(kernel_names(src)), "kernel list of the loader disagrees with nvcc"
     frames = frames_of(report)
     assert len(frames) == len(entries)
-    spilled = [(e, f) for e, f in zip(entries, frames) if any(int(v) for v in f)]
-    assert not spilled, f"local memory use (stack/spills) in {spilled}"
+    assert not local_memory(frames), f"local memory use (stack/spills) in {list(zip(entries, frames))}"
 
 
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
@@ -48,7 +52,7 @@ def test_timeline_build_compiles_without_spills(src, tmp_path):
 
     report = compile_report(src, "sm_90", tmp_path, defines=(DEFINE,))
     frames = frames_of(report)
-    assert frames and not [f for f in frames if any(int(v) for v in f)]
+    assert frames and not local_memory(frames)
 
 
 @pytest.mark.parametrize("knob", ["ATT_TMA=1", "ATT_BULK=1"])
@@ -58,7 +62,7 @@ def test_attention_copy_forms_compile_without_spills(knob, tmp_path):
     src = KERNELS_DIR / "attention.cu"
     report = compile_report(src, "sm_90", tmp_path, defines=(knob,))
     frames = frames_of(report)
-    assert len(frames) == len(kernel_names(src)) and not [f for f in frames if any(int(v) for v in f)]
+    assert len(frames) == len(kernel_names(src)) and not local_memory(frames)
     out = subprocess.run([NVCC, "-arch=sm_89", "-std=c++17", f"-D{knob}", "-c", str(src), "-o", str(tmp_path / "x.o")],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode != 0 and "needs sm_90+" in out.stderr
