@@ -82,14 +82,6 @@ def att_cluster(defines: tuple | None = None) -> int:
     return c
 
 
-ATT_PART_F16 = 0  # = ATT_PART_F16 in attention.cu: the split partials' o in fp16 (A/B knob, PERF_NOTES v24)
-
-
-def att_part_dtype(defines: tuple | None = None) -> type:
-    """The dtype of attention.cu's partial o (arena `att_o`): fp16 with the knob ATT_PART_F16=1, else fp32."""
-    return np.float16 if knob("ATT_PART_F16", ATT_PART_F16, defines) else np.float32
-
-
 def attention_splits(max_seq: int, n_kv: int, n_sm: int, blocks_per_sm: int | None = None,
                      defines: tuple | None = None) -> int:
     """Split capacity per kv head (= the attention launch's grid.y): one split per ATT_CHUNK positions, capped so
@@ -149,7 +141,7 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> Are
     # scratch: attention split partials, reduction tickets, step state
     splits = attention_splits(max_seq, cfg.num_key_value_heads, n_sm)
     p.add("scratch", "att_ml", (cfg.num_attention_heads, splits, 2), np.float32)
-    p.add("scratch", "att_o", (cfg.num_attention_heads, splits, cfg.head_dim), att_part_dtype())
+    p.add("scratch", "att_o", (cfg.num_attention_heads, splits, cfg.head_dim), np.float32)
     p.add("scratch", "att_counters", (L, cfg.num_key_value_heads * att_cluster()), np.uint32)  # a ticket per slice
     # argmax partials: one per block of argmax_advance or of the lm_head GEMV that does the argmax itself
     am_blocks = max(min(-(-V // ARGMAX_THREADS), n_sm), min(-(-V // ROWS_WARPS), ROWS_BLOCKS_PER_SM * n_sm))

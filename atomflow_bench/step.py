@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from .arena import ARGMAX_THREADS, ATT_CHUNK, att_cluster, att_part_dtype, ROWS_BLOCKS_PER_SM, ROWS_WARPS, Arena, linear_regions
+from .arena import ARGMAX_THREADS, ATT_CHUNK, att_cluster, ROWS_BLOCKS_PER_SM, ROWS_WARPS, Arena, linear_regions
 from .config import ModelConfig
 from .errors import AtomflowError, VerifyError
 from .kernels import GEMV_RING_DEPTHS, KernelLib, Launch, allow_dynamic_smem, compute_capability, knob, tensor_maps
@@ -271,12 +271,12 @@ def att_tma(defines: tuple | None = None) -> int:
 def attention_smem(group: int, hd: int, splits: int, defines: tuple | None = None) -> int:
     """Bytes of dynamic shared memory of attention.cu: the warps' K/V rings (ATT_RING_BYTES each, knob). The kernel
     reuses them at its end for the warps' O ([warps][G][hd] fp32; with clusters then the block's o) and for the split combine (fp32 m and l
-    [2][G][splits] rounded to 4, the fp32 sums [G*hd], then the partial o of as many splits as fit, at least one,
-    fp32 or with ATT_PART_F16 fp16); a plan where those do not fit is refused."""
+    [2][G][splits] rounded to 4, the float4 sums [G*hd/4], then the partial o of as many splits as fit, at least
+    one); a plan where those do not fit is refused."""
     warps = att_threads(defines) // 32
     rings = warps * att_ring_bytes(defines) + 1024 * att_tma(defines)  # TMA: the swizzle's 1 KB alignment
     merge = 4 * (warps + (att_cluster(defines) > 1)) * group * hd  # with clusters also the block's o [G][hd]
-    combine = 4 * (-(-2 * group * splits // 4) * 4 + group * hd) + np.dtype(att_part_dtype(defines)).itemsize * group * hd
+    combine = 4 * (-(-2 * group * splits // 4) * 4 + 2 * group * hd)
     if max(merge, combine) > rings:
         raise AtomflowError(f"attention: {splits} splits of {group} heads x {hd} do not fit the kernel's "
                             f"{rings} bytes of shared memory")
@@ -291,9 +291,6 @@ def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, 
     splits = part_ml.shape[1]
     if part_o.shape[1] != splits or splits < 1:
         raise AtomflowError("attention partials: att_ml and att_o disagree on the split count")
-    if part_o.dtype != att_part_dtype(lib.defines):
-        raise AtomflowError(f"attention partials: att_o is {part_o.dtype}, the kernel writes "
-                            f"{np.dtype(att_part_dtype(lib.defines))} (knob ATT_PART_F16)")
     cluster = att_cluster(lib.defines)
     if splits % cluster:
         raise AtomflowError(f"{splits} attention splits are not whole clusters of {cluster} (arena.attention_splits)")

@@ -42,13 +42,11 @@
 //            with two 4-position passes in registers (66 splits at ctx 8192, a ~100 KB one-block combine).
 // Layouts    q fp16 [n_heads*hd] (post-RoPE, start of the qkv buffer); k_cache/v_cache: this layer's slab
 //            fp16 [max_seq][n_kv*hd]; part_ml fp32 [n_heads][max_splits][2] (max in log2 units, sum); part_o
-//            fp32 [n_heads][max_splits][hd] (ATT_PART_F16: fp16, o / l); counters uint32 [n_kv * ATT_CLUSTER];
-//            out fp16 [n_heads*hd].
+//            fp32 [n_heads][max_splits][hd]; counters uint32 [n_kv * ATT_CLUSTER]; out fp16 [n_heads*hd].
 //            Dynamic shared memory (step.py attention_smem): 4 warp rings of ATT_RING_BYTES ([slot][K group |
 //            V group], each [16][hd] fp16), reused at the end for the warps' O [4][G][hd] fp32 and the combine
-//            (m, l [2][G][max_splits], sums [G*hd] fp32, then as many splits' partial o [G*hd] as fit).
-// Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + partials n_heads * splits * (hd * P + 8) * 2
-//            (written, then read by the combine; P = 4 bytes, 2 with ATT_PART_F16).
+//            (m, l [2][G][max_splits], sums [G*hd/4] float4, then as many splits' partial o [G*hd] as fit).
+// Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + partials n_heads * splits * (hd + 2) * 4 * 2.
 // Launch     attention_decode_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv, max_splits), block = 128, clusters of (1, C, 1)
 //            when ATT_CLUSTER = C > 1 (step.py
 //            attention_launch; arena.attention_splits caps max_splits at ~2 blocks per SM).
@@ -95,17 +93,6 @@
 #ifndef ATT_CLUSTER
 #define ATT_CLUSTER 1   // splits of a kv head per thread block cluster (arena.py / step.py read it too; A/B knob)
 #endif
-#ifndef ATT_PART_F16
-#define ATT_PART_F16 0  // A/B knob (v24): partial o stored as fp16, normalised by its own sum (arena.py att_part_dtype)
-#endif
-#if ATT_PART_F16 && ATT_CLUSTER > 1
-#error "ATT_PART_F16: the split combine's partials, not the cluster form's"
-#endif
-#if ATT_PART_F16
-typedef __half att_part_t;  // partial o of a split: o / l (a convex combination of V rows: fp16 cannot overflow)
-#else
-typedef float att_part_t;   // partial o of a split: o relative to the split's max, unnormalised
-#endif
 
 __device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: 2^-inf = +0)
   float y;
@@ -144,27 +131,26 @@ __device__ __forceinline__ int att_swz(int t, int c) {
 }
 
 // The last block of kv head j: out = sum_s coef[g][s] * part_o[g][s] with coef = exp2(m_s - M) / sum_s l_s
-// exp2(m_s - M) (ATT_PART_F16: part_o = o_s / l_s, so coef = exp2(m_s - M) l_s / sum). Every partial o of the head is
-// copied into shared memory by cp.async in one round of 16-byte L2 copies (PV values each: 4 fp32 or 8 fp16; in
-// batches of the splits that fit, when G x splits x hd partials exceed the rings), together with the (m, l) round;
-// the sums are then taken from shared memory in fp32. `smem`: the block's rings (dead by now).
-// Slice k of ns (ATT_COMBINE_SLICES): only 16-byte pieces [k * G*HD/PV / ns, (k+1) * G*HD/PV / ns) of the output.
+// exp2(m_s - M). Every partial o of the head is copied into shared memory by cp.async in one round of 16-byte L2
+// copies (in batches of the splits that fit, when G x splits x hd floats exceed the rings), together with the
+// (m, l) round; the sums are then taken from shared memory. `smem`: the block's rings (dead by now).
+// Slice k of ns (ATT_COMBINE_SLICES): only float4 columns [k * G*HD/4 / ns, (k+1) * G*HD/4 / ns) of the output.
 template <int HD, int G>
-__device__ __forceinline__ void attention_combine(const float* part_ml, const att_part_t* part_o, __half* out, int j,
+__device__ __forceinline__ void attention_combine(const float* part_ml, const float* part_o, __half* out, int j,
                                                   int n_splits, int max_splits, float* smem, int k = 0, int ns = 1) {
-  constexpr int T = ATT_THREADS, PV = 16 / (int)sizeof(att_part_t), ALL = G * HD / PV;  // pieces of the output
-  const int c_lo = ATT_COMBINE_SLICES == 1 ? 0 : k * ALL / ns;  // this slice's pieces
+  constexpr int T = ATT_THREADS, ALL = G * HD / 4;  // float4 columns of the head group's output
+  const int c_lo = ATT_COMBINE_SLICES == 1 ? 0 : k * ALL / ns;  // this slice's columns
   const int COLS = ATT_COMBINE_SLICES == 1 ? ALL : (k + 1) * ALL / ns - c_lo;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP;
   float* coef = smem;                                  // [G][max_splits]: m_s, then the weights
   float* l_s = coef + G * max_splits;                  // [G][max_splits]: l_s
-  float* sums = coef + ((2 * G * max_splits + 3) & ~3);  // [COLS][PV] running sums of a batched combine
-  uint4* po = reinterpret_cast<uint4*>(sums + COLS * PV);  // [batch][COLS] partial o of one batch of splits
-  const int batch = (int)((ATT_WARPS * ATT_RING_BYTES / 16 - (po - reinterpret_cast<uint4*>(smem))) / COLS);
+  float4* sums = reinterpret_cast<float4*>(coef + ((2 * G * max_splits + 3) & ~3));  // [COLS] (<= ALL)
+  float4* po = sums + COLS;                            // [batch][COLS] partial o of one batch of splits
+  const int batch = (int)((ATT_WARPS * ATT_RING_BYTES / 16 - (po - reinterpret_cast<float4*>(smem))) / COLS);
   auto stage = [&](int s0, int s1) {  // partial o of splits [s0, s1) -> po, one cp.async group
     for (int e = threadIdx.x; e < (s1 - s0) * COLS; e += T) {
-      const int sp = e / COLS, c = c_lo + e % COLS, g = c * PV / HD;
-      cp_async16(po + e, part_o + ((size_t)(j * G + g) * max_splits + s0 + sp) * HD + c * PV % HD);
+      const int sp = e / COLS, c = c_lo + e % COLS, g = c * 4 / HD;
+      cp_async16(po + e, part_o + ((size_t)(j * G + g) * max_splits + s0 + sp) * HD + c * 4 % HD);
     }
     cp_async_commit();
   };
@@ -182,9 +168,9 @@ __device__ __forceinline__ void attention_combine(const float* part_ml, const at
     M = warp_max(M);
     float L = 0.f;
     for (int sp = lane; sp < n_splits; sp += AF_WARP) {
-      const float w = ex2(coef[g * max_splits + sp] - M), wl = w * l_s[g * max_splits + sp];
-      coef[g * max_splits + sp] = ATT_PART_F16 ? wl : w;
-      L += wl;
+      const float w = ex2(coef[g * max_splits + sp] - M);
+      coef[g * max_splits + sp] = w;
+      L += w * l_s[g * max_splits + sp];
     }
     L = warp_sum(L);
     __syncwarp();
@@ -195,33 +181,19 @@ __device__ __forceinline__ void attention_combine(const float* part_ml, const at
     cp_async_wait<0>();
     __syncthreads();  // the batch's copies (and, the first time, the weights) are visible to every thread
     for (int c = threadIdx.x; c < COLS; c += T) {
-      const float* cf = coef + (c_lo + c) * PV / HD * max_splits;
-      float a[PV];
-#pragma unroll
-      for (int e = 0; e < PV; ++e) a[e] = s0 == 0 ? 0.f : sums[c * PV + e];
+      const float* cf = coef + (c_lo + c) * 4 / HD * max_splits;
+      float4 a = s0 == 0 ? make_float4(0.f, 0.f, 0.f, 0.f) : sums[c];
 #pragma unroll 4
       for (int sp = s0; sp < s1; ++sp) {
         const float w = cf[sp];
-        const uint4 v = po[(sp - s0) * COLS + c];
-        const unsigned u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (ATT_PART_F16) {
-            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&u[e]));
-            a[2 * e] = fmaf(w, f.x, a[2 * e]);
-            a[2 * e + 1] = fmaf(w, f.y, a[2 * e + 1]);
-          } else {
-            a[e] = fmaf(w, __uint_as_float(u[e]), a[e]);
-          }
-        }
+        const float4 v = po[(sp - s0) * COLS + c];
+        a.x = fmaf(w, v.x, a.x); a.y = fmaf(w, v.y, a.y); a.z = fmaf(w, v.z, a.z); a.w = fmaf(w, v.w, a.w);
       }
-      if (s1 < n_splits) {
-#pragma unroll
-        for (int e = 0; e < PV; ++e) sums[c * PV + e] = a[e];
-      } else {
-        __half2* dst = reinterpret_cast<__half2*>(out + (size_t)j * G * HD + (c_lo + c) * PV);
-#pragma unroll
-        for (int e = 0; e < PV / 2; ++e) dst[e] = __floats2half2_rn(a[2 * e], a[2 * e + 1]);
+      if (s1 < n_splits) sums[c] = a;
+      else {
+        __half2* dst = reinterpret_cast<__half2*>(out + (size_t)j * G * HD + (c_lo + c) * 4);
+        dst[0] = __floats2half2_rn(a.x, a.y);
+        dst[1] = __floats2half2_rn(a.z, a.w);
       }
     }
     if (s1 < n_splits) {
@@ -314,7 +286,7 @@ __device__ __forceinline__ void attention_cluster_finish(const float* bo, const 
 // One work item: kv head j, split `split` of the len cached positions, all G q heads (see the header).
 template <int HD, int G>
 __device__ __forceinline__ void attention_item(const __half* q, const __half* k_cache, const __half* v_cache, int len,
-                                               int j, int split, float* part_ml, att_part_t* part_o,
+                                               int j, int split, float* part_ml, float* part_o,
                                                unsigned int* counters, __half* out, int n_kv, int max_splits,
                                                float scale, char* smem ATT_TMA_PARAM) {
   constexpr int NW = ATT_WARPS;
@@ -580,7 +552,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     continue;
 #endif
     if (n_splits == 1) out[(size_t)j * GH + i] = __float2half(acc / s_l[g]);  // one split: finish here
-    else part_o[((size_t)(j * G + g) * max_splits + split) * HD + i % HD] = att_part_t(ATT_PART_F16 ? acc / s_l[g] : acc);
+    else part_o[((size_t)(j * G + g) * max_splits + split) * HD + i % HD] = acc;
   }
 #if ATT_CLUSTER > 1
   attention_cluster_finish<HD, G>(bo, c_bm, c_bl, part_ml, part_o, counters, out, j, n_splits, max_splits);
@@ -622,7 +594,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   extern "C" __global__ void __launch_bounds__(ATT_THREADS, 256 / ATT_THREADS)                          \
       attention_decode_hd##HD##_g##G(                                                                     \
       const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache, \
-      const int* __restrict__ pos_ptr, float* part_ml, att_part_t* part_o, unsigned int* counters,        \
+      const int* __restrict__ pos_ptr, float* part_ml, float* part_o, unsigned int* counters,             \
       __half* __restrict__ out, int n_kv, int max_splits, float scale ATT_TMA_PARAM) {                    \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) char att_smem[];                                                      \

@@ -86,40 +86,6 @@ def test_a_combine_that_does_not_fit_is_refused():
     assert attention_smem(8, 128, 300, defines=("ATT_RING_BYTES=8192",)) == 4 * 8192
 
 
-def test_fp16_partials_knob_sizes_the_arena_the_combine_and_the_launch_check(monkeypatch):
-    """ATT_PART_F16=1 (attention.cu): the partial o in fp16. The arena's att_o follows the knob, the combine's shared
-    memory plan counts 2-byte partials (so a split count refused with fp32 partials fits), and a launch whose att_o
-    does not have the kernel's dtype is refused before anything is launched."""
-    import numpy as np
-
-    from atomflow_bench.arena import att_part_dtype
-    from atomflow_bench.errors import AtomflowError
-    from atomflow_bench.step import attention_launch
-
-    assert att_part_dtype(()) is np.float32 and att_part_dtype(("ATT_PART_F16=1",)) is np.float16
-    cfg = get_preset("llama-3.2-3b").config
-    assert plan_arena(cfg, "fp8", 8192 + 64, 132).regions["att_o"].dtype == np.float32
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "ATT_PART_F16=1")
-    assert plan_arena(cfg, "fp8", 8192 + 64, 132).regions["att_o"].dtype == np.float16
-    monkeypatch.delenv("ATOMFLOW_KERNEL_DEFINES")
-    small = ("ATT_RING_BYTES=8192",)  # 32 KB of rings: (m, l) of 400 splits + sums + one fp32 split do not fit
-    with pytest.raises(AtomflowError, match="do not fit"):
-        attention_smem(8, 128, 400, defines=small)
-    assert attention_smem(8, 128, 400, defines=small + ("ATT_PART_F16=1",)) == 4 * 8192
-    with pytest.raises(AtomflowError, match="do not fit"):
-        attention_smem(8, 128, 420, defines=small + ("ATT_PART_F16=1",))
-
-    class Lib:
-        defines = ("ATT_PART_F16=1",)
-
-        def __getitem__(self, name):
-            raise AssertionError("the launch was built")
-
-    ml, o32 = np.zeros((24, 33, 2), np.float32), np.zeros((24, 33, 128), np.float32)
-    with pytest.raises(AtomflowError, match="att_o is float32, the kernel writes float16"):
-        attention_launch(Lib(), None, None, None, None, ml, o32, np.zeros(8, np.uint32), None, 8, 3, 128)
-
-
 # ---- the short-context kernel (attention_short.cu) and the engine's buckets --------------------------------
 
 @pytest.mark.parametrize("hd", [64, 128])

@@ -390,18 +390,16 @@ def test_attention_short_refuses_what_does_not_fit(kernel_lib):
 
 
 @pytest.fixture(scope="module", params=["ATT_CLUSTER=8", "ATT_CLUSTER=16", "ATT_COMBINE_SLICES=8",
-                                        "ATT_COMBINE_SLICES=3", "ATT_BULK=1", "ATT_TMA=1", "ATT_TMA=0",
-                                        "ATT_PART_F16=1", "ATT_PART_F16=1 ATT_TMA=0", "ATT_PART_F16=1 ATT_COMBINE_SLICES=3"])
+                                        "ATT_COMBINE_SLICES=3", "ATT_BULK=1", "ATT_TMA=1", "ATT_TMA=0"])
 def kernel_lib_att(request):
     """attention.cu's A/B forms: ATT_CLUSTER = 8 (portable) and 16 (non-portable) splits of a kv head per thread
     block cluster; ATT_COMBINE_SLICES = 8 and 3 (uneven slices) of the head's last blocks sharing the combine
     (with the GPU's default staging); ATT_BULK = 1: K/V rows staged by bulk copies on per-slot mbarriers (sm_90+);
     ATT_TMA = 1: K/V groups staged by 2D tensor copies (sm_90+; the default there, kernels.arch_defines);
-    ATT_TMA = 0: by cp.async (the default before sm_90). ATT_PART_F16 = 1: the partials' o in fp16 (o / l), with each
-    staging and with the sliced combine."""
+    ATT_TMA = 0: by cp.async (the default before sm_90)."""
     from atomflow_bench.kernels import KernelLib
 
-    return KernelLib(extra_defines=tuple(request.param.split()))
+    return KernelLib(extra_defines=(request.param,))
 
 
 @pytest.mark.parametrize("model", list(ATT_SHAPES))
@@ -436,7 +434,7 @@ def test_attention_variants(kernel_lib_att, model, length, cap, n_sm):
 def check_attention(lib, n_sm, model, length, cap):
     import cupy as cp
 
-    from atomflow_bench.arena import att_cluster, att_part_dtype, attention_splits
+    from atomflow_bench.arena import att_cluster, attention_splits
 
     n_kv, G, hd = ATT_SHAPES[model]
     nh, max_seq, c = n_kv * G, 4160, att_cluster(lib.defines)
@@ -448,8 +446,7 @@ def check_attention(lib, n_sm, model, length, cap):
     launch = attention_launch(lib, cp.asarray(q), cp.asarray(kc), cp.asarray(vc),
                               cp.asarray([length - 1], dtype=cp.int32),
                               cp.full((nh, splits, 2), np.nan, dtype=cp.float32),
-                              cp.full((nh, splits, hd), np.nan, dtype=att_part_dtype(lib.defines)), counters, out,
-                              n_kv, G, hd)
+                              cp.full((nh, splits, hd), np.nan, dtype=cp.float32), counters, out, n_kv, G, hd)
     launch()
     first = out.get()
     assert rel_err(first, ref) < FP16_TOL

@@ -68,19 +68,6 @@ def test_attention_copy_forms_compile_without_spills(knob, tmp_path):
     assert out.returncode != 0 and "needs sm_90+" in out.stderr
 
 
-@pytest.mark.parametrize("defines", [("ATT_PART_F16=1",), ("ATT_PART_F16=1", "ATT_TMA=1"),
-                                     ("ATT_PART_F16=1", "ATT_COMBINE_SLICES=3")])
-def test_attention_fp16_partials_compile_without_spills(defines, tmp_path):
-    """attention.cu with its partials in fp16 (A/B knob ATT_PART_F16), with each staging and the sliced combine,
-    compiles without local memory; with clusters (whose combine keeps fp32 partials) it refuses to compile."""
-    src = KERNELS_DIR / "attention.cu"
-    frames = frames_of(compile_report(src, "sm_90", tmp_path, defines=defines))
-    assert len(frames) == len(kernel_names(src)) and not local_memory(frames)
-    out = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", "-DATT_PART_F16=1", "-DATT_CLUSTER=8", "-c", str(src),
-                          "-o", str(tmp_path / "x.o")], capture_output=True, text=True, timeout=600)
-    assert out.returncode != 0 and "ATT_PART_F16" in out.stderr
-
-
 def test_every_source_has_a_header():
     for src in SOURCES:
         head = src.read_text().splitlines()[0]
