@@ -37,12 +37,6 @@
 #define ATS_CHUNK_MAX (16 * (ATS_THREADS / AF_WARP) * ATS_GROUPS)  // 512 positions per chunk (step.py)
 #define ATS_MIN_BLOCKS 2  // <= 128 registers: the block has its SM to itself (see Launch above)
 #define ATS_BATCH 4       // ldmatrix loads issued before their mmas (scores: k-steps; P.V: 16-position steps)
-// ATS_SPLIT_ACC (knob, default 1; PERF_NOTES v26): the dependent mma chains split over independent accumulators —
-// a score group's k-steps alternate between 2, the P.V steps of a batch go to ATS_BATCH (summed once per chunk) —
-// so a warp waits out one mma latency per 2 (scores) or ATS_BATCH (P.V) mmas instead of one per mma. 0: one chain.
-#ifndef ATS_SPLIT_ACC
-#define ATS_SPLIT_ACC 1
-#endif
 
 // byte offset of 16-byte piece c of row t in a staged [rows][HD] fp16 array (pieces XOR-swizzled by the row)
 template <int HD>
@@ -135,7 +129,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
 #pragma unroll
     for (int i = 0; i < ATS_GROUPS; ++i) {
       const int p0 = (warp + NW * i) * 16;
-      float d[4] = {0.f, 0.f, 0.f, 0.f}, d2[4] = {0.f, 0.f, 0.f, 0.f};  // d2: the odd k-steps (ATS_SPLIT_ACC)
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
       if (p0 < n) {  // warp-uniform; ATS_BATCH ldmatrix issued back to back, then their mmas (the asm is volatile:
                      // program order is issue order, so one load per mma would wait out every load's latency)
 #pragma unroll
@@ -146,12 +140,8 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
             ldmatrix_x4(a[u], ks + ats_swz<HD>(p0 + (lane & 15), 2 * (k0 + u) + (lane >> 4)));
 #pragma unroll
           for (int u = 0; u < ATS_BATCH; ++u)
-            mma_16816(ATS_SPLIT_ACC && (u & 1) ? d2 : d, a[u][0], a[u][1], a[u][2], a[u][3], qb[k0 + u][0], qb[k0 + u][1]);
+            mma_16816(d, a[u][0], a[u][1], a[u][2], a[u][3], qb[k0 + u][0], qb[k0 + u][1]);
         }
-      }
-      if (ATS_SPLIT_ACC) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) d[e] += d2[e];
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {  // d[e]: position p0 + gid (+8 for e >= 2), head 2 tig + (e & 1)
@@ -197,14 +187,6 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
     AF_TL_MARK(2);  // timeline: probabilities stored
     // ---- O^T[dim][head] += V^T P^T on the tensor cores: warp w takes dim tile w % DT, positions phase w / DT ----
     // (ATS_BATCH steps' ldmatrix back to back, then their mmas; V rows and P past n up to the 16-boundary are 0)
-#if ATS_SPLIT_ACC
-    float oc[ATS_BATCH][4];  // this chunk's P.V, one accumulator per step of a batch
-#pragma unroll
-    for (int u = 0; u < ATS_BATCH; ++u) oc[u][0] = oc[u][1] = oc[u][2] = oc[u][3] = 0.f;
-#define ATS_PV_ACC(u) oc[u]
-#else
-#define ATS_PV_ACC(u) o
-#endif
     for (int p0 = (warp / DT) * 16; p0 < n; p0 += ATS_BATCH * WPT * 16) {
       unsigned a[ATS_BATCH][4], b[ATS_BATCH][2];
 #pragma unroll
@@ -217,17 +199,8 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
       }
 #pragma unroll
       for (int u = 0; u < ATS_BATCH; ++u)
-        if (p0 + u * WPT * 16 < n)
-          mma_16816(ATS_PV_ACC(u), a[u][0], a[u][1], a[u][2], a[u][3], b[u][0], b[u][1]);
+        if (p0 + u * WPT * 16 < n) mma_16816(o, a[u][0], a[u][1], a[u][2], a[u][3], b[u][0], b[u][1]);
     }
-#undef ATS_PV_ACC
-#if ATS_SPLIT_ACC
-#pragma unroll
-    for (int u = 0; u < ATS_BATCH; ++u) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[e] += oc[u][e];
-    }
-#endif
   }
   AF_TL_MARK(3);  // timeline: P.V done
 

@@ -379,29 +379,6 @@ def test_attention_short(kernel_lib, model, length, cap):
     np.testing.assert_array_equal(out.get(), first)
 
 
-@pytest.fixture(scope="module")
-def kernel_lib_ats_one_chain():
-    """attention_short.cu with ATS_SPLIT_ACC=0: every mma chain on one accumulator (the form before v26)."""
-    from atomflow_bench.kernels import KernelLib
-
-    return KernelLib(extra_defines=("ATS_SPLIT_ACC=0",))
-
-
-@pytest.mark.parametrize("model", list(ATT_SHAPES))
-@pytest.mark.parametrize("length", [1, 65, 200, 416, 1000])
-def test_attention_short_one_chain(kernel_lib_ats_one_chain, model, length):
-    """The knob's other form gives the reference result too (cap "max"; 1000 walks several chunks at hd 128)."""
-    import cupy as cp
-
-    n_kv, G, hd = ATT_SHAPES[model]
-    cap = attention_short_cap(hd)
-    q, kc, vc, ref = attention_case(model, length, max_seq=1024)
-    out = cp.full(q.size, np.nan, dtype=cp.float16)
-    attention_short_launch(kernel_lib_ats_one_chain, cp.asarray(q), cp.asarray(kc), cp.asarray(vc),
-                           cp.asarray([length - 1], dtype=cp.int32), out, n_kv, G, hd, cap)()
-    assert rel_err(out.get(), ref) < FP16_TOL
-
-
 def test_attention_short_refuses_what_does_not_fit(kernel_lib):
     import cupy as cp
 
