@@ -198,7 +198,7 @@ __device__ __forceinline__ int xs_pair(int p) {
 // The norm prologue reads h through L2 once (results/PERF_NOTES.md v10.4-v10.5), in one of two ways:
 // STAGE_REGS (the fp8 ring path and the warp-specialised consumers, whose registers are free here; K <= 4096): each
 // thread keeps its float4 chunks of h in registers from the one round that also feeds the sum of squares, and its
-// norm_w chunks, loaded before the PDL wait (norm_w_regs, GEMV_NORM_W_EARLY); STAGE_SMEM (the fp16
+// norm_w chunks, loaded before the PDL wait (norm_w_regs); STAGE_SMEM (the fp16
 // register path, whose registers hold its weight batch): h is parked in shared memory `hs` (fp32 [K]) by that
 // round and norm_w was copied to `nws` (fp16 [K]) by cp.async before the PDL wait (stage_norm_w_async). Either
 // way the sums run in rms_inv's order: x is bit-identical to the two-round form, which remains for K > 4096 in
@@ -241,13 +241,10 @@ __device__ __forceinline__ void norm_x_parked(const GemvArgs& a, float* red, flo
   }
 }
 
-// GEMV_NORM_W_EARLY (knob, default 1; PERF_NOTES v25): the one-pass register prologue (STAGE_REGS, K <=
-// STAGE_CHUNKS * 4 * threads) takes its norm_w chunks into registers BEFORE the PDL wait (a weight: no kernel writes
-// it), so the round after the wait reads only h. norm_w was last read one step (~3 GB of weights through a 50 MB L2)
-// earlier, so after the wait it cost a DRAM round, not an L2 one. 0: loaded with h after the wait (v10.4-v24).
-#ifndef GEMV_NORM_W_EARLY
-#define GEMV_NORM_W_EARLY 1
-#endif
+// The one-pass register prologue's norm_w chunks (STAGE_REGS, K <= STAGE_CHUNKS * 4 * threads), loaded into
+// registers BEFORE the PDL wait (a weight: no kernel writes it), so the round after the wait reads only h: norm_w was
+// last read a step (~3 GB of weights through the 50 MB L2) earlier. Measured -3 µs on 3B W8A16, -8 on 8B W8A16, -10
+// on 3B fp16 against loading it with h after the wait (results/PERF_NOTES.md v25).
 struct NormRegs {
   uint2 w[STAGE_CHUNKS];  // this thread's fp16 norm_w chunks c = threadIdx.x + i * threads (4 inputs each)
 };
@@ -258,15 +255,15 @@ __device__ __forceinline__ NormRegs norm_w_regs(const GemvArgs& a) {
 #pragma unroll
   for (int i = 0; i < STAGE_CHUNKS; ++i) {
     const int c = threadIdx.x + i * nth;
-    r.w[i] = GEMV_NORM_W_EARLY && PRO == PRO_NORM && a.K <= STAGE_CHUNKS * 4 * nth && c < a.K / 4
+    r.w[i] = PRO == PRO_NORM && a.K <= STAGE_CHUNKS * 4 * nth && c < a.K / 4
                  ? reinterpret_cast<const uint2*>(a.norm_w)[c] : make_uint2(0u, 0u);
   }
   return r;
 }
 
 template <int PRO, int MODE, int NT = 0>
-__device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, float* red, float* hs = nullptr,
-                                              const __half* nws = nullptr, const NormRegs& nr = NormRegs{}) {
+__device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, float* red, float* hs, const __half* nws,
+                                              const NormRegs& nr) {  // nr: norm_w_regs (STAGE_REGS with PRO_NORM)
   const int nth = nthreads<NT>();  // the staging threads: the block, or its NT consumers
   unsigned* xs2 = reinterpret_cast<unsigned*>(xs);
   const int npairs = a.K / 2;
@@ -274,17 +271,15 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
     norm_x_parked<NT>(a, red, hs, nws, [&](int p, unsigned v) { xs2[xs_pair(p)] = v; });
   } else if (PRO == PRO_NORM && a.K <= STAGE_CHUNKS * 4 * nth) {
     const float4* h4 = reinterpret_cast<const float4*>(a.x);
-    const uint2* w4 = reinterpret_cast<const uint2*>(a.norm_w);
     const int nchunks = a.K / 4;
     float4 hv[STAGE_CHUNKS];
-    uint2 wv[STAGE_CHUNKS];
+    const uint2* wv = nr.w;  // loaded before the wait (norm_w_regs)
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < STAGE_CHUNKS; ++i) {
       const int c = threadIdx.x + i * nth;
       if (c < nchunks) {
         hv[i] = __ldcg(h4 + c);
-        wv[i] = GEMV_NORM_W_EARLY ? nr.w[i] : w4[c];
         ss += hv[i].x * hv[i].x + hv[i].y * hv[i].y + hv[i].z * hv[i].z + hv[i].w * hv[i].w;
       }
     }
@@ -434,7 +429,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, T);  // the first tile's, before the wait
   if (PRO == PRO_NORM) stage_norm_w_async(a, nws);
   gemv_arrive_wait<EPI>(sync);  // weights above may be read early; x / h / pos only once the previous kernel is done
-  stage_x_tiled<PRO, STAGE_SMEM>(a, xs, rs, hs, nws);
+  stage_x_tiled<PRO, STAGE_SMEM>(a, xs, rs, hs, nws, NormRegs{});
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
   for (int parity = 0; T < ntiles; T += gridDim.x, parity ^= 1) {
@@ -541,7 +536,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 #pragma unroll
   for (int n = 0; n < NS; ++n) issue(n);
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
-  const NormRegs nr = norm_w_regs<PRO>(a);  // PRO_NORM: norm_w before the wait (GEMV_NORM_W_EARLY)
+  const NormRegs nr = norm_w_regs<PRO>(a);  // PRO_NORM: norm_w before the wait
   gemv_arrive_wait<EPI>(sync);  // weights above may be read early; x / h / pos only once the previous kernel is done
   stage_x_tiled<PRO, STAGE_REGS>(a, xs, rs, nullptr, nullptr, nr);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
@@ -650,7 +645,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   }
 
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
-  const NormRegs nr = norm_w_regs<PRO, GEMV_THREADS>(a);  // PRO_NORM: norm_w before the wait (GEMV_NORM_W_EARLY)
+  const NormRegs nr = norm_w_regs<PRO, GEMV_THREADS>(a);  // PRO_NORM: norm_w before the wait
   gemv_arrive_wait<EPI>(PdlSync{});  // x / h / pos only once the previous kernel is done (weights are the producer's)
   if (npre > 0 && threadIdx.x == 0) mbar_arrive(go);
   stage_x_tiled<PRO, STAGE_REGS, GEMV_THREADS>(a, xs, rs, nullptr, nullptr, nr);
