@@ -50,7 +50,7 @@ def main() -> None:
     launch_of = {int(g): i for i, g in enumerate(ids)}
     att = [i for i, r in enumerate(roles) if r == "attention_decode"][layer]
     if "--layer" in sys.argv:
-        layer_spread(rec, ids, roles, att, model, weights, context, layer)
+        layer_spread(rec, sms, ids, roles, att, model, weights, context, layer)
         return
     mine = rec[:, 0] == ids[att]
     t0 = rec[mine, 2].astype(np.int64).min()
@@ -85,9 +85,10 @@ def print_spread(label: str, times: np.ndarray, t0: int) -> None:
         print(f"    {label} " + " ".join(f"{x:7.2f}" for x in q))
 
 
-def layer_spread(rec, ids, roles, att, model, weights, context, layer) -> None:
+def layer_spread(rec, sms, ids, roles, att, model, weights, context, layer) -> None:
     """Per launch from the layer's QKV to the next layer's QKV: quantiles over blocks, µs after the previous
-    launch's last block end (negative: before it)."""
+    launch's last block end (negative: before it); then, by how many of the launch's blocks an SM ran, the SMs'
+    count and the median and latest end of their last block (do the SMs that carry more blocks end last?)."""
     print(f"{model} {weights} length {context + 2}: layer {layer}; µs after the previous launch's last block end; "
           "min / p10 / median / p90 / max over the launch's blocks")
     for li in range(att - 1, att + 5):
@@ -98,6 +99,15 @@ def layer_spread(rec, ids, roles, att, model, weights, context, layer) -> None:
               "started before the previous launch ended")
         for name, c in spread_cols(rec):
             print_spread(f"{name:6s}", mine[:, c], t0)
+        sm_of = sms[rec[:, 0] == ids[li]]
+        last = {}
+        for sm, end in zip(sm_of, mine[:, 3].astype(np.int64)):
+            last.setdefault(int(sm), []).append(int(end))
+        per = {}
+        for ends in last.values():
+            per.setdefault(len(ends), []).append((max(ends) - t0) / 1e3)
+        print("    blocks per SM -> SMs, last end median / max: " + "; ".join(
+            f"{k}: {len(v)} SMs, {np.median(v):.2f} / {max(v):.2f}" for k, v in sorted(per.items())))
 
 
 def alone(eng, bufs, model, weights, layer) -> None:
