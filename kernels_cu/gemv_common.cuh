@@ -241,7 +241,11 @@ __device__ __forceinline__ void norm_x_parked(const GemvArgs& a, float* red, flo
   }
 }
 
-// The one-pass register prologue's norm_w chunks (STAGE_REGS, K <= STAGE_CHUNKS * 4 * threads), loaded into
+// Whether the register prologue's norm runs in one pass (each of the nth staging threads holds <= STAGE_CHUNKS
+// float4 chunks of h): the one test both norm_w_regs and stage_x_tiled branch on.
+__device__ __forceinline__ bool norm_one_pass(int K, int nth) { return K <= STAGE_CHUNKS * 4 * nth; }
+
+// The one-pass register prologue's norm_w chunks (STAGE_REGS, norm_one_pass), loaded into
 // registers BEFORE the PDL wait (a weight: no kernel writes it), so the round after the wait reads only h: norm_w was
 // last read a step (~3 GB of weights through the 50 MB L2) earlier. Measured -3 µs on 3B W8A16, -8 on 8B W8A16, -10
 // on 3B fp16 against loading it with h after the wait (results/PERF_NOTES.md v25).
@@ -255,7 +259,7 @@ __device__ __forceinline__ NormRegs norm_w_regs(const GemvArgs& a) {
 #pragma unroll
   for (int i = 0; i < STAGE_CHUNKS; ++i) {
     const int c = threadIdx.x + i * nth;
-    r.w[i] = PRO == PRO_NORM && a.K <= STAGE_CHUNKS * 4 * nth && c < a.K / 4
+    r.w[i] = PRO == PRO_NORM && norm_one_pass(a.K, nth) && c < a.K / 4
                  ? reinterpret_cast<const uint2*>(a.norm_w)[c] : make_uint2(0u, 0u);
   }
   return r;
@@ -269,7 +273,7 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
   const int npairs = a.K / 2;
   if (PRO == PRO_NORM && MODE == STAGE_SMEM) {
     norm_x_parked<NT>(a, red, hs, nws, [&](int p, unsigned v) { xs2[xs_pair(p)] = v; });
-  } else if (PRO == PRO_NORM && a.K <= STAGE_CHUNKS * 4 * nth) {
+  } else if (PRO == PRO_NORM && norm_one_pass(a.K, nth)) {
     const float4* h4 = reinterpret_cast<const float4*>(a.x);
     const int nchunks = a.K / 4;
     float4 hv[STAGE_CHUNKS];

@@ -93,15 +93,15 @@ def layer_spread(rec, sms, ids, roles, att, model, weights, context, layer) -> N
           "min / p10 / median / p90 / max over the launch's blocks")
     for li in range(att - 1, att + 5):
         prev = rec[rec[:, 0] == ids[li - 1]]
-        mine = rec[rec[:, 0] == ids[li]]
+        sel = rec[:, 0] == ids[li]
+        mine = rec[sel]
         t0 = prev[:, 3].astype(np.int64).max()
         print(f"  launch {li} {roles[li]}: {len(mine)} blocks, {int((mine[:, 1].astype(np.int64) < t0).sum())} "
               "started before the previous launch ended")
         for name, c in spread_cols(rec):
             print_spread(f"{name:6s}", mine[:, c], t0)
-        sm_of = sms[rec[:, 0] == ids[li]]
         last = {}
-        for sm, end in zip(sm_of, mine[:, 3].astype(np.int64)):
+        for sm, end in zip(sms[sel], mine[:, 3].astype(np.int64)):
             last.setdefault(int(sm), []).append(int(end))
         per = {}
         for ends in last.values():
