@@ -390,7 +390,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
 #endif
 #pragma unroll
   for (int i = 0; i < D; ++i) stage(i, true);
-  pdl_wait();
+  pdl_wait_unless_instrument<2>();  // AF_NO_WAIT (common.cuh)
   pdl_launch_dependents();
 
   // row len-1 (appended by the QKV kernel) into its slot, when its group was staged above (with ATT_TMA once

@@ -87,7 +87,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
 
   // ---- before the wait: rows 0 .. min(L - 1, cap) - 1 (row L-1 is the previous kernel's) ----
   ats_stage<HD, T>(k_cache, v_cache, kv_dim, j, 0, min(len - 1, cap), 0, ks, vs);
-  pdl_wait();
+  pdl_wait_unless_instrument<2>();  // AF_NO_WAIT (common.cuh)
   pdl_launch_dependents();
 
   __shared__ __align__(16) __half q_h[ATS_HEADS * HD];  // q fp16 [8][HD] (rows >= G zero), rows swizzled

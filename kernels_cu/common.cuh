@@ -80,6 +80,19 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// AF_NO_WAIT (a timing instrument, never a default; PERF_NOTES v28): a bit mask of the layer kernels that skip their
+// PDL wait — 1 QKV, 2 attention, 4 the residual GEMVs (o_proj, down), 8 gate/up. Such a kernel reads its inputs
+// whenever it reaches them, so its results are wrong; a step then times the chain of the same kernels with those
+// data dependencies removed: the most any scheduling of these kernels (a persistent layer kernel included) could
+// gain at those boundaries. The embedding, lm_head and argmax always wait, so the token and position stay valid.
+#ifndef AF_NO_WAIT
+#define AF_NO_WAIT 0
+#endif
+template <int BIT>
+__device__ __forceinline__ void pdl_wait_unless_instrument() {
+  if (!(AF_NO_WAIT & BIT)) pdl_wait();
+}
+
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);

@@ -174,7 +174,12 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
 template <int EPI, class Sync>
 __device__ __forceinline__ void gemv_arrive_wait(const Sync& sync) {
   if (GEMV_EARLY_RESID && EPI == EPI_RESID) pdl_launch_dependents();
-  sync.arrive_wait();
+  constexpr int bit = EPI == EPI_ROPE ? 1 : EPI == EPI_RESID ? 4 : EPI == EPI_SWIGLU ? 8 : 0;  // AF_NO_WAIT (common.cuh)
+  if (AF_NO_WAIT & bit) {
+    pdl_launch_dependents();
+  } else {
+    sync.arrive_wait();
+  }
 }
 
 // ---- TILED: every layer projection ---------------------------------------------------------------------

@@ -75,3 +75,20 @@ def test_every_source_has_a_header():
         text = src.read_text()
         for key in ("Layout", "Bytes", "Launch"):
             assert key in text, f"{src.name}: header lacks '{key}'"
+
+
+@pytest.mark.parametrize("src", ["gemv_fp8.cu", "gemv_fp16.cu", "attention_short.cu", "attention.cu"])
+def test_no_wait_instrument_compiles_without_spills(src, tmp_path):
+    """The timing instrument AF_NO_WAIT (common.cuh; PERF_NOTES v28) with every bit set compiles without local
+    memory, and it does remove the waits: fewer griddepcontrol.wait in the PTX than the default build."""
+    path = KERNELS_DIR / src
+    frames = frames_of(compile_report(path, "sm_90", tmp_path, defines=("AF_NO_WAIT=15",)))
+    assert frames and not local_memory(frames)
+
+    def waits(defines):
+        out = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", *[f"-D{d}" for d in defines], "-ptx", str(path),
+                              "-o", "-"], capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.count("griddepcontrol.wait")
+
+    assert waits(("AF_NO_WAIT=15",)) < waits(())
