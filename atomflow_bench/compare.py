@@ -50,6 +50,10 @@ def _metrics(r: dict) -> list[tuple[str, float, bool]]:
 
 def compare_runs(base: dict, new: dict, max_regression: float = 0.05) -> dict:
     """Verdict and diff rows for two results records; CompareRefused when they are not comparable."""
+    for side, r in (("baseline", base), ("new", new)):
+        if r.get("instrument"):
+            raise CompareRefused(f"refusing to compare: the {side} run is a timing instrument "
+                                 f"({' '.join(r['instrument'])}: wrong outputs on purpose), not a result")
     for name, get in MATCH_FIELDS:
         if get(base) != get(new):
             raise CompareRefused(f"refusing to compare: {name} differs (baseline {get(base)!r}, new {get(new)!r})")

@@ -86,6 +86,18 @@ def knob(name: str, default: int, defines: tuple | None = None) -> int:
     return default
 
 
+# Compile-time knobs that are timing instruments, not kernel variants: with a non-zero value the step computes wrong
+# results on purpose (AF_NO_WAIT: common.cuh, results/PERF_NOTES.md v28). `run` marks its record with them, `compare`
+# refuses such a record and `validate` refuses to start.
+INSTRUMENT_KNOBS = ("AF_NO_WAIT",)
+
+
+def instrument_defines(defines: tuple | None = None) -> list[str]:
+    """The NAME=V of `defines` (default: ATOMFLOW_KERNEL_DEFINES) that switch a timing instrument on."""
+    given = tuple(defines) if defines is not None else tuple(os.environ.get("ATOMFLOW_KERNEL_DEFINES", "").split())
+    return [f"{n}={knob(n, 0, given)}" for n in INSTRUMENT_KNOBS if knob(n, 0, given)]
+
+
 @functools.lru_cache(maxsize=None)
 def compute_capability() -> int:
     """The current device's compute capability as an integer (90 for sm_90)."""

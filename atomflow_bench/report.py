@@ -113,6 +113,9 @@ def run_table(rec: dict):
     t.add_row("weights", rec["weights"] + (" (FP8-E4M3 layers, group 128; fp16 embedding/lm_head)"
                                            if rec["weights"] == "fp8" else ""))
     t.add_row("context / generated", f"{rec['context']} prompt tokens, {rec['tokens']} generated x {rec['repeats']} repeats")
+    if rec.get("instrument"):
+        t.add_row("[red]INSTRUMENT[/red]", f"[red]{' '.join(rec['instrument'])}: a timing instrument — the outputs are wrong "
+                                           "on purpose; this TPOT is a bound, not a result[/red]")
     t.add_row("TPOT (graph)", f"median {tp['median']:.4f} ms  (p10 {tp['p10']:.4f}, p90 {tp['p90']:.4f}, n={tp['n']})")
     t.add_row("tok/s", f"{rec['tok_per_s']:.1f}")
     b = rec["bytes_per_token"]

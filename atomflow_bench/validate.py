@@ -99,6 +99,7 @@ import numpy as np
 
 from . import store
 from .errors import AtomflowError, ConfigError, VerifyError
+from .kernels import instrument_defines
 from .weights import Checkpoint
 
 TRUTH_SCHEMA = "atomflow-bench/truth/1"
@@ -613,6 +614,10 @@ def validate(model_dir: str | Path, weights: str = "fp8", truth_dir: str | Path 
 
     if weights not in THRESHOLDS:
         raise ConfigError(f"unknown weight format {weights!r} (expected fp16 or fp8)")
+    inst = instrument_defines()
+    if inst:
+        raise ConfigError(f"ATOMFLOW_KERNEL_DEFINES sets the timing instrument {' '.join(inst)}, which makes the "
+                          "kernels wrong on purpose; unset it to validate")
     model_dir = Path(model_dir)
     ckpt = Checkpoint(model_dir)
     cfg = ckpt.config

@@ -124,3 +124,18 @@ def test_parse_fraction_rejects(text):
 
     with pytest.raises(AtomflowError, match="max-regression"):
         parse_fraction(text)
+
+
+@pytest.mark.parametrize("side", ["base", "new"])
+def test_instrument_run_is_refused(tmp_path, capsys, side):
+    """A `run` record made with a timing instrument (AF_NO_WAIT: wrong outputs on purpose) is a bound, not a result:
+    the gate refuses it (exit 2) on either side, and names the instrument."""
+    base, new = make_run(2.0, seed=1), make_run(2.0, seed=2)
+    (base if side == "base" else new)["instrument"] = ["AF_NO_WAIT=15"]
+    assert run_compare(tmp_path, base, new) == 2
+    err = capsys.readouterr().err
+    assert "timing instrument" in err and "AF_NO_WAIT=15" in err
+    with pytest.raises(CompareRefused):
+        compare_runs(base, new)
+    (base if side == "base" else new)["instrument"] = []   # the field on an ordinary run: compared as usual
+    assert compare_runs(base, new)["status"] == "ok"

@@ -220,3 +220,28 @@ def test_run_table_shows_the_gemv_choice():
     out = StringIO()
     Console(file=out, width=300).print(run_table(rec))
     assert "ring+wd -> ring+wd (per-warp ring (fp8) / registers (fp16), but wd warp-specialised)" in out.getvalue()
+
+
+def test_instrument_defines_and_run_table_warning():
+    """Only a non-zero instrument knob counts; the `run` table says the TPOT of such a run is a bound."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from atomflow_bench.kernels import instrument_defines
+    from atomflow_bench.report import run_table
+    from helpers_runs import make_run
+
+    assert instrument_defines(("GEMV_ONE_WAVE=0", "AF_NO_WAIT=0")) == []
+    assert instrument_defines(("ATT_TMA=1", "AF_NO_WAIT=6")) == ["AF_NO_WAIT=6"]
+    rec = make_run(1.3)
+    rec.update({"vram_bytes": {"weights": 1 << 30, "kv": 1 << 20, "activations": 1 << 16, "scratch": 1 << 16,
+                               "total": (1 << 30) + (1 << 20) + (1 << 17)},
+                "launches_per_step": 144, "pdl": True, "load": {"seconds": 1.0}})
+    out = StringIO()
+    Console(file=out, width=300).print(run_table(rec))
+    assert "INSTRUMENT" not in out.getvalue()
+    rec["instrument"] = ["AF_NO_WAIT=15"]
+    out = StringIO()
+    Console(file=out, width=300).print(run_table(rec))
+    assert "AF_NO_WAIT=15: a timing instrument" in out.getvalue() and "a bound, not a result" in out.getvalue()

@@ -290,3 +290,15 @@ def test_quality_smollm2(smollm2_fetched, tmp_path, capsys):
     print(f"\nSmolLM2 quality over {q['text']['tokens']} tokens: ppl fp16 {q['fp16']['perplexity']:.4f}, fp8 "
           f"{q['fp8']['perplexity']:.4f} (x{q['ppl_ratio']:.4f}); top-1 agreement {q['top1_agreement']:.4f}; "
           f"mean KL(fp16||fp8) {q['mean_kl_fp16_fp8']:.3e}, max {q['max_kl_fp16_fp8']:.3e}")
+
+
+def test_validate_refuses_a_timing_instrument(tiny_llama_dir, tiny_truth, monkeypatch, capsys):
+    """AF_NO_WAIT in ATOMFLOW_KERNEL_DEFINES makes the kernels wrong on purpose: validate says so and stops (exit 1)
+    before any work, instead of reporting failed probes."""
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "GEMV_ONE_WAVE=1 AF_NO_WAIT=2")
+    rc, out = run_cli(["validate", str(tiny_llama_dir), "--backend", "numpy", "--truth", str(tiny_truth)], capsys)
+    assert rc == 1
+    assert "timing instrument AF_NO_WAIT=2" in out and "unset it to validate" in out
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "AF_NO_WAIT=0")
+    rc, out = run_cli(["validate", str(tiny_llama_dir), "--backend", "numpy", "--truth", str(tiny_truth)], capsys)
+    assert rc == 0, out
