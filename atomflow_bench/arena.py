@@ -143,7 +143,6 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> Are
     p.add("scratch", "att_ml", (cfg.num_attention_heads, splits, 2), np.float32)
     p.add("scratch", "att_o", (cfg.num_attention_heads, splits, cfg.head_dim), np.float32)
     p.add("scratch", "att_counters", (L, cfg.num_key_value_heads * att_cluster()), np.uint32)  # a ticket per slice
-    p.add("scratch", "att_flags", (cfg.num_key_value_heads,), np.uint32)  # knob ATT_FLAGS: QKV tiles per kv group
     # argmax partials: one per block of argmax_advance or of the lm_head GEMV that does the argmax itself
     am_blocks = max(min(-(-V // ARGMAX_THREADS), n_sm), min(-(-V // ROWS_WARPS), ROWS_BLOCKS_PER_SM * n_sm))
     p.add("scratch", "am_val", (am_blocks,), np.float32)

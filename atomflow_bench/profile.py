@@ -31,7 +31,7 @@ from .arena import linear_regions
 from .bench import copy_bandwidth, summarize, synthetic_prompt, time_decode
 from .config import GROUP, ModelConfig
 from .errors import AtomflowError
-from .step import att_flags, hold_position
+from .step import hold_position
 
 
 L2_BYTES = 50 << 20  # H100 L2 size: a working set of 4x this is treated as L2-cold
@@ -42,9 +42,6 @@ def _kv_bytes(cfg: ModelConfig, length: int) -> int:
 
 
 def profile_step(engine, context: int = 128, steps: int = 20, copy: dict | None = None) -> dict:
-    if att_flags(engine.lib.defines):
-        raise AtomflowError("ATT_FLAGS=1 ties each short attention launch to its QKV launch's counters: the profile's "
-                            "graphs of parts of the step would wait forever; measure it with `run`")
     cfg = engine.cfg
     copy = copy or copy_bandwidth()
     prompt = synthetic_prompt(cfg.vocab_size, context)

@@ -42,7 +42,6 @@ GEMV_BLOCKS_PER_SM = 2  # = GEMV_MIN_BLOCKS in gemv_common.cuh (tiled GEMVs): th
 LMHEAD_ARGMAX = 1          # knob: the argmax in the lm_head GEMV's epilogue (0: argmax_advance after it)
 LMHEAD_NORM = 1            # knob: the final RMSNorm in the lm_head GEMV's prologue (0: rmsnorm_f32_f16 before it)
 GEMV_STAGES = 5            # fp8: deepest cp.async ring (groups of 128 inputs per warp) a launch may get; knob
-ATT_FLAGS = 0              # knob: the short attention polls its kv group's QKV tile counter (att_flags)
 GEMV_ONE_WAVE = 1          # knob: tile counts in (2, 3] x SMs run one tile per block at 3 blocks per SM
 GEMV_WS = 1                # knob: warp-specialised GEMVs (producer warp + bulk copies, sm_90+) for 1 = fp16 only,
                            # 2 = fp16 and fp8, 0 = none (measured: fp16 -53 µs on 3B, fp8 +32 µs: PERF_NOTES v13) —
@@ -177,7 +176,7 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), s
 def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: int, k: int, n_sm: int,
                 norm_w=None, eps: float = 1e-5, taps=None, role: str = "", rope: tuple = (),
                 ring_depth: int | None = None, ws: bool | None = None, ws_pre: int | None = None,
-                x_out=None, head_cnt=None) -> Launch:
+                x_out=None) -> Launch:
     """y = W.x in `fmt` (fp16 | fp8) with `variant` in qkv_rope | norm_swiglu | resid | store (weights, and fp8
     scales, in the tiled layout of weights.tile_view with the variant's VARIANT_PAIRING) or f32 (lm_head: fp16
     row-major weights).
@@ -186,8 +185,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     n_q_heads, n_kv_heads, head_dim) for this layer. `ring_depth`: see gemv_ws_plan / gemv_plan (tests). `ws`:
     the tiled variants warp-specialised (sm_90+) or not; None: the rule of gemv_ws (knob GEMV_WS). `ws_pre`: the
     ring slots a warp-specialised launch fills before its wait (None: gemv_ws_pre). The engine passes the form it
-    measured fastest (Engine gemv="auto"). `head_cnt` (qkv_rope, knob ATT_FLAGS): the kv groups' tile counters the
-    short attention polls (None: not counted).
+    measured fastest (Engine gemv="auto").
     f32 (lm_head): with `norm_w`, x is the fp32 residual and the kernel's prologue is the final RMSNorm; `x_out`
     (fp16 [k]) receives the normalised x (block 0).
     """
@@ -225,8 +223,6 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     if variant == "qkv_rope":
         cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd = rope
         extra = (cos_sin, pos, k_cache, v_cache, i32(n_q), i32(n_kv), i32(hd))
-        if att_flags(lib.defines):
-            extra += (NULL if head_cnt is None else head_cnt,)
         moved += 2 * n_kv * hd * 2  # the K and V rows appended to the cache
     if variant == "f32":
         extra = (NULL if x_out is None else x_out,)
@@ -340,20 +336,12 @@ def attention_short_cap(hd: int, defines: tuple | None = None, smem: tuple = SME
     return top
 
 
-def att_flags(defines: tuple | None = None) -> bool:
-    """Knob ATT_FLAGS (common.cuh; PERF_NOTES v29): the short attention polls its kv group's QKV tile counter
-    instead of waiting for the whole QKV grid."""
-    return bool(knob("ATT_FLAGS", ATT_FLAGS, defines))
-
-
 def attention_short_launch(lib: KernelLib, q, k_cache, v_cache, pos, out, n_kv: int, group: int, hd: int, cap: int,
-                           taps=None, head_cnt=None) -> Launch:
+                           taps=None) -> Launch:
     """One block per kv head holding up to `cap` positions of K and V in shared memory (longer contexts are
     walked in chunks of `cap`: correct, but the engine switches to attention_launch there). The block asks for
     all the shared memory a block may have, whatever `cap` needs: nothing else (the next GEMV's early blocks)
-    can share its SM, whose weight loads would stall this block's shared-memory traffic (PERF_NOTES v11.2).
-    `head_cnt` (knob ATT_FLAGS): the counters the step's QKV launch adds to (gemv_launch), polled instead of the PDL
-    wait; None: the wait."""
+    can share its SM, whose weight loads would stall this block's shared-memory traffic (PERF_NOTES v11.2)."""
     fn = lib[f"attention_short_hd{hd}_g{group}"]
     need, room = attention_short_smem(hd, cap), smem_limits()[0] - attention_short_static(hd)
     if cap < 1 or need > room:
@@ -361,10 +349,9 @@ def attention_short_launch(lib: KernelLib, q, k_cache, v_cache, pos, out, n_kv: 
                             f"(this GPU: {smem_limits()[0]})")
     shmem = room if knob("ATT_SHORT_EXCLUSIVE", 1, lib.defines) else need  # A/B knob: 0 = only what cap needs
     allow_dynamic_smem(fn, shmem)
-    args = (q, k_cache, v_cache, pos, out, i32(n_kv), i32(cap), np.float32(1.0 / math.sqrt(hd)))
-    if att_flags(lib.defines):
-        args += (NULL if head_cnt is None else head_cnt, i32((group + 2) * hd // 16))  # QKV tiles per kv group
-    return Launch(fn, "attention_decode", (n_kv,), (ATS_THREADS,), args, shmem, taps or {}, 0)
+    return Launch(fn, "attention_decode", (n_kv,), (ATS_THREADS,),
+                  (q, k_cache, v_cache, pos, out, i32(n_kv), i32(cap), np.float32(1.0 / math.sqrt(hd))), shmem,
+                  taps or {}, 0)
 
 
 def rmsnorm_launch(lib: KernelLib, h, w, eps: float, out, taps=None) -> Launch:
@@ -445,18 +432,16 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
         return gemv_launch(lib, fmt, variant, a[weight], scales, x, y, n_out, k, n_sm, eps=eps,
                            role=role, ws=True if role in ws_roles else gemv_ws, ws_pre=ws_pre, **kw)
 
-    flags = a["att_flags"] if att_cap and att_flags(lib.defines) else None  # only the short attention polls them
     steps = [embed_launch(lib, a["cur_token"], a["embed"], h, taps={"embed": h})]
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
         steps += [
             gemv(f"L{i}.wqkv", "qkv_rope", h, qkv, rows["wqkv"][0] // 2, H, norm_w=a[f"L{i}.attn_norm"],
                  rope=(a["rope_cs"], a["pos"], a["k_cache"][i], a["v_cache"][i], cfg.num_attention_heads,
-                       cfg.num_key_value_heads, hd), head_cnt=flags,
+                       cfg.num_key_value_heads, hd),
                  taps={p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}),
             attention_short_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], attn_out,
-                                   cfg.num_key_value_heads, cfg.group_size, hd, att_cap, taps={p + "attn_out": attn_out},
-                                   head_cnt=flags)
+                                   cfg.num_key_value_heads, cfg.group_size, hd, att_cap, taps={p + "attn_out": attn_out})
             if att_cap else
             attention_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], a["att_ml"], a["att_o"],
                              a["att_counters"][i], attn_out, cfg.num_key_value_heads, cfg.group_size, hd,

@@ -16,9 +16,6 @@
 //                        the sums taken over the rounded values;
 //              P.V       O^T[dim][head] = V^T P^T: warp w takes the 16-dim tile w % (hd/16) over every
 //                        (8 / (hd/16))-th 16-position step (V by ldmatrix.trans), the phases summed at the end.
-//            A/B knob ATT_FLAGS=1 (PERF_NOTES v29): instead of the PDL wait, thread 0 polls its kv group's counter,
-//            which the QKV kernel's tiles add to after their stores (gemv_common.cuh tile_epilogue), until all
-//            (G + 2) * hd / 16 tiles are in, then resets it.
 //            Chunks after the first (L > cap: tests only) are loaded after the wait and folded in with the
 //            online-softmax rescale. K/V rows sit in shared memory with their 16-byte pieces XOR-swizzled by the
 //            row (piece c of row t at c ^ (t & 7)): ldmatrix reads 8 rows of one piece without bank conflicts.
@@ -40,15 +37,6 @@
 #define ATS_CHUNK_MAX (16 * (ATS_THREADS / AF_WARP) * ATS_GROUPS)  // 512 positions per chunk (step.py)
 #define ATS_MIN_BLOCKS 2  // <= 128 registers: the block has its SM to itself (see Launch above)
 #define ATS_BATCH 4       // ldmatrix loads issued before their mmas (scores: k-steps; P.V: 16-position steps)
-
-// With ATT_FLAGS: the kv groups' QKV tile counters (nullptr: the PDL wait) and the tiles per group, (G + 2) * HD / 16.
-#if ATT_FLAGS
-#define ATS_CNT_PARAMS , unsigned int* __restrict__ head_cnt, int cnt_expect
-#define ATS_CNT_ARGS , head_cnt, cnt_expect
-#else
-#define ATS_CNT_PARAMS
-#define ATS_CNT_ARGS
-#endif
 
 // byte offset of 16-byte piece c of row t in a staged [rows][HD] fp16 array (pieces XOR-swizzled by the row)
 template <int HD>
@@ -81,7 +69,7 @@ __device__ __forceinline__ void ats_zero_tail(char* vs, int n) {
 template <int HD, int G, int T>
 __device__ __forceinline__ void attention_short_item(const __half* q, const __half* k_cache, const __half* v_cache,
                                                      int len, int j, __half* out, int n_kv, int cap, float scale,
-                                                     char* smem ATS_CNT_PARAMS) {
+                                                     char* smem) {
   constexpr int DG = HD / 8;          // 16-byte pieces per row
   constexpr int NW = T / AF_WARP;
   constexpr int DT = HD / 16;         // P.V: 16-dim tiles; NW / DT warps (phases) per tile
@@ -99,23 +87,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
 
   // ---- before the wait: rows 0 .. min(L - 1, cap) - 1 (row L-1 is the previous kernel's) ----
   ats_stage<HD, T>(k_cache, v_cache, kv_dim, j, 0, min(len - 1, cap), 0, ks, vs);
-#if ATT_FLAGS
-  if (head_cnt != nullptr) {  // this kv group's QKV tiles, not the whole QKV grid (common.cuh ATT_FLAGS)
-    if (tid == 0) {
-      while (ld_acquire_gpu(head_cnt + j) < (unsigned)cnt_expect) {
-      }
-      head_cnt[j] = 0u;  // the next layer's QKV counts again: it passes its wait only after this grid completed
-#ifdef AF_TIMELINE
-      af_tl_wait = af_tl_now();
-#endif
-    }
-    __syncthreads();
-  } else {
-    pdl_wait();
-  }
-#else
   pdl_wait_unless_instrument<2>();  // AF_NO_WAIT (common.cuh)
-#endif
   pdl_launch_dependents();
 
   __shared__ __align__(16) __half q_h[ATS_HEADS * HD];  // q fp16 [8][HD] (rows >= G zero), rows swizzled
@@ -262,13 +234,12 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   extern "C" __global__ void __launch_bounds__(ATS_THREADS, ATS_MIN_BLOCKS)                              \
       attention_short_hd##HD##_g##G(                                                                      \
       const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache, \
-      const int* __restrict__ pos_ptr, __half* __restrict__ out, int n_kv, int cap, float scale           \
-      ATS_CNT_PARAMS) {                                                                                   \
+      const int* __restrict__ pos_ptr, __half* __restrict__ out, int n_kv, int cap, float scale) {        \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) char ats_smem[];                                                      \
     /* pos was written by the previous step's argmax, complete before this step's first kernel */        \
     attention_short_item<HD, G, ATS_THREADS>(q, k_cache, v_cache, *pos_ptr + 1, blockIdx.x, out, n_kv, cap, \
-                                             scale, ats_smem ATS_CNT_ARGS);                               \
+                                             scale, ats_smem);                                            \
   }
 
 ATTENTION_SHORT_INSTANCE(64, 1)

@@ -93,12 +93,6 @@ __device__ __forceinline__ void pdl_wait_unless_instrument() {
   if (!(AF_NO_WAIT & BIT)) pdl_wait();
 }
 
-// ATT_FLAGS (A/B knob, default 0; PERF_NOTES v29): the short attention waits for its kv group's QKV tiles through a
-// counter (the QKV kernel's epilogue adds, the attention polls), not for the whole QKV grid (griddepcontrol.wait).
-#ifndef ATT_FLAGS
-#define ATT_FLAGS 0
-#endif
-
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);
@@ -290,11 +284,6 @@ __device__ __forceinline__ unsigned int atom_add_acq_rel_gpu(unsigned int* p, un
   unsigned int old;
   asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
-}
-
-// GPU-scope release add without a result (ATT_FLAGS: a QKV tile's stores published to its kv group's counter).
-__device__ __forceinline__ void red_add_release_gpu(unsigned int* p, unsigned int v) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 // GPU-scope acquire load (attention.cu's slice blocks poll the head's ticket).

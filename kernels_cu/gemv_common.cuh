@@ -78,7 +78,6 @@ struct RopeArgs {
   __half* k_cache;  // this layer's [max_seq][n_kv * hd]
   __half* v_cache;
   int n_q, n_kv, hd;
-  unsigned int* head_cnt;  // ATT_FLAGS: [n_kv] tiles of each kv group stored (nullptr: none counted)
 };
 
 // One GEMV's operands (unused ones 0). x: const float* (fp32 residual) with PRO_NORM, else const half*.
@@ -396,17 +395,6 @@ __device__ __forceinline__ void tile_epilogue(const GemvArgs& a, const RopeArgs&
     }
     gemv_epilogue<EPI>(a, rope, T * (GEMV_TILE / R) + r, s0, R == 2 ? s1 : s0, pre, T == (int)blockIdx.x);
   }
-#if ATT_FLAGS
-  // the tile's outputs (warp 0's lanes above: q, or k and v with their cache rows) counted for its kv group
-  if (EPI == EPI_ROPE && rope.head_cnt != nullptr && threadIdx.x < AF_WARP) {
-    __syncwarp();  // lanes 0 .. GEMV_TILE/R - 1 stored; lane 0's release publishes them
-    if (threadIdx.x == 0) {
-      const int head = T * (GEMV_TILE / R) / (rope.hd / 2);
-      const int g = head < rope.n_q ? head / (rope.n_q / rope.n_kv) : (head - rope.n_q) % rope.n_kv;
-      red_add_release_gpu(rope.head_cnt + g, 1u);
-    }
-  }
-#endif
 }
 
 // fp16 weights through registers: each lane's loads of a batch (GEMV_LOADS_F16 x 16 bytes) are in flight at once.
@@ -718,7 +706,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   }
 #define GEMV_WS_ROPE_INSTANCE(NAME, FP8)                                                                  \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_ROPE_PARAMS, int npre) {     \
-    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, GEMV_ROPE_CNT}))      \
+    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}))      \
   }
 
 // fp16 layer GEMVs: the register path.
@@ -755,21 +743,14 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x,      \
    const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K,                  \
    const float2* __restrict__ cos_sin, const int* __restrict__ pos, __half* __restrict__ k_cache,         \
-   __half* __restrict__ v_cache, int n_q, int n_kv, int hd GEMV_ROPE_CNT_PARAM
-#if ATT_FLAGS  // the kv groups' tile counters (common.cuh; nullptr: none)
-#define GEMV_ROPE_CNT_PARAM , unsigned int* __restrict__ head_cnt
-#define GEMV_ROPE_CNT head_cnt
-#else
-#define GEMV_ROPE_CNT_PARAM
-#define GEMV_ROPE_CNT nullptr
-#endif
+   __half* __restrict__ v_cache, int n_q, int n_kv, int hd
 #define GEMV_ROPE_ARGS (GEMV_ROPE_PARAMS)
 #define GEMV_ROPE_CALL(PATH)                                                                              \
   {                                                                                                       \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     PATH(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},                                                \
-         RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, GEMV_ROPE_CNT}, PdlSync{}, smem_raw);                   \
+         RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}, PdlSync{}, smem_raw);                   \
   }
 #define GEMV_ROPE_INSTANCE(NAME)                                                                          \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS) NAME GEMV_ROPE_ARGS        \

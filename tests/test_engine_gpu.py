@@ -415,28 +415,3 @@ def test_gemv_bench_isolated_and_chained():
         assert 0 < r["isolated_ceiling_pct"] < 100
         assert r["isolated_ceiling_pct"] == pytest.approx(100 * floor / (floor + g["empty_launch_us"]["median"]))
     assert 0 < g["empty_launch_us"]["median"] < 50  # an empty launch between two events, no host time inside
-
-
-@pytest.mark.parametrize("model,fmt,gemv", [("tiny", "fp16", "ring"), ("tiny", "fp8", "ring"), ("tiny", "fp8", "ws"),
-                                            ("1b", "fp16", "auto"), ("1b", "fp8", "auto")])
-def test_att_flags_same_tokens(tiny_dir, llama1b_dir, model, fmt, gemv):
-    """The A/B knob ATT_FLAGS=1 (each short attention block polls its kv group's QKV tile counter instead of waiting
-    for the whole QKV grid; PERF_NOTES v29) generates the default step's tokens and logits bit for bit, graph and
-    eager, and leaves every counter at 0 (each attention block resets its own after passing). The 1B shape runs
-    its QKV launches of 192 tiles on every SM, so the counters see real concurrency."""
-    from atomflow_bench.engine import Engine
-
-    d = tiny_dir if model == "tiny" else llama1b_dir
-    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 40)]
-    forms = {"attention": "short", "gemv": gemv}
-    base = Engine(d, weights=fmt, max_seq=96, **forms)
-    want, want_logits = base.generate(prompt, 24), base.arena["logits"].get()
-    del base
-    flags = Engine(d, weights=fmt, max_seq=96, kernel_defines=("ATT_FLAGS=1",), **forms)
-    att = [ln for ln in flags.launches if ln.name == "attention_decode"]
-    assert att and all(len(ln.args) == 10 for ln in att)   # the counters and the tiles per group passed
-    np.testing.assert_array_equal(flags.generate(prompt, 24, graph=True), want)
-    np.testing.assert_array_equal(flags.arena["logits"].get(), want_logits)
-    assert not flags.arena["att_flags"].get().any()
-    np.testing.assert_array_equal(flags.generate(prompt, 24, graph=False), want)
-    assert not flags.arena["att_flags"].get().any()

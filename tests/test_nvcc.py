@@ -55,21 +55,6 @@ def test_timeline_build_compiles_without_spills(src, tmp_path):
     assert frames and not local_memory(frames)
 
 
-@pytest.mark.parametrize("src", ["gemv_fp8.cu", "gemv_fp16.cu", "attention_short.cu"])
-def test_att_flags_compiles_without_spills(src, tmp_path):
-    """The A/B knob ATT_FLAGS (PERF_NOTES v29) compiles without local memory: the QKV kernels then publish their
-    tiles with a release add, the short attention polls with an acquire load."""
-    path = KERNELS_DIR / src
-    report = compile_report(path, "sm_90", tmp_path, defines=("ATT_FLAGS=1",))
-    frames = frames_of(report)
-    assert len(frames) == len(kernel_names(path)) and not local_memory(frames)
-    out = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", "-DATT_FLAGS=1", "-ptx", str(path), "-o", "-"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0
-    want = "ld.acquire.gpu" if src.startswith("attention") else "red.release.gpu.global.add.u32"
-    assert want in out.stdout
-
-
 @pytest.mark.parametrize("knob", ["ATT_TMA=1", "ATT_BULK=1"])
 def test_attention_copy_forms_compile_without_spills(knob, tmp_path):
     """attention.cu's sm_90 staging forms (A/B knobs: 2D tensor copies, bulk copies) compile without local memory;
