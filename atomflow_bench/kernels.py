@@ -93,9 +93,8 @@ INSTRUMENT_KNOBS = ("AF_NO_WAIT",)
 
 
 def instrument_defines(defines: tuple | None = None) -> list[str]:
-    """The NAME=V of `defines` (default: ATOMFLOW_KERNEL_DEFINES) that switch a timing instrument on."""
-    given = tuple(defines) if defines is not None else tuple(os.environ.get("ATOMFLOW_KERNEL_DEFINES", "").split())
-    return [f"{n}={knob(n, 0, given)}" for n in INSTRUMENT_KNOBS if knob(n, 0, given)]
+    """The NAME=V of `defines` (default, as for `knob`: ATOMFLOW_KERNEL_DEFINES) that switch a timing instrument on."""
+    return [f"{n}={knob(n, 0, defines)}" for n in INSTRUMENT_KNOBS if knob(n, 0, defines)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -53,15 +53,9 @@ def clear(bufs) -> None:
         nxt.fill(0)
 
 
-def read(bufs) -> tuple[np.ndarray, int]:
-    """All records written since `clear` ([N, 4 + MARKS]: grid id, start, wait, end, marks) and how many did not
-    fit."""
-    rec, _, _, dropped = read_with_sm(bufs)
-    return rec, dropped
-
-
 def read_with_sm(bufs) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """`read`, plus the SM of every record ([N] int) and its block's index ([N, 3] int: x, y, z)."""
+    """All records written since `clear` ([N, 4 + MARKS]: grid id, start, wait, end, marks), the SM of every record
+    ([N] int), its block's index ([N, 3] int: x, y, z) and how many records did not fit."""
     rows, sms, dropped = [], [], 0
     for rec, nxt in bufs:
         n = nxt.get().astype(np.int64)
