@@ -58,6 +58,8 @@ GEMV_WS_PRE_TRY = {"fp16": (2,), "fp8": ()}  # other counts the engine times per
 GEMV_MIXED_TRY = {"fp16": (), "fp8": ()}  # ring steps with these roles warp-specialised, timed by the engine (none:
                            # 3B W8A16 ring+wd measured -14 µs in one call, +13 µs forced in another: PERF_NOTES v17.3)
 GEMV_ROLES = ("wqkv", "wo", "wgu", "wd")
+GEMV_NEXT_L2 = 0           # knob: QKV's blocks ask L2 for o_proj's weights (1: after their epilogue, 2: after their
+                           # own pre-wait requests; gemv_common.cuh next_weights_l2, PERF_NOTES v30.1)
 ATT_THREADS = 128             # attention.cu block size (A/B knob ATT_THREADS)
 ATT_GROUP = 16                # attention.cu: positions per group (a warp's unit of the walk; ATT_TMA's box rows)
 ATT_RING_BYTES = 24 * 1024  # attention.cu: each warp's K/V ring (3 groups at hd 128, 6 at hd 64)
@@ -182,7 +184,8 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     row-major weights).
 
     qkv_rope: n_out = qkv_dim / 2 (one output per rotation pair); `rope` = (cos_sin, pos, k_cache, v_cache,
-    n_q_heads, n_kv_heads, head_dim) for this layer. `ring_depth`: see gemv_ws_plan / gemv_plan (tests). `ws`:
+    n_q_heads, n_kv_heads, head_dim[, next_w]) for this layer; next_w: the next GEMV's weights, which the kernel
+    asks into L2 under the knob GEMV_NEXT_L2 (gemv_common.cuh next_weights_l2). `ring_depth`: see gemv_ws_plan / gemv_plan (tests). `ws`:
     the tiled variants warp-specialised (sm_90+) or not; None: the rule of gemv_ws (knob GEMV_WS). `ws_pre`: the
     ring slots a warp-specialised launch fills before its wait (None: gemv_ws_pre). The engine passes the form it
     measured fastest (Engine gemv="auto").
@@ -201,7 +204,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         per_sm = ROWS_BLOCKS_PER_SM
     else:
         try:
-            check_tiled(rows, k, VARIANT_PAIRING[variant], rope[-1] // 2 if rope else 0)
+            check_tiled(rows, k, VARIANT_PAIRING[variant], rope[6] // 2 if rope else 0)
         except VerifyError as e:
             raise AtomflowError(f"GEMV {role or variant}: {e}") from None
         grid_units = rows // 16  # a block per 16-row tile
@@ -221,8 +224,10 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     moved = w.nbytes + (scales.nbytes if fp8 else 0) + x.nbytes + y.nbytes
     extra = ()
     if variant == "qkv_rope":
-        cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd = rope
-        extra = (cos_sin, pos, k_cache, v_cache, i32(n_q), i32(n_kv), i32(hd))
+        cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, *nxt = rope
+        nxt = nxt[0] if nxt and nxt[0] is not None and knob("GEMV_NEXT_L2", GEMV_NEXT_L2, lib.defines) else None
+        extra = (cos_sin, pos, k_cache, v_cache, i32(n_q), i32(n_kv), i32(hd),
+                 NULL if nxt is None else nxt, np.uint64(0 if nxt is None else nxt.nbytes))
         moved += 2 * n_kv * hd * 2  # the K and V rows appended to the cache
     if variant == "f32":
         extra = (NULL if x_out is None else x_out,)
@@ -438,7 +443,7 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
         steps += [
             gemv(f"L{i}.wqkv", "qkv_rope", h, qkv, rows["wqkv"][0] // 2, H, norm_w=a[f"L{i}.attn_norm"],
                  rope=(a["rope_cs"], a["pos"], a["k_cache"][i], a["v_cache"][i], cfg.num_attention_heads,
-                       cfg.num_key_value_heads, hd),
+                       cfg.num_key_value_heads, hd, a[f"L{i}.wo"]),
                  taps={p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}),
             attention_short_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], attn_out,
                                    cfg.num_key_value_heads, cfg.group_size, hd, att_cap, taps={p + "attn_out": attn_out})

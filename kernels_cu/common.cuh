@@ -194,6 +194,10 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int c0, 
                "r"((unsigned)__cvta_generic_to_shared(bar))
                : "memory");
 }
+// Ask L2 for `bytes` (a multiple of 16) at `src` (16-byte aligned) by the copy engine: no destination, no completion.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
 // The generic proxy's earlier accesses to shared memory ordered before later copies of the async proxy into it.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {

@@ -78,6 +78,8 @@ struct RopeArgs {
   __half* k_cache;  // this layer's [max_seq][n_kv * hd]
   __half* v_cache;
   int n_q, n_kv, hd;
+  const unsigned char* next_w;    // GEMV_NEXT_L2: the next GEMV's weights (o_proj's), asked into L2 (0: none)
+  unsigned long long next_bytes;
 };
 
 // One GEMV's operands (unused ones 0). x: const float* (fp32 residual) with PRO_NORM, else const half*.
@@ -180,6 +182,26 @@ __device__ __forceinline__ void gemv_arrive_wait(const Sync& sync) {
   } else {
     sync.arrive_wait();
   }
+}
+
+// GEMV_NEXT_L2 (knob, default 0; results/PERF_NOTES.md v30-v30.1): the QKV kernel asks L2 for the next GEMV's weights
+// (o_proj's: rope.next_w, which the host passes), each block its 1/gridDim share by bulk prefetches. The hardware
+// counters show HBM idle for ~4.5 µs per layer between QKV's last weights and o_proj's blocks (QKV's tail, then the
+// attention), because o_proj's blocks are launched only at the attention's wait. WHEN = 1: after the block's last
+// epilogue (its own weights are all in); 2: right after its own pre-wait weight requests.
+#ifndef GEMV_NEXT_L2
+#define GEMV_NEXT_L2 0
+#endif
+template <int EPI, int WHEN>
+__device__ __forceinline__ void next_weights_l2(const RopeArgs& rope, bool issuer) {
+#if AF_HAS_BULK
+  if (EPI == EPI_ROPE && GEMV_NEXT_L2 == WHEN && issuer && rope.next_bytes) {
+    const unsigned long long share = ((rope.next_bytes + gridDim.x - 1) / gridDim.x + 15) & ~15ull;
+    const unsigned long long end = min(share * (blockIdx.x + 1), rope.next_bytes);
+    for (unsigned long long b = share * blockIdx.x; b < end; b += 32768)
+      bulk_prefetch_l2(rope.next_w + b, (unsigned)min(32768ull, end - b));
+  }
+#endif
 }
 
 // ---- TILED: every layer projection ---------------------------------------------------------------------
@@ -544,6 +566,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 
 #pragma unroll
   for (int n = 0; n < NS; ++n) issue(n);
+  next_weights_l2<EPI, 2>(rope, threadIdx.x == 0);
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
   const NormRegs nr = norm_w_regs<PRO>(a);  // PRO_NORM: norm_w before the wait
   gemv_arrive_wait<EPI>(sync);  // weights above may be read early; x / h / pos only once the previous kernel is done
@@ -565,6 +588,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
     AF_TL_MARK(1);  // timeline: the (last) tile's dot products done
     tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc, pre);
   }
+  next_weights_l2<EPI, 1>(rope, threadIdx.x == 0);
   AF_TL_MARK(2);  // timeline: epilogue done
 #if !GEMV_RING_BULK
   cp_async_wait<0>();
@@ -649,6 +673,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
         if (FP8)
           bulk_g2s(ring + slot * SLOTB + GEMV_WS_SLOT, a.scales + ((size_t)T * ngroups + g0) * 16, sbytes, full + slot);
       }
+      next_weights_l2<EPI, 2>(rope, true);
     }
     return;
   }
@@ -681,6 +706,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
     AF_TL_MARK(1);  // timeline: the (last) tile's dot products done
     tile_epilogue<R, EPI, GEMV_THREADS>(a, rope, red + parity * NWC * GEMV_TILE, T, acc, pre);
   }
+  next_weights_l2<EPI, 1>(rope, threadIdx.x == 0);
   AF_TL_MARK(2);  // timeline: epilogue done
 }
 #endif
@@ -706,7 +732,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   }
 #define GEMV_WS_ROPE_INSTANCE(NAME, FP8)                                                                  \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_ROPE_PARAMS, int npre) {     \
-    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}))      \
+    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, next_w, next_bytes}))      \
   }
 
 // fp16 layer GEMVs: the register path.
@@ -743,14 +769,15 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x,      \
    const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K,                  \
    const float2* __restrict__ cos_sin, const int* __restrict__ pos, __half* __restrict__ k_cache,         \
-   __half* __restrict__ v_cache, int n_q, int n_kv, int hd
+   __half* __restrict__ v_cache, int n_q, int n_kv, int hd, const unsigned char* __restrict__ next_w,     \
+   unsigned long long next_bytes
 #define GEMV_ROPE_ARGS (GEMV_ROPE_PARAMS)
 #define GEMV_ROPE_CALL(PATH)                                                                              \
   {                                                                                                       \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     PATH(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},                                                \
-         RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd}, PdlSync{}, smem_raw);                   \
+         RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, next_w, next_bytes}, PdlSync{}, smem_raw);                   \
   }
 #define GEMV_ROPE_INSTANCE(NAME)                                                                          \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS) NAME GEMV_ROPE_ARGS        \

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, benchmarks. Prints a short table last; full logs/JSON under $OUT.
 #   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench bench-ab knobs profile gemv
-#                                       validate evidence attention att-profile att-alone ab (default: info kernels engine bench)
+#                                       validate evidence attention att-profile att-alone ab dram (default: info kernels engine bench)
 #   KERNELS_K="pytest -k expression" (kernels stage: a subset)
 #   BENCH_SPECS="model:fmt ..."  CTX=128  KNOBS="DEF=V,DEF=V ..." (knobs: compile-time -D variants, 3B fp8)
 #   PROFILE_SPECS="model:fmt ..." PROFILE_DEFINES="DEF=V ..." PROFILE_CTX=128 TIMELINE=N (profile stage; N replays of the
 #                                       in-kernel timeline instrument, 0 = off)
 #   AB_DIR=.ab/<commit> AB_SPEC="model:fmt" AB_ROUNDS=2 (ab stage: the other tree vs this one, same machine;
 #                                       att-profile: the other tree's ctx 8192 profile before this one's)
+#   DRAM_SPECS="model:fmt[@DEF=V,...] ..." (dram: HBM throughput over the step from the hardware counters, ncu)
 #   ATT_KNOBS="default DEF=V,DEF=V ..." (attention / att-profile stages: per variant the ctx 8192 profile; att-alone:
 #                                       per variant the in-kernel timeline of the attention launches alone)
 set -uo pipefail
@@ -78,6 +79,22 @@ f = lambda v: "-" if v is None else "%.2f" % v
 print(" ".join("%s=%.2f/%.2f(%s,%s)[%s]" % (r["role"], r["span_us"], r["floor_us"], f(r["release_us"]), f(r["after_release_us"]),
                "/".join(f(m) for m in r["marks_us"])) for r in t["rows"]), "| replay %.1f us, instrumented %.1f, plain %.1f, clock %.0f ns" % (t["step_us"]["median"],
       t["instrumented_replay_us"], t["plain_replay_us"], t["clock_granularity_ns"]))' "$OUT/profile-$tag.json" 2>&1 | tail -1)"
+      done ;;
+    dram)   # DRAM_SPECS="model:fmt[@DEF=V,DEF=V] ..." (default 3B fp8): HBM's throughput over 2 graph replays from the
+            # hardware counters (Nsight Compute PM sampling; scripts/dram_timeline.py), folded per layer
+      NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+      for spec in ${DRAM_SPECS:-"llama-3.2-3b:fp8"}; do
+        d=""; [[ $spec == *@* ]] && { d=${spec#*@}; d=${d//,/ }; spec=${spec%%@*}; }
+        m=${spec%%:*}; w=${spec##*:}; tag="${m#llama-}-$w"; [ -n "$d" ] && tag="$tag-${d//[= ]/_}"
+        ATOMFLOW_KERNEL_DEFINES="$d" timeout 300 "$NCU" --profile-from-start off --graph-profiling graph \
+          --section PmSampling --clock-control none --cache-control none -f -o "$OUT/dram-$tag" \
+          python3 scripts/dram_timeline.py child "$m" "$w" "${CTX:-128}" 2 >"$OUT/dram-$tag.log" 2>&1
+        rc=$?
+        "$NCU" -i "$OUT/dram-$tag.ncu-rep" --page raw --csv --print-metric-instances values >"$OUT/dram-$tag.csv" 2>>"$OUT/dram-$tag.log"
+        layers=$(python3 -c 'import sys; from atomflow_bench.config import CATALOG; print(CATALOG[sys.argv[1]].config.num_hidden_layers)' "$m")
+        python3 scripts/dram_timeline.py summary "$OUT/dram-$tag.csv" "$OUT/dram-$tag.json" "$layers" >"$OUT/dram-$tag.txt" 2>&1
+        note "dram $tag: rc=$rc $(grep unprofiled "$OUT/dram-$tag.log" | cut -c1-60) | $(grep -o 'HBM mean.*dips' "$OUT/dram-$tag.txt" | tr '\n' ' ')"
+        rm -f "$OUT/dram-$tag.ncu-rep"
       done ;;
     gemv)
       atomflow-bench gemv llama-3.2-3b --json "$OUT/gemv-3b.json" >"$OUT/gemv-3b.log" 2>&1

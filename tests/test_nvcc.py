@@ -92,3 +92,25 @@ def test_no_wait_instrument_compiles_without_spills(src, tmp_path):
         return out.stdout.count("griddepcontrol.wait")
 
     assert waits(("AF_NO_WAIT=15",)) < waits(())
+
+
+@pytest.mark.parametrize("value", [1, 2])
+@pytest.mark.parametrize("src", ["gemv_fp8.cu", "gemv_fp16.cu"])
+def test_next_weights_l2_compiles_without_spills(src, value, tmp_path):
+    """The knob GEMV_NEXT_L2 (gemv_common.cuh next_weights_l2; PERF_NOTES v30.1) compiles without local memory and puts
+    the L2 bulk prefetch into the QKV kernels only: none in the default build, none in any other kernel."""
+    path = KERNELS_DIR / src
+    define = f"GEMV_NEXT_L2={value}"
+    frames = frames_of(compile_report(path, "sm_90", tmp_path, defines=(define,)))
+    assert frames and not local_memory(frames)
+
+    def prefetching(defines) -> set[str]:
+        out = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", *[f"-D{d}" for d in defines], "-ptx", str(path),
+                              "-o", "-"], capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        kernels = re.split(r"\.entry\s+", out.stdout)[1:]
+        return {k.split("(", 1)[0].strip() for k in kernels if "cp.async.bulk.prefetch.L2" in k}
+
+    assert prefetching(()) == set()
+    on = prefetching((define,))
+    assert on and all("qkv_rope" in k for k in on), on
