@@ -60,6 +60,8 @@ GEMV_MIXED_TRY = {"fp16": (), "fp8": ()}  # ring steps with these roles warp-spe
 GEMV_ROLES = ("wqkv", "wo", "wgu", "wd")
 GEMV_NEXT_L2 = 0           # knob: QKV's blocks ask L2 for o_proj's weights (1: after their epilogue, 2: after their
                            # own pre-wait requests; gemv_common.cuh next_weights_l2, PERF_NOTES v30.1)
+GEMV_NEXT_L2_GU = 0        # knob (MB): ... and for the first this many MB of gate/up's weights (arena order: o_proj's
+                           # weights and scales, then gate/up's; one range), PERF_NOTES v30.2
 ATT_THREADS = 128             # attention.cu block size (A/B knob ATT_THREADS)
 ATT_GROUP = 16                # attention.cu: positions per group (a warp's unit of the walk; ATT_TMA's box rows)
 ATT_RING_BYTES = 24 * 1024  # attention.cu: each warp's K/V ring (3 groups at hd 128, 6 at hd 64)
@@ -184,8 +186,8 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     row-major weights).
 
     qkv_rope: n_out = qkv_dim / 2 (one output per rotation pair); `rope` = (cos_sin, pos, k_cache, v_cache,
-    n_q_heads, n_kv_heads, head_dim[, next_w]) for this layer; next_w: the next GEMV's weights, which the kernel
-    asks into L2 under the knob GEMV_NEXT_L2 (gemv_common.cuh next_weights_l2). `ring_depth`: see gemv_ws_plan / gemv_plan (tests). `ws`:
+    n_q_heads, n_kv_heads, head_dim[, next]) for this layer; next: the weights the kernel asks into L2 under the knob
+    GEMV_NEXT_L2 (gemv_common.cuh next_weights_l2): an array (all of it) or (array, bytes from its start). `ring_depth`: see gemv_ws_plan / gemv_plan (tests). `ws`:
     the tiled variants warp-specialised (sm_90+) or not; None: the rule of gemv_ws (knob GEMV_WS). `ws_pre`: the
     ring slots a warp-specialised launch fills before its wait (None: gemv_ws_pre). The engine passes the form it
     measured fastest (Engine gemv="auto").
@@ -226,8 +228,10 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     if variant == "qkv_rope":
         cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, *nxt = rope
         nxt = nxt[0] if nxt and nxt[0] is not None and knob("GEMV_NEXT_L2", GEMV_NEXT_L2, lib.defines) else None
+        if nxt is not None and not isinstance(nxt, tuple):
+            nxt = (nxt, nxt.nbytes)
         extra = (cos_sin, pos, k_cache, v_cache, i32(n_q), i32(n_kv), i32(hd),
-                 NULL if nxt is None else nxt, np.uint64(0 if nxt is None else nxt.nbytes))
+                 NULL if nxt is None else nxt[0], np.uint64(0 if nxt is None else nxt[1]))
         moved += 2 * n_kv * hd * 2  # the K and V rows appended to the cache
     if variant == "f32":
         extra = (NULL if x_out is None else x_out,)
@@ -443,7 +447,7 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
         steps += [
             gemv(f"L{i}.wqkv", "qkv_rope", h, qkv, rows["wqkv"][0] // 2, H, norm_w=a[f"L{i}.attn_norm"],
                  rope=(a["rope_cs"], a["pos"], a["k_cache"][i], a["v_cache"][i], cfg.num_attention_heads,
-                       cfg.num_key_value_heads, hd, a[f"L{i}.wo"]),
+                       cfg.num_key_value_heads, hd, next_l2(a, i, lib.defines)),
                  taps={p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}),
             attention_short_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], attn_out,
                                    cfg.num_key_value_heads, cfg.group_size, hd, att_cap, taps={p + "attn_out": attn_out})
@@ -459,6 +463,20 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
         steps.append(rmsnorm_launch(lib, h, a["final_norm"], eps, xnorm, taps={"final_norm": xnorm}))
     check_residual_order([ln.name for ln in steps + tail])
     return steps + tail
+
+
+def next_l2(a: Arena, i: int, defines: tuple) -> tuple:
+    """What layer i's QKV kernel asks into L2 under GEMV_NEXT_L2: o_proj's weights, and with GEMV_NEXT_L2_GU = N the
+    first N MB of gate/up's too — one range from o_proj's start, which the arena's order (wo, wo.scale, wgu) makes
+    contiguous (checked)."""
+    wo, wgu = a[f"L{i}.wo"], a[f"L{i}.wgu"]
+    gu = min(knob("GEMV_NEXT_L2_GU", GEMV_NEXT_L2_GU, defines) << 20, wgu.nbytes)
+    if not gu:
+        return wo, wo.nbytes
+    gap = wgu.data.ptr - wo.data.ptr
+    if not wo.nbytes <= gap <= wo.nbytes + (wo.nbytes // 16 + 4096):  # only o_proj's scales and padding between
+        raise AtomflowError(f"layer {i}: gate/up's weights do not follow o_proj's in the arena")
+    return wo, gap + gu
 
 
 def check_residual_order(names: list[str]) -> None:

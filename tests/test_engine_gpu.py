@@ -271,12 +271,12 @@ def test_separate_tail_same_tokens(tiny_dir, monkeypatch, knobs, tail):
         np.testing.assert_array_equal(taps[name], want_taps[name], err_msg=name)
 
 
-@pytest.mark.parametrize("value", [1, 2])
+@pytest.mark.parametrize("defines", ["GEMV_NEXT_L2=1", "GEMV_NEXT_L2=2", "GEMV_NEXT_L2=1 GEMV_NEXT_L2_GU=1"])
 @pytest.mark.parametrize("fmt,gemv", [("fp16", "ws"), ("fp8", "ring"), ("fp8", "ws")])
-def test_next_weights_l2_same_tokens(tiny_dir, monkeypatch, fmt, gemv, value):
-    """The knob GEMV_NEXT_L2 (QKV's blocks ask L2 for o_proj's weights: PERF_NOTES v30.1) hands every QKV launch its
-    layer's o_proj weights and their size, and nothing else changes: the tokens and logits of the default step, bit for
-    bit, graph and eager."""
+def test_next_weights_l2_same_tokens(tiny_dir, monkeypatch, fmt, gemv, defines):
+    """The knob GEMV_NEXT_L2 (QKV's blocks ask L2 for o_proj's weights, with GEMV_NEXT_L2_GU = N MB also for the start
+    of gate/up's: PERF_NOTES v30.1-v30.2) hands every QKV launch the start of its layer's o_proj weights and the range's
+    size, and nothing else changes: the tokens and logits of the default step, bit for bit, graph and eager."""
     from atomflow_bench.engine import Engine
 
     prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 20)]
@@ -285,15 +285,17 @@ def test_next_weights_l2_same_tokens(tiny_dir, monkeypatch, fmt, gemv, value):
     want, want_logits = base.generate(prompt, 24), base.arena["logits"].get()
     qkv = [ln for ln in base.launches if "qkv_rope" in ln.name]
     assert qkv and all(int(ln.args[-2 if gemv == "ws" else -1]) == 0 for ln in qkv)  # no size: nothing asked
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", f"GEMV_NEXT_L2={value}")
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", defines)
     eng = Engine(tiny_dir, weights=fmt, max_seq=64, **forms)
     qkv = [ln for ln in eng.launches if "qkv_rope" in ln.name]
     cfg = eng.cfg
     for i, ln in enumerate(qkv):
-        wo = eng.arena[f"L{i}.wo"]
+        wo, wgu = eng.arena[f"L{i}.wo"], eng.arena[f"L{i}.wgu"]
         nxt, size = ln.args[-3:-1] if gemv == "ws" else ln.args[-2:]
         assert nxt.data.ptr == wo.data.ptr
-        assert int(size) == wo.nbytes == cfg.hidden_size * cfg.q_dim * (2 if fmt == "fp16" else 1)
+        assert wo.nbytes == cfg.hidden_size * cfg.q_dim * (2 if fmt == "fp16" else 1)
+        want_size = wgu.data.ptr - wo.data.ptr + min(1 << 20, wgu.nbytes) if "GU" in defines else wo.nbytes
+        assert int(size) == want_size
     np.testing.assert_array_equal(eng.generate(prompt, 24), want)
     np.testing.assert_array_equal(eng.arena["logits"].get(), want_logits)
     np.testing.assert_array_equal(eng.generate(prompt, 24, graph=False), want)
