@@ -62,6 +62,8 @@ GEMV_NEXT_L2 = 0           # knob: QKV's blocks ask L2 for o_proj's weights (1: 
                            # own pre-wait requests; gemv_common.cuh next_weights_l2, PERF_NOTES v30.1)
 GEMV_NEXT_L2_GU = 0        # knob (MB): ... and for the first this many MB of gate/up's weights (arena order: o_proj's
                            # weights and scales, then gate/up's; one range), PERF_NOTES v30.2
+GEMV_NEXT_L2_TAIL = 0      # knob (MB): instead, for the LAST this many MB of gate/up's weights (the tiles its blocks
+                           # stream last), PERF_NOTES v30.3
 ATT_THREADS = 128             # attention.cu block size (A/B knob ATT_THREADS)
 ATT_GROUP = 16                # attention.cu: positions per group (a warp's unit of the walk; ATT_TMA's box rows)
 ATT_RING_BYTES = 24 * 1024  # attention.cu: each warp's K/V ring (3 groups at hd 128, 6 at hd 64)
@@ -468,8 +470,11 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
 def next_l2(a: Arena, i: int, defines: tuple) -> tuple:
     """What layer i's QKV kernel asks into L2 under GEMV_NEXT_L2: o_proj's weights, and with GEMV_NEXT_L2_GU = N the
     first N MB of gate/up's too — one range from o_proj's start, which the arena's order (wo, wo.scale, wgu) makes
-    contiguous (checked)."""
+    contiguous (checked); with GEMV_NEXT_L2_TAIL = N only the last N MB of gate/up's weights."""
     wo, wgu = a[f"L{i}.wo"], a[f"L{i}.wgu"]
+    tail = min(knob("GEMV_NEXT_L2_TAIL", GEMV_NEXT_L2_TAIL, defines) << 20, wgu.nbytes) & ~15
+    if tail:
+        return wgu.view(np.uint8).reshape(-1)[wgu.nbytes - tail:], tail
     gu = min(knob("GEMV_NEXT_L2_GU", GEMV_NEXT_L2_GU, defines) << 20, wgu.nbytes)
     if not gu:
         return wo, wo.nbytes

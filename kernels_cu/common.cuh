@@ -194,6 +194,20 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int c0, 
                "r"((unsigned)__cvta_generic_to_shared(bar))
                : "memory");
 }
+// The same copy with an L2 cache policy (createpolicy: e.g. l2_evict_first), for data read once.
+__device__ __forceinline__ void bulk_g2s_hint(void* dst, const void* src, unsigned bytes, unsigned long long* bar,
+                                              unsigned long long policy) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+               ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes),
+               "r"((unsigned)__cvta_generic_to_shared(bar)), "l"(policy)
+               : "memory");
+}
+// An L2 policy under which the lines a copy brings in are the first to be evicted (streamed weights: read once).
+__device__ __forceinline__ unsigned long long l2_evict_first() {
+  unsigned long long p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
 // Ask L2 for `bytes` (a multiple of 16) at `src` (16-byte aligned) by the copy engine: no destination, no completion.
 __device__ __forceinline__ void bulk_prefetch_l2(const void* src, unsigned bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");

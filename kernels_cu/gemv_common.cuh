@@ -192,6 +192,21 @@ __device__ __forceinline__ void gemv_arrive_wait(const Sync& sync) {
 #ifndef GEMV_NEXT_L2
 #define GEMV_NEXT_L2 0
 #endif
+// GEMV_EVICT_FIRST (knob, default 0; PERF_NOTES v30.3): the tiled GEMVs' weight and scale copies (the bulk paths: fp8
+// ring on sm_90+, warp-specialised) carry an L2 evict-first policy, so the weights streamed through L2 once per step
+// are evicted before anything else: what GEMV_NEXT_L2 asked in, the KV cache and the activations.
+#ifndef GEMV_EVICT_FIRST
+#define GEMV_EVICT_FIRST 0
+#endif
+#if AF_HAS_BULK
+__device__ __forceinline__ void gemv_w_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  if (GEMV_EVICT_FIRST) {
+    bulk_g2s_hint(dst, src, bytes, bar, l2_evict_first());
+  } else {
+    bulk_g2s(dst, src, bytes, bar);
+  }
+}
+#endif
 template <int EPI, int WHEN>
 __device__ __forceinline__ void next_weights_l2(const RopeArgs& rope, bool issuer) {
 #if AF_HAS_BULK
@@ -538,8 +553,8 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
       const int T = tile_of(n), G = group_of(n), slot = n % NS;
       const unsigned wbytes = (unsigned)min(UPG, nunits - G * UPG) * 512u;  // the last group may be short
       mbar_expect_tx(bar(slot), wbytes + 64u);
-      bulk_g2s(wring + slot * SLOT, a.W + (size_t)T * tile_bytes + (size_t)G * SLOT, wbytes, bar(slot));
-      bulk_g2s(sarea + slot * SSLOT, a.scales + ((size_t)T * ngroups + G) * 16, 64u, bar(slot));
+      gemv_w_copy(wring + slot * SLOT, a.W + (size_t)T * tile_bytes + (size_t)G * SLOT, wbytes, bar(slot));
+      gemv_w_copy(sarea + slot * SSLOT, a.scales + ((size_t)T * ngroups + G) * 16, 64u, bar(slot));
     }
   };
   auto ready = [&](int n) { mbar_wait(bar(n % NS), (unsigned)(n / NS) & 1u); };
@@ -669,9 +684,9 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
         part(n, T, g0, g1, u0, u1);
         const unsigned wbytes = (unsigned)(u1 - u0) * 512u, sbytes = FP8 ? (unsigned)(g1 - g0) * 64u : 0u;
         mbar_expect_tx(full + slot, wbytes + sbytes);
-        bulk_g2s(ring + slot * SLOTB, a.W + (size_t)T * tile_bytes + (size_t)u0 * 512, wbytes, full + slot);
+        gemv_w_copy(ring + slot * SLOTB, a.W + (size_t)T * tile_bytes + (size_t)u0 * 512, wbytes, full + slot);
         if (FP8)
-          bulk_g2s(ring + slot * SLOTB + GEMV_WS_SLOT, a.scales + ((size_t)T * ngroups + g0) * 16, sbytes, full + slot);
+          gemv_w_copy(ring + slot * SLOTB + GEMV_WS_SLOT, a.scales + ((size_t)T * ngroups + g0) * 16, sbytes, full + slot);
       }
       next_weights_l2<EPI, 2>(rope, true);
     }

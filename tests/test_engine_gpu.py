@@ -271,12 +271,14 @@ def test_separate_tail_same_tokens(tiny_dir, monkeypatch, knobs, tail):
         np.testing.assert_array_equal(taps[name], want_taps[name], err_msg=name)
 
 
-@pytest.mark.parametrize("defines", ["GEMV_NEXT_L2=1", "GEMV_NEXT_L2=2", "GEMV_NEXT_L2=1 GEMV_NEXT_L2_GU=1"])
+@pytest.mark.parametrize("defines", ["GEMV_NEXT_L2=1", "GEMV_NEXT_L2=2", "GEMV_NEXT_L2=1 GEMV_NEXT_L2_GU=1",
+                                     "GEMV_NEXT_L2=1 GEMV_NEXT_L2_TAIL=1 GEMV_EVICT_FIRST=1", "GEMV_EVICT_FIRST=1"])
 @pytest.mark.parametrize("fmt,gemv", [("fp16", "ws"), ("fp8", "ring"), ("fp8", "ws")])
 def test_next_weights_l2_same_tokens(tiny_dir, monkeypatch, fmt, gemv, defines):
     """The knob GEMV_NEXT_L2 (QKV's blocks ask L2 for o_proj's weights, with GEMV_NEXT_L2_GU = N MB also for the start
-    of gate/up's: PERF_NOTES v30.1-v30.2) hands every QKV launch the start of its layer's o_proj weights and the range's
-    size, and nothing else changes: the tokens and logits of the default step, bit for bit, graph and eager."""
+    of gate/up's, with GEMV_NEXT_L2_TAIL = N MB for gate/up's last N MB instead: PERF_NOTES v30.1-v30.3) hands every QKV
+    launch that range, and GEMV_EVICT_FIRST (the weight copies' L2 evict-first policy) changes no result either: the
+    tokens and logits of the default step, bit for bit, graph and eager."""
     from atomflow_bench.engine import Engine
 
     prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 20)]
@@ -292,10 +294,16 @@ def test_next_weights_l2_same_tokens(tiny_dir, monkeypatch, fmt, gemv, defines):
     for i, ln in enumerate(qkv):
         wo, wgu = eng.arena[f"L{i}.wo"], eng.arena[f"L{i}.wgu"]
         nxt, size = ln.args[-3:-1] if gemv == "ws" else ln.args[-2:]
-        assert nxt.data.ptr == wo.data.ptr
         assert wo.nbytes == cfg.hidden_size * cfg.q_dim * (2 if fmt == "fp16" else 1)
-        want_size = wgu.data.ptr - wo.data.ptr + min(1 << 20, wgu.nbytes) if "GU" in defines else wo.nbytes
-        assert int(size) == want_size
+        if "NEXT_L2=" not in defines:  # GEMV_EVICT_FIRST alone: nothing asked
+            assert int(size) == 0
+        elif "TAIL" in defines:  # the last MB of gate/up's weights (the tiny model's are smaller: all of them)
+            tail = min(1 << 20, wgu.nbytes) & ~15
+            assert nxt.data.ptr == wgu.data.ptr + wgu.nbytes - tail and int(size) == tail
+        else:
+            assert nxt.data.ptr == wo.data.ptr
+            want_size = wgu.data.ptr - wo.data.ptr + min(1 << 20, wgu.nbytes) if "GU" in defines else wo.nbytes
+            assert int(size) == want_size
     np.testing.assert_array_equal(eng.generate(prompt, 24), want)
     np.testing.assert_array_equal(eng.arena["logits"].get(), want_logits)
     np.testing.assert_array_equal(eng.generate(prompt, 24, graph=False), want)

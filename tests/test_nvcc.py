@@ -114,3 +114,23 @@ def test_next_weights_l2_compiles_without_spills(src, value, tmp_path):
     assert prefetching(()) == set()
     on = prefetching((define,))
     assert on and all("qkv_rope" in k for k in on), on
+
+
+@pytest.mark.parametrize("src", ["gemv_fp8.cu", "gemv_fp16.cu"])
+def test_evict_first_compiles_without_spills(src, tmp_path):
+    """The knob GEMV_EVICT_FIRST (gemv_common.cuh gemv_w_copy; PERF_NOTES v30.3) compiles without local memory and
+    gives every bulk weight copy the L2 cache hint: none in the default build."""
+    path = KERNELS_DIR / src
+    frames = frames_of(compile_report(path, "sm_90", tmp_path, defines=("GEMV_EVICT_FIRST=1",)))
+    assert frames and not local_memory(frames)
+
+    def ptx(defines) -> str:
+        out = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", *[f"-D{d}" for d in defines], "-ptx", str(path),
+                              "-o", "-"], capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout
+
+    plain, hinted = ptx(()), ptx(("GEMV_EVICT_FIRST=1",))
+    assert "L2::cache_hint" not in plain and "evict_first" not in plain
+    assert hinted.count("createpolicy.fractional.L2::evict_first") > 0
+    assert hinted.count("bytes.L2::cache_hint") == plain.count("cp.async.bulk.shared::cluster.global")
