@@ -27,16 +27,29 @@ import numpy as np
 
 from .arena import Arena, plan_arena
 from .errors import AtomflowError, GpuUnavailable
-from .kernels import KernelLib
-from .step import (GEMV_MIXED_TRY, GEMV_ROLES, GEMV_WS_PRE_TRY, attention_short_cap, build_step, hold_position,
-                   run_eager, smem_limits)
+from .kernels import KernelLib, knob
+from .step import (GEMV_MIXED_TRY, GEMV_NEXT_L2, GEMV_ROLES, GEMV_WS_PRE_TRY, attention_short_cap, build_step,
+                   hold_position, l2_tails, run_eager, smem_limits)
 from .weights import Checkpoint, upload_weights
+
+
+def l2_suffix(form: str) -> tuple[str, int | None]:
+    """A layer-GEMV form with the engine's measured L2 prefetch size: "ring/l2=8" -> ("ring", 8): its QKV kernels ask
+    L2 for the last 8 MB of gate/up's weights (0: nothing; step.next_l2, knob GEMV_NEXT_L2_TAIL=-1); no suffix ->
+    (form, None): the knobs decide."""
+    base, sep, l2 = form.partition("/l2=")
+    if not sep:
+        return form, None
+    if not l2.isdigit():
+        raise AtomflowError(f"gemv must be <form>[/l2=<MB>] with an integer MB, not {form!r}")
+    return base, int(l2)
 
 
 def gemv_form(form: str) -> tuple[bool, int | None, tuple]:
     """(warp-specialised, slots before the wait or None for the default, roles warp-specialised in a ring step) of
-    a layer-GEMV form: "ring", "ws", "ws-pre<N>" or "ring+<role>[+<role>...]" (e.g. ring+wd)."""
-    base, *roles = form.split("+")
+    a layer-GEMV form: "ring", "ws", "ws-pre<N>" or "ring+<role>[+<role>...]" (e.g. ring+wd), each optionally with
+    the suffix "/l2=<MB>" (l2_suffix)."""
+    base, *roles = l2_suffix(form)[0].split("+")
     if base == "ring" and all(r in GEMV_ROLES for r in roles) and len(set(roles)) == len(roles):
         return False, None, tuple(roles)
     if base == "ws" and not roles:
@@ -103,11 +116,18 @@ class Engine:
         tries = [f"ws-pre{n}" for n in GEMV_WS_PRE_TRY[weights]]
         mixed = ["+".join(("ring",) + roles) for roles in GEMV_MIXED_TRY[weights]]
         forms = (["ws", *tries, "ring", *mixed] if ws_ok else ["ring"]) if gemv == "auto" else [gemv]
+        tails = l2_tails(self.lib.defines)  # GEMV_NEXT_L2=1 with GEMV_NEXT_L2_TAIL=-1: the prefetch size measured too
+        if gemv != "auto" and l2_suffix(gemv)[1] and knob("GEMV_NEXT_L2", GEMV_NEXT_L2, self.lib.defines) != 1:
+            raise AtomflowError(f"gemv={gemv!r} asks L2 for weights: needs GEMV_NEXT_L2=1 in ATOMFLOW_KERNEL_DEFINES")
+        if tails:
+            forms = [f if l2_suffix(f)[1] is not None else f"{f}/l2={t}" for f in forms for t in tails]
+            forms = list(dict.fromkeys(forms))
         cfg = self.cfg
         full_cap = attention_short_cap(cfg.head_dim, self.lib.defines, smem_limits())
         cap = 0 if attention == "split" else full_cap
         caps = [cap] if cap else []
-        self._forms = {f: {k: build_step(cfg, weights, self.arena, self.lib, self.gpu["sms"], k, *gemv_form(f))
+        self._forms = {f: {k: build_step(cfg, weights, self.arena, self.lib, self.gpu["sms"], k, *gemv_form(f),
+                                         l2_tail=l2_suffix(f)[1])
                            for k in caps + [None]} for f in forms}
         self.variants = self._forms[forms[0]]
         self.att_caps = caps

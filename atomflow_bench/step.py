@@ -63,7 +63,9 @@ GEMV_NEXT_L2 = 0           # knob: QKV's blocks ask L2 for o_proj's weights (1: 
 GEMV_NEXT_L2_GU = 0        # knob (MB): ... and for the first this many MB of gate/up's weights (arena order: o_proj's
                            # weights and scales, then gate/up's; one range), PERF_NOTES v30.2
 GEMV_NEXT_L2_TAIL = 0      # knob (MB): instead, for the LAST this many MB of gate/up's weights (the tiles its blocks
-                           # stream last), PERF_NOTES v30.3
+                           # stream last), PERF_NOTES v30.3; -1: the engine measures GEMV_NEXT_L2_TRY (v30.4: the size
+                           # that pays differs per shape) as part of its GEMV form (engine.l2_suffix)
+GEMV_NEXT_L2_TRY = (0, 4, 8, 16, 24)  # MB; 0: nothing asked
 ATT_THREADS = 128             # attention.cu block size (A/B knob ATT_THREADS)
 ATT_GROUP = 16                # attention.cu: positions per group (a warp's unit of the walk; ATT_TMA's box rows)
 ATT_RING_BYTES = 24 * 1024  # attention.cu: each warp's K/V ring (3 groups at hd 128, 6 at hd 64)
@@ -426,11 +428,13 @@ def hold_position(launches: list[Launch]) -> list[Launch]:
 # ---- the step --------------------------------------------------------------------------------------------
 
 def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, att_cap: int | None = None,
-               gemv_ws: bool | None = None, ws_pre: int | None = None, ws_roles: tuple = ()) -> list[Launch]:
+               gemv_ws: bool | None = None, ws_pre: int | None = None, ws_roles: tuple = (),
+               l2_tail: int | None = None) -> list[Launch]:
     """The step's launches, each with its probes as taps (validation copies them after each launch). `att_cap`:
     the short attention kernel holding that many positions (lengths up to it), else the split kernel. `gemv_ws`:
     the layer GEMVs warp-specialised or not (None: gemv_launch's rule); `ws_pre`: their slots before the wait;
-    `ws_roles`: roles (wqkv, wo, wgu, wd) warp-specialised whatever `gemv_ws` says."""
+    `ws_roles`: roles (wqkv, wo, wgu, wd) warp-specialised whatever `gemv_ws` says; `l2_tail`: MB of gate/up's last
+    weights the QKV kernels ask into L2 under GEMV_NEXT_L2 (None: the knobs; next_l2)."""
     tail = lm_head_launches(lib, a, cfg, n_sm)
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_norm_eps
@@ -449,7 +453,7 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
         steps += [
             gemv(f"L{i}.wqkv", "qkv_rope", h, qkv, rows["wqkv"][0] // 2, H, norm_w=a[f"L{i}.attn_norm"],
                  rope=(a["rope_cs"], a["pos"], a["k_cache"][i], a["v_cache"][i], cfg.num_attention_heads,
-                       cfg.num_key_value_heads, hd, next_l2(a, i, lib.defines)),
+                       cfg.num_key_value_heads, hd, next_l2(a, i, lib.defines, l2_tail)),
                  taps={p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}),
             attention_short_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], attn_out,
                                    cfg.num_key_value_heads, cfg.group_size, hd, att_cap, taps={p + "attn_out": attn_out})
@@ -467,12 +471,23 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
     return steps + tail
 
 
-def next_l2(a: Arena, i: int, defines: tuple) -> tuple:
+def l2_tails(defines: tuple) -> tuple:
+    """The gate/up tail sizes (MB) the engine times with each GEMV form: GEMV_NEXT_L2_TRY when GEMV_NEXT_L2=1 and
+    GEMV_NEXT_L2_TAIL=-1, else none (the knobs fix what is asked)."""
+    on = knob("GEMV_NEXT_L2", GEMV_NEXT_L2, defines) == 1
+    return GEMV_NEXT_L2_TRY if on and knob("GEMV_NEXT_L2_TAIL", GEMV_NEXT_L2_TAIL, defines) < 0 else ()
+
+
+def next_l2(a: Arena, i: int, defines: tuple, tail_mb: int | None = None) -> tuple | None:
     """What layer i's QKV kernel asks into L2 under GEMV_NEXT_L2: o_proj's weights, and with GEMV_NEXT_L2_GU = N the
     first N MB of gate/up's too — one range from o_proj's start, which the arena's order (wo, wo.scale, wgu) makes
-    contiguous (checked); with GEMV_NEXT_L2_TAIL = N only the last N MB of gate/up's weights."""
+    contiguous (checked); with GEMV_NEXT_L2_TAIL = N only the last N MB of gate/up's weights. `tail_mb` (the engine's
+    measured choice, engine.l2_suffix) overrides the knob's N; 0 asks nothing (None)."""
     wo, wgu = a[f"L{i}.wo"], a[f"L{i}.wgu"]
-    tail = min(knob("GEMV_NEXT_L2_TAIL", GEMV_NEXT_L2_TAIL, defines) << 20, wgu.nbytes) & ~15
+    if tail_mb == 0:
+        return None
+    mb = tail_mb if tail_mb is not None else max(0, knob("GEMV_NEXT_L2_TAIL", GEMV_NEXT_L2_TAIL, defines))
+    tail = min(mb << 20, wgu.nbytes) & ~15
     if tail:
         return wgu.view(np.uint8).reshape(-1)[wgu.nbytes - tail:], tail
     gu = min(knob("GEMV_NEXT_L2_GU", GEMV_NEXT_L2_GU, defines) << 20, wgu.nbytes)

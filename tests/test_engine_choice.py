@@ -38,3 +38,40 @@ def test_tuple_candidates_and_ties():
 def test_refuses_nothing_to_time(candidates, rounds):
     with pytest.raises(AtomflowError, match="nothing to time"):
         fastest(lambda c: 1.0, candidates, rounds)
+
+
+def test_l2_suffix_and_forms():
+    """A layer-GEMV form may carry the L2 prefetch size the engine measured ("/l2=<MB>", PERF_NOTES v30.4): the base
+    form parses as before, the size separately; a malformed size or form is refused with the form named."""
+    from atomflow_bench.engine import gemv_form, l2_suffix
+
+    assert l2_suffix("ring") == ("ring", None)
+    assert l2_suffix("ring/l2=8") == ("ring", 8) and l2_suffix("ws-pre2/l2=0") == ("ws-pre2", 0)
+    assert gemv_form("ws-pre2/l2=16") == gemv_form("ws-pre2") == (True, 2, ())
+    assert gemv_form("ring+wd/l2=4") == (False, None, ("wd",))
+    for bad in ("ring/l2=", "ring/l2=x", "ring/l2=-4"):
+        with pytest.raises(AtomflowError, match="integer MB"):
+            l2_suffix(bad)
+    with pytest.raises(AtomflowError, match="gemv must be"):
+        gemv_form("fast/l2=8")
+
+
+def test_l2_tails_only_when_asked():
+    """The engine times the gate/up tail sizes only with GEMV_NEXT_L2=1 and GEMV_NEXT_L2_TAIL=-1; a fixed size or the
+    prefetch off leaves the forms alone."""
+    from atomflow_bench.step import GEMV_NEXT_L2_TRY, l2_tails
+
+    assert l2_tails(()) == ()
+    assert l2_tails(("GEMV_NEXT_L2=1",)) == ()
+    assert l2_tails(("GEMV_NEXT_L2=1", "GEMV_NEXT_L2_TAIL=8")) == ()
+    assert l2_tails(("GEMV_NEXT_L2=2", "GEMV_NEXT_L2_TAIL=-1")) == ()
+    assert l2_tails(("GEMV_NEXT_L2=1", "GEMV_NEXT_L2_TAIL=-1")) == GEMV_NEXT_L2_TRY
+    assert 0 in GEMV_NEXT_L2_TRY  # "ask nothing" is always a candidate
+
+
+def test_run_table_names_the_l2_size():
+    from atomflow_bench.report import gemv_form_text
+
+    assert gemv_form_text("ring/l2=8").endswith("; QKV asks L2 for the last 8 MB of gate/up's weights")
+    assert gemv_form_text("ring/l2=8").startswith(gemv_form_text("ring"))
+    assert gemv_form_text("ws-pre2/l2=0").endswith("QKV asks L2 for nothing")

@@ -309,6 +309,41 @@ def test_next_weights_l2_same_tokens(tiny_dir, monkeypatch, fmt, gemv, defines):
     np.testing.assert_array_equal(eng.generate(prompt, 24, graph=False), want)
 
 
+def test_next_l2_tail_measured(tiny_dir, monkeypatch):
+    """With GEMV_NEXT_L2=1 and GEMV_NEXT_L2_TAIL=-1 the engine times every layer-GEMV form with every size of
+    step.GEMV_NEXT_L2_TRY ("<form>/l2=<MB>", engine.l2_suffix) and keeps the fastest; the chosen step's QKV launches
+    ask L2 for that size of gate/up's tail (0: nothing), and the tokens are the default step's."""
+    from atomflow_bench.engine import Engine, gemv_form, l2_suffix
+    from atomflow_bench.step import GEMV_NEXT_L2_TRY
+
+    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 30)]
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "GEMV_EVICT_FIRST=1 GEMV_NEXT_L2=1 GEMV_NEXT_L2_TAIL=-1")
+    eng = Engine(tiny_dir, weights="fp8", max_seq=900)
+    g = eng.gemv_choice
+    if float(eng.gpu["cc"]) < 9.0:
+        pytest.skip("the prefetch is sm_90+ (bulk copies)")
+    bases = {l2_suffix(f)[0] for f in g["step_us"]}
+    assert set(g["step_us"]) == {f"{b}/l2={t}" for b in bases for t in GEMV_NEXT_L2_TRY}
+    assert g["chosen"] == min(g["step_us"], key=g["step_us"].get)
+    base, tail = l2_suffix(g["chosen"])
+    ws = gemv_form(base)[0]
+    qkv = [ln for ln in eng.launches if "qkv_rope" in ln.name]
+    for i, ln in enumerate(qkv):
+        wgu = eng.arena[f"L{i}.wgu"]
+        nxt, size = ln.args[-3:-1] if ws else ln.args[-2:]
+        want = min(tail << 20, wgu.nbytes) & ~15
+        assert int(size) == want
+        if want:
+            assert nxt.data.ptr == wgu.data.ptr + wgu.nbytes - want
+    got = eng.generate(prompt, 12)
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "")
+    plain = Engine(tiny_dir, weights="fp8", max_seq=900, gemv=base, attention=eng.attention_choice["chosen"])
+    assert plain.generate(prompt, 12) == got
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "GEMV_NEXT_L2=0")
+    with pytest.raises(AtomflowError, match="needs GEMV_NEXT_L2=1"):
+        Engine(tiny_dir, weights="fp8", max_seq=64, gemv="ring/l2=8")
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_group8_matches_reference(tmp_path, fmt):
     """8 q heads per one kv head (the attention kernel's largest group) through the whole engine."""
