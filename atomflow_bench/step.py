@@ -191,7 +191,8 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
 
     qkv_rope: n_out = qkv_dim / 2 (one output per rotation pair); `rope` = (cos_sin, pos, k_cache, v_cache,
     n_q_heads, n_kv_heads, head_dim[, next]) for this layer; next: the weights the kernel asks into L2 under the knob
-    GEMV_NEXT_L2 (gemv_common.cuh next_weights_l2): an array (all of it) or (array, bytes from its start). `ring_depth`: see gemv_ws_plan / gemv_plan (tests). `ws`:
+    GEMV_NEXT_L2 (gemv_common.cuh next_weights_l2): an array (all of it), (array, bytes from its start) or None.
+    `ring_depth`: see gemv_ws_plan / gemv_plan (tests). `ws`:
     the tiled variants warp-specialised (sm_90+) or not; None: the rule of gemv_ws (knob GEMV_WS). `ws_pre`: the
     ring slots a warp-specialised launch fills before its wait (None: gemv_ws_pre). The engine passes the form it
     measured fastest (Engine gemv="auto").

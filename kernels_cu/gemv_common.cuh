@@ -43,7 +43,7 @@
 //
 // Kernel signature for every instantiation (unused arguments are 0):
 //   (W, scales, x, norm_w, eps, y, n_out, K)            + for EPI_ROPE: (cos_sin, pos, k_cache, v_cache,
-//                                                                       n_q_heads, n_kv_heads, hd)
+//                                                                       n_q_heads, n_kv_heads, hd, next_w, next_bytes)
 //   x: const float* (fp32 residual) with PRO_NORM, else const half*;  y: half* / float* per epilogue.
 #pragma once
 #include "common.cuh"
@@ -184,11 +184,12 @@ __device__ __forceinline__ void gemv_arrive_wait(const Sync& sync) {
   }
 }
 
-// GEMV_NEXT_L2 (knob, default 0; results/PERF_NOTES.md v30-v30.1): the QKV kernel asks L2 for the next GEMV's weights
-// (o_proj's: rope.next_w, which the host passes), each block its 1/gridDim share by bulk prefetches. The hardware
-// counters show HBM idle for ~4.5 µs per layer between QKV's last weights and o_proj's blocks (QKV's tail, then the
-// attention), because o_proj's blocks are launched only at the attention's wait. WHEN = 1: after the block's last
-// epilogue (its own weights are all in); 2: right after its own pre-wait weight requests.
+// GEMV_NEXT_L2 (knob, default 0; results/PERF_NOTES.md v30-v30.6): the QKV kernel asks L2 for a range of later weights
+// (rope.next_w, next_bytes: the host's choice, step.py next_l2 — o_proj's, or the last MB of gate/up's), each block its
+// 1/gridDim share by bulk prefetches. The hardware counters show HBM idle for ~4.5 µs per layer between QKV's last
+// weights and o_proj's blocks (QKV's tail, then the attention), because o_proj's blocks are launched only at the
+// attention's wait. WHEN = 1: after the block's last epilogue (its own weights are all in); 2: right after its own
+// pre-wait weight requests (measured slower: v30.1).
 #ifndef GEMV_NEXT_L2
 #define GEMV_NEXT_L2 0
 #endif
@@ -686,7 +687,8 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
         mbar_expect_tx(full + slot, wbytes + sbytes);
         gemv_w_copy(ring + slot * SLOTB, a.W + (size_t)T * tile_bytes + (size_t)u0 * 512, wbytes, full + slot);
         if (FP8)
-          gemv_w_copy(ring + slot * SLOTB + GEMV_WS_SLOT, a.scales + ((size_t)T * ngroups + g0) * 16, sbytes, full + slot);
+          gemv_w_copy(ring + slot * SLOTB + GEMV_WS_SLOT, a.scales + ((size_t)T * ngroups + g0) * 16, sbytes,
+                      full + slot);
       }
       next_weights_l2<EPI, 2>(rope, true);
     }
@@ -747,7 +749,8 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   }
 #define GEMV_WS_ROPE_INSTANCE(NAME, FP8)                                                                  \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_ROPE_PARAMS, int npre) {     \
-    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, next_w, next_bytes}))      \
+    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE,                                                                 \
+                 (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, next_w, next_bytes}))                \
   }
 
 // fp16 layer GEMVs: the register path.
@@ -792,7 +795,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     PATH(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},                                                \
-         RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, next_w, next_bytes}, PdlSync{}, smem_raw);                   \
+         RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, next_w, next_bytes}, PdlSync{}, smem_raw);  \
   }
 #define GEMV_ROPE_INSTANCE(NAME)                                                                          \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS) NAME GEMV_ROPE_ARGS        \
