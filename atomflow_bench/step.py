@@ -190,8 +190,8 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     row-major weights).
 
     qkv_rope: n_out = qkv_dim / 2 (one output per rotation pair); `rope` = (cos_sin, pos, k_cache, v_cache,
-    n_q_heads, n_kv_heads, head_dim[, next]) for this layer; next: the weights the kernel asks into L2 under the knob
-    GEMV_NEXT_L2 (gemv_common.cuh next_weights_l2): an array (all of it), (array, bytes from its start) or None.
+    n_q_heads, n_kv_heads, head_dim[, next]) for this layer; next: (array, bytes from its start) the kernel asks into
+    L2 (gemv_common.cuh next_weights_l2; step.next_l2 decides), or None.
     `ring_depth`: see gemv_ws_plan / gemv_plan (tests). `ws`:
     the tiled variants warp-specialised (sm_90+) or not; None: the rule of gemv_ws (knob GEMV_WS). `ws_pre`: the
     ring slots a warp-specialised launch fills before its wait (None: gemv_ws_pre). The engine passes the form it
@@ -232,9 +232,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     extra = ()
     if variant == "qkv_rope":
         cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, *nxt = rope
-        nxt = nxt[0] if nxt and nxt[0] is not None and knob("GEMV_NEXT_L2", GEMV_NEXT_L2, lib.defines) else None
-        if nxt is not None and not isinstance(nxt, tuple):
-            nxt = (nxt, nxt.nbytes)
+        nxt = nxt[0] if nxt else None
         extra = (cos_sin, pos, k_cache, v_cache, i32(n_q), i32(n_kv), i32(hd),
                  NULL if nxt is None else nxt[0], np.uint64(0 if nxt is None else nxt[1]))
         moved += 2 * n_kv * hd * 2  # the K and V rows appended to the cache
@@ -483,10 +481,10 @@ def next_l2(a: Arena, i: int, defines: tuple, tail_mb: int | None = None) -> tup
     """What layer i's QKV kernel asks into L2 under GEMV_NEXT_L2: o_proj's weights, and with GEMV_NEXT_L2_GU = N the
     first N MB of gate/up's too — one range from o_proj's start, which the arena's order (wo, wo.scale, wgu) makes
     contiguous (checked); with GEMV_NEXT_L2_TAIL = N only the last N MB of gate/up's weights. `tail_mb` (the engine's
-    measured choice, engine.l2_suffix) overrides the knob's N; 0 asks nothing (None)."""
-    wo, wgu = a[f"L{i}.wo"], a[f"L{i}.wgu"]
-    if tail_mb == 0:
+    measured choice, engine.l2_suffix) overrides the knob's N; 0, or GEMV_NEXT_L2 off, asks nothing (None)."""
+    if tail_mb == 0 or not knob("GEMV_NEXT_L2", GEMV_NEXT_L2, defines):
         return None
+    wo, wgu = a[f"L{i}.wo"], a[f"L{i}.wgu"]
     mb = tail_mb if tail_mb is not None else max(0, knob("GEMV_NEXT_L2_TAIL", GEMV_NEXT_L2_TAIL, defines))
     tail = min(mb << 20, wgu.nbytes) & ~15
     if tail:

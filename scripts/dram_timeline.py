@@ -88,7 +88,9 @@ def layers_of(dram: np.ndarray, n_layers: int) -> dict:
     """Sample indices: first active, lm_head start (the first 40 samples all above 85%), the layers' deep dips."""
     active = np.nonzero(dram > 5)[0]
     a = int(active[0])
-    lm = next(i for i in range(a, len(dram) - 40) if (dram[i:i + 40] > 85).all())
+    lm = next((i for i in range(a, len(dram) - 40) if (dram[i:i + 40] > 85).all()), None)
+    if lm is None:
+        raise SystemExit("no lm_head stream (40 samples above 85% of HBM peak) in the replay's samples")
     dips = [i for i in range(a + 5, lm) if dram[i] < 10 and dram[i - 1] >= 10 and dram[i - 2] >= 10]
     return {"first": a, "lm_head": lm, "last": int(active[-1]), "dips": dips[-n_layers:]}
 

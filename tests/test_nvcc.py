@@ -33,6 +33,14 @@ def local_memory(frames) -> list:
     return [f for f in frames if any(int(v) for v in f)]
 
 
+def ptx_of(path, defines=()) -> str:
+    """The sm_90 PTX of one source with `defines`."""
+    out = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", *[f"-D{d}" for d in defines], "-ptx", str(path), "-o", "-"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90", "sm_120"])
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
 def test_compiles_without_spills(src, arch, tmp_path):
@@ -86,10 +94,7 @@ def test_no_wait_instrument_compiles_without_spills(src, tmp_path):
     assert frames and not local_memory(frames)
 
     def waits(defines):
-        out = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", *[f"-D{d}" for d in defines], "-ptx", str(path),
-                              "-o", "-"], capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return out.stdout.count("griddepcontrol.wait")
+        return ptx_of(path, defines).count("griddepcontrol.wait")
 
     assert waits(("AF_NO_WAIT=15",)) < waits(())
 
@@ -105,10 +110,7 @@ def test_next_weights_l2_compiles_without_spills(src, value, tmp_path):
     assert frames and not local_memory(frames)
 
     def prefetching(defines) -> set[str]:
-        out = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", *[f"-D{d}" for d in defines], "-ptx", str(path),
-                              "-o", "-"], capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-2000:]
-        kernels = re.split(r"\.entry\s+", out.stdout)[1:]
+        kernels = re.split(r"\.entry\s+", ptx_of(path, defines))[1:]
         return {k.split("(", 1)[0].strip() for k in kernels if "cp.async.bulk.prefetch.L2" in k}
 
     assert prefetching(()) == set()
@@ -124,13 +126,7 @@ def test_evict_first_compiles_without_spills(src, tmp_path):
     frames = frames_of(compile_report(path, "sm_90", tmp_path, defines=("GEMV_EVICT_FIRST=1",)))
     assert frames and not local_memory(frames)
 
-    def ptx(defines) -> str:
-        out = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", *[f"-D{d}" for d in defines], "-ptx", str(path),
-                              "-o", "-"], capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return out.stdout
-
-    plain, hinted = ptx(()), ptx(("GEMV_EVICT_FIRST=1",))
+    plain, hinted = ptx_of(path), ptx_of(path, ("GEMV_EVICT_FIRST=1",))
     assert "L2::cache_hint" not in plain and "evict_first" not in plain
     assert hinted.count("createpolicy.fractional.L2::evict_first") > 0
     assert hinted.count("bytes.L2::cache_hint") == plain.count("cp.async.bulk.shared::cluster.global")
