@@ -116,7 +116,8 @@ class Engine:
         tries = [f"ws-pre{n}" for n in GEMV_WS_PRE_TRY[weights]]
         mixed = ["+".join(("ring",) + roles) for roles in GEMV_MIXED_TRY[weights]]
         forms = (["ws", *tries, "ring", *mixed] if ws_ok else ["ring"]) if gemv == "auto" else [gemv]
-        tails = l2_tails(self.lib.defines)  # GEMV_NEXT_L2=1 with GEMV_NEXT_L2_TAIL=-1: the prefetch size measured too
+        # GEMV_NEXT_L2=1 with GEMV_NEXT_L2_TAIL=-1 (the defaults): the prefetch size measured too (bulk prefetch: sm_90+)
+        tails = l2_tails(self.lib.defines) if ws_ok else ()
         if gemv != "auto" and l2_suffix(gemv)[1] and knob("GEMV_NEXT_L2", GEMV_NEXT_L2, self.lib.defines) != 1:
             raise AtomflowError(f"gemv={gemv!r} asks L2 for weights: needs GEMV_NEXT_L2=1 in ATOMFLOW_KERNEL_DEFINES")
         if tails:

@@ -58,11 +58,11 @@ GEMV_WS_PRE_TRY = {"fp16": (2,), "fp8": ()}  # other counts the engine times per
 GEMV_MIXED_TRY = {"fp16": (), "fp8": ()}  # ring steps with these roles warp-specialised, timed by the engine (none:
                            # 3B W8A16 ring+wd measured -14 µs in one call, +13 µs forced in another: PERF_NOTES v17.3)
 GEMV_ROLES = ("wqkv", "wo", "wgu", "wd")
-GEMV_NEXT_L2 = 0           # knob: QKV's blocks ask L2 for o_proj's weights (1: after their epilogue, 2: after their
+GEMV_NEXT_L2 = 1           # knob: QKV's blocks ask L2 for later weights (1: after their epilogue, 2: after their
                            # own pre-wait requests; gemv_common.cuh next_weights_l2, PERF_NOTES v30.1)
 GEMV_NEXT_L2_GU = 0        # knob (MB): ... and for the first this many MB of gate/up's weights (arena order: o_proj's
                            # weights and scales, then gate/up's; one range), PERF_NOTES v30.2
-GEMV_NEXT_L2_TAIL = 0      # knob (MB): instead, for the LAST this many MB of gate/up's weights (the tiles its blocks
+GEMV_NEXT_L2_TAIL = -1     # knob (MB): instead, for the LAST this many MB of gate/up's weights (the tiles its blocks
                            # stream last), PERF_NOTES v30.3; -1: the engine measures GEMV_NEXT_L2_TRY (v30.4: the size
                            # that pays differs per shape) as part of its GEMV form (engine.l2_suffix)
 GEMV_NEXT_L2_TRY = (0, 4, 8, 16, 24)  # MB; 0: nothing asked
@@ -481,11 +481,13 @@ def next_l2(a: Arena, i: int, defines: tuple, tail_mb: int | None = None) -> tup
     """What layer i's QKV kernel asks into L2 under GEMV_NEXT_L2: o_proj's weights, and with GEMV_NEXT_L2_GU = N the
     first N MB of gate/up's too — one range from o_proj's start, which the arena's order (wo, wo.scale, wgu) makes
     contiguous (checked); with GEMV_NEXT_L2_TAIL = N only the last N MB of gate/up's weights. `tail_mb` (the engine's
-    measured choice, engine.l2_suffix) overrides the knob's N; 0, or GEMV_NEXT_L2 off, asks nothing (None)."""
-    if tail_mb == 0 or not knob("GEMV_NEXT_L2", GEMV_NEXT_L2, defines):
+    measured choice, engine.l2_suffix) overrides the knob's N; 0, GEMV_NEXT_L2 off, or the knob's "measure" (-1) with
+    no measured size, asks nothing (None)."""
+    knob_mb = knob("GEMV_NEXT_L2_TAIL", GEMV_NEXT_L2_TAIL, defines)
+    if tail_mb == 0 or not knob("GEMV_NEXT_L2", GEMV_NEXT_L2, defines) or (tail_mb is None and knob_mb < 0):
         return None
     wo, wgu = a[f"L{i}.wo"], a[f"L{i}.wgu"]
-    mb = tail_mb if tail_mb is not None else max(0, knob("GEMV_NEXT_L2_TAIL", GEMV_NEXT_L2_TAIL, defines))
+    mb = tail_mb if tail_mb is not None else knob_mb
     tail = min(mb << 20, wgu.nbytes) & ~15
     if tail:
         return wgu.view(np.uint8).reshape(-1)[wgu.nbytes - tail:], tail

@@ -184,20 +184,20 @@ __device__ __forceinline__ void gemv_arrive_wait(const Sync& sync) {
   }
 }
 
-// GEMV_NEXT_L2 (knob, default 0; results/PERF_NOTES.md v30-v30.6): the QKV kernel asks L2 for a range of later weights
+// GEMV_NEXT_L2 (knob, default 1 since v31; results/PERF_NOTES.md v30-v31): the QKV kernel asks L2 for a range of later weights
 // (rope.next_w, next_bytes: the host's choice, step.py next_l2 — o_proj's, or the last MB of gate/up's), each block its
 // 1/gridDim share by bulk prefetches. The hardware counters show HBM idle for ~4.5 µs per layer between QKV's last
 // weights and o_proj's blocks (QKV's tail, then the attention), because o_proj's blocks are launched only at the
 // attention's wait. WHEN = 1: after the block's last epilogue (its own weights are all in); 2: right after its own
 // pre-wait weight requests (measured slower: v30.1).
 #ifndef GEMV_NEXT_L2
-#define GEMV_NEXT_L2 0
+#define GEMV_NEXT_L2 1
 #endif
-// GEMV_EVICT_FIRST (knob, default 0; PERF_NOTES v30.3): the tiled GEMVs' weight and scale copies (the bulk paths: fp8
+// GEMV_EVICT_FIRST (knob, default 1 since v31; PERF_NOTES v30.3, v31): the tiled GEMVs' weight and scale copies (the bulk paths: fp8
 // ring on sm_90+, warp-specialised) carry an L2 evict-first policy, so the weights streamed through L2 once per step
 // are evicted before anything else: what GEMV_NEXT_L2 asked in, the KV cache and the activations.
 #ifndef GEMV_EVICT_FIRST
-#define GEMV_EVICT_FIRST 0
+#define GEMV_EVICT_FIRST 1
 #endif
 #if AF_HAS_BULK
 __device__ __forceinline__ void gemv_w_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {

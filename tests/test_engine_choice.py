@@ -57,12 +57,12 @@ def test_l2_suffix_and_forms():
 
 
 def test_l2_tails_only_when_asked():
-    """The engine times the gate/up tail sizes only with GEMV_NEXT_L2=1 and GEMV_NEXT_L2_TAIL=-1; a fixed size or the
-    prefetch off leaves the forms alone."""
+    """The engine times the gate/up tail sizes only with GEMV_NEXT_L2=1 and GEMV_NEXT_L2_TAIL=-1 (the defaults since
+    v31); a fixed size or the prefetch off leaves the forms alone."""
     from atomflow_bench.step import GEMV_NEXT_L2_TRY, l2_tails
 
-    assert l2_tails(()) == ()
-    assert l2_tails(("GEMV_NEXT_L2=1",)) == ()
+    assert l2_tails(()) == l2_tails(("GEMV_NEXT_L2=1",)) == GEMV_NEXT_L2_TRY
+    assert l2_tails(("GEMV_NEXT_L2=0",)) == l2_tails(("GEMV_NEXT_L2_TAIL=0",)) == ()
     assert l2_tails(("GEMV_NEXT_L2=1", "GEMV_NEXT_L2_TAIL=8")) == ()
     assert l2_tails(("GEMV_NEXT_L2=2", "GEMV_NEXT_L2_TAIL=-1")) == ()
     assert l2_tails(("GEMV_NEXT_L2=1", "GEMV_NEXT_L2_TAIL=-1")) == GEMV_NEXT_L2_TRY

@@ -176,8 +176,8 @@ def test_gemv_auto(tiny_dir, fmt):
     are timed with the attention forms and the fastest pair is kept; every layer GEMV then runs its role's part of
     that form. The forms sum in the same mma order, so engines forced to another form, another slot count or
     another mix give the same greedy tokens."""
-    from atomflow_bench.engine import Engine, gemv_form
-    from atomflow_bench.step import GEMV_MIXED_TRY, GEMV_WS_PRE, GEMV_WS_PRE_TRY
+    from atomflow_bench.engine import Engine, gemv_form, l2_suffix
+    from atomflow_bench.step import GEMV_MIXED_TRY, GEMV_NEXT_L2_TRY, GEMV_WS_PRE, GEMV_WS_PRE_TRY
 
     eng = Engine(tiny_dir, weights=fmt, max_seq=900)
     g = eng.gemv_choice
@@ -185,8 +185,9 @@ def test_gemv_auto(tiny_dir, fmt):
         assert g == {"mode": "auto", "chosen": "ring"}
         return
     assert g["mode"] == "auto" and g["length"] == eng.attention_choice["length"] == 512 and g["lengths"] == [256, 512]
-    assert set(g["step_us"]) == ({"ws", "ring"} | {f"ws-pre{n}" for n in GEMV_WS_PRE_TRY[fmt]}
-                                 | {"+".join(("ring",) + r) for r in GEMV_MIXED_TRY[fmt]})
+    bases = ({"ws", "ring"} | {f"ws-pre{n}" for n in GEMV_WS_PRE_TRY[fmt]}
+             | {"+".join(("ring",) + r) for r in GEMV_MIXED_TRY[fmt]})
+    assert set(g["step_us"]) == {f"{b}/l2={t}" for b in bases for t in GEMV_NEXT_L2_TRY}  # the defaults: sizes too
     assert all(v > 0 for v in g["step_us"].values())
     assert g["chosen"] == min(g["step_us"], key=g["step_us"].get)
     ws, pre, ws_roles = gemv_form(g["chosen"])
@@ -202,7 +203,7 @@ def test_gemv_auto(tiny_dir, fmt):
     want = eng.generate(prompt, 12)
     for other in ("ring" if ws else "ws", "ws-pre1", "ring+wd+wqkv"):
         forced = Engine(tiny_dir, weights=fmt, max_seq=900, gemv=other, attention=eng.attention_choice["chosen"])
-        assert forced.gemv_choice == {"mode": other, "chosen": other}
+        assert forced.gemv_choice["mode"] == other and l2_suffix(forced.gemv_choice["chosen"])[0] == other
         assert forced.generate(prompt, 12) == want, other
     for bad in ("fast", "ws-pre", "ws-prex", "ring+wx", "ring+wd+wd", "ws+wd"):
         with pytest.raises(AtomflowError, match="gemv must be"):
@@ -278,17 +279,21 @@ def test_next_weights_l2_same_tokens(tiny_dir, monkeypatch, fmt, gemv, defines):
     """The knob GEMV_NEXT_L2 (QKV's blocks ask L2 for o_proj's weights, with GEMV_NEXT_L2_GU = N MB also for the start
     of gate/up's, with GEMV_NEXT_L2_TAIL = N MB for gate/up's last N MB instead: PERF_NOTES v30.1-v30.3) hands every QKV
     launch that range, and GEMV_EVICT_FIRST (the weight copies' L2 evict-first policy) changes no result either: the
-    tokens and logits of the default step, bit for bit, graph and eager."""
+    tokens and logits of the step with both off, bit for bit, graph and eager. Knobs a case does not name are set off
+    (the defaults would measure the size: test_next_l2_tail_measured)."""
     from atomflow_bench.engine import Engine
 
     prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 20)]
     forms = {"attention": "short", "gemv": gemv}
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "GEMV_NEXT_L2=0 GEMV_EVICT_FIRST=0")
     base = Engine(tiny_dir, weights=fmt, max_seq=64, **forms)
     want, want_logits = base.generate(prompt, 24), base.arena["logits"].get()
     qkv = [ln for ln in base.launches if "qkv_rope" in ln.name]
     assert qkv and all(int(ln.args[-2 if gemv == "ws" else -1]) == 0 for ln in qkv)  # no size: nothing asked
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", defines)
+    unnamed = [f"{k}=0" for k in ("GEMV_NEXT_L2", "GEMV_NEXT_L2_TAIL", "GEMV_EVICT_FIRST") if k + "=" not in defines]
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", " ".join([defines, *unnamed]))
     eng = Engine(tiny_dir, weights=fmt, max_seq=64, **forms)
+    assert eng.gemv_choice == {"mode": gemv, "chosen": gemv}  # a fixed size: none measured
     qkv = [ln for ln in eng.launches if "qkv_rope" in ln.name]
     cfg = eng.cfg
     for i, ln in enumerate(qkv):
@@ -310,14 +315,15 @@ def test_next_weights_l2_same_tokens(tiny_dir, monkeypatch, fmt, gemv, defines):
 
 
 def test_next_l2_tail_measured(tiny_dir, monkeypatch):
-    """With GEMV_NEXT_L2=1 and GEMV_NEXT_L2_TAIL=-1 the engine times every layer-GEMV form with every size of
-    step.GEMV_NEXT_L2_TRY ("<form>/l2=<MB>", engine.l2_suffix) and keeps the fastest; the chosen step's QKV launches
-    ask L2 for that size of gate/up's tail (0: nothing), and the tokens are the default step's."""
+    """With GEMV_NEXT_L2=1 and GEMV_NEXT_L2_TAIL=-1 (the defaults since v31) the engine times every layer-GEMV form
+    with every size of step.GEMV_NEXT_L2_TRY ("<form>/l2=<MB>", engine.l2_suffix) and keeps the fastest; the chosen
+    step's QKV launches ask L2 for that size of gate/up's tail (0: nothing), and the tokens are those of the step with
+    the prefetch and the evict-first policy off."""
     from atomflow_bench.engine import Engine, gemv_form, l2_suffix
     from atomflow_bench.step import GEMV_NEXT_L2_TRY
 
     prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 30)]
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "GEMV_EVICT_FIRST=1 GEMV_NEXT_L2=1 GEMV_NEXT_L2_TAIL=-1")
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "")
     eng = Engine(tiny_dir, weights="fp8", max_seq=900)
     g = eng.gemv_choice
     if float(eng.gpu["cc"]) < 9.0:
@@ -336,8 +342,9 @@ def test_next_l2_tail_measured(tiny_dir, monkeypatch):
         if want:
             assert nxt.data.ptr == wgu.data.ptr + wgu.nbytes - want
     got = eng.generate(prompt, 12)
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "")
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "GEMV_NEXT_L2=0 GEMV_EVICT_FIRST=0")
     plain = Engine(tiny_dir, weights="fp8", max_seq=900, gemv=base, attention=eng.attention_choice["chosen"])
+    assert plain.gemv_choice == {"mode": base, "chosen": base}
     assert plain.generate(prompt, 12) == got
     monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "GEMV_NEXT_L2=0")
     with pytest.raises(AtomflowError, match="needs GEMV_NEXT_L2=1"):

@@ -103,7 +103,8 @@ def test_no_wait_instrument_compiles_without_spills(src, tmp_path):
 @pytest.mark.parametrize("src", ["gemv_fp8.cu", "gemv_fp16.cu"])
 def test_next_weights_l2_compiles_without_spills(src, value, tmp_path):
     """The knob GEMV_NEXT_L2 (gemv_common.cuh next_weights_l2; PERF_NOTES v30.1) compiles without local memory and puts
-    the L2 bulk prefetch into the QKV kernels only: none in the default build, none in any other kernel."""
+    the L2 bulk prefetch into the QKV kernels only: none with the knob off, none in any other kernel; the default
+    build is GEMV_NEXT_L2=1 (v31)."""
     path = KERNELS_DIR / src
     define = f"GEMV_NEXT_L2={value}"
     frames = frames_of(compile_report(path, "sm_90", tmp_path, defines=(define,)))
@@ -113,20 +114,23 @@ def test_next_weights_l2_compiles_without_spills(src, value, tmp_path):
         kernels = re.split(r"\.entry\s+", ptx_of(path, defines))[1:]
         return {k.split("(", 1)[0].strip() for k in kernels if "cp.async.bulk.prefetch.L2" in k}
 
-    assert prefetching(()) == set()
+    assert prefetching(("GEMV_NEXT_L2=0",)) == set()
     on = prefetching((define,))
     assert on and all("qkv_rope" in k for k in on), on
+    assert prefetching(()) == prefetching(("GEMV_NEXT_L2=1",))
 
 
 @pytest.mark.parametrize("src", ["gemv_fp8.cu", "gemv_fp16.cu"])
 def test_evict_first_compiles_without_spills(src, tmp_path):
     """The knob GEMV_EVICT_FIRST (gemv_common.cuh gemv_w_copy; PERF_NOTES v30.3) compiles without local memory and
-    gives every bulk weight copy the L2 cache hint: none in the default build."""
+    gives every bulk weight copy the L2 cache hint: none with the knob off; the default build is GEMV_EVICT_FIRST=1
+    (v31)."""
     path = KERNELS_DIR / src
     frames = frames_of(compile_report(path, "sm_90", tmp_path, defines=("GEMV_EVICT_FIRST=1",)))
     assert frames and not local_memory(frames)
 
-    plain, hinted = ptx_of(path), ptx_of(path, ("GEMV_EVICT_FIRST=1",))
+    plain, hinted = ptx_of(path, ("GEMV_EVICT_FIRST=0",)), ptx_of(path, ("GEMV_EVICT_FIRST=1",))
+    assert ptx_of(path) == hinted
     assert "L2::cache_hint" not in plain and "evict_first" not in plain
     assert hinted.count("createpolicy.fractional.L2::evict_first") > 0
     assert hinted.count("bytes.L2::cache_hint") == plain.count("cp.async.bulk.shared::cluster.global")
