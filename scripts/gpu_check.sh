@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, benchmarks. Prints a short table last; full logs/JSON under $OUT.
 #   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench bench-ab knobs profile gemv
-#                                       validate evidence attention att-profile att-alone ab dram (default: info kernels engine bench)
+#                                       validate evidence attention att-profile att-alone ab dram probe (default: info kernels engine bench)
 #   KERNELS_K="pytest -k expression" (kernels stage: a subset)
 #   BENCH_SPECS="model:fmt ..."  CTX=128  KNOBS="DEF=V,DEF=V ..." (knobs: compile-time -D variants, 3B fp8)
 #   PROFILE_SPECS="model:fmt ..." PROFILE_DEFINES="DEF=V ..." PROFILE_CTX=128 TIMELINE=N (profile stage; N replays of the
@@ -9,6 +9,7 @@
 #   AB_DIR=.ab/<commit> AB_SPEC="model:fmt" AB_ROUNDS=2 (ab stage: the other tree vs this one, same machine;
 #                                       att-profile: the other tree's ctx 8192 profile before this one's)
 #   DRAM_SPECS="model:fmt[@DEF=V,...] ..." (dram: HBM throughput over the step from the hardware counters, ncu)
+#   PROBE_SPECS="model:fmt ..." PROBE_ARGS="..." (probe: the persistent-stream probe, scripts/probe_stream.py)
 #   ATT_KNOBS="default DEF=V,DEF=V ..." (attention / att-profile stages: per variant the ctx 8192 profile; att-alone:
 #                                       per variant the in-kernel timeline of the attention launches alone)
 set -uo pipefail
@@ -51,6 +52,16 @@ for st in $stages; do
           note "run $tag: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
           note "  $(buckets "$OUT/run-$tag.json")"
         done
+      done ;;
+    probe)   # PROBE_SPECS="model:fmt ..." PROBE_ARGS="--att-ns N ...": the persistent-stream probe (atomflow_bench/probe.py)
+      for spec in ${PROBE_SPECS:-"llama-3.2-3b:fp8"}; do
+        m=${spec%%:*}; w=${spec##*:}; tag="${m#llama-}-$w"
+        timeout 240 python3 scripts/probe_stream.py "$m" "$w" ${PROBE_ARGS:-} --json "$OUT/probe-$tag.json" \
+          >"$OUT/probe-$tag.log" 2>&1
+        note "probe $tag: rc=$? $(python3 -c 'import json, sys
+p = json.load(open(sys.argv[1]))
+print("floor %.4f ms |" % p["floor_ms"], " | ".join("%s %.4f ms (%.1f%%)" % (v["name"], v["ms"]["median"], v["pct_of_copy"])
+                                                   for v in p["variants"]))' "$OUT/probe-$tag.json" 2>&1 | tail -1)"
       done ;;
     knobs)   # compile-time variants (ATOMFLOW_KERNEL_DEFINES), e.g. KNOBS="GEMV_LOADS=16 NAME=V,NAME2=V" on
       for k in ${KNOBS:-}; do   # KNOB_SPEC="model:fmt" (default llama-3.2-3b:fp8); an entry "model:fmt@DEFS" names its

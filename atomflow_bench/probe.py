@@ -1,0 +1,126 @@
+"""An instrument beside the decode path: the ceiling of a persistent, dataflow step (kernels_cu/probe_stream.cu).
+
+The decode step is one kernel per op; at each boundary the next kernel's blocks can only ask for weights once
+they are resident, and HBM idles for ~11 µs per 3B layer (results/PERF_NOTES.md v30). `stream_probe` streams the
+same bytes, op after op in the step's order (`step_ops`), through ONE grid of persistent blocks whose copies run
+ahead across op boundaries while the consumers honour the step's dependencies (all of op o-1 done before op o,
+plus an optional modelled latency before o_proj: the attention). Variants:
+
+* ``stream``: no dependency at all — what streaming alone reaches;
+* ``deps``: every op waits for the whole previous op (a grid-wide counter);
+* ``deps+att``: and `att_ns` before each o_proj (the attention's latency in the real step);
+* ``deps+att ring=2``: the same with a 2-chunk ring — copies that cannot run ahead, as at a kernel boundary.
+
+Each variant is timed with CUDA events around single launches (warm-up, `reps` repetitions, median and spread);
+every launch's checksum is compared with the buffer's (every byte read exactly once) before its time counts.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .arena import plan_arena
+from .bench import copy_bandwidth, summarize
+from .config import ModelConfig
+from .errors import AtomflowError
+
+PROBE_THREADS = 288      # probe_stream.cu: 8 consumer warps + 1 producer warp
+PROBE_BAR_BYTES = 1024   # probe_stream.cu: the barriers before the ring (64 slots at most)
+PROBE_MAX_SLOTS = 64
+
+
+def step_ops(cfg: ModelConfig, fmt: str) -> list[tuple[str, int]]:
+    """(name, bytes) of each weight-streaming op of one decode step, in the step's order: per layer QKV (with its
+    norm), o_proj, gate/up (with its norm), down — fp8 with their scales — then the final norm with lm_head. Bytes
+    rounded up to 16 (the bulk copies' unit). Their sum is the plan's streamed weight bytes, to that rounding."""
+    plan = plan_arena(cfg, fmt, 1)
+    r = plan.regions
+
+    def size(*names: str) -> int:
+        n = sum(r[x].nbytes for x in names if x in r)
+        return -(-n // 16) * 16
+
+    def proj(i: int, w: str) -> tuple[str, ...]:
+        return (f"L{i}.{w}", f"L{i}.{w}.scale")
+
+    ops = []
+    for i in range(cfg.num_hidden_layers):
+        ops += [(f"L{i}.qkv", size(f"L{i}.attn_norm", *proj(i, "wqkv"))), (f"L{i}.o", size(*proj(i, "wo"))),
+                (f"L{i}.gu", size(f"L{i}.mlp_norm", *proj(i, "wgu"))), (f"L{i}.d", size(*proj(i, "wd")))]
+    ops.append(("lm_head", size("final_norm", "embed" if cfg.tie_word_embeddings else "lm_head")))
+    return ops
+
+
+def probe_variants(att_ns: int, slots: int, chunk: int) -> list[dict]:
+    return [{"name": "stream", "wait": 0, "att_ns": 0, "slots": slots, "chunk": chunk},
+            {"name": "deps", "wait": 1, "att_ns": 0, "slots": slots, "chunk": chunk},
+            {"name": "deps+att", "wait": 1, "att_ns": att_ns, "slots": slots, "chunk": chunk},
+            {"name": "deps+att ring=2", "wait": 1, "att_ns": att_ns, "slots": 2, "chunk": chunk}]
+
+
+def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict], reps: int = 20, warmup: int = 3,
+                 copy: dict | None = None, seed: int | None = None) -> dict:
+    """Time probe_stream over `ops` for each variant (see the module doc); checks every launch's checksum."""
+    import cupy as cp
+
+    if any(b % 16 or b <= 0 for _, b in ops):
+        raise AtomflowError("probe ops must be positive multiples of 16 bytes")
+    for v in variants:
+        if not (1 <= v["slots"] <= PROBE_MAX_SLOTS and v["chunk"] % 16 == 0 and v["chunk"] > 0):
+            raise AtomflowError(f"probe variant {v['name']!r}: slots 1..{PROBE_MAX_SLOTS}, chunk a multiple of 16")
+    copy = copy or copy_bandwidth()
+    off = np.concatenate([[0], np.cumsum([b for _, b in ops])]).astype(np.uint64)
+    total = int(off[-1])
+    w = cp.random.default_rng(seed).integers(0, 255, total, dtype=cp.uint8)  # fresh random bytes (never zeros)
+    want = int(w.view(cp.uint32).sum(dtype=cp.uint64).get())  # the kernel's sum of 32-bit words, mod 2^64
+    d_off = cp.asarray(off)
+    counters = cp.zeros(len(ops), dtype=cp.uint32)
+    sink = cp.zeros(1, dtype=cp.uint64)
+    fn = lib["probe_stream"]
+    stream = cp.cuda.Stream(non_blocking=True)
+    out = []
+    for v in variants:
+        delay = np.zeros(len(ops), np.uint32)
+        for o, (name, _) in enumerate(ops):
+            if name.endswith(".o"):
+                delay[o] = v["att_ns"]
+        d_delay = cp.asarray(delay)
+        shmem = PROBE_BAR_BYTES + v["slots"] * v["chunk"]
+        fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, shmem)
+        counters.fill(0)
+        ms = []
+        with stream:
+            for r in range(warmup + reps):
+                sink.fill(0)  # an accumulator: any chunk missed or read twice changes the sum
+                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                e0.record(stream)
+                fn((n_sm,), (PROBE_THREADS,), (w, d_off, np.int32(len(ops)), d_delay, counters,
+                                               np.uint32((r + 1) * n_sm), np.int32(v["wait"]), np.int32(v["slots"]),
+                                               np.uint32(v["chunk"]), sink), shared_mem=shmem)
+                e1.record(stream)
+                e1.synchronize()
+                got = int(sink.get()[0])
+                if got != want:
+                    raise AtomflowError(f"probe {v['name']}: checksum {got:#x} != {want:#x} (launch {r})")
+                if r >= warmup:
+                    ms.append(cp.cuda.get_elapsed_time(e0, e1))
+        if not (counters.get() == (warmup + reps) * n_sm).all():
+            raise AtomflowError(f"probe {v['name']}: op counters are not {(warmup + reps) * n_sm} each")
+        s = summarize(ms)
+        gbs = total / (s["median"] * 1e-3) / 1e9
+        out.append({**v, "ms": s, "gbs": gbs, "pct_of_copy": 100 * gbs / copy["median"]})
+    del w
+    return {"ops": len(ops), "bytes": total, "grid": n_sm, "floor_ms": total / (copy["median"] * 1e9) * 1e3,
+            "copy_bandwidth_gbs": copy, "variants": out}
+
+
+def probe_table(p: dict):
+    from rich.table import Table
+
+    t = Table(title=f"persistent-stream probe: {p['ops']} ops, {p['bytes'] / 1e9:.3f} GB, grid {p['grid']}, "
+                    f"floor {p['floor_ms']:.4f} ms at copy {p['copy_bandwidth_gbs']['median']:.0f} GB/s")
+    for c in ("variant", "ring", "att ns", "median ms", "p10-p90 ms", "GB/s", "% of copy"):
+        t.add_column(c, justify="left" if c == "variant" else "right")
+    for v in p["variants"]:
+        t.add_row(v["name"], f"{v['slots']} x {v['chunk'] // 1024} KB", str(v["att_ns"]), f"{v['ms']['median']:.4f}",
+                  f"{v['ms']['p10']:.4f}-{v['ms']['p90']:.4f}", f"{v['gbs']:.0f}", f"{v['pct_of_copy']:.1f}%")
+    return t

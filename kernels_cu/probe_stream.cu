@@ -1,0 +1,106 @@
+// probe_stream.cu — a benchmarking probe, not part of the decode step: what one persistent kernel could reach when
+// it streams a whole step's weights with the step's dependencies between ops (results/PERF_NOTES.md v32).
+//
+// Computes   a checksum: every byte of w[op_off[0], op_off[n_ops]) is read once from shared memory as 32-bit words
+//            and summed (mod 2^64) into *sink; nothing else (an M = 1 GEMV's arithmetic is not what bounds it).
+// Why        the decode step loses ~11 µs of HBM time per layer at its kernel boundaries (v30: the QKV -> attention
+//            -> o_proj -> gate/up latency chain), because a kernel's blocks can only request weights once they are
+//            resident. Here one grid of persistent blocks walks all ops: a producer lane keeps a ring of bulk copies
+//            full across op boundaries (weights never depend on the previous op), while the consumers of op o wait
+//            for every block to have finished op o-1 (a grid-wide counter: the dependency the real step has), plus
+//            delay_ns[o] (a model of a latency between them, e.g. the attention's). The step time of this probe is
+//            the ceiling of that design on this GPU; with `slots` small it models copies that cannot run ahead.
+// Layouts    w: the step's weight bytes, op after op (op_off[o] .. op_off[o+1], 16-byte multiples); block b streams
+//            its 1/gridDim share of each op in chunks of `chunk` bytes (a 16-byte multiple) through a ring of
+//            `slots` chunks in dynamic shared memory. counters[o]: blocks done with op o, cumulative over launches
+//            (a launch waits for `target` = launch ordinal x gridDim; never reset). wait = 0: no dependency at all.
+// Bytes      op_off[n_ops] - op_off[0] read once (+ 4 bytes of counter traffic per block and op).
+// Launch     grid = the SM count (every block resident: the grid-wide waits need it), block = 288 (8 consumer
+//            warps + 1 producer warp), dynamic shared memory = 1024 + slots x chunk (slots <= 64).
+#include "common.cuh"
+
+extern "C" __global__ void __launch_bounds__(288, 1)
+probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __restrict__ op_off, int n_ops,
+             const unsigned* __restrict__ delay_ns, unsigned* counters, unsigned target, int wait, int slots,
+             unsigned chunk, unsigned long long* sink) {
+#if AF_HAS_BULK
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned long long* full = reinterpret_cast<unsigned long long*>(smem);  // slots barriers: chunk landed
+  unsigned long long* empty = full + 64;                                    // slots barriers: 8 warps done with it
+  unsigned char* ring = smem + 1024;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < slots; ++s) {
+      mbar_init(full + s, 1);
+      mbar_init(empty + s, 8);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  // block b's part of op o: [lo, hi), share = the op's bytes / gridDim rounded up to 16
+  auto part = [&](int o, unsigned long long& lo, unsigned long long& hi) {
+    const unsigned long long a = op_off[o], n = op_off[o + 1] - a;
+    const unsigned long long share = ((n + gridDim.x - 1) / gridDim.x + 15) & ~15ull;
+    lo = min(a + share * blockIdx.x, a + n);
+    hi = min(lo + share, a + n);
+  };
+  if (warp == 8) {  // producer: runs ahead across ops, bounded only by the ring
+    if (lane == 0) {
+      unsigned k = 0;
+      for (int o = 0; o < n_ops; ++o) {
+        unsigned long long lo, hi;
+        part(o, lo, hi);
+        for (unsigned long long p = lo; p < hi; p += chunk, ++k) {
+          const int slot = (int)(k % (unsigned)slots);
+          if (k >= (unsigned)slots) mbar_wait(empty + slot, (k / slots - 1) & 1u);
+          const unsigned bytes = (unsigned)min((unsigned long long)chunk, hi - p);
+          mbar_expect_tx(full + slot, bytes);
+          bulk_g2s(ring + (size_t)slot * chunk, w + p, bytes, full + slot);
+        }
+      }
+    }
+    return;
+  }
+  unsigned long long acc = 0;
+  unsigned k = 0;
+  for (int o = 0; o < n_ops; ++o) {
+    if (wait && o > 0) {  // the dependency: every block done with op o-1, then the modelled latency
+      if (threadIdx.x == 0) {
+        unsigned done;
+        do {
+          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(counters + o - 1) : "memory");
+        } while (done < target);
+        if (delay_ns[o]) {
+          unsigned long long t0, t;
+          asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+          do {
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+          } while (t - t0 < delay_ns[o]);
+        }
+      }
+      asm volatile("bar.sync 1, 256;" ::: "memory");
+    }
+    unsigned long long lo, hi;
+    part(o, lo, hi);
+    for (unsigned long long p = lo; p < hi; p += chunk, ++k) {
+      const int slot = (int)(k % (unsigned)slots);
+      const unsigned bytes = (unsigned)min((unsigned long long)chunk, hi - p);
+      mbar_wait(full + slot, (k / slots) & 1u);
+      const uint4* v = reinterpret_cast<const uint4*>(ring + (size_t)slot * chunk);
+      for (unsigned i = threadIdx.x; i < bytes / 16; i += 256) {
+        const uint4 x = v[i];
+        acc += (unsigned long long)x.x + x.y + x.z + x.w;
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + slot);
+    }
+    asm volatile("bar.sync 1, 256;" ::: "memory");  // every consumer done with op o
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(counters + o, 1u);
+    }
+  }
+  for (int d = 16; d; d >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, d);
+  if (lane == 0) atomicAdd(sink, acc);
+#endif
+}

@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""The persistent-stream probe (atomflow_bench/probe.py, kernels_cu/probe_stream.cu) on a model shape's step bytes.
+
+    scripts/probe_stream.py MODEL FMT [--att-ns N] [--slots S] [--chunk KB] [--reps R] [--json FILE]
+
+Prints the table (every variant's median step time against the copy floor measured in the same run) and writes
+the record to FILE (temp name, then rename)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("fmt", choices=("fp16", "fp8"))
+    ap.add_argument("--att-ns", type=int, default=3000, help="modelled attention latency before each o_proj (ns)")
+    ap.add_argument("--slots", type=int, default=12, help="ring chunks per block")
+    ap.add_argument("--chunk", type=int, default=16, help="chunk size, KB")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+
+    from rich.console import Console
+
+    from atomflow_bench.config import get_preset
+    from atomflow_bench.errors import AtomflowError
+    from atomflow_bench.kernels import KernelLib
+    from atomflow_bench.probe import probe_table, probe_variants, step_ops, stream_probe
+    from atomflow_bench.engine import gpu_info
+
+    try:
+        cfg = get_preset(a.model).config
+        gpu = gpu_info()
+        res = stream_probe(KernelLib(), step_ops(cfg, a.fmt), gpu["sms"],
+                           probe_variants(a.att_ns, a.slots, a.chunk * 1024), reps=a.reps)
+    except AtomflowError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    res.update({"model": a.model, "format": a.fmt, "gpu": gpu})
+    Console().print(probe_table(res))
+    if a.json:
+        tmp = a.json.with_name(a.json.name + ".tmp")
+        tmp.write_text(json.dumps(res, indent=1))
+        os.replace(tmp, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The persistent-stream probe's host side (atomflow_bench/probe.py; the kernel: tests/test_kernels_gpu.py)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from atomflow_bench.arena import plan_arena
+from atomflow_bench.config import CATALOG
+from atomflow_bench.probe import probe_table, probe_variants, step_ops
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("model,fmt", [("llama-3.2-3b", "fp8"), ("llama-3.2-1b", "fp16"), ("llama-3.1-8b", "fp8"),
+                                       ("llama-3.1-8b", "fp16")])
+def test_step_ops_are_the_streamed_bytes_in_step_order(model, fmt):
+    cfg = CATALOG[model].config
+    ops = step_ops(cfg, fmt)
+    L = cfg.num_hidden_layers
+    assert [n for n, _ in ops] == [f"L{i}.{r}" for i in range(L) for r in ("qkv", "o", "gu", "d")] + ["lm_head"]
+    assert all(b > 0 and b % 16 == 0 for _, b in ops)
+    streamed = plan_arena(cfg, fmt, 1).streamed_weight_bytes()
+    assert streamed <= sum(b for _, b in ops) < streamed + 16 * len(ops)
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    per = 1 if fmt == "fp8" else 2
+    assert dict(ops)["L0.gu"] >= 2 * I * H * per and dict(ops)["lm_head"] == cfg.vocab_size * H * 2 + H * 2
+
+
+def test_probe_table_lists_every_variant():
+    vs = probe_variants(3000, 12, 16384)
+    assert [v["name"] for v in vs] == ["stream", "deps", "deps+att", "deps+att ring=2"]
+    assert [v["att_ns"] for v in vs] == [0, 0, 3000, 3000] and vs[-1]["slots"] == 2
+    res = {"ops": 113, "bytes": 3_695_007_744, "grid": 132, "floor_ms": 1.2537,
+           "copy_bandwidth_gbs": {"median": 2947.0},
+           "variants": [{**v, "ms": {"median": 1.3 + i / 100, "p10": 1.29, "p90": 1.31}, "gbs": 2800.0 - i,
+                         "pct_of_copy": 95.0 - i} for i, v in enumerate(vs)]}
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(probe_table(res))
+    text = console.export_text()
+    for v in vs:
+        assert v["name"] in text
+    assert "1.3200" in text and "93.0%" in text and "floor 1.2537 ms" in text
+
+
+def test_probe_script_refuses_an_unknown_model():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/probe_stream.py"), "llama-9b", "fp8"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()]
+    assert "unknown model 'llama-9b'" in r.stderr
