@@ -26,6 +26,7 @@ from .errors import AtomflowError
 PROBE_THREADS = 288      # probe_stream.cu: 8 consumer warps + 1 producer warp
 PROBE_BAR_BYTES = 1024   # probe_stream.cu: the barriers before the ring (64 slots at most)
 PROBE_MAX_SLOTS = 64
+PROBE_MAX_SMEM = 227 * 1024  # sm_90's dynamic shared memory per block
 
 
 def step_ops(cfg: ModelConfig, fmt: str) -> list[tuple[str, int]]:
@@ -50,11 +51,24 @@ def step_ops(cfg: ModelConfig, fmt: str) -> list[tuple[str, int]]:
     return ops
 
 
-def probe_variants(att_ns: int, slots: int, chunk: int) -> list[dict]:
-    return [{"name": "stream", "wait": 0, "att_ns": 0, "slots": slots, "chunk": chunk},
-            {"name": "deps", "wait": 1, "att_ns": 0, "slots": slots, "chunk": chunk},
-            {"name": "deps+att", "wait": 1, "att_ns": att_ns, "slots": slots, "chunk": chunk},
-            {"name": "deps+att ring=2", "wait": 1, "att_ns": att_ns, "slots": 2, "chunk": chunk}]
+def probe_variants(att_ns: int, slots: int, chunk: int, sweep: bool = False) -> list[dict]:
+    """The four variants of the module doc; `sweep` adds `deps` with other rings (how much the copies' run-ahead
+    buys) and with the waiting thread sleeping between polls (whether the polling itself costs)."""
+    vs = [{"name": "stream", "wait": 0, "att_ns": 0, "slots": slots, "chunk": chunk},
+          {"name": "deps", "wait": 1, "att_ns": 0, "slots": slots, "chunk": chunk},
+          {"name": "deps+att", "wait": 1, "att_ns": att_ns, "slots": slots, "chunk": chunk},
+          {"name": "deps+att ring=2", "wait": 1, "att_ns": att_ns, "slots": 2, "chunk": chunk}]
+    if sweep:
+        vs += [{"name": f"deps ring={n}x{c // 1024}K", "wait": 1, "att_ns": 0, "slots": n, "chunk": c}
+               for n, c in ((2, 16384), (4, 16384), (8, 16384), (13, 16384), (24, 8192), (6, 32768))]
+        vs += [{"name": f"deps poll-sleep={ns}", "wait": ns, "att_ns": 0, "slots": slots, "chunk": chunk}
+               for ns in (100, 500)]
+    return vs
+
+
+def sync_ops(n_ops: int, n_sm: int) -> list[tuple[str, int]]:
+    """`n_ops` ops of 16 bytes per block: what the dependency waits cost with (almost) no bytes behind them."""
+    return [(f"sync{o}", 16 * n_sm) for o in range(n_ops)]
 
 
 def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict], reps: int = 20, warmup: int = 3,
@@ -67,6 +81,8 @@ def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict
     for v in variants:
         if not (1 <= v["slots"] <= PROBE_MAX_SLOTS and v["chunk"] % 16 == 0 and v["chunk"] > 0):
             raise AtomflowError(f"probe variant {v['name']!r}: slots 1..{PROBE_MAX_SLOTS}, chunk a multiple of 16")
+        if PROBE_BAR_BYTES + v["slots"] * v["chunk"] > PROBE_MAX_SMEM:
+            raise AtomflowError(f"probe variant {v['name']!r}: its ring does not fit {PROBE_MAX_SMEM} bytes")
     copy = copy or copy_bandwidth()
     off = np.concatenate([[0], np.cumsum([b for _, b in ops])]).astype(np.uint64)
     total = int(off[-1])

@@ -13,7 +13,8 @@
 // Layouts    w: the step's weight bytes, op after op (op_off[o] .. op_off[o+1], 16-byte multiples); block b streams
 //            its 1/gridDim share of each op in chunks of `chunk` bytes (a 16-byte multiple) through a ring of
 //            `slots` chunks in dynamic shared memory. counters[o]: blocks done with op o, cumulative over launches
-//            (a launch waits for `target` = launch ordinal x gridDim; never reset). wait = 0: no dependency at all.
+//            (a launch waits for `target` = launch ordinal x gridDim; never reset). wait = 0: no dependency at all;
+//            1: the waiting thread spins on the counter; > 1: it sleeps `wait` ns between its polls.
 // Bytes      op_off[n_ops] - op_off[0] read once (+ 4 bytes of counter traffic per block and op).
 // Launch     grid = the SM count (every block resident: the grid-wide waits need it), block = 288 (8 consumer
 //            warps + 1 producer warp), dynamic shared memory = 1024 + slots x chunk (slots <= 64).
@@ -67,9 +68,11 @@ probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __re
     if (wait && o > 0) {  // the dependency: every block done with op o-1, then the modelled latency
       if (threadIdx.x == 0) {
         unsigned done;
-        do {
+        for (;;) {
           asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(counters + o - 1) : "memory");
-        } while (done < target);
+          if (done >= target) break;
+          if (wait > 1) __nanosleep((unsigned)wait);
+        }
         if (delay_ns[o]) {
           unsigned long long t0, t;
           asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The persistent-stream probe (atomflow_bench/probe.py, kernels_cu/probe_stream.cu) on a model shape's step bytes.
 
-    scripts/probe_stream.py MODEL FMT [--att-ns N] [--slots S] [--chunk KB] [--reps R] [--json FILE]
+    scripts/probe_stream.py MODEL FMT [--att-ns N] [--slots S] [--chunk KB] [--reps R] [--sweep] [--json FILE]
 
 Prints the table (every variant's median step time against the copy floor measured in the same run) and writes
 the record to FILE (temp name, then rename)."""
@@ -24,6 +24,7 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=12, help="ring chunks per block")
     ap.add_argument("--chunk", type=int, default=16, help="chunk size, KB")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="also other rings, sleeping polls, and the waits alone")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
 
@@ -32,19 +33,26 @@ def main(argv=None) -> int:
     from atomflow_bench.config import get_preset
     from atomflow_bench.errors import AtomflowError
     from atomflow_bench.kernels import KernelLib
-    from atomflow_bench.probe import probe_table, probe_variants, step_ops, stream_probe
+    from atomflow_bench.probe import probe_table, probe_variants, step_ops, stream_probe, sync_ops
     from atomflow_bench.engine import gpu_info
 
     try:
         cfg = get_preset(a.model).config
         gpu = gpu_info()
-        res = stream_probe(KernelLib(), step_ops(cfg, a.fmt), gpu["sms"],
-                           probe_variants(a.att_ns, a.slots, a.chunk * 1024), reps=a.reps)
+        lib, ops = KernelLib(), step_ops(cfg, a.fmt)
+        res = stream_probe(lib, ops, gpu["sms"], probe_variants(a.att_ns, a.slots, a.chunk * 1024, a.sweep), reps=a.reps)
+        if a.sweep:  # the same number of waits with 16 bytes per block and op
+            sync = stream_probe(lib, sync_ops(len(ops), gpu["sms"]), gpu["sms"],
+                                probe_variants(0, a.slots, a.chunk * 1024)[:2], reps=a.reps, copy=res["copy_bandwidth_gbs"])
+            res["sync_only"] = {v["name"]: v["ms"] for v in sync["variants"]}
     except AtomflowError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     res.update({"model": a.model, "format": a.fmt, "gpu": gpu})
     Console().print(probe_table(res))
+    if "sync_only" in res:
+        print("the waits alone (%d ops of 16 B per block): " % len(ops)
+              + ", ".join(f"{k} {v['median'] * 1e3:.1f} µs" for k, v in res["sync_only"].items()))
     if a.json:
         tmp = a.json.with_name(a.json.name + ".tmp")
         tmp.write_text(json.dumps(res, indent=1))

@@ -32,6 +32,9 @@ def test_step_ops_are_the_streamed_bytes_in_step_order(model, fmt):
 def test_probe_table_lists_every_variant():
     vs = probe_variants(3000, 12, 16384)
     assert [v["name"] for v in vs] == ["stream", "deps", "deps+att", "deps+att ring=2"]
+    swept = probe_variants(3000, 12, 16384, sweep=True)
+    assert swept[:4] == vs and len(swept) == 12 and all(v["att_ns"] == 0 for v in swept[4:])
+    assert all(1024 + v["slots"] * v["chunk"] <= 227 * 1024 for v in swept)
     assert [v["att_ns"] for v in vs] == [0, 0, 3000, 3000] and vs[-1]["slots"] == 2
     res = {"ops": 113, "bytes": 3_695_007_744, "grid": 132, "floor_ms": 1.2537,
            "copy_bandwidth_gbs": {"median": 2947.0},
