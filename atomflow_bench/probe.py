@@ -11,6 +11,8 @@ plus an optional modelled latency before o_proj: the attention). Variants:
 * ``deps+att``: and `att_ns` before each o_proj (the attention's latency in the real step);
 * ``deps+att ring=2``: the same with a 2-chunk ring — copies that cannot run ahead, as at a kernel boundary.
 
+A block announces an op done with a release reduction (``signal`` 1); ``signal`` 0 is v32's full fence + atomicAdd.
+
 Each variant is timed with CUDA events around single launches (warm-up, `reps` repetitions, median and spread);
 every launch's checksum is compared with the buffer's (every byte read exactly once) before its time counts.
 """
@@ -63,7 +65,9 @@ def probe_variants(att_ns: int, slots: int, chunk: int, sweep: bool = False) -> 
                for n, c in ((2, 16384), (4, 16384), (8, 16384), (13, 16384), (24, 8192), (6, 32768))]
         vs += [{"name": f"deps poll-sleep={ns}", "wait": ns, "att_ns": 0, "slots": slots, "chunk": chunk}
                for ns in (100, 500)]
-    return vs
+        vs += [{"name": f"{v['name']} fence", "wait": v["wait"], "att_ns": v["att_ns"], "slots": slots,
+                "chunk": chunk, "signal": 0} for v in vs[:3]]
+    return [{"signal": 1, **v} for v in vs]  # signal 1: red.release (probe_stream.cu), 0: fence + atomicAdd
 
 
 def sync_ops(n_ops: int, n_sm: int) -> list[tuple[str, int]]:
@@ -111,7 +115,8 @@ def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict
                 e0.record(stream)
                 fn((n_sm,), (PROBE_THREADS,), (w, d_off, np.int32(len(ops)), d_delay, counters,
                                                np.uint32((r + 1) * n_sm), np.int32(v["wait"]), np.int32(v["slots"]),
-                                               np.uint32(v["chunk"]), sink), shared_mem=shmem)
+                                               np.uint32(v["chunk"]), np.int32(v.get("signal", 1)), sink),
+                   shared_mem=shmem)
                 e1.record(stream)
                 e1.synchronize()
                 got = int(sink.get()[0])

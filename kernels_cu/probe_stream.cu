@@ -14,7 +14,8 @@
 //            its 1/gridDim share of each op in chunks of `chunk` bytes (a 16-byte multiple) through a ring of
 //            `slots` chunks in dynamic shared memory. counters[o]: blocks done with op o, cumulative over launches
 //            (a launch waits for `target` = launch ordinal x gridDim; never reset). wait = 0: no dependency at all;
-//            1: the waiting thread spins on the counter; > 1: it sleeps `wait` ns between its polls.
+//            1: the waiting thread spins on the counter; > 1: it sleeps `wait` ns between its polls. signal: how a
+//            block announces an op done — 1: red.release.gpu (the default), 0: __threadfence() then atomicAdd.
 // Bytes      op_off[n_ops] - op_off[0] read once (+ 4 bytes of counter traffic per block and op).
 // Launch     grid = the SM count (every block resident: the grid-wide waits need it), block = 288 (8 consumer
 //            warps + 1 producer warp), dynamic shared memory = 1024 + slots x chunk (slots <= 64).
@@ -23,7 +24,7 @@
 extern "C" __global__ void __launch_bounds__(288, 1)
 probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __restrict__ op_off, int n_ops,
              const unsigned* __restrict__ delay_ns, unsigned* counters, unsigned target, int wait, int slots,
-             unsigned chunk, unsigned long long* sink) {
+             unsigned chunk, int signal, unsigned long long* sink) {
 #if AF_HAS_BULK
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned long long* full = reinterpret_cast<unsigned long long*>(smem);  // slots barriers: chunk landed
@@ -99,8 +100,12 @@ probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __re
     }
     asm volatile("bar.sync 1, 256;" ::: "memory");  // every consumer done with op o
     if (threadIdx.x == 0) {
-      __threadfence();
-      atomicAdd(counters + o, 1u);
+      if (signal) {  // a release reduction: orders this block's earlier writes without a full fence
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + o) : "memory");
+      } else {       // a full fence, then the add (v32: ~1.3 µs per op on the consumers' path)
+        __threadfence();
+        atomicAdd(counters + o, 1u);
+      }
     }
   }
   for (int d = 16; d; d >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, d);

@@ -43,7 +43,9 @@ def main(argv=None) -> int:
         res = stream_probe(lib, ops, gpu["sms"], probe_variants(a.att_ns, a.slots, a.chunk * 1024, a.sweep), reps=a.reps)
         if a.sweep:  # the same number of waits with 16 bytes per block and op
             sync = stream_probe(lib, sync_ops(len(ops), gpu["sms"]), gpu["sms"],
-                                probe_variants(0, a.slots, a.chunk * 1024)[:2], reps=a.reps, copy=res["copy_bandwidth_gbs"])
+                                [v for v in probe_variants(0, a.slots, a.chunk * 1024, True) if v["name"] in
+                                 ("stream", "deps", "stream fence", "deps fence")], reps=a.reps,
+                                copy=res["copy_bandwidth_gbs"])
             res["sync_only"] = {v["name"]: v["ms"] for v in sync["variants"]}
     except AtomflowError as e:
         print(f"error: {e}", file=sys.stderr)

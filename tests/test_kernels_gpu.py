@@ -562,8 +562,9 @@ def test_probe_stream(kernel_lib, n_sm):
     ops = [("L0.qkv", 16 * 5), ("L0.o", 16 * 1001), ("L0.gu", 16 * 70001), ("L0.d", 4096 * n_sm + 48),
            ("L1.qkv", 16 * 3), ("L1.o", 16 * 20011), ("lm_head", 16 * 123457)]
     copy = {"median": 1000.0}  # GB/s: only scales the reported percentages
-    variants = [{"name": f"w{w} s{s} c{c}", "wait": w, "att_ns": 50_000, "slots": s, "chunk": c}
-                for w in (0, 1, 200) for s, c in ((1, 16), (2, 4096), (12, 16384))]  # 200: polls 200 ns apart
+    variants = [{"name": f"w{w} s{s} c{c}", "wait": w, "att_ns": 50_000, "slots": s, "chunk": c, "signal": s % 2}
+                for w in (0, 1, 200) for s, c in ((1, 16), (2, 4096), (12, 16384))]  # 200: polls 200 ns apart;
+    # signal: the release reduction (odd rings) or the fence + atomicAdd (even)
     res = stream_probe(kernel_lib, ops, n_sm, variants, reps=3, warmup=1, copy=copy)
     assert res["bytes"] == sum(b for _, b in ops) and res["grid"] == n_sm
     ms = {v["name"]: v["ms"]["median"] for v in res["variants"]}

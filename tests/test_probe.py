@@ -33,7 +33,8 @@ def test_probe_table_lists_every_variant():
     vs = probe_variants(3000, 12, 16384)
     assert [v["name"] for v in vs] == ["stream", "deps", "deps+att", "deps+att ring=2"]
     swept = probe_variants(3000, 12, 16384, sweep=True)
-    assert swept[:4] == vs and len(swept) == 12 and all(v["att_ns"] == 0 for v in swept[4:])
+    assert swept[:4] == vs and len(swept) == 15 and all(v["att_ns"] == 0 for v in swept[4:12])
+    assert [v["signal"] for v in swept] == [1] * 12 + [0] * 3 and swept[12]["name"] == "stream fence"
     assert all(1024 + v["slots"] * v["chunk"] <= 227 * 1024 for v in swept)
     assert [v["att_ns"] for v in vs] == [0, 0, 3000, 3000] and vs[-1]["slots"] == 2
     res = {"ops": 113, "bytes": 3_695_007_744, "grid": 132, "floor_ms": 1.2537,
