@@ -14,7 +14,9 @@ plus an optional modelled latency before o_proj: the attention). Variants:
 A block announces an op done with a release reduction (``signal`` 1); ``signal`` 0 is v32's full fence + atomicAdd.
 
 Each variant is timed with CUDA events around single launches (warm-up, `reps` repetitions, median and spread);
-every launch's checksum is compared with the buffer's (every byte read exactly once) before its time counts.
+every launch's checksum is compared with the buffer's (every byte read exactly once) before its time counts. Each
+launch also counts cycles per block (clock64): the producer blocked on a full ring, and the consumers waiting for
+chunks to land, for the dependency, and at each op's closing sync — as shares of the run ("cycle_shares").
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from .errors import AtomflowError
 PROBE_THREADS = 288      # probe_stream.cu: 8 consumer warps + 1 producer warp
 PROBE_BAR_BYTES = 1024   # probe_stream.cu: the barriers before the ring (64 slots at most)
 PROBE_MAX_SLOTS = 64
+# probe_stream.cu's per-block cycle counts, as shares of thread 0's run (the 5th count)
+STAT_NAMES = ("producer_blocked", "data_wait", "dep_wait", "end_sync")
 PROBE_MAX_SMEM = 227 * 1024  # sm_90's dynamic shared memory per block
 
 
@@ -95,6 +99,7 @@ def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict
     d_off = cp.asarray(off)
     counters = cp.zeros(len(ops), dtype=cp.uint32)
     sink = cp.zeros(1, dtype=cp.uint64)
+    stats = cp.zeros((n_sm, len(STAT_NAMES) + 1), dtype=cp.uint64)
     fn = lib["probe_stream"]
     stream = cp.cuda.Stream(non_blocking=True)
     out = []
@@ -115,8 +120,8 @@ def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict
                 e0.record(stream)
                 fn((n_sm,), (PROBE_THREADS,), (w, d_off, np.int32(len(ops)), d_delay, counters,
                                                np.uint32((r + 1) * n_sm), np.int32(v["wait"]), np.int32(v["slots"]),
-                                               np.uint32(v["chunk"]), np.int32(v.get("signal", 1)), sink),
-                   shared_mem=shmem)
+                                               np.uint32(v["chunk"]), np.int32(v.get("signal", 1)), sink,
+                                               stats), shared_mem=shmem)
                 e1.record(stream)
                 e1.synchronize()
                 got = int(sink.get()[0])
@@ -128,7 +133,10 @@ def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict
             raise AtomflowError(f"probe {v['name']}: op counters are not {(warmup + reps) * n_sm} each")
         s = summarize(ms)
         gbs = total / (s["median"] * 1e-3) / 1e9
-        out.append({**v, "ms": s, "gbs": gbs, "pct_of_copy": 100 * gbs / copy["median"]})
+        c = stats.get().astype(np.float64)  # the last launch's cycles per block
+        share = {n: {"mean": float((c[:, i] / c[:, -1]).mean()), "max": float((c[:, i] / c[:, -1]).max())}
+                 for i, n in enumerate(STAT_NAMES)}
+        out.append({**v, "ms": s, "gbs": gbs, "pct_of_copy": 100 * gbs / copy["median"], "cycle_shares": share})
     del w
     return {"ops": len(ops), "bytes": total, "grid": n_sm, "floor_ms": total / (copy["median"] * 1e9) * 1e3,
             "copy_bandwidth_gbs": copy, "variants": out}
@@ -139,9 +147,12 @@ def probe_table(p: dict):
 
     t = Table(title=f"persistent-stream probe: {p['ops']} ops, {p['bytes'] / 1e9:.3f} GB, grid {p['grid']}, "
                     f"floor {p['floor_ms']:.4f} ms at copy {p['copy_bandwidth_gbs']['median']:.0f} GB/s")
-    for c in ("variant", "ring", "att ns", "median ms", "p10-p90 ms", "GB/s", "% of copy"):
+    for c in ("variant", "ring", "att ns", "median ms", "p10-p90 ms", "GB/s", "% of copy",
+              "cycles %: blocked/data/dep/sync"):
         t.add_column(c, justify="left" if c == "variant" else "right")
     for v in p["variants"]:
         t.add_row(v["name"], f"{v['slots']} x {v['chunk'] // 1024} KB", str(v["att_ns"]), f"{v['ms']['median']:.4f}",
-                  f"{v['ms']['p10']:.4f}-{v['ms']['p90']:.4f}", f"{v['gbs']:.0f}", f"{v['pct_of_copy']:.1f}%")
+                  f"{v['ms']['p10']:.4f}-{v['ms']['p90']:.4f}", f"{v['gbs']:.0f}", f"{v['pct_of_copy']:.1f}%",
+                  "/".join(f"{100 * v['cycle_shares'][n]['mean']:.0f}" for n in STAT_NAMES)
+                  if "cycle_shares" in v else "-")
     return t

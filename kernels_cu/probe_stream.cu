@@ -16,6 +16,9 @@
 //            (a launch waits for `target` = launch ordinal x gridDim; never reset). wait = 0: no dependency at all;
 //            1: the waiting thread spins on the counter; > 1: it sleeps `wait` ns between its polls. signal: how a
 //            block announces an op done — 1: red.release.gpu (the default), 0: __threadfence() then atomicAdd.
+//            stats (or null): per block 5 cycle counts (clock64) of its last launch — the producer waiting for a
+//            free slot; thread 0 waiting for chunks to land, for the dependency, at each op's closing bar.sync;
+//            thread 0's whole run.
 // Bytes      op_off[n_ops] - op_off[0] read once (+ 4 bytes of counter traffic per block and op).
 // Launch     grid = the SM count (every block resident: the grid-wide waits need it), block = 288 (8 consumer
 //            warps + 1 producer warp), dynamic shared memory = 1024 + slots x chunk (slots <= 64).
@@ -24,7 +27,7 @@
 extern "C" __global__ void __launch_bounds__(288, 1)
 probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __restrict__ op_off, int n_ops,
              const unsigned* __restrict__ delay_ns, unsigned* counters, unsigned target, int wait, int slots,
-             unsigned chunk, int signal, unsigned long long* sink) {
+             unsigned chunk, int signal, unsigned long long* sink, unsigned long long* stats) {
 #if AF_HAS_BULK
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned long long* full = reinterpret_cast<unsigned long long*>(smem);  // slots barriers: chunk landed
@@ -49,24 +52,34 @@ probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __re
   if (warp == 8) {  // producer: runs ahead across ops, bounded only by the ring
     if (lane == 0) {
       unsigned k = 0;
+      unsigned long long blocked = 0;  // cycles waiting for a free slot (the ring full of unconsumed chunks)
       for (int o = 0; o < n_ops; ++o) {
         unsigned long long lo, hi;
         part(o, lo, hi);
         for (unsigned long long p = lo; p < hi; p += chunk, ++k) {
           const int slot = (int)(k % (unsigned)slots);
-          if (k >= (unsigned)slots) mbar_wait(empty + slot, (k / slots - 1) & 1u);
+          if (k >= (unsigned)slots) {
+            const unsigned long long t0 = clock64();
+            mbar_wait(empty + slot, (k / slots - 1) & 1u);
+            blocked += clock64() - t0;
+          }
           const unsigned bytes = (unsigned)min((unsigned long long)chunk, hi - p);
           mbar_expect_tx(full + slot, bytes);
           bulk_g2s(ring + (size_t)slot * chunk, w + p, bytes, full + slot);
         }
       }
+      if (stats) stats[blockIdx.x * 5 + 0] = blocked;
     }
     return;
   }
   unsigned long long acc = 0;
   unsigned k = 0;
+  // thread 0's cycles: waiting for chunks to land, for the dependency (+ delay), at the op's closing bar.sync; all
+  const unsigned long long t_start = clock64();
+  unsigned long long data_wait = 0, dep_wait = 0, end_sync = 0, t0 = 0;
   for (int o = 0; o < n_ops; ++o) {
     if (wait && o > 0) {  // the dependency: every block done with op o-1, then the modelled latency
+      t0 = clock64();
       if (threadIdx.x == 0) {
         unsigned done;
         for (;;) {
@@ -83,13 +96,16 @@ probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __re
         }
       }
       asm volatile("bar.sync 1, 256;" ::: "memory");
+      dep_wait += clock64() - t0;
     }
     unsigned long long lo, hi;
     part(o, lo, hi);
     for (unsigned long long p = lo; p < hi; p += chunk, ++k) {
       const int slot = (int)(k % (unsigned)slots);
       const unsigned bytes = (unsigned)min((unsigned long long)chunk, hi - p);
+      t0 = clock64();
       mbar_wait(full + slot, (k / slots) & 1u);
+      data_wait += clock64() - t0;
       const uint4* v = reinterpret_cast<const uint4*>(ring + (size_t)slot * chunk);
       for (unsigned i = threadIdx.x; i < bytes / 16; i += 256) {
         const uint4 x = v[i];
@@ -98,7 +114,9 @@ probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __re
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + slot);
     }
+    t0 = clock64();
     asm volatile("bar.sync 1, 256;" ::: "memory");  // every consumer done with op o
+    end_sync += clock64() - t0;
     if (threadIdx.x == 0) {
       if (signal) {  // a release reduction: orders this block's earlier writes without a full fence
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + o) : "memory");
@@ -110,5 +128,12 @@ probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __re
   }
   for (int d = 16; d; d >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, d);
   if (lane == 0) atomicAdd(sink, acc);
+  if (stats && threadIdx.x == 0) {
+    unsigned long long* s = stats + blockIdx.x * 5;
+    s[1] = data_wait;
+    s[2] = dep_wait;
+    s[3] = end_sync;
+    s[4] = clock64() - t_start;
+  }
 #endif
 }

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
                                 [v for v in probe_variants(0, a.slots, a.chunk * 1024, True) if v["name"] in
                                  ("stream", "deps", "stream fence", "deps fence")], reps=a.reps,
                                 copy=res["copy_bandwidth_gbs"])
-            res["sync_only"] = {v["name"]: v["ms"] for v in sync["variants"]}
+            res["sync_only"] = {v["name"]: {"ms": v["ms"], "cycle_shares": v["cycle_shares"]} for v in sync["variants"]}
     except AtomflowError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -54,7 +54,9 @@ def main(argv=None) -> int:
     Console().print(probe_table(res))
     if "sync_only" in res:
         print("the waits alone (%d ops of 16 B per block): " % len(ops)
-              + ", ".join(f"{k} {v['median'] * 1e3:.1f} µs" for k, v in res["sync_only"].items()))
+              + ", ".join(f"{k} {v['ms']['median'] * 1e3:.1f} µs (cycles %% blocked/data/dep/sync "
+                          + "/".join(f"{100 * x['mean']:.0f}" for x in v["cycle_shares"].values()) + ")"
+                          for k, v in res["sync_only"].items()))
     if a.json:
         tmp = a.json.with_name(a.json.name + ".tmp")
         tmp.write_text(json.dumps(res, indent=1))

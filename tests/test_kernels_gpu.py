@@ -571,5 +571,9 @@ def test_probe_stream(kernel_lib, n_sm):
     for s, c in ((1, 16), (2, 4096), (12, 16384)):  # two o_proj ops wait 50 µs each after their dependency
         assert ms[f"w1 s{s} c{c}"] >= 0.1 and ms[f"w200 s{s} c{c}"] >= 0.1, ms
     assert ms["w0 s12 c16384"] < 0.1, ms
+    for v in res["variants"]:  # cycle shares of the run: the 100 µs of delays show up as dependency waits only
+        sh = {n: x["mean"] for n, x in v["cycle_shares"].items()}
+        assert all(0 <= x <= 1 for x in sh.values()) and sum(sh.values()) - sh["producer_blocked"] <= 1.0, v
+        assert (sh["dep_wait"] > 0.3) if v["wait"] else (sh["dep_wait"] == 0), v
     with pytest.raises(AtomflowError, match="multiples of 16"):
         stream_probe(kernel_lib, [("x", 24)], n_sm, variants, copy=copy)

@@ -41,6 +41,9 @@ def test_probe_table_lists_every_variant():
            "copy_bandwidth_gbs": {"median": 2947.0},
            "variants": [{**v, "ms": {"median": 1.3 + i / 100, "p10": 1.29, "p90": 1.31}, "gbs": 2800.0 - i,
                          "pct_of_copy": 95.0 - i} for i, v in enumerate(vs)]}
+    res["variants"][1]["cycle_shares"] = {n: {"mean": x, "max": x} for n, x in
+                                          zip(("producer_blocked", "data_wait", "dep_wait", "end_sync"),
+                                              (0.12, 0.61, 0.2, 0.04))}
     from rich.console import Console
 
     console = Console(width=200, record=True)
@@ -49,6 +52,7 @@ def test_probe_table_lists_every_variant():
     for v in vs:
         assert v["name"] in text
     assert "1.3200" in text and "93.0%" in text and "floor 1.2537 ms" in text
+    assert "12/61/20/4" in text  # the cycle shares of the one variant that has them
 
 
 def test_probe_script_refuses_an_unknown_model():
