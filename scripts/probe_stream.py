@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     Console().print(probe_table(res))
     if "sync_only" in res:
         print("the waits alone (%d ops of 16 B per block): " % len(ops)
-              + ", ".join(f"{k} {v['ms']['median'] * 1e3:.1f} µs (cycles %% blocked/data/dep/sync "
+              + ", ".join(f"{k} {v['ms']['median'] * 1e3:.1f} µs (cycles % blocked/data/dep/sync "
                           + "/".join(f"{100 * x['mean']:.0f}" for x in v["cycle_shares"].values()) + ")"
                           for k, v in res["sync_only"].items()))
     if a.json:
