@@ -3,13 +3,16 @@
 The decode step is one kernel per op; at each boundary the next kernel's blocks can only ask for weights once
 they are resident, and HBM idles for ~11 µs per 3B layer (results/PERF_NOTES.md v30). `stream_probe` streams the
 same bytes, op after op in the step's order (`step_ops`), through ONE grid of persistent blocks whose copies run
-ahead across op boundaries while the consumers honour the step's dependencies (all of op o-1 done before op o,
-plus an optional modelled latency before o_proj: the attention). Variants:
+ahead across op boundaries while the consumers honour a rule of dependencies (`op_groups`: which blocks' op o-1
+each block's op o waits for), plus an optional modelled latency before o_proj (the attention). Variants:
 
 * ``stream``: no dependency at all — what streaming alone reaches;
-* ``deps``: every op waits for the whole previous op (a grid-wide counter);
+* ``deps``: every op waits for the whole previous op (a grid-wide counter: a GEMV needs its whole input vector);
 * ``deps+att``: and `att_ns` before each o_proj (the attention's latency in the real step);
-* ``deps+att ring=2``: the same with a 2-chunk ring — copies that cannot run ahead, as at a kernel boundary.
+* ``deps+att ring=2``: the same with a 2-chunk ring — copies that cannot run ahead, as at a kernel boundary;
+* (sweep) ``group=G``: every op waits for its group of G blocks only (a dependency on a slice, e.g. split-K);
+  ``layer=G``: QKV, gate/up and lm_head wait for the grid (their RMSNorm needs the whole residual), o_proj and
+  down for a group of G (split-K by head / by intermediate slice: a dataflow layer's least coupling).
 
 A block announces an op done with a release reduction (``signal`` 1); ``signal`` 0 is v32's full fence + atomicAdd.
 
@@ -59,19 +62,54 @@ def step_ops(cfg: ModelConfig, fmt: str) -> list[tuple[str, int]]:
 
 def probe_variants(att_ns: int, slots: int, chunk: int, sweep: bool = False) -> list[dict]:
     """The four variants of the module doc; `sweep` adds `deps` with other rings (how much the copies' run-ahead
-    buys) and with the waiting thread sleeping between polls (whether the polling itself costs)."""
-    vs = [{"name": "stream", "wait": 0, "att_ns": 0, "slots": slots, "chunk": chunk},
-          {"name": "deps", "wait": 1, "att_ns": 0, "slots": slots, "chunk": chunk},
-          {"name": "deps+att", "wait": 1, "att_ns": att_ns, "slots": slots, "chunk": chunk},
-          {"name": "deps+att ring=2", "wait": 1, "att_ns": att_ns, "slots": 2, "chunk": chunk}]
+    buys), with the waiting thread sleeping between polls (whether the polling itself costs), with the v32 fence
+    signal, and the group rules (what a dependency on a slice costs against one on the whole grid)."""
+    def v(name, deps, att=0, n=slots, c=chunk, **kw):
+        return {"name": name, "deps": deps, "att_ns": att, "slots": n, "chunk": c, **kw}
+
+    vs = [v("stream", "none"), v("deps", "grid"), v("deps+att", "grid", att_ns), v("deps+att ring=2", "grid", att_ns, 2)]
     if sweep:
-        vs += [{"name": f"deps ring={n}x{c // 1024}K", "wait": 1, "att_ns": 0, "slots": n, "chunk": c}
+        vs += [v(f"deps ring={n}x{c // 1024}K", "grid", 0, n, c)
                for n, c in ((2, 16384), (4, 16384), (8, 16384), (13, 16384), (24, 8192), (6, 32768))]
-        vs += [{"name": f"deps poll-sleep={ns}", "wait": ns, "att_ns": 0, "slots": slots, "chunk": chunk}
-               for ns in (100, 500)]
-        vs += [{"name": f"{v['name']} fence", "wait": v["wait"], "att_ns": v["att_ns"], "slots": slots,
-                "chunk": chunk, "signal": 0} for v in vs[:3]]
-    return [{"signal": 1, **v} for v in vs]  # signal 1: red.release (probe_stream.cu), 0: fence + atomicAdd
+        vs += [v(f"deps poll-sleep={ns}", "grid", poll_ns=ns) for ns in (100, 500)]
+        vs += [{**x, "name": f"{x['name']} fence", "signal": 0} for x in vs[:3]]
+        vs += [v(f"group={g}", f"group={g}") for g in (1, 4, 12, 33)]
+        vs += [v(f"layer={g}", f"layer={g}") for g in (1, 12, 33)] + [v("layer=12+att", "layer=12", att_ns)]
+    return [{"signal": 1, "poll_ns": 0, **x} for x in vs]  # signal 1: red.release (probe_stream.cu), 0: fence + add
+
+
+def op_groups(ops: list[tuple[str, int]], rule: str, n_sm: int) -> np.ndarray:
+    """Per op, the size of the group of blocks whose previous op it waits for (probe_stream.cu `group`; 0: none;
+    op 0 never waits): "none"; "grid"; "group=G" (every op); "layer=G" (the grid before QKV, gate/up and lm_head, G
+    before o_proj and down)."""
+    kind, _, g = rule.partition("=")
+    if kind in ("group", "layer") and not (g.isdigit() and 1 <= int(g) <= n_sm):
+        raise AtomflowError(f"probe rule {rule!r}: the group size must be 1..{n_sm}")
+    if kind in ("none", "grid") and rule != kind:
+        raise AtomflowError(f"probe rule {rule!r}: {kind} takes no size")
+    if kind == "none":
+        out = [0] * len(ops)
+    elif kind == "grid":
+        out = [n_sm] * len(ops)
+    elif kind == "group":
+        out = [int(g)] * len(ops)
+    elif kind == "layer":
+        out = [int(g) if name.endswith((".o", ".d")) else n_sm for name, _ in ops]
+    else:
+        raise AtomflowError(f"probe rule {rule!r}: none, grid, group=G or layer=G")
+    return np.array([0] + out[1:], dtype=np.uint32)
+
+
+def expected_counters(groups: np.ndarray, n_sm: int, launches: int) -> np.ndarray:
+    """probe_stream.cu's counters after `launches` launches: op o's row counts, per group of op o+1's grouping,
+    its blocks (x launches); rows whose next op waits for nothing stay 0."""
+    out = np.zeros((len(groups), n_sm), dtype=np.uint32)
+    for o in range(len(groups) - 1):
+        G = int(groups[o + 1])
+        if G:
+            for g in range(-(-n_sm // G)):
+                out[o, g] = launches * min(G, n_sm - g * G)
+    return out
 
 
 def sync_ops(n_ops: int, n_sm: int) -> list[tuple[str, int]]:
@@ -97,7 +135,7 @@ def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict
     w = cp.random.default_rng(seed).integers(0, 255, total, dtype=cp.uint8)  # fresh random bytes (never zeros)
     want = int(w.view(cp.uint32).sum(dtype=cp.uint64).get())  # the kernel's sum of 32-bit words, mod 2^64
     d_off = cp.asarray(off)
-    counters = cp.zeros(len(ops), dtype=cp.uint32)
+    counters = cp.zeros((len(ops), n_sm), dtype=cp.uint32)
     sink = cp.zeros(1, dtype=cp.uint64)
     stats = cp.zeros((n_sm, len(STAT_NAMES) + 1), dtype=cp.uint64)
     fn = lib["probe_stream"]
@@ -109,6 +147,8 @@ def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict
             if name.endswith(".o"):
                 delay[o] = v["att_ns"]
         d_delay = cp.asarray(delay)
+        groups = op_groups(ops, v["deps"], n_sm)
+        d_groups = cp.asarray(groups)
         shmem = PROBE_BAR_BYTES + v["slots"] * v["chunk"]
         fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, shmem)
         counters.fill(0)
@@ -118,8 +158,8 @@ def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict
                 sink.fill(0)  # an accumulator: any chunk missed or read twice changes the sum
                 e0, e1 = cp.cuda.Event(), cp.cuda.Event()
                 e0.record(stream)
-                fn((n_sm,), (PROBE_THREADS,), (w, d_off, np.int32(len(ops)), d_delay, counters,
-                                               np.uint32((r + 1) * n_sm), np.int32(v["wait"]), np.int32(v["slots"]),
+                fn((n_sm,), (PROBE_THREADS,), (w, d_off, np.int32(len(ops)), d_delay, d_groups, counters,
+                                               np.uint32(r + 1), np.int32(v["poll_ns"]), np.int32(v["slots"]),
                                                np.uint32(v["chunk"]), np.int32(v.get("signal", 1)), sink,
                                                stats), shared_mem=shmem)
                 e1.record(stream)
@@ -129,8 +169,8 @@ def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict
                     raise AtomflowError(f"probe {v['name']}: checksum {got:#x} != {want:#x} (launch {r})")
                 if r >= warmup:
                     ms.append(cp.cuda.get_elapsed_time(e0, e1))
-        if not (counters.get() == (warmup + reps) * n_sm).all():
-            raise AtomflowError(f"probe {v['name']}: op counters are not {(warmup + reps) * n_sm} each")
+        if not (counters.get() == expected_counters(groups, n_sm, warmup + reps)).all():
+            raise AtomflowError(f"probe {v['name']}: the op counters are not what {warmup + reps} launches give")
         s = summarize(ms)
         gbs = total / (s["median"] * 1e-3) / 1e9
         c = stats.get().astype(np.float64)  # the last launch's cycles per block
@@ -147,11 +187,11 @@ def probe_table(p: dict):
 
     t = Table(title=f"persistent-stream probe: {p['ops']} ops, {p['bytes'] / 1e9:.3f} GB, grid {p['grid']}, "
                     f"floor {p['floor_ms']:.4f} ms at copy {p['copy_bandwidth_gbs']['median']:.0f} GB/s")
-    for c in ("variant", "ring", "att ns", "median ms", "p10-p90 ms", "GB/s", "% of copy",
+    for c in ("variant", "deps", "ring", "att ns", "median ms", "p10-p90 ms", "GB/s", "% of copy",
               "cycles %: blocked/data/dep/sync"):
         t.add_column(c, justify="left" if c == "variant" else "right")
     for v in p["variants"]:
-        t.add_row(v["name"], f"{v['slots']} x {v['chunk'] // 1024} KB", str(v["att_ns"]), f"{v['ms']['median']:.4f}",
+        t.add_row(v["name"], v["deps"], f"{v['slots']} x {v['chunk'] // 1024} KB", str(v["att_ns"]), f"{v['ms']['median']:.4f}",
                   f"{v['ms']['p10']:.4f}-{v['ms']['p90']:.4f}", f"{v['gbs']:.0f}", f"{v['pct_of_copy']:.1f}%",
                   "/".join(f"{100 * v['cycle_shares'][n]['mean']:.0f}" for n in STAT_NAMES)
                   if "cycle_shares" in v else "-")

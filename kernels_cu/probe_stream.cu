@@ -7,26 +7,31 @@
 //            -> o_proj -> gate/up latency chain), because a kernel's blocks can only request weights once they are
 //            resident. Here one grid of persistent blocks walks all ops: a producer lane keeps a ring of bulk copies
 //            full across op boundaries (weights never depend on the previous op), while the consumers of op o wait
-//            for every block to have finished op o-1 (a grid-wide counter: the dependency the real step has), plus
-//            delay_ns[o] (a model of a latency between them, e.g. the attention's). The step time of this probe is
-//            the ceiling of that design on this GPU; with `slots` small it models copies that cannot run ahead.
+//            for a group of blocks — the whole grid, the dependency a GEMV's full input vector makes — to have
+//            finished op o-1, plus delay_ns[o] (a model of a latency between them, e.g. the attention's). Smaller
+//            groups model dependencies on a slice (split-K by head or by intermediate slice). The step time of this
+//            probe is the ceiling of that design on this GPU; with `slots` small it models copies that cannot run
+//            ahead.
 // Layouts    w: the step's weight bytes, op after op (op_off[o] .. op_off[o+1], 16-byte multiples); block b streams
 //            its 1/gridDim share of each op in chunks of `chunk` bytes (a 16-byte multiple) through a ring of
-//            `slots` chunks in dynamic shared memory. counters[o]: blocks done with op o, cumulative over launches
-//            (a launch waits for `target` = launch ordinal x gridDim; never reset). wait = 0: no dependency at all;
-//            1: the waiting thread spins on the counter; > 1: it sleeps `wait` ns between its polls. signal: how a
-//            block announces an op done — 1: red.release.gpu (the default), 0: __threadfence() then atomicAdd.
+//            `slots` chunks in dynamic shared memory. group[o]: 0, op o waits for nothing; G, block b's op o waits
+//            for blocks [G*(b/G), G*(b/G) + G) (clipped to the grid) to have finished op o-1. counters[o][gridDim]:
+//            per group of op o+1's grouping, the blocks done with op o, cumulative over launches (launch = 1, 2, ...
+//            waits for launch x the group's size; never reset). poll_ns: 0, the waiting thread spins on its counter;
+//            > 0, it sleeps that long between polls. signal: how a block announces an op done — 1: red.release.gpu
+//            (the default), 0: __threadfence() then atomicAdd.
 //            stats (or null): per block 5 cycle counts (clock64) of its last launch — the producer waiting for a
 //            free slot; thread 0 waiting for chunks to land, for the dependency, at each op's closing bar.sync;
 //            thread 0's whole run.
-// Bytes      op_off[n_ops] - op_off[0] read once (+ 4 bytes of counter traffic per block and op).
-// Launch     grid = the SM count (every block resident: the grid-wide waits need it), block = 288 (8 consumer
+// Bytes      op_off[n_ops] - op_off[0] read once (+ counter traffic: 4 bytes per block and op, and the polls).
+// Launch     grid = the SM count (every block resident: the waits need it), block = 288 (8 consumer
 //            warps + 1 producer warp), dynamic shared memory = 1024 + slots x chunk (slots <= 64).
 #include "common.cuh"
 
 extern "C" __global__ void __launch_bounds__(288, 1)
 probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __restrict__ op_off, int n_ops,
-             const unsigned* __restrict__ delay_ns, unsigned* counters, unsigned target, int wait, int slots,
+             const unsigned* __restrict__ delay_ns, const unsigned* __restrict__ group, unsigned* counters,
+             unsigned launch, int poll_ns, int slots,
              unsigned chunk, int signal, unsigned long long* sink, unsigned long long* stats) {
 #if AF_HAS_BULK
   extern __shared__ __align__(128) unsigned char smem[];
@@ -78,14 +83,17 @@ probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __re
   const unsigned long long t_start = clock64();
   unsigned long long data_wait = 0, dep_wait = 0, end_sync = 0, t0 = 0;
   for (int o = 0; o < n_ops; ++o) {
-    if (wait && o > 0) {  // the dependency: every block done with op o-1, then the modelled latency
+    const unsigned G = o > 0 ? group[o] : 0u;
+    if (G) {  // the dependency: this block's group done with op o-1, then the modelled latency
       t0 = clock64();
       if (threadIdx.x == 0) {
+        const unsigned g = blockIdx.x / G, want = launch * min(G, gridDim.x - g * G);
+        const unsigned* c = counters + (size_t)(o - 1) * gridDim.x + g;
         unsigned done;
         for (;;) {
-          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(counters + o - 1) : "memory");
-          if (done >= target) break;
-          if (wait > 1) __nanosleep((unsigned)wait);
+          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(c) : "memory");
+          if (done >= want) break;
+          if (poll_ns) __nanosleep((unsigned)poll_ns);
         }
         if (delay_ns[o]) {
           unsigned long long t0, t;
@@ -117,12 +125,13 @@ probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __re
     t0 = clock64();
     asm volatile("bar.sync 1, 256;" ::: "memory");  // every consumer done with op o
     end_sync += clock64() - t0;
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && o + 1 < n_ops && group[o + 1]) {  // announced to the group op o+1 waits on
+      unsigned* c = counters + (size_t)o * gridDim.x + blockIdx.x / group[o + 1];
       if (signal) {  // a release reduction: orders this block's earlier writes without a full fence
-        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + o) : "memory");
-      } else {       // a full fence, then the add (v32: ~1.3 µs per op on the consumers' path)
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
+      } else {       // a full fence, then the add (v32: ~0.3 µs per op more where nothing else is waited for)
         __threadfence();
-        atomicAdd(counters + o, 1u);
+        atomicAdd(c, 1u);
       }
     }
   }

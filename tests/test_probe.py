@@ -9,7 +9,8 @@ import pytest
 
 from atomflow_bench.arena import plan_arena
 from atomflow_bench.config import CATALOG
-from atomflow_bench.probe import probe_table, probe_variants, step_ops
+from atomflow_bench.errors import AtomflowError
+from atomflow_bench.probe import expected_counters, op_groups, probe_table, probe_variants, step_ops
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,9 +33,12 @@ def test_step_ops_are_the_streamed_bytes_in_step_order(model, fmt):
 def test_probe_table_lists_every_variant():
     vs = probe_variants(3000, 12, 16384)
     assert [v["name"] for v in vs] == ["stream", "deps", "deps+att", "deps+att ring=2"]
+    assert [v["deps"] for v in vs] == ["none", "grid", "grid", "grid"]
     swept = probe_variants(3000, 12, 16384, sweep=True)
-    assert swept[:4] == vs and len(swept) == 15 and all(v["att_ns"] == 0 for v in swept[4:12])
-    assert [v["signal"] for v in swept] == [1] * 12 + [0] * 3 and swept[12]["name"] == "stream fence"
+    assert swept[:4] == vs and len(swept) == 23 and all(v["att_ns"] == 0 for v in swept[4:12])
+    assert [v["signal"] for v in swept] == [1] * 12 + [0] * 3 + [1] * 8 and swept[12]["name"] == "stream fence"
+    assert [v["deps"] for v in swept[15:]] == ["group=1", "group=4", "group=12", "group=33", "layer=1", "layer=12",
+                                               "layer=33", "layer=12"] and swept[-1]["att_ns"] == 3000
     assert all(1024 + v["slots"] * v["chunk"] <= 227 * 1024 for v in swept)
     assert [v["att_ns"] for v in vs] == [0, 0, 3000, 3000] and vs[-1]["slots"] == 2
     res = {"ops": 113, "bytes": 3_695_007_744, "grid": 132, "floor_ms": 1.2537,
@@ -60,3 +64,17 @@ def test_probe_script_refuses_an_unknown_model():
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()]
     assert "unknown model 'llama-9b'" in r.stderr
+
+
+def test_op_groups_and_the_counters_they_leave():
+    ops = [("L0.qkv", 16), ("L0.o", 16), ("L0.gu", 16), ("L0.d", 16), ("lm_head", 16)]
+    assert op_groups(ops, "none", 10).tolist() == [0, 0, 0, 0, 0]
+    assert op_groups(ops, "grid", 10).tolist() == [0, 10, 10, 10, 10]
+    assert op_groups(ops, "group=4", 10).tolist() == [0, 4, 4, 4, 4]
+    assert op_groups(ops, "layer=3", 10).tolist() == [0, 3, 10, 3, 10]
+    for bad in ("group=0", "group=11", "layer=x", "grid=2x", "all"):
+        with pytest.raises(AtomflowError, match="probe rule"):
+            op_groups(ops, bad, 10)
+    c = expected_counters(op_groups(ops, "layer=4", 10), 10, 3)  # groups of 4, 4, 2 blocks before o_proj and down
+    assert c[0].tolist() == c[2].tolist() == [12, 12, 6] + [0] * 7
+    assert c[1].tolist() == c[3].tolist() == [30] + [0] * 9 and not c[4].any()
