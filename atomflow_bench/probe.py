@@ -12,7 +12,8 @@ each block's op o waits for), plus an optional modelled latency before o_proj (t
 * ``deps+att ring=2``: the same with a 2-chunk ring — copies that cannot run ahead, as at a kernel boundary;
 * (sweep) ``group=G``: every op waits for its group of G blocks only (a dependency on a slice, e.g. split-K);
   ``layer=G``: QKV, gate/up and lm_head wait for the grid (their RMSNorm needs the whole residual), o_proj and
-  down for a group of G (split-K by head / by intermediate slice: a dataflow layer's least coupling).
+  down for a group of G (split-K by head / by intermediate slice); ``layer1=G``: only QKV and lm_head wait for the
+  grid (one grid-wide dependency per layer: the norm's scalar before the attention, split-K everywhere else).
 
 A block announces an op done with a release reduction (``signal`` 1); ``signal`` 0 is v32's full fence + atomicAdd.
 
@@ -75,15 +76,16 @@ def probe_variants(att_ns: int, slots: int, chunk: int, sweep: bool = False) -> 
         vs += [{**x, "name": f"{x['name']} fence", "signal": 0} for x in vs[:3]]
         vs += [v(f"group={g}", f"group={g}") for g in (1, 4, 12, 33)]
         vs += [v(f"layer={g}", f"layer={g}") for g in (1, 12, 33)] + [v("layer=12+att", "layer=12", att_ns)]
+        vs += [v(f"layer1={g}", f"layer1={g}") for g in (1, 12)] + [v("layer1=12+att", "layer1=12", att_ns)]
     return [{"signal": 1, "poll_ns": 0, **x} for x in vs]  # signal 1: red.release (probe_stream.cu), 0: fence + add
 
 
 def op_groups(ops: list[tuple[str, int]], rule: str, n_sm: int) -> np.ndarray:
     """Per op, the size of the group of blocks whose previous op it waits for (probe_stream.cu `group`; 0: none;
     op 0 never waits): "none"; "grid"; "group=G" (every op); "layer=G" (the grid before QKV, gate/up and lm_head, G
-    before o_proj and down)."""
+    before o_proj and down); "layer1=G" (the grid before QKV and lm_head, G before the others)."""
     kind, _, g = rule.partition("=")
-    if kind in ("group", "layer") and not (g.isdigit() and 1 <= int(g) <= n_sm):
+    if kind in ("group", "layer", "layer1") and not (g.isdigit() and 1 <= int(g) <= n_sm):
         raise AtomflowError(f"probe rule {rule!r}: the group size must be 1..{n_sm}")
     if kind in ("none", "grid") and rule != kind:
         raise AtomflowError(f"probe rule {rule!r}: {kind} takes no size")
@@ -95,8 +97,10 @@ def op_groups(ops: list[tuple[str, int]], rule: str, n_sm: int) -> np.ndarray:
         out = [int(g)] * len(ops)
     elif kind == "layer":
         out = [int(g) if name.endswith((".o", ".d")) else n_sm for name, _ in ops]
+    elif kind == "layer1":
+        out = [int(g) if name.endswith((".o", ".gu", ".d")) else n_sm for name, _ in ops]
     else:
-        raise AtomflowError(f"probe rule {rule!r}: none, grid, group=G or layer=G")
+        raise AtomflowError(f"probe rule {rule!r}: none, grid, group=G, layer=G or layer1=G")
     return np.array([0] + out[1:], dtype=np.uint32)
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The persistent-stream probe (atomflow_bench/probe.py, kernels_cu/probe_stream.cu) on a model shape's step bytes.
 
-    scripts/probe_stream.py MODEL FMT [--att-ns N] [--slots S] [--chunk KB] [--reps R] [--sweep] [--json FILE]
+    scripts/probe_stream.py MODEL FMT [--att-ns N] [--slots S] [--chunk KB] [--reps R] [--sweep] [--only N,N]
+                            [--json FILE]
 
 Prints the table (every variant's median step time against the copy floor measured in the same run) and writes
 the record to FILE (temp name, then rename)."""
@@ -25,6 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=16, help="chunk size, KB")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also other rings, sleeping polls, and the waits alone")
+    ap.add_argument("--only", help="comma-separated variant names (of the sweep) to run, in that order")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
 
@@ -38,9 +40,17 @@ def main(argv=None) -> int:
 
     try:
         cfg = get_preset(a.model).config
+        ops = step_ops(cfg, a.fmt)
+        variants = probe_variants(a.att_ns, a.slots, a.chunk * 1024, a.sweep or bool(a.only))
+        if a.only:
+            by_name = {v["name"]: v for v in variants}
+            unknown = [n for n in a.only.split(",") if n not in by_name]
+            if unknown:
+                raise AtomflowError(f"no probe variant {unknown[0]!r}; known: {', '.join(by_name)}")
+            variants = [by_name[n] for n in a.only.split(",")]
         gpu = gpu_info()
-        lib, ops = KernelLib(), step_ops(cfg, a.fmt)
-        res = stream_probe(lib, ops, gpu["sms"], probe_variants(a.att_ns, a.slots, a.chunk * 1024, a.sweep), reps=a.reps)
+        lib = KernelLib()
+        res = stream_probe(lib, ops, gpu["sms"], variants, reps=a.reps)
         if a.sweep:  # the same number of waits with 16 bytes per block and op
             sync = stream_probe(lib, sync_ops(len(ops), gpu["sms"]), gpu["sms"],
                                 [v for v in probe_variants(0, a.slots, a.chunk * 1024, True) if v["name"] in

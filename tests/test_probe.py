@@ -35,10 +35,11 @@ def test_probe_table_lists_every_variant():
     assert [v["name"] for v in vs] == ["stream", "deps", "deps+att", "deps+att ring=2"]
     assert [v["deps"] for v in vs] == ["none", "grid", "grid", "grid"]
     swept = probe_variants(3000, 12, 16384, sweep=True)
-    assert swept[:4] == vs and len(swept) == 23 and all(v["att_ns"] == 0 for v in swept[4:12])
-    assert [v["signal"] for v in swept] == [1] * 12 + [0] * 3 + [1] * 8 and swept[12]["name"] == "stream fence"
+    assert swept[:4] == vs and len(swept) == 26 and all(v["att_ns"] == 0 for v in swept[4:12])
+    assert [v["signal"] for v in swept] == [1] * 12 + [0] * 3 + [1] * 11 and swept[12]["name"] == "stream fence"
     assert [v["deps"] for v in swept[15:]] == ["group=1", "group=4", "group=12", "group=33", "layer=1", "layer=12",
-                                               "layer=33", "layer=12"] and swept[-1]["att_ns"] == 3000
+                                               "layer=33", "layer=12", "layer1=1", "layer1=12", "layer1=12"]
+    assert swept[22]["att_ns"] == swept[25]["att_ns"] == 3000 and len({v["name"] for v in swept}) == len(swept)
     assert all(1024 + v["slots"] * v["chunk"] <= 227 * 1024 for v in swept)
     assert [v["att_ns"] for v in vs] == [0, 0, 3000, 3000] and vs[-1]["slots"] == 2
     res = {"ops": 113, "bytes": 3_695_007_744, "grid": 132, "floor_ms": 1.2537,
@@ -72,9 +73,16 @@ def test_op_groups_and_the_counters_they_leave():
     assert op_groups(ops, "grid", 10).tolist() == [0, 10, 10, 10, 10]
     assert op_groups(ops, "group=4", 10).tolist() == [0, 4, 4, 4, 4]
     assert op_groups(ops, "layer=3", 10).tolist() == [0, 3, 10, 3, 10]
-    for bad in ("group=0", "group=11", "layer=x", "grid=2x", "all"):
+    assert op_groups(ops, "layer1=3", 10).tolist() == [0, 3, 3, 3, 10]
+    for bad in ("group=0", "group=11", "layer=x", "layer1=", "grid=2x", "all"):
         with pytest.raises(AtomflowError, match="probe rule"):
             op_groups(ops, bad, 10)
     c = expected_counters(op_groups(ops, "layer=4", 10), 10, 3)  # groups of 4, 4, 2 blocks before o_proj and down
     assert c[0].tolist() == c[2].tolist() == [12, 12, 6] + [0] * 7
     assert c[1].tolist() == c[3].tolist() == [30] + [0] * 9 and not c[4].any()
+
+
+def test_probe_script_refuses_an_unknown_variant():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/probe_stream.py"), "llama-3.2-3b", "fp8", "--only",
+                        "stream,fast"], capture_output=True, text=True)
+    assert r.returncode == 2 and "no probe variant 'fast'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
