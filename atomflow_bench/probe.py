@@ -13,7 +13,9 @@ each block's op o waits for), plus an optional modelled latency before o_proj (t
 * (sweep) ``group=G``: every op waits for its group of G blocks only (a dependency on a slice, e.g. split-K);
   ``layer=G``: QKV, gate/up and lm_head wait for the grid (their RMSNorm needs the whole residual), o_proj and
   down for a group of G (split-K by head / by intermediate slice); ``layer1=G``: only QKV and lm_head wait for the
-  grid (one grid-wide dependency per layer: the norm's scalar before the attention, split-K everywhere else).
+  grid (one grid-wide dependency per layer: the norm's scalar before the attention, split-K everywhere else);
+  ``dyn`` / ``dyn-none``: the grid rule / no rule with the chunks taken dynamically (a shared counter per op) instead
+  of static shares, so that faster SMs take more of each op and no block is left behind at a wait.
 
 A block announces an op done with a release reduction (``signal`` 1); ``signal`` 0 is v32's full fence + atomicAdd.
 
@@ -32,7 +34,7 @@ from .config import ModelConfig
 from .errors import AtomflowError
 
 PROBE_THREADS = 288      # probe_stream.cu: 8 consumer warps + 1 producer warp
-PROBE_BAR_BYTES = 1024   # probe_stream.cu: the barriers before the ring (64 slots at most)
+PROBE_BAR_BYTES = 2048   # probe_stream.cu: the barriers and the slots' meta before the ring (64 slots at most)
 PROBE_MAX_SLOTS = 64
 # probe_stream.cu's per-block cycle counts, as shares of thread 0's run (the 5th count)
 STAT_NAMES = ("producer_blocked", "data_wait", "dep_wait", "end_sync")
@@ -77,17 +79,20 @@ def probe_variants(att_ns: int, slots: int, chunk: int, sweep: bool = False) -> 
         vs += [v(f"group={g}", f"group={g}") for g in (1, 4, 12, 33)]
         vs += [v(f"layer={g}", f"layer={g}") for g in (1, 12, 33)] + [v("layer=12+att", "layer=12", att_ns)]
         vs += [v(f"layer1={g}", f"layer1={g}") for g in (1, 12)] + [v("layer1=12+att", "layer1=12", att_ns)]
+        vs += [v("dyn-none", "dyn-none"), v("dyn", "dyn"), v("dyn+att", "dyn", att_ns), v("dyn ring=24x8K", "dyn", 0, 24, 8192)]
     return [{"signal": 1, "poll_ns": 0, **x} for x in vs]  # signal 1: red.release (probe_stream.cu), 0: fence + add
 
 
 def op_groups(ops: list[tuple[str, int]], rule: str, n_sm: int) -> np.ndarray:
     """Per op, the size of the group of blocks whose previous op it waits for (probe_stream.cu `group`; 0: none;
     op 0 never waits): "none"; "grid"; "group=G" (every op); "layer=G" (the grid before QKV, gate/up and lm_head, G
-    before o_proj and down); "layer1=G" (the grid before QKV and lm_head, G before the others)."""
+    before o_proj and down); "layer1=G" (the grid before QKV and lm_head, G before the others); "dyn" (as "grid")
+    and "dyn-none" (as "none"), with the chunks taken dynamically (`dynamic`)."""
     kind, _, g = rule.partition("=")
     if kind in ("group", "layer", "layer1") and not (g.isdigit() and 1 <= int(g) <= n_sm):
         raise AtomflowError(f"probe rule {rule!r}: the group size must be 1..{n_sm}")
-    if kind in ("none", "grid") and rule != kind:
+    kind = {"dyn": "grid", "dyn-none": "none"}.get(kind, kind)
+    if kind in ("none", "grid") and rule not in (kind, "dyn", "dyn-none"):
         raise AtomflowError(f"probe rule {rule!r}: {kind} takes no size")
     if kind == "none":
         out = [0] * len(ops)
@@ -104,13 +109,21 @@ def op_groups(ops: list[tuple[str, int]], rule: str, n_sm: int) -> np.ndarray:
     return np.array([0] + out[1:], dtype=np.uint32)
 
 
-def expected_counters(groups: np.ndarray, n_sm: int, launches: int) -> np.ndarray:
+def dynamic(rule: str) -> bool:
+    """Whether a rule takes its chunks dynamically (probe_stream.cu dyn = 1)."""
+    return rule.startswith("dyn")
+
+
+def expected_counters(groups: np.ndarray, n_sm: int, launches: int, chunks: list | None = None) -> np.ndarray:
     """probe_stream.cu's counters after `launches` launches: op o's row counts, per group of op o+1's grouping,
-    its blocks (x launches); rows whose next op waits for nothing stay 0."""
+    its blocks (x launches); rows whose next op waits for nothing stay 0. `chunks` (dynamic rules: each op's chunk
+    count): op o's row holds, in its first column, its chunks consumed (x launches)."""
     out = np.zeros((len(groups), n_sm), dtype=np.uint32)
     for o in range(len(groups) - 1):
         G = int(groups[o + 1])
-        if G:
+        if G and chunks is not None:
+            out[o, 0] = launches * chunks[o]
+        elif G:
             for g in range(-(-n_sm // G)):
                 out[o, g] = launches * min(G, n_sm - g * G)
     return out
@@ -140,6 +153,7 @@ def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict
     want = int(w.view(cp.uint32).sum(dtype=cp.uint64).get())  # the kernel's sum of 32-bit words, mod 2^64
     d_off = cp.asarray(off)
     counters = cp.zeros((len(ops), n_sm), dtype=cp.uint32)
+    grab = cp.zeros(len(ops), dtype=cp.uint32)
     sink = cp.zeros(1, dtype=cp.uint64)
     stats = cp.zeros((n_sm, len(STAT_NAMES) + 1), dtype=cp.uint64)
     fn = lib["probe_stream"]
@@ -153,6 +167,7 @@ def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict
         d_delay = cp.asarray(delay)
         groups = op_groups(ops, v["deps"], n_sm)
         d_groups = cp.asarray(groups)
+        dyn = dynamic(v["deps"])
         shmem = PROBE_BAR_BYTES + v["slots"] * v["chunk"]
         fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, shmem)
         counters.fill(0)
@@ -160,12 +175,13 @@ def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict
         with stream:
             for r in range(warmup + reps):
                 sink.fill(0)  # an accumulator: any chunk missed or read twice changes the sum
+                grab.fill(0)  # dyn: every op's chunks from the first
                 e0, e1 = cp.cuda.Event(), cp.cuda.Event()
                 e0.record(stream)
                 fn((n_sm,), (PROBE_THREADS,), (w, d_off, np.int32(len(ops)), d_delay, d_groups, counters,
                                                np.uint32(r + 1), np.int32(v["poll_ns"]), np.int32(v["slots"]),
-                                               np.uint32(v["chunk"]), np.int32(v.get("signal", 1)), sink,
-                                               stats), shared_mem=shmem)
+                                               np.uint32(v["chunk"]), np.int32(v.get("signal", 1)), np.int32(dyn),
+                                               grab, sink, stats), shared_mem=shmem)
                 e1.record(stream)
                 e1.synchronize()
                 got = int(sink.get()[0])
@@ -173,7 +189,8 @@ def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict
                     raise AtomflowError(f"probe {v['name']}: checksum {got:#x} != {want:#x} (launch {r})")
                 if r >= warmup:
                     ms.append(cp.cuda.get_elapsed_time(e0, e1))
-        if not (counters.get() == expected_counters(groups, n_sm, warmup + reps)).all():
+        chunks = [-(-b // v["chunk"]) for _, b in ops] if dyn else None
+        if not (counters.get() == expected_counters(groups, n_sm, warmup + reps, chunks)).all():
             raise AtomflowError(f"probe {v['name']}: the op counters are not what {warmup + reps} launches give")
         s = summarize(ms)
         gbs = total / (s["median"] * 1e-3) / 1e9

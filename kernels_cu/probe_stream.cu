@@ -19,25 +19,29 @@
 //            per group of op o+1's grouping, the blocks done with op o, cumulative over launches (launch = 1, 2, ...
 //            waits for launch x the group's size; never reset). poll_ns: 0, the waiting thread spins on its counter;
 //            > 0, it sleeps that long between polls. signal: how a block announces an op done — 1: red.release.gpu
-//            (the default), 0: __threadfence() then atomicAdd.
+//            (the default), 0: __threadfence() then atomicAdd. dyn = 1: no static shares — each producer takes the
+//            op's chunks one at a time from grab[o] (zeroed before the launch), so faster SMs take more, and ends
+//            its op with a marker slot (meta = 0); an op's waiters then wait for counters[o-1][0] to reach the
+//            op's chunk count (each block adds the chunks it consumed; group[] only says which ops wait).
 //            stats (or null): per block 5 cycle counts (clock64) of its last launch — the producer waiting for a
 //            free slot; thread 0 waiting for chunks to land, for the dependency, at each op's closing bar.sync;
 //            thread 0's whole run.
 // Bytes      op_off[n_ops] - op_off[0] read once (+ counter traffic: 4 bytes per block and op, and the polls).
 // Launch     grid = the SM count (every block resident: the waits need it), block = 288 (8 consumer
-//            warps + 1 producer warp), dynamic shared memory = 1024 + slots x chunk (slots <= 64).
+//            warps + 1 producer warp), dynamic shared memory = 2048 + slots x chunk (slots <= 64).
 #include "common.cuh"
 
 extern "C" __global__ void __launch_bounds__(288, 1)
 probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __restrict__ op_off, int n_ops,
              const unsigned* __restrict__ delay_ns, const unsigned* __restrict__ group, unsigned* counters,
-             unsigned launch, int poll_ns, int slots,
-             unsigned chunk, int signal, unsigned long long* sink, unsigned long long* stats) {
+             unsigned launch, int poll_ns, int slots, unsigned chunk, int signal, int dyn, unsigned* grab,
+             unsigned long long* sink, unsigned long long* stats) {
 #if AF_HAS_BULK
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned long long* full = reinterpret_cast<unsigned long long*>(smem);  // slots barriers: chunk landed
   unsigned long long* empty = full + 64;                                    // slots barriers: 8 warps done with it
-  unsigned char* ring = smem + 1024;
+  unsigned* meta = reinterpret_cast<unsigned*>(smem + 1024);               // dyn: the slot's bytes (0: op's end)
+  unsigned char* ring = smem + 2048;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
     for (int s = 0; s < slots; ++s) {
@@ -58,16 +62,42 @@ probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __re
     if (lane == 0) {
       unsigned k = 0;
       unsigned long long blocked = 0;  // cycles waiting for a free slot (the ring full of unconsumed chunks)
+      auto free_slot = [&](unsigned k) {
+        const int slot = (int)(k % (unsigned)slots);
+        if (k >= (unsigned)slots) {
+          const unsigned long long t0 = clock64();
+          mbar_wait(empty + slot, (k / slots - 1) & 1u);
+          blocked += clock64() - t0;
+        }
+        return slot;
+      };
       for (int o = 0; o < n_ops; ++o) {
+        if (dyn) {  // the op's chunks taken one at a time from a shared counter; the next asked before this is issued
+          const unsigned long long a = op_off[o], n = op_off[o + 1] - a;
+          const unsigned nc = (unsigned)((n + chunk - 1) / chunk);
+          unsigned idx = atomicAdd(grab + o, 1u);
+          for (;; ++k) {
+            const bool end = idx >= nc;
+            const unsigned nxt = end ? 0u : atomicAdd(grab + o, 1u);
+            const int slot = free_slot(k);
+            if (end) {  // the consumers' marker: this block has no more of op o
+              meta[slot] = 0u;
+              mbar_arrive(full + slot);
+              ++k;
+              break;
+            }
+            const unsigned bytes = (unsigned)min((unsigned long long)chunk, n - (unsigned long long)idx * chunk);
+            meta[slot] = bytes;
+            mbar_expect_tx(full + slot, bytes);
+            bulk_g2s(ring + (size_t)slot * chunk, w + a + (unsigned long long)idx * chunk, bytes, full + slot);
+            idx = nxt;
+          }
+          continue;
+        }
         unsigned long long lo, hi;
         part(o, lo, hi);
         for (unsigned long long p = lo; p < hi; p += chunk, ++k) {
-          const int slot = (int)(k % (unsigned)slots);
-          if (k >= (unsigned)slots) {
-            const unsigned long long t0 = clock64();
-            mbar_wait(empty + slot, (k / slots - 1) & 1u);
-            blocked += clock64() - t0;
-          }
+          const int slot = free_slot(k);
           const unsigned bytes = (unsigned)min((unsigned long long)chunk, hi - p);
           mbar_expect_tx(full + slot, bytes);
           bulk_g2s(ring + (size_t)slot * chunk, w + p, bytes, full + slot);
@@ -87,7 +117,10 @@ probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __re
     if (G) {  // the dependency: this block's group done with op o-1, then the modelled latency
       t0 = clock64();
       if (threadIdx.x == 0) {
-        const unsigned g = blockIdx.x / G, want = launch * min(G, gridDim.x - g * G);
+        // dyn: op o-1's chunks all consumed (one counter); else: the blocks of this block's group done with it
+        const unsigned g = dyn ? 0u : blockIdx.x / G;
+        const unsigned want = launch * (dyn ? (unsigned)((op_off[o] - op_off[o - 1] + chunk - 1) / chunk)
+                                            : min(G, gridDim.x - g * G));
         const unsigned* c = counters + (size_t)(o - 1) * gridDim.x + g;
         unsigned done;
         for (;;) {
@@ -106,14 +139,22 @@ probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __re
       asm volatile("bar.sync 1, 256;" ::: "memory");
       dep_wait += clock64() - t0;
     }
-    unsigned long long lo, hi;
-    part(o, lo, hi);
-    for (unsigned long long p = lo; p < hi; p += chunk, ++k) {
+    unsigned long long lo = 0, hi = 0;
+    unsigned mine = 0;  // chunks of op o this block consumed
+    if (!dyn) part(o, lo, hi);
+    for (unsigned long long p = lo;; p += chunk, ++k) {
+      if (!dyn && p >= hi) break;
       const int slot = (int)(k % (unsigned)slots);
-      const unsigned bytes = (unsigned)min((unsigned long long)chunk, hi - p);
       t0 = clock64();
       mbar_wait(full + slot, (k / slots) & 1u);
       data_wait += clock64() - t0;
+      const unsigned bytes = dyn ? meta[slot] : (unsigned)min((unsigned long long)chunk, hi - p);
+      if (bytes == 0) {  // dyn: the producer's end-of-op marker
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + slot);
+        ++k;
+        break;
+      }
       const uint4* v = reinterpret_cast<const uint4*>(ring + (size_t)slot * chunk);
       for (unsigned i = threadIdx.x; i < bytes / 16; i += 256) {
         const uint4 x = v[i];
@@ -121,17 +162,19 @@ probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __re
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + slot);
+      ++mine;
     }
     t0 = clock64();
     asm volatile("bar.sync 1, 256;" ::: "memory");  // every consumer done with op o
     end_sync += clock64() - t0;
     if (threadIdx.x == 0 && o + 1 < n_ops && group[o + 1]) {  // announced to the group op o+1 waits on
-      unsigned* c = counters + (size_t)o * gridDim.x + blockIdx.x / group[o + 1];
+      unsigned* c = counters + (size_t)o * gridDim.x + (dyn ? 0u : blockIdx.x / group[o + 1]);
+      const unsigned add = dyn ? mine : 1u;  // dyn: the chunks it consumed; else: one block
       if (signal) {  // a release reduction: orders this block's earlier writes without a full fence
-        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
+        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(c), "r"(add) : "memory");
       } else {       // a full fence, then the add (v32: ~0.3 µs per op more where nothing else is waited for)
         __threadfence();
-        atomicAdd(c, 1u);
+        atomicAdd(c, add);
       }
     }
   }

@@ -10,7 +10,7 @@ import pytest
 from atomflow_bench.arena import plan_arena
 from atomflow_bench.config import CATALOG
 from atomflow_bench.errors import AtomflowError
-from atomflow_bench.probe import expected_counters, op_groups, probe_table, probe_variants, step_ops
+from atomflow_bench.probe import dynamic, expected_counters, op_groups, probe_table, probe_variants, step_ops
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,9 +35,10 @@ def test_probe_table_lists_every_variant():
     assert [v["name"] for v in vs] == ["stream", "deps", "deps+att", "deps+att ring=2"]
     assert [v["deps"] for v in vs] == ["none", "grid", "grid", "grid"]
     swept = probe_variants(3000, 12, 16384, sweep=True)
-    assert swept[:4] == vs and len(swept) == 26 and all(v["att_ns"] == 0 for v in swept[4:12])
-    assert [v["signal"] for v in swept] == [1] * 12 + [0] * 3 + [1] * 11 and swept[12]["name"] == "stream fence"
-    assert [v["deps"] for v in swept[15:]] == ["group=1", "group=4", "group=12", "group=33", "layer=1", "layer=12",
+    assert swept[:4] == vs and len(swept) == 30 and all(v["att_ns"] == 0 for v in swept[4:12])
+    assert [v["signal"] for v in swept] == [1] * 12 + [0] * 3 + [1] * 15 and swept[12]["name"] == "stream fence"
+    assert [v["deps"] for v in swept[26:]] == ["dyn-none", "dyn", "dyn", "dyn"] and swept[28]["att_ns"] == 3000
+    assert [v["deps"] for v in swept[15:26]] == ["group=1", "group=4", "group=12", "group=33", "layer=1", "layer=12",
                                                "layer=33", "layer=12", "layer1=1", "layer1=12", "layer1=12"]
     assert swept[22]["att_ns"] == swept[25]["att_ns"] == 3000 and len({v["name"] for v in swept}) == len(swept)
     assert all(1024 + v["slots"] * v["chunk"] <= 227 * 1024 for v in swept)
@@ -74,7 +75,11 @@ def test_op_groups_and_the_counters_they_leave():
     assert op_groups(ops, "group=4", 10).tolist() == [0, 4, 4, 4, 4]
     assert op_groups(ops, "layer=3", 10).tolist() == [0, 3, 10, 3, 10]
     assert op_groups(ops, "layer1=3", 10).tolist() == [0, 3, 3, 3, 10]
-    for bad in ("group=0", "group=11", "layer=x", "layer1=", "grid=2x", "all"):
+    assert op_groups(ops, "dyn", 10).tolist() == [0, 10, 10, 10, 10] and not op_groups(ops, "dyn-none", 10).any()
+    assert dynamic("dyn") and dynamic("dyn-none") and not dynamic("grid")
+    d = expected_counters(op_groups(ops, "dyn", 10), 10, 2, chunks=[3, 1, 7, 2, 5])  # chunks consumed, column 0
+    assert d[:, 0].tolist() == [6, 2, 14, 4, 0] and not d[:, 1:].any()
+    for bad in ("group=0", "group=11", "layer=x", "layer1=", "grid=2x", "dyn=3", "all"):
         with pytest.raises(AtomflowError, match="probe rule"):
             op_groups(ops, bad, 10)
     c = expected_counters(op_groups(ops, "layer=4", 10), 10, 3)  # groups of 4, 4, 2 blocks before o_proj and down
