@@ -15,7 +15,8 @@ each block's op o waits for), plus an optional modelled latency before o_proj (t
   down for a group of G (split-K by head / by intermediate slice); ``layer1=G``: only QKV and lm_head wait for the
   grid (one grid-wide dependency per layer: the norm's scalar before the attention, split-K everywhere else);
   ``dyn`` / ``dyn-none``: the grid rule / no rule with the chunks taken dynamically (a shared counter per op) instead
-  of static shares, so that faster SMs take more of each op and no block is left behind at a wait.
+  of static shares, so that faster SMs take more of each op and no block is left behind at a wait; ``dyn-grabN``:
+  N chunks per grab (a GEMV tile's granularity).
 
 A block announces an op done with a release reduction (``signal`` 1); ``signal`` 0 is v32's full fence + atomicAdd.
 
@@ -79,7 +80,8 @@ def probe_variants(att_ns: int, slots: int, chunk: int, sweep: bool = False) -> 
         vs += [v(f"group={g}", f"group={g}") for g in (1, 4, 12, 33)]
         vs += [v(f"layer={g}", f"layer={g}") for g in (1, 12, 33)] + [v("layer=12+att", "layer=12", att_ns)]
         vs += [v(f"layer1={g}", f"layer1={g}") for g in (1, 12)] + [v("layer1=12+att", "layer1=12", att_ns)]
-        vs += [v("dyn-none", "dyn-none"), v("dyn", "dyn"), v("dyn+att", "dyn", att_ns), v("dyn ring=24x8K", "dyn", 0, 24, 8192)]
+        vs += [v("dyn-none", "dyn-none"), v("dyn", "dyn"), v("dyn+att", "dyn", att_ns), v("dyn-ring24x8K", "dyn", 0, 24, 8192)]
+        vs += [v(f"dyn-grab{n}", "dyn", grab=n) for n in (3, 8)]  # 48 / 128 KB a grab: a GEMV tile's granularity
     return [{"signal": 1, "poll_ns": 0, **x} for x in vs]  # signal 1: red.release (probe_stream.cu), 0: fence + add
 
 
@@ -181,7 +183,7 @@ def stream_probe(lib, ops: list[tuple[str, int]], n_sm: int, variants: list[dict
                 fn((n_sm,), (PROBE_THREADS,), (w, d_off, np.int32(len(ops)), d_delay, d_groups, counters,
                                                np.uint32(r + 1), np.int32(v["poll_ns"]), np.int32(v["slots"]),
                                                np.uint32(v["chunk"]), np.int32(v.get("signal", 1)), np.int32(dyn),
-                                               grab, sink, stats), shared_mem=shmem)
+                                               np.uint32(v.get("grab", 1)), grab, sink, stats), shared_mem=shmem)
                 e1.record(stream)
                 e1.synchronize()
                 got = int(sink.get()[0])

@@ -20,7 +20,7 @@
 //            waits for launch x the group's size; never reset). poll_ns: 0, the waiting thread spins on its counter;
 //            > 0, it sleeps that long between polls. signal: how a block announces an op done — 1: red.release.gpu
 //            (the default), 0: __threadfence() then atomicAdd. dyn = 1: no static shares — each producer takes the
-//            op's chunks one at a time from grab[o] (zeroed before the launch), so faster SMs take more, and ends
+//            op's chunks grab_n at a time from grab[o] (zeroed before the launch), so faster SMs take more, and ends
 //            its op with a marker slot (meta = 0); an op's waiters then wait for counters[o-1][0] to reach the
 //            op's chunk count (each block adds the chunks it consumed; group[] only says which ops wait).
 //            stats (or null): per block 5 cycle counts (clock64) of its last launch — the producer waiting for a
@@ -34,7 +34,8 @@
 extern "C" __global__ void __launch_bounds__(288, 1)
 probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __restrict__ op_off, int n_ops,
              const unsigned* __restrict__ delay_ns, const unsigned* __restrict__ group, unsigned* counters,
-             unsigned launch, int poll_ns, int slots, unsigned chunk, int signal, int dyn, unsigned* grab,
+             unsigned launch, int poll_ns, int slots, unsigned chunk, int signal, int dyn, unsigned grab_n,
+             unsigned* grab,
              unsigned long long* sink, unsigned long long* stats) {
 #if AF_HAS_BULK
   extern __shared__ __align__(128) unsigned char smem[];
@@ -72,25 +73,29 @@ probe_stream(const unsigned char* __restrict__ w, const unsigned long long* __re
         return slot;
       };
       for (int o = 0; o < n_ops; ++o) {
-        if (dyn) {  // the op's chunks taken one at a time from a shared counter; the next asked before this is issued
+        if (dyn) {  // the op's chunks taken grab_n at a time from a shared counter; the next grab asked before
+                    // this one's copies are issued
           const unsigned long long a = op_off[o], n = op_off[o + 1] - a;
-          const unsigned nc = (unsigned)((n + chunk - 1) / chunk);
-          unsigned idx = atomicAdd(grab + o, 1u);
-          for (;; ++k) {
-            const bool end = idx >= nc;
+          const unsigned nc = (unsigned)((n + chunk - 1) / chunk), ng = (nc + grab_n - 1) / grab_n;
+          unsigned gi = atomicAdd(grab + o, 1u);
+          for (;;) {
+            const bool end = gi >= ng;
             const unsigned nxt = end ? 0u : atomicAdd(grab + o, 1u);
-            const int slot = free_slot(k);
             if (end) {  // the consumers' marker: this block has no more of op o
+              const int slot = free_slot(k);
               meta[slot] = 0u;
               mbar_arrive(full + slot);
               ++k;
               break;
             }
-            const unsigned bytes = (unsigned)min((unsigned long long)chunk, n - (unsigned long long)idx * chunk);
-            meta[slot] = bytes;
-            mbar_expect_tx(full + slot, bytes);
-            bulk_g2s(ring + (size_t)slot * chunk, w + a + (unsigned long long)idx * chunk, bytes, full + slot);
-            idx = nxt;
+            for (unsigned c = gi * grab_n; c < min(nc, gi * grab_n + grab_n); ++c, ++k) {
+              const int slot = free_slot(k);
+              const unsigned bytes = (unsigned)min((unsigned long long)chunk, n - (unsigned long long)c * chunk);
+              meta[slot] = bytes;
+              mbar_expect_tx(full + slot, bytes);
+              bulk_g2s(ring + (size_t)slot * chunk, w + a + (unsigned long long)c * chunk, bytes, full + slot);
+            }
+            gi = nxt;
           }
           continue;
         }

@@ -568,6 +568,7 @@ def test_probe_stream(kernel_lib, n_sm):
                 for d, p in (("none", 0), ("grid", 0), ("grid", 200), ("group=4", 0), ("layer=4", 0), ("dyn-none", 0),
                              ("dyn", 0))
                 for s, c in rings]
+    variants += [{**v, "name": v["name"] + " grab3", "grab": 3} for v in variants if v["deps"] == "dyn"]
     res = stream_probe(kernel_lib, ops, n_sm, variants, reps=3, warmup=1, copy=copy)
     assert res["bytes"] == sum(b for _, b in ops) and res["grid"] == n_sm
     ms = {v["name"]: v["ms"]["median"] for v in res["variants"]}
