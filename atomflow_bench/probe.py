@@ -67,7 +67,8 @@ def step_ops(cfg: ModelConfig, fmt: str) -> list[tuple[str, int]]:
 def probe_variants(att_ns: int, slots: int, chunk: int, sweep: bool = False) -> list[dict]:
     """The four variants of the module doc; `sweep` adds `deps` with other rings (how much the copies' run-ahead
     buys), with the waiting thread sleeping between polls (whether the polling itself costs), with the v32 fence
-    signal, and the group rules (what a dependency on a slice costs against one on the whole grid)."""
+    signal, the group rules (what a dependency on a slice costs against one on the whole grid), and the dynamic
+    rules (chunks from a shared counter: `dyn-none`, `dyn`, `dyn+att`, a finer ring, coarser grabs)."""
     def v(name, deps, att=0, n=slots, c=chunk, **kw):
         return {"name": name, "deps": deps, "att_ns": att, "slots": n, "chunk": c, **kw}
 
