@@ -9,7 +9,7 @@ each block's op o waits for), plus an optional modelled latency before o_proj (t
 * ``stream``: no dependency at all — what streaming alone reaches;
 * ``deps``: every op waits for the whole previous op (a grid-wide counter: a GEMV needs its whole input vector);
 * ``deps+att``: and `att_ns` before each o_proj (the attention's latency in the real step);
-* ``deps+att ring=2``: the same with a 2-chunk ring — copies that cannot run ahead, as at a kernel boundary;
+* ``deps+att-ring2``: the same with a 2-chunk ring — copies that cannot run ahead, as at a kernel boundary;
 * (sweep) ``group=G``: every op waits for its group of G blocks only (a dependency on a slice, e.g. split-K);
   ``layer=G``: QKV, gate/up and lm_head wait for the grid (their RMSNorm needs the whole residual), o_proj and
   down for a group of G (split-K by head / by intermediate slice); ``layer1=G``: only QKV and lm_head wait for the
@@ -72,12 +72,12 @@ def probe_variants(att_ns: int, slots: int, chunk: int, sweep: bool = False) -> 
     def v(name, deps, att=0, n=slots, c=chunk, **kw):
         return {"name": name, "deps": deps, "att_ns": att, "slots": n, "chunk": c, **kw}
 
-    vs = [v("stream", "none"), v("deps", "grid"), v("deps+att", "grid", att_ns), v("deps+att ring=2", "grid", att_ns, 2)]
+    vs = [v("stream", "none"), v("deps", "grid"), v("deps+att", "grid", att_ns), v("deps+att-ring2", "grid", att_ns, 2)]
     if sweep:
-        vs += [v(f"deps ring={n}x{c // 1024}K", "grid", 0, n, c)
+        vs += [v(f"deps-ring{n}x{c // 1024}K", "grid", 0, n, c)
                for n, c in ((2, 16384), (4, 16384), (8, 16384), (13, 16384), (24, 8192), (6, 32768))]
-        vs += [v(f"deps poll-sleep={ns}", "grid", poll_ns=ns) for ns in (100, 500)]
-        vs += [{**x, "name": f"{x['name']} fence", "signal": 0} for x in vs[:3]]
+        vs += [v(f"deps-poll{ns}", "grid", poll_ns=ns) for ns in (100, 500)]
+        vs += [{**x, "name": f"{x['name']}-fence", "signal": 0} for x in vs[:3]]
         vs += [v(f"group={g}", f"group={g}") for g in (1, 4, 12, 33)]
         vs += [v(f"layer={g}", f"layer={g}") for g in (1, 12, 33)] + [v("layer=12+att", "layer=12", att_ns)]
         vs += [v(f"layer1={g}", f"layer1={g}") for g in (1, 12)] + [v("layer1=12+att", "layer1=12", att_ns)]

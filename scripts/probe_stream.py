@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         if a.sweep:  # the same number of waits with 16 bytes per block and op
             sync = stream_probe(lib, sync_ops(len(ops), gpu["sms"]), gpu["sms"],
                                 [v for v in probe_variants(0, a.slots, a.chunk * 1024, True) if v["name"] in
-                                 ("stream", "deps", "stream fence", "deps fence")], reps=a.reps,
+                                 ("stream", "deps", "stream-fence", "deps-fence")], reps=a.reps,
                                 copy=res["copy_bandwidth_gbs"])
             res["sync_only"] = {v["name"]: {"ms": v["ms"], "cycle_shares": v["cycle_shares"]} for v in sync["variants"]}
     except AtomflowError as e:

@@ -32,14 +32,14 @@ def test_step_ops_are_the_streamed_bytes_in_step_order(model, fmt):
 
 def test_probe_table_lists_every_variant():
     vs = probe_variants(3000, 12, 16384)
-    assert [v["name"] for v in vs] == ["stream", "deps", "deps+att", "deps+att ring=2"]
+    assert [v["name"] for v in vs] == ["stream", "deps", "deps+att", "deps+att-ring2"]
     assert [v["deps"] for v in vs] == ["none", "grid", "grid", "grid"]
     swept = probe_variants(3000, 12, 16384, sweep=True)
     assert swept[:4] == vs and len(swept) == 32 and all(v["att_ns"] == 0 for v in swept[4:12])
-    assert [v["signal"] for v in swept] == [1] * 12 + [0] * 3 + [1] * 17 and swept[12]["name"] == "stream fence"
+    assert [v["signal"] for v in swept] == [1] * 12 + [0] * 3 + [1] * 17 and swept[12]["name"] == "stream-fence"
     assert [v["deps"] for v in swept[26:]] == ["dyn-none"] + ["dyn"] * 5 and swept[28]["att_ns"] == 3000
     assert [v.get("grab", 1) for v in swept[26:]] == [1, 1, 1, 1, 3, 8]
-    assert all(" " not in v["name"] or v["name"].startswith(("deps", "stream")) for v in swept)  # --only takes them
+    assert all(" " not in v["name"] and "," not in v["name"] for v in swept)  # gpu_check's PROBE_ARGS="--only a,b"
     assert [v["deps"] for v in swept[15:26]] == ["group=1", "group=4", "group=12", "group=33", "layer=1", "layer=12",
                                                "layer=33", "layer=12", "layer1=1", "layer1=12", "layer1=12"]
     assert swept[22]["att_ns"] == swept[25]["att_ns"] == 3000 and len({v["name"] for v in swept}) == len(swept)
