@@ -30,9 +30,11 @@ def choice_lengths(ch: dict) -> str:
 def gemv_form_text(form: str) -> str:
     """What a layer-GEMV form name (engine.gemv_form: ring, ws, ws-pre<N>, each maybe with engine.l2_suffix's
     "/l2=<MB>") means, for the run table."""
-    form, sep, l2 = form.partition("/l2=")
-    if sep:
-        asked = f"the last {l2} MB of gate/up's weights" if l2 != "0" else "nothing"
+    from .engine import l2_suffix  # the one parser of the suffix
+
+    form, l2 = l2_suffix(form)
+    if l2 is not None:
+        asked = f"the last {l2} MB of gate/up's weights" if l2 else "nothing"
         return f"{gemv_form_text(form)}; QKV asks L2 for {asked}"
     if form.startswith("ws-pre"):
         return f"{GEMV_FORMS['ws']}, {form[6:]} ring slots filled before the PDL wait"

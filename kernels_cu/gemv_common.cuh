@@ -78,7 +78,7 @@ struct RopeArgs {
   __half* k_cache;  // this layer's [max_seq][n_kv * hd]
   __half* v_cache;
   int n_q, n_kv, hd;
-  const unsigned char* next_w;    // GEMV_NEXT_L2: the next GEMV's weights (o_proj's), asked into L2 (0: none)
+  const unsigned char* next_w;    // GEMV_NEXT_L2: later weights asked into L2 (step.next_l2; 0 bytes: none)
   unsigned long long next_bytes;
 };
 
