@@ -154,7 +154,22 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> Are
     p.add("scratch", "prompt", (max_seq,), np.int32)
     p.add("scratch", "out_tokens", (max_seq,), np.int32)
     p.add("scratch", "rope_cs", (max_seq, cfg.head_dim // 2, 2), np.float32)
+    # the DYN layer GEMVs (step.gemv_launch dyn): a unit counter pair per launch, partial sums shared by all
+    p.add("scratch", "gemv_dyn_ctr", (L, len(linear_regions(cfg)), 2), np.uint32)
+    p.add("scratch", "gemv_dyn_part", (dyn_part_floats(fmt, linear_regions(cfg).values()),), np.float32)
     return p
+
+
+def gemv_slots_per_tile(fmt: str, k: int) -> int:
+    """Ring slots (16 KB of weights: 8 fp8 or 4 fp16 groups of 128 inputs) that one 16-row tile of K inputs fills in
+    the warp-specialised GEMVs (gemv_common.cuh); under DYN one slot of one tile is one work unit."""
+    return -(-(-(-k // GROUP)) // (8 if fmt == "fp8" else 4))
+
+
+def dyn_part_floats(fmt: str, rows_k) -> int:
+    """Floats of the DYN partial sums that GEMVs of (rows, K) in `rows_k` share: the largest tiles x units per tile x
+    16 rows (step.gemv_launch with dyn)."""
+    return max((rows // 16) * gemv_slots_per_tile(fmt, k) * 16 for rows, k in rows_k)
 
 
 class Arena:

@@ -29,7 +29,7 @@ from .arena import Arena, plan_arena
 from .errors import AtomflowError, GpuUnavailable
 from .kernels import KernelLib, knob
 from .step import (GEMV_MIXED_TRY, GEMV_NEXT_L2, GEMV_ROLES, GEMV_WS_PRE_TRY, attention_short_cap, build_step,
-                   hold_position, l2_tails, run_eager, smem_limits)
+                   gemv_dyn_clear, hold_position, l2_tails, run_eager, smem_limits)
 from .weights import Checkpoint, upload_weights
 
 
@@ -45,18 +45,28 @@ def l2_suffix(form: str) -> tuple[str, int | None]:
     return base, int(l2)
 
 
-def gemv_form(form: str) -> tuple[bool, int | None, tuple]:
-    """(warp-specialised, slots before the wait or None for the default, roles warp-specialised in a ring step) of
-    a layer-GEMV form: "ring", "ws", "ws-pre<N>" or "ring+<role>[+<role>...]" (e.g. ring+wd), each optionally with
-    the suffix "/l2=<MB>" (l2_suffix)."""
-    base, *roles = l2_suffix(form)[0].split("+")
-    if base == "ring" and all(r in GEMV_ROLES for r in roles) and len(set(roles)) == len(roles):
-        return False, None, tuple(roles)
-    if base == "ws" and not roles:
-        return True, None, ()
-    if base.startswith("ws-pre") and base[6:].isdigit() and not roles:
-        return True, int(base[6:]), ()
-    raise AtomflowError(f"gemv must be auto, ws, ws-pre<N>, ring or ring+<{'|'.join(GEMV_ROLES)}>..., not {form!r}")
+def gemv_form(form: str) -> tuple[bool, int | None, tuple, tuple]:
+    """(warp-specialised, slots before the wait or None for the default, roles warp-specialised in a ring step, roles
+    run by the DYN kernels) of a layer-GEMV form: "ring", "ws", "ws-pre<N>", "ring+<role>[+<role>...]" (e.g.
+    ring+wd), "dyn" or "dyn-pre<N>" (every role with dynamic split-K units, step.gemv_launch dyn), any of the first
+    four with "+dyn:<role>" entries (those roles DYN, e.g. ring+dyn:wgu), each optionally with the suffix
+    "/l2=<MB>" (l2_suffix)."""
+    base, *extra = l2_suffix(form)[0].split("+")
+    roles = [r for r in extra if not r.startswith("dyn:")]
+    dyn = [r[4:] for r in extra if r.startswith("dyn:")]
+    ok = (all(r in GEMV_ROLES for r in roles + dyn) and len(set(roles + dyn)) == len(roles + dyn)
+          and (base == "ring" or not roles))
+    pre = base.partition("-pre")[2]
+    if ok and base in ("dyn", "dyn-pre" + pre) and not extra and (pre.isdigit() or base == "dyn"):
+        return True, int(pre) if pre else None, (), GEMV_ROLES
+    if ok and base == "ring":
+        return False, None, tuple(roles), tuple(dyn)
+    if ok and base == "ws":
+        return True, None, (), tuple(dyn)
+    if ok and base.startswith("ws-pre") and pre.isdigit():
+        return True, int(pre), (), tuple(dyn)
+    raise AtomflowError(f"gemv must be auto, ws, ws-pre<N>, ring, ring+<{'|'.join(GEMV_ROLES)}>..., dyn, dyn-pre<N> "
+                        f"(+dyn:<role>...), not {form!r}")
 
 
 def require_gpu():
@@ -101,6 +111,7 @@ class Engine:
         self.lib = KernelLib(extra_defines=kernel_defines)  # kernel_defines: e.g. the timeline instrument
         self.lib.compile_all()                     # NVRTC (or CuPy's cache) before anything is timed
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
+        gemv_dyn_clear(self.arena["gemv_dyn_ctr"], self.arena["gemv_dyn_part"])  # the DYN GEMVs' state
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)
         # one step per attention bucket (capacity -> launches; None: the split kernel, for lengths beyond).
         # attention: "auto" (measure both below), "short" or "split"; default $ATOMFLOW_ATTENTION or "auto".
@@ -111,7 +122,7 @@ class Engine:
         # $ATOMFLOW_GEMV or "auto".
         gemv = gemv or os.environ.get("ATOMFLOW_GEMV", "auto")
         ws_ok = float(self.gpu["cc"]) >= 9.0
-        if gemv != "auto" and any(gemv_form(gemv)[::2]) and not ws_ok:  # warp-specialised, or some roles
+        if gemv != "auto" and any(gemv_form(gemv)[::2] + gemv_form(gemv)[3]) and not ws_ok:  # ws / ws or DYN roles
             raise AtomflowError(f"gemv={gemv!r} needs sm_90+ (bulk copies)")
         tries = [f"ws-pre{n}" for n in GEMV_WS_PRE_TRY[weights]]
         mixed = ["+".join(("ring",) + roles) for roles in GEMV_MIXED_TRY[weights]]
@@ -214,6 +225,7 @@ class Engine:
             raise AtomflowError(f"prompt token ids must lie in [0, {self.cfg.vocab_size})")
         self.stream.synchronize()
         a = self.arena
+        gemv_dyn_clear(a["gemv_dyn_ctr"], a["gemv_dyn_part"])  # as every DYN launch leaves it (an aborted one: not)
         a["prompt"][: ids.size].set(ids)
         a["prompt_len"].set(np.array([ids.size], np.int32))
         a["pos"].set(np.zeros(1, np.int32))

@@ -27,7 +27,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
 _DEFINE = re.compile(r"^[ \t]*#[ \t]*define(?:[^\n]*\\\n)*[^\n]*", re.M)  # a #define with continuations
 GEMV_RING_DEPTHS = (2, 3, 4, 5)  # fp8 GEMV ring depths with a kernel each (gemv_common.cuh GEMV_RING_INSTANCES)
-_MACRO_INSTANCE = re.compile(r"^(?:GEMV_(?:ROPE_|ROWS_|ROWS_ARGMAX_|WS_|WS_ROPE_)?INSTANCE\((\w+)[,)]"  # NAME
+_MACRO_INSTANCE = re.compile(r"^(?:GEMV_(?:ROPE_|ROWS_|ROWS_ARGMAX_|WS_|WS_ROPE_|DYN_|DYN_ROPE_)?INSTANCE\((\w+)[,)]"  # NAME
                              r"|GEMV_(?:ROPE_)?RING_INSTANCES\((\w+)[,)]"  # NAME_r<depth> for every depth
                              r"|ATTENTION_(SHORT_)?INSTANCE\((\d+), (\d+)\))", re.M)  # attention_{decode,short}_hd<HD>_g<G>
 

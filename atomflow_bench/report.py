@@ -16,7 +16,8 @@ from . import __version__
 from .store import write_json_atomic
 
 SCHEMA = "atomflow-bench/run/1"
-GEMV_FORMS = {"ws": "warp-specialised: producer warp + bulk copies", "ring": "per-warp ring (fp8) / registers (fp16)"}
+GEMV_FORMS = {"ws": "warp-specialised: producer warp + bulk copies", "ring": "per-warp ring (fp8) / registers (fp16)",
+              "dyn": "warp-specialised with dynamic split-K units of 16 KB"}
 REQUIRED = ("schema", "gpu", "model", "weights", "context", "tokens", "tpot_ms", "copy_bandwidth_gbs",
             "bytes_per_token", "roofline")
 
@@ -28,19 +29,21 @@ def choice_lengths(ch: dict) -> str:
 
 
 def gemv_form_text(form: str) -> str:
-    """What a layer-GEMV form name (engine.gemv_form: ring, ws, ws-pre<N>, each maybe with engine.l2_suffix's
-    "/l2=<MB>") means, for the run table."""
-    from .engine import l2_suffix  # the one parser of the suffix
+    """What a layer-GEMV form name (engine.gemv_form: ring, ws, ws-pre<N>, ring+<roles>, dyn, dyn-pre<N>, +dyn:<role>
+    entries, each maybe with engine.l2_suffix's "/l2=<MB>") means, for the run table."""
+    from .engine import gemv_form, l2_suffix  # the one parser of the forms
 
     form, l2 = l2_suffix(form)
     if l2 is not None:
         asked = f"the last {l2} MB of gate/up's weights" if l2 else "nothing"
         return f"{gemv_form_text(form)}; QKV asks L2 for {asked}"
-    if form.startswith("ws-pre"):
-        return f"{GEMV_FORMS['ws']}, {form[6:]} ring slots filled before the PDL wait"
-    if form.startswith("ring+"):
-        return f"{GEMV_FORMS['ring']}, but {', '.join(form.split('+')[1:])} warp-specialised"
-    return GEMV_FORMS.get(form, form)
+    ws, pre, ws_roles, dyn = gemv_form(form)
+    if form.startswith("dyn"):
+        text = GEMV_FORMS["dyn"]
+    else:
+        text = GEMV_FORMS["ws" if ws else "ring"] + (f", but {', '.join(ws_roles)} warp-specialised" if ws_roles else "")
+        text += f", {', '.join(dyn)} {GEMV_FORMS['dyn']}" if dyn else ""
+    return text + (f", {pre} ring slots filled before the PDL wait" if pre is not None else "")
 
 
 def git_commit() -> str | None:

@@ -30,7 +30,8 @@ import math
 
 import numpy as np
 
-from .arena import ARGMAX_THREADS, ATT_CHUNK, att_cluster, ROWS_BLOCKS_PER_SM, ROWS_WARPS, Arena, linear_regions
+from .arena import (ARGMAX_THREADS, ATT_CHUNK, att_cluster, ROWS_BLOCKS_PER_SM, ROWS_WARPS, Arena, dyn_part_floats,
+                    gemv_slots_per_tile, linear_regions)
 from .config import ModelConfig
 from .errors import AtomflowError, VerifyError
 from .kernels import GEMV_RING_DEPTHS, KernelLib, Launch, allow_dynamic_smem, compute_capability, knob, tensor_maps
@@ -58,6 +59,9 @@ GEMV_WS_PRE_TRY = {"fp16": (2,), "fp8": ()}  # other counts the engine times per
 GEMV_MIXED_TRY = {"fp16": (), "fp8": ()}  # ring steps with these roles warp-specialised, timed by the engine (none:
                            # 3B W8A16 ring+wd measured -14 µs in one call, +13 µs forced in another: PERF_NOTES v17.3)
 GEMV_ROLES = ("wqkv", "wo", "wgu", "wd")
+GEMV_DYN_THREADS = GEMV_THREADS + 64  # DYN (gemv_common.cuh): 8 consumer warps, the producer and the reducer
+GEMV_DYN_PER_SM = 2        # knob: blocks per SM of a DYN launch (80 registers a thread: 2 fit an SM)
+GEMV_DYN_SENTINEL = 0xFFFFFFFF  # = GEMV_DYN_SENTINEL: an unpublished partial sum in the DYN scratch
 GEMV_NEXT_L2 = 1           # knob: QKV's blocks ask L2 for later weights (1: after their epilogue, 2: after their
                            # own pre-wait requests; gemv_common.cuh next_weights_l2, PERF_NOTES v30.1)
 GEMV_NEXT_L2_GU = 0        # knob (MB): ... and for the first this many MB of gate/up's weights (arena order: o_proj's
@@ -168,7 +172,7 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), s
     per_sm = knob("GEMV_GRID_PER_SM", GEMV_BLOCKS_PER_SM, defines)
     if knob("GEMV_ONE_WAVE", GEMV_ONE_WAVE, defines) and per_sm * n_sm < tiles <= (per_sm + 1) * n_sm:
         per_sm += 1
-    per_tile = -(-(-(-k // 128)) // (8 if fp8 else 4))  # slots per tile
+    per_tile = gemv_slots_per_tile(fmt, k)
     cap = knob("GEMV_WS_SLOTS", GEMV_WS_SLOTS, defines)
     if knob("GEMV_WS_SOLO", GEMV_WS_SOLO, defines) and tiles <= n_sm:  # <= 1 block per SM anyway: the SM's ring
         per_sm, cap = 1, GEMV_WS_MAX
@@ -181,10 +185,39 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), s
     raise AtomflowError(f"GEMV with K={k}: not even a ring of 2 slots fits the {smem[0]} bytes of shared memory")
 
 
+def gemv_dyn_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), smem: tuple = SMEM_H100
+                  ) -> tuple[int, int, int, int]:
+    """(ring slots, blocks per SM, dynamic shared memory, grid) of a DYN launch (gemv_common.cuh: dynamic split-K
+    units, one ring slot of one tile each). GEMV_DYN_PER_SM blocks per SM (fewer if not even 2 slots fit), each with
+    the deepest ring <= GEMV_WS_SLOTS that fits (a slot carries its 512 bytes of partial sums); the grid is every
+    block that fits, or the unit count if that is smaller."""
+    fp8 = fmt == "fp8"
+    base = (k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4 + (2 * GEMV_WS_MAX + 2) * 8 + 128  # as gemv_ws_plan
+            + GEMV_WS_MAX * 12)                                                       # + done mbarriers, unit ids
+    slot = GEMV_WS_SLOT + (8 * 64 if fp8 else 0) + GEMV_WARPS * 16 * 4
+    units = tiles * gemv_slots_per_tile(fmt, k)
+    cap = min(knob("GEMV_WS_SLOTS", GEMV_WS_SLOTS, defines), GEMV_WS_MAX)
+    for b in range(knob("GEMV_DYN_PER_SM", GEMV_DYN_PER_SM, defines), 0, -1):
+        fits = [ns for ns in range(cap, 0, -1) if blocks_fit(base + ns * slot, smem) >= b]
+        if fits and fits[0] >= 2:
+            return fits[0], b, base + fits[0] * slot, min(units, b * n_sm)
+    raise AtomflowError(f"GEMV with K={k}: not even a ring of 2 slots fits the {smem[0]} bytes of shared memory")
+
+
+def gemv_dyn_clear(ctr, part) -> None:
+    """The DYN state between launches: counters 0, partial sums SENTINEL (what every launch leaves behind; set once
+    before the first launch, and again after an aborted one)."""
+    import cupy as cp
+
+    ctr.fill(0)
+    part.view(np.uint32).fill(GEMV_DYN_SENTINEL)
+    cp.cuda.Device().synchronize()  # the fills run on the current stream; the engine's own stream does not wait
+
+
 def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: int, k: int, n_sm: int,
                 norm_w=None, eps: float = 1e-5, taps=None, role: str = "", rope: tuple = (),
                 ring_depth: int | None = None, ws: bool | None = None, ws_pre: int | None = None,
-                x_out=None) -> Launch:
+                x_out=None, dyn: tuple | None = None) -> Launch:
     """y = W.x in `fmt` (fp16 | fp8) with `variant` in qkv_rope | norm_swiglu | resid | store (weights, and fp8
     scales, in the tiled layout of weights.tile_view with the variant's VARIANT_PAIRING) or f32 (lm_head: fp16
     row-major weights).
@@ -195,7 +228,9 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     `ring_depth`: see gemv_ws_plan / gemv_plan (tests). `ws`:
     the tiled variants warp-specialised (sm_90+) or not; None: the rule of gemv_ws (knob GEMV_WS). `ws_pre`: the
     ring slots a warp-specialised launch fills before its wait (None: gemv_ws_pre). The engine passes the form it
-    measured fastest (Engine gemv="auto").
+    measured fastest (Engine gemv="auto"). `dyn` = (counter, partials): the DYN kernel (dynamic split-K units,
+    sm_90+; counter: 2 uint32 of this launch's own — no other launch may use them until this one is complete;
+    partials: float32 scratch of arena.dyn_part_floats, both as gemv_dyn_clear leaves them).
     f32 (lm_head): with `norm_w`, x is the fp32 residual and the kernel's prologue is the final RMSNorm; `x_out`
     (fp16 [k]) receives the normalised x (block 0).
     """
@@ -216,15 +251,23 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
             raise AtomflowError(f"GEMV {role or variant}: {e}") from None
         grid_units = rows // 16  # a block per 16-row tile
         ws = gemv_ws(fmt, lib.defines) if ws is None else ws
+        ws = ws or dyn is not None
         if ws and compute_capability() < 90:
             raise AtomflowError("warp-specialised GEMVs need sm_90+ (bulk copies)")
-        if ws:
+        if dyn is not None:
+            depth, per_sm, shmem, grid_units = gemv_dyn_plan(fmt, grid_units, k, n_sm, lib.defines, smem_limits())
+            ctr, part = dyn
+            need = dyn_part_floats(fmt, [(rows, k)])
+            if ctr.dtype != np.uint32 or ctr.size < 2 or part.dtype != np.float32 or part.size < need:
+                raise AtomflowError(f"GEMV {role or variant} (DYN): needs 2 uint32 counters and {need} float32 "
+                                    f"partials, got {ctr.dtype} x {ctr.size} and {part.dtype} x {part.size}")
+        elif ws:
             depth, per_sm, shmem = gemv_ws_plan(fmt, grid_units, k, n_sm, lib.defines, smem_limits(), ring_depth)
         else:
             depth, per_sm, shmem = gemv_plan(fmt, grid_units, k, n_sm, lib.defines, smem_limits(), ring_depth,
                                              norm=variant in ("norm_swiglu", "qkv_rope"))
     name = f"gemv_f8_{variant}" if fp8 else f"gemv_f16_{variant}"
-    fn = lib[f"{name}_ws" if ws else f"{name}_r{depth}" if fp8 else name]
+    fn = lib[f"{name}_dyn" if dyn is not None else f"{name}_ws" if ws else f"{name}_r{depth}" if fp8 else name]
     allow_dynamic_smem(fn, shmem)
     per_sm = max(1, min(per_sm, blocks_fit(shmem, smem_limits())))
     grid = (min(grid_units, n_sm * per_sm),)
@@ -244,7 +287,10 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         if not 0 <= pre <= GEMV_WS_MAX:
             raise AtomflowError(f"GEMV ring slots before the wait: 0 to {GEMV_WS_MAX}, not {pre}")
         extra += (i32(pre),)
-    return Launch(fn, f"gemv_{fmt}_{variant}", grid, (GEMV_WS_THREADS if ws else GEMV_THREADS,),
+    if dyn is not None:
+        extra += dyn
+    threads = GEMV_DYN_THREADS if dyn is not None else GEMV_WS_THREADS if ws else GEMV_THREADS
+    return Launch(fn, f"gemv_{fmt}_{variant}", grid, (threads,),
                   (w, scales if fp8 else NULL, x, NULL if norm_w is None else norm_w, np.float32(eps), y,
                    i32(n_out), i32(k)) + extra, shmem, taps or {}, moved,
                   f"gemv {fmt} {role or variant} {rows}x{k}")
@@ -428,11 +474,12 @@ def hold_position(launches: list[Launch]) -> list[Launch]:
 
 def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, att_cap: int | None = None,
                gemv_ws: bool | None = None, ws_pre: int | None = None, ws_roles: tuple = (),
-               l2_tail: int | None = None) -> list[Launch]:
+               dyn_roles: tuple = (), l2_tail: int | None = None) -> list[Launch]:
     """The step's launches, each with its probes as taps (validation copies them after each launch). `att_cap`:
     the short attention kernel holding that many positions (lengths up to it), else the split kernel. `gemv_ws`:
     the layer GEMVs warp-specialised or not (None: gemv_launch's rule); `ws_pre`: their slots before the wait;
-    `ws_roles`: roles (wqkv, wo, wgu, wd) warp-specialised whatever `gemv_ws` says; `l2_tail`: MB of gate/up's last
+    `ws_roles`: roles (wqkv, wo, wgu, wd) warp-specialised whatever `gemv_ws` says; `dyn_roles`: roles run by the
+    DYN kernels (dynamic split-K units; each launch its own counter, gemv_dyn_ctr[layer][role]); `l2_tail`: MB of gate/up's last
     weights the QKV kernels ask into L2 under GEMV_NEXT_L2 (None: the knobs; next_l2)."""
     tail = lm_head_launches(lib, a, cfg, n_sm)
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -441,10 +488,12 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
     rows = linear_regions(cfg)
 
     def gemv(weight, variant, x, y, n_out, k, **kw):
-        role = weight.split(".", 1)[1]
+        layer, role = weight.split(".", 1)
         scales = a[weight + ".scale"] if fmt == "fp8" else None
+        dyn = ((a["gemv_dyn_ctr"][int(layer[1:]), GEMV_ROLES.index(role)], a["gemv_dyn_part"])
+               if role in dyn_roles else None)
         return gemv_launch(lib, fmt, variant, a[weight], scales, x, y, n_out, k, n_sm, eps=eps,
-                           role=role, ws=True if role in ws_roles else gemv_ws, ws_pre=ws_pre, **kw)
+                           role=role, ws=True if role in ws_roles else gemv_ws, ws_pre=ws_pre, dyn=dyn, **kw)
 
     steps = [embed_launch(lib, a["cur_token"], a["embed"], h, taps={"embed": h})]
     for i in range(cfg.num_hidden_layers):

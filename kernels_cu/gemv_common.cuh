@@ -630,10 +630,42 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 // engine): slots the producer may fill before the consumers have passed their wait (0: the whole ring). Fewer
 // bytes requested before the wait let the previous kernel's completion and this kernel's x loads through sooner
 // (measured, PERF_NOTES v13.2: fp16 3 of 6 slots -78 µs on 3B; v16: 1B fp16 is faster at 2; fp8 2 was slower on 8B).
+//
+// DYN (the `_dyn` instances; PERF_NOTES v33): dynamic split-K work units instead of whole tiles per block. A unit is
+// one ring slot of one tile (tile T = u / spt, part p = u % spt: 16 rows x 1024 fp8 / 512 fp16 inputs, 16 KB), and
+// the producer takes units from the launch's counter (dyn.ctr[0], atomicAdd) instead of a static share, asking for
+// the next before it copies this one; so faster SMs take more units and the GEMV ends when the last 16 KB unit is
+// done, not when the slowest SM's whole tiles are (the probe: static shares end with the slowest SMs, PERF_NOTES
+// v32). It ends its stream with a marker (uid ~0); the last block to finish resets the counter (dyn.ctr[1] counts
+// finished producers) for the next launch of this counter — consecutive launches sharing a counter must therefore
+// be ordered by completion (the host gives every launch of the step its own counter).
+// Reduction, deterministic (no float atomics): the consumers write their 16 rows' sums of the unit to the slot's
+// partials [8 warps][16] in shared memory and arrive on its `done` mbarrier (8 lanes per warp); a 10th warp, the
+// reducer, sums the 8 warps in order, frees the slot (`empty`, count 1) and then either publishes the unit's 16 sums
+// to dyn.part[T][p] (p < spt - 1: a relaxed store per row) or, holding the tile's last part, polls the others'
+// (each word until it is no longer the SENTINEL bit pattern, which no arithmetic produces: a NaN's sign bit set
+// with all payload bits), adds them in part order, puts the SENTINEL back for the next launch and runs the
+// epilogue. A unit's poll only waits for lower units (taken earlier from the counter by running blocks), so the
+// waits cannot cycle. dyn.part is shared by every launch of the step: a kernel's reducer touches it only after its
+// consumers passed their PDL wait (the previous kernel is complete) and is done before its own kernel completes.
+#define GEMV_DYN_SENTINEL 0xffffffffu
+struct DynArgs {
+  unsigned* ctr;  // [2]: units taken, producers finished (both 0 between launches)
+  float* part;    // [tiles][spt][16]: published partial sums, SENTINEL between launches
+};
+__device__ __forceinline__ void st_relaxed_gpu(float* p, float v) {
+  asm volatile("st.relaxed.gpu.global.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+__device__ __forceinline__ unsigned ld_relaxed_gpu_u32(const float* p) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+#define GEMV_DYN_THREADS (GEMV_THREADS + 2 * AF_WARP)  // 8 consumer warps, the producer, the reducer
 #if AF_HAS_BULK
-template <bool FP8, int PRO, int EPI>
+template <bool FP8, int PRO, int EPI, bool DYN = false>
 __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs rope, unsigned char* smem_raw,
-                                              const int npre) {
+                                              const int npre, const DynArgs dyn = DynArgs{}) {
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
   constexpr int NWC = GEMV_THREADS / AF_WARP;                   // consumer warps
   constexpr int KU = FP8 ? 32 : 16, UPG = 128 / KU;            // inputs per 512-byte unit, units per group
@@ -652,20 +684,97 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   unsigned long long* full = reinterpret_cast<unsigned long long*>(rs + 32);
   unsigned long long* empty = full + GEMV_WS_MAX;
   unsigned long long* go = empty + GEMV_WS_MAX;  // one arrival: the consumers passed their wait (npre)
-  unsigned char* ring = reinterpret_cast<unsigned char*>(go + 2);
+  // DYN: per slot a `done` mbarrier (the consumers' partial sums are in) and the unit it holds (host: + 192 bytes)
+  unsigned long long* done = go + 2;
+  unsigned* uid = reinterpret_cast<unsigned*>(done + (DYN ? GEMV_WS_MAX : 0));
+  unsigned char* ring = reinterpret_cast<unsigned char*>(uid + (DYN ? GEMV_WS_MAX : 0));
   ring += (128u - ((unsigned)__cvta_generic_to_shared(ring) & 127u)) & 127u;  // slots 128-byte aligned (host: +128)
-  unsigned dyn;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-  const int NS = min(GEMV_WS_MAX, (int)((dyn - (unsigned)(ring - smem_raw)) / SLOTB));
+  unsigned dsmem;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsmem));
+  constexpr int PSLOT = DYN ? NWC * GEMV_TILE * 4 : 0;  // DYN: a slot's partial sums [8 warps][16] f32, after the ring
+  const int NS = min(GEMV_WS_MAX, (int)((dsmem - (unsigned)(ring - smem_raw)) / (SLOTB + PSLOT)));
+  float* psum = reinterpret_cast<float*>(ring + (size_t)NS * SLOTB);
   if (threadIdx.x == 0) {
     for (int s = 0; s < NS; ++s) {
       mbar_init(full + s, 1);
-      mbar_init(empty + s, NWC);
+      mbar_init(empty + s, DYN ? 1 : NWC);  // DYN: the reducer frees a slot, after the consumers' `done`
+      if (DYN) mbar_init(done + s, NWC * 8);
     }
     mbar_init(go, 1);
     mbar_init_fence();
   }
-  __syncthreads();  // the only whole-block barrier: the producer leaves below
+  __syncthreads();  // the only whole-block barrier: the producer (and the reducer) leave below
+
+  if (DYN && warp == NWC) {  // the producer: units from the counter, the next one asked before this one's copies
+    if (lane == 0) {
+      const unsigned total = (unsigned)(ntiles * spt);
+      unsigned u = atomicAdd(dyn.ctr, 1u);
+      for (int n = 0;; ++n) {
+        const int slot = n % NS;
+        if (npre > 0 && n == npre) mbar_wait(go, 0u);
+        if (n >= NS) mbar_wait(empty + slot, (unsigned)(n / NS - 1) & 1u);
+        if (u >= total) {  // the end marker: a plain arrival completes the slot's phase
+          uid[slot] = ~0u;
+          mbar_arrive(full + slot);
+          break;
+        }
+        const unsigned nxt = atomicAdd(dyn.ctr, 1u);
+        const int T = (int)(u / spt), g0 = (int)(u % spt) * GPS, g1 = min(ngroups, g0 + GPS);
+        const int u0 = g0 * UPG, u1 = min(nunits, g1 * UPG);
+        const unsigned wbytes = (unsigned)(u1 - u0) * 512u, sbytes = FP8 ? (unsigned)(g1 - g0) * 64u : 0u;
+        uid[slot] = u;
+        mbar_expect_tx(full + slot, wbytes + sbytes);
+        gemv_w_copy(ring + slot * SLOTB, a.W + (size_t)T * tile_bytes + (size_t)u0 * 512, wbytes, full + slot);
+        if (FP8)
+          gemv_w_copy(ring + slot * SLOTB + GEMV_WS_SLOT, a.scales + ((size_t)T * ngroups + g0) * 16, sbytes,
+                      full + slot);
+        u = nxt;
+      }
+      next_weights_l2<EPI, 2>(rope, true);
+      if (atom_add_acq_rel_gpu(dyn.ctr + 1, 1u) == gridDim.x - 1) {  // every producer has taken its last unit
+        dyn.ctr[0] = 0u;
+        dyn.ctr[1] = 0u;
+      }
+    }
+    return;
+  }
+  if (DYN && warp == NWC + 1) {  // the reducer: per unit, the 8 warps' sums in order; published, or the tile's end
+    for (int n = 0;; ++n) {
+      const int slot = n % NS;
+      const unsigned ph = (unsigned)(n / NS) & 1u;
+      mbar_wait(full + slot, ph);
+      const unsigned u = uid[slot];
+      if (u == ~0u) break;
+      mbar_wait(done + slot, ph);
+      float s = 0.f;
+      if (lane < GEMV_TILE)
+        for (int w = 0; w < NWC; ++w) s += psum[(slot * NWC + w) * GEMV_TILE + lane];
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + slot);  // uid and the partial sums are read: the slot may be refilled
+      const int T = (int)(u / spt), p = (int)(u % spt);
+      float* mine = dyn.part + ((size_t)T * spt + p) * GEMV_TILE + lane;
+      if (p < spt - 1) {
+        if (lane < GEMV_TILE) st_relaxed_gpu(mine, s);
+        continue;
+      }
+      float tot = 0.f;
+      if (lane < GEMV_TILE) {
+        for (int q = 0; q < p; ++q) {  // the earlier parts, in order, each once published
+          float* src = mine - (p - q) * GEMV_TILE;
+          unsigned v;
+          while ((v = ld_relaxed_gpu_u32(src)) == GEMV_DYN_SENTINEL) {
+          }
+          tot += __uint_as_float(v);
+          *src = __uint_as_float(GEMV_DYN_SENTINEL);  // reset for the next launch
+        }
+        tot += s;
+      }
+      const float hi = __shfl_down_sync(0xffffffffu, tot, 8);  // row lane + 8
+      if (R == 2 && lane < GEMV_TILE / 2) gemv_epilogue<EPI>(a, rope, T * (GEMV_TILE / 2) + lane, tot, hi);
+      if (R == 1 && lane < GEMV_TILE) gemv_epilogue<EPI>(a, rope, T * GEMV_TILE + lane, tot, tot);
+    }
+    return;
+  }
 
   if (warp == NWC) {  // the producer: slot n of the block's stream = tile blockIdx.x + (n / spt) * gridDim.x, part n % spt
     if (lane == 0) {
@@ -695,13 +804,41 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
     return;
   }
 
-  const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
+  // the first tile's epilogue operand, before the wait (DYN: the reducer's epilogues read their own)
+  const EpiOperand pre = DYN ? EpiOperand{} : epilogue_operand<EPI, R>(a, rope, blockIdx.x);
   const NormRegs nr = norm_w_regs<PRO, GEMV_THREADS>(a);  // PRO_NORM: norm_w before the wait
   gemv_arrive_wait<EPI>(PdlSync{});  // x / h / pos only once the previous kernel is done (weights are the producer's)
   if (npre > 0 && threadIdx.x == 0) mbar_arrive(go);
   stage_x_tiled<PRO, STAGE_REGS, GEMV_THREADS>(a, xs, rs, nullptr, nullptr, nr);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
+  if (DYN) {  // the consumers: per unit, this warp's group; its 16 rows' sums to the slot's partials
+    for (int n = 0;; ++n) {
+      const int slot = n % NS;
+      mbar_wait(full + slot, (unsigned)(n / NS) & 1u);
+      const unsigned u = uid[slot];
+      if (u == ~0u) break;
+      const int g0 = (int)(u % spt) * GPS, off = (warp - g0) & (NWC - 1), G = g0 + off;
+      float acc[2] = {0.f, 0.f}, d[4] = {0.f, 0.f, 0.f, 0.f};
+      if (off < GPS && G < ngroups) {
+        const unsigned char* src = ring + slot * SLOTB + off * UPG * 512 + lane * 16;
+        const float2 sc = FP8 ? reinterpret_cast<const float2*>(ring + slot * SLOTB + GEMV_WS_SLOT + off * 64)[lane >> 2]
+                              : make_float2(0.f, 0.f);
+        group_mma<FP8, UPG>(d, acc, [&](int j) { return *reinterpret_cast<const uint4*>(src + j * 512); }, xs, G,
+                            nunits, t, sc);
+      }
+      gemv_tiled_finish<FP8>(d, acc);
+      __syncwarp();  // every lane has read the slot (the reducer frees it once all `done` arrivals are in)
+      if ((lane & 3) == 0) {  // rows g and g + 8 (quad lane 0 holds mma column 0)
+        psum[(slot * NWC + warp) * GEMV_TILE + (lane >> 2)] = acc[0];
+        psum[(slot * NWC + warp) * GEMV_TILE + (lane >> 2) + 8] = acc[1];
+        mbar_arrive(done + slot);  // each writing lane: its own sums, and (all 8) the slot read
+      }
+    }
+    next_weights_l2<EPI, 1>(rope, threadIdx.x == 0);
+    AF_TL_MARK(2);
+    return;
+  }
   int n = 0;
   for (int T = blockIdx.x, parity = 0; T < ntiles; T += gridDim.x, parity ^= 1) {
     float acc[2] = {0.f, 0.f}, d[4] = {0.f, 0.f, 0.f, 0.f};
@@ -732,25 +869,37 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 // architecture (the host pass needs them), built for sm_90+ only: below, the body traps — the host launches these
 // only on sm_90+ and not with GEMV_WS=0 (step.py gemv_ws).
 #if AF_HAS_BULK
-#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE)                                                                 \
+#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, DYN, DARGS)                                                     \
   AF_TIMELINE_BLOCK;                                                                                      \
   extern __shared__ __align__(16) unsigned char smem_raw[];                                               \
-  gemv_tiled_ws<FP8, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, ROPE, smem_raw, npre);
+  gemv_tiled_ws<FP8, PRO, EPI, DYN>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, ROPE, smem_raw, npre, DARGS);
 #elif defined(__CUDA_ARCH__)
-#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE) __trap();
+#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, DYN, DARGS) __trap();
 #else
-#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE)
+#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, DYN, DARGS)
 #endif
+#define GEMV_WS_PARAMS                                                                                    \
+  const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x,      \
+      const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K, int npre
+#define GEMV_ROPE_ARGS_OF (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, next_w, next_bytes})
 #define GEMV_WS_INSTANCE(NAME, FP8, PRO, EPI)                                                             \
-  extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3)                                        \
-  NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
-       const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K, int npre) {  \
-    GEMV_WS_BODY(FP8, PRO, EPI, RopeArgs{})                                                               \
+  extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_WS_PARAMS) {                 \
+    GEMV_WS_BODY(FP8, PRO, EPI, RopeArgs{}, false, DynArgs{})                                             \
   }
 #define GEMV_WS_ROPE_INSTANCE(NAME, FP8)                                                                  \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_ROPE_PARAMS, int npre) {     \
-    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE,                                                                 \
-                 (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, next_w, next_bytes}))                \
+    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, GEMV_ROPE_ARGS_OF, false, DynArgs{})                            \
+  }
+// The same with dynamic split-K units (DYN above): NAME takes the launch's counter and the step's partial sums too.
+#define GEMV_DYN_INSTANCE(NAME, FP8, PRO, EPI)                                                            \
+  extern "C" __global__ void __launch_bounds__(GEMV_DYN_THREADS, 2)                                       \
+  NAME(GEMV_WS_PARAMS, unsigned* dyn_ctr, float* dyn_part) {                                              \
+    GEMV_WS_BODY(FP8, PRO, EPI, RopeArgs{}, true, (DynArgs{dyn_ctr, dyn_part}))                           \
+  }
+#define GEMV_DYN_ROPE_INSTANCE(NAME, FP8)                                                                 \
+  extern "C" __global__ void __launch_bounds__(GEMV_DYN_THREADS, 2)                                       \
+  NAME(GEMV_ROPE_PARAMS, int npre, unsigned* dyn_ctr, float* dyn_part) {                                  \
+    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, GEMV_ROPE_ARGS_OF, true, (DynArgs{dyn_ctr, dyn_part}))          \
   }
 
 // fp16 layer GEMVs: the register path.

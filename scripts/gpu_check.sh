@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call: install, GPU tests, benchmarks. Prints a short table last; full logs/JSON under $OUT.
-#   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench bench-ab knobs profile gemv
+#   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench bench-ab forms knobs profile gemv
 #                                       validate evidence attention att-profile att-alone ab dram probe (default: info kernels engine bench)
 #   KERNELS_K="pytest -k expression" (kernels stage: a subset)
 #   BENCH_SPECS="model:fmt ..."  CTX=128  KNOBS="DEF=V,DEF=V ..." (knobs: compile-time -D variants, 3B fp8)
+#   FORMS="model:fmt@<layer-GEMV form> ..." (forms: a run per engine form, ATOMFLOW_GEMV; @auto: the engine's choice)
 #   PROFILE_SPECS="model:fmt ..." PROFILE_DEFINES="DEF=V ..." PROFILE_CTX=128 TIMELINE=N (profile stage; N replays of the
 #                                       in-kernel timeline instrument, 0 = off)
 #   AB_DIR=.ab/<commit> AB_SPEC="model:fmt" AB_ROUNDS=2 (ab stage: the other tree vs this one, same machine;
@@ -62,6 +63,14 @@ for st in $stages; do
 p = json.load(open(sys.argv[1]))
 print("floor %.4f ms |" % p["floor_ms"], " | ".join("%s %.4f ms (%.1f%%)" % (v["name"], v["ms"]["median"], v["pct_of_copy"])
                                                    for v in p["variants"]))' "$OUT/probe-$tag.json" 2>&1 | tail -1)"
+      done ;;
+    forms)   # FORMS="model:fmt@<gemv form> ..." (e.g. llama-3.2-3b:fp8@dyn, @auto = the engine's choice): one run each
+      for f in ${FORMS:-"llama-3.2-3b:fp8@auto" "llama-3.2-3b:fp8@dyn"}; do
+        spec=${f%%@*}; g=${f#*@}; m=${spec%%:*}; w=${spec##*:}; tag="form-${m#llama-}-$w-${g//[^A-Za-z0-9.-]/_}"
+        [ -e "$OUT/run-$tag.json" ] && tag="$tag-again"
+        ATOMFLOW_GEMV=$g timeout 240 atomflow-bench run "$m" --weights "$w" --ctx "${CTX:-128}" --tokens 256 --repeats 5 \
+          --json "$OUT/run-$tag.json" >"$OUT/run-$tag.log" 2>&1
+        note "run $tag: rc=$? $(grep -E 'TPOT|roofline|layer GEMVs' "$OUT/run-$tag.log" | tr -s ' ' | head -3 | cut -c1-160 | tr '\n' ' ')"
       done ;;
     knobs)   # compile-time variants (ATOMFLOW_KERNEL_DEFINES), e.g. KNOBS="GEMV_LOADS=16 NAME=V,NAME2=V" on
       for k in ${KNOBS:-}; do   # KNOB_SPEC="model:fmt" (default llama-3.2-3b:fp8); an entry "model:fmt@DEFS" names its

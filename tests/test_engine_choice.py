@@ -47,8 +47,8 @@ def test_l2_suffix_and_forms():
 
     assert l2_suffix("ring") == ("ring", None)
     assert l2_suffix("ring/l2=8") == ("ring", 8) and l2_suffix("ws-pre2/l2=0") == ("ws-pre2", 0)
-    assert gemv_form("ws-pre2/l2=16") == gemv_form("ws-pre2") == (True, 2, ())
-    assert gemv_form("ring+wd/l2=4") == (False, None, ("wd",))
+    assert gemv_form("ws-pre2/l2=16") == gemv_form("ws-pre2") == (True, 2, (), ())
+    assert gemv_form("ring+wd/l2=4") == (False, None, ("wd",), ())
     for bad in ("ring/l2=", "ring/l2=x", "ring/l2=-4"):
         with pytest.raises(AtomflowError, match="integer MB"):
             l2_suffix(bad)
@@ -75,3 +75,20 @@ def test_run_table_names_the_l2_size():
     assert gemv_form_text("ring/l2=8").endswith("; QKV asks L2 for the last 8 MB of gate/up's weights")
     assert gemv_form_text("ring/l2=8").startswith(gemv_form_text("ring"))
     assert gemv_form_text("ws-pre2/l2=0").endswith("QKV asks L2 for nothing")
+
+
+def test_dyn_forms():
+    """The DYN layer GEMVs as engine forms (PERF_NOTES v33): "dyn"/"dyn-pre<N>" every role, "+dyn:<role>" entries some
+    roles of another form; a role named twice, an unknown role or ws roles beside a ws/dyn base are refused."""
+    from atomflow_bench.engine import gemv_form
+    from atomflow_bench.step import GEMV_ROLES
+
+    assert gemv_form("dyn") == (True, None, (), GEMV_ROLES)
+    assert gemv_form("dyn-pre2/l2=8") == (True, 2, (), GEMV_ROLES)
+    assert gemv_form("ring+dyn:wgu") == (False, None, (), ("wgu",))
+    assert gemv_form("ring+wd+dyn:wgu+dyn:wo") == (False, None, ("wd",), ("wgu", "wo"))
+    assert gemv_form("ws-pre3+dyn:wd") == (True, 3, (), ("wd",))
+    for bad in ("dyn+wd", "dyn+dyn:wd", "dyn-pre", "dyn-prex", "ring+dyn:wgu+dyn:wgu", "ring+wd+dyn:wd",
+                "ring+dyn:wx", "ws+wd", "dynx"):
+        with pytest.raises(AtomflowError, match="gemv must be"):
+            gemv_form(bad)

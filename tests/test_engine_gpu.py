@@ -190,7 +190,7 @@ def test_gemv_auto(tiny_dir, fmt):
     assert set(g["step_us"]) == {f"{b}/l2={t}" for b in bases for t in GEMV_NEXT_L2_TRY}  # the defaults: sizes too
     assert all(v > 0 for v in g["step_us"].values())
     assert g["chosen"] == min(g["step_us"], key=g["step_us"].get)
-    ws, pre, ws_roles = gemv_form(g["chosen"])
+    ws, pre, ws_roles, _ = gemv_form(g["chosen"])
     layer_gemvs = [ln for ln in eng.launches if ln.name.startswith("gemv_") and " lm_head " not in ln.label]
     for ln in layer_gemvs:  # the role's form; warp-specialised: the slots-before-the-wait argument, last
         role_ws = ws or ln.label.split()[2] in ws_roles
@@ -228,6 +228,57 @@ def check_greedy(eng, seq, prompt_len, margins, logit_err):
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_llama1b_engine_matches_reference(llama1b_dir, fmt):
     assert_matches_reference(llama1b_dir, fmt, prompt_len=5, n_new=4, label="llama-3.2-1b synthetic")
+
+
+def dyn_launches_of(eng, roles) -> None:
+    """The engine's layer GEMVs of `roles` run the DYN kernels (320 threads, their own counter pair: layer and role)
+    and the others do not."""
+    from atomflow_bench.step import GEMV_ROLES
+
+    layer = [ln for ln in eng.launches if ln.name.startswith("gemv_") and " lm_head " not in ln.label]
+    assert len(layer) == 4 * eng.cfg.num_hidden_layers
+    ctr = eng.arena["gemv_dyn_ctr"]
+    for i, ln in enumerate(layer):
+        role = ln.label.split()[2]
+        dyn = ln.block[0] == 320
+        assert dyn == (role in roles), ln.label
+        if dyn:
+            assert ln.args[-2].data.ptr == ctr[i // 4, GEMV_ROLES.index(role)].data.ptr
+            assert ln.args[-1].data.ptr == eng.arena["gemv_dyn_part"].data.ptr
+
+
+@pytest.mark.parametrize("gemv,roles", [("dyn", ("wqkv", "wo", "wgu", "wd")), ("ring+dyn:wgu", ("wgu",))])
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_dyn_engine_matches_reference(llama1b_dir, tiny_dir, fmt, gemv, roles, monkeypatch):
+    """The DYN layer GEMVs (dynamic split-K units; gemv_common.cuh, PERF_NOTES v33) in the whole step: every probe
+    against the NumPy reference on the 1B shapes (several units per tile in every role) and greedy within the
+    format's error; on the tiny model graph replays equal eager launches bit for bit (the cross-block sums are in a
+    fixed order) and the counters and the partial-sum scratch are clear after every step."""
+    from atomflow_bench.engine import Engine
+    from atomflow_bench.step import GEMV_DYN_SENTINEL
+
+    import cupy as cp
+
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("the DYN GEMVs are sm_90+ (bulk copies)")
+    monkeypatch.setenv("ATOMFLOW_GEMV", gemv)
+    eng, worst, where, seq, margins, err = compare_probes(llama1b_dir, fmt, prompt_len=5, n_new=4)
+    print(f"llama-3.2-1b {fmt} gemv={gemv}: min probe cosine {worst:.6f} at {where}; max |logit diff| {max(err):.3e}")
+    assert eng.gemv_choice["chosen"].split("/l2=")[0] == gemv
+    dyn_launches_of(eng, roles)
+    assert worst >= COS_MIN[fmt], f"probe cosine {worst} < {COS_MIN[fmt]} at {where}"
+    check_greedy(eng, seq, 5, margins, err)
+    tiny = Engine(tiny_dir, weights=fmt, max_seq=200)
+    dyn_launches_of(tiny, roles)
+    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 70)]
+    eager = tiny.generate(prompt, 30, graph=False)
+    eager_logits = tiny.arena["logits"].get()
+    graph = tiny.generate(prompt, 30, graph=True)
+    np.testing.assert_array_equal(graph, eager)
+    np.testing.assert_array_equal(tiny.arena["logits"].get(), eager_logits)
+    tiny.stream.synchronize()
+    assert not tiny.arena["gemv_dyn_ctr"].get().any()
+    assert (tiny.arena["gemv_dyn_part"].view(np.uint32).get() == GEMV_DYN_SENTINEL).all()
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])

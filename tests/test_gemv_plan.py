@@ -14,7 +14,7 @@ from atomflow_bench.config import CATALOG, get_preset
 from atomflow_bench.errors import AtomflowError
 from atomflow_bench.kernels import KERNELS_DIR
 from atomflow_bench.step import (GEMV_RING_DEPTHS, GEMV_WARPS, GEMV_WS_MAX, GEMV_WS_SLOT, SMEM_H100, blocks_fit,
-                                 gemv_plan, gemv_ws, gemv_ws_plan)
+                                 gemv_dyn_plan, gemv_plan, gemv_ws, gemv_ws_plan)
 
 N_SM = 132
 
@@ -158,3 +158,33 @@ def test_ws_solo_grid_gets_the_whole_sm():
     assert gemv_ws_plan("fp16", 128, 8192, N_SM)[:2] == (13, 1)
     assert gemv_ws_plan("fp16", 128, 8192, N_SM, ("GEMV_WS_SOLO=0",))[:2] == (5, 2)
     assert gemv_ws_plan("fp16", 133, 8192, N_SM)[:2] == (5, 2)
+
+
+def dyn_layout(k: int, fmt: str, slots: int) -> int:
+    """The DYN kernels' shared memory (gemv_tiled_ws with DYN): ws_layout plus a `done` mbarrier and a unit id per
+    GEMV_WS_MAX slot, and per slot its partial sums [8 warps][16] f32 after the ring."""
+    return ws_layout(k, fmt, slots) + GEMV_WS_MAX * (8 + 4) + slots * GEMV_WARPS * 16 * 4
+
+
+@pytest.mark.parametrize("model", sorted(CATALOG))
+@pytest.mark.parametrize("fmt", ["fp8", "fp16"])
+def test_dyn_plans_fit_and_size_the_ring(model, fmt):
+    """Every DYN plan: 2 blocks per SM (the kernel's launch bounds: 80 registers x 320 threads), the deepest ring
+    <= GEMV_WS_SLOTS that fits, the layout exactly the kernel's, and a grid of every resident block (fewer only
+    when there are fewer units: tiles x slots per tile)."""
+    for rows, k in linear_regions(CATALOG[model].config).values():
+        slots, per_sm, shmem, grid = gemv_dyn_plan(fmt, rows // 16, k, N_SM)
+        assert per_sm == 2 and blocks_fit(shmem, SMEM_H100) >= 2
+        assert shmem == dyn_layout(k, fmt, slots) and 2 <= slots <= 6
+        units = rows // 16 * -(-(-(-k // 128)) // (8 if fmt == "fp8" else 4))
+        assert grid == min(units, 2 * N_SM)
+
+
+def test_dyn_plan_knobs_and_small_grids():
+    assert gemv_dyn_plan("fp8", 192, 3072, N_SM)[:2] == (6, 2)
+    assert gemv_dyn_plan("fp8", 192, 3072, N_SM, ("GEMV_WS_SLOTS=3",))[0] == 3
+    assert gemv_dyn_plan("fp8", 192, 3072, N_SM, ("GEMV_DYN_PER_SM=1",))[1:4:2] == (1, N_SM)
+    assert gemv_dyn_plan("fp8", 2, 96, N_SM)[3] == 2  # one unit per tile: the grid is the unit count
+    assert gemv_dyn_plan("fp16", 2, 1056, N_SM)[3] == 2 * 3  # 9 groups of 128: 3 units of 4 groups per tile
+    with pytest.raises(AtomflowError, match="not even a ring of 2 slots"):
+        gemv_dyn_plan("fp8", 192, 3072, N_SM, smem=(40_000, 80_000, 1024))

@@ -15,13 +15,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from atomflow_bench.arena import ATT_CHUNK, linear_regions
+from atomflow_bench.arena import ATT_CHUNK, dyn_part_floats, linear_regions
 from atomflow_bench.config import CATALOG
 from atomflow_bench.errors import AtomflowError
+from atomflow_bench.kernels import compute_capability
 from atomflow_bench.quant import dequantize_fp8, quantize_fp8
 from atomflow_bench.step import (VARIANT_PAIRING, argmax_launch, attention_launch, attention_short_cap,
-                                 attention_short_launch, embed_launch, gemv_launch, gemv_ws, hold_position,
-                                 lm_head_launches, quantize_launch, rmsnorm_launch)
+                                 attention_short_launch, embed_launch, gemv_dyn_clear, gemv_launch, gemv_ws,
+                                 hold_position, lm_head_launches, quantize_launch, rmsnorm_launch)
 from atomflow_bench.weights import tiled, tiled_scales
 
 pytestmark = pytest.mark.gpu
@@ -165,6 +166,78 @@ def test_gemv_ws_slots_before_the_wait(kernel_lib_ws, n_sm, fmt, pre, variant, r
     assert ln.block[0] == 288 and int(ln.args[-1]) == pre
 
 
+def dyn_state(fmt: str, rows_k):
+    """A DYN launch's counter pair and partial-sum scratch (step.gemv_dyn_clear's state) for GEMVs of `rows_k`."""
+    import cupy as cp
+
+    ctr, part = cp.empty(2, cp.uint32), cp.empty(dyn_part_floats(fmt, rows_k), cp.float32)
+    gemv_dyn_clear(ctr, part)
+    return ctr, part
+
+
+def assert_dyn_clear(ctr, part):
+    """What every DYN launch must leave behind for the next: counters 0, every partial sum SENTINEL again."""
+    assert ctr.get().tolist() == [0, 0]
+    assert (part.view(np.uint32).get() == 0xFFFFFFFF).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("model,region,rows,k", gemv_cases(), ids=lambda v: str(v))
+def test_gemv_dyn(kernel_lib, n_sm, fmt, model, region, rows, k):
+    """The DYN GEMVs (dynamic split-K units from a counter, partial sums published and summed by the tile's last
+    unit; gemv_common.cuh) on every layer shape and the odd ones (one unit per tile, a short last group): twice on
+    the same state with fresh data — the first launch must leave the counters at 0 and the scratch SENTINEL, or the
+    second one computes garbage — and deterministically (the same inputs give the same bits)."""
+    import cupy as cp
+
+    if compute_capability() < 90:
+        pytest.skip("the DYN GEMVs are sm_90+ (bulk copies)")
+    ctr, part = dyn_state(fmt, [(rows, k)])
+    variant = variant_of(region)
+    for rep in range(2):
+        ln = check_gemv(kernel_lib, n_sm, rng_for("dyn", fmt, model, region, rep), fmt, variant, rows, k,
+                        dyn=(ctr, part))
+        assert ln.block[0] == 320 and ln.fn is kernel_lib[f"gemv_{'f8' if fmt == 'fp8' else 'f16'}_{variant}_dyn"]
+        assert_dyn_clear(ctr, part)
+    if variant != "resid":  # same inputs, same bits (the output is overwritten, not accumulated)
+        y = ln.args[5]
+        first = y.get()
+        y.fill(np.nan)
+        ln()
+        np.testing.assert_array_equal(y.get(), first)
+        assert_dyn_clear(ctr, part)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("pre", [0, 1, 3])
+@pytest.mark.parametrize("variant,rows,k", RING_CASES)
+def test_gemv_dyn_slots_before_the_wait(kernel_lib, n_sm, fmt, pre, variant, rows, k):
+    """DYN with 0 (the whole ring), 1 or 3 units taken and requested before the PDL wait (the `go` barrier)."""
+    if compute_capability() < 90:
+        pytest.skip("the DYN GEMVs are sm_90+ (bulk copies)")
+    ctr, part = dyn_state(fmt, [(rows, k)])
+    ln = check_gemv(kernel_lib, n_sm, rng_for("dyn pre", fmt, pre, variant, rows, k), fmt, variant, rows, k,
+                    dyn=(ctr, part), ws_pre=pre)
+    assert int(ln.args[-3]) == pre
+    assert_dyn_clear(ctr, part)
+
+
+def test_gemv_dyn_refuses_small_state(kernel_lib, n_sm):
+    """A DYN launch checks its counter and scratch before it is built: too small a scratch could be overrun."""
+    import cupy as cp
+
+    if compute_capability() < 90:
+        pytest.skip("the DYN GEMVs are sm_90+ (bulk copies)")
+    rows, k = 512, 2048
+    w, s = cp.zeros((rows, k), cp.uint8), cp.zeros((rows, 16), cp.float32)
+    x, y = cp.zeros(k, cp.float16), cp.zeros(rows, cp.float16)
+    ctr, part = dyn_state("fp8", [(rows, k)])
+    with pytest.raises(AtomflowError, match="needs 2 uint32 counters and 1024 float32 partials"):
+        gemv_launch(kernel_lib, "fp8", "store", w, s, x, y, rows, k, n_sm, dyn=(ctr, part[:1000]))
+    with pytest.raises(AtomflowError, match="needs 2 uint32 counters"):
+        gemv_launch(kernel_lib, "fp8", "store", w, s, x, y, rows, k, n_sm, dyn=(ctr[:1], part))
+
+
 @pytest.fixture(scope="module", params=["GEMV_WS=0", "GEMV_WS=0 GEMV_BULK=0"])
 def kernel_lib_legacy(request):
     """The kernels as launched on sm_89 or with GEMV_WS=0: fp16 through registers, fp8 through a per-warp ring filled
@@ -289,12 +362,17 @@ def test_rmsnorm(kernel_lib, K):
     assert rel_err(out.get(), norm_ref(h, w, 1e-5)) < FP16_TOL
 
 
+@pytest.mark.parametrize("form", ["default", "dyn"])
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 @pytest.mark.parametrize("model", ["llama-3.2-3b", "llama-3.2-1b", "smollm2-135m"])
 @pytest.mark.parametrize("pos", [0, 1, 77, 5000])
-def test_qkv_rope_kv_append(kernel_lib, n_sm, fmt, model, pos):
-    """QKV GEMV with RMSNorm prologue and the RoPE + KV-append epilogue against NumPy."""
+def test_qkv_rope_kv_append(kernel_lib, n_sm, form, fmt, model, pos):
+    """QKV GEMV with RMSNorm prologue and the RoPE + KV-append epilogue against NumPy (the launch's default form,
+    and the DYN kernel: its reducer warp runs this epilogue)."""
     import cupy as cp
+
+    if form == "dyn" and compute_capability() < 90:
+        pytest.skip("the DYN GEMVs are sm_90+ (bulk copies)")
 
     cfg = CATALOG[model].config
     nh, nkv, hd, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
@@ -314,8 +392,12 @@ def test_qkv_rope_kv_append(kernel_lib, n_sm, fmt, model, pos):
     kc = cp.full((max_seq, cfg.kv_dim), np.nan, dtype=cp.float16)
     vc = cp.full((max_seq, cfg.kv_dim), np.nan, dtype=cp.float16)
     y = cp.full(cfg.qkv_dim, np.nan, dtype=cp.float16)
+    dyn = dyn_state(fmt, [(cfg.qkv_dim, H)]) if form == "dyn" else None
     gemv_launch(kernel_lib, fmt, "qkv_rope", w_dev, s_dev, cp.asarray(h), y, cfg.qkv_dim // 2, H, n_sm,
-                norm_w=cp.asarray(nw), rope=(cp.asarray(cs), cp.asarray([pos], dtype=cp.int32), kc, vc, nh, nkv, hd))()
+                norm_w=cp.asarray(nw), rope=(cp.asarray(cs), cp.asarray([pos], dtype=cp.int32), kc, vc, nh, nkv, hd),
+                dyn=dyn)()
+    if dyn:
+        assert_dyn_clear(*dyn)
     ang = (np.float32(pos) * cfg.rope_inv_freq()).astype(np.float64)
     c, s = np.cos(ang), np.sin(ang)
     x = proj[: (nh + nkv) * hd].reshape(nh + nkv, hd)
