@@ -632,7 +632,11 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 // (measured, PERF_NOTES v13.2: fp16 3 of 6 slots -78 µs on 3B; v16: 1B fp16 is faster at 2; fp8 2 was slower on 8B).
 //
 // DYN (the `_dyn` instances; PERF_NOTES v33): dynamic split-K work units instead of whole tiles per block. A unit is
-// one ring slot of one tile (tile T = u / spt, part p = u % spt: 16 rows x 1024 fp8 / 512 fp16 inputs, 16 KB), and
+// one ring slot of one tile (16 rows x 1024 fp8 / 512 fp16 inputs, 16 KB): unit u is part p = u / tiles of tile
+// T = u % tiles — every tile's part 0 first, then every part 1, ... (v33.1: with a tile's parts consecutive they were
+// taken at once by different blocks and the last part's reducer waited on them, the waits chaining into a convoy:
+// 3B W8A16 2.5x slower); so a tile's earlier parts were taken a whole round of parts earlier, and a reducer
+// never meets a last part before all its own earlier parts are published (its units come in counter order). And
 // the producer takes units from the launch's counter (dyn.ctr[0], atomicAdd) instead of a static share, asking for
 // the next before it copies this one; so faster SMs take more units and the GEMV ends when the last 16 KB unit is
 // done, not when the slowest SM's whole tiles are (the probe: static shares end with the slowest SMs, PERF_NOTES
@@ -719,7 +723,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
           break;
         }
         const unsigned nxt = atomicAdd(dyn.ctr, 1u);
-        const int T = (int)(u / spt), g0 = (int)(u % spt) * GPS, g1 = min(ngroups, g0 + GPS);
+        const int T = (int)(u % ntiles), g0 = (int)(u / ntiles) * GPS, g1 = min(ngroups, g0 + GPS);
         const int u0 = g0 * UPG, u1 = min(nunits, g1 * UPG);
         const unsigned wbytes = (unsigned)(u1 - u0) * 512u, sbytes = FP8 ? (unsigned)(g1 - g0) * 64u : 0u;
         uid[slot] = u;
@@ -751,7 +755,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
         for (int w = 0; w < NWC; ++w) s += psum[(slot * NWC + w) * GEMV_TILE + lane];
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + slot);  // uid and the partial sums are read: the slot may be refilled
-      const int T = (int)(u / spt), p = (int)(u % spt);
+      const int T = (int)(u % ntiles), p = (int)(u / ntiles);
       float* mine = dyn.part + ((size_t)T * spt + p) * GEMV_TILE + lane;
       if (p < spt - 1) {
         if (lane < GEMV_TILE) st_relaxed_gpu(mine, s);
@@ -818,7 +822,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
       mbar_wait(full + slot, (unsigned)(n / NS) & 1u);
       const unsigned u = uid[slot];
       if (u == ~0u) break;
-      const int g0 = (int)(u % spt) * GPS, off = (warp - g0) & (NWC - 1), G = g0 + off;
+      const int g0 = (int)(u / ntiles) * GPS, off = (warp - g0) & (NWC - 1), G = g0 + off;
       float acc[2] = {0.f, 0.f}, d[4] = {0.f, 0.f, 0.f, 0.f};
       if (off < GPS && G < ngroups) {
         const unsigned char* src = ring + slot * SLOTB + off * UPG * 512 + lane * 16;
