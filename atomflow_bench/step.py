@@ -59,8 +59,8 @@ GEMV_WS_PRE_TRY = {"fp16": (2,), "fp8": ()}  # other counts the engine times per
 GEMV_MIXED_TRY = {"fp16": (), "fp8": ()}  # ring steps with these roles warp-specialised, timed by the engine (none:
                            # 3B W8A16 ring+wd measured -14 µs in one call, +13 µs forced in another: PERF_NOTES v17.3)
 GEMV_ROLES = ("wqkv", "wo", "wgu", "wd")
-GEMV_DYN_THREADS = GEMV_THREADS + 64  # DYN (gemv_common.cuh): 8 consumer warps, the producer and the reducer
-GEMV_DYN_PER_SM = 2        # knob: blocks per SM of a DYN launch (80 registers a thread: 2 fit an SM)
+GEMV_DYN_THREADS = GEMV_THREADS + 96  # DYN (gemv_common.cuh): 8 consumer warps, the producer, 2 reducer warps
+GEMV_DYN_PER_SM = 2        # knob: blocks per SM of a DYN launch (its launch bounds: 2 x 352 threads)
 GEMV_DYN_SENTINEL = 0xFFFFFFFF  # = GEMV_DYN_SENTINEL: an unpublished partial sum in the DYN scratch
 GEMV_NEXT_L2 = 1           # knob: QKV's blocks ask L2 for later weights (1: after their epilogue, 2: after their
                            # own pre-wait requests; gemv_common.cuh next_weights_l2, PERF_NOTES v30.1)

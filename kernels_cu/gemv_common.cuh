@@ -103,18 +103,22 @@ struct EpiOperand {
   float2 cs;
 };
 
-template <int EPI, int R>
-__device__ __forceinline__ EpiOperand epilogue_operand(const GemvArgs& a, const RopeArgs& rope, int T) {
+// The operand of output o (< n_out).
+template <int EPI>
+__device__ __forceinline__ EpiOperand epilogue_operand_of(const GemvArgs& a, const RopeArgs& rope, int o) {
   EpiOperand p{0.f, make_float2(1.f, 0.f)};
-  if (threadIdx.x < GEMV_TILE / R && T < a.n_out * R / GEMV_TILE) {
-    const int o = T * (GEMV_TILE / R) + threadIdx.x;
-    if (EPI == EPI_RESID) p.h = __ldcg(reinterpret_cast<const float*>(a.y) + o);
-    if (EPI == EPI_ROPE) {
-      const int half_d = rope.hd / 2;
-      if (o / half_d < rope.n_q + rope.n_kv) p.cs = rope.cos_sin[(size_t)*rope.pos * half_d + o % half_d];
-    }
+  if (EPI == EPI_RESID) p.h = __ldcg(reinterpret_cast<const float*>(a.y) + o);
+  if (EPI == EPI_ROPE) {
+    const int half_d = rope.hd / 2;
+    if (o / half_d < rope.n_q + rope.n_kv) p.cs = rope.cos_sin[(size_t)*rope.pos * half_d + o % half_d];
   }
   return p;
+}
+template <int EPI, int R>
+__device__ __forceinline__ EpiOperand epilogue_operand(const GemvArgs& a, const RopeArgs& rope, int T) {
+  if (threadIdx.x < GEMV_TILE / R && T < a.n_out * R / GEMV_TILE)
+    return epilogue_operand_of<EPI>(a, rope, T * (GEMV_TILE / R) + threadIdx.x);
+  return EpiOperand{0.f, make_float2(1.f, 0.f)};
 }
 
 // The epilogue of output o: acc0 = its row 0, acc1 = its row R-1 (R = 2: gate and up, or RoPE pair rows
@@ -644,12 +648,12 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 // finished producers) for the next launch of this counter — consecutive launches sharing a counter must therefore
 // be ordered by completion (the host gives every launch of the step its own counter).
 // Reduction, deterministic (no float atomics): the consumers write their 16 rows' sums of the unit to the slot's
-// partials [8 warps][16] in shared memory and arrive on its `done` mbarrier (8 lanes per warp); a 10th warp, the
-// reducer, sums the 8 warps in order, frees the slot (`empty`, count 1) and then either publishes the unit's 16 sums
-// to dyn.part[T][p] (p < spt - 1: a relaxed store per row) or, holding the tile's last part, polls the others'
-// (each word until it is no longer the SENTINEL bit pattern, which no arithmetic produces: a NaN's sign bit set
-// with all payload bits), adds them in part order, puts the SENTINEL back for the next launch and runs the
-// epilogue. A unit's poll only waits for lower units (taken earlier from the counter by running blocks), so the
+// partials [8 warps][16] in shared memory and arrive on its `done` mbarrier (8 lanes per warp); a reducer warp (two,
+// alternating units) sums the 8 warps in order, frees the slot (`empty`, count 1) and then either publishes the
+// unit's 16 sums to dyn.part[T][p] (p < spt - 1: a relaxed store per row) or, holding the tile's last part, polls the others'
+// (all at once with the epilogue's operand; each word until it is no longer the SENTINEL bit pattern, which no
+// arithmetic produces: a NaN's sign bit set with all payload bits), adds them in a fixed order (even parts, odd
+// parts, then its own), puts the SENTINEL back for the next launch and runs the epilogue. A unit's poll only waits for lower units (taken earlier from the counter by running blocks), so the
 // waits cannot cycle. dyn.part is shared by every launch of the step: a kernel's reducer touches it only after its
 // consumers passed their PDL wait (the previous kernel is complete) and is done before its own kernel completes.
 #define GEMV_DYN_SENTINEL 0xffffffffu
@@ -665,7 +669,9 @@ __device__ __forceinline__ unsigned ld_relaxed_gpu_u32(const float* p) {
   asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-#define GEMV_DYN_THREADS (GEMV_THREADS + 2 * AF_WARP)  // 8 consumer warps, the producer, the reducer
+#define GEMV_DYN_REDUCERS 2  // reducer warps: unit n of a block's stream goes to reducer n % 2 (v33.3: one warp's
+                            // poll + epilogue per last part could not keep up with the units)
+#define GEMV_DYN_THREADS (GEMV_THREADS + AF_WARP * (1 + GEMV_DYN_REDUCERS))  // consumers, producer, reducers
 #if AF_HAS_BULK
 template <bool FP8, int PRO, int EPI, bool DYN = false>
 __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs rope, unsigned char* smem_raw,
@@ -742,40 +748,48 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
     }
     return;
   }
-  if (DYN && warp == NWC + 1) {  // the reducer: per unit, the 8 warps' sums in order; published, or the tile's end
-    for (int n = 0;; ++n) {
+  if (DYN && warp > NWC) {  // a reducer: units n = rw, rw + GEMV_DYN_REDUCERS, ... of the block's stream
+    const int rw = warp - NWC - 1, r = lane & 15, h = lane >> 4;  // h: which half of a last part's earlier parts
+    for (int n = rw;; n += GEMV_DYN_REDUCERS) {
       const int slot = n % NS;
       const unsigned ph = (unsigned)(n / NS) & 1u;
       mbar_wait(full + slot, ph);
       const unsigned u = uid[slot];
       if (u == ~0u) break;
       mbar_wait(done + slot, ph);
-      float s = 0.f;
+      float s = 0.f;  // this unit's sum of row r (lanes 0-15): the 8 warps in order
       if (lane < GEMV_TILE)
         for (int w = 0; w < NWC; ++w) s += psum[(slot * NWC + w) * GEMV_TILE + lane];
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + slot);  // uid and the partial sums are read: the slot may be refilled
       const int T = (int)(u % ntiles), p = (int)(u / ntiles);
-      float* mine = dyn.part + ((size_t)T * spt + p) * GEMV_TILE + lane;
+      float* row = dyn.part + (size_t)T * spt * GEMV_TILE + r;  // row r of part q: row[q * 16]
       if (p < spt - 1) {
-        if (lane < GEMV_TILE) st_relaxed_gpu(mine, s);
+        if (lane < GEMV_TILE) st_relaxed_gpu(row + p * GEMV_TILE, s);
         continue;
       }
-      float tot = 0.f;
-      if (lane < GEMV_TILE) {
-        for (int q = 0; q < p; ++q) {  // the earlier parts, in order, each once published
-          float* src = mine - (p - q) * GEMV_TILE;
-          unsigned v;
-          while ((v = ld_relaxed_gpu_u32(src)) == GEMV_DYN_SENTINEL) {
+      // the tile's last part: the epilogue's operand and the earlier parts' sums requested together (one L2 round),
+      // lane (r, h) taking parts q = h, h + 2, ... in order, 8 loads in flight; each part polled until published
+      const EpiOperand pre = epilogue_operand_of<EPI>(a, rope, R == 2 ? T * (GEMV_TILE / 2) + (r & 7) : T * GEMV_TILE + r);
+      float half = 0.f;
+      for (int q0 = h; q0 < p; q0 += 16) {
+        unsigned v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = q0 + 2 * j < p ? ld_relaxed_gpu_u32(row + (q0 + 2 * j) * GEMV_TILE) : 0u;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int q = q0 + 2 * j;
+          if (q < p) {
+            while (v[j] == GEMV_DYN_SENTINEL) v[j] = ld_relaxed_gpu_u32(row + q * GEMV_TILE);
+            half += __uint_as_float(v[j]);
+            row[q * GEMV_TILE] = __uint_as_float(GEMV_DYN_SENTINEL);  // reset for the next launch
           }
-          tot += __uint_as_float(v);
-          *src = __uint_as_float(GEMV_DYN_SENTINEL);  // reset for the next launch
         }
-        tot += s;
       }
-      const float hi = __shfl_down_sync(0xffffffffu, tot, 8);  // row lane + 8
-      if (R == 2 && lane < GEMV_TILE / 2) gemv_epilogue<EPI>(a, rope, T * (GEMV_TILE / 2) + lane, tot, hi);
-      if (R == 1 && lane < GEMV_TILE) gemv_epilogue<EPI>(a, rope, T * GEMV_TILE + lane, tot, tot);
+      const float tot = (half + __shfl_xor_sync(0xffffffffu, half, 16)) + s;  // same bits in both halves
+      const float hi = __shfl_down_sync(0xffffffffu, tot, 8);  // row r + 8
+      if (R == 2 && lane < GEMV_TILE / 2) gemv_epilogue<EPI>(a, rope, T * (GEMV_TILE / 2) + lane, tot, hi, pre, true);
+      if (R == 1 && lane < GEMV_TILE) gemv_epilogue<EPI>(a, rope, T * GEMV_TILE + lane, tot, tot, pre, true);
     }
     return;
   }

@@ -77,7 +77,7 @@ print("floor %.4f ms |" % p["floor_ms"], " | ".join("%s %.4f ms (%.1f%%)" % (v["
         ks=${KNOB_SPEC:-llama-3.2-3b:fp8}; [[ $k == *@* ]] && { ks=${k%%@*}; k=${k#*@}; }   # own spec; "default": no -D
         ktag=${ks#llama-}; tag="knob-${ktag//:/-}-${k//[=,]/_}"; d="${k//,/ }"; [ "$k" = default ] && d=""
         [ -e "$OUT/run-$tag.json" ] && tag="$tag-again"
-        ATOMFLOW_KERNEL_DEFINES="$d" timeout 240 atomflow-bench run "${ks%%:*}" --weights "${ks##*:}" \
+        ATOMFLOW_KERNEL_DEFINES="$d" timeout 240 atomflow-bench run "${ks%%:*}" --weights "${ks##*:}" --ctx "${CTX:-128}" \
           --json "$OUT/run-$tag.json" >"$OUT/run-$tag.log" 2>&1
         note "run $tag: rc=$? $(grep -E 'TPOT|roofline' "$OUT/run-$tag.log" | tr -s ' ' | head -2 | tr '\n' ' ')"
         note "  $(buckets "$OUT/run-$tag.json")"

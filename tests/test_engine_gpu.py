@@ -231,16 +231,16 @@ def test_llama1b_engine_matches_reference(llama1b_dir, fmt):
 
 
 def dyn_launches_of(eng, roles) -> None:
-    """The engine's layer GEMVs of `roles` run the DYN kernels (320 threads, their own counter pair: layer and role)
+    """The engine's layer GEMVs of `roles` run the DYN kernels (GEMV_DYN_THREADS, their own counter pair: layer and role)
     and the others do not."""
-    from atomflow_bench.step import GEMV_ROLES
+    from atomflow_bench.step import GEMV_DYN_THREADS, GEMV_ROLES
 
     layer = [ln for ln in eng.launches if ln.name.startswith("gemv_") and " lm_head " not in ln.label]
     assert len(layer) == 4 * eng.cfg.num_hidden_layers
     ctr = eng.arena["gemv_dyn_ctr"]
     for i, ln in enumerate(layer):
         role = ln.label.split()[2]
-        dyn = ln.block[0] == 320
+        dyn = ln.block[0] == GEMV_DYN_THREADS
         assert dyn == (role in roles), ln.label
         if dyn:
             assert ln.args[-2].data.ptr == ctr[i // 4, GEMV_ROLES.index(role)].data.ptr

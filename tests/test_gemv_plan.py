@@ -169,7 +169,7 @@ def dyn_layout(k: int, fmt: str, slots: int) -> int:
 @pytest.mark.parametrize("model", sorted(CATALOG))
 @pytest.mark.parametrize("fmt", ["fp8", "fp16"])
 def test_dyn_plans_fit_and_size_the_ring(model, fmt):
-    """Every DYN plan: 2 blocks per SM (the kernel's launch bounds: 80 registers x 320 threads), the deepest ring
+    """Every DYN plan: 2 blocks per SM (the launch bounds of the 352-thread kernel), the deepest ring
     <= GEMV_WS_SLOTS that fits, the layout exactly the kernel's, and a grid of every resident block (fewer only
     when there are fewer units: tiles x slots per tile)."""
     for rows, k in linear_regions(CATALOG[model].config).values():

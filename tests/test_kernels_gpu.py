@@ -21,7 +21,7 @@ from atomflow_bench.errors import AtomflowError
 from atomflow_bench.kernels import compute_capability
 from atomflow_bench.quant import dequantize_fp8, quantize_fp8
 from atomflow_bench.step import (VARIANT_PAIRING, argmax_launch, attention_launch, attention_short_cap,
-                                 attention_short_launch, embed_launch, gemv_dyn_clear, gemv_launch, gemv_ws,
+                                 attention_short_launch, embed_launch, GEMV_DYN_THREADS, gemv_dyn_clear, gemv_launch, gemv_ws,
                                  hold_position, lm_head_launches, quantize_launch, rmsnorm_launch)
 from atomflow_bench.weights import tiled, tiled_scales
 
@@ -197,7 +197,7 @@ def test_gemv_dyn(kernel_lib, n_sm, fmt, model, region, rows, k):
     for rep in range(2):
         ln = check_gemv(kernel_lib, n_sm, rng_for("dyn", fmt, model, region, rep), fmt, variant, rows, k,
                         dyn=(ctr, part))
-        assert ln.block[0] == 320 and ln.fn is kernel_lib[f"gemv_{'f8' if fmt == 'fp8' else 'f16'}_{variant}_dyn"]
+        assert ln.block[0] == GEMV_DYN_THREADS and ln.fn is kernel_lib[f"gemv_{'f8' if fmt == 'fp8' else 'f16'}_{variant}_dyn"]
         assert_dyn_clear(ctr, part)
     if variant != "resid":  # same inputs, same bits (the output is overwritten, not accumulated)
         y = ln.args[5]
