@@ -719,14 +719,16 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
     if (lane == 0) {
       const unsigned total = (unsigned)(ntiles * spt);
       unsigned u = atomicAdd(dyn.ctr, 1u);
+      int marks = 0;  // end markers written (consecutive slots: one reaches each reducer)
       for (int n = 0;; ++n) {
         const int slot = n % NS;
         if (npre > 0 && n == npre) mbar_wait(go, 0u);
         if (n >= NS) mbar_wait(empty + slot, (unsigned)(n / NS - 1) & 1u);
-        if (u >= total) {  // the end marker: a plain arrival completes the slot's phase
-          uid[slot] = ~0u;
+        if (u >= total) {  // the end marker: a plain arrival completes the slot's phase; one per reducer warp (each
+          uid[slot] = ~0u;  // walks every GEMV_DYN_REDUCERS-th slot of the stream), the consumers stop at the first
           mbar_arrive(full + slot);
-          break;
+          if (++marks == GEMV_DYN_REDUCERS) break;
+          continue;
         }
         const unsigned nxt = atomicAdd(dyn.ctr, 1u);
         const int T = (int)(u % ntiles), g0 = (int)(u / ntiles) * GPS, g1 = min(ngroups, g0 + GPS);
