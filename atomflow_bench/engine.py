@@ -16,7 +16,8 @@ copies; "ws" with the default count of ring slots filled before the PDL wait, "w
 step.GEMV_WS_PRE_TRY) or the per-warp ring / register path ("ring"; "ring+wd": with the down projection
 warp-specialised: only when forced, or listed in step.GEMV_MIXED_TRY), timed together with the attention forms,
 the fastest pair kept (PERF_NOTES v13: the warp-specialised fp8 GEMVs are faster on 8B and slower on 3B; v16: 1B
-fp16 is faster with 2 slots before the wait, 3B with 3).
+fp16 is faster with 2 slots before the wait, 3B with 3). The DYN forms ("dyn", "<form>+dyn:<role>": dynamic split-K
+units, gemv_common.cuh) run only when forced (ATOMFLOW_GEMV): measured slower on 3B W8A16 (PERF_NOTES v33).
 """
 from __future__ import annotations
 
