@@ -123,7 +123,7 @@ class Engine:
         # $ATOMFLOW_GEMV or "auto".
         gemv = gemv or os.environ.get("ATOMFLOW_GEMV", "auto")
         ws_ok = float(self.gpu["cc"]) >= 9.0
-        if gemv != "auto" and any(gemv_form(gemv)[::2] + gemv_form(gemv)[3]) and not ws_ok:  # ws / ws or DYN roles
+        if gemv != "auto" and not ws_ok and any(gemv_form(gemv)[i] for i in (0, 2, 3)):  # ws, or ws / DYN roles
             raise AtomflowError(f"gemv={gemv!r} needs sm_90+ (bulk copies)")
         tries = [f"ws-pre{n}" for n in GEMV_WS_PRE_TRY[weights]]
         mixed = ["+".join(("ring",) + roles) for roles in GEMV_MIXED_TRY[weights]]

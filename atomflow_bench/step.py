@@ -153,6 +153,16 @@ def gemv_ws_pre(fmt: str, defines: tuple = ()) -> int:
     return knob("GEMV_WS_PRE_F8" if fmt == "fp8" else "GEMV_WS_PRE_F16", GEMV_WS_PRE[fmt], defines)
 
 
+def ws_smem(fmt: str, k: int, dyn: bool = False) -> tuple[int, int]:
+    """(fixed bytes, bytes per ring slot) of gemv_tiled_ws's dynamic shared memory: x, the partial sums and block_sum
+    scratch, the full/empty/go mbarriers and up to 128 bytes of ring alignment; a slot is 16 KB of weights (fp8: + 8
+    groups' scales). DYN adds a `done` mbarrier and a unit id per GEMV_WS_MAX slot, and per slot its partial sums
+    [8 warps][16] f32."""
+    base = k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4 + (2 * GEMV_WS_MAX + 2) * 8 + 128
+    slot = GEMV_WS_SLOT + (8 * 64 if fmt == "fp8" else 0)
+    return (base + GEMV_WS_MAX * 12, slot + GEMV_WARPS * 16 * 4) if dyn else (base, slot)
+
+
 def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), smem: tuple = SMEM_H100,
                  depth: int | None = None) -> tuple[int, int, int]:
     """(ring slots, blocks per SM, dynamic shared memory) of a warp-specialised tiled GEMV (gemv_tiled_ws).
@@ -162,9 +172,7 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), s
     even 2 slots fit. A grid of at most one block per SM (GEMV_WS_SOLO) gets up to GEMV_WS_MAX slots. The kernel
     reads its ring depth back from the dynamic shared memory size. `depth` forces that many slots at 1 block per SM
     (tests)."""
-    fp8 = fmt == "fp8"
-    base = k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4 + (2 * GEMV_WS_MAX + 2) * 8 + 128  # x, sums, barriers, align
-    slot = GEMV_WS_SLOT + (8 * 64 if fp8 else 0)
+    base, slot = ws_smem(fmt, k)
     if depth is not None:
         if not 1 <= depth <= GEMV_WS_MAX:
             raise AtomflowError(f"GEMV ring of {depth} slots: 1 to {GEMV_WS_MAX}")
@@ -191,10 +199,7 @@ def gemv_dyn_plan(fmt: str, tiles: int, k: int, n_sm: int, defines: tuple = (), 
     units, one ring slot of one tile each). GEMV_DYN_PER_SM blocks per SM (fewer if not even 2 slots fit), each with
     the deepest ring <= GEMV_WS_SLOTS that fits (a slot carries its 512 bytes of partial sums); the grid is every
     block that fits, or the unit count if that is smaller."""
-    fp8 = fmt == "fp8"
-    base = (k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4 + (2 * GEMV_WS_MAX + 2) * 8 + 128  # as gemv_ws_plan
-            + GEMV_WS_MAX * 12)                                                       # + done mbarriers, unit ids
-    slot = GEMV_WS_SLOT + (8 * 64 if fp8 else 0) + GEMV_WARPS * 16 * 4
+    base, slot = ws_smem(fmt, k, dyn=True)
     units = tiles * gemv_slots_per_tile(fmt, k)
     cap = min(knob("GEMV_WS_SLOTS", GEMV_WS_SLOTS, defines), GEMV_WS_MAX)
     for b in range(knob("GEMV_DYN_PER_SM", GEMV_DYN_PER_SM, defines), 0, -1):

@@ -672,6 +672,16 @@ __device__ __forceinline__ unsigned ld_relaxed_gpu_u32(const float* p) {
 #define GEMV_DYN_REDUCERS 2  // reducer warps: unit n of a block's stream goes to reducer n % 2 (v33.3: one warp's
                             // poll + epilogue per last part could not keep up with the units)
 #define GEMV_DYN_THREADS (GEMV_THREADS + AF_WARP * (1 + GEMV_DYN_REDUCERS))  // consumers, producer, reducers
+// The warp's group G of a ring slot `s` (it sits at the slot's group `off`: weights, then fp8 scales after
+// GEMV_WS_SLOT) into d / acc (group_mma).
+template <bool FP8, int UPG>
+__device__ __forceinline__ void ws_slot_mma(float (&d)[4], float (&acc)[2], const unsigned char* s, int off, int G,
+                                            const __half* xs, int nunits, int lane, int t) {
+  const unsigned char* src = s + off * UPG * 512 + lane * 16;
+  const float2 sc = FP8 ? reinterpret_cast<const float2*>(s + GEMV_WS_SLOT + off * 64)[lane >> 2] : make_float2(0.f, 0.f);
+  group_mma<FP8, UPG>(d, acc, [&](int j) { return *reinterpret_cast<const uint4*>(src + j * 512); }, xs, G, nunits, t,
+                      sc);
+}
 #if AF_HAS_BULK
 template <bool FP8, int PRO, int EPI, bool DYN = false>
 __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs rope, unsigned char* smem_raw,
@@ -840,13 +850,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
       if (u == ~0u) break;
       const int g0 = (int)(u / ntiles) * GPS, off = (warp - g0) & (NWC - 1), G = g0 + off;
       float acc[2] = {0.f, 0.f}, d[4] = {0.f, 0.f, 0.f, 0.f};
-      if (off < GPS && G < ngroups) {
-        const unsigned char* src = ring + slot * SLOTB + off * UPG * 512 + lane * 16;
-        const float2 sc = FP8 ? reinterpret_cast<const float2*>(ring + slot * SLOTB + GEMV_WS_SLOT + off * 64)[lane >> 2]
-                              : make_float2(0.f, 0.f);
-        group_mma<FP8, UPG>(d, acc, [&](int j) { return *reinterpret_cast<const uint4*>(src + j * 512); }, xs, G,
-                            nunits, t, sc);
-      }
+      if (off < GPS && G < ngroups) ws_slot_mma<FP8, UPG>(d, acc, ring + slot * SLOTB, off, G, xs, nunits, lane, t);
       gemv_tiled_finish<FP8>(d, acc);
       __syncwarp();  // every lane has read the slot (the reducer frees it once all `done` arrivals are in)
       if ((lane & 3) == 0) {  // rows g and g + 8 (quad lane 0 holds mma column 0)
@@ -866,13 +870,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
       const int slot = n % NS;
       const int g0 = p * GPS, off = (warp - g0) & (NWC - 1), G = g0 + off;  // this warp's group in the slot
       mbar_wait(full + slot, (unsigned)(n / NS) & 1u);
-      if (off < GPS && G < ngroups) {
-        const unsigned char* src = ring + slot * SLOTB + off * UPG * 512 + lane * 16;
-        const float2 sc = FP8 ? reinterpret_cast<const float2*>(ring + slot * SLOTB + GEMV_WS_SLOT + off * 64)[lane >> 2]
-                              : make_float2(0.f, 0.f);
-        group_mma<FP8, UPG>(d, acc, [&](int j) { return *reinterpret_cast<const uint4*>(src + j * 512); }, xs, G,
-                            nunits, t, sc);
-      }
+      if (off < GPS && G < ngroups) ws_slot_mma<FP8, UPG>(d, acc, ring + slot * SLOTB, off, G, xs, nunits, lane, t);
       __syncwarp();  // every lane has read the slot
       if (lane == 0) mbar_arrive(empty + slot);
     }
