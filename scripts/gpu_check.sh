@@ -2,9 +2,10 @@
 # One device call: install, GPU tests, benchmarks. Prints a short table last; full logs/JSON under $OUT.
 #   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench bench-ab forms knobs profile gemv
 #                                       validate evidence attention att-profile att-alone ab dram probe (default: info kernels engine bench)
-#   KERNELS_K="pytest -k expression" (kernels stage: a subset)
+#   KERNELS_K / ENGINE_K="pytest -k expression" (kernels / engine stage: a subset)
 #   BENCH_SPECS="model:fmt ..."  CTX=128  KNOBS="DEF=V,DEF=V ..." (knobs: compile-time -D variants, 3B fp8)
-#   FORMS="model:fmt@<layer-GEMV form> ..." (forms: a run per engine form, ATOMFLOW_GEMV; @auto: the engine's choice)
+#   FORMS="model:fmt@<layer-GEMV form> ..." (forms: a run per engine form, ATOMFLOW_GEMV; @auto: the engine's choice;
+#                                       TOKENS=256 REPEATS=5 per run)
 #   PROFILE_SPECS="model:fmt ..." PROFILE_DEFINES="DEF=V ..." PROFILE_CTX=128 TIMELINE=N (profile stage; N replays of the
 #                                       in-kernel timeline instrument, 0 = off)
 #   AB_DIR=.ab/<commit> AB_SPEC="model:fmt" AB_ROUNDS=2 (ab stage: the other tree vs this one, same machine;
@@ -40,7 +41,8 @@ for st in $stages; do
         >"$OUT/kernels.log" 2>&1
       note "kernels: rc=$? $(tail -1 "$OUT/kernels.log")" ;;
     engine)
-      timeout 400 python3 -m pytest -q tests/test_engine_gpu.py -p no:cacheprovider -s >"$OUT/engine.log" 2>&1
+      timeout 400 python3 -m pytest -q tests/test_engine_gpu.py -p no:cacheprovider -s ${ENGINE_K:+-k "$ENGINE_K"} \
+        >"$OUT/engine.log" 2>&1
       note "engine: rc=$? $(tail -1 "$OUT/engine.log")" ;;
     bench|bench-ab)   # bench-ab: also each run with programmatic dependent launch off
       pdls="1"; [ "$st" = bench-ab ] && pdls="0 1"
@@ -68,7 +70,8 @@ print("floor %.4f ms |" % p["floor_ms"], " | ".join("%s %.4f ms (%.1f%%)" % (v["
       for f in ${FORMS:-"llama-3.2-3b:fp8@auto" "llama-3.2-3b:fp8@dyn"}; do
         spec=${f%%@*}; g=${f#*@}; m=${spec%%:*}; w=${spec##*:}; tag="form-${m#llama-}-$w-${g//[^A-Za-z0-9.-]/_}"
         [ -e "$OUT/run-$tag.json" ] && tag="$tag-again"
-        ATOMFLOW_GEMV=$g timeout 240 atomflow-bench run "$m" --weights "$w" --ctx "${CTX:-128}" --tokens 256 --repeats 5 \
+        ATOMFLOW_GEMV=$g timeout 240 atomflow-bench run "$m" --weights "$w" --ctx "${CTX:-128}" --tokens "${TOKENS:-256}" \
+          --repeats "${REPEATS:-5}" \
           --json "$OUT/run-$tag.json" >"$OUT/run-$tag.log" 2>&1
         note "run $tag: rc=$? $(grep -E 'TPOT|roofline|layer GEMVs' "$OUT/run-$tag.log" | tr -s ' ' | head -3 | cut -c1-160 | tr '\n' ' ')"
       done ;;
