@@ -80,7 +80,7 @@ def time_decode(engine, context: int, tokens: int, repeats: int, graph: bool = T
 
 def by_bucket(engine, context: int, per_token_ms: list[float]) -> list[dict]:
     """Median per-token time of the generated tokens in each attention bucket (token i runs at length
-    context + i)."""
+    context + i), with the bucket's layer-GEMV form."""
     groups: dict = {}
     for i, t in enumerate(per_token_ms):
         L = context + i
@@ -88,7 +88,8 @@ def by_bucket(engine, context: int, per_token_ms: list[float]) -> list[dict]:
         g["lengths"][1] = L
         g["ms"].append(t)
     return [{"attention": "split" if g["attention"] is None else f"short <= {g['attention']}",
-             "lengths": g["lengths"], "tokens": len(g["ms"]), "tpot_ms": float(np.median(g["ms"]))}
+             "lengths": g["lengths"], "tokens": len(g["ms"]), "tpot_ms": float(np.median(g["ms"])),
+             "gemv": engine.gemv_form_of(g["lengths"][0])}
             for g in groups.values()]
 
 

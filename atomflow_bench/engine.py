@@ -174,6 +174,10 @@ class Engine:
         mean of its step at `length` (the longest length the short kernel would serve: where short attention is at
         its slowest against the split one) and at half of it (the GEMV forms' differences depend on the length: on
         1B fp16 the ring slots filled before the wait cost the same at 512 and 5 µs at 128-383, PERF_NOTES v17).
+        When the short bucket wins and lengths beyond it remain (max_seq > its capacity), the split bucket gets its
+        own GEMV form, timed the same way at its own lengths (max_seq and half-way from the capacity): at ctx 8192
+        QKV's L2 prefetch of gate/up's tail competes with the split attention's K/V stream, and the size that is
+        best at 416 is 55 µs slower there than none (PERF_NOTES v34).
         Writes nothing that a later reset() does not redo (the K/V rows of those positions are rewritten before
         they are ever read)."""
         import cupy as cp
@@ -181,29 +185,30 @@ class Engine:
         from .graph import StepGraph
 
         a = self.arena
-        lengths = sorted({max(1, length // 2), length})
         a["cur_token"].set(np.zeros(1, np.int32))
         graphs = {(f, k): StepGraph(hold_position(self._forms[f][k]), self.stream) for f in forms for k in keys}
 
-        def time_once(pair) -> float:
-            g, us = graphs[pair], []
-            for n in lengths:
-                ev = [cp.cuda.Event() for _ in range(replays + 1)]
-                with self.stream as s:
-                    a["pos"].set(np.array([n - 1], np.int32), stream=s)
-                    g.replay(3)
-                    for i in range(replays):
-                        ev[i].record(s)
-                        g.replay(1)
-                    ev[-1].record(s)
-                ev[-1].synchronize()
-                us.append(float(np.median([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3 for i in range(replays)])))
-            return float(np.mean(us))
+        def timer(lengths):
+            def time_once(pair) -> float:
+                g, us = graphs[pair], []
+                for n in lengths:
+                    ev = [cp.cuda.Event() for _ in range(replays + 1)]
+                    with self.stream as s:
+                        a["pos"].set(np.array([n - 1], np.int32), stream=s)
+                        g.replay(3)
+                        for i in range(replays):
+                            ev[i].record(s)
+                            g.replay(1)
+                        ev[-1].record(s)
+                    ev[-1].synchronize()
+                    us.append(float(np.median([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3
+                                               for i in range(replays)])))
+                return float(np.mean(us))
+            return time_once
 
-        (form, key), us = fastest(time_once, list(graphs), rounds)
-        del graphs
-        a["pos"].set(np.zeros(1, np.int32))
-        self.variants = self._forms[form]
+        lengths = sorted({max(1, length // 2), length})
+        (form, key), us = fastest(timer(lengths), list(graphs), rounds)
+        self.variants = dict(self._forms[form])
         if len(forms) > 1:
             self.gemv_choice.update({"length": length, "lengths": lengths, "chosen": form,
                                      "step_us": {f: min(us[f, k] for k in keys) for f in forms}})
@@ -213,6 +218,22 @@ class Engine:
             if key is None:
                 del self.variants[self.att_caps[-1]]
                 self.att_caps = []
+        if key is not None and len(forms) > 1 and self.max_seq > key:
+            split_lengths = sorted({(key + 1 + self.max_seq) // 2, self.max_seq})
+            for f in forms:
+                if (f, None) not in graphs:
+                    graphs[f, None] = StepGraph(hold_position(self._forms[f][None]), self.stream)
+            (split_form, _), us = fastest(timer(split_lengths), [(f, None) for f in forms], rounds)
+            self.variants[None] = self._forms[split_form][None]
+            self.gemv_choice["split"] = {"lengths": split_lengths, "chosen": split_form,
+                                         "step_us": {f: us[f, None] for f in forms}}
+        del graphs
+        a["pos"].set(np.zeros(1, np.int32))
+
+    def gemv_form_of(self, length: int) -> str:
+        """The layer-GEMV form of the step at context length `length` (its attention bucket's form)."""
+        split = self.gemv_choice.get("split")
+        return split["chosen"] if split and self.bucket(length) is None else self.gemv_choice["chosen"]
 
     # ---- state ---------------------------------------------------------------------------------
     def reset(self, prompt_ids) -> None:

@@ -156,7 +156,8 @@ def run_table(rec: dict):
         if ch.get("step_us"):
             how = (f"measured at {choice_lengths(ch)}: short {ch['step_us']['short']:.1f} µs vs split "
                    f"{ch['step_us']['split']:.1f} µs per step -> {ch['chosen']}")
-        buckets = ", ".join(f"{b['attention']} (lengths {b['lengths'][0]}-{b['lengths'][1]}): {b['tpot_ms']:.4f} ms"
+        buckets = ", ".join(f"{b['attention']} (lengths {b['lengths'][0]}-{b['lengths'][1]}"
+                            + (f", GEMVs {b['gemv']}" if b.get("gemv") else "") + f"): {b['tpot_ms']:.4f} ms"
                             for b in rec.get("attention_buckets", []))
         t.add_row("attention", f"{how}; {buckets}")
     gc = rec.get("gemv_choice")
@@ -164,7 +165,13 @@ def run_table(rec: dict):
         how = gc["mode"] if not gc.get("step_us") else (
             f"measured at {choice_lengths(gc)}: " + " vs ".join(f"{f} {v:.1f} µs" for f, v in gc["step_us"].items())
             + " per step")
-        t.add_row("layer GEMVs", f"{how} -> {gc['chosen']} ({gemv_form_text(gc['chosen'])})")
+        text = f"{how} -> {gc['chosen']} ({gemv_form_text(gc['chosen'])})"
+        sp = gc.get("split")
+        if sp:  # the split-attention bucket's own form (engine._choose)
+            text += (f"; split attention, measured at {choice_lengths(sp)}: "
+                     + " vs ".join(f"{f} {v:.1f} µs" for f, v in sp["step_us"].items())
+                     + f" per step -> {sp['chosen']} ({gemv_form_text(sp['chosen'])})")
+        t.add_row("layer GEMVs", text)
     t.add_row("load", f"{rec['load']['seconds']:.1f} s" + (f", fp8 from {rec['load']['fp8_source']}"
                                                             if rec['load'].get('fp8_source') else ""))
     return t

@@ -25,7 +25,8 @@ note() { summary+=("$1"); printf '%s\n' "$1" | tee -a "$FINAL/summary-so-far.txt
 buckets() {  # per attention bucket of a run record: lengths and median TPOT
   python3 -c 'import json, sys
 r = json.load(open(sys.argv[1]))
-print(" ".join("[%s L%d-%d %.4f ms]" % (b["attention"], *b["lengths"], b["tpot_ms"]) for b in r.get("attention_buckets", [])))' "$1" 2>/dev/null
+print(" ".join("[%s L%d-%d %s %.4f ms]" % (b["attention"], *b["lengths"], b.get("gemv", ""), b["tpot_ms"])
+               for b in r.get("attention_buckets", [])))' "$1" 2>/dev/null
 }
 
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }

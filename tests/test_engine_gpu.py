@@ -210,6 +210,42 @@ def test_gemv_auto(tiny_dir, fmt):
             Engine(tiny_dir, weights=fmt, max_seq=64, gemv=bad)
 
 
+def launch_shape(launches) -> list:
+    """What makes a step's form: each launch's kernel, grid, block, shared memory and integer arguments (the
+    pointers differ between engines; the slot counts and L2 prefetch sizes do not)."""
+    return [(ln.name, ln.grid, ln.block, ln.shmem, [int(x) for x in ln.args if isinstance(x, (int, np.integer))])
+            for ln in launches]
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_gemv_auto_split_bucket(tiny_dir, fmt):
+    """With the short attention chosen and lengths beyond its capacity (max_seq 900 > 512), the split bucket's
+    GEMV form is timed on its own at max_seq and half-way from the capacity (PERF_NOTES v34): its step is the
+    chosen form's, the short bucket keeps the form chosen at the short lengths, and tokens generated across the
+    boundary are those of an engine forced to one form (the forms sum in the same order)."""
+    from atomflow_bench.engine import Engine
+
+    eng = Engine(tiny_dir, weights=fmt, max_seq=900)
+    g = eng.gemv_choice
+    if float(eng.gpu["cc"]) < 9.0:
+        pytest.skip("one GEMV form below sm_90: nothing to choose")
+    if eng.attention_choice["chosen"] == "split":
+        assert "split" not in g and list(eng.variants) == [None]
+        pytest.skip("the split attention won at the short lengths: one bucket")
+    sp = g["split"]
+    assert sp["lengths"] == [706, 900]
+    assert set(sp["step_us"]) == set(g["step_us"]) and all(v > 0 for v in sp["step_us"].values())
+    assert sp["chosen"] == min(sp["step_us"], key=sp["step_us"].get)
+    assert (eng.gemv_form_of(512), eng.gemv_form_of(513), eng.gemv_form_of(900)) == (g["chosen"], sp["chosen"],
+                                                                                    sp["chosen"])
+    for form, key in ((g["chosen"], 512), (sp["chosen"], None)):
+        forced = Engine(tiny_dir, weights=fmt, max_seq=900, gemv=form, attention="short")
+        assert forced.gemv_choice == {"mode": form, "chosen": form} and list(forced.variants) == [512, None]
+        assert launch_shape(eng.variants[key]) == launch_shape(forced.variants[key]), (form, key)
+    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 500)]
+    assert eng.generate(prompt, 24) == forced.generate(prompt, 24)  # lengths 500-524: both buckets
+
+
 def check_greedy(eng, seq, prompt_len, margins, logit_err):
     """Engine greedy (graph) == reference greedy up to the first step whose reference margin is within the
     format's error (2x the largest logit difference measured in the teacher-forced run)."""

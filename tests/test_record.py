@@ -220,6 +220,22 @@ def test_run_table_shows_the_gemv_choice():
     out = StringIO()
     Console(file=out, width=300).print(run_table(rec))
     assert "ring+wd -> ring+wd (per-warp ring (fp8) / registers (fp16), but wd warp-specialised)" in out.getvalue()
+    rec["gemv_choice"] = {"mode": "auto", "length": 416, "lengths": [208, 416], "chosen": "ring/l2=8",
+                          "step_us": {"ring/l2=0": 1480.0, "ring/l2=8": 1455.5},
+                          "split": {"lengths": [4336, 8256], "chosen": "ring/l2=0",
+                                    "step_us": {"ring/l2=0": 1791.0, "ring/l2=8": 1846.5}}}
+    rec["attention_buckets"] = [{"attention": "split", "lengths": [8192, 8255], "tokens": 64, "tpot_ms": 1.791,
+                                 "gemv": "ring/l2=0"}]
+    rec["attention_choice"] = {"mode": "auto", "short_cap": 416, "length": 416, "lengths": [208, 416],
+                               "chosen": "short", "step_us": {"short": 1455.5, "split": 1530.0}}
+    out = StringIO()
+    Console(file=out, width=400).print(run_table(rec))
+    text = out.getvalue()
+    assert ("ring/l2=8 (per-warp ring (fp8) / registers (fp16); QKV asks L2 for the last 8 MB of gate/up's weights); "
+            "split attention, "
+            "measured at lengths 4336 and 8256 (mean): ring/l2=0 1791.0 µs vs ring/l2=8 1846.5 µs per step -> "
+            "ring/l2=0 (") in text
+    assert "split (lengths 8192-8255, GEMVs ring/l2=0): 1.7910 ms" in text
 
 
 def test_instrument_defines_and_run_table_warning():
