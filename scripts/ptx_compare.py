@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Does a change of kernels_cu/ change the code of kernels it was not meant to touch? (CPU: needs nvcc and git.)
+
+    scripts/ptx_compare.py REV [SOURCE ...] [--arch sm_90] [-D NAME=V ...]
+
+compiles each kernels_cu source (default: all) to PTX at git revision REV and in the working tree, splits both into
+their kernel entries and compares each entry's body after renumbering virtual registers and labels by first use (so a
+refactor that only shifts nvcc's numbering reads "same"). Prints one line per kernel — same, differs (with the count
+of changed lines), or only on one side — and exits 1 when any kernel present on both sides differs. Used in
+results/PERF_NOTES.md v34.2 to rule session 11's kernel edits out as the cause of a slower machine's runs.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_ENTRY = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+(\w+)", re.M)
+_NAMES = re.compile(r"\$L__BB\d+_\d+|%(?:rd|rs|r|fd|f|p|hh|h)\d+")
+
+
+def normalize(body: str) -> str:
+    """A PTX body with comments, .loc / .file lines, the virtual-register pool declarations (.reg: their sizes follow
+    the numbering) and blank lines dropped, and each virtual register / label renamed by its kind and order of first
+    use (%r57 -> %r#0 if it is the first %r seen)."""
+    seen: dict[str, str] = {}
+    counts: dict[str, int] = {}
+
+    def rename(m: re.Match) -> str:
+        name = m.group(0)
+        if name not in seen:
+            kind = re.match(r"\$L__BB|%[a-z]+", name).group(0)
+            seen[name] = f"{kind}#{counts.get(kind, 0)}"
+            counts[kind] = counts.get(kind, 0) + 1
+        return seen[name]
+
+    lines = [re.sub(r"\s*//.*$", "", ln) for ln in body.splitlines()]
+    lines = [ln for ln in lines if ln.strip() and not ln.strip().startswith((".loc", ".file", ".reg"))]
+    return _NAMES.sub(rename, "\n".join(lines))
+
+
+def entries(ptx: str) -> dict[str, str]:
+    """{kernel name: normalized body} of every .entry of a PTX module (a body runs to the next entry or the end)."""
+    starts = [(m.start(), m.group(1)) for m in _ENTRY.finditer(ptx)]
+    out = {}
+    for i, (pos, name) in enumerate(starts):
+        end = starts[i + 1][0] if i + 1 < len(starts) else len(ptx)
+        out[name] = normalize(ptx[pos:end])
+    return out
+
+
+def compare(old: dict[str, str], new: dict[str, str]) -> list[tuple[str, str, int]]:
+    """(kernel, "same" | "differs" | "only old" | "only new", changed lines) for every kernel of either side."""
+    rows = []
+    for name in sorted(set(old) | set(new)):
+        if name not in new:
+            rows.append((name, "only old", 0))
+        elif name not in old:
+            rows.append((name, "only new", 0))
+        elif old[name] == new[name]:
+            rows.append((name, "same", 0))
+        else:
+            diff = difflib.unified_diff(old[name].splitlines(), new[name].splitlines(), lineterm="", n=0)
+            changed = sum(1 for ln in diff if ln[:1] in "+-" and not ln.startswith(("+++", "---")))
+            rows.append((name, "differs", changed))
+    return rows
+
+
+def ptx(src: Path, include: Path, arch: str, defines: list[str]) -> str:
+    out = subprocess.run(["nvcc", f"-arch={arch}", "-std=c++17", f"-I{include}", *[f"-D{d}" for d in defines],
+                          "-ptx", str(src), "-o", "-"], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise SystemExit(f"error: nvcc failed on {src}: {out.stderr.strip().splitlines()[-1:]}")
+    return out.stdout
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("rev", help="git revision to compare the working tree against")
+    ap.add_argument("sources", nargs="*", help="kernels_cu sources, e.g. gemv_fp8.cu (default: all)")
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("-D", dest="defines", action="append", default=[], help="a -D define for both sides")
+    args = ap.parse_args(argv)
+    got = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", args.rev, "kernels_cu"],
+                         capture_output=True, timeout=120)
+    if got.returncode != 0:
+        raise SystemExit(f"error: git archive {args.rev!r}: {got.stderr.decode().strip()}")
+    names = args.sources or sorted(p.name for p in (ROOT / "kernels_cu").glob("*.cu"))
+    differs = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(fileobj=BytesIO(got.stdout)) as tar:
+            tar.extractall(tmp, filter="data")
+        old_dir = Path(tmp) / "kernels_cu"
+        for name in names:
+            new_src, old_src = ROOT / "kernels_cu" / name, old_dir / name
+            if not new_src.is_file():
+                raise SystemExit(f"error: no kernels_cu/{name} in the working tree")
+            old = entries(ptx(old_src, old_dir, args.arch, args.defines)) if old_src.is_file() else {}
+            new = entries(ptx(new_src, ROOT / "kernels_cu", args.arch, args.defines))
+            for kernel, state, changed in compare(old, new):
+                differs += state == "differs"
+                print(f"{name:22s} {kernel:40s} {state}" + (f" ({changed} lines)" if changed else ""))
+    return 1 if differs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

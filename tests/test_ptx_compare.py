@@ -1,0 +1,72 @@
+"""scripts/ptx_compare.py (CPU): PTX entries compared modulo nvcc's register and label numbering."""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from atomflow_bench.kernels import KERNELS_DIR, kernel_names
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ptx_compare.py"
+
+
+@pytest.fixture(scope="module")
+def pc():
+    spec = importlib.util.spec_from_file_location("ptx_compare", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+A = """
+//
+.version 8.8
+.visible .entry k_one(
+\t.param .u64 k_one_param_0
+)
+{
+\t.reg .b32 \t%r<9>;
+\tmov.u32 \t%r5, %tid.x;  // thread
+\t.loc 1 10 3
+\tadd.s32 \t%r7, %r5, 1;
+$L__BB0_2:
+\tst.global.u32 \t[%rd1], %r7;
+\tbra.uni \t$L__BB0_2;
+}
+.visible .entry k_two(
+\t.param .u64 k_two_param_0
+)
+{
+\tmov.u32 \t%r1, 3;
+}
+"""
+
+
+def test_renumbering_reads_same(pc):
+    b = (A.replace("%r5", "%r40").replace("%r7", "%r41").replace("$L__BB0_2", "$L__BB0_9")
+         .replace("\t.loc 1 10 3\n", "\t.loc 1 12 7\n").replace("// thread", "// x"))
+    rows = pc.compare(pc.entries(A), pc.entries(b))
+    assert rows == [("k_one", "same", 0), ("k_two", "same", 0)]
+
+
+def test_changed_instruction_and_missing_kernel(pc):
+    b = A.replace("add.s32 \t%r7, %r5, 1;", "add.s32 \t%r7, %r5, 2;")
+    b = b[: b.index(".visible .entry k_two")] + ".visible .entry k_three(\n)\n{\n}\n"
+    rows = {k: (state, n) for k, state, n in pc.compare(pc.entries(A), pc.entries(b))}
+    assert rows == {"k_one": ("differs", 2), "k_two": ("only old", 0), "k_three": ("only new", 0)}
+    # the same register used in a different role is a change, not a renumbering
+    c = A.replace("add.s32 \t%r7, %r5, 1;", "add.s32 \t%r7, %r7, 1;")
+    assert pc.compare(pc.entries(A), pc.entries(c))[0][1] == "differs"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("git") is None, reason="needs nvcc and git")
+def test_real_source_against_head(pc):
+    src = KERNELS_DIR / "argmax.cu"
+    got = pc.entries(pc.ptx(src, KERNELS_DIR, "sm_90", []))
+    assert sorted(got) == sorted(kernel_names(src))
+    out = subprocess.run(["python3", str(SCRIPT), "no-such-revision", "argmax.cu"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 1 and out.stderr.startswith("error: git archive 'no-such-revision'")
