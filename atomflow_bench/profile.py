@@ -49,6 +49,9 @@ def profile_step(engine, context: int = 128, steps: int = 20, copy: dict | None 
     engine.reset(prompt)
     engine.run(len(prompt) - 1, graph=True)
     launches = engine.launches
+    length = engine.position + 1  # the first profiled step's length: its bucket's forms
+    forms = {"length": length, "attention": "short" if engine.bucket(length) else "split",
+             "gemv": engine.gemv_form_of(length)}
     n = len(launches)
     per = np.array(queued_event_us(engine.lib, launches * steps, engine.stream)).reshape(steps, n)  # µs [steps, n]
     step_us = per.sum(axis=1)
@@ -78,7 +81,7 @@ def profile_step(engine, context: int = 128, steps: int = 20, copy: dict | None 
     return {"rows": rows, "kernel_sum_us": total, "graph_step_us": graph["median"] * 1e3,
             "eager_launches": n, "idle_gap_us": graph["median"] * 1e3 - total, "copy_bandwidth_gbs": copy,
             "context": context, "steps": steps, "attention_choice": engine.attention_choice,
-            "gemv_choice": engine.gemv_choice,
+            "gemv_choice": engine.gemv_choice, "forms": forms,
             "attention_graph": attention_graph(engine, copy),
             "role_marginals": role_marginals(engine, copy)}
 
@@ -274,6 +277,9 @@ def profile_table(p: dict):
     t.caption = (f"sum of kernels (each alone, launch latency included) {p['kernel_sum_us']:.1f} µs; graph step "
                  f"{p['graph_step_us']:.1f} µs; {what} {abs(gap):.1f} µs; copy bandwidth "
                  f"{p['copy_bandwidth_gbs']['median']:.0f} GB/s")
+    f = p.get("forms")
+    if f:  # which step ran: the attention bucket of the first profiled length and its layer-GEMV form
+        t.caption += f"; the step at length {f['length']}: {f['attention']} attention, layer GEMVs {f['gemv']}"
     return t
 
 

@@ -515,6 +515,8 @@ def test_profile_roles_in_graph(tiny_dir):
         assert r["excess_us"] == pytest.approx(r["saved_us"] - r["floor_us"])
     assert m["step_us"]["median"] > 0
     assert sum(r["count"] for r in p["rows"]) == len(eng.launches)
+    assert p["forms"] == {"length": 40, "attention": "short" if eng.att_caps else "split",
+                          "gemv": eng.gemv_choice["chosen"]}
     again = role_marginals(eng, copy, replays=3)
     assert int(eng.arena["pos"].get()[0]) == pos_after  # the role graphs leave the position alone
     assert again["length"] == m["length"]

@@ -261,3 +261,27 @@ def test_instrument_defines_and_run_table_warning():
     out = StringIO()
     Console(file=out, width=300).print(run_table(rec))
     assert "AF_NO_WAIT=15: a timing instrument" in out.getvalue() and "a bound, not a result" in out.getvalue()
+
+
+def test_profile_table_names_the_profiled_step():
+    """`profile`'s eager table says which step it profiled: the attention bucket and layer-GEMV form at its length."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from atomflow_bench.profile import profile_table
+
+    p = {"context": 8192, "steps": 20, "kernel_sum_us": 2672.6, "graph_step_us": 1786.1, "idle_gap_us": -886.5,
+         "copy_bandwidth_gbs": {"median": 2994.0},
+         "rows": [{"kernel": "gemv fp8 wgu 16384x3072", "pct": 25.2, "count": 28, "mean_us": 23.97, "us_per_step": 672.4,
+                   "gbs": 2167.0, "pct_of_copy": 72.4}],
+         "forms": {"length": 8193, "attention": "split", "gemv": "ring/l2=0"}}
+    out = StringIO()
+    Console(file=out, width=400).print(profile_table(p))
+    text = " ".join(out.getvalue().split())  # the caption wraps at the table's width
+    assert "the step at length 8193: split attention, layer GEMVs ring/l2=0" in text
+    del p["forms"]  # records written before v34 have no `forms`
+    out = StringIO()
+    Console(file=out, width=400).print(profile_table(p))
+    text = " ".join(out.getvalue().split())
+    assert "copy bandwidth 2994 GB/s" in text and "layer GEMVs" not in text
