@@ -179,7 +179,7 @@ def profile(model, weights, context, steps, timeline_replays, json_path):
         from . import timeline
 
         form = "short" if eng.att_caps else "split"  # the instrumented build runs the forms the plain one chose
-        gemv_form = eng.gemv_form_of(context + 1)  # the profiled steps' bucket's form
+        gemv_form = p["forms"]["gemv"]  # the profiled step's bucket's form
         del eng  # the instrumented build gets its own arena
         gc.collect()
         cupy.get_default_memory_pool().free_all_blocks()
