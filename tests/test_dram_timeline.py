@@ -3,22 +3,17 @@ graph replay, where the layers and lm_head lie, and the per-layer fold that resu
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "dram_timeline.py"
+from helpers_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def dt():
-    spec = importlib.util.spec_from_file_location("dram_timeline", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("dram_timeline")
 
 
 LAYER = [95.0] * 6 + [60.0, 3.0, 2.0, 40.0]  # one layer: a stream, then a two-sample hole (the dip starts at 7)

@@ -1,24 +1,18 @@
 """scripts/ptx_compare.py (CPU): PTX entries compared modulo nvcc's register and label numbering."""
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+from helpers_scripts import SCRIPTS, load_script
 
 from atomflow_bench.kernels import KERNELS_DIR, kernel_names
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ptx_compare.py"
 
 
 @pytest.fixture(scope="module")
 def pc():
-    spec = importlib.util.spec_from_file_location("ptx_compare", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("ptx_compare")
 
 
 A = """
@@ -67,6 +61,6 @@ def test_real_source_against_head(pc):
     src = KERNELS_DIR / "argmax.cu"
     got = pc.entries(pc.ptx(src, KERNELS_DIR, "sm_90", []))
     assert sorted(got) == sorted(kernel_names(src))
-    out = subprocess.run(["python3", str(SCRIPT), "no-such-revision", "argmax.cu"], capture_output=True, text=True,
+    out = subprocess.run(["python3", str(SCRIPTS / "ptx_compare.py"), "no-such-revision", "argmax.cu"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 1 and out.stderr.startswith("error: git archive 'no-such-revision'")

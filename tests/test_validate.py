@@ -7,7 +7,6 @@ made from the ORIGINAL model.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -134,10 +133,9 @@ def test_truth_script(tiny_llama_dir, tmp_path):
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("gen_ground_truth", REPO / "scripts" / "gen_ground_truth.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from helpers_scripts import load_script
+
+    return load_script("gen_ground_truth")
 
 
 def test_missing_torch_gives_the_install_hint(tiny_llama_dir, tmp_path, monkeypatch, capsys):
