@@ -18,6 +18,9 @@ warp-specialised: only when forced, or listed in step.GEMV_MIXED_TRY), timed tog
 the fastest pair kept (PERF_NOTES v13: the warp-specialised fp8 GEMVs are faster on 8B and slower on 3B; v16: 1B
 fp16 is faster with 2 slots before the wait, 3B with 3). The DYN forms ("dyn", "<form>+dyn:<role>": dynamic split-K
 units, gemv_common.cuh) run only when forced (ATOMFLOW_GEMV): measured slower on 3B W8A16 (PERF_NOTES v33).
+When both buckets run (max_seq beyond the short kernel's capacity), the split bucket's GEMV form is timed again at
+its own lengths and may differ (`gemv_choice["split"]`, `gemv_form_of(length)`): at ctx 8192 QKV's L2 prefetch of
+gate/up's tail competes with the attention's K/V stream (PERF_NOTES v34).
 """
 from __future__ import annotations
 
