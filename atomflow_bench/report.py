@@ -162,15 +162,15 @@ def run_table(rec: dict):
         t.add_row("attention", f"{how}; {buckets}")
     gc = rec.get("gemv_choice")
     if gc:
-        how = gc["mode"] if not gc.get("step_us") else (
-            f"measured at {choice_lengths(gc)}: " + " vs ".join(f"{f} {v:.1f} µs" for f, v in gc["step_us"].items())
-            + " per step")
-        text = f"{how} -> {gc['chosen']} ({gemv_form_text(gc['chosen'])})"
-        sp = gc.get("split")
-        if sp:  # the split-attention bucket's own form (engine._choose)
-            text += (f"; split attention, measured at {choice_lengths(sp)}: "
-                     + " vs ".join(f"{f} {v:.1f} µs" for f, v in sp["step_us"].items())
-                     + f" per step -> {sp['chosen']} ({gemv_form_text(sp['chosen'])})")
+        def measured(c: dict) -> str:  # a GEMV choice: its timings, its form and what the form means
+            how = c.get("mode") if not c.get("step_us") else (
+                f"measured at {choice_lengths(c)}: " + " vs ".join(f"{f} {v:.1f} µs" for f, v in c["step_us"].items())
+                + " per step")
+            return f"{how} -> {c['chosen']} ({gemv_form_text(c['chosen'])})"
+
+        text = measured(gc)
+        if gc.get("split"):  # the split-attention bucket's own form (engine._choose)
+            text += f"; split attention, {measured(gc['split'])}"
         t.add_row("layer GEMVs", text)
     t.add_row("load", f"{rec['load']['seconds']:.1f} s" + (f", fp8 from {rec['load']['fp8_source']}"
                                                             if rec['load'].get('fp8_source') else ""))
