@@ -129,6 +129,7 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
         "attention_buckets": by_bucket(eng, context, g["per_token_ms"]),
         "attention_choice": eng.attention_choice,
         "gemv_choice": eng.gemv_choice,
+        "l2_keep": eng.l2_keep,  # lm_head bytes asked to stay in L2 across tokens (still counted in bytes_per_token)
         "bytes_per_token": nbytes, "bandwidth_gbs": bw,
         "roofline": {"tpot_floor_ms": floor_ms, "pct": 100.0 * floor_ms / tpot["median"]},
         "vram_bytes": eng.vram(),

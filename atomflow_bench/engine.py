@@ -96,9 +96,29 @@ def gpu_info() -> dict:
     name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
     dv, rv = rt.driverGetVersion(), rt.runtimeGetVersion()
     return {"name": name, "cc": f"{p['major']}.{p['minor']}", "sms": int(p["multiProcessorCount"]),
-            "l2_bytes": int(p["l2CacheSize"]), "memory_bytes": int(p["totalGlobalMem"]),
+            "l2_bytes": int(p["l2CacheSize"]), "l2_persist_max_bytes": int(p.get("persistingL2CacheMaxSize", 0)),
+            "memory_bytes": int(p["totalGlobalMem"]),
             "cuda_driver": f"{dv // 1000}.{dv % 1000 // 10}", "cuda_runtime": f"{rv // 1000}.{rv % 1000 // 10}",
             "cupy": cupy.__version__}
+
+
+CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 6
+
+
+def l2_keep(mb: int, gpu: dict) -> dict:
+    """The L2 set-aside for persisting lines (cudaLimitPersistingL2CacheSize) that the lm_head's evict-last rows need
+    (knob LMHEAD_L2_KEEP, MB; gemv_common.cuh; results/PERF_NOTES.md v35): `mb` MB, clamped by the driver to the
+    device's maximum, or 0 (the default: nothing set aside — also reset, so that an earlier engine of this process
+    leaves nothing behind). Returns what was asked and what the device reports back; refused on a GPU without
+    persisting lines when mb > 0."""
+    rt = require_gpu().cuda.runtime
+    if mb < 0:
+        raise AtomflowError(f"LMHEAD_L2_KEEP={mb}: must be >= 0 (MB)")
+    if mb and not gpu.get("l2_persist_max_bytes"):
+        raise AtomflowError(f"LMHEAD_L2_KEEP={mb}: {gpu['name']} has no persisting L2 set-aside")
+    want = min(mb << 20, gpu.get("l2_persist_max_bytes", 0))
+    rt.deviceSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, want)
+    return {"keep_mb": mb, "set_aside_bytes": int(rt.deviceGetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE))}
 
 
 class Engine:
@@ -114,6 +134,7 @@ class Engine:
         self.max_seq = max_seq
         self.lib = KernelLib(extra_defines=kernel_defines)  # kernel_defines: e.g. the timeline instrument
         self.lib.compile_all()                     # NVRTC (or CuPy's cache) before anything is timed
+        self.l2_keep = l2_keep(knob("LMHEAD_L2_KEEP", 0, self.lib.defines), self.gpu)  # before any step is timed
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
         gemv_dyn_clear(self.arena["gemv_dyn_ctr"], self.arena["gemv_dyn_part"])  # the DYN GEMVs' state
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)

@@ -172,6 +172,11 @@ def run_table(rec: dict):
         if gc.get("split"):  # the split-attention bucket's own form (engine._choose)
             text += f"; split attention, {measured(gc['split'])}"
         t.add_row("layer GEMVs", text)
+    keep = rec.get("l2_keep") or {}
+    if keep.get("keep_mb"):  # LMHEAD_L2_KEEP: part of the counted bytes may come from L2 (PERF_NOTES v35)
+        t.add_row("L2 kept", f"lm_head's last {keep['keep_mb']} MB loaded evict-last, L2 set-aside "
+                             f"{keep['set_aside_bytes'] / 2**20:.1f} MiB: up to that much per token read from L2, "
+                             f"still counted in the bytes and the roofline")
     t.add_row("load", f"{rec['load']['seconds']:.1f} s" + (f", fp8 from {rec['load']['fp8_source']}"
                                                             if rec['load'].get('fp8_source') else ""))
     return t

@@ -976,6 +976,15 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 
 // ---- ROWS: lm_head (fp16, row-major) -------------------------------------------------------------------
 
+// LMHEAD_L2_KEEP (knob, MB; 0 = off; results/PERF_NOTES.md v35): the lm_head's last rows, this many MB of them, are
+// loaded under an L2 evict-last policy, and the engine sets aside as much of L2 for persisting lines
+// (cudaLimitPersistingL2CacheSize): the same bytes are read again by the next token's lm_head, so with every other
+// weight stream marked evict-first (GEMV_EVICT_FIRST) they may still be in L2 then — up to that many MB per token not
+// read from HBM. The step's bytes (and its roofline) are unchanged: the record says how much was asked to stay.
+#ifndef LMHEAD_L2_KEEP
+#define LMHEAD_L2_KEEP 0
+#endif
+
 // 8 fp16 weights · 8 fp16 activations, accumulated in fp32.
 __device__ __forceinline__ float dot8_f16(uint4 w, const __half* xs, int k) {
   const uint4 xv = *reinterpret_cast<const uint4*>(xs + k);
@@ -1009,6 +1018,14 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
   const int nchunks = K / 8;
   const size_t row_bytes = (size_t)K * 2;
 
+  // rows >= keep_from: loaded evict-last (LMHEAD_L2_KEEP; with 0 every row takes ld_stream, as before the knob)
+  const int keep_from = LMHEAD_L2_KEEP > 0
+      ? n_out - (int)min((size_t)n_out, ((size_t)LMHEAD_L2_KEEP << 20) / row_bytes) : n_out;
+  const unsigned long long keep_policy = LMHEAD_L2_KEEP > 0 ? l2_evict_last() : 0ull;
+  auto ld_w = [&](const unsigned char* p, bool keep) {
+    return LMHEAD_L2_KEEP > 0 && keep ? ld_stream_hint(p, keep_policy) : ld_stream(p);
+  };
+
   int o = blockIdx.x * nwarps + threadIdx.x / AF_WARP;
   uint4 wv[ROWS_LOADS];
   if (o < n_out) {  // the first iteration's weights of this warp's first output, before the sync
@@ -1016,7 +1033,7 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
 #pragma unroll
     for (int u = 0; u < ROWS_LOADS; ++u) {
       const int c = lane + u * AF_WARP;
-      wv[u] = c < nchunks ? ld_stream(wrow + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
+      wv[u] = c < nchunks ? ld_w(wrow + (size_t)c * 16, o >= keep_from) : make_uint4(0, 0, 0, 0);
     }
   }
   if (norm) stage_norm_w_async(a, nws);  // constant: before the wait
@@ -1043,7 +1060,7 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
 #pragma unroll
         for (int u = 0; u < ROWS_LOADS; ++u) {
           const int c = c0 + u * AF_WARP;
-          wv[u] = c < nchunks ? ld_stream(wrow + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
+          wv[u] = c < nchunks ? ld_w(wrow + (size_t)c * 16, o >= keep_from) : make_uint4(0, 0, 0, 0);
         }
       }
       prefetched = false;

@@ -359,6 +359,31 @@ def test_separate_tail_same_tokens(tiny_dir, monkeypatch, knobs, tail):
         np.testing.assert_array_equal(taps[name], want_taps[name], err_msg=name)
 
 
+def test_l2_keep_same_tokens_and_set_aside(tiny_dir, monkeypatch):
+    """LMHEAD_L2_KEEP = N (the lm_head's last N MB loaded evict-last, PERF_NOTES v35) sets aside N MB of L2 for
+    persisting lines (clamped to the device's maximum), records it, and changes no result: the tokens and logits of
+    the default step, bit for bit; the next engine without the knob sets the set-aside back to 0."""
+    import cupy as cp
+
+    from atomflow_bench.engine import CU_LIMIT_PERSISTING_L2_CACHE_SIZE, Engine
+
+    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 20)]
+    forms = {"attention": "short", "gemv": "ring"}
+    base = Engine(tiny_dir, weights="fp16", max_seq=64, **forms)
+    want, want_logits = base.generate(prompt, 24), base.arena["logits"].get()
+    assert base.l2_keep == {"keep_mb": 0, "set_aside_bytes": 0}
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "LMHEAD_L2_KEEP=4")
+    kept = Engine(tiny_dir, weights="fp16", max_seq=64, **forms)
+    most = kept.gpu["l2_persist_max_bytes"]
+    assert most > 0 and kept.l2_keep["keep_mb"] == 4
+    assert 0 < kept.l2_keep["set_aside_bytes"] <= most
+    np.testing.assert_array_equal(kept.generate(prompt, 24), want)
+    np.testing.assert_array_equal(kept.arena["logits"].get(), want_logits)
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "")
+    Engine(tiny_dir, weights="fp16", max_seq=64, **forms)
+    assert cp.cuda.runtime.deviceGetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE) == 0
+
+
 @pytest.mark.parametrize("defines", ["GEMV_NEXT_L2=1", "GEMV_NEXT_L2=2", "GEMV_NEXT_L2=1 GEMV_NEXT_L2_GU=1",
                                      "GEMV_NEXT_L2=1 GEMV_NEXT_L2_TAIL=1 GEMV_EVICT_FIRST=1", "GEMV_EVICT_FIRST=1"])
 @pytest.mark.parametrize("fmt,gemv", [("fp16", "ws"), ("fp8", "ring"), ("fp8", "ws")])

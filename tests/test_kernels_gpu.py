@@ -538,8 +538,21 @@ def check_attention(lib, n_sm, model, length, cap):
     np.testing.assert_array_equal(out.get(), first)
 
 
+@pytest.fixture(scope="module", params=["", "LMHEAD_L2_KEEP=1", "LMHEAD_L2_KEEP=64"])
+def kernel_lib_lmhead(request, kernel_lib):
+    """The default build, and the lm_head's last 1 MB (part of every shape's rows) or 64 MB (all rows of the smaller
+    shapes) loaded under the L2 evict-last policy (LMHEAD_L2_KEEP, PERF_NOTES v35): a cache hint, no other change."""
+    from atomflow_bench.kernels import KernelLib
+
+    if not request.param:
+        return kernel_lib
+    lib = KernelLib(extra_defines=(request.param,))
+    lib.compile_all()
+    return lib
+
+
 @pytest.mark.parametrize("rows,k", [(128256, 3072), (49152, 576), (1000, 2048), (2000, 4096)])
-def test_lm_head_argmax(kernel_lib, n_sm, rows, k):
+def test_lm_head_argmax(kernel_lib_lmhead, n_sm, rows, k):
     """The step's lm_head launch (step.lm_head_launches: gemv_f16_f32_argmax with the final RMSNorm as its
     prologue and the argmax in its epilogue): xnorm as rmsnorm_f32_f16 writes it (bit for bit) and within the fp16
     bound of the NumPy norm, the logits of that xnorm within the plain GEMV's bound, the token = the first maximum
@@ -563,12 +576,12 @@ def test_lm_head_argmax(kernel_lib, n_sm, rows, k):
          "am_counter": cp.zeros(1, cp.uint32), "pos": cp.zeros(1, cp.int32), "cur_token": cp.zeros(1, cp.int32),
          "prompt": cp.asarray(rng.integers(0, rows, 8).astype(np.int32)), "prompt_len": cp.full(1, 5, cp.int32),
          "out_tokens": cp.empty(16, cp.int32)}
-    (launch,) = lm_head_launches(kernel_lib, a, cfg, n_sm)
+    (launch,) = lm_head_launches(kernel_lib_lmhead, a, cfg, n_sm)
     assert launch.name == "gemv_fp16_f32_argmax" and launch.grid[0] <= n_part
     assert set(launch.taps) == {"final_norm", "logits"}
     (held,) = hold_position([launch])
     x_sep = cp.full(k, np.nan, dtype=cp.float16)
-    rmsnorm_launch(kernel_lib, a["h"], a["final_norm"], 1e-5, x_sep)()
+    rmsnorm_launch(kernel_lib_lmhead, a["h"], a["final_norm"], 1e-5, x_sep)()
     x = x_sep.get()
     assert rel_err(x, norm_ref(h, nw, 1e-5)) < FP16_TOL
     ref = w.astype(np.float64) @ x.astype(np.float64)

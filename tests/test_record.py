@@ -238,6 +238,32 @@ def test_run_table_shows_the_gemv_choice():
     assert "split (lengths 8192-8255, GEMVs ring/l2=0): 1.7910 ms" in text
 
 
+def test_run_table_names_the_l2_kept_bytes():
+    """With LMHEAD_L2_KEEP on, the `run` table says how much of the lm_head was asked to stay in L2 and that those bytes
+    still count in the roofline; without it (0, or a record from before the knob) there is no such row."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from atomflow_bench.report import run_table
+    from helpers_runs import make_run
+
+    rec = make_run(1.4)
+    rec.update({"vram_bytes": {"weights": 1 << 30, "kv": 1 << 20, "activations": 1 << 16, "scratch": 1 << 16,
+                               "total": (1 << 30) + (1 << 20) + (1 << 17)},
+                "launches_per_step": 144, "pdl": True, "load": {"seconds": 1.0}})
+    for keep in (None, {"keep_mb": 0, "set_aside_bytes": 0}):
+        rec["l2_keep"] = keep
+        out = StringIO()
+        Console(file=out, width=300).print(run_table(rec))
+        assert "L2 kept" not in out.getvalue()
+    rec["l2_keep"] = {"keep_mb": 24, "set_aside_bytes": 24 << 20}
+    out = StringIO()
+    Console(file=out, width=300).print(run_table(rec))
+    assert ("lm_head's last 24 MB loaded evict-last, L2 set-aside 24.0 MiB: up to that much per token read from L2, "
+            "still counted in the bytes and the roofline") in out.getvalue()
+
+
 def test_instrument_defines_and_run_table_warning():
     """Only a non-zero instrument knob counts; the `run` table says the TPOT of such a run is a bound."""
     from io import StringIO
