@@ -31,7 +31,7 @@ import numpy as np
 
 from .arena import Arena, plan_arena
 from .errors import AtomflowError, GpuUnavailable
-from .kernels import KernelLib, knob
+from .kernels import KernelLib, knob, set_persisting_l2
 from .step import (GEMV_MIXED_TRY, GEMV_NEXT_L2, GEMV_ROLES, GEMV_WS_PRE_TRY, attention_short_cap, build_step,
                    gemv_dyn_clear, hold_position, l2_tails, run_eager, smem_limits)
 from .weights import Checkpoint, upload_weights
@@ -102,23 +102,19 @@ def gpu_info() -> dict:
             "cupy": cupy.__version__}
 
 
-CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 6
-
-
-def l2_keep(mb: int, gpu: dict) -> dict:
-    """The L2 set-aside for persisting lines (cudaLimitPersistingL2CacheSize) that the lm_head's evict-last rows need
-    (knob LMHEAD_L2_KEEP, MB; gemv_common.cuh; results/PERF_NOTES.md v35): `mb` MB, clamped by the driver to the
-    device's maximum, or 0 (the default: nothing set aside — also reset, so that an earlier engine of this process
-    leaves nothing behind). Returns what was asked and what the device reports back; refused on a GPU without
-    persisting lines when mb > 0."""
-    rt = require_gpu().cuda.runtime
+def l2_keep(defines: tuple, gpu: dict) -> dict:
+    """The L2 set-aside for persisting lines that the lm_head's evict-last rows need (knob LMHEAD_L2_KEEP = N MB;
+    gemv_common.cuh; results/PERF_NOTES.md v35): N MB (the driver rounds up and clamps to the device's maximum) with
+    LMHEAD_L2_SETASIDE=1 (the default), else nothing — and 0 without the knob, which also resets it, so that an
+    earlier engine of this process leaves nothing behind. Returns what was asked and what the device reports; refused
+    on a GPU without persisting lines when N > 0."""
+    mb = knob("LMHEAD_L2_KEEP", 0, defines)
     if mb < 0:
         raise AtomflowError(f"LMHEAD_L2_KEEP={mb}: must be >= 0 (MB)")
     if mb and not gpu.get("l2_persist_max_bytes"):
         raise AtomflowError(f"LMHEAD_L2_KEEP={mb}: {gpu['name']} has no persisting L2 set-aside")
-    want = min(mb << 20, gpu.get("l2_persist_max_bytes", 0))
-    rt.deviceSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, want)
-    return {"keep_mb": mb, "set_aside_bytes": int(rt.deviceGetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE))}
+    aside = mb if knob("LMHEAD_L2_SETASIDE", 1, defines) else 0
+    return {"keep_mb": mb, "set_aside_bytes": set_persisting_l2(min(aside << 20, gpu.get("l2_persist_max_bytes", 0)))}
 
 
 class Engine:
@@ -134,7 +130,7 @@ class Engine:
         self.max_seq = max_seq
         self.lib = KernelLib(extra_defines=kernel_defines)  # kernel_defines: e.g. the timeline instrument
         self.lib.compile_all()                     # NVRTC (or CuPy's cache) before anything is timed
-        self.l2_keep = l2_keep(knob("LMHEAD_L2_KEEP", 0, self.lib.defines), self.gpu)  # before any step is timed
+        self.l2_keep = l2_keep(self.lib.defines, self.gpu)  # before any step is timed
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
         gemv_dyn_clear(self.arena["gemv_dyn_ctr"], self.arena["gemv_dyn_part"])  # the DYN GEMVs' state
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)

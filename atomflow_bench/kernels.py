@@ -10,6 +10,7 @@ eagerly or captured into a CUDA Graph (no duplicated launch boilerplate anywhere
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -205,6 +206,45 @@ def _driver():
         lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         _libcuda = lib
     return _libcuda
+
+
+# ---- the L2 set-aside for persisting lines (the lm_head's evict-last rows, knob LMHEAD_L2_KEEP) -------------------
+CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 6  # = cudaLimitPersistingL2CacheSize
+
+
+def persisting_l2() -> int:
+    """The bytes of L2 set aside for persisting lines now (cudaDeviceGetLimit)."""
+    import cupy
+
+    return int(cupy.cuda.runtime.deviceGetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE))
+
+
+def set_persisting_l2(nbytes: int) -> int:
+    """Sets aside `nbytes` of L2 for persisting lines (the driver rounds up to its granularity and clamps to the
+    device's maximum); 0 also turns every persisting line back into a normal one. Returns the set-aside now."""
+    import cupy
+
+    cupy.cuda.runtime.deviceSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, nbytes)
+    if nbytes == 0:
+        err = _driver().cuCtxResetPersistingL2Cache()
+        if err:
+            raise RuntimeError(f"cuCtxResetPersistingL2Cache failed: CUresult {err}")
+    return persisting_l2()
+
+
+@contextlib.contextmanager
+def no_persisting_l2():
+    """Within: no L2 set aside and no persisting line — how the copy roofline is measured: on the H100 a set-aside
+    slows a plain copy (32 MB: 3.0 -> 1.17 TB/s, results/PERF_NOTES.md v35), and the roofline is the hardware's copy
+    bandwidth. After: the set-aside as it was (its lines come back with the next steps)."""
+    before = persisting_l2()
+    if before:
+        set_persisting_l2(0)
+    try:
+        yield
+    finally:
+        if before:
+            set_persisting_l2(before)
 
 
 CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6  # cuda.h enums (CUDA 12/13)

@@ -362,10 +362,12 @@ def test_separate_tail_same_tokens(tiny_dir, monkeypatch, knobs, tail):
 def test_l2_keep_same_tokens_and_set_aside(tiny_dir, monkeypatch):
     """LMHEAD_L2_KEEP = N (the lm_head's last N MB loaded evict-last, PERF_NOTES v35) sets aside N MB of L2 for
     persisting lines (clamped to the device's maximum), records it, and changes no result: the tokens and logits of
-    the default step, bit for bit; the next engine without the knob sets the set-aside back to 0."""
-    import cupy as cp
-
-    from atomflow_bench.engine import CU_LIMIT_PERSISTING_L2_CACHE_SIZE, Engine
+    the default step, bit for bit; the copy roofline is measured with nothing set aside and the set-aside is back
+    after it; LMHEAD_L2_SETASIDE=0 keeps the hint and sets nothing aside; the next engine without the knob sets the
+    set-aside back to 0."""
+    from atomflow_bench.bench import copy_bandwidth
+    from atomflow_bench.engine import Engine
+    from atomflow_bench.kernels import no_persisting_l2, persisting_l2
 
     prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 20)]
     forms = {"attention": "short", "gemv": "ring"}
@@ -379,9 +381,18 @@ def test_l2_keep_same_tokens_and_set_aside(tiny_dir, monkeypatch):
     assert 0 < kept.l2_keep["set_aside_bytes"] <= most
     np.testing.assert_array_equal(kept.generate(prompt, 24), want)
     np.testing.assert_array_equal(kept.arena["logits"].get(), want_logits)
+    with no_persisting_l2():
+        assert persisting_l2() == 0
+    assert persisting_l2() == kept.l2_keep["set_aside_bytes"]
+    copy_bandwidth(1 << 26, reps=3, warmup=1)  # measured with nothing set aside, and the set-aside back after it
+    assert persisting_l2() == kept.l2_keep["set_aside_bytes"]
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "LMHEAD_L2_KEEP=4 LMHEAD_L2_SETASIDE=0")
+    hint_only = Engine(tiny_dir, weights="fp16", max_seq=64, **forms)
+    assert hint_only.l2_keep == {"keep_mb": 4, "set_aside_bytes": 0} and persisting_l2() == 0
+    np.testing.assert_array_equal(hint_only.generate(prompt, 24), want)
     monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "")
     Engine(tiny_dir, weights="fp16", max_seq=64, **forms)
-    assert cp.cuda.runtime.deviceGetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE) == 0
+    assert persisting_l2() == 0
 
 
 @pytest.mark.parametrize("defines", ["GEMV_NEXT_L2=1", "GEMV_NEXT_L2=2", "GEMV_NEXT_L2=1 GEMV_NEXT_L2_GU=1",
