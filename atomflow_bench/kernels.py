@@ -88,9 +88,9 @@ def knob(name: str, default: int, defines: tuple | None = None) -> int:
 
 
 # Compile-time knobs that are timing instruments, not kernel variants: with a non-zero value the step computes wrong
-# results on purpose (AF_NO_WAIT: common.cuh, results/PERF_NOTES.md v28). `run` marks its record with them, `compare`
-# refuses such a record and `validate` refuses to start.
-INSTRUMENT_KNOBS = ("AF_NO_WAIT",)
+# results on purpose (AF_NO_WAIT, AF_NO_SCALES: common.cuh, results/PERF_NOTES.md v28, v36). `run` marks its record
+# with them, `compare` refuses such a record and `validate` refuses to start.
+INSTRUMENT_KNOBS = ("AF_NO_WAIT", "AF_NO_SCALES")
 
 
 def instrument_defines(defines: tuple | None = None) -> list[str]:

@@ -557,9 +557,9 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
     if (lane == 0 && n < total) {
       const int T = tile_of(n), G = group_of(n), slot = n % NS;
       const unsigned wbytes = (unsigned)min(UPG, nunits - G * UPG) * 512u;  // the last group may be short
-      mbar_expect_tx(bar(slot), wbytes + 64u);
+      mbar_expect_tx(bar(slot), wbytes + (AF_NO_SCALES ? 0u : 64u));
       gemv_w_copy(wring + slot * SLOT, a.W + (size_t)T * tile_bytes + (size_t)G * SLOT, wbytes, bar(slot));
-      gemv_w_copy(sarea + slot * SSLOT, a.scales + ((size_t)T * ngroups + G) * 16, 64u, bar(slot));
+      if (!AF_NO_SCALES) gemv_w_copy(sarea + slot * SSLOT, a.scales + ((size_t)T * ngroups + G) * 16, 64u, bar(slot));
     }
   };
   auto ready = [&](int n) { mbar_wait(bar(n % NS), (unsigned)(n / NS) & 1u); };
@@ -743,11 +743,11 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
         const unsigned nxt = atomicAdd(dyn.ctr, 1u);
         const int T = (int)(u % ntiles), g0 = (int)(u / ntiles) * GPS, g1 = min(ngroups, g0 + GPS);
         const int u0 = g0 * UPG, u1 = min(nunits, g1 * UPG);
-        const unsigned wbytes = (unsigned)(u1 - u0) * 512u, sbytes = FP8 ? (unsigned)(g1 - g0) * 64u : 0u;
+        const unsigned wbytes = (unsigned)(u1 - u0) * 512u, sbytes = FP8 && !AF_NO_SCALES ? (unsigned)(g1 - g0) * 64u : 0u;
         uid[slot] = u;
         mbar_expect_tx(full + slot, wbytes + sbytes);
         gemv_w_copy(ring + slot * SLOTB, a.W + (size_t)T * tile_bytes + (size_t)u0 * 512, wbytes, full + slot);
-        if (FP8)
+        if (FP8 && !AF_NO_SCALES)
           gemv_w_copy(ring + slot * SLOTB + GEMV_WS_SLOT, a.scales + ((size_t)T * ngroups + g0) * 16, sbytes,
                       full + slot);
         u = nxt;
@@ -822,10 +822,10 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
         if (n >= NS) mbar_wait(empty + slot, (unsigned)(n / NS - 1) & 1u);
         int T, g0, g1, u0, u1;
         part(n, T, g0, g1, u0, u1);
-        const unsigned wbytes = (unsigned)(u1 - u0) * 512u, sbytes = FP8 ? (unsigned)(g1 - g0) * 64u : 0u;
+        const unsigned wbytes = (unsigned)(u1 - u0) * 512u, sbytes = FP8 && !AF_NO_SCALES ? (unsigned)(g1 - g0) * 64u : 0u;
         mbar_expect_tx(full + slot, wbytes + sbytes);
         gemv_w_copy(ring + slot * SLOTB, a.W + (size_t)T * tile_bytes + (size_t)u0 * 512, wbytes, full + slot);
-        if (FP8)
+        if (FP8 && !AF_NO_SCALES)
           gemv_w_copy(ring + slot * SLOTB + GEMV_WS_SLOT, a.scales + ((size_t)T * ngroups + g0) * 16, sbytes,
                       full + slot);
       }

@@ -276,6 +276,7 @@ def test_instrument_defines_and_run_table_warning():
 
     assert instrument_defines(("GEMV_ONE_WAVE=0", "AF_NO_WAIT=0")) == []
     assert instrument_defines(("ATT_TMA=1", "AF_NO_WAIT=6")) == ["AF_NO_WAIT=6"]
+    assert instrument_defines(("AF_NO_SCALES=1", "AF_NO_WAIT=0")) == ["AF_NO_SCALES=1"]
     rec = make_run(1.3)
     rec.update({"vram_bytes": {"weights": 1 << 30, "kv": 1 << 20, "activations": 1 << 16, "scratch": 1 << 16,
                                "total": (1 << 30) + (1 << 20) + (1 << 17)},
