@@ -31,7 +31,7 @@ import numpy as np
 
 from .arena import Arena, plan_arena
 from .errors import AtomflowError, GpuUnavailable
-from .kernels import KernelLib, knob, set_persisting_l2
+from .kernels import KernelLib, knob, persisting_l2, set_persisting_l2
 from .step import (GEMV_MIXED_TRY, GEMV_NEXT_L2, GEMV_ROLES, GEMV_WS_PRE_TRY, attention_short_cap, build_step,
                    gemv_dyn_clear, hold_position, l2_tails, run_eager, smem_limits)
 from .weights import Checkpoint, upload_weights
@@ -113,8 +113,10 @@ def l2_keep(defines: tuple, gpu: dict) -> dict:
         raise AtomflowError(f"LMHEAD_L2_KEEP={mb}: must be >= 0 (MB)")
     if mb and not gpu.get("l2_persist_max_bytes"):
         raise AtomflowError(f"LMHEAD_L2_KEEP={mb}: {gpu['name']} has no persisting L2 set-aside")
-    aside = mb if knob("LMHEAD_L2_SETASIDE", 1, defines) else 0
-    return {"keep_mb": mb, "set_aside_bytes": set_persisting_l2(min(aside << 20, gpu.get("l2_persist_max_bytes", 0)))}
+    aside = min((mb if knob("LMHEAD_L2_SETASIDE", 1, defines) else 0) << 20, gpu.get("l2_persist_max_bytes", 0))
+    if not aside and not persisting_l2():  # nothing to set and nothing to reset: no call that MIG or MPS could refuse
+        return {"keep_mb": mb, "set_aside_bytes": 0}
+    return {"keep_mb": mb, "set_aside_bytes": set_persisting_l2(aside)}
 
 
 class Engine:

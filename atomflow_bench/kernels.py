@@ -213,10 +213,14 @@ CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 6  # = cudaLimitPersistingL2CacheSize
 
 
 def persisting_l2() -> int:
-    """The bytes of L2 set aside for persisting lines now (cudaDeviceGetLimit)."""
+    """The bytes of L2 set aside for persisting lines now (cudaDeviceGetLimit); 0 where the limit cannot be read (GPUs
+    before sm_80, MIG instances and MPS clients have no set-aside of their own)."""
     import cupy
 
-    return int(cupy.cuda.runtime.deviceGetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE))
+    try:
+        return int(cupy.cuda.runtime.deviceGetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE))
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return 0
 
 
 def set_persisting_l2(nbytes: int) -> int:

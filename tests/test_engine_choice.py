@@ -92,3 +92,16 @@ def test_dyn_forms():
                 "ring+dyn:wx", "ws+wd", "dynx"):
         with pytest.raises(AtomflowError, match="gemv must be"):
             gemv_form(bad)
+
+
+@pytest.mark.parametrize("defines,gpu,message", [
+    (("LMHEAD_L2_KEEP=-1",), {"name": "H100", "l2_persist_max_bytes": 32768000}, "LMHEAD_L2_KEEP=-1: must be >= 0"),
+    (("LMHEAD_L2_KEEP=8",), {"name": "Old GPU", "l2_persist_max_bytes": 0}, "Old GPU has no persisting L2 set-aside")])
+def test_l2_keep_refuses_bad_input_before_touching_the_device(defines, gpu, message):
+    """LMHEAD_L2_KEEP (PERF_NOTES v35): a negative size, or a size on a GPU without a persisting set-aside, is a
+    one-line error raised before any CUDA call (these run without a GPU)."""
+    from atomflow_bench.engine import l2_keep
+    from atomflow_bench.errors import AtomflowError
+
+    with pytest.raises(AtomflowError, match=message):
+        l2_keep(defines, gpu)
