@@ -46,18 +46,44 @@ def gemv_form_text(form: str) -> str:
     return text + (f", {pre} ring slots filled before the PDL wait" if pre is not None else "")
 
 
-def git_commit() -> str | None:
+def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5,
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None
+        return out.stdout.strip() if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
 
 
+def git_commit() -> str | None:
+    return _git("rev-parse", "--short=12", "HEAD") or None
+
+
+def git_dirty() -> bool | None:
+    """Whether tracked files differ from that commit (None: no git): a record's commit alone does not name its code
+    then — e.g. a device's copy of a working tree whose .git is older than its files."""
+    out = _git("status", "--porcelain", "--untracked-files=no")
+    return None if out is None else bool(out)
+
+
+def source_sha256(package: Path | None = None, kernels: Path | None = None) -> str:
+    """sha256 (16 hex digits) over the package's Python files and the kernel sources it compiles (kernels.KERNELS_DIR):
+    each file's name relative to its directory and its bytes, in that order: the code that ran, named without git."""
+    import hashlib
+
+    from .kernels import KERNELS_DIR
+
+    h = hashlib.sha256()
+    for base, suffixes in ((package or Path(__file__).resolve().parent, (".py",)),
+                           (kernels or KERNELS_DIR, (".cu", ".cuh"))):
+        for p in sorted(q for q in Path(base).rglob("*") if q.is_file() and q.suffix in suffixes):
+            h.update(p.relative_to(base).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def tool_info() -> dict:
-    return {"name": "atomflow-bench", "version": __version__, "git_commit": git_commit(),
-            "python": sys.version.split()[0]}
+    return {"name": "atomflow-bench", "version": __version__, "git_commit": git_commit(), "git_dirty": git_dirty(),
+            "source_sha256": source_sha256(), "python": sys.version.split()[0]}
 
 
 def now_iso() -> str:

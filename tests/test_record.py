@@ -312,3 +312,27 @@ def test_profile_table_names_the_profiled_step():
     Console(file=out, width=400).print(profile_table(p))
     text = " ".join(out.getvalue().split())
     assert "copy bandwidth 2994 GB/s" in text and "layer GEMVs" not in text
+
+
+def test_tool_info_names_the_code(tmp_path):
+    """Every record's `tool` names its code three ways: the git commit, whether tracked files differ from it, and a hash
+    of the package and kernel sources that changes with any byte or name of them (and with nothing else)."""
+    from atomflow_bench.report import source_sha256, tool_info
+
+    info = tool_info()
+    assert set(info) >= {"git_commit", "git_dirty", "source_sha256"} and len(info["source_sha256"]) == 16
+    pkg, ker = tmp_path / "pkg", tmp_path / "ker"
+    pkg.mkdir()
+    ker.mkdir()
+    (pkg / "a.py").write_text("x = 1\n")
+    (ker / "k.cu").write_text("// kernel\n")
+    (ker / "notes.txt").write_text("not code")
+    first = source_sha256(pkg, ker)
+    assert source_sha256(pkg, ker) == first
+    (ker / "notes.txt").write_text("still not code")
+    assert source_sha256(pkg, ker) == first
+    (ker / "k.cu").write_text("// kernel.\n")
+    second = source_sha256(pkg, ker)
+    assert second != first
+    (ker / "k.cu").rename(ker / "j.cu")
+    assert source_sha256(pkg, ker) not in (first, second)
