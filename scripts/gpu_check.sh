@@ -42,7 +42,7 @@ for st in $stages; do
         >"$OUT/kernels.log" 2>&1
       note "kernels: rc=$? $(tail -1 "$OUT/kernels.log")" ;;
     engine)
-      timeout 400 python3 -m pytest -q tests/test_engine_gpu.py -p no:cacheprovider -s ${ENGINE_K:+-k "$ENGINE_K"} \
+      timeout 560 python3 -m pytest -q tests/test_engine_gpu.py -p no:cacheprovider -s ${ENGINE_K:+-k "$ENGINE_K"} \
         >"$OUT/engine.log" 2>&1
       note "engine: rc=$? $(tail -1 "$OUT/engine.log")" ;;
     bench|bench-ab)   # bench-ab: also each run with programmatic dependent launch off
