@@ -239,7 +239,7 @@ def set_persisting_l2(nbytes: int) -> int:
 @contextlib.contextmanager
 def no_persisting_l2():
     """Within: no L2 set aside and no persisting line — how the copy roofline is measured: on the H100 a set-aside
-    slows a plain copy (32 MB: 3.0 -> 1.17 TB/s, results/PERF_NOTES.md v35), and the roofline is the hardware's copy
+    slows a plain copy (31.25 MiB: 3.0 -> 1.17 TB/s, results/PERF_NOTES.md v35), and the roofline is the hardware's copy
     bandwidth. After: the set-aside as it was (its lines come back with the next steps)."""
     before = persisting_l2()
     if before:

@@ -88,8 +88,8 @@ __device__ __forceinline__ void pdl_wait() {
 #ifndef AF_NO_WAIT
 #define AF_NO_WAIT 0
 #endif
-// AF_NO_SCALES (a timing instrument, never a default; PERF_NOTES v36): the fp8 GEMVs' bulk paths (the ring on sm_90+ and
-// the warp-specialised forms) copy no scales — each slot then multiplies by whatever its scale area holds, so the
+// AF_NO_SCALES (a timing instrument, never a default; PERF_NOTES v36): the fp8 GEMVs' bulk paths (the ring on sm_90+
+// and the warp-specialised forms) copy no scales — each slot then multiplies by whatever its scale area holds, so the
 // results are wrong; a step times the fp8 layers without their 3.1% of scale bytes (fp32 per 128 inputs): the most
 // any smaller scale format could gain.
 #ifndef AF_NO_SCALES

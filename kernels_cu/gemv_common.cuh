@@ -743,7 +743,8 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
         const unsigned nxt = atomicAdd(dyn.ctr, 1u);
         const int T = (int)(u % ntiles), g0 = (int)(u / ntiles) * GPS, g1 = min(ngroups, g0 + GPS);
         const int u0 = g0 * UPG, u1 = min(nunits, g1 * UPG);
-        const unsigned wbytes = (unsigned)(u1 - u0) * 512u, sbytes = FP8 && !AF_NO_SCALES ? (unsigned)(g1 - g0) * 64u : 0u;
+        const unsigned wbytes = (unsigned)(u1 - u0) * 512u;
+        const unsigned sbytes = FP8 && !AF_NO_SCALES ? (unsigned)(g1 - g0) * 64u : 0u;
         uid[slot] = u;
         mbar_expect_tx(full + slot, wbytes + sbytes);
         gemv_w_copy(ring + slot * SLOTB, a.W + (size_t)T * tile_bytes + (size_t)u0 * 512, wbytes, full + slot);
@@ -822,7 +823,8 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
         if (n >= NS) mbar_wait(empty + slot, (unsigned)(n / NS - 1) & 1u);
         int T, g0, g1, u0, u1;
         part(n, T, g0, g1, u0, u1);
-        const unsigned wbytes = (unsigned)(u1 - u0) * 512u, sbytes = FP8 && !AF_NO_SCALES ? (unsigned)(g1 - g0) * 64u : 0u;
+        const unsigned wbytes = (unsigned)(u1 - u0) * 512u;
+        const unsigned sbytes = FP8 && !AF_NO_SCALES ? (unsigned)(g1 - g0) * 64u : 0u;
         mbar_expect_tx(full + slot, wbytes + sbytes);
         gemv_w_copy(ring + slot * SLOTB, a.W + (size_t)T * tile_bytes + (size_t)u0 * 512, wbytes, full + slot);
         if (FP8 && !AF_NO_SCALES)
