@@ -152,7 +152,15 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
   return r;
 }
 
-// The same load with an L2 cache policy (createpolicy: e.g. l2_evict_last), sm_80+.
+// An L2 policy under which the lines a load brings in are the last to be evicted (data read again next step: with
+// the persisting set-aside of cudaLimitPersistingL2CacheSize they stay in it; PERF_NOTES v35). sm_80+: outside the
+// sm_90 block below, since the lm_head (LMHEAD_L2_KEEP) may use it on any GPU.
+__device__ __forceinline__ unsigned long long l2_evict_last() {
+  unsigned long long p;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+// The same load as ld_stream with an L2 cache policy (createpolicy: e.g. l2_evict_last), sm_80+.
 __device__ __forceinline__ uint4 ld_stream_hint(const void* p, unsigned long long policy) {
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
@@ -221,13 +229,6 @@ __device__ __forceinline__ void bulk_g2s_hint(void* dst, const void* src, unsign
 __device__ __forceinline__ unsigned long long l2_evict_first() {
   unsigned long long p;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-// An L2 policy under which the lines a load brings in are the last to be evicted (data read again next step: with
-// the persisting set-aside of cudaLimitPersistingL2CacheSize they stay in it; PERF_NOTES v35).
-__device__ __forceinline__ unsigned long long l2_evict_last() {
-  unsigned long long p;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
   return p;
 }
 // Ask L2 for `bytes` (a multiple of 16) at `src` (16-byte aligned) by the copy engine: no destination, no completion.

@@ -134,3 +134,29 @@ def test_evict_first_compiles_without_spills(src, tmp_path):
     assert "L2::cache_hint" not in plain and "evict_first" not in plain
     assert hinted.count("createpolicy.fractional.L2::evict_first") > 0
     assert hinted.count("bytes.L2::cache_hint") == plain.count("cp.async.bulk.shared::cluster.global")
+
+
+@pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
+def test_lmhead_l2_keep_compiles_without_spills(arch, tmp_path):
+    """The knob LMHEAD_L2_KEEP (the lm_head's last N MB loaded evict-last; PERF_NOTES v35) compiles without local memory
+    on sm_89 and sm_90, puts the evict-last policy and the hinted loads in the two lm_head kernels only, and leaves
+    the default build without either."""
+    path = KERNELS_DIR / "gemv_fp16.cu"
+    frames = frames_of(compile_report(path, arch, tmp_path, defines=("LMHEAD_L2_KEEP=16",)))
+    assert frames and not local_memory(frames)
+    plain, kept = ptx_of(path), ptx_of(path, ("LMHEAD_L2_KEEP=16",))
+    assert "evict_last" not in plain and "L1::no_allocate.L2::cache_hint" not in plain
+    entries = [e for e in kept.split(".entry ")[1:] if "L2::evict_last" in e]
+    assert sorted(e.split("(")[0].strip() for e in entries) == ["gemv_f16_f32", "gemv_f16_f32_argmax"]
+    assert all("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32" in e for e in entries)
+
+
+def test_no_scales_instrument_drops_only_the_scale_copies(tmp_path):
+    """The timing instrument AF_NO_SCALES (PERF_NOTES v36) compiles without local memory and removes exactly the fp8
+    scale copies: the bulk copies of the fp8 kernels drop, the fp16 kernels are untouched."""
+    fp8, fp16 = KERNELS_DIR / "gemv_fp8.cu", KERNELS_DIR / "gemv_fp16.cu"
+    frames = frames_of(compile_report(fp8, "sm_90", tmp_path, defines=("AF_NO_SCALES=1",)))
+    assert frames and not local_memory(frames)
+    bulk = "cp.async.bulk.shared::cluster.global"
+    assert ptx_of(fp8, ("AF_NO_SCALES=1",)).count(bulk) < ptx_of(fp8).count(bulk)
+    assert ptx_of(fp16, ("AF_NO_SCALES=1",)) == ptx_of(fp16)
