@@ -116,7 +116,11 @@ def l2_keep(defines: tuple, gpu: dict) -> dict:
     aside = min((mb if knob("LMHEAD_L2_SETASIDE", 1, defines) else 0) << 20, gpu.get("l2_persist_max_bytes", 0))
     if not aside and not persisting_l2():  # nothing to set and nothing to reset: no call that MIG or MPS could refuse
         return {"keep_mb": mb, "set_aside_bytes": 0}
-    return {"keep_mb": mb, "set_aside_bytes": set_persisting_l2(aside)}
+    rt = require_gpu().cuda.runtime
+    try:
+        return {"keep_mb": mb, "set_aside_bytes": set_persisting_l2(aside)}
+    except (rt.CUDARuntimeError, RuntimeError) as e:  # e.g. MIG or an MPS client: the set-aside is not theirs
+        raise AtomflowError(f"LMHEAD_L2_KEEP={mb}: the device refused an L2 set-aside of {aside} bytes ({e})") from None
 
 
 class Engine:
