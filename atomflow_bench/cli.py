@@ -19,6 +19,14 @@ from .errors import AtomflowError
 
 console = Console()
 err_console = Console(stderr=True)
+FORMS_HELP = ("Launch forms, e.g. 'short:ws-pre2/l2=8;split:ring/l2=0' (see docs/ARCHITECTURE.md); also "
+              "$ATOMFLOW_FORMS.")
+
+
+def _forms(text):
+    from .gpu.forms import Forms
+
+    return Forms.parse(text) if text else None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -63,7 +71,7 @@ def models():
 @click.option("--force", is_flag=True, help="Fetch again even if the model is already there.")
 def fetch(model, source, fmt, verify, revision, seed, force):
     """Get a model into the store and verify it (MODEL: catalog name, hub repo id, local dir or .gguf)."""
-    from .fetch import fetch_model, verify_model
+    from .store.fetch import fetch_model, verify_model
 
     if verify:
         path = verify_model(model, console=console)
@@ -81,8 +89,8 @@ def fetch(model, source, fmt, verify, revision, seed, force):
 @click.option("--weights", type=click.Choice(["fp16", "fp8"]), default="fp16", show_default=True)
 def generate(model, prompt, tokens, backend, weights):
     """Greedy continuation of PROMPT."""
-    from .fetch import resolve_model
     from .generate import generate_text
+    from .store.fetch import resolve_model
 
     path = resolve_model(model, console=console)
     text = generate_text(path, prompt, tokens, backend=backend, weights=weights, console=console)
@@ -105,18 +113,21 @@ def generate(model, prompt, tokens, backend, weights):
               help="Recorded baselines to compare with  [default: the repository's baselines/]")
 @click.option("--peers", "with_peers", is_flag=True,
               help="Also measure HF transformers eager and static-cache + torch.compile decode (needs torch).")
-def run(model, weights, context, tokens, repeats, json_path, no_json, source, baselines_dir, with_peers):
+@click.option("--forms", default=None, help=FORMS_HELP)
+@click.option("--retune", is_flag=True, help="Time the forms again even when a tune of this GPU, shape, format, "
+              "context and source is saved.")
+def run(model, weights, context, tokens, repeats, json_path, no_json, source, baselines_dir, with_peers, forms, retune):
     """Decode benchmark: TPOT, tok/s, bandwidth, % of the copy roofline, VRAM (default: synthetic Llama-3.2-3B)."""
     from pathlib import Path
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from . import report
-    from .baselines import attach_comparisons, comparison_table, load_baselines
-    from .bench import benchmark, cpu_fallback
-    from .engine import require_gpu
     from .errors import GpuUnavailable
-    from .fetch import fetch_model, resolve_model
+    from .gpu.device import require_gpu
+    from .measure import report
+    from .measure.baselines import attach_comparisons, comparison_table, load_baselines
+    from .measure.bench import benchmark, cpu_fallback
+    from .store.fetch import fetch_model, resolve_model
 
     baselines = load_baselines(baselines_dir)  # a malformed file stops here, before the measurement
     path = fetch_model(model, source=source, console=console) if source else resolve_model(model, console=console)
@@ -132,11 +143,12 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
         return
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
                   transient=True) as progress:
-        rec = benchmark(path, model, src, weights, context, tokens, repeats, progress=progress)
+        rec = benchmark(path, model, src, weights, context, tokens, repeats, progress=progress,
+                        forms=_forms(forms), retune=retune)
     console.print(report.run_table(rec))
     peers = None
     if with_peers:
-        from .peers import measure_peers
+        from .measure.peers import measure_peers
 
         peers = measure_peers(path, context=context, tokens=tokens, repeats=min(repeats, 3), weights="fp16")
     console.print(comparison_table(attach_comparisons(rec, baselines, peers)))
@@ -150,46 +162,62 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
 @click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000))
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(1, 1000))
-@click.option("--timeline", "timeline_replays", default=0, show_default=True, type=click.IntRange(0, 200),
-              help="Also record this many graph replays with the in-kernel timeline instrument (a second build).")
+@click.option("--forms", default=None, help=FORMS_HELP + " Default: a saved tune, else the defaults.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def profile(model, weights, context, steps, timeline_replays, json_path):
+def profile(model, weights, context, steps, forms, json_path):
     """Per-kernel time breakdown of one decode step (events, eager) + graph step time and idle gap, and what
-    each role adds inside the graph (the step replayed without it); with --timeline N, when every launch of the
-    graph step starts, is released and ends on the GPU clock."""
+    each role adds inside the graph (the step replayed without it)."""
     from pathlib import Path
 
-    from . import report
-    from .engine import Engine
-    from .fetch import resolve_model
-    from .profile import attention_line, marginal_table, profile_step, profile_table
+    from .gpu.engine import Engine
+    from .measure import report
+    from .measure.profile import attention_line, marginal_table, profile_step, profile_table
+    from .measure.tune import resolve
+    from .store.fetch import resolve_model
 
     model_dir = resolve_model(model, console=console)
     eng = Engine(model_dir, weights=weights, max_seq=context + steps + 64)
-    gpu = eng.gpu
+    chosen = resolve(eng, _forms(forms), tune_missing=False)
     p = profile_step(eng, context, steps)
+    p["forms_origin"] = chosen["origin"]
     console.print(profile_table(p))
     console.print(marginal_table(p))
     console.print(attention_line(p), soft_wrap=True)
-    if timeline_replays:
-        import gc
-
-        import cupy
-
-        from . import timeline
-
-        form = "short" if eng.att_caps else "split"  # the instrumented build runs the forms the plain one chose
-        gemv_form = p["forms"]["gemv"]  # the profiled step's bucket's form
-        del eng  # the instrumented build gets its own arena
-        gc.collect()
-        cupy.get_default_memory_pool().free_all_blocks()
-        p["timeline"] = timeline.record(model_dir, weights, context, timeline_replays, p["copy_bandwidth_gbs"],
-                                        plain_step_us=p["graph_step_us"], attention=form, gemv=gemv_form)
-        console.print(timeline.timeline_table(p["timeline"]))
     if json_path:
         rec = {"schema": "atomflow-bench/profile/1", "tool": report.tool_info(), "created": report.now_iso(),
-               "command": report.command_line(), "gpu": gpu, "model": model, "weights": weights, **p}
+               "command": report.command_line(), "gpu": eng.gpu, "model": model, "weights": weights, **p}
         report.write(rec, Path(json_path))
+
+
+@cli.command()
+@click.argument("model", default=DEFAULT_MODEL)
+@click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
+@click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000),
+              help="The context `run` will use (the tune is kept per context + tokens).")
+@click.option("--tokens", default=256, show_default=True, type=click.IntRange(1, 32000))
+def tune(model, weights, context, tokens):
+    """Time every launch form on this GPU and save the fastest for `run` (keyed by GPU, shape, format, context and
+    source hash, under $ATOMFLOW_HOME/tuning)."""
+    from .gpu.engine import Engine
+    from .measure.report import forms_text
+    from .measure.tune import resolve
+    from .store.fetch import resolve_model
+
+    model_dir = resolve_model(model, console=console)
+    eng = Engine(model_dir, weights=weights, max_seq=context + tokens)
+    chosen = resolve(eng, retune=True)
+    t = Table(title=f"tune — {model} {weights}, max_seq {context + tokens}, {eng.gpu['name']}")
+    t.add_column("forms")
+    t.add_column("step µs (best round)", justify="right")
+    for k, v in sorted(chosen["timed"]["step_us"].items(), key=lambda kv: kv[1]):
+        t.add_row(k, f"{v:.1f}")
+    console.print(t)
+    split = chosen["timed"].get("split")
+    if split:
+        console.print("split bucket: " + ", ".join(f"{k} {v:.1f} µs" for k, v in
+                                                   sorted(split["step_us"].items(), key=lambda kv: kv[1])[:5]))
+    console.print(f"chosen: {chosen['forms']} ({forms_text(chosen['forms'])})")
+    console.print(f"saved: {chosen['path']}")
 
 
 @cli.command()
@@ -201,11 +229,11 @@ def gemv(model, formats, reps, json_path):
     """Every GEMV shape of MODEL alone, L2-cold: µs, GB/s, % of the copy bandwidth of the same run."""
     from pathlib import Path
 
-    from . import report
     from .config import ModelConfig, get_preset
-    from .engine import gpu_info
-    from .kernels import KernelLib
-    from .profile import gemv_bench, gemv_table
+    from .gpu.device import gpu_info
+    from .gpu.nvrtc import KernelLib
+    from .measure import report
+    from .measure.profile import gemv_bench, gemv_table
 
     fmts = tuple(f.strip() for f in formats.split(","))
     if not fmts or any(f not in ("fp16", "fp8") for f in fmts):
@@ -247,13 +275,14 @@ def _source_of(path) -> str:
 @click.option("--quality", is_flag=True, help="Instead: fp8 vs fp16 on a paragraph of English (top-1 agreement, "
               "mean KL, both perplexities).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the full result here.")
-def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, quality, json_path):
+@click.option("--forms", default=None, help=FORMS_HELP + " Default: a saved tune, else the defaults (never timed).")
+def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, quality, json_path, forms):
     """Engine vs HF transformers fp32, probe by probe (exit 0 only if all pass); or --quality."""
     from pathlib import Path
 
-    from . import report
-    from . import validate as v
-    from .fetch import resolve_model
+    from .measure import report
+    from .store.fetch import resolve_model
+    from .validate import check as v
 
     path = resolve_model(model, console=console)
     if quality:
@@ -262,7 +291,7 @@ def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, 
         ok = res["pass"] is not False
     else:
         res = v.validate(path, weights=weights, truth_dir=truth_dir, steps=steps, prompt=prompt, backend=backend,
-                         allow_mismatch=allow_mismatch, console=console)
+                         allow_mismatch=allow_mismatch, console=console, forms=_forms(forms))
         v.print_result(res, console)
         ok = res["summary"]["pass"]
     if json_path:
@@ -281,7 +310,7 @@ def baseline():
               help="Baselines directory  [default: the repository's baselines/]")
 def baseline_list(directory):
     """Validate and list the recorded baselines."""
-    from .baselines import load_baselines
+    from .measure.baselines import load_baselines
 
     t = Table(title="recorded baselines")
     for col in ("model", "engine", "GPU", "GB/s", "precision", "ctx", "tokens", "TPOT ms", "tok/s", "source"):
@@ -316,8 +345,8 @@ def baseline_list(directory):
 def baseline_record(openai_url, served_model, catalog_model, gpu, gpu_bandwidth, precision, engine, engine_version,
                     flags, prompt_tokens, max_tokens, requests, timeout, out):
     """Measure TTFT and TPOT of any OpenAI-compatible server (streamed /v1/completions) into a baseline JSON."""
-    from .record import record_baseline, write_baseline
-    from .report import command_line
+    from .measure.record import record_baseline, write_baseline
+    from .measure.report import command_line
 
     rec = record_baseline(openai_url, served_model, gpu, catalog_model=catalog_model, gpu_bandwidth=gpu_bandwidth,
                           precision=precision, engine=engine, engine_version=engine_version, flags=flags,
@@ -340,8 +369,8 @@ def baseline_record(openai_url, served_model, catalog_model, gpu, gpu_bandwidth,
               help="cpu: a smoke test, not a performance figure.")
 def peers(model, weights, context, tokens, repeats, modes, device):
     """HF transformers decode (eager; static cache + torch.compile) on MODEL's weights: TPOT, tok/s, GB/s."""
-    from .fetch import resolve_model
-    from .peers import measure_peers, peers_table
+    from .measure.peers import measure_peers, peers_table
+    from .store.fetch import resolve_model
 
     path = resolve_model(model, console=console)
     recs = measure_peers(path, context=context, tokens=tokens, modes=[m.strip() for m in modes.split(",") if m.strip()],
@@ -356,7 +385,7 @@ def peers(model, weights, context, tokens, repeats, modes, device):
               help="Allowed TPOT slow-down, in percent, beyond the runs' p10-p90 bands.")
 def compare(baseline_json, new_json, max_regression):
     """CI gate: compare two `run` results files. Exit 0 ok, 1 regression, 2 refused (different GPU/model/...)."""
-    from .compare import compare_runs, diff_table, load_pair, parse_fraction
+    from .measure.compare import compare_runs, diff_table, load_pair, parse_fraction
 
     try:
         result = compare_runs(*load_pair(baseline_json, new_json), parse_fraction(max_regression))

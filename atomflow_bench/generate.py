@@ -5,7 +5,7 @@ import time
 from pathlib import Path
 
 from .errors import ConfigError
-from .weights import Checkpoint
+from .store.checkpoint import Checkpoint
 
 
 def _stop_ids(eos) -> tuple[int, ...]:
@@ -20,7 +20,7 @@ def generate_text(path: str | Path, prompt: str, n_tokens: int, backend: str = "
 
     The prompt is encoded with the model's tokenizer including its special tokens (its post-processor
     decides whether a BOS is prepended). backend "numpy" runs `reference.ReferenceDecoder`; "gpu" runs
-    `engine.generate_gpu(ckpt, prompt_ids, n_tokens, weights=, stop_ids=, console=) -> list[int]`.
+    `generate_gpu` (the GPU engine with the saved tuned forms if any, else the defaults: nothing is timed).
     """
     from .tokenizer import load_tokenizer
 
@@ -37,14 +37,12 @@ def generate_text(path: str | Path, prompt: str, n_tokens: int, backend: str = "
 
     t0 = time.perf_counter()
     if backend == "numpy":
-        from .reference import ReferenceDecoder, greedy
+        from .validate.reference import ReferenceDecoder, greedy
 
         decoder = ReferenceDecoder(ckpt, weights=weights, max_seq=len(prompt_ids) + n_tokens)
         new_ids = greedy(decoder, prompt_ids, n_tokens, stop_ids=stop_ids)
     else:
-        from .engine import generate_gpu
-
-        new_ids = generate_gpu(ckpt, prompt_ids, n_tokens, weights=weights, stop_ids=stop_ids, console=console)
+        new_ids = generate_gpu(ckpt, prompt_ids, n_tokens, weights=weights, stop_ids=stop_ids)
     seconds = time.perf_counter() - t0
     if console is not None:
         console.print(f"[dim]{backend} {weights}: {len(prompt_ids)} prompt + {len(new_ids)} new tokens "
@@ -55,3 +53,17 @@ def generate_text(path: str | Path, prompt: str, n_tokens: int, backend: str = "
     full = tok.decode(prompt_ids + new_ids, skip_special_tokens=True)
     continuation = full[len(head):] if full.startswith(head) else tok.decode(new_ids, skip_special_tokens=True)
     return prompt + continuation
+
+
+def generate_gpu(ckpt, prompt_ids, n_tokens: int, weights: str = "fp16", stop_ids=()) -> list[int]:
+    """Greedy continuation on the GPU (all n_tokens run as graph replays), cut after the first stop id."""
+    from .gpu.engine import Engine
+    from .measure.tune import resolve
+
+    eng = Engine(ckpt.dir, weights=weights, max_seq=len(prompt_ids) + n_tokens)
+    resolve(eng, tune_missing=False)
+    ids = eng.generate(prompt_ids, n_tokens)
+    for i, t in enumerate(ids):
+        if t in stop_ids:
+            return ids[: i + 1]
+    return ids

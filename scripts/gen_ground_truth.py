@@ -28,8 +28,8 @@ def main(model, prompt, steps, out_dir, device):
     from rich.markup import escape
 
     from atomflow_bench.errors import AtomflowError
-    from atomflow_bench.fetch import resolve_model
-    from atomflow_bench.validate import generate_truth
+    from atomflow_bench.store.fetch import resolve_model
+    from atomflow_bench.validate.check import generate_truth
 
     console = Console()
     try:

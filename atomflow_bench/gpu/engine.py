@@ -1,0 +1,161 @@
+"""The GPU engine: load, build, capture, replay (used by run, validate, generate, profile, tune).
+
+    eng = Engine(model_dir, weights="fp8", max_seq=512)             # load: arena + weights; build: the steps
+    ids = eng.generate(prompt_ids, 32)                             # capture once per bucket, then graph replays
+    eng.reset(prompt_ids); taps = eng.step_eager(taps=True)        # probes from the same launches
+
+The step exists in one form per attention bucket: with `forms.short_attention` the short kernel serves the lengths
+up to its capacity and the split kernel those beyond, each bucket with its own layer-GEMV form (forms.Forms). The
+step advances the position by exactly one, so the engine keeps a host copy of it and runs every step with the
+bucket of its context length. The forms come in resolved (given, saved by `tune`, or forms.default_forms): the
+engine never times anything itself.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import AtomflowError
+from ..store.checkpoint import Checkpoint
+from .arena import Arena, plan_arena
+from .device import compute_capability, gpu_info, require_gpu, smem_limits
+from .forms import Forms, GemvForm, default_forms
+from .graph import StepGraph
+from .nvrtc import KernelLib
+from .ops.attention import short_capacity
+from .step import build_step, run_eager
+from .upload import upload_weights
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, weights: str = "fp8", max_seq: int = 2048, forms: Forms | None = None,
+                 progress=None, pdl: bool | None = None, kernel_defines: tuple = ()):
+        cupy = require_gpu()
+        # load
+        self.ckpt = Checkpoint(model_dir)
+        self.cfg = self.ckpt.config
+        self.fmt = weights
+        self.gpu = gpu_info()
+        self.cc = compute_capability()
+        self.plan = plan_arena(self.cfg, weights, max_seq, self.gpu["sms"])
+        self.max_seq = max_seq
+        self.lib = KernelLib(extra_defines=kernel_defines)  # kernel_defines: e.g. the timeline instrument
+        self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
+        self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)
+        self.short_capacity = short_capacity(self.cfg.head_dim, smem_limits())
+        # Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it requests
+        # weights and waits (griddepcontrol.wait) before touching the predecessor's outputs. ATOMFLOW_PDL=0: off (A/B).
+        if pdl is None:
+            pdl = self.cc >= 90 and os.environ.get("ATOMFLOW_PDL", "1") != "0"
+        self.pdl = bool(pdl)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._prompt_len = 0
+        self.position = 0  # host copy of the device's pos (the next step attends over position + 1 rows)
+        # build
+        self.use(forms or default_forms(weights, self.cc, self.short_capacity))
+
+    # ---- build ---------------------------------------------------------------------------------------------------
+    def bucket_launches(self, cap: int | None, form: GemvForm) -> list:
+        """One bucket's step: the short attention kernel at capacity `cap`, or (None) the split kernel."""
+        launches = build_step(self.cfg, self.fmt, self.arena, self.lib, self.gpu["sms"], cap, form)
+        if self.pdl:
+            for ln in launches[1:]:
+                ln.enable_pdl()
+        return launches
+
+    def use(self, forms: Forms) -> None:
+        """Build the steps of `forms` (its kernels compiled now, before anything is timed); graphs are captured on
+        first replay."""
+        self.forms = forms.check(self.cc)
+        cap = self.short_capacity if forms.short_attention else 0
+        self.att_caps = [cap] if cap else []
+        self.variants = {cap: self.bucket_launches(cap, forms.gemv)} if cap else {}
+        if not cap or self.max_seq > cap:  # lengths beyond the short bucket
+            self.variants[None] = self.bucket_launches(None, forms.gemv_split)
+        self._graphs: dict = {}
+
+    # ---- state ---------------------------------------------------------------------------------------------------
+    def reset(self, prompt_ids) -> None:
+        """Start a new sequence: the prompt goes to device memory; position 0; token = prompt[0]."""
+        ids = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)
+        if ids.size == 0:
+            raise AtomflowError("empty prompt")
+        if ids.size > self.max_seq:
+            raise AtomflowError(f"prompt of {ids.size} tokens exceeds max_seq {self.max_seq}")
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            raise AtomflowError(f"prompt token ids must lie in [0, {self.cfg.vocab_size})")
+        self.stream.synchronize()
+        a = self.arena
+        a["prompt"][: ids.size].set(ids)
+        a["prompt_len"].set(np.array([ids.size], np.int32))
+        a["pos"].set(np.zeros(1, np.int32))
+        a["cur_token"].set(ids[:1])
+        self._prompt_len = int(ids.size)
+        self.position = 0
+
+    def bucket(self, length: int):
+        """The attention bucket of a step at context length `length` (capacity, or None: the split kernel)."""
+        return next((c for c in self.att_caps if length <= c), None)
+
+    def gemv_form_of(self, length: int) -> GemvForm:
+        """The layer-GEMV form of the step at context length `length` (its bucket's)."""
+        return self.forms.bucket_form(self.bucket(length) is not None)
+
+    @property
+    def launches(self) -> list:
+        """The launches of the next step (the bucket of its length: position + 1)."""
+        return self.variants[self.bucket(self.position + 1)]
+
+    # ---- capture, replay -----------------------------------------------------------------------------------------
+    def graph(self, key) -> StepGraph:
+        if key not in self._graphs:
+            self._graphs[key] = StepGraph(self.variants[key], self.stream)
+        return self._graphs[key]
+
+    def step_eager(self, taps: bool = False) -> dict | None:
+        out = {} if taps else None
+        with self.stream:
+            run_eager(self.launches, out)
+        self.position += 1
+        return out
+
+    def run(self, n_steps: int, graph: bool = True) -> None:
+        """Queue n decode steps (asynchronous when graph=True), each with its length's bucket."""
+        if self.position + n_steps > self.max_seq:
+            raise AtomflowError(f"{n_steps} steps from position {self.position} exceed max_seq {self.max_seq}")
+        while n_steps > 0:
+            key = self.bucket(self.position + 1)
+            n = n_steps if key is None else min(n_steps, key - self.position)  # steps while length <= key
+            if graph:
+                self.graph(key).replay(n)
+                self.position += n
+            else:
+                for _ in range(n):
+                    self.step_eager()
+            n_steps -= n
+
+    def tokens(self, start: int, n: int) -> list[int]:
+        self.stream.synchronize()
+        return [int(t) for t in self.arena["out_tokens"][start:start + n].get()]
+
+    def generate(self, prompt_ids, n_new: int, graph: bool = True) -> list[int]:
+        """Greedy: the prompt is fed token by token through the same step; returns the n_new new ids."""
+        self.reset(prompt_ids)
+        if self._prompt_len + n_new - 1 > self.max_seq:
+            raise AtomflowError(f"prompt + {n_new} tokens exceed max_seq {self.max_seq}")
+        self.run(self._prompt_len - 1 + n_new, graph)
+        return self.tokens(self._prompt_len - 1, n_new)
+
+    # ---- what it holds and reads ---------------------------------------------------------------------------------
+    def vram(self) -> dict:
+        v = self.arena.vram()
+        v["total"] = sum(v.values())
+        return v
+
+    def streamed_bytes(self, context: float) -> dict:
+        """Bytes one decode step must read at a given context length (weights in full + K and V rows)."""
+        w = self.plan.streamed_weight_bytes()
+        kv = int(round(context * self.cfg.kv_bytes_per_token()))
+        return {"weights": w, "kv": kv, "total": w + kv}

@@ -1,0 +1,120 @@
+"""Launch policy as one typed value: which form of each op a decode step runs.
+
+A step has one or two attention buckets: with `short_attention` the short kernel serves every length up to its
+capacity (ops/attention.short_capacity) and the split kernel the lengths beyond; without it the split kernel serves
+all. Each bucket runs the layer GEMVs in one form (`GemvForm`): warp-specialised or the ring path, the slots filled
+before the PDL wait, and how many MB of gate/up's weights QKV asks into L2. The text form, for the CLI's --forms
+and ATOMFLOW_FORMS, is
+
+    short:<gemv>;split:<gemv>      e.g.  short:ws-pre2/l2=8;split:ring/l2=0
+    split:<gemv>                   the split kernel for every length
+    <gemv> = ring | ws | ws-pre<N>, then /l2=<MB>
+
+Forms are resolved once (given, saved by `tune`, or the defaults below) and handed to the step builder; nothing
+below that reads the environment.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from ..errors import AtomflowError
+from .ops.gemv import GEMV_WS_MAX
+
+L2_TAILS = (0, 4, 8, 16, 24)  # MB of gate/up's tail the tuner tries (docs/PERF_NOTES.md v30.4: the best differs)
+WS_PRE_TRY = {"fp16": (2,), "fp8": ()}  # slots-before-the-wait counts tried besides the default (v16: 1B fp16 at 2)
+ENV = "ATOMFLOW_FORMS"
+
+
+@dataclass(frozen=True)
+class GemvForm:
+    ws: bool = False            # warp-specialised (producer warp + bulk copies, sm_90+), else the ring form
+    ws_pre: int | None = None   # ws: ring slots filled before the PDL wait (None: the format's default)
+    l2_tail_mb: int = 0         # MB of gate/up's last weights each QKV launch asks into L2 after its epilogue
+
+    def __post_init__(self):
+        if self.ws_pre is not None and (not self.ws or not 0 <= self.ws_pre <= GEMV_WS_MAX):
+            raise AtomflowError(f"ws-pre<N> needs the ws form and 0 <= N <= {GEMV_WS_MAX}")
+        if self.l2_tail_mb < 0:
+            raise AtomflowError(f"l2={self.l2_tail_mb}: MB must be >= 0")
+
+    @property
+    def text(self) -> str:
+        base = "ring" if not self.ws else "ws" if self.ws_pre is None else f"ws-pre{self.ws_pre}"
+        return f"{base}/l2={self.l2_tail_mb}"
+
+    @classmethod
+    def parse(cls, text: str) -> "GemvForm":
+        base, sep, l2 = text.strip().partition("/l2=")
+        if sep and not l2.isdigit():
+            raise AtomflowError(f"GEMV form {text!r}: /l2=<MB> takes a whole number")
+        tail = int(l2) if sep else 0
+        if base == "ring":
+            return cls(False, None, tail)
+        if base == "ws":
+            return cls(True, None, tail)
+        if base.startswith("ws-pre") and base[6:].isdigit():
+            return cls(True, int(base[6:]), tail)
+        raise AtomflowError(f"GEMV form {text!r}: ring, ws or ws-pre<N>, then optionally /l2=<MB>")
+
+
+@dataclass(frozen=True)
+class Forms:
+    short_attention: bool     # the short kernel serves lengths up to its capacity (else the split one serves all)
+    gemv: GemvForm            # the layer GEMVs of the short bucket (unused without short attention)
+    gemv_split: GemvForm      # the layer GEMVs of the split bucket
+
+    @property
+    def text(self) -> str:
+        split = f"split:{self.gemv_split.text}"
+        return f"short:{self.gemv.text};{split}" if self.short_attention else split
+
+    @classmethod
+    def parse(cls, text: str) -> "Forms":
+        parts: dict[str, GemvForm] = {}
+        for seg in filter(None, (s.strip() for s in text.split(";"))):
+            bucket, sep, form = seg.partition(":")
+            if not sep or bucket not in ("short", "split") or bucket in parts:
+                raise AtomflowError(f"forms {text!r}: expected short:<gemv>;split:<gemv> or split:<gemv> "
+                                    "(<gemv> = ring | ws | ws-pre<N>, then /l2=<MB>)")
+            parts[bucket] = GemvForm.parse(form)
+        if not parts:
+            raise AtomflowError("forms: empty")
+        short = parts.get("short")
+        return cls(short is not None, short or parts["split"], parts.get("split", short))
+
+    def bucket_form(self, short: bool) -> GemvForm:
+        return self.gemv if short else self.gemv_split
+
+    def check(self, cc: int) -> "Forms":
+        """Refuse what this GPU cannot run (one line): ws and the L2 prefetch need sm_90+ (bulk copies)."""
+        for g in {self.gemv, self.gemv_split}:
+            if cc < 90 and (g.ws or g.l2_tail_mb):
+                raise AtomflowError(f"forms {self.text!r}: ws and /l2=<MB> need sm_90+ (bulk copies); this GPU is "
+                                    f"sm_{cc}")
+        return self
+
+
+def default_forms(fmt: str, cc: int, short_capacity: int) -> Forms:
+    """The forms when nothing was tuned or given (validate, generate, tests): short attention where it fits; on
+    sm_90+ fp16 warp-specialised, fp8 the ring (v13: fp8 ws slower on 3B), each asking 8 MB of gate/up into L2 (the
+    size most shapes chose, v31); before sm_90 the ring form alone."""
+    g = GemvForm(ws=fmt == "fp16", l2_tail_mb=8) if cc >= 90 else GemvForm()
+    return Forms(short_capacity > 0, g, g)
+
+
+def candidates(fmt: str, cc: int, short_capacity: int) -> tuple[list[GemvForm], list[bool]]:
+    """What `tune` times: every GEMV form (ws, ws-pre<N> of WS_PRE_TRY, ring) at every L2_TAILS size on sm_90+, the
+    ring alone before; with and without the short bucket where it fits."""
+    if cc < 90:
+        gemv = [GemvForm()]
+    else:
+        bases = [GemvForm(True), *(GemvForm(True, n) for n in WS_PRE_TRY[fmt]), GemvForm(False)]
+        gemv = [replace(b, l2_tail_mb=t) for b in bases for t in L2_TAILS]
+    return gemv, ([True, False] if short_capacity else [False])
+
+
+def from_env() -> Forms | None:
+    """ATOMFLOW_FORMS, for experts (the CLI's --forms wins)."""
+    text = os.environ.get(ENV, "").strip()
+    return Forms.parse(text) if text else None

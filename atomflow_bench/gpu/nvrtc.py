@@ -1,0 +1,166 @@
+"""NVRTC: the CUDA kernels compiled from `kernels_cu/*.cu` through CuPy, one RawModule per file, on first use.
+
+Each `.cu` file is one op (see its header). `KernelLib` compiles a file the first time one of its kernels is asked
+for (a step build asks only for the kernels it launches, so only their files are compiled), for the device's own
+architecture, and CuPy's on-disk cache (~/.cupy/kernel_cache, keyed by source + options + arch) makes a second
+process skip NVRTC. Local `#include "x.cuh"` lines are inlined here so that the cache key covers the headers too.
+
+The -D macros a KernelLib compiles with are only what the kernels read: the portable forms for GPUs without bulk
+copies (`ATT_TMA`, which sm_90+ sets to 1 here, and `GEMV_BULK`) and the timing instruments (`INSTRUMENTS`), from
+ATOMFLOW_KERNEL_DEFINES="NAME=V ..." or the caller. Launch policy (which forms a step runs) is not a -D: it is a
+`forms.Forms` value handed to the step builder.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+from ..errors import AtomflowError
+
+KERNELS_DIR = Path(os.environ.get("ATOMFLOW_KERNELS_DIR", Path(__file__).resolve().parents[2] / "kernels_cu"))
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
+_DEFINE = re.compile(r"^[ \t]*#[ \t]*define(?:[^\n]*\\\n)*[^\n]*", re.M)  # a #define with continuations
+_MACRO_INSTANCE = re.compile(r"^(?:GEMV_(?:ROPE_|ROWS_|ROWS_ARGMAX_|WS_|WS_ROPE_)?INSTANCE\((\w+)[,)]"  # NAME
+                             r"|GEMV_(?:ROPE_)?RING_INSTANCES\((\w+)[,)]"  # NAME_r<depth> for every depth
+                             r"|ATTENTION_(SHORT_)?INSTANCE\((\d+), (\d+)\))", re.M)  # attention_{decode,short}_hd<HD>_g<G>
+_RING_DEPTH = re.compile(r"GEMV_RING_INSTANCE\(NAME, PRO, EPI, (\d+)\)")  # in GEMV_RING_INSTANCES' definition
+
+
+def expand_source(path: Path, seen: set | None = None) -> str:
+    """The source of `path` with local quoted includes inlined (each header once)."""
+    seen = set() if seen is None else seen
+    text = path.read_text()
+
+    def repl(m):
+        inc = (path.parent / m.group(1)).resolve()
+        if inc in seen:
+            return ""
+        seen.add(inc)
+        return expand_source(inc, seen)
+
+    return _INCLUDE.sub(repl, text)
+
+
+def ring_depths(path: Path) -> tuple[int, ...]:
+    """The fp8 ring depths with a kernel each: those GEMV_RING_INSTANCES instantiates (gemv_common.cuh)."""
+    return tuple(int(d) for d in _RING_DEPTH.findall(expand_source(path)))
+
+
+def kernel_names(path: Path) -> list[str]:
+    """The extern "C" kernels a .cu file defines (directly or through the instance macros)."""
+    text = _DEFINE.sub("", path.read_text())
+    names = _KERNEL.findall(text)
+    for gemv, ring, short, hd, g in _MACRO_INSTANCE.findall(text):
+        if ring:
+            names += [f"{ring}_r{d}" for d in ring_depths(path)]
+        else:
+            names.append(gemv or f"attention_{'short' if short else 'decode'}_hd{hd}_g{g}")
+    return names
+
+
+def cuda_include_dirs() -> list[str]:
+    """Directories holding cuda_fp16.h / cuda_fp8.h for NVRTC (toolkit, or the nvidia-* pip wheels)."""
+    cands = []
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            cands.append(Path(os.environ[var]) / "include")
+    cands += [Path("/usr/local/cuda/include")]
+    for sp in sys.path:
+        nv = Path(sp) / "nvidia"
+        if nv.is_dir():
+            cands += sorted(nv.glob("cu*/include")) + sorted(nv.glob("cuda_runtime/include"))
+    out = []
+    for c in cands:
+        if (c / "cuda_fp8.h").is_file() and str(c) not in out:
+            out.append(str(c))
+    return out
+
+
+PORTABLE = ("ATT_TMA", "GEMV_BULK")  # forms for GPUs without bulk copies / TMA (0); ATT_TMA is set to 1 on sm_90+
+# Timing instruments: with a non-zero value the step computes wrong results on purpose (AF_NO_WAIT, AF_NO_SCALES:
+# common.cuh, docs/PERF_NOTES.md v28, v36) or records when each block runs (AF_TIMELINE: lab/timeline.py). `run` marks
+# its record with them, `compare` refuses such a record and `validate` refuses to start.
+INSTRUMENTS = ("AF_NO_WAIT", "AF_NO_SCALES", "AF_TIMELINE")
+KERNEL_DEFINES = PORTABLE + INSTRUMENTS
+
+
+def knob(name: str, default: int, defines: tuple | None = None) -> int:
+    """The integer NAME=V of `defines` (default: ATOMFLOW_KERNEL_DEFINES), else `default`."""
+    for d in defines if defines is not None else os.environ.get("ATOMFLOW_KERNEL_DEFINES", "").split():
+        if d.startswith(name + "="):
+            return int(d.split("=", 1)[1])
+    return default
+
+
+def parse_defines(text: str | tuple) -> tuple:
+    """NAME=V words of the kernels' -D macros; refuses a name the kernels do not read (one line)."""
+    words = tuple(text.split()) if isinstance(text, str) else tuple(text)
+    for w in words:
+        name, eq, value = w.partition("=")
+        if name not in KERNEL_DEFINES or not eq or not value.lstrip("-").isdigit():
+            raise AtomflowError(f"ATOMFLOW_KERNEL_DEFINES: {w!r} is not NAME=<integer> with NAME one of "
+                                f"{', '.join(KERNEL_DEFINES)} (launch forms go in --forms / ATOMFLOW_FORMS)")
+    return words
+
+
+def instrument_defines(defines: tuple | None = None) -> list[str]:
+    """The NAME=V of `defines` (default, as for `knob`: ATOMFLOW_KERNEL_DEFINES) that switch a wrong-result timing
+    instrument on (AF_TIMELINE only records, so it is not one of them)."""
+    return [f"{n}={knob(n, 0, defines)}" for n in ("AF_NO_WAIT", "AF_NO_SCALES") if knob(n, 0, defines)]
+
+
+def arch_defines(cc: int, defines: tuple) -> tuple:
+    """ATT_TMA=1 on sm_90+ where the run does not set it: attention.cu stages K/V groups by 2D tensor copies
+    (docs/PERF_NOTES.md v23.5). The source default (ATT_TMA 0) is the portable form for older GPUs and nvcc."""
+    if any(d.startswith("ATT_TMA=") for d in defines) or cc < 90:
+        return ()
+    return ("ATT_TMA=1",)
+
+
+class KernelLib:
+    """Compiled kernels by name, one cupy.RawModule per .cu file, compiled on first use."""
+
+    OPTIONS = ("-std=c++17",)
+
+    def __init__(self, kernels_dir: Path = KERNELS_DIR, extra_defines: tuple = ()):
+        import cupy  # noqa: F401  (fail here, clearly, when CuPy is missing)
+
+        from .device import compute_capability
+
+        self.dir = Path(kernels_dir)
+        if not self.dir.is_dir():
+            raise AtomflowError(f"kernel sources not found: {self.dir} (set ATOMFLOW_KERNELS_DIR)")
+        self._file_of: dict[str, Path] = {}
+        for f in sorted(self.dir.glob("*.cu")):
+            for name in kernel_names(f):
+                self._file_of[name] = f
+        self._modules: dict[Path, object] = {}
+        self._kernels: dict[str, object] = {}
+        given = parse_defines(os.environ.get("ATOMFLOW_KERNEL_DEFINES", "")) + parse_defines(extra_defines)
+        self.defines = given + arch_defines(compute_capability(), given)
+        self.options = (self.OPTIONS + tuple(f"-D{d}" for d in self.defines)
+                        + tuple(f"-I{d}" for d in cuda_include_dirs()))
+
+    def module(self, path: Path):
+        import cupy
+
+        if path not in self._modules:
+            self._modules[path] = cupy.RawModule(code=expand_source(path), options=self.options,
+                                                 name_expressions=None)
+        return self._modules[path]
+
+    def __getitem__(self, name: str):
+        if name not in self._kernels:
+            try:
+                f = self._file_of[name]
+            except KeyError:
+                raise KeyError(f"no kernel {name!r} in {self.dir}") from None
+            self._kernels[name] = self.module(f).get_function(name)
+        return self._kernels[name]
+
+    def compiled_files(self) -> list[str]:
+        """The .cu files compiled so far (a step build compiles only those whose kernels it launches)."""
+        return sorted(p.name for p in self._modules)

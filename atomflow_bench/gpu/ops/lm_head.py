@@ -1,0 +1,78 @@
+"""The lm_head: the step's tail after the last layer, in one launch (gemv_common.cuh ROWS skeleton `gemv_rows`,
+gemv_fp16.cu gemv_f16_f32_argmax, argmax_common.cuh): the final RMSNorm in its prologue (block 0 also stores the
+normalised x: the `final_norm` probe), logits = lm_head . x in fp32, and in its epilogue the greedy argmax and the
+step's bookkeeping (out_tokens[pos] = best; cur_token = the prompt's next id or best; pos += 1).
+
+fp16 row-major weights, shared with the embedding when tied (HF's layout: ~100% of the copy bandwidth as it is):
+a warp per output row, 16-byte streaming loads. The separate rmsnorm and argmax kernels this fusion replaced were
+measured slower and removed (docs/PERF_NOTES.md v16; last in commit 9969095).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ...errors import AtomflowError
+from ..device import blocks_fit, smem_limits
+from ..launch import NULL, Launch, allow_dynamic_smem, i32
+from ..nvrtc import KernelLib
+from .gemv import GEMV_THREADS
+
+ROWS_WARPS = GEMV_THREADS // 32  # a warp per output row at a time
+ROWS_MIN_BLOCKS = 4              # gemv_common.cuh ROWS_MIN_BLOCKS: the grid is at most this many blocks per SM
+CU_FILES = ("gemv_common.cuh", "gemv_fp16.cu", "argmax_common.cuh")
+CU_DEFINES = {"ROWS_MIN_BLOCKS": ROWS_MIN_BLOCKS}
+
+
+def partial_blocks(vocab: int, n_sm: int) -> int:
+    """Argmax partials the arena holds: one per block of the lm_head launch."""
+    return min(-(-vocab // ROWS_WARPS), ROWS_MIN_BLOCKS * n_sm)
+
+
+def rows_launch(lib: KernelLib, w, x, y, n_out: int, k: int, n_sm: int, norm_w=None, eps: float = 1e-5,
+                x_out=None, taps=None, argmax: tuple = ()) -> Launch:
+    """y (fp32) = W . x for fp16 row-major W [n_out, k]. With `norm_w`, x is the fp32 residual and the prologue is
+    the final RMSNorm (`x_out`, fp16 [k]: where block 0 stores the normalised x). `argmax` = (part_val, part_idx,
+    counter, pos, cur_token, prompt, prompt_len, out_tokens): the greedy token and the step state in the epilogue
+    (gemv_f16_f32_argmax, advancing the position); without it the plain gemv_f16_f32 (the `gemv` benchmark)."""
+    if tuple(w.shape) != (n_out, k) or w.dtype != np.float16 or k % 8:
+        raise AtomflowError(f"lm_head GEMV needs fp16 weights [{n_out}, {k}] with K % 8 == 0, got {w.dtype} "
+                            f"{tuple(w.shape)}")
+    shmem = k * 2 if norm_w is None else k * 8 + 128  # x (+ h fp32, norm_w, the norm's scratch)
+    per_sm = max(1, min(ROWS_MIN_BLOCKS, blocks_fit(shmem, smem_limits())))
+    grid = (min(-(-n_out // ROWS_WARPS), n_sm * per_sm),)
+    moved = w.nbytes + x.nbytes + y.nbytes
+    moved += 0 if norm_w is None else norm_w.nbytes + (0 if x_out is None else x_out.nbytes)
+    args = (w, NULL, x, NULL if norm_w is None else norm_w, np.float32(eps), y, i32(n_out), i32(k),
+            NULL if x_out is None else x_out)
+    name = "gemv_f16_f32"
+    if argmax:
+        if argmax[0].shape[0] < grid[0]:
+            raise AtomflowError(f"argmax partials for {argmax[0].shape[0]} blocks, lm_head has {grid[0]}")
+        name, args = "gemv_f16_f32_argmax", args + tuple(argmax) + (i32(1),)
+    fn = lib[name]
+    allow_dynamic_smem(fn, shmem)
+    return Launch(fn, "gemv_fp16_f32_argmax" if argmax else "gemv_fp16_f32", grid, (GEMV_THREADS,), args, shmem,
+                  taps or {}, moved, f"gemv fp16 lm_head {n_out}x{k}")
+
+
+def lm_head_launch(lib: KernelLib, a, cfg, n_sm: int) -> Launch:
+    """The step's tail over the arena `a`: xnorm = RMSNorm(h) * final_norm, logits, the greedy token, pos += 1."""
+    head = a["embed" if cfg.tie_word_embeddings else "lm_head"]
+    return rows_launch(lib, head, a["h"], a["logits"], cfg.vocab_size, cfg.hidden_size, n_sm,
+                       norm_w=a["final_norm"], eps=cfg.rms_norm_eps, x_out=a["xnorm"],
+                       taps={"final_norm": a["xnorm"], "logits": a["logits"]},
+                       argmax=(a["am_val"], a["am_idx"], a["am_counter"], a["pos"], a["cur_token"], a["prompt"],
+                               a["prompt_len"], a["out_tokens"]))
+
+
+def hold_position(ln: Launch) -> Launch:
+    """The lm_head launch with advance = 0: it still finds the token (the time includes the argmax) but leaves the
+    position where it is (timing runs that replay one length many times)."""
+    if ln.name != "gemv_fp16_f32_argmax":
+        return ln
+    held = dataclasses.replace(ln, args=ln.args[:-1] + (i32(0),), pdl=False, _pdl_launcher=None)
+    if ln.pdl:
+        held.enable_pdl()
+    return held

@@ -1,0 +1,277 @@
+"""Recorded baselines (`baselines/*.json`) and the comparison table `run` prints under its own.
+
+One JSON file per recorded measurement, schema `atomflow-bench/baseline/1`. Fields (all others are
+rejected; `null` is allowed only where the type says so):
+
+    schema          "atomflow-bench/baseline/1"
+    engine          object:
+      name          string: the engine as its users know it ("vLLM", "AtomFlow", "llama.cpp server")
+      version       string or null: its version, null when the source does not say
+      flags         string or null: how it was configured ("torch.compile + CUDA Graph", "--enforce-eager")
+    gpu             object:
+      name          string: the GPU as the driver names it ("NVIDIA GeForce RTX 5060 Ti")
+      memory_bandwidth_gbs
+                    number or null: the GPU's spec memory bandwidth in GB/s (10^9 B/s); null when unknown
+    model           string: the model; a catalog name ("llama-3.2-3b") so runs of the same model find it
+    served_model    string or null (optional): the name the engine served the model under
+    precision       string: the weight/activation precision as the source states it ("W8A16", "bf16");
+                    say so when the source does not ("unspecified (likely bf16)")
+    bytes_format    "fp16", "fp8" or null (optional): the catalog weight format whose byte count
+                    (ModelConfig.weight_bytes) is read per token at this precision, used for the
+                    roofline-normalised comparison; null: not normalised
+    context         integer or null: prompt tokens before the timed decode; null when not stated
+    tokens          integer or null: generated tokens per measurement; null when not stated
+    metrics         object:
+      tpot_ms       number > 0: time per output token, the median (ms)
+      tok_per_s     number > 0: decode tokens per second
+      tpot_p10_ms   number or null (optional): 10th percentile of TPOT
+      tpot_p90_ms   number or null (optional): 90th percentile of TPOT
+      ttft_ms       number or null (optional): time to first token, the median
+      samples       integer or null (optional): how many measurements the figures summarise
+    source          string: a URL or publication ("AtomFlow README (...), figures as published"), or
+                    "measured with <command> on <date>"
+    method          string: how it was measured (what was timed, how lengths were fixed, what is approximate)
+    created         string (optional): when the file was written (ISO 8601, UTC)
+    notes           string or null (optional): anything else a reader must know
+
+Comparison rules (`comparison_rows`): a baseline is compared with a run when it names the same model
+(catalog name; a hub repo id is mapped to its catalog name). On the same GPU (names equal once "NVIDIA" and
+"GeForce" are dropped) the row gives the baseline's TPOT and the speedup = its TPOT / ours. On a different
+GPU absolute times say nothing about the engines, so the row gives the roofline-normalised comparison:
+each side's achieved bandwidth (bytes read per token / TPOT) divided by its own GPU's spec memory
+bandwidth, and the ratio ours / theirs. A baseline's bytes per token are computed from the catalog
+config at its `bytes_format` (weights + fp16 K/V rows at its mean context), exactly as `run` counts ours.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import CATALOG
+from ..errors import AtomflowError
+
+SCHEMA = "atomflow-bench/baseline/1"
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "baselines"
+
+# Spec memory bandwidth (GB/s) by the words of the GPU's name; the first entry all of whose words appear wins.
+GPU_BANDWIDTH_GBS: list[tuple[tuple[str, ...], float]] = [
+    (("h100", "pcie"), 2000.0),
+    (("h100",), 3350.0),            # H100 SXM5 80GB HBM3 ("NVIDIA H100 80GB HBM3")
+    (("h200",), 4800.0),
+    (("a100", "80gb"), 2039.0),     # A100 SXM4 80GB ("NVIDIA A100-SXM4-80GB")
+    (("rtx", "5060", "ti"), 448.0),
+    (("rtx", "4090"), 1008.0),
+    (("l40s",), 864.0),
+]
+
+_NUM = (int, float)
+
+
+def _words(gpu_name: str) -> list[str]:
+    return [w for w in re.split(r"[^a-z0-9]+", gpu_name.lower()) if w and w not in ("nvidia", "geforce")]
+
+
+def spec_bandwidth(gpu_name: str) -> float | None:
+    """Spec memory bandwidth (GB/s) of a GPU from the table above, None when it is not listed."""
+    words = set(_words(gpu_name))
+    return next((bw for keys, bw in GPU_BANDWIDTH_GBS if words.issuperset(keys)), None)
+
+
+def same_gpu(a: str, b: str) -> bool:
+    return _words(a) == _words(b)
+
+
+def catalog_name(model: str) -> str:
+    """The catalog name for a catalog name or a catalog hub repo id (case-insensitive); else `model`."""
+    low = model.lower()
+    return next((p.name for p in CATALOG.values() if low in (p.name, p.hub_repo.lower())), model)
+
+
+# ---- schema ------------------------------------------------------------------------------------
+# field -> (allowed types, required, extra check or nested spec)
+Spec = dict[str, tuple[tuple[type, ...], bool, "Callable[[Any], str | None] | dict | None"]]
+
+
+def _positive(v) -> str | None:
+    return None if v is None or v > 0 else f"must be > 0, got {v!r}"
+
+
+def _one_of(*allowed) -> Callable[[Any], str | None]:
+    return lambda v: None if v in allowed else f"must be one of {', '.join(map(repr, allowed))}, got {v!r}"
+
+
+_N = type(None)
+SPEC: Spec = {
+    "schema": ((str,), True, _one_of(SCHEMA)),
+    "engine": ((dict,), True, {"name": ((str,), True, None), "version": ((str, _N), True, None),
+                               "flags": ((str, _N), True, None)}),
+    "gpu": ((dict,), True, {"name": ((str,), True, None), "memory_bandwidth_gbs": (_NUM + (_N,), True, _positive)}),
+    "model": ((str,), True, None),
+    "served_model": ((str, _N), False, None),
+    "precision": ((str,), True, None),
+    "bytes_format": ((str, _N), False, _one_of("fp16", "fp8", None)),
+    "context": ((int, _N), True, lambda v: None if v is None or v >= 0 else f"must be >= 0, got {v!r}"),
+    "tokens": ((int, _N), True, _positive),
+    "metrics": ((dict,), True, {
+        "tpot_ms": (_NUM, True, _positive), "tok_per_s": (_NUM, True, _positive),
+        "tpot_p10_ms": (_NUM + (_N,), False, _positive), "tpot_p90_ms": (_NUM + (_N,), False, _positive),
+        "ttft_ms": (_NUM + (_N,), False, _positive), "samples": ((int, _N), False, _positive)}),
+    "source": ((str,), True, None),
+    "method": ((str,), True, None),
+    "created": ((str,), False, None),
+    "notes": ((str, _N), False, None),
+}
+
+
+def _type_name(types: tuple[type, ...]) -> str:
+    names = {int: "integer", float: "number", str: "string", dict: "object", _N: "null"}
+    out = [names[t] for t in types if not (t is int and float in types)]
+    return " or ".join(out)
+
+
+def _check(obj: dict, spec: Spec, where: str, prefix: str = "") -> None:
+    for key in obj:
+        if key not in spec:
+            raise AtomflowError(f"{where}: unknown field {prefix + key!r}")
+    for key, (types, required, extra) in spec.items():
+        name = prefix + key
+        if key not in obj:
+            if required:
+                raise AtomflowError(f"{where}: missing field {name!r}")
+            continue
+        v = obj[key]
+        if isinstance(v, bool) or not isinstance(v, types):
+            raise AtomflowError(f"{where}: field {name!r} must be {_type_name(types)}, got {v!r}")
+        if isinstance(extra, dict):
+            _check(v, extra, where, name + ".")
+        elif extra is not None and (msg := extra(v)):
+            raise AtomflowError(f"{where}: field {name!r} {msg}")
+
+
+def validate(rec: Any, where: str = "baseline") -> dict:
+    """`rec` if it is a valid baseline, else AtomflowError naming `where` and the first bad field."""
+    if not isinstance(rec, dict):
+        raise AtomflowError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    _check(rec, SPEC, where)
+    return rec
+
+
+def load_baseline(path: Path) -> dict:
+    path = Path(path)
+    try:
+        rec = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise AtomflowError(f"{path}: not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AtomflowError(f"{path}: not valid JSON ({e})") from None
+    return validate(rec, str(path))
+
+
+def load_baselines(directory: Path | None = None) -> list[dict]:
+    """Every `*.json` in `directory` (default: the repository's baselines/), validated; [] if it is absent."""
+    directory = Path(directory) if directory is not None else DEFAULT_DIR
+    if not directory.is_dir():
+        return []
+    return [load_baseline(p) for p in sorted(directory.glob("*.json"))]
+
+
+# ---- comparison --------------------------------------------------------------------------------
+def baseline_bytes_per_token(b: dict) -> int | None:
+    """Bytes one decode step reads for a baseline (catalog model + bytes_format), None when unknown."""
+    preset = CATALOG.get(b["model"])
+    fmt = b.get("bytes_format")
+    if preset is None or fmt is None:
+        return None
+    cfg = preset.config
+    ctx = b["context"] or 0
+    mean_pos = ctx + ((b["tokens"] - 1) / 2 + 1 if b["tokens"] else 0)
+    return cfg.weight_bytes(fmt) + int(round(mean_pos * cfg.kv_bytes_per_token()))
+
+
+def _row(kind: str, engine: str, gpu: str, gpu_bw: float | None, precision: str, context, tpot_ms: float,
+         bandwidth_gbs: float | None, source: str, ours: dict) -> dict:
+    same = same_gpu(gpu, ours["gpu"])
+    frac = bandwidth_gbs / gpu_bw if bandwidth_gbs and gpu_bw else None
+    normalised = (ours["roofline_frac"] / frac) if (not same and frac and ours["roofline_frac"]) else None
+    return {"kind": kind, "engine": engine, "gpu": gpu, "same_gpu": same, "precision": precision,
+            "context": context, "tpot_ms": tpot_ms, "speedup": tpot_ms / ours["tpot_ms"] if same else None,
+            "bandwidth_gbs": bandwidth_gbs, "gpu_bandwidth_gbs": gpu_bw, "roofline_frac": frac,
+            "normalised_ratio": normalised, "source": source}
+
+
+def comparison_rows(run_record: dict, baselines: list[dict], peers: list[dict] | None = None) -> list[dict]:
+    """Rows comparing a `run` record with the baselines of its model and with live peers (same process).
+
+    The first row is ours. `speedup` (their TPOT / ours, >1: we are faster) is set only on the same GPU;
+    `normalised_ratio` (our bandwidth fraction / theirs, >1: we get closer to our GPU's peak) only on a
+    different GPU. A bandwidth fraction is achieved GB/s / the GPU's spec GB/s (`spec_bandwidth`).
+    """
+    gpu = run_record["gpu"]["name"]
+    bw = run_record["bandwidth_gbs"]
+    gpu_bw = spec_bandwidth(gpu)
+    ours = {"gpu": gpu, "tpot_ms": run_record["tpot_ms"]["median"],
+            "roofline_frac": bw / gpu_bw if gpu_bw else None}
+    rows = [{"kind": "ours", "engine": f"atomflow-bench {run_record['tool']['version']}", "gpu": gpu,
+             "same_gpu": True, "precision": run_record["weights"], "context": run_record["context"],
+             "tpot_ms": ours["tpot_ms"], "speedup": 1.0, "bandwidth_gbs": bw, "gpu_bandwidth_gbs": gpu_bw,
+             "roofline_frac": ours["roofline_frac"], "normalised_ratio": None, "source": "this run"}]
+    for p in peers or []:
+        rows.append(_row("peer", p["engine"], p["gpu"], spec_bandwidth(p["gpu"]), p["precision"], p["context"],
+                         p["tpot_ms"]["median"], p["bandwidth_gbs"], "measured in this run", ours))
+    model = catalog_name(run_record["model"]["name"])
+    for b in baselines:
+        if catalog_name(b["model"]) != model:
+            continue
+        e = b["engine"]
+        engine = " ".join(x for x in (e["name"], e["version"]) if x) + (f" ({e['flags']})" if e["flags"] else "")
+        nbytes = baseline_bytes_per_token(b)
+        tpot = b["metrics"]["tpot_ms"]
+        rows.append(_row("baseline", engine, b["gpu"]["name"], b["gpu"]["memory_bandwidth_gbs"] or
+                         spec_bandwidth(b["gpu"]["name"]), b["precision"], b["context"], tpot,
+                         nbytes / (tpot * 1e-3) / 1e9 if nbytes else None, b["source"], ours))
+    return rows
+
+
+def _fmt(v, spec: str, none: str = "n/a") -> str:
+    return none if v is None else format(v, spec)
+
+
+def comparison_table(rows: list[dict]):
+    """The comparison as a rich Table (rows from `comparison_rows`)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title="comparison — speedup = their TPOT / ours (same GPU only); roofline-normalised = "
+                    "(our achieved GB/s / our GPU's spec GB/s) / (theirs / their GPU's spec GB/s) (different GPU only)",
+              title_justify="left")
+    for col in ("engine", "GPU", "precision", "ctx", "TPOT ms", "speedup (same GPU)", "achieved / spec GB/s",
+                "roofline-normalised (different GPU)", "source"):
+        t.add_column(col, justify="left" if col in ("engine", "GPU", "precision", "source") else "right",
+                     overflow="fold")
+    for r in rows:
+        if r["roofline_frac"] is None:
+            frac = f"{_fmt(r['bandwidth_gbs'], '.0f')} / {_fmt(r['gpu_bandwidth_gbs'], '.0f', '?')}"
+        else:
+            frac = f"{r['bandwidth_gbs']:.0f} / {r['gpu_bandwidth_gbs']:.0f} = {100 * r['roofline_frac']:.0f}%"
+        if r["kind"] == "ours":
+            speed, norm = "—", "—"
+        elif r["same_gpu"]:
+            speed, norm = f"x{r['speedup']:.2f}", "— (same GPU)"
+        else:
+            ratio = r["normalised_ratio"]
+            speed, norm = "— (different GPU)", "n/a (bandwidth unknown)" if ratio is None else f"x{ratio:.2f}"
+        tpot = f"{r['tpot_ms']:.3f}" if r["same_gpu"] else f"[dim]{r['tpot_ms']:.3f}[/dim]"
+        engine = ("[bold]" if r["kind"] == "ours" else "") + escape(r["engine"])
+        t.add_row(engine, escape(r["gpu"]), escape(r["precision"]), _fmt(r["context"], "d", "?"), tpot, speed, frac,
+                  norm, escape(r["source"]))
+    return t
+
+
+def attach_comparisons(rec: dict, baselines: list[dict], peers: list[dict] | None = None) -> list[dict]:
+    """Compare `rec` with `baselines` and `peers`; both the peers and the rows are stored in `rec`."""
+    if peers:
+        rec["peers"] = peers
+    rec["comparisons"] = comparison_rows(rec, baselines, peers)
+    return rec["comparisons"]

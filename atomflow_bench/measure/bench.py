@@ -1,0 +1,130 @@
+"""`run`: the decode benchmark (timing.py's helpers, one record).
+
+* `time_decode`: the prompt (context) is fed through the graph, then every generated token is one graph
+  replay bracketed by CUDA events (no host sync in between); TPOT samples from all repeats -> median and
+  spread. Eager mode (`graph=False`) launches the same kernels one by one from Python.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .timing import Marks, copy_bandwidth, summarize
+
+
+def synthetic_prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]
+
+
+def time_decode(engine, context: int, tokens: int, repeats: int, graph: bool = True, prompt=None) -> dict:
+    """Per-token decode times (ms) after a `context`-token prompt; also returns the last repeat's tokens."""
+    prompt = prompt if prompt is not None else synthetic_prompt(engine.cfg.vocab_size, context)
+    if len(prompt) + tokens > engine.max_seq:
+        raise ValueError(f"context {len(prompt)} + tokens {tokens} exceed max_seq {engine.max_seq}")
+    stream = engine.stream
+    samples, per_repeat, ids = [], [], []
+    for r in range(repeats + 1):  # the first pass is a warm-up (clocks, caches, graph upload)
+        engine.reset(prompt)
+        engine.run(len(prompt) - 1, graph=graph)  # prefill token by token through the same step
+        marks = Marks(tokens, stream)
+        with stream:
+            marks.mark()
+            for _ in range(tokens):
+                engine.run(1, graph=graph)
+                marks.mark()
+        t = marks.intervals_ms()
+        if r > 0:
+            samples += t
+            per_repeat.append(float(np.median(t)))
+        ids = engine.tokens(len(prompt) - 1, tokens)
+    out = summarize(samples)
+    out["repeat_medians"] = per_repeat
+    per_token = np.median(np.reshape(samples, (repeats, tokens)), axis=0) if repeats else np.zeros(0)
+    return {"tpot_ms": out, "token_ids": ids, "prompt_len": len(prompt), "per_token_ms": per_token.tolist()}
+
+
+def by_bucket(engine, context: int, per_token_ms: list[float]) -> list[dict]:
+    """Median per-token time of the generated tokens in each attention bucket (token i runs at length
+    context + i), with the bucket's layer-GEMV form."""
+    groups: dict = {}
+    for i, t in enumerate(per_token_ms):
+        L = context + i
+        g = groups.setdefault(engine.bucket(L), {"attention": engine.bucket(L), "lengths": [L, L], "ms": []})
+        g["lengths"][1] = L
+        g["ms"].append(t)
+    return [{"attention": "split" if g["attention"] is None else f"short <= {g['attention']}",
+             "lengths": g["lengths"], "tokens": len(g["ms"]), "tpot_ms": float(np.median(g["ms"])),
+             "gemv": engine.gemv_form_of(g["lengths"][0]).text}
+            for g in groups.values()]
+
+
+def benchmark(model_dir, model_name: str, source: str, weights: str, context: int, tokens: int, repeats: int,
+              eager_tokens: int = 32, progress=None, forms=None, retune: bool = False) -> dict:
+    """The `run` measurement on the GPU: forms (given, saved or tuned now: tune.resolve), copy roofline, graph
+    decode, eager decode; returns the record."""
+    import time
+
+    from . import report
+    from ..gpu.engine import Engine
+    from ..gpu.nvrtc import instrument_defines
+    from ..tokenizer import load_tokenizer
+    from .tune import resolve
+
+    t0 = time.perf_counter()
+    eng = Engine(model_dir, weights=weights, max_seq=context + tokens, progress=progress)
+    load_s = time.perf_counter() - t0
+    chosen = resolve(eng, forms, retune=retune, progress=progress)
+    copy = copy_bandwidth()
+    prompt = synthetic_prompt(eng.cfg.vocab_size, context)
+    g = time_decode(eng, context, tokens, repeats, graph=True, prompt=prompt)
+    n_e = min(eager_tokens, tokens)
+    e = time_decode(eng, context, n_e, 1, graph=False, prompt=prompt)
+    same = e["token_ids"] == g["token_ids"][:n_e]
+    tpot = g["tpot_ms"]
+    # bytes per token: all streamed weights + the K/V rows attended, averaged over the generated positions
+    nbytes = eng.streamed_bytes(context + (tokens - 1) / 2 + 1)
+    bw = nbytes["total"] / (tpot["median"] * 1e-3) / 1e9
+    floor_ms = nbytes["total"] / (copy["median"] * 1e9) * 1e3
+    tok = load_tokenizer(eng.ckpt.dir)
+    text = tok.decode(g["token_ids"]) if tok is not None else None
+    return {
+        "schema": report.SCHEMA, "tool": report.tool_info(), "created": report.now_iso(),
+        "command": report.command_line(), "gpu": eng.gpu, "copy_bandwidth_gbs": copy,
+        "model": {"name": model_name, "source": source, "params": eng.cfg.param_count(),
+                  "config": eng.cfg.to_hf_dict()},
+        "weights": weights, "context": context, "tokens": tokens, "repeats": repeats,
+        "tpot_ms": tpot, "tok_per_s": 1e3 / tpot["median"],
+        "attention_buckets": by_bucket(eng, context, g["per_token_ms"]),
+        "forms": chosen,
+        "bytes_per_token": nbytes, "bandwidth_gbs": bw,
+        "roofline": {"tpot_floor_ms": floor_ms, "pct": 100.0 * floor_ms / tpot["median"]},
+        "vram_bytes": eng.vram(),
+        "eager": {"tpot_ms": e["tpot_ms"], "tokens": n_e, "graph_speedup": e["tpot_ms"]["median"] / tpot["median"],
+                  "same_tokens": bool(same)},
+        "generated": {"token_ids": g["token_ids"], "text": text},
+        "load": {"seconds": load_s, **eng.load_info},
+        "launches_per_step": len(eng.launches),
+        "pdl": eng.pdl,
+        "kernel_defines": list(eng.lib.defines),
+        "compiled": eng.lib.compiled_files(),
+        "instrument": instrument_defines(eng.lib.defines),  # non-empty: a timing bound with wrong outputs
+    }
+
+
+def cpu_fallback(model_dir, weights: str, n_tokens: int = 4) -> dict:
+    """No CUDA device: a few tokens through the NumPy reference (lazy fp16 weights), NOT a performance figure."""
+    import time
+
+    from ..validate.reference import ReferenceDecoder, greedy
+    from ..tokenizer import load_tokenizer
+    from ..store.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(model_dir)
+    tok = load_tokenizer(ckpt.dir)
+    prompt = tok.encode("The capital of France is").ids if tok is not None else synthetic_prompt(ckpt.config.vocab_size, 4)
+    dec = ReferenceDecoder(ckpt, weights=weights, max_seq=len(prompt) + n_tokens, lazy=True)
+    t0 = time.perf_counter()
+    ids = greedy(dec, prompt, n_tokens)
+    dt = time.perf_counter() - t0
+    return {"backend": "numpy-reference (CPU)", "prompt_ids": prompt, "token_ids": ids,
+            "text": tok.decode(ids) if tok is not None else None, "seconds": dt,
+            "steps": len(prompt) + len(ids) - 1}

@@ -1,0 +1,164 @@
+"""Live peers: HF transformers decode on the same weights and shape, in the same process as our engine.
+
+Modes (per-token decode after a `context`-token synthetic prompt, greedy, batch 1):
+
+* `eager`    — `model(...)` with a `DynamicCache`, as most HF users run it;
+* `static`   — a `StaticCache` without compilation (isolates the cache's own effect);
+* `compiled` — HF's "static cache + torch.compile" recipe: `StaticCache`, prefill uncompiled, then
+  `torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)` (CUDA graphs) for the decode steps,
+  with a few untimed warm-up steps to trigger compilation and graph capture.
+
+All modes run with PyTorch's flash, memory-efficient and math SDPA backends, not cuDNN's: with a KV length
+that grows every step, cuDNN attention builds a new execution plan per step (about 5 ms of host time per
+layer on an H100 with torch 2.11, never amortised over repeats), which would time plan building, not decode.
+
+Every mode runs one untimed repeat first, then `repeats` timed ones. On CUDA each step is bracketed by CUDA
+events with no host synchronisation in between (the argmax stays on the GPU); on the CPU (`device="cpu"`,
+a smoke test, not a performance figure) by `time.perf_counter`. Bytes per token are counted as `run` counts
+ours: all weights at 2 bytes + the fp16 K/V rows of the mean context (HF's static cache reads its whole
+allocated length, masked; those extra bytes are not counted).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .bench import synthetic_prompt
+from .timing import summarize
+from ..errors import AtomflowError, GpuUnavailable
+
+MODES = ("eager", "static", "compiled")
+SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")  # cuDNN left out: see the module docstring
+DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+HINT = "HF peers need torch and transformers: pip install 'atomflow-bench[truth]'"
+
+
+def _require_torch(device: str):
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise AtomflowError(HINT) from None
+    if device == "cuda" and not torch.cuda.is_available():
+        raise GpuUnavailable("torch sees no CUDA device (torch.cuda.is_available() is False); "
+                             "use --device cpu for a smoke test")
+    return torch, transformers
+
+
+class _Timer:
+    """Per-step times (ms): CUDA events on the current stream, or perf_counter on the CPU."""
+
+    def __init__(self, torch, device: str, steps: int):
+        self.torch, self.cuda = torch, device == "cuda"
+        self.marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if self.cuda else []
+        self.t = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            self.marks[len(self.t)].record()
+            self.t.append(None)
+        else:
+            self.t.append(time.perf_counter())
+
+    def times_ms(self) -> list[float]:
+        if self.cuda:
+            self.marks[len(self.t) - 1].synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:len(self.t)])]
+        return [(b - a) * 1e3 for a, b in zip(self.t, self.t[1:])]
+
+
+def _decode(torch, model, cache, prompt, tokens: int, device: str, step=None) -> tuple[list[float], list[int]]:
+    """Prefill `prompt` (uncompiled) into `cache`, then `tokens` timed greedy steps through `step` (default:
+    the eager forward); returns (per-step ms, the tokens+1 generated ids, the prefill's first). A static cache
+    is reset and reused, so the compiled step keeps its graph (its tensors have fixed addresses)."""
+    cache.reset()
+    out = model(input_ids=torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    pos = torch.full((1, 1), len(prompt), dtype=torch.long, device=device)
+    step = step or model.forward
+    timer, gen = _Timer(torch, device, tokens), [nxt]
+    timer.mark()
+    for _ in range(tokens):
+        torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
+        logits = step(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True).logits
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        pos = pos + 1
+        gen.append(nxt)
+        timer.mark()
+    return timer.times_ms(), [int(t) for t in torch.cat(gen).view(-1).tolist()]
+
+
+def measure_peers(model_dir, context: int = 128, tokens: int = 64, modes=("eager", "compiled"),
+                  weights: str = "fp16", device: str = "cuda", repeats: int = 3, warmup_steps: int = 3) -> list[dict]:
+    """One record per mode: engine, gpu, precision, context, tokens, tpot_ms{...}, tok/s, bytes, bandwidth."""
+    torch, transformers = _require_torch(device)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import DynamicCache, LlamaForCausalLM, StaticCache
+
+    from ..config import ModelConfig
+
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or weights not in DTYPES:
+        raise AtomflowError(f"peers: unknown mode {unknown[0]!r} (known: {', '.join(MODES)})" if unknown
+                            else f"peers: unknown weights {weights!r} (known: {', '.join(DTYPES)})")
+    if device == "cuda" and "cupy" in sys.modules:  # our engine ran first in this process: give its cached blocks back
+        sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
+    cfg = ModelConfig.from_file(Path(model_dir) / "config.json")
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, DTYPES[weights]),
+                                             attn_implementation="sdpa").to(device).eval()
+    prompt = synthetic_prompt(cfg.vocab_size, context)
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    nbytes = {"weights": cfg.weight_bytes("fp16"),
+              "kv": int(round((context + (tokens - 1) / 2 + 1) * cfg.kv_bytes_per_token()))}
+    nbytes["total"] = nbytes["weights"] + nbytes["kv"]
+    records, reference_ids = [], None
+    with torch.inference_mode(), sdpa_kernel([getattr(SDPBackend, b) for b in SDPA_BACKENDS]):
+        for mode in modes:
+            step = None
+            cache = (DynamicCache(config=model.config) if mode == "eager" else
+                     StaticCache(config=model.config, max_cache_len=context + max(tokens, warmup_steps)))
+            if mode == "compiled":
+                step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+                _decode(torch, model, cache, prompt, warmup_steps, device, step)  # compile + capture
+            samples, per_repeat, ids = [], [], []
+            for r in range(repeats + 1):  # the first repeat is a warm-up
+                ms, ids = _decode(torch, model, cache, prompt, tokens, device, step)
+                if r:
+                    samples += ms
+                    per_repeat.append(float(np.median(ms)))
+            tpot = {**summarize(samples), "repeat_medians": per_repeat}
+            reference_ids = reference_ids or ids
+            records.append({
+                "engine": f"HF transformers {transformers.__version__} {mode} {weights}", "mode": mode,
+                "framework": {"torch": torch.__version__, "transformers": transformers.__version__},
+                "sdpa_backends": list(SDPA_BACKENDS),
+                "gpu": gpu, "device": device, "precision": weights, "context": context, "tokens": tokens,
+                "repeats": repeats, "tpot_ms": tpot, "tok_per_s": 1e3 / tpot["median"], "bytes_per_token": nbytes,
+                "bandwidth_gbs": nbytes["total"] / (tpot["median"] * 1e-3) / 1e9,
+                "same_tokens_as_first_mode": ids == reference_ids, "token_ids": ids[:16]})
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return records
+
+
+def peers_table(records: list[dict]):
+    """The peers as a rich Table."""
+    from rich.table import Table
+
+    from .baselines import spec_bandwidth
+
+    t = Table(title="HF transformers peers (same weights, same shape, this process)", title_justify="left")
+    for col in ("engine", "device", "ctx", "tokens", "TPOT median ms", "p10", "p90", "tok/s", "GB/s",
+                "% of spec GB/s", "same tokens"):
+        t.add_column(col, justify="left" if col in ("engine", "device") else "right", overflow="fold")
+    for r in records:
+        tp, spec = r["tpot_ms"], spec_bandwidth(r["gpu"])
+        t.add_row(r["engine"], r["gpu"], str(r["context"]), str(r["tokens"]), f"{tp['median']:.3f}",
+                  f"{tp['p10']:.3f}", f"{tp['p90']:.3f}", f"{r['tok_per_s']:.1f}", f"{r['bandwidth_gbs']:.0f}",
+                  f"{100 * r['bandwidth_gbs'] / spec:.0f}%" if spec else "n/a", str(r["same_tokens_as_first_mode"]))
+    return t

@@ -1,0 +1,187 @@
+"""The results record (versioned JSON) and its rich table.
+
+Schema `atomflow-bench/run/1` (documented in README.md, section "Results JSON"). Every number in it is
+measured in the run that wrote it, except `model`, `weights`, `context`, ... which describe the run.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .. import __version__
+from ..store.store import write_json_atomic
+
+SCHEMA = "atomflow-bench/run/1"
+REQUIRED = ("schema", "gpu", "model", "weights", "context", "tokens", "tpot_ms", "copy_bandwidth_gbs",
+            "bytes_per_token", "roofline")
+
+
+def forms_text(text: str) -> str:
+    """What a forms text (gpu/forms.py) means, for the run table."""
+    from ..gpu.forms import Forms
+
+    f = Forms.parse(text)
+
+    def gemv(g) -> str:
+        base = "warp-specialised (producer warp + bulk copies)" if g.ws else "per-warp ring (fp8) / registers (fp16)"
+        pre = f", {g.ws_pre} ring slots filled before the PDL wait" if g.ws_pre is not None else ""
+        l2 = f"the last {g.l2_tail_mb} MB of gate/up's weights" if g.l2_tail_mb else "nothing"
+        return f"{base}{pre}; QKV asks L2 for {l2}"
+
+    if not f.short_attention:
+        return f"split attention at every length; layer GEMVs {gemv(f.gemv_split)}"
+    return f"short attention, layer GEMVs {gemv(f.gemv)}; beyond it split attention, layer GEMVs {gemv(f.gemv_split)}"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def git_commit() -> str | None:
+    return _git("rev-parse", "--short=12", "HEAD") or None
+
+
+def git_dirty() -> bool | None:
+    """Whether tracked files differ from that commit (None: no git): a record's commit alone does not name its code
+    then — e.g. a device's copy of a working tree whose .git is older than its files."""
+    out = _git("status", "--porcelain", "--untracked-files=no")
+    return None if out is None else bool(out)
+
+
+def source_sha256(package: Path | None = None, kernels: Path | None = None) -> str:
+    """sha256 (16 hex digits) over the package's Python files and the kernel sources it compiles (kernels.KERNELS_DIR):
+    each file's name relative to its directory and its bytes, in that order: the code that ran, named without git."""
+    import hashlib
+
+    from ..gpu.nvrtc import KERNELS_DIR
+
+    h = hashlib.sha256()
+    for base, suffixes in ((package or Path(__file__).resolve().parents[1], (".py",)),
+                           (kernels or KERNELS_DIR, (".cu", ".cuh"))):
+        for p in sorted(q for q in Path(base).rglob("*") if q.is_file() and q.suffix in suffixes):
+            h.update(p.relative_to(base).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def tool_info() -> dict:
+    return {"name": "atomflow-bench", "version": __version__, "git_commit": git_commit(), "git_dirty": git_dirty(),
+            "source_sha256": source_sha256(), "python": sys.version.split()[0]}
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", s).strip("-").lower()
+
+
+def default_path(rec: dict, results_dir: Path = Path("results")) -> Path:
+    stamp = rec["created"].replace(":", "").replace("-", "")
+    name = f"run-{slug(rec['model']['name'])}-{rec['weights']}-ctx{rec['context']}-{slug(rec['gpu']['name'])}-{stamp}.json"
+    return results_dir / name
+
+
+def write(rec: dict, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, rec)
+    return path
+
+
+def load(path: Path) -> dict:
+    from ..errors import AtomflowError
+
+    try:
+        rec = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise AtomflowError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise AtomflowError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(rec, dict) or rec.get("schema") != SCHEMA:
+        raise AtomflowError(f"{path}: not an {SCHEMA} results file (schema={rec.get('schema') if isinstance(rec, dict) else None!r})")
+    missing = [k for k in REQUIRED if k not in rec]
+    if missing:
+        raise AtomflowError(f"{path}: results file lacks field {missing[0]!r}")
+    return rec
+
+
+def command_line() -> str:
+    return " ".join(["atomflow-bench"] + [a if " " not in a else repr(a) for a in sys.argv[1:]])
+
+
+def _gib(n) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+def run_table(rec: dict):
+    """The `run` table (rich.Table)."""
+    from rich.table import Table
+
+    t = Table(title=f"atomflow-bench run — {rec['model']['name']} {rec['weights']}", show_header=False,
+              title_justify="left")
+    t.add_column("metric", style="bold")
+    t.add_column("value")
+    g = rec["gpu"]
+    tp = rec["tpot_ms"]
+    t.add_row("GPU", f"{g['name']} (sm_{g['cc'].replace('.', '')}, {g['sms']} SMs), driver CUDA {g['cuda_driver']}, "
+                     f"runtime {g['cuda_runtime']}, CuPy {g['cupy']}")
+    m = rec["model"]
+    t.add_row("model", f"{m['name']} ({m['source']}), {m['params'] / 1e9:.3f} B params")
+    t.add_row("weights", rec["weights"] + (" (FP8-E4M3 layers, group 128; fp16 embedding/lm_head)"
+                                           if rec["weights"] == "fp8" else ""))
+    t.add_row("context / generated", f"{rec['context']} prompt tokens, {rec['tokens']} generated x {rec['repeats']} repeats")
+    if rec.get("instrument"):
+        t.add_row("[red]INSTRUMENT[/red]", f"[red]{' '.join(rec['instrument'])}: a timing instrument — the outputs are wrong "
+                                           "on purpose; this TPOT is a bound, not a result[/red]")
+    t.add_row("TPOT (graph)", f"median {tp['median']:.4f} ms  (p10 {tp['p10']:.4f}, p90 {tp['p90']:.4f}, n={tp['n']})")
+    t.add_row("tok/s", f"{rec['tok_per_s']:.1f}")
+    b = rec["bytes_per_token"]
+    t.add_row("bytes read / token", f"{b['total'] / 1e9:.4f} GB (weights {b['weights'] / 1e9:.4f} + KV {b['kv'] / 1e6:.2f} MB)")
+    t.add_row("achieved bandwidth", f"{rec['bandwidth_gbs']:.0f} GB/s")
+    cb = rec["copy_bandwidth_gbs"]
+    t.add_row("copy bandwidth (same run)", f"{cb['median']:.0f} GB/s (p10 {cb['p10']:.0f}, p90 {cb['p90']:.0f}; "
+                                           f"D2D copy of {cb['bytes'] >> 20} MiB, read+write)")
+    r = rec["roofline"]
+    t.add_row("% of roofline", f"[bold]{r['pct']:.1f}%[/bold]  (floor {r['tpot_floor_ms']:.4f} ms = bytes / copy bandwidth)")
+    v = rec["vram_bytes"]
+    t.add_row("VRAM by pool", f"weights {_gib(v['weights'])}, KV {_gib(v['kv'])}, activations "
+                              f"{v['activations'] / 2**20:.2f} MiB, scratch {v['scratch'] / 2**20:.2f} MiB; total {_gib(v['total'])}")
+    e = rec.get("eager")
+    if e:
+        t.add_row("eager (--no-graph)", f"median {e['tpot_ms']['median']:.4f} ms -> graph speedup "
+                                        f"x{e['graph_speedup']:.2f}; same tokens: {e['same_tokens']}")
+    gen = rec.get("generated", {})
+    if gen:
+        text = gen.get("text")
+        shown = repr(text[:120]) if text else str(gen["token_ids"][:16])
+        t.add_row("first tokens", shown)
+    t.add_row("launch", f"{rec['launches_per_step']} kernels/step in one CUDA Graph; "
+                        f"programmatic dependent launch: {'on' if rec.get('pdl') else 'off'}")
+    fo = rec.get("forms")
+    if fo:
+        origin = {"tuned now": "tuned in this run", "saved": "a saved tune", "given": "given (--forms / ATOMFLOW_FORMS)",
+                  "default": "the defaults (not tuned)"}.get(fo["origin"], fo["origin"])
+        t.add_row("forms", f"{fo['forms']} — {origin}: {forms_text(fo['forms'])}")
+        timed = fo.get("timed")
+        if timed:
+            best = sorted(timed["step_us"].items(), key=lambda kv: kv[1])[:3]
+            t.add_row("tuned", f"{len(timed['step_us'])} forms timed at lengths {timed['lengths']}; fastest "
+                               + ", ".join(f"{k} {v:.1f} µs" for k, v in best))
+    buckets = ", ".join(f"{b['attention']} (lengths {b['lengths'][0]}-{b['lengths'][1]}, GEMVs {b['gemv']}): "
+                        f"{b['tpot_ms']:.4f} ms" for b in rec.get("attention_buckets", []))
+    if buckets:
+        t.add_row("by attention bucket", buckets)
+    t.add_row("load", f"{rec['load']['seconds']:.1f} s" + (f", fp8 from {rec['load']['fp8_source']}"
+                                                            if rec['load'].get('fp8_source') else ""))
+    return t
+

