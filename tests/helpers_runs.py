@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from atomflow_bench import report
-from atomflow_bench.bench import summarize
+from atomflow_bench.measure import report
+from atomflow_bench.measure.timing import summarize
 
 H100 = "NVIDIA H100 80GB HBM3"
 

@@ -8,7 +8,7 @@ import pytest
 from helpers_runs import make_run
 from rich.console import Console
 
-from atomflow_bench.baselines import (DEFAULT_DIR, baseline_bytes_per_token, catalog_name, comparison_rows,
+from atomflow_bench.measure.baselines import (DEFAULT_DIR, baseline_bytes_per_token, catalog_name, comparison_rows,
                                       comparison_table, load_baselines, spec_bandwidth)
 from atomflow_bench.cli import main
 from atomflow_bench.config import CATALOG

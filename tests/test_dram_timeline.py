@@ -13,7 +13,7 @@ from helpers_scripts import load_script
 
 @pytest.fixture(scope="module")
 def dt():
-    return load_script("dram_timeline")
+    return load_script("lab/dram_timeline")
 
 
 LAYER = [95.0] * 6 + [60.0, 3.0, 2.0, 40.0]  # one layer: a stream, then a two-sample hole (the dip starts at 7)

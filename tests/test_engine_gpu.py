@@ -1,4 +1,4 @@
-"""The whole GPU engine against the NumPy reference decoder (GPU).
+"""The whole GPU engine against the NumPy reference decoder, its launch forms and their tuning (GPU).
 
 * tiny random models (tied and untied lm_head, GQA, llama3 RoPE, non-trivial norm weights) and the
   synthetic Llama-3.2-1B shape: every probe of every layer at every step, cosine >= 0.999 (fp16) /
@@ -6,21 +6,33 @@
 * greedy tokens identical to the reference wherever the reference's top-1 margin exceeds the format's
   measured logit error;
 * graph replay gives bit-identical tokens and logits to eager launches;
+* every layer-GEMV form (gpu/forms.py GemvForm: ring, ws, ws-pre<N>, each /l2=<MB>) and both attention buckets give
+  the tokens of the default forms; PDL on and off too;
+* measure/tune.py: `tune` picks among forms.candidates and reports every pair it timed; `resolve` saves, reuses,
+  retunes, takes given forms and falls back to the defaults without timing anything;
+* an engine compiles only the .cu files its step launches; the kernel -D's it refuses;
 * no device allocation during decode (an allocator that raises is installed after set-up);
-* a model that does not fit is refused before anything is allocated.
+* a model that does not fit is refused before anything is allocated;
+* profile, the GEMV microbenchmark, the timeline instrument and the `run` record's instrument marks.
 """
 from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from atomflow_bench.arena import Arena, plan_arena
 from atomflow_bench.config import CATALOG, ModelConfig
 from atomflow_bench.errors import AtomflowError
-from atomflow_bench.reference import ReferenceDecoder
-from atomflow_bench.store import write_json_atomic
-from atomflow_bench.weights import Checkpoint
+from atomflow_bench.gpu.arena import Arena, plan_arena
+from atomflow_bench.gpu.engine import Engine
+from atomflow_bench.gpu.forms import Forms, GemvForm, candidates, default_forms
+from atomflow_bench.store.checkpoint import Checkpoint
+from atomflow_bench.store.store import write_json_atomic
+from atomflow_bench.validate.reference import ReferenceDecoder
 
 pytestmark = pytest.mark.gpu
 
@@ -58,11 +70,43 @@ def tiny_dir(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama1b_dir(tmp_path_factory):
-    from atomflow_bench.sources.synthetic import make_synthetic
+    from atomflow_bench.store.sources.synthetic import make_synthetic
 
     d = tmp_path_factory.mktemp("llama1b") / "model"
     make_synthetic(CATALOG["llama-3.2-1b"], d, seed=1)
     return d
+
+
+@pytest.fixture
+def tuning_home(tmp_path, monkeypatch) -> Path:
+    """$ATOMFLOW_HOME in a fresh tmp dir (saved tunes land in its tuning/), no ATOMFLOW_FORMS and no kernel -D's from
+    the caller's environment."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("ATOMFLOW_HOME", str(home))
+    monkeypatch.delenv("ATOMFLOW_FORMS", raising=False)
+    monkeypatch.delenv("ATOMFLOW_KERNEL_DEFINES", raising=False)
+    return home
+
+
+def device_cc() -> int:
+    from atomflow_bench.gpu.device import compute_capability
+
+    return compute_capability()
+
+
+def forms_with(fmt: str, short: bool) -> Forms:
+    """The default forms of `fmt` on this GPU with the short attention bucket on or off (the split kernel for every
+    length)."""
+    d = default_forms(fmt, device_cc(), 1)
+    return Forms(short, d.gemv, d.gemv_split)
+
+
+def crossing_prompt(eng, n_new: int = 24) -> list[int]:
+    """A random prompt whose `n_new` generated tokens cross from the short bucket into the split one (when the
+    engine has the short bucket's capacity below max_seq)."""
+    start = eng.short_capacity - n_new // 2 if eng.short_capacity else 100
+    assert start + n_new <= eng.max_seq
+    return [int(t) for t in np.random.default_rng().integers(0, eng.cfg.vocab_size, start)]
 
 
 def cosine(a, b) -> float:
@@ -70,11 +114,9 @@ def cosine(a, b) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
 
 
-def compare_probes(model_dir, fmt: str, prompt_len: int, n_new: int):
-    """Teacher-forced probe comparison over prompt + reference continuation; returns (min cos, worst probe,
-    reference greedy ids, reference margins, max |logit diff| at each step)."""
-    from atomflow_bench.engine import Engine
-
+def compare_probes(model_dir, fmt: str, prompt_len: int, n_new: int, forms: Forms | None = None):
+    """Teacher-forced probe comparison over prompt + reference continuation; returns (engine, min cos, worst probe,
+    the sequence (prompt + reference greedy ids), reference margins, max |logit diff| at each step)."""
     ckpt = Checkpoint(model_dir)
     cfg = ckpt.config
     rng = np.random.default_rng()
@@ -88,7 +130,7 @@ def compare_probes(model_dir, fmt: str, prompt_len: int, n_new: int):
         margins.append(float(top2[1] - top2[0]))
         if i >= prompt_len - 1:
             seq.append(int(np.argmax(logits)))
-    eng = Engine(model_dir, weights=fmt, max_seq=prompt_len + n_new)
+    eng = Engine(model_dir, weights=fmt, max_seq=prompt_len + n_new, forms=forms)
     eng.reset(seq)  # the whole sequence as "prompt": the engine is teacher-forced on the same tokens
     worst, worst_name, logit_err = 1.0, None, []
     for i in range(len(seq) - 1):
@@ -101,149 +143,13 @@ def compare_probes(model_dir, fmt: str, prompt_len: int, n_new: int):
     return eng, worst, worst_name, seq, margins, logit_err
 
 
-def assert_matches_reference(model_dir, fmt: str, prompt_len: int, n_new: int, label: str) -> None:
-    eng, worst, where, seq, margins, err = compare_probes(model_dir, fmt, prompt_len, n_new)
+def assert_matches_reference(model_dir, fmt: str, prompt_len: int, n_new: int, label: str,
+                             forms: Forms | None = None):
+    eng, worst, where, seq, margins, err = compare_probes(model_dir, fmt, prompt_len, n_new, forms)
     print(f"{label} {fmt}: min probe cosine {worst:.6f} at {where}; max |logit diff| {max(err):.3e}")
     assert worst >= COS_MIN[fmt], f"probe cosine {worst} < {COS_MIN[fmt]} at {where}"
     check_greedy(eng, seq, prompt_len, margins, err)
-
-
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_tiny_engine_matches_reference(tiny_dir, fmt):
-    assert_matches_reference(tiny_dir, fmt, prompt_len=7, n_new=9, label="tiny")
-
-
-@pytest.mark.parametrize("att", ["short", "split"])
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_tiny_long_context(tiny_dir, fmt, att, monkeypatch):
-    """300 positions through both attention kernels (forced, not measured): the short one (the K/V range in shared
-    memory) and the split one (10 splits combined by the last block)."""
-    monkeypatch.setenv("ATOMFLOW_ATTENTION", att)
-    assert_matches_reference(tiny_dir, fmt, prompt_len=300, n_new=3, label=f"tiny ctx 300 {att} attention")
-
-
-def test_attention_buckets(tiny_dir):
-    """The engine runs every step with its length's bucket: graph replays crossing from the short kernel into the
-    split kernel give the same tokens and logits as eager steps, and the host's copy of the position stays
-    equal to the device's."""
-    from atomflow_bench.engine import Engine
-
-    eng = Engine(tiny_dir, weights="fp16", max_seq=900, attention="short")
-    cap = eng.att_caps[-1]
-    assert eng.att_caps == [cap] and cap < 900 and list(eng.variants) == [cap, None]
-    assert [len(eng.variants[k][2].grid) for k in eng.variants] == [1, 2]  # short: (n_kv,), split: (n_kv, splits)
-    assert eng.bucket(1) == eng.bucket(cap) == cap and eng.bucket(cap + 1) is None
-    rng = np.random.default_rng()
-    for start in (120, cap - 6):  # inside the short bucket; across into the split kernel
-        prompt = [int(t) for t in rng.integers(0, 1000, start)]
-        eager = eng.generate(prompt, 16, graph=False)
-        eager_logits = eng.arena["logits"].get()
-        assert eng.position == int(eng.arena["pos"].get()[0]) == start + 15
-        graph = eng.generate(prompt, 16, graph=True)
-        eng.stream.synchronize()
-        assert eng.position == int(eng.arena["pos"].get()[0]) == start + 15
-        np.testing.assert_array_equal(graph, eager)
-        np.testing.assert_array_equal(eng.arena["logits"].get(), eager_logits)
-    with pytest.raises(AtomflowError, match="exceed max_seq"):
-        eng.run(900 - eng.position + 1)
-
-
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_attention_auto(tiny_dir, fmt):
-    """attention="auto": both forms of the step are timed at the short kernel's longest length and half of it and
-    the faster (mean) is kept; the measurement leaves nothing behind (position 0, the same tokens as an engine forced to that form)."""
-    from atomflow_bench.engine import Engine
-
-    eng = Engine(tiny_dir, weights=fmt, max_seq=900)
-    ch = eng.attention_choice
-    assert ch["mode"] == "auto" and ch["length"] == ch["short_cap"] == 512 and ch["lengths"] == [256, 512]
-    assert all(v > 0 for v in ch["step_us"].values())
-    assert ch["chosen"] == min(ch["step_us"], key=ch["step_us"].get)
-    assert (eng.att_caps, list(eng.variants)) == (([512], [512, None]) if ch["chosen"] == "short" else ([], [None]))
-    assert eng.position == int(eng.arena["pos"].get()[0]) == 0
-    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 40)]
-    forced = Engine(tiny_dir, weights=fmt, max_seq=900, attention=ch["chosen"])
-    assert forced.attention_choice == {"mode": ch["chosen"], "short_cap": 512 if ch["chosen"] == "short" else None}
-    assert eng.generate(prompt, 12) == forced.generate(prompt, 12)
-    with pytest.raises(AtomflowError, match="attention must be"):
-        Engine(tiny_dir, weights=fmt, max_seq=64, attention="fast")
-
-
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_gemv_auto(tiny_dir, fmt):
-    """gemv="auto" (sm_90+): the layer-GEMV forms (warp-specialised with each count of ring slots before the wait
-    that step.GEMV_WS_PRE_TRY lists, the ring, and the ring with the roles of step.GEMV_MIXED_TRY warp-specialised)
-    are timed with the attention forms and the fastest pair is kept; every layer GEMV then runs its role's part of
-    that form. The forms sum in the same mma order, so engines forced to another form, another slot count or
-    another mix give the same greedy tokens."""
-    from atomflow_bench.engine import Engine, gemv_form, l2_suffix
-    from atomflow_bench.step import GEMV_MIXED_TRY, GEMV_NEXT_L2_TRY, GEMV_WS_PRE, GEMV_WS_PRE_TRY
-
-    eng = Engine(tiny_dir, weights=fmt, max_seq=900)
-    g = eng.gemv_choice
-    if float(eng.gpu["cc"]) < 9.0:
-        assert g == {"mode": "auto", "chosen": "ring"}
-        return
-    assert g["mode"] == "auto" and g["length"] == eng.attention_choice["length"] == 512 and g["lengths"] == [256, 512]
-    bases = ({"ws", "ring"} | {f"ws-pre{n}" for n in GEMV_WS_PRE_TRY[fmt]}
-             | {"+".join(("ring",) + r) for r in GEMV_MIXED_TRY[fmt]})
-    assert set(g["step_us"]) == {f"{b}/l2={t}" for b in bases for t in GEMV_NEXT_L2_TRY}  # the defaults: sizes too
-    assert all(v > 0 for v in g["step_us"].values())
-    assert g["chosen"] == min(g["step_us"], key=g["step_us"].get)
-    ws, pre, ws_roles, _ = gemv_form(g["chosen"])
-    layer_gemvs = [ln for ln in eng.launches if ln.name.startswith("gemv_") and " lm_head " not in ln.label]
-    for ln in layer_gemvs:  # the role's form; warp-specialised: the slots-before-the-wait argument, last
-        role_ws = ws or ln.label.split()[2] in ws_roles
-        assert ln.block[0] == (288 if role_ws else 256), ln.label
-        if role_ws:
-            assert int(ln.args[-1]) == (GEMV_WS_PRE[fmt] if pre is None else pre)
-    assert len(layer_gemvs) == 4 * eng.cfg.num_hidden_layers
-    assert eng.position == int(eng.arena["pos"].get()[0]) == 0
-    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 40)]
-    want = eng.generate(prompt, 12)
-    for other in ("ring" if ws else "ws", "ws-pre1", "ring+wd+wqkv"):
-        forced = Engine(tiny_dir, weights=fmt, max_seq=900, gemv=other, attention=eng.attention_choice["chosen"])
-        assert forced.gemv_choice["mode"] == other and l2_suffix(forced.gemv_choice["chosen"])[0] == other
-        assert forced.generate(prompt, 12) == want, other
-    for bad in ("fast", "ws-pre", "ws-prex", "ring+wx", "ring+wd+wd", "ws+wd"):
-        with pytest.raises(AtomflowError, match="gemv must be"):
-            Engine(tiny_dir, weights=fmt, max_seq=64, gemv=bad)
-
-
-def launch_shape(launches) -> list:
-    """What makes a step's form: each launch's kernel, grid, block, shared memory and integer arguments (the
-    pointers differ between engines; the slot counts and L2 prefetch sizes do not)."""
-    return [(ln.name, ln.grid, ln.block, ln.shmem, [int(x) for x in ln.args if isinstance(x, (int, np.integer))])
-            for ln in launches]
-
-
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_gemv_auto_split_bucket(tiny_dir, fmt):
-    """With the short attention chosen and lengths beyond its capacity (max_seq 900 > 512), the split bucket's
-    GEMV form is timed on its own at max_seq and half-way from the capacity (PERF_NOTES v34): its step is the
-    chosen form's, the short bucket keeps the form chosen at the short lengths, and tokens generated across the
-    boundary are those of an engine forced to one form (the forms sum in the same order)."""
-    from atomflow_bench.engine import Engine
-
-    eng = Engine(tiny_dir, weights=fmt, max_seq=900)
-    g = eng.gemv_choice
-    if float(eng.gpu["cc"]) < 9.0:
-        pytest.skip("one GEMV form below sm_90: nothing to choose")
-    if eng.attention_choice["chosen"] == "split":
-        assert "split" not in g and list(eng.variants) == [None]
-        pytest.skip("the split attention won at the short lengths: one bucket")
-    sp = g["split"]
-    assert sp["lengths"] == [706, 900]
-    assert set(sp["step_us"]) == set(g["step_us"]) and all(v > 0 for v in sp["step_us"].values())
-    assert sp["chosen"] == min(sp["step_us"], key=sp["step_us"].get)
-    assert (eng.gemv_form_of(512), eng.gemv_form_of(513), eng.gemv_form_of(900)) == (g["chosen"], sp["chosen"],
-                                                                                    sp["chosen"])
-    for form, key in ((g["chosen"], 512), (sp["chosen"], None)):
-        forced = Engine(tiny_dir, weights=fmt, max_seq=900, gemv=form, attention="short")
-        assert forced.gemv_choice == {"mode": form, "chosen": form} and list(forced.variants) == [512, None]
-        assert launch_shape(eng.variants[key]) == launch_shape(forced.variants[key]), (form, key)
-    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 500)]
-    assert eng.generate(prompt, 24) == forced.generate(prompt, 24)  # lengths 500-524: both buckets
+    return eng
 
 
 def check_greedy(eng, seq, prompt_len, margins, logit_err):
@@ -262,65 +168,263 @@ def check_greedy(eng, seq, prompt_len, margins, logit_err):
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_tiny_engine_matches_reference(tiny_dir, fmt):
+    assert_matches_reference(tiny_dir, fmt, prompt_len=7, n_new=9, label="tiny")
+
+
+@pytest.mark.parametrize("att", ["short", "split"])
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_tiny_long_context(tiny_dir, fmt, att):
+    """300 positions through both attention kernels (given by the forms, not measured): the short one (the K/V range
+    in shared memory) and the split one (10 splits combined by the last block)."""
+    forms = forms_with(fmt, att == "short")
+    eng = assert_matches_reference(tiny_dir, fmt, prompt_len=300, n_new=3, label=f"tiny ctx 300 {att} attention",
+                                   forms=forms)
+    assert eng.forms == forms
+    assert bool(eng.att_caps) == (att == "short" and eng.short_capacity > 0)
+    grids = {len(ln.grid) for ln in eng.launches if ln.name == "attention_decode"}
+    assert grids == ({1} if eng.att_caps else {2})  # short: (n_kv,), split: (n_kv, splits)
+
+
+def test_attention_buckets(tiny_dir):
+    """The engine runs every step with its length's bucket: graph replays crossing from the short kernel into the
+    split kernel give the same tokens and logits as eager steps, and the host's copy of the position stays
+    equal to the device's."""
+    eng = Engine(tiny_dir, weights="fp16", max_seq=900, forms=forms_with("fp16", True))
+    cap = eng.att_caps[-1]
+    assert eng.att_caps == [cap] == [eng.short_capacity] and cap < 900 and list(eng.variants) == [cap, None]
+    assert [len(eng.variants[k][2].grid) for k in eng.variants] == [1, 2]  # short: (n_kv,), split: (n_kv, splits)
+    assert eng.bucket(1) == eng.bucket(cap) == cap and eng.bucket(cap + 1) is None
+    rng = np.random.default_rng()
+    for start in (120, cap - 6):  # inside the short bucket; across into the split kernel
+        prompt = [int(t) for t in rng.integers(0, 1000, start)]
+        eager = eng.generate(prompt, 16, graph=False)
+        eager_logits = eng.arena["logits"].get()
+        assert eng.position == int(eng.arena["pos"].get()[0]) == start + 15
+        graph = eng.generate(prompt, 16, graph=True)
+        eng.stream.synchronize()
+        assert eng.position == int(eng.arena["pos"].get()[0]) == start + 15
+        np.testing.assert_array_equal(graph, eager)
+        np.testing.assert_array_equal(eng.arena["logits"].get(), eager_logits)
+    with pytest.raises(AtomflowError, match="exceed max_seq"):
+        eng.run(900 - eng.position + 1)
+    split_only = Engine(tiny_dir, weights="fp16", max_seq=900, forms=forms_with("fp16", False))
+    assert split_only.att_caps == [] and list(split_only.variants) == [None]
+    assert split_only.bucket(1) is None and len(split_only.launches[2].grid) == 2
+
+
+def layer_gemvs(launches) -> list:
+    return [ln for ln in launches if ln.name.startswith("gemv_") and " lm_head " not in ln.label]
+
+
+def check_gemv_launches(eng, key, form: GemvForm) -> None:
+    """The layer GEMVs of bucket `key` run `form`: warp-specialised (288 threads, the slots-before-the-wait argument
+    last: the format's default for plain ws) or the ring (256 threads); every QKV launch asks L2 for the last
+    `form.l2_tail_mb` MB of its layer's gate/up weights (all of them when smaller; nothing for 0)."""
+    from atomflow_bench.gpu.ops.gemv import GEMV_WS_PRE
+
+    layer = layer_gemvs(eng.variants[key])
+    assert len(layer) == 4 * eng.cfg.num_hidden_layers
+    for ln in layer:
+        assert ln.block[0] == (288 if form.ws else 256), (form.text, ln.label)
+        if form.ws:
+            assert int(ln.args[-1]) == (GEMV_WS_PRE[eng.fmt] if form.ws_pre is None else form.ws_pre), ln.label
+    qkv = [ln for ln in layer if "qkv_rope" in ln.name]
+    assert len(qkv) == eng.cfg.num_hidden_layers
+    for i, ln in enumerate(qkv):
+        wgu = eng.arena[f"L{i}.wgu"]
+        nxt, size = ln.args[-3:-1] if form.ws else ln.args[-2:]
+        want = min(form.l2_tail_mb << 20, wgu.nbytes) & ~15
+        assert int(size) == want, (form.text, i)
+        if want:
+            assert nxt.data.ptr == wgu.data.ptr + wgu.nbytes - want
+        else:
+            assert int(nxt) == 0
+
+
+def gemv_forms_to_try(fmt: str, cc: int) -> list[GemvForm]:
+    """Every form tune times (forms.candidates: ws, ws-pre<N> of WS_PRE_TRY and ring at every L2_TAILS size on
+    sm_90+) and two slot counts it does not (ws-pre0, ws-pre1)."""
+    forms = candidates(fmt, cc, 1)[0]
+    if cc >= 90:
+        forms += [GemvForm(True, 0, 0), GemvForm(True, 1, 8)]
+    return forms
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_every_gemv_form_same_tokens(tiny_dir, fmt):
+    """Every layer-GEMV form (GemvForm: ring, ws, ws-pre<N>, each /l2=<MB>) runs its launches in both buckets, and the
+    forms sum in the same mma order: the greedy tokens of the default forms across the short/split boundary, graph
+    and eager; the L2 prefetch of gate/up's tail changes no bit of the logits. Different forms per bucket, and the
+    split kernel for every length, give the same tokens too; before sm_90 the ws and /l2 forms are refused."""
+    eng = Engine(tiny_dir, weights=fmt, max_seq=900)
+    assert eng.forms == default_forms(fmt, eng.cc, eng.short_capacity)
+    keys = [eng.short_capacity, None] if eng.short_capacity else [None]
+    assert list(eng.variants) == keys
+    prompt = crossing_prompt(eng)
+    want = eng.generate(prompt, 24)
+    logits_of = {replace(eng.forms.gemv, l2_tail_mb=0): eng.arena["logits"].get()}
+    tried = gemv_forms_to_try(fmt, eng.cc)
+    assert eng.forms.gemv in tried
+    for g in tried:
+        eng.use(Forms(True, g, g))
+        assert eng.forms == Forms(True, g, g) and list(eng.variants) == keys
+        for key in keys:
+            check_gemv_launches(eng, key, g)
+        assert eng.generate(prompt, 24) == want, g.text
+        logits = eng.arena["logits"].get()
+        base = replace(g, l2_tail_mb=0)
+        if base in logits_of:
+            np.testing.assert_array_equal(logits, logits_of[base], err_msg=g.text)
+        else:
+            logits_of[base] = logits
+        assert eng.generate(prompt, 24, graph=False) == want, f"{g.text} eager"
+        np.testing.assert_array_equal(eng.arena["logits"].get(), logits, err_msg=f"{g.text} eager")
+    if eng.cc >= 90:
+        short_g, split_g = GemvForm(False, None, 0), GemvForm(True, 1, 8)
+        for a, b in ((short_g, split_g), (split_g, short_g)):
+            eng.use(Forms(True, a, b))
+            if eng.short_capacity:
+                check_gemv_launches(eng, eng.short_capacity, a)
+                assert eng.gemv_form_of(eng.short_capacity) == a and eng.gemv_form_of(eng.short_capacity + 1) == b
+            check_gemv_launches(eng, None, b)
+            assert eng.generate(prompt, 24) == want, (a.text, b.text)
+    else:
+        for text in ("split:ws", "split:ring/l2=8", "short:ring;split:ws-pre1"):
+            with pytest.raises(AtomflowError, match="sm_90"):
+                eng.use(Forms.parse(text))
+    eng.use(Forms(False, eng.forms.gemv, eng.forms.gemv_split))
+    assert eng.att_caps == [] and list(eng.variants) == [None]
+    assert eng.generate(prompt, 24) == want
+
+
+def launch_shape(launches) -> list:
+    """What makes a step's form: each launch's kernel, grid, block, shared memory and integer arguments (the
+    pointers differ between engines; the slot counts and L2 prefetch sizes do not)."""
+    return [(ln.name, ln.grid, ln.block, ln.shmem, [int(x) for x in ln.args if isinstance(x, (int, np.integer))])
+            for ln in launches]
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_tune_chooses_among_candidates(tiny_dir, fmt):
+    """measure.tune.tune: every (GEMV form, attention bucket) pair of forms.candidates timed at the short bucket's
+    longest length and half of it, the fastest kept; with the short attention chosen and lengths beyond its capacity
+    (max_seq 900), the split bucket's GEMV form timed on its own at max_seq and half-way from the capacity. Nothing
+    is left behind (the engine's forms and position); the tuned forms' steps are those of an engine given them, and
+    their tokens those of the default forms across the bucket boundary."""
+    from atomflow_bench.measure.tune import tune
+
+    eng = Engine(tiny_dir, weights=fmt, max_seq=900)
+    default, cap = eng.forms, eng.short_capacity
+    gemvs, shorts = candidates(fmt, eng.cc, cap)
+    forms, rep = tune(eng)
+    assert isinstance(forms, Forms)
+    assert forms.short_attention in shorts and forms.gemv in gemvs and forms.gemv_split in gemvs
+    length = min(cap or 900, 900)
+    assert rep["lengths"] == sorted({length // 2, length})
+    pairs = {f"{'short' if s else 'split'}:{g.text}" for g in gemvs for s in shorts}
+    assert len(pairs) == len(gemvs) * len(shorts) and set(rep["step_us"]) == pairs
+    assert all(np.isfinite(v) and v > 0 for v in rep["step_us"].values())
+    chosen = f"{'short' if forms.short_attention else 'split'}:{forms.gemv.text}"
+    assert chosen == min(rep["step_us"], key=rep["step_us"].get)
+    if forms.short_attention and len(gemvs) > 1:
+        sp = rep["split"]
+        assert sp["lengths"] == [(cap + 1 + 900) // 2, 900]
+        assert set(sp["step_us"]) == {g.text for g in gemvs}
+        assert all(np.isfinite(v) and v > 0 for v in sp["step_us"].values())
+        assert forms.gemv_split.text == min(sp["step_us"], key=sp["step_us"].get)
+    else:
+        assert "split" not in rep and forms.gemv_split == forms.gemv
+    assert eng.forms == default  # tune only measures: resolve puts the forms on the engine
+    assert eng.position == int(eng.arena["pos"].get()[0]) == 0
+    prompt = crossing_prompt(eng)
+    want = eng.generate(prompt, 24)
+    eng.use(forms)
+    given = Engine(tiny_dir, weights=fmt, max_seq=900, forms=forms)
+    assert list(eng.variants) == list(given.variants) == ([cap, None] if forms.short_attention and cap else [None])
+    for key in eng.variants:
+        assert launch_shape(eng.variants[key]) == launch_shape(given.variants[key]), key
+    if forms.short_attention and cap:
+        assert (eng.gemv_form_of(cap), eng.gemv_form_of(cap + 1), eng.gemv_form_of(900)) == (
+            forms.gemv, forms.gemv_split, forms.gemv_split)
+    assert eng.generate(prompt, 24) == want
+    assert given.generate(prompt, 24) == want
+
+
+def test_resolve_saves_reuses_and_retunes(tiny_dir, tuning_home, monkeypatch):
+    """measure.tune.resolve: the first call tunes and saves under $ATOMFLOW_HOME/tuning; a fresh engine of the same
+    key gets the saved forms without timing anything; retune=True times again; given forms (argument, else
+    ATOMFLOW_FORMS) win over a saved choice; with tune_missing=False a key with nothing saved (or an unreadable
+    file) gets the default forms and nothing is timed. Tokens under the tuned forms are those of the defaults."""
+    from atomflow_bench.measure import tune as tune_mod
+
+    calls = []
+    real_tune = tune_mod.tune
+
+    def counting_tune(engine, *args, **kw):
+        calls.append(engine)
+        return real_tune(engine, *args, **kw)
+
+    monkeypatch.setattr(tune_mod, "tune", counting_tune)
+    eng = Engine(tiny_dir, weights="fp8", max_seq=64)
+    default = eng.forms
+    first = tune_mod.resolve(eng)
+    assert calls == [eng] and first["origin"] == "tuned now" and "not_saved" not in first
+    path = Path(first["path"])
+    assert path.is_file() and path.parent == tuning_home / "tuning"
+    assert path == tune_mod.path_of(tune_mod.key(eng))
+    saved = json.loads(path.read_text())
+    assert saved["schema"] == tune_mod.SCHEMA and saved["forms"] == first["forms"]
+    assert saved["key"] == tune_mod.key(eng) and saved["key"]["max_seq"] == 64 and saved["key"]["weights"] == "fp8"
+    assert saved["timed"] == first["timed"] and first["timed"]["lengths"] == [32, 64]
+    assert eng.forms == Forms.parse(first["forms"]) and eng.forms.text == first["forms"]
+
+    fresh = Engine(tiny_dir, weights="fp8", max_seq=64)
+    assert fresh.forms == default
+    again = tune_mod.resolve(fresh)
+    assert again == {"forms": first["forms"], "origin": "saved", "path": first["path"]} and calls == [eng]
+    assert fresh.forms == eng.forms
+    assert tune_mod.resolve(fresh, tune_missing=False)["origin"] == "saved" and calls == [eng]
+
+    retuned = tune_mod.resolve(fresh, retune=True)
+    assert calls == [eng, fresh] and retuned["origin"] == "tuned now" and retuned["path"] == first["path"]
+    assert "timed" in retuned and fresh.forms.text == retuned["forms"]
+    assert json.loads(path.read_text())["forms"] == retuned["forms"]
+
+    ring = Forms.parse("split:ring/l2=0")
+    assert tune_mod.resolve(fresh, given=ring) == {"forms": "split:ring/l2=0", "origin": "given"}
+    assert fresh.forms == ring and list(fresh.variants) == [None]
+    monkeypatch.setenv("ATOMFLOW_FORMS", "short:ring/l2=0")
+    assert tune_mod.resolve(fresh) == {"forms": "short:ring/l2=0;split:ring/l2=0", "origin": "given"}
+    assert fresh.forms == Forms.parse("short:ring/l2=0")
+    assert tune_mod.resolve(fresh, given=ring)["forms"] == ring.text and fresh.forms == ring  # the argument wins
+    monkeypatch.setenv("ATOMFLOW_FORMS", "fast")
+    with pytest.raises(AtomflowError, match="forms"):
+        tune_mod.resolve(fresh)
+    monkeypatch.delenv("ATOMFLOW_FORMS")
+    assert calls == [eng, fresh]
+
+    other = Engine(tiny_dir, weights="fp8", max_seq=48)  # another key: nothing saved for it
+    assert tune_mod.path_of(tune_mod.key(other)) != path
+    assert tune_mod.resolve(other, tune_missing=False) == {"forms": default.text, "origin": "default"}
+    assert other.forms == default and calls == [eng, fresh]
+    assert sorted((tuning_home / "tuning").iterdir()) == [path]
+    path.write_text("{")  # unreadable: as if nothing were saved
+    assert tune_mod.resolve(Engine(tiny_dir, weights="fp8", max_seq=64), tune_missing=False)["origin"] == "default"
+    assert calls == [eng, fresh]
+
+    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 20)]  # 20 + 24 - 1 <= 48
+    fresh.use(Forms.parse(retuned["forms"]))  # both tunes' forms against the defaults
+    assert eng.generate(prompt, 24) == fresh.generate(prompt, 24) == other.generate(prompt, 24)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_llama1b_engine_matches_reference(llama1b_dir, fmt):
     assert_matches_reference(llama1b_dir, fmt, prompt_len=5, n_new=4, label="llama-3.2-1b synthetic")
 
 
-def dyn_launches_of(eng, roles) -> None:
-    """The engine's layer GEMVs of `roles` run the DYN kernels (GEMV_DYN_THREADS, their own counter pair: layer and role)
-    and the others do not."""
-    from atomflow_bench.step import GEMV_DYN_THREADS, GEMV_ROLES
-
-    layer = [ln for ln in eng.launches if ln.name.startswith("gemv_") and " lm_head " not in ln.label]
-    assert len(layer) == 4 * eng.cfg.num_hidden_layers
-    ctr = eng.arena["gemv_dyn_ctr"]
-    for i, ln in enumerate(layer):
-        role = ln.label.split()[2]
-        dyn = ln.block[0] == GEMV_DYN_THREADS
-        assert dyn == (role in roles), ln.label
-        if dyn:
-            assert ln.args[-2].data.ptr == ctr[i // 4, GEMV_ROLES.index(role)].data.ptr
-            assert ln.args[-1].data.ptr == eng.arena["gemv_dyn_part"].data.ptr
-
-
-@pytest.mark.parametrize("gemv,roles", [("dyn", ("wqkv", "wo", "wgu", "wd")), ("ring+dyn:wgu", ("wgu",))])
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_dyn_engine_matches_reference(llama1b_dir, tiny_dir, fmt, gemv, roles, monkeypatch):
-    """The DYN layer GEMVs (dynamic split-K units; gemv_common.cuh, PERF_NOTES v33) in the whole step: every probe
-    against the NumPy reference on the 1B shapes (several units per tile in every role) and greedy within the
-    format's error; on the tiny model graph replays equal eager launches bit for bit (the cross-block sums are in a
-    fixed order) and the counters and the partial-sum scratch are clear after every step."""
-    from atomflow_bench.engine import Engine
-    from atomflow_bench.step import GEMV_DYN_SENTINEL
-
-    import cupy as cp
-
-    if int(cp.cuda.Device().compute_capability) < 90:
-        pytest.skip("the DYN GEMVs are sm_90+ (bulk copies)")
-    monkeypatch.setenv("ATOMFLOW_GEMV", gemv)
-    eng, worst, where, seq, margins, err = compare_probes(llama1b_dir, fmt, prompt_len=5, n_new=4)
-    print(f"llama-3.2-1b {fmt} gemv={gemv}: min probe cosine {worst:.6f} at {where}; max |logit diff| {max(err):.3e}")
-    assert eng.gemv_choice["chosen"].split("/l2=")[0] == gemv
-    dyn_launches_of(eng, roles)
-    assert worst >= COS_MIN[fmt], f"probe cosine {worst} < {COS_MIN[fmt]} at {where}"
-    check_greedy(eng, seq, 5, margins, err)
-    tiny = Engine(tiny_dir, weights=fmt, max_seq=200)
-    dyn_launches_of(tiny, roles)
-    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 70)]
-    eager = tiny.generate(prompt, 30, graph=False)
-    eager_logits = tiny.arena["logits"].get()
-    graph = tiny.generate(prompt, 30, graph=True)
-    np.testing.assert_array_equal(graph, eager)
-    np.testing.assert_array_equal(tiny.arena["logits"].get(), eager_logits)
-    tiny.stream.synchronize()
-    assert not tiny.arena["gemv_dyn_ctr"].get().any()
-    assert (tiny.arena["gemv_dyn_part"].view(np.uint32).get() == GEMV_DYN_SENTINEL).all()
-
-
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_graph_bit_identical_to_eager(tiny_dir, fmt):
-    from atomflow_bench.engine import Engine
-
     eng = Engine(tiny_dir, weights=fmt, max_seq=200)
     prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 70)]  # > one attention chunk
     eager = eng.generate(prompt, 40, graph=False)
@@ -330,148 +434,97 @@ def test_graph_bit_identical_to_eager(tiny_dir, fmt):
     np.testing.assert_array_equal(eng.arena["logits"].get(), eager_logits)
 
 
-@pytest.mark.parametrize("knobs,tail", [
-    ("LMHEAD_ARGMAX=0", ["gemv_fp16_f32", "argmax_advance"]),
-    ("LMHEAD_NORM=0", ["rmsnorm_f32_f16", "gemv_fp16_f32_argmax"]),
-    ("LMHEAD_NORM=0 LMHEAD_ARGMAX=0", ["rmsnorm_f32_f16", "gemv_fp16_f32", "argmax_advance"])])
-def test_separate_tail_same_tokens(tiny_dir, monkeypatch, knobs, tail):
-    """The knobs LMHEAD_ARGMAX=0 (lm_head, then argmax_advance) and LMHEAD_NORM=0 (rmsnorm_f32_f16, then lm_head)
-    generate the tokens and the logits of the default step (norm and argmax inside the lm_head launch), bit for
-    bit, and give the same `final_norm` probe; each knob costs its step one launch more."""
-    from atomflow_bench.engine import Engine
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_pdl_on_off_same_tokens(tiny_dir, fmt, monkeypatch):
+    """Programmatic dependent launch: on by default from sm_90 (every launch after the step's first carries it),
+    off with ATOMFLOW_PDL=0 or pdl=False; the argument wins over the environment. Both give the same tokens and
+    logits, graph and eager, across the bucket boundary. The position-holding step that tune times
+    (step.hold_position) keeps each launch's PDL and leaves the position alone."""
+    from atomflow_bench.gpu.graph import StepGraph
+    from atomflow_bench.gpu.step import hold_position
 
-    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 20)]
-    forms = {"attention": "short", "gemv": "ring"}  # the same forms in both (no measured choice between them)
-    fused = Engine(tiny_dir, weights="fp16", max_seq=64, **forms)
-    want, want_logits = fused.generate(prompt, 24), fused.arena["logits"].get()
-    fused.reset(prompt)
-    want_taps = fused.step_eager(taps=True)
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", knobs)
-    split = Engine(tiny_dir, weights="fp16", max_seq=64, **forms)
-    assert [ln.name for ln in fused.launches][-2:] == ["gemv_fp16_resid", "gemv_fp16_f32_argmax"]
-    assert [ln.name for ln in split.launches][-len(tail):] == tail
-    assert len(split.launches) == len(fused.launches) + len(tail) - 1
-    np.testing.assert_array_equal(split.generate(prompt, 24), want)
-    np.testing.assert_array_equal(split.arena["logits"].get(), want_logits)
-    split.reset(prompt)
-    taps = split.step_eager(taps=True)
-    for name in ("final_norm", "logits"):
-        np.testing.assert_array_equal(taps[name], want_taps[name], err_msg=name)
-
-
-def test_l2_keep_same_tokens_and_set_aside(tiny_dir, monkeypatch):
-    """LMHEAD_L2_KEEP = N (the lm_head's last N MB loaded evict-last, PERF_NOTES v35) sets aside N MB of L2 for
-    persisting lines (clamped to the device's maximum), records it, and changes no result: the tokens and logits of
-    the default step, bit for bit; the copy roofline is measured with nothing set aside and the set-aside is back
-    after it; LMHEAD_L2_SETASIDE=0 keeps the hint and sets nothing aside; the next engine without the knob sets the
-    set-aside back to 0."""
-    from atomflow_bench.bench import copy_bandwidth
-    from atomflow_bench.engine import Engine
-    from atomflow_bench.kernels import no_persisting_l2, persisting_l2
-
-    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 20)]
-    forms = {"attention": "short", "gemv": "ring"}
-    base = Engine(tiny_dir, weights="fp16", max_seq=64, **forms)
-    want, want_logits = base.generate(prompt, 24), base.arena["logits"].get()
-    assert base.l2_keep == {"keep_mb": 0, "set_aside_bytes": 0}
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "LMHEAD_L2_KEEP=4")
-    kept = Engine(tiny_dir, weights="fp16", max_seq=64, **forms)
-    most = kept.gpu["l2_persist_max_bytes"]
-    assert most > 0 and kept.l2_keep["keep_mb"] == 4
-    assert 0 < kept.l2_keep["set_aside_bytes"] <= most
-    np.testing.assert_array_equal(kept.generate(prompt, 24), want)
-    np.testing.assert_array_equal(kept.arena["logits"].get(), want_logits)
-    with no_persisting_l2():
-        assert persisting_l2() == 0
-    assert persisting_l2() == kept.l2_keep["set_aside_bytes"]
-    copy_bandwidth(1 << 26, reps=3, warmup=1)  # measured with nothing set aside, and the set-aside back after it
-    assert persisting_l2() == kept.l2_keep["set_aside_bytes"]
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "LMHEAD_L2_KEEP=4 LMHEAD_L2_SETASIDE=0")
-    hint_only = Engine(tiny_dir, weights="fp16", max_seq=64, **forms)
-    assert hint_only.l2_keep == {"keep_mb": 4, "set_aside_bytes": 0} and persisting_l2() == 0
-    np.testing.assert_array_equal(hint_only.generate(prompt, 24), want)
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "")
-    Engine(tiny_dir, weights="fp16", max_seq=64, **forms)
-    assert persisting_l2() == 0
+    monkeypatch.delenv("ATOMFLOW_PDL", raising=False)
+    on = Engine(tiny_dir, weights=fmt, max_seq=900)
+    assert on.pdl == (on.cc >= 90)
+    off = Engine(tiny_dir, weights=fmt, max_seq=900, pdl=False)
+    monkeypatch.setenv("ATOMFLOW_PDL", "0")
+    assert Engine(tiny_dir, weights=fmt, max_seq=64).pdl is False
+    if on.cc >= 90:
+        assert Engine(tiny_dir, weights=fmt, max_seq=64, pdl=True).pdl is True
+    assert off.pdl is False and list(off.variants) == list(on.variants)
+    for key in on.variants:
+        assert not any(ln.pdl for ln in off.variants[key])
+        launches = on.variants[key]
+        assert [ln.pdl for ln in launches] == [False] + [on.pdl] * (len(launches) - 1)
+        held = hold_position(launches)
+        assert [ln.pdl for ln in held] == [ln.pdl for ln in launches]
+        assert all(a is b for a, b in zip(held[:-1], launches[:-1]))
+        assert held[-1].name == launches[-1].name == "gemv_fp16_f32_argmax"
+        assert (int(launches[-1].args[-1]), int(held[-1].args[-1])) == (1, 0)
+    prompt = crossing_prompt(on)
+    want = off.generate(prompt, 24)
+    want_logits = off.arena["logits"].get()
+    for eng, graph in ((on, True), (on, False), (off, False)):
+        assert eng.generate(prompt, 24, graph=graph) == want, (eng.pdl, graph)
+        np.testing.assert_array_equal(eng.arena["logits"].get(), want_logits)
+    on.reset(prompt)
+    on.run(10)
+    on.stream.synchronize()
+    state = {k: on.arena[k].get() for k in ("pos", "cur_token", "out_tokens")}
+    g = StepGraph(hold_position(on.launches), on.stream)
+    g.replay(5)
+    on.stream.synchronize()
+    pos = int(on.arena["pos"].get()[0])
+    assert pos == on.position == 10 and int(on.arena["cur_token"].get()[0]) == prompt[10]
+    for k, v in state.items():  # advance = 0: the step state is left as it is
+        np.testing.assert_array_equal(on.arena[k].get(), v, err_msg=k)
+    on.run(len(prompt) - 1 + 24 - pos)  # the held replays left nothing behind: the decode goes on as before
+    assert on.tokens(len(prompt) - 1, 24) == want
 
 
-@pytest.mark.parametrize("defines", ["GEMV_NEXT_L2=1", "GEMV_NEXT_L2=2", "GEMV_NEXT_L2=1 GEMV_NEXT_L2_GU=1",
-                                     "GEMV_NEXT_L2=1 GEMV_NEXT_L2_TAIL=1 GEMV_EVICT_FIRST=1", "GEMV_EVICT_FIRST=1"])
-@pytest.mark.parametrize("fmt,gemv", [("fp16", "ws"), ("fp8", "ring"), ("fp8", "ws")])
-def test_next_weights_l2_same_tokens(tiny_dir, monkeypatch, fmt, gemv, defines):
-    """The knob GEMV_NEXT_L2 (QKV's blocks ask L2 for o_proj's weights, with GEMV_NEXT_L2_GU = N MB also for the start
-    of gate/up's, with GEMV_NEXT_L2_TAIL = N MB for gate/up's last N MB instead: PERF_NOTES v30.1-v30.3) hands every QKV
-    launch that range, and GEMV_EVICT_FIRST (the weight copies' L2 evict-first policy) changes no result either: the
-    tokens and logits of the step with both off, bit for bit, graph and eager. Knobs a case does not name are set off
-    (the defaults would measure the size: test_next_l2_tail_measured)."""
-    from atomflow_bench.engine import Engine
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_compiles_only_what_the_step_launches(tiny_dir, fmt, monkeypatch):
+    """An engine compiles the .cu files of the kernels its step launches (and fp8's load-time quantiser), nothing
+    else: no fp8 GEMVs for fp16 weights, no lab or timing kernel, the split attention only with its bucket. The
+    step's tail is one fused lm_head launch (final norm, logits and argmax)."""
+    from atomflow_bench.gpu.nvrtc import KERNELS_DIR
 
-    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 20)]
-    forms = {"attention": "short", "gemv": gemv}
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "GEMV_NEXT_L2=0 GEMV_EVICT_FIRST=0")
-    base = Engine(tiny_dir, weights=fmt, max_seq=64, **forms)
-    want, want_logits = base.generate(prompt, 24), base.arena["logits"].get()
-    qkv = [ln for ln in base.launches if "qkv_rope" in ln.name]
-    assert qkv and all(int(ln.args[-2 if gemv == "ws" else -1]) == 0 for ln in qkv)  # no size: nothing asked
-    unnamed = [f"{k}=0" for k in ("GEMV_NEXT_L2", "GEMV_NEXT_L2_TAIL", "GEMV_EVICT_FIRST") if k + "=" not in defines]
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", " ".join([defines, *unnamed]))
-    eng = Engine(tiny_dir, weights=fmt, max_seq=64, **forms)
-    assert eng.gemv_choice == {"mode": gemv, "chosen": gemv}  # a fixed size: none measured
-    qkv = [ln for ln in eng.launches if "qkv_rope" in ln.name]
-    cfg = eng.cfg
-    for i, ln in enumerate(qkv):
-        wo, wgu = eng.arena[f"L{i}.wo"], eng.arena[f"L{i}.wgu"]
-        nxt, size = ln.args[-3:-1] if gemv == "ws" else ln.args[-2:]
-        assert wo.nbytes == cfg.hidden_size * cfg.q_dim * (2 if fmt == "fp16" else 1)
-        if "NEXT_L2=" not in defines:  # GEMV_EVICT_FIRST alone: nothing asked
-            assert int(size) == 0
-        elif "TAIL" in defines:  # the last MB of gate/up's weights (the tiny model's are smaller: all of them)
-            tail = min(1 << 20, wgu.nbytes) & ~15
-            assert nxt.data.ptr == wgu.data.ptr + wgu.nbytes - tail and int(size) == tail
-        else:
-            assert nxt.data.ptr == wo.data.ptr
-            want_size = wgu.data.ptr - wo.data.ptr + min(1 << 20, wgu.nbytes) if "GU" in defines else wo.nbytes
-            assert int(size) == want_size
-    np.testing.assert_array_equal(eng.generate(prompt, 24), want)
-    np.testing.assert_array_equal(eng.arena["logits"].get(), want_logits)
-    np.testing.assert_array_equal(eng.generate(prompt, 24, graph=False), want)
+    monkeypatch.delenv("ATOMFLOW_KERNEL_DEFINES", raising=False)
+    eng = Engine(tiny_dir, weights=fmt, max_seq=64)
+    files = eng.lib.compiled_files()
+    att = {"attention_short.cu"} if eng.att_caps else {"attention.cu"}
+    fp8 = {"gemv_fp8.cu", "quantize_fp8.cu"}
+    assert set(files) == {"embedding.cu", "gemv_fp16.cu"} | att | (fp8 if fmt == "fp8" else set())
+    assert len(files) == len(set(files))
+    if fmt == "fp16":
+        assert not fp8 & set(files)
+    else:
+        assert fp8 <= set(files)
+    lab = {p.name for p in (KERNELS_DIR / "lab").glob("*.cu")}
+    assert "probe_stream.cu" in lab and not lab & set(files) and "spin.cu" not in files
+    both = Engine(tiny_dir, weights=fmt, max_seq=900)
+    assert set(both.lib.compiled_files()) == set(files) | ({"attention.cu", "attention_short.cu"} if both.att_caps
+                                                           else set())
+    L = eng.cfg.num_hidden_layers
+    names = [ln.name for ln in eng.launches]
+    assert len(names) == 2 + 5 * L
+    assert names[0] == "embed_lookup" and names[-2:] == [f"gemv_{fmt}_resid", "gemv_fp16_f32_argmax"]
+    assert set(eng.launches[-1].taps) == {"final_norm", "logits"}
 
 
-def test_next_l2_tail_measured(tiny_dir, monkeypatch):
-    """With GEMV_NEXT_L2=1 and GEMV_NEXT_L2_TAIL=-1 (the defaults since v31) the engine times every layer-GEMV form
-    with every size of step.GEMV_NEXT_L2_TRY ("<form>/l2=<MB>", engine.l2_suffix) and keeps the fastest; the chosen
-    step's QKV launches ask L2 for that size of gate/up's tail (0: nothing), and the tokens are those of the step with
-    the prefetch and the evict-first policy off."""
-    from atomflow_bench.engine import Engine, gemv_form, l2_suffix
-    from atomflow_bench.step import GEMV_NEXT_L2_TRY
-
-    prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 30)]
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "")
-    eng = Engine(tiny_dir, weights="fp8", max_seq=900)
-    g = eng.gemv_choice
-    if float(eng.gpu["cc"]) < 9.0:
-        pytest.skip("the prefetch is sm_90+ (bulk copies)")
-    bases = {l2_suffix(f)[0] for f in g["step_us"]}
-    assert set(g["step_us"]) == {f"{b}/l2={t}" for b in bases for t in GEMV_NEXT_L2_TRY}
-    assert g["chosen"] == min(g["step_us"], key=g["step_us"].get)
-    base, tail = l2_suffix(g["chosen"])
-    ws = gemv_form(base)[0]
-    qkv = [ln for ln in eng.launches if "qkv_rope" in ln.name]
-    for i, ln in enumerate(qkv):
-        wgu = eng.arena[f"L{i}.wgu"]
-        nxt, size = ln.args[-3:-1] if ws else ln.args[-2:]
-        want = min(tail << 20, wgu.nbytes) & ~15
-        assert int(size) == want
-        if want:
-            assert nxt.data.ptr == wgu.data.ptr + wgu.nbytes - want
-    got = eng.generate(prompt, 12)
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "GEMV_NEXT_L2=0 GEMV_EVICT_FIRST=0")
-    plain = Engine(tiny_dir, weights="fp8", max_seq=900, gemv=base, attention=eng.attention_choice["chosen"])
-    assert plain.gemv_choice == {"mode": base, "chosen": base}
-    assert plain.generate(prompt, 12) == got
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "GEMV_NEXT_L2=0")
-    with pytest.raises(AtomflowError, match="needs GEMV_NEXT_L2=1"):
-        Engine(tiny_dir, weights="fp8", max_seq=64, gemv="ring/l2=8")
+@pytest.mark.parametrize("knob", ["LMHEAD_NORM=0", "LMHEAD_ARGMAX=0", "LMHEAD_L2_KEEP=4", "GEMV_NEXT_L2=1",
+                                  "GEMV_NEXT_L2_GU=1", "ATT_CLUSTER=2", "ATT_COMBINE_SLICES=1", "ATT_BULK=1",
+                                  "GEMV_WS=1", "GEMV_STAGES=4"])
+def test_removed_kernel_defines_refused(tiny_dir, monkeypatch, knob):
+    """ATOMFLOW_KERNEL_DEFINES (and kernel_defines) take only what the kernels read (ATT_TMA, GEMV_BULK and the
+    instruments): a removed knob is a one-line AtomflowError, not a silently different build."""
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", knob)
+    with pytest.raises(AtomflowError, match="ATOMFLOW_KERNEL_DEFINES"):
+        Engine(tiny_dir, weights="fp16", max_seq=64)
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "AF_NO_WAIT=0")
+    with pytest.raises(AtomflowError, match="ATOMFLOW_KERNEL_DEFINES"):
+        Engine(tiny_dir, weights="fp16", max_seq=64, kernel_defines=(knob,))
+    assert "AF_NO_WAIT=0" in Engine(tiny_dir, weights="fp16", max_seq=64).lib.defines  # the check can pass
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
@@ -485,8 +538,6 @@ def test_group8_matches_reference(tmp_path, fmt):
 
 def test_no_device_allocation_during_decode(tiny_dir):
     import cupy as cp
-
-    from atomflow_bench.engine import Engine
 
     eng = Engine(tiny_dir, weights="fp8", max_seq=128)
     prompt = [1, 2, 3, 4]
@@ -529,12 +580,14 @@ def test_refuses_model_that_does_not_fit():
 
 def test_profile_roles_in_graph(tiny_dir):
     """`profile`'s graph-mode breakdown: every role of the step left out once, the position never advanced
-    (step.hold_position), bytes per role from the launches, and the eager table covers the step."""
-    from atomflow_bench.bench import copy_bandwidth
-    from atomflow_bench.engine import Engine
-    from atomflow_bench.profile import profile_step, role_marginals, step_role
+    (step.hold_position), bytes per role from the launches, and the eager table covers the step; the record names
+    the forms the engine ran and the profiled bucket's attention and layer-GEMV form."""
+    from atomflow_bench.measure.profile import profile_step, role_marginals, step_role
+    from atomflow_bench.measure.timing import copy_bandwidth
 
     eng = Engine(tiny_dir, weights="fp8", max_seq=200)
+    if eng.cc >= 90:  # not the defaults, and a split bucket form that must not be reported for length 40
+        eng.use(Forms.parse("short:ws-pre1/l2=4;split:ring/l2=0"))
     copy = copy_bandwidth(nbytes=1 << 26, reps=5)
     p = profile_step(eng, context=40, steps=4, copy=copy)
     pos_after = int(eng.arena["pos"].get()[0])
@@ -551,27 +604,31 @@ def test_profile_roles_in_graph(tiny_dir):
         assert r["excess_us"] == pytest.approx(r["saved_us"] - r["floor_us"])
     assert m["step_us"]["median"] > 0
     assert sum(r["count"] for r in p["rows"]) == len(eng.launches)
+    assert p["forms_used"] == eng.forms.text
     assert p["forms"] == {"length": 40, "attention": "short" if eng.att_caps else "split",
-                          "gemv": eng.gemv_choice["chosen"]}
+                          "gemv": eng.gemv_form_of(40).text}
+    if eng.cc >= 90 and eng.att_caps:
+        assert p["forms"]["gemv"] == "ws-pre1/l2=4"
     again = role_marginals(eng, copy, replays=3)
     assert int(eng.arena["pos"].get()[0]) == pos_after  # the role graphs leave the position alone
     assert again["length"] == m["length"]
 
 
 @pytest.mark.parametrize("att", ["short", "split"])
-def test_timeline_instrument(tiny_dir, att, monkeypatch):
-    """`profile --timeline`: the instrumented build decodes the same tokens as the plain one; one replay's
+def test_timeline_instrument(tiny_dir, att):
+    """`lab.timeline.record`: the instrumented build decodes the same tokens as the plain one; one replay's
     records cover every block of every launch, their grid ids map onto the step's launches in order (else
     timeline.launch_times raises), and the per-role spans add up to the replay. Both attention kernels."""
-    from atomflow_bench import timeline
-    from atomflow_bench.engine import Engine
-    from atomflow_bench.profile import step_role
+    from atomflow_bench.lab import timeline
+    from atomflow_bench.measure.profile import step_role
 
-    monkeypatch.setenv("ATOMFLOW_ATTENTION", att)
-    t = timeline.record(tiny_dir, "fp8", context=40, replays=4, copy={"median": 3000.0}, plain_step_us=1.0)
+    forms = forms_with("fp8", att == "short")
+    t = timeline.record(tiny_dir, "fp8", context=40, replays=4, copy={"median": 3000.0}, plain_step_us=1.0,
+                        forms=forms)
     prompt = [int(x) for x in np.random.default_rng().integers(0, 1000, 50)]
-    plain = Engine(tiny_dir, weights="fp8", max_seq=t["max_seq"])  # the same launch shapes as the recorded one
-    inst = Engine(tiny_dir, weights="fp8", max_seq=t["max_seq"], kernel_defines=(timeline.DEFINE,))
+    plain = Engine(tiny_dir, weights="fp8", max_seq=t["max_seq"], forms=forms)  # the launch shapes recorded
+    inst = Engine(tiny_dir, weights="fp8", max_seq=t["max_seq"], forms=forms, kernel_defines=(timeline.DEFINE,))
+    assert timeline.DEFINE in inst.lib.defines and timeline.DEFINE not in plain.lib.defines
     assert inst.generate(prompt, 16) == plain.generate(prompt, 16)
     L = plain.cfg.num_hidden_layers
     assert {r["role"]: r["count"] for r in t["rows"]} == {
@@ -580,7 +637,7 @@ def test_timeline_instrument(tiny_dir, att, monkeypatch):
     assert [x["role"] for x in t["per_launch"]] == [step_role(ln) for ln in plain.launches]
     assert t["blocks_per_step"] == sum(int(np.prod(ln.grid)) for ln in plain.launches)
     assert t["length"] == 40 + 1 + (4 - 1) // 2  # the median position of the recorded replays
-    assert t["attention"] == att  # the form asked for ($ATOMFLOW_ATTENTION here; profile passes the plain one's)
+    assert t["attention"] == ("short" if plain.att_caps else "split") == att  # the forms handed in
     assert sum(r["us_per_step"] for r in t["rows"]) == pytest.approx(t["step_us"]["median"], rel=0.1)
     for r in t["rows"]:
         assert r["span_us"] >= 0 and r["tail_us"] >= 0
@@ -598,11 +655,40 @@ def test_timeline_instrument(tiny_dir, att, monkeypatch):
         assert None not in a and 0 <= a[0] <= a[1] <= a[2] <= a[3]
 
 
+def test_run_record_forms_and_instruments(tiny_dir, tuning_home, monkeypatch):
+    """The `run` record (measure.bench.benchmark): "forms" is resolve's answer (tuned now, then saved for the same
+    key, given when passed), "compiled" the .cu files the engine built, and a build with a timing instrument
+    (AF_NO_WAIT, AF_NO_SCALES: wrong outputs on purpose) is marked in "instrument" and "kernel_defines"."""
+    from atomflow_bench.measure.bench import benchmark
+
+    args = dict(model_dir=tiny_dir, model_name="tiny", source="test", weights="fp8", context=16, tokens=8,
+                repeats=1, eager_tokens=4)
+    plain = benchmark(**args)
+    f = plain["forms"]
+    assert f["origin"] == "tuned now" and Path(f["path"]).parent == tuning_home / "tuning"
+    assert Forms.parse(f["forms"]).text == f["forms"]
+    assert plain["instrument"] == [] and not any(d.startswith("AF_") for d in plain["kernel_defines"])
+    assert plain["eager"]["same_tokens"] is True and len(plain["generated"]["token_ids"]) == 8
+    assert {"gemv_fp8.cu", "quantize_fp8.cu", "embedding.cu"} <= set(plain["compiled"])
+    assert "spin.cu" not in plain["compiled"] and "probe_stream.cu" not in plain["compiled"]
+    for gone in ("attention_choice", "gemv_choice", "l2_keep"):
+        assert gone not in plain
+    again = benchmark(**args)
+    assert again["forms"] == {"forms": f["forms"], "origin": "saved", "path": f["path"]}
+    assert again["generated"]["token_ids"] == plain["generated"]["token_ids"]
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "AF_NO_WAIT=15 AF_NO_SCALES=1")
+    inst = benchmark(**args, forms=Forms.parse(f["forms"]))
+    assert inst["forms"] == {"forms": f["forms"], "origin": "given"}
+    assert inst["instrument"] == ["AF_NO_WAIT=15", "AF_NO_SCALES=1"]
+    assert {"AF_NO_WAIT=15", "AF_NO_SCALES=1"} <= set(inst["kernel_defines"])
+    assert inst["launches_per_step"] == plain["launches_per_step"] and inst["pdl"] == plain["pdl"]
+
+
 def test_gemv_bench_isolated_and_chained():
     """`atomflow-bench gemv`: every GEMV shape of a (tiny) model in both formats, lm_head once, each timed as
     isolated launches and as a PDL chain captured in one graph; bytes per launch from the operands."""
-    from atomflow_bench.kernels import KernelLib
-    from atomflow_bench.profile import gemv_bench, gemv_shapes
+    from atomflow_bench.gpu.nvrtc import KernelLib
+    from atomflow_bench.measure.profile import gemv_bench, gemv_shapes
 
     cfg = tiny_config(tied=False)
     lib = KernelLib()
@@ -620,3 +706,4 @@ def test_gemv_bench_isolated_and_chained():
         assert 0 < r["isolated_ceiling_pct"] < 100
         assert r["isolated_ceiling_pct"] == pytest.approx(100 * floor / (floor + g["empty_launch_us"]["median"]))
     assert 0 < g["empty_launch_us"]["median"] < 50  # an empty launch between two events, no host time inside
+    assert g["chained_pdl"] == (device_cc() >= 90)

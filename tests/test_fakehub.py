@@ -11,12 +11,12 @@ import sys
 import numpy as np
 import pytest
 
-from atomflow_bench import store
+from atomflow_bench.store import store
 from atomflow_bench.config import ModelConfig
 from atomflow_bench.errors import FetchError
-from atomflow_bench.fetch import fetch_model, resolve_model, verify_model
-from atomflow_bench.sources.synthetic import make_synthetic
-from atomflow_bench.weights import Checkpoint
+from atomflow_bench.store.fetch import fetch_model, resolve_model, verify_model
+from atomflow_bench.store.sources.synthetic import make_synthetic
+from atomflow_bench.store.checkpoint import Checkpoint
 
 from fakehub import FakeHub
 

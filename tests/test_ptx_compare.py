@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from helpers_scripts import SCRIPTS, load_script
 
-from atomflow_bench.kernels import KERNELS_DIR, kernel_names
+from atomflow_bench.gpu.nvrtc import KERNELS_DIR, kernel_names
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +58,9 @@ def test_changed_instruction_and_missing_kernel(pc):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("git") is None, reason="needs nvcc and git")
 def test_real_source_against_head(pc):
-    src = KERNELS_DIR / "argmax.cu"
+    src = KERNELS_DIR / "embedding.cu"
     got = pc.entries(pc.ptx(src, KERNELS_DIR, "sm_90", []))
     assert sorted(got) == sorted(kernel_names(src))
-    out = subprocess.run(["python3", str(SCRIPTS / "ptx_compare.py"), "no-such-revision", "argmax.cu"], capture_output=True, text=True,
+    out = subprocess.run(["python3", str(SCRIPTS / "ptx_compare.py"), "no-such-revision", "embedding.cu"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 1 and out.stderr.startswith("error: git archive 'no-such-revision'")

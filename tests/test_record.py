@@ -8,10 +8,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from atomflow_bench.baselines import load_baselines
+from atomflow_bench.measure.baselines import load_baselines
 from atomflow_bench.cli import main
 from atomflow_bench.errors import AtomflowError
-from atomflow_bench.record import completions_url, record_baseline
+from atomflow_bench.measure.record import completions_url, record_baseline
 
 DELAY = 0.005   # seconds between tokens: the TPOT the recorder must find
 TTFT = 0.03     # seconds before the first token
@@ -163,105 +163,46 @@ def test_completions_url(base):
     assert completions_url(base) == "http://h:1/v1/completions"
 
 
-def test_run_table_shows_the_attention_choice():
-    """The `run` table names the attention kernel the engine measured and chose, and the TPOT per bucket."""
+def _table(rec: dict, width: int = 400) -> str:
     from io import StringIO
 
     from rich.console import Console
 
-    from atomflow_bench.report import run_table
+    from atomflow_bench.measure.report import run_table
+
+    out = StringIO()
+    Console(file=out, width=width).print(run_table(rec))
+    return out.getvalue()
+
+
+def test_run_table_shows_the_forms_and_where_they_came_from():
+    """The `run` table names the forms that ran, whether they were tuned now, saved or given, what they mean, the
+    fastest timed forms when tuned now, and the TPOT per attention bucket with its GEMV form."""
     from helpers_runs import make_run
 
     rec = make_run(1.5)
     rec.update({"vram_bytes": {"weights": 1 << 30, "kv": 1 << 20, "activations": 1 << 16, "scratch": 1 << 16,
                                "total": (1 << 30) + (1 << 20) + (1 << 17)},
-                "launches_per_step": 144, "pdl": True, "load": {"seconds": 1.0},
-                "attention_choice": {"mode": "auto", "short_cap": 416, "length": 416, "chosen": "short",
-                                     "step_us": {"short": 1480.25, "split": 1555.5}},
+                "launches_per_step": 142, "pdl": True, "load": {"seconds": 1.0},
+                "forms": {"forms": "short:ring/l2=8;split:ring/l2=0", "origin": "tuned now", "path": "/x.json",
+                          "timed": {"lengths": [192, 384], "step_us": {"short:ring/l2=8": 1455.5,
+                                                                       "short:ws/l2=8": 1530.0,
+                                                                       "split:ring/l2=8": 1490.25,
+                                                                       "short:ring/l2=0": 1480.0}}},
                 "attention_buckets": [{"attention": "short <= 416", "lengths": [128, 383], "tokens": 256,
-                                       "tpot_ms": 1.5}]})
-    out = StringIO()
-    Console(file=out, width=300).print(run_table(rec))
-    text = out.getvalue()
-    assert "measured at length 416: short 1480.2 µs vs split 1555.5 µs per step -> short" in text
-    assert "short <= 416 (lengths 128-383): 1.5000 ms" in text
-
-
-def test_run_table_shows_the_gemv_choice():
-    """The `run` table names the layer-GEMV form the engine measured and chose (or was forced to)."""
-    from io import StringIO
-
-    from rich.console import Console
-
-    from atomflow_bench.report import run_table
-    from helpers_runs import make_run
-
-    rec = make_run(1.5)
-    rec.update({"vram_bytes": {"weights": 1 << 30, "kv": 1 << 20, "activations": 1 << 16, "scratch": 1 << 16,
-                               "total": (1 << 30) + (1 << 20) + (1 << 17)},
-                "launches_per_step": 144, "pdl": True, "load": {"seconds": 1.0},
-                "gemv_choice": {"mode": "auto", "length": 416, "chosen": "ring",
-                                "step_us": {"ws": 1530.5, "ring": 1497.25}}})
-    out = StringIO()
-    Console(file=out, width=300).print(run_table(rec))
-    text = out.getvalue()
-    assert "measured at length 416: ws 1530.5 µs vs ring 1497.2 µs per step -> ring (per-warp ring" in text
-    rec["gemv_choice"] = {"mode": "ws", "chosen": "ws"}
-    out = StringIO()
-    Console(file=out, width=300).print(run_table(rec))
-    assert "ws -> ws (warp-specialised" in out.getvalue()
-    rec["gemv_choice"] = {"mode": "auto", "length": 416, "lengths": [208, 416], "chosen": "ws-pre2",
-                          "step_us": {"ws": 931.4, "ws-pre2": 928.9, "ring": 990.0}}
-    out = StringIO()
-    Console(file=out, width=300).print(run_table(rec))
-    assert ("measured at lengths 208 and 416 (mean): ws 931.4 µs vs ws-pre2 928.9 µs vs ring 990.0 µs per step -> ws-pre2 (warp-specialised: producer warp + "
-            "bulk copies, 2 ring slots filled before the PDL wait)") in out.getvalue()
-    rec["gemv_choice"] = {"mode": "ring+wd", "chosen": "ring+wd"}
-    out = StringIO()
-    Console(file=out, width=300).print(run_table(rec))
-    assert "ring+wd -> ring+wd (per-warp ring (fp8) / registers (fp16), but wd warp-specialised)" in out.getvalue()
-    rec["gemv_choice"] = {"mode": "auto", "length": 416, "lengths": [208, 416], "chosen": "ring/l2=8",
-                          "step_us": {"ring/l2=0": 1480.0, "ring/l2=8": 1455.5},
-                          "split": {"lengths": [4336, 8256], "chosen": "ring/l2=0",
-                                    "step_us": {"ring/l2=0": 1791.0, "ring/l2=8": 1846.5}}}
-    rec["attention_buckets"] = [{"attention": "split", "lengths": [8192, 8255], "tokens": 64, "tpot_ms": 1.791,
-                                 "gemv": "ring/l2=0"}]
-    rec["attention_choice"] = {"mode": "auto", "short_cap": 416, "length": 416, "lengths": [208, 416],
-                               "chosen": "short", "step_us": {"short": 1455.5, "split": 1530.0}}
-    out = StringIO()
-    Console(file=out, width=400).print(run_table(rec))
-    text = out.getvalue()
-    assert ("ring/l2=8 (per-warp ring (fp8) / registers (fp16); QKV asks L2 for the last 8 MB of gate/up's weights); "
-            "split attention, "
-            "measured at lengths 4336 and 8256 (mean): ring/l2=0 1791.0 µs vs ring/l2=8 1846.5 µs per step -> "
-            "ring/l2=0 (") in text
-    assert "split (lengths 8192-8255, GEMVs ring/l2=0): 1.7910 ms" in text
-
-
-def test_run_table_names_the_l2_kept_bytes():
-    """With LMHEAD_L2_KEEP on, the `run` table says how much of the lm_head was asked to stay in L2 and that those bytes
-    still count in the roofline; without it (0, or a record from before the knob) there is no such row."""
-    from io import StringIO
-
-    from rich.console import Console
-
-    from atomflow_bench.report import run_table
-    from helpers_runs import make_run
-
-    rec = make_run(1.4)
-    rec.update({"vram_bytes": {"weights": 1 << 30, "kv": 1 << 20, "activations": 1 << 16, "scratch": 1 << 16,
-                               "total": (1 << 30) + (1 << 20) + (1 << 17)},
-                "launches_per_step": 144, "pdl": True, "load": {"seconds": 1.0}})
-    for keep in (None, {"keep_mb": 0, "set_aside_bytes": 0}):
-        rec["l2_keep"] = keep
-        out = StringIO()
-        Console(file=out, width=300).print(run_table(rec))
-        assert "L2 kept" not in out.getvalue()
-    rec["l2_keep"] = {"keep_mb": 24, "set_aside_bytes": 24 << 20}
-    out = StringIO()
-    Console(file=out, width=300).print(run_table(rec))
-    assert ("lm_head's last 24 MB loaded evict-last, L2 set-aside 24.0 MiB: up to that much per token read from L2, "
-            "still counted in the bytes and the roofline") in out.getvalue()
+                                       "tpot_ms": 1.5, "gemv": "ring/l2=8"}]})
+    text = _table(rec)
+    assert "short:ring/l2=8;split:ring/l2=0 — tuned in this run: short attention, layer GEMVs per-warp ring" in text
+    assert "QKV asks L2 for the last 8 MB of gate/up's weights; beyond it split attention" in text
+    assert ("4 forms timed at lengths [192, 384]; fastest short:ring/l2=8 1455.5 µs, short:ring/l2=0 1480.0 µs, "
+            "split:ring/l2=8 1490.2 µs") in text
+    assert "short <= 416 (lengths 128-383, GEMVs ring/l2=8): 1.5000 ms" in text
+    rec["forms"] = {"forms": "split:ws-pre2/l2=0", "origin": "saved", "path": "/x.json"}
+    text = _table(rec)
+    assert "split:ws-pre2/l2=0 — a saved tune: split attention at every length" in text
+    assert "2 ring slots filled before the PDL wait" in text and "forms timed" not in text
+    rec["forms"] = {"forms": "split:ring/l2=0", "origin": "given"}
+    assert "given (--forms / ATOMFLOW_FORMS)" in _table(rec)
 
 
 def test_instrument_defines_and_run_table_warning():
@@ -270,8 +211,8 @@ def test_instrument_defines_and_run_table_warning():
 
     from rich.console import Console
 
-    from atomflow_bench.kernels import instrument_defines
-    from atomflow_bench.report import run_table
+    from atomflow_bench.gpu.nvrtc import instrument_defines
+    from atomflow_bench.measure.report import run_table
     from helpers_runs import make_run
 
     assert instrument_defines(("GEMV_ONE_WAVE=0", "AF_NO_WAIT=0")) == []
@@ -296,7 +237,7 @@ def test_profile_table_names_the_profiled_step():
 
     from rich.console import Console
 
-    from atomflow_bench.profile import profile_table
+    from atomflow_bench.measure.profile import profile_table
 
     p = {"context": 8192, "steps": 20, "kernel_sum_us": 2672.6, "graph_step_us": 1786.1, "idle_gap_us": -886.5,
          "copy_bandwidth_gbs": {"median": 2994.0},
@@ -317,7 +258,7 @@ def test_profile_table_names_the_profiled_step():
 def test_tool_info_names_the_code(tmp_path):
     """Every record's `tool` names its code three ways: the git commit, whether tracked files differ from it, and a hash
     of the package and kernel sources that changes with any byte or name of them (and with nothing else)."""
-    from atomflow_bench.report import source_sha256, tool_info
+    from atomflow_bench.measure.report import source_sha256, tool_info
 
     info = tool_info()
     assert set(info) >= {"git_commit", "git_dirty", "source_sha256"} and len(info["source_sha256"]) == 16

@@ -9,8 +9,8 @@ from helpers_hf import cosine, hf_decode, hf_perplexity, load_hf, rel_err
 
 from atomflow_bench.errors import ConfigError
 from atomflow_bench.quant import dequantize_fp8, quantize_fp8
-from atomflow_bench.reference import ReferenceDecoder, greedy, perplexity
-from atomflow_bench.weights import Checkpoint
+from atomflow_bench.validate.reference import ReferenceDecoder, greedy, perplexity
+from atomflow_bench.store.checkpoint import Checkpoint
 
 COS_MIN = 0.9999
 TINY_PROMPT = [0, 5, 17, 42, 99, 150, 200, 7]

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from atomflow_bench import store
+from atomflow_bench.store import store
 from atomflow_bench.errors import VerifyError
 
 

@@ -8,9 +8,9 @@ import pytest
 
 from atomflow_bench import tokenizer as tokenizer_mod
 from atomflow_bench.config import ModelConfig, Preset
-from atomflow_bench.sources import synthetic
-from atomflow_bench.sources.synthetic import make_synthetic
-from atomflow_bench.weights import Checkpoint
+from atomflow_bench.store.sources import synthetic
+from atomflow_bench.store.sources.synthetic import make_synthetic
+from atomflow_bench.store.checkpoint import Checkpoint
 
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=320, num_hidden_layers=3,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32)

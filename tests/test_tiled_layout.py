@@ -16,10 +16,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from atomflow_bench.arena import plan_arena
+from atomflow_bench.gpu.arena import plan_arena
 from atomflow_bench.config import ModelConfig
 from atomflow_bench.errors import AtomflowError, VerifyError
-from atomflow_bench.weights import REGION_PAIRING, check_tiled, tiled, tiled_scales
+from atomflow_bench.gpu.ops.gemv import ROLE_PAIRING, check_tiled, tiled, tiled_scales
 
 A_ELEM = [(0, 0), (0, 1), (8, 0), (8, 1), (0, 8), (0, 9), (8, 8), (8, 9)]  # a_i -> (row - groupID, col - 2t)
 
@@ -120,7 +120,7 @@ def test_untileable_shapes_refused(rows, k, pairing, half):
 
 
 def test_every_region_has_a_pairing_and_models_must_tile():
-    assert set(REGION_PAIRING) == {"wqkv", "wo", "wgu", "wd"}
+    assert set(ROLE_PAIRING) == {"wqkv", "wo", "wgu", "wd"}
     bad = ModelConfig(vocab_size=300, hidden_size=272, intermediate_size=512, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     with pytest.raises(AtomflowError, match="multiples of 32"):

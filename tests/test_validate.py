@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from atomflow_bench import validate as v
+from atomflow_bench.validate import check as v
 from atomflow_bench.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

