@@ -152,22 +152,6 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
   return r;
 }
 
-// An L2 policy under which the lines a load brings in are the last to be evicted (data read again next step: with
-// the persisting set-aside of cudaLimitPersistingL2CacheSize they stay in it; PERF_NOTES v35). sm_80+: outside the
-// sm_90 block below, since the lm_head (LMHEAD_L2_KEEP) may use it on any GPU.
-__device__ __forceinline__ unsigned long long l2_evict_last() {
-  unsigned long long p;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-// The same load as ld_stream with an L2 cache policy (createpolicy: e.g. l2_evict_last), sm_80+.
-__device__ __forceinline__ uint4 ld_stream_hint(const void* p, unsigned long long policy) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(policy));
-  return r;
-}
-
 // 16 (or 8: the fp8 scale pair) bytes global -> shared without passing through registers (sm_80+), and the
 // per-thread commit / wait of such copies.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
