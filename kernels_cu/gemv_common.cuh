@@ -170,7 +170,7 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
 // Where: after this kernel's own pre-wait weight requests (ring path) or its mbarrier setup (warp-specialised), just
 // before the wait — at the kernel's very start (v17.1) the successor's requests went first: +38 µs on 3B W8A16,
 // +21 µs on 1B fp16 against this placement in one call (v20.2). (QKV triggering early too: neutral, v20.1.)
-// (Was the knob GEMV_EARLY_RESID, default 1; 0 measured slower, removed; last in commit 9969095.)
+// (Was the knob GEMV_EARLY_RESID; off measured slower (v20), removed; last in commit 9969095.)
 // The GEMVs' synchronisation with the previous kernel (after the pre-wait weight requests): the early trigger of the
 // residual GEMVs above, then the wait (and the usual trigger after it).
 template <int EPI, class Sync>
@@ -189,12 +189,12 @@ __device__ __forceinline__ void gemv_arrive_wait(const Sync& sync) {
 // each block its 1/gridDim share by bulk prefetches, after the block's last epilogue (its own weights are all in). The
 // hardware counters show HBM idle for ~4.5 µs per layer between QKV's last weights and o_proj's blocks (QKV's tail,
 // then the attention), because o_proj's blocks are launched only at the attention's wait. (Was the knob GEMV_NEXT_L2;
-// its form 2, right after the block's own pre-wait weight requests, measured slower (v30.1), removed; last in commit
-// 9969095.)
+// its form 2, right after the block's own pre-wait weight requests, measured slower (v30.1), removed; off is the
+// host's next_bytes = 0; last in commit 9969095.)
 // Evict-first (PERF_NOTES v30.3, v31): the tiled GEMVs' weight and scale copies (the bulk paths: fp8 ring on sm_90+,
 // warp-specialised) carry an L2 evict-first policy, so the weights streamed through L2 once per step are evicted
 // before anything else: what next_weights_l2 asked in, the KV cache and the activations. (Was the knob
-// GEMV_EVICT_FIRST, default 1; 0 measured slower, removed; last in commit 9969095.)
+// GEMV_EVICT_FIRST; off measured slower with the prefetch (v30.3, v31.1), removed; last in commit 9969095.)
 #if AF_HAS_BULK
 __device__ __forceinline__ void gemv_w_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
   bulk_g2s_hint(dst, src, bytes, bar, l2_evict_first());
