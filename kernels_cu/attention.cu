@@ -24,17 +24,13 @@
 //            the head copied into shared memory by cp.async in one L2 round, together with the one round of all
 //            (max, sum) pairs; in batches when they do not fit) and resets its ticket. Blocks whose split is empty at this L exit at
 //            once, so one launch shape (captured in the graph) serves every position < max_seq.
-//            A/B knob ATT_CLUSTER = C > 1 (results/PERF_NOTES.md v23): C consecutive splits of a head form a thread
-//            block cluster and combine through distributed shared memory, each block one slice of the outputs,
-//            then per slice over the head's clusters through a ticket (attention_cluster_finish).
-//            A/B knob ATT_COMBINE_SLICES = C > 1 (v23.1): the head's last C blocks to take the ticket combine a
-//            slice of the outputs each (the final arrival at once, the others after polling the ticket).
-//            A/B knob ATT_BULK = 1 (v23.2): K/V rows by one bulk copy each (rows padded by 16 bytes, no swizzle);
+//            (results/PERF_NOTES.md v23-v23.2: the combine through thread block clusters (ATT_CLUSTER), sliced over
+//            the head's last blocks (ATT_COMBINE_SLICES), and K/V rows by bulk copies (ATT_BULK) measured slower,
+//            removed; last in commit 9969095.)
 //            ATT_TMA = 1 (v23.3; the default on sm_90+ since v23.5, set by the host: kernels.arch_defines; the
 //            source default 0 is the cp.async form of older GPUs): a group's K and V by 2D tensor copies (boxes
 //            [16][64] fp16 with the 128-byte swizzle; the layer slabs' tensor maps built by step.py
-//            attention_launch, passed as kv_map);
-//            both complete on one mbarrier per ring slot (sm_90+).
+//            attention_launch, passed as kv_map), completing on one mbarrier per ring slot (sm_90+).
 //            Rows past the split in a warp's last group: V zero-filled (P is 0 there, but 0 * NaN is NaN), K's
 //            scores masked to -inf. K/V rows sit in shared memory with their 16-byte pieces XOR-swizzled by
 //            the row (piece c of row t at c ^ (t & 7)): ldmatrix reads 8 rows of one piece without bank conflicts.
@@ -42,34 +38,23 @@
 //            with two 4-position passes in registers (66 splits at ctx 8192, a ~100 KB one-block combine).
 // Layouts    q fp16 [n_heads*hd] (post-RoPE, start of the qkv buffer); k_cache/v_cache: this layer's slab
 //            fp16 [max_seq][n_kv*hd]; part_ml fp32 [n_heads][max_splits][2] (max in log2 units, sum); part_o
-//            fp32 [n_heads][max_splits][hd]; counters uint32 [n_kv * ATT_CLUSTER]; out fp16 [n_heads*hd].
+//            fp32 [n_heads][max_splits][hd]; counters uint32 [n_kv]; out fp16 [n_heads*hd].
 //            Dynamic shared memory (step.py attention_smem): 4 warp rings of ATT_RING_BYTES ([slot][K group |
 //            V group], each [16][hd] fp16), reused at the end for the warps' O [4][G][hd] fp32 and the combine
 //            (m, l [2][G][max_splits], sums [G*hd/4] float4, then as many splits' partial o [G*hd] as fit).
 // Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + partials n_heads * splits * (hd + 2) * 4 * 2.
-// Launch     attention_decode_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv, max_splits), block = 128, clusters of (1, C, 1)
-//            when ATT_CLUSTER = C > 1 (step.py
-//            attention_launch; arena.attention_splits caps max_splits at ~2 blocks per SM).
+// Launch     attention_decode_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv, max_splits), block = 128 (ATT_THREADS),
+//            2 blocks per SM, dyn. smem = 4 * ATT_RING_BYTES (+ 1 KB with ATT_TMA) (step.py attention_launch;
+//            arena.attention_splits caps max_splits at ~2 blocks per SM).
 #include "common.cuh"
 
 #define ATT_CHUNK 32    // positions per sub-chunk: the unit splits are cut in (arena.py ATT_CHUNK)
-#ifndef ATT_THREADS
-#define ATT_THREADS 128 // step.py ATT_THREADS; A/B knob (256: one block per SM with the same 24 KB ring per warp)
-#endif
+#define ATT_THREADS 128 // step.py ATT_THREADS (256, one block per SM with the same ring per warp: slower, v18.1)
 #define ATT_WARPS (ATT_THREADS / AF_WARP)
 #define ATT_GROUP 16    // positions per group: a warp's unit of the walk (the P.V mma's K)
 #define ATT_BATCH 4     // ldmatrix loads issued before their mmas
-#ifndef ATT_BULK
-#define ATT_BULK 0      // A/B knob: K/V rows staged by bulk copies (copy engine, sm_90+) into padded rows
-#endif
-#if ATT_BULK && defined(__CUDA_ARCH__) && !AF_HAS_BULK
-#error "ATT_BULK needs sm_90+ (cp.async.bulk)"
-#endif
 #ifndef ATT_TMA
 #define ATT_TMA 0  // K/V groups by 2D tensor copies (TMA boxes [16][64], 128-byte swizzle), sm_90+ (host: 1 there)
-#endif
-#if ATT_TMA && (ATT_BULK || ATT_CLUSTER > 1 || ATT_THREADS != 128)
-#error "ATT_TMA: with the default staging, no clusters, 128 threads"
 #endif
 #if ATT_TMA && defined(__CUDA_ARCH__) && !AF_HAS_BULK
 #error "ATT_TMA needs sm_90+ (cp.async.bulk.tensor)"
@@ -81,18 +66,9 @@
 #define ATT_TMA_PARAM
 #define ATT_TMA_ARG
 #endif
-// the copy forms' code is device code of sm_90+ (the host pass compiles the default staging in its place)
+// the TMA form's code is device code of sm_90+ (the host pass compiles the default staging in its place)
 #define ATT_TMA_CODE (ATT_TMA && AF_HAS_BULK)
-#define ATT_BULK_CODE (ATT_BULK && AF_HAS_BULK)
-#ifndef ATT_RING_BYTES
-#define ATT_RING_BYTES (ATT_BULK ? 26112 : 24 * 1024)  // per warp (step.py att_ring_bytes; A/B knob)
-#endif
-#ifndef ATT_COMBINE_SLICES
-#define ATT_COMBINE_SLICES 1  // the head's last blocks to arrive that share its combine, a slice each (A/B knob)
-#endif
-#ifndef ATT_CLUSTER
-#define ATT_CLUSTER 1   // splits of a kv head per thread block cluster (arena.py / step.py read it too; A/B knob)
-#endif
+#define ATT_RING_BYTES 24576  // K/V ring per warp, 24 KB (step.py ATT_RING_BYTES)
 
 __device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: 2^-inf = +0)
   float y;
@@ -109,47 +85,39 @@ __device__ __forceinline__ int attention_splits(int len, int max_splits) {
 }
 
 // First sub-chunk of split s of n: an even share each, except the last split, which takes ATT_LAST_SHARE / 4 of
-// a share (A/B knob; 4 = even): the last split's blocks are dispatched last, some only when the previous launch's
+// a share (4 would be even): the last split's blocks are dispatched last, some only when the previous launch's
 // combining blocks leave their SM, so they get less to read.
-#ifndef ATT_LAST_SHARE
 #define ATT_LAST_SHARE 2  // results/PERF_NOTES.md v18
-#endif
 __device__ __forceinline__ int att_split_start(int s, int n_sub, int n) {
   return s >= n ? n_sub : (int)((long long)4 * s * n_sub / (4 * (n - 1) + ATT_LAST_SHARE));
 }
 
-// byte offset of 16-byte piece c of row t in a staged [16][HD] fp16 group (pieces XOR-swizzled by the row; with
-// ATT_BULK rows padded by 16 bytes instead, a row being one bulk copy: ldmatrix's 8 rows then start 4 banks apart)
-#define ATT_ROW_BYTES(HD) ((HD) * 2 + 16 * ATT_BULK)
+// byte offset of 16-byte piece c of row t in a staged [16][HD] fp16 group (pieces XOR-swizzled by the row).
 // With ATT_TMA the group is HD/64 boxes of [16][64] (2 KB, 128-byte rows) as the tensor copy's 128-byte swizzle
 // lays them: piece c of row t in box c / 8 at (c % 8) ^ (t & 7), the same XOR as without.
 template <int HD>
 __device__ __forceinline__ int att_swz(int t, int c) {
-  return ATT_TMA    ? (c >> 3) * (ATT_GROUP * 128) + t * 128 + (((c & 7) ^ (t & 7)) << 4)
-         : ATT_BULK ? t * ATT_ROW_BYTES(HD) + (c << 4)
-                    : t * HD * 2 + ((c ^ (t & 7)) << 4);
+  return ATT_TMA ? (c >> 3) * (ATT_GROUP * 128) + t * 128 + (((c & 7) ^ (t & 7)) << 4)
+                 : t * HD * 2 + ((c ^ (t & 7)) << 4);
 }
 
 // The last block of kv head j: out = sum_s coef[g][s] * part_o[g][s] with coef = exp2(m_s - M) / sum_s l_s
 // exp2(m_s - M). Every partial o of the head is copied into shared memory by cp.async in one round of 16-byte L2
 // copies (in batches of the splits that fit, when G x splits x hd floats exceed the rings), together with the
 // (m, l) round; the sums are then taken from shared memory. `smem`: the block's rings (dead by now).
-// Slice k of ns (ATT_COMBINE_SLICES): only float4 columns [k * G*HD/4 / ns, (k+1) * G*HD/4 / ns) of the output.
 template <int HD, int G>
 __device__ __forceinline__ void attention_combine(const float* part_ml, const float* part_o, __half* out, int j,
-                                                  int n_splits, int max_splits, float* smem, int k = 0, int ns = 1) {
-  constexpr int T = ATT_THREADS, ALL = G * HD / 4;  // float4 columns of the head group's output
-  const int c_lo = ATT_COMBINE_SLICES == 1 ? 0 : k * ALL / ns;  // this slice's columns
-  const int COLS = ATT_COMBINE_SLICES == 1 ? ALL : (k + 1) * ALL / ns - c_lo;
+                                                  int n_splits, int max_splits, float* smem) {
+  constexpr int T = ATT_THREADS, COLS = G * HD / 4;  // float4 columns of the head group's output
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP;
   float* coef = smem;                                  // [G][max_splits]: m_s, then the weights
   float* l_s = coef + G * max_splits;                  // [G][max_splits]: l_s
-  float4* sums = reinterpret_cast<float4*>(coef + ((2 * G * max_splits + 3) & ~3));  // [COLS] (<= ALL)
+  float4* sums = reinterpret_cast<float4*>(coef + ((2 * G * max_splits + 3) & ~3));  // [COLS]
   float4* po = sums + COLS;                            // [batch][COLS] partial o of one batch of splits
   const int batch = (int)((ATT_WARPS * ATT_RING_BYTES / 16 - (po - reinterpret_cast<float4*>(smem))) / COLS);
   auto stage = [&](int s0, int s1) {  // partial o of splits [s0, s1) -> po, one cp.async group
     for (int e = threadIdx.x; e < (s1 - s0) * COLS; e += T) {
-      const int sp = e / COLS, c = c_lo + e % COLS, g = c * 4 / HD;
+      const int sp = e / COLS, c = e % COLS, g = c * 4 / HD;
       cp_async16(po + e, part_o + ((size_t)(j * G + g) * max_splits + s0 + sp) * HD + c * 4 % HD);
     }
     cp_async_commit();
@@ -181,7 +149,7 @@ __device__ __forceinline__ void attention_combine(const float* part_ml, const fl
     cp_async_wait<0>();
     __syncthreads();  // the batch's copies (and, the first time, the weights) are visible to every thread
     for (int c = threadIdx.x; c < COLS; c += T) {
-      const float* cf = coef + (c_lo + c) * 4 / HD * max_splits;
+      const float* cf = coef + c * 4 / HD * max_splits;
       float4 a = s0 == 0 ? make_float4(0.f, 0.f, 0.f, 0.f) : sums[c];
 #pragma unroll 4
       for (int sp = s0; sp < s1; ++sp) {
@@ -191,7 +159,7 @@ __device__ __forceinline__ void attention_combine(const float* part_ml, const fl
       }
       if (s1 < n_splits) sums[c] = a;
       else {
-        __half2* dst = reinterpret_cast<__half2*>(out + (size_t)j * G * HD + (c_lo + c) * 4);
+        __half2* dst = reinterpret_cast<__half2*>(out + (size_t)j * G * HD + c * 4);
         dst[0] = __floats2half2_rn(a.x, a.y);
         dst[1] = __floats2half2_rn(a.z, a.w);
       }
@@ -203,86 +171,6 @@ __device__ __forceinline__ void attention_combine(const float* part_ml, const fl
   }
 }
 
-// ATT_CLUSTER = C > 1: the C blocks of a cluster (C consecutive splits of kv head j; cluster index c = part c of
-// the head) finish together. Every block has left its state in its shared memory (b_m, b_l [G]: max in log2 units
-// and sum; bo [G*HD]: o relative to b_m; a block whose split is empty at this length: -inf, 0, 0). After the
-// cluster barrier, block rank r combines slice r of the G*HD outputs (S = G*HD / C entries, one per thread) from all
-// C blocks through distributed shared memory, then writes `out` (one part) or stores part c of its slice (o, and
-// (max, sum) of every head at index c*C + r of part_ml) and takes ticket (j, r): the last rank r of the head's
-// n_parts clusters reads slice r of every part (one L2 round) and writes out's slice, then resets the ticket.
-// Ends with the cluster barrier's wait: no block leaves while a peer may still read its shared memory.
-template <int HD, int G>
-__device__ __forceinline__ void attention_cluster_finish(const float* bo, const float* b_m, const float* b_l,
-                                                         float* part_ml, float* part_o, unsigned int* counters,
-                                                         __half* out, int j, int n_splits, int max_splits) {
-  constexpr int C = ATT_CLUSTER, GH = G * HD, S = GH / C;
-  static_assert(GH % C == 0 && S <= ATT_THREADS && G * C <= ATT_THREADS, "cluster slice");
-  __shared__ float c_w[G][C], c_l[G][C], c_m[G], c_s[G];
-  __shared__ bool last;
-  const int t = threadIdx.x, r = (int)cluster_rank(), c = blockIdx.y / C, n_parts = (n_splits + C - 1) / C;
-  const int i = r * S + t, g = i / HD;  // this thread's output entry (t < S)
-  cluster_arrive();
-  cluster_wait();  // every block's state is visible
-  if (t < G * C) {
-    c_w[t / C][t % C] = ld_dsmem(b_m + t / C, t % C);
-    c_l[t / C][t % C] = ld_dsmem(b_l + t / C, t % C);
-  }
-  float v[C];
-  if (t < S) {
-#pragma unroll
-    for (int q = 0; q < C; ++q) v[q] = ld_dsmem(bo + i, q);
-  }
-  __syncthreads();
-  cluster_arrive();  // done reading the peers' shared memory
-  if (t < G) {
-    float M = -AF_INF, L = 0.f;
-#pragma unroll
-    for (int q = 0; q < C; ++q) M = fmaxf(M, c_w[t][q]);  // finite: rank 0's split is never empty
-#pragma unroll
-    for (int q = 0; q < C; ++q) {
-      const float w = ex2(c_w[t][q] - M);
-      c_w[t][q] = w;
-      L += w * c_l[t][q];
-    }
-    c_m[t] = M;
-    c_s[t] = L;
-    if (n_parts > 1) {
-      float* ml = part_ml + ((size_t)(j * G + t) * max_splits + c * C + r) * 2;
-      ml[0] = M;
-      ml[1] = L;
-    }
-  }
-  __syncthreads();
-  float acc = 0.f;
-  if (t < S) {
-#pragma unroll
-    for (int q = 0; q < C; ++q) acc = fmaf(c_w[g][q], v[q], acc);
-    if (n_parts == 1) out[(size_t)j * GH + i] = __float2half(acc / c_s[g]);
-    else part_o[((size_t)(j * G + g) * max_splits + c) * HD + i % HD] = acc;
-  }
-  if (n_parts > 1) {
-    __syncthreads();  // this block's slice of part c stored; thread 0's acq_rel ticket publishes it
-    if (t == 0) last = atom_add_acq_rel_gpu(counters + j * C + r, 1u) == (unsigned int)n_parts - 1;
-    __syncthreads();
-    if (last) {
-      if (t < S) {
-        float M = -AF_INF, L = 0.f, a = 0.f;  // online over the parts
-        for (int p = 0; p < n_parts; ++p) {
-          const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml) + (size_t)(j * G + g) * max_splits + p * C + r);
-          const float o = __ldcg(part_o + ((size_t)(j * G + g) * max_splits + p) * HD + i % HD);
-          const float m_new = fmaxf(M, ml.x), al = ex2(M - m_new), w = ex2(ml.x - m_new);
-          L = L * al + w * ml.y;
-          a = a * al + w * o;
-          M = m_new;
-        }
-        out[(size_t)j * GH + i] = __float2half(a / L);
-      }
-      if (t == 0) counters[j * C + r] = 0u;
-    }
-  }
-  cluster_wait();
-}
-
 // One work item: kv head j, split `split` of the len cached positions, all G q heads (see the header).
 template <int HD, int G>
 __device__ __forceinline__ void attention_item(const __half* q, const __half* k_cache, const __half* v_cache, int len,
@@ -292,14 +180,12 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   constexpr int NW = ATT_WARPS;
   constexpr int DG = HD / 8;                    // 16-byte pieces per row = 8-dim tiles of O
   constexpr int KS = HD / 16;                   // k-steps of the scores
-  constexpr int GB = ATT_GROUP * ATT_ROW_BYTES(HD);  // bytes of one group's K (or V)
+  constexpr int GB = ATT_GROUP * HD * 2;        // bytes of one group's K (or V)
   constexpr int D = ATT_RING_BYTES / (2 * GB);  // ring slots per warp
   static_assert(D >= 1 && G <= 8 && KS % ATT_BATCH == 0 && DG % (2 * ATT_BATCH) == 0, "shape");
   const int n_sub = (len + ATT_CHUNK - 1) / ATT_CHUNK;
   const int n_splits = attention_splits(len, max_splits);
-  // nothing at this context length (before any barrier); with clusters the whole cluster leaves or none of it
-  // (a block past n_splits in a live cluster walks nothing and joins the cluster's combine)
-  if ((ATT_CLUSTER > 1 ? split / ATT_CLUSTER * ATT_CLUSTER : split) >= n_splits) return;
+  if (split >= n_splits) return;  // nothing at this context length (before any barrier)
   const int p0 = att_split_start(split, n_sub, n_splits) * ATT_CHUNK;
   const int p1 = min(att_split_start(split + 1, n_sub, n_splits) * ATT_CHUNK, len);
   const size_t kv_dim = (size_t)n_kv * HD;
@@ -309,10 +195,10 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   smem += (1024u - ((unsigned)__cvta_generic_to_shared(smem) & 1023u)) & 1023u;  // the swizzle's 1 KB (step.py: +1 KB)
 #endif
   char* ring = smem + warp * D * 2 * GB;
-  const int n_grp = ATT_CLUSTER > 1 && p1 <= p0 ? 0 : (p1 - p0 + ATT_GROUP - 1) / ATT_GROUP;  // 0: empty split
+  const int n_grp = (p1 - p0 + ATT_GROUP - 1) / ATT_GROUP;
   const int mine = warp < n_grp ? (n_grp - 1 - warp) / NW + 1 : 0;  // this warp's groups
 
-#if ATT_BULK_CODE || ATT_TMA_CODE
+#if ATT_TMA_CODE
   __shared__ unsigned long long att_bar[NW][D];  // a barrier per ring slot: the group's copies complete on it
   if (lane == 0) {
 #pragma unroll
@@ -339,28 +225,6 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
         tma_load_2d(ks + h * ATT_GROUP * 128, kv_map, j * HD + h * 64, t0, bar);
         tma_load_2d(ks + GB + h * ATT_GROUP * 128, kv_map + 128, j * HD + h * 64, t0, bar);
       }
-    }
-  };
-#elif ATT_BULK_CODE
-  // ATT_BULK: the default walk with one bulk copy per row: lane l < 16 copies K row l of the group, lane 16 + l V
-  // row l, onto the slot's mbarrier (lane 0 arms it with the group's bytes; the consumer waits for the use's phase)
-  auto stage = [&](int i, bool before_wait) {
-    if (i >= mine) return;
-    const int t0 = p0 + (warp + NW * i) * ATT_GROUP;
-    const int nv = min(p1 - t0, ATT_GROUP);  // rows present (>= 1)
-    const bool skip = before_wait && len - 1 >= t0 && len - 1 < t0 + nv;
-    unsigned long long* bar = &att_bar[warp][i % D];
-    char* row = ring + (i % D) * 2 * GB + (lane >= ATT_GROUP ? GB : 0) + (lane % ATT_GROUP) * ATT_ROW_BYTES(HD);
-    const int t = t0 + lane % ATT_GROUP;
-    fence_proxy_async();  // the slot's earlier reads before the copies
-    if (lane == 0) mbar_expect_tx(bar, (unsigned)(2 * (nv - skip) * HD * 2));
-    __syncwarp();
-    if (t < p1) {
-      if (!(before_wait && t == len - 1))
-        bulk_g2s(row, (lane < ATT_GROUP ? k_cache : v_cache) + (size_t)t * kv_dim + (size_t)j * HD, HD * 2, bar);
-    } else if (lane >= ATT_GROUP) {
-#pragma unroll
-      for (int c = 0; c < DG; ++c) *reinterpret_cast<uint4*>(row + c * 16) = make_uint4(0, 0, 0, 0);
     }
   };
 #else
@@ -424,7 +288,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   for (int c = 0; c < DG; ++c) o[c][0] = o[c][1] = o[c][2] = o[c][3] = 0.f;
 
   for (int i = 0; i < mine; ++i) {
-#if ATT_BULK_CODE || ATT_TMA_CODE
+#if ATT_TMA_CODE
     mbar_wait(&att_bar[warp][i % D], (unsigned)(i / D) & 1u);  // group i's copies have landed ...
 #else
     cp_async_wait<D - 1>();  // this lane's copies of group i have landed ...
@@ -500,14 +364,8 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
 
   // ---- merge the warps (weights exp2(m_w - M)), then out (one split) or the partials ----
   __shared__ float w_m[NW][G], w_l[NW][G], s_w[NW][G], s_l[G];
-#if ATT_COMBINE_SLICES == 1
   __shared__ bool last;
-#endif
   float* wo = reinterpret_cast<float*>(smem);  // [NW][G][HD] each warp's O (relative to its own max)
-#if ATT_CLUSTER > 1
-  __shared__ float c_bm[G], c_bl[G];           // the block's state for its cluster: max, sum ...
-  float* bo = wo + NW * G * HD;                // ... and o [G][HD] (relative to c_bm)
-#endif
   __syncthreads();                             // every warp's ring is dead
   if (gid < G) {
 #pragma unroll
@@ -524,17 +382,12 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     float L = 0.f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
-      // 0 for a warp that had no group (m = -inf); with clusters a block may have none at all (M = -inf)
-      const float a = ATT_CLUSTER > 1 && M == -AF_INF ? 0.f : ex2(w_m[w][g] - M);
+      const float a = ex2(w_m[w][g] - M);  // 0 for a warp that had no group (m = -inf)
       s_w[w][g] = a;
       L += a * w_l[w][g];
     }
     s_l[g] = L;
-#if ATT_CLUSTER > 1
-    c_bm[g] = M;
-    c_bl[g] = L;
-#endif
-    if (ATT_CLUSTER == 1 && n_splits > 1) {
+    if (n_splits > 1) {
       float* ml = part_ml + ((size_t)(j * G + g) * max_splits + split) * 2;
       ml[0] = M;
       ml[1] = L;
@@ -547,49 +400,22 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     float acc = 0.f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) acc = fmaf(s_w[w][g], wo[(size_t)w * GH + i], acc);
-#if ATT_CLUSTER > 1
-    bo[i] = acc;
-    continue;
-#endif
     if (n_splits == 1) out[(size_t)j * GH + i] = __float2half(acc / s_l[g]);  // one split: finish here
     else part_o[((size_t)(j * G + g) * max_splits + split) * HD + i % HD] = acc;
   }
-#if ATT_CLUSTER > 1
-  attention_cluster_finish<HD, G>(bo, c_bm, c_bl, part_ml, part_o, counters, out, j, n_splits, max_splits);
-  return;
-#endif
   if (n_splits == 1) return;
   __syncthreads();  // all partials of this block written; thread 0's acq_rel ticket publishes them
   AF_TL_MARK(2);  // timeline: merged, partials stored
-#if ATT_COMBINE_SLICES > 1
-  // the head's last ns blocks to arrive combine a slice each: ticket n_splits-1-k -> slice k; k > 0 polls the
-  // ticket (acquire) until every split has arrived; then each adds once more, the last of them resets it
-  __shared__ int slice;
-  const int ns = min(ATT_COMBINE_SLICES, n_splits);
-  if (threadIdx.x == 0) {
-    const int k = n_splits - 1 - (int)atom_add_acq_rel_gpu(counters + j, 1u);
-    slice = k < ns ? k : -1;
-    if (k > 0 && k < ns)  // bounded: a broken count ends in a wrong result the tests see, not a hang
-      for (int spin = 0; spin < (1 << 22) && ld_acquire_gpu(counters + j) < (unsigned int)n_splits; ++spin) {}
-  }
-  __syncthreads();
-  AF_TL_MARK(3);  // timeline: ticket back (and, for a slice block, the count complete)
-  if (slice < 0) return;
-  attention_combine<HD, G>(part_ml, part_o, out, j, n_splits, max_splits, reinterpret_cast<float*>(smem), slice, ns);
-  if (threadIdx.x == 0 && atomicAdd(counters + j, 1u) == (unsigned int)(n_splits + ns - 1)) counters[j] = 0u;
-#else
   if (threadIdx.x == 0) last = atom_add_acq_rel_gpu(counters + j, 1u) == (unsigned int)n_splits - 1;
   __syncthreads();
   AF_TL_MARK(3);  // timeline: ticket back
   if (!last) return;  // the last block acquired every other block's partials through its ticket
   attention_combine<HD, G>(part_ml, part_o, out, j, n_splits, max_splits, reinterpret_cast<float*>(smem));
   if (threadIdx.x == 0) counters[j] = 0u;
-#endif
 }
 
 // One kernel per (head_dim, q heads per kv head): G is a compile-time constant so the per-head arrays are
-// exactly sized. Block (j, s) = item (kv head j, split s). 2 blocks per SM (step.py attention_smem; 1 with the
-// A/B knob ATT_THREADS=256).
+// exactly sized. Block (j, s) = item (kv head j, split s). 2 blocks per SM (step.py attention_smem).
 #define ATTENTION_INSTANCE(HD, G)                                                                         \
   extern "C" __global__ void __launch_bounds__(ATT_THREADS, 256 / ATT_THREADS)                          \
       attention_decode_hd##HD##_g##G(                                                                     \

@@ -152,22 +152,6 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
   return r;
 }
 
-// An L2 policy under which the lines a load brings in are the last to be evicted (data read again next step: with
-// the persisting set-aside of cudaLimitPersistingL2CacheSize they stay in it; PERF_NOTES v35). sm_80+: outside the
-// sm_90 block below, since the lm_head (LMHEAD_L2_KEEP) may use it on any GPU.
-__device__ __forceinline__ unsigned long long l2_evict_last() {
-  unsigned long long p;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-// The same load as ld_stream with an L2 cache policy (createpolicy: e.g. l2_evict_last), sm_80+.
-__device__ __forceinline__ uint4 ld_stream_hint(const void* p, unsigned long long policy) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(policy));
-  return r;
-}
-
 // 16 (or 8: the fp8 scale pair) bytes global -> shared without passing through registers (sm_80+), and the
 // per-thread commit / wait of such copies.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -325,30 +309,4 @@ __device__ __forceinline__ unsigned int atom_add_acq_rel_gpu(unsigned int* p, un
   unsigned int old;
   asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
-}
-
-// GPU-scope acquire load (attention.cu's slice blocks poll the head's ticket).
-__device__ __forceinline__ unsigned int ld_acquire_gpu(const unsigned int* p) {
-  unsigned int v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Thread block clusters (sm_90+; attention.cu with ATT_CLUSTER > 1): rank within the cluster, the split
-// cluster barrier (arrive with release, wait with acquire: shared-memory writes before a block's arrive are
-// visible to every block of the cluster after its wait; every thread of every block takes part), and a float of
-// block `rank`'s shared memory at the address `p` has in this block's (distributed shared memory).
-__device__ __forceinline__ unsigned int cluster_rank() {
-  unsigned int r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-__device__ __forceinline__ float ld_dsmem(const float* p, unsigned int rank) {
-  unsigned int a = (unsigned int)__cvta_generic_to_shared(p), r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
-  return v;
 }

@@ -24,6 +24,8 @@
 // ROWS (lm_head, fp16 weights shared with the embedding table, row-major as HF stores them) — a warp owns one
 //   output row and walks it with 16-byte streaming loads, ROWS_LOADS chunks per lane in flight; grid-stride.
 //   Measured at ~100% of copy bandwidth on 128256 x 3072 (results/gemv-*.json), so it keeps the plain layout.
+//   (v35: its last rows loaded evict-last into an L2 set-aside, knob LMHEAD_L2_KEEP, gained less than the adoption
+//   bar asks, removed; last in commit 9969095.)
 //
 // Both: 256 threads per block (TILED: 2 resident blocks per SM, ROWS: 4); the first weight loads (or
 // cp.async groups) are issued BEFORE the prologue and, under programmatic dependent launch, before waiting for the previous
@@ -50,20 +52,16 @@
 #include "argmax_common.cuh"
 
 #define GEMV_THREADS 256
-// TILED configuration per weight format (measured, results/PERF_NOTES.md v7.1-v9; -D overrides are A/B knobs,
-// scripts/gpu_check.sh knobs; the host mirrors them in atomflow_bench/step.py):
+// TILED configuration per weight format (measured, results/PERF_NOTES.md v7.1-v9; fixed: the other values measured
+// slower; the host mirrors them in atomflow_bench/step.py):
 //   fp8:  weights through a cp.async shared-memory ring (gemv_tiled_async), NS groups of 2 KB per warp in flight;
 //         one kernel per ring depth NS (GEMV_RING_INSTANCE: name suffix _r<NS>), picked per launch by the
 //         host plan (step.py gemv_plan), which sizes the dynamic shared memory for that depth;
 //   fp16: weights through registers (gemv_tiled), 24 16-byte loads per lane per batch (measured faster than the
 //         ring for fp16, v7.2).
 // Both: <= 128 registers (2 resident blocks per SM; the fp8 kernels use ~55, so 3 fit where the shared memory does).
-#ifndef GEMV_MIN_BLOCKS
-#define GEMV_MIN_BLOCKS 2   // resident blocks per SM the register budget is planned for
-#endif
-#ifndef GEMV_LOADS_F16
+#define GEMV_MIN_BLOCKS 2   // resident blocks per SM the register budget is planned for (step.py GEMV_BLOCKS_PER_SM)
 #define GEMV_LOADS_F16 24   // register path: 16-byte weight loads in flight per lane per batch (a multiple of 8)
-#endif
 // ROWS (lm_head): 8 loads per lane, 4 blocks per SM (<= 64 registers): ~100% of copy bandwidth as is.
 #define ROWS_MIN_BLOCKS 4
 #define ROWS_LOADS 8
@@ -78,7 +76,7 @@ struct RopeArgs {
   __half* k_cache;  // this layer's [max_seq][n_kv * hd]
   __half* v_cache;
   int n_q, n_kv, hd;
-  const unsigned char* next_w;    // GEMV_NEXT_L2: later weights asked into L2 (step.next_l2; 0 bytes: none)
+  const unsigned char* next_w;    // later weights asked into L2 (next_weights_l2; step.next_l2; 0 bytes: none)
   unsigned long long next_bytes;
 };
 
@@ -163,7 +161,7 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
   }
 }
 
-// GEMV_EARLY_RESID (knob, default 1): the residual GEMVs (o_proj, down) let the next kernel launch before their own
+// Early trigger: the residual GEMVs (o_proj, down) let the next kernel launch before their own
 // wait, so gate/up's (and the next QKV's) blocks take free shared memory and request weights while o_proj still
 // waits for attention. Safe: neither successor reads anything before its wait but weights, pos and the cos/sin
 // table, and the residual GEMVs' pre-wait read of h keeps its guarantee (their predecessors, attention and gate/up,
@@ -172,14 +170,12 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
 // Where: after this kernel's own pre-wait weight requests (ring path) or its mbarrier setup (warp-specialised), just
 // before the wait — at the kernel's very start (v17.1) the successor's requests went first: +38 µs on 3B W8A16,
 // +21 µs on 1B fp16 against this placement in one call (v20.2). (QKV triggering early too: neutral, v20.1.)
-#ifndef GEMV_EARLY_RESID
-#define GEMV_EARLY_RESID 1
-#endif
+// (Was the knob GEMV_EARLY_RESID; off measured slower (v20), removed; last in commit 9969095.)
 // The GEMVs' synchronisation with the previous kernel (after the pre-wait weight requests): the early trigger of the
 // residual GEMVs above, then the wait (and the usual trigger after it).
 template <int EPI, class Sync>
 __device__ __forceinline__ void gemv_arrive_wait(const Sync& sync) {
-  if (GEMV_EARLY_RESID && EPI == EPI_RESID) pdl_launch_dependents();
+  if (EPI == EPI_RESID) pdl_launch_dependents();
   constexpr int bit = EPI == EPI_ROPE ? 1 : EPI == EPI_RESID ? 4 : EPI == EPI_SWIGLU ? 8 : 0;  // AF_NO_WAIT (common.cuh)
   if (AF_NO_WAIT & bit) {
     pdl_launch_dependents();
@@ -188,34 +184,26 @@ __device__ __forceinline__ void gemv_arrive_wait(const Sync& sync) {
   }
 }
 
-// GEMV_NEXT_L2 (knob, default 1 since v31; results/PERF_NOTES.md v30-v31): the QKV kernel asks L2 for a range of later weights
-// (rope.next_w, next_bytes: the host's choice, step.py next_l2 — o_proj's, or the last MB of gate/up's), each block its
-// 1/gridDim share by bulk prefetches. The hardware counters show HBM idle for ~4.5 µs per layer between QKV's last
-// weights and o_proj's blocks (QKV's tail, then the attention), because o_proj's blocks are launched only at the
-// attention's wait. WHEN = 1: after the block's last epilogue (its own weights are all in); 2: right after its own
-// pre-wait weight requests (measured slower: v30.1).
-#ifndef GEMV_NEXT_L2
-#define GEMV_NEXT_L2 1
-#endif
-// GEMV_EVICT_FIRST (knob, default 1 since v31; PERF_NOTES v30.3, v31): the tiled GEMVs' weight and scale copies (the bulk paths: fp8
-// ring on sm_90+, warp-specialised) carry an L2 evict-first policy, so the weights streamed through L2 once per step
-// are evicted before anything else: what GEMV_NEXT_L2 asked in, the KV cache and the activations.
-#ifndef GEMV_EVICT_FIRST
-#define GEMV_EVICT_FIRST 1
-#endif
+// Next weights into L2 (results/PERF_NOTES.md v30-v31; sm_90+): the QKV kernel asks L2 for a range of later weights
+// (rope.next_w, next_bytes: the host's choice, step.py next_l2 — o_proj's, or the last MB of gate/up's; 0 bytes: none),
+// each block its 1/gridDim share by bulk prefetches, after the block's last epilogue (its own weights are all in). The
+// hardware counters show HBM idle for ~4.5 µs per layer between QKV's last weights and o_proj's blocks (QKV's tail,
+// then the attention), because o_proj's blocks are launched only at the attention's wait. (Was the knob GEMV_NEXT_L2;
+// its form 2, right after the block's own pre-wait weight requests, measured slower (v30.1), removed; off is the
+// host's next_bytes = 0; last in commit 9969095.)
+// Evict-first (PERF_NOTES v30.3, v31): the tiled GEMVs' weight and scale copies (the bulk paths: fp8 ring on sm_90+,
+// warp-specialised) carry an L2 evict-first policy, so the weights streamed through L2 once per step are evicted
+// before anything else: what next_weights_l2 asked in, the KV cache and the activations. (Was the knob
+// GEMV_EVICT_FIRST; off measured slower with the prefetch (v30.3, v31.1), removed; last in commit 9969095.)
 #if AF_HAS_BULK
 __device__ __forceinline__ void gemv_w_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-  if (GEMV_EVICT_FIRST) {
-    bulk_g2s_hint(dst, src, bytes, bar, l2_evict_first());
-  } else {
-    bulk_g2s(dst, src, bytes, bar);
-  }
+  bulk_g2s_hint(dst, src, bytes, bar, l2_evict_first());
 }
 #endif
-template <int EPI, int WHEN>
+template <int EPI>
 __device__ __forceinline__ void next_weights_l2(const RopeArgs& rope, bool issuer) {
 #if AF_HAS_BULK
-  if (EPI == EPI_ROPE && GEMV_NEXT_L2 == WHEN && issuer && rope.next_bytes) {
+  if (EPI == EPI_ROPE && issuer && rope.next_bytes) {
     const unsigned long long share = ((rope.next_bytes + gridDim.x - 1) / gridDim.x + 15) & ~15ull;
     const unsigned long long end = min(share * (blockIdx.x + 1), rope.next_bytes);
     for (unsigned long long b = share * blockIdx.x; b < end; b += 32768)
@@ -586,7 +574,6 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 
 #pragma unroll
   for (int n = 0; n < NS; ++n) issue(n);
-  next_weights_l2<EPI, 2>(rope, threadIdx.x == 0);
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
   const NormRegs nr = norm_w_regs<PRO>(a);  // PRO_NORM: norm_w before the wait
   gemv_arrive_wait<EPI>(sync);  // weights above may be read early; x / h / pos only once the previous kernel is done
@@ -608,7 +595,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
     AF_TL_MARK(1);  // timeline: the (last) tile's dot products done
     tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc, pre);
   }
-  next_weights_l2<EPI, 1>(rope, threadIdx.x == 0);
+  next_weights_l2<EPI>(rope, threadIdx.x == 0);
   AF_TL_MARK(2);  // timeline: epilogue done
 #if !GEMV_RING_BULK
   cp_async_wait<0>();
@@ -634,44 +621,8 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 // engine): slots the producer may fill before the consumers have passed their wait (0: the whole ring). Fewer
 // bytes requested before the wait let the previous kernel's completion and this kernel's x loads through sooner
 // (measured, PERF_NOTES v13.2: fp16 3 of 6 slots -78 µs on 3B; v16: 1B fp16 is faster at 2; fp8 2 was slower on 8B).
-//
-// DYN (the `_dyn` instances; PERF_NOTES v33): dynamic split-K work units instead of whole tiles per block. A unit is
-// one ring slot of one tile (16 rows x 1024 fp8 / 512 fp16 inputs, 16 KB): unit u is part p = u / tiles of tile
-// T = u % tiles — every tile's part 0 first, then every part 1, ... (v33.1: with a tile's parts consecutive they were
-// taken at once by different blocks and the last part's reducer waited on them, the waits chaining into a convoy:
-// 3B W8A16 2.5x slower); so a tile's earlier parts were taken a whole round of parts earlier, and a reducer
-// never meets a last part before all its own earlier parts are published (its units come in counter order). And
-// the producer takes units from the launch's counter (dyn.ctr[0], atomicAdd) instead of a static share, asking for
-// the next before it copies this one; so faster SMs take more units and the GEMV ends when the last 16 KB unit is
-// done, not when the slowest SM's whole tiles are (the probe: static shares end with the slowest SMs, PERF_NOTES
-// v32). It ends its stream with a marker (uid ~0); the last block to finish resets the counter (dyn.ctr[1] counts
-// finished producers) for the next launch of this counter — consecutive launches sharing a counter must therefore
-// be ordered by completion (the host gives every launch of the step its own counter).
-// Reduction, deterministic (no float atomics): the consumers write their 16 rows' sums of the unit to the slot's
-// partials [8 warps][16] in shared memory and arrive on its `done` mbarrier (8 lanes per warp); a reducer warp (two,
-// alternating units) sums the 8 warps in order, frees the slot (`empty`, count 1) and then either publishes the
-// unit's 16 sums to dyn.part[T][p] (p < spt - 1: a relaxed store per row) or, holding the tile's last part, polls the others'
-// (all at once with the epilogue's operand; each word until it is no longer the SENTINEL bit pattern, which no
-// arithmetic produces: a NaN's sign bit set with all payload bits), adds them in a fixed order (even parts, odd
-// parts, then its own), puts the SENTINEL back for the next launch and runs the epilogue. A unit's poll only waits for lower units (taken earlier from the counter by running blocks), so the
-// waits cannot cycle. dyn.part is shared by every launch of the step: a kernel's reducer touches it only after its
-// consumers passed their PDL wait (the previous kernel is complete) and is done before its own kernel completes.
-#define GEMV_DYN_SENTINEL 0xffffffffu
-struct DynArgs {
-  unsigned* ctr;  // [2]: units taken, producers finished (both 0 between launches)
-  float* part;    // [tiles][spt][16]: published partial sums, SENTINEL between launches
-};
-__device__ __forceinline__ void st_relaxed_gpu(float* p, float v) {
-  asm volatile("st.relaxed.gpu.global.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
-}
-__device__ __forceinline__ unsigned ld_relaxed_gpu_u32(const float* p) {
-  unsigned v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-#define GEMV_DYN_REDUCERS 2  // reducer warps: unit n of a block's stream goes to reducer n % 2 (v33.3: one warp's
-                            // poll + epilogue per last part could not keep up with the units)
-#define GEMV_DYN_THREADS (GEMV_THREADS + AF_WARP * (1 + GEMV_DYN_REDUCERS))  // consumers, producer, reducers
+// (v33: dynamic split-K work units, the `_dyn` kernels, measured slower than whole tiles per block, removed; last in
+// commit 9969095.)
 // The warp's group G of a ring slot `s` (it sits at the slot's group `off`: weights, then fp8 scales after
 // GEMV_WS_SLOT) into d / acc (group_mma).
 template <bool FP8, int UPG>
@@ -683,9 +634,9 @@ __device__ __forceinline__ void ws_slot_mma(float (&d)[4], float (&acc)[2], cons
                       sc);
 }
 #if AF_HAS_BULK
-template <bool FP8, int PRO, int EPI, bool DYN = false>
+template <bool FP8, int PRO, int EPI>
 __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs rope, unsigned char* smem_raw,
-                                              const int npre, const DynArgs dyn = DynArgs{}) {
+                                              const int npre) {
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
   constexpr int NWC = GEMV_THREADS / AF_WARP;                   // consumer warps
   constexpr int KU = FP8 ? 32 : 16, UPG = 128 / KU;            // inputs per 512-byte unit, units per group
@@ -704,108 +655,20 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   unsigned long long* full = reinterpret_cast<unsigned long long*>(rs + 32);
   unsigned long long* empty = full + GEMV_WS_MAX;
   unsigned long long* go = empty + GEMV_WS_MAX;  // one arrival: the consumers passed their wait (npre)
-  // DYN: per slot a `done` mbarrier (the consumers' partial sums are in) and the unit it holds (host: + 192 bytes)
-  unsigned long long* done = go + 2;
-  unsigned* uid = reinterpret_cast<unsigned*>(done + (DYN ? GEMV_WS_MAX : 0));
-  unsigned char* ring = reinterpret_cast<unsigned char*>(uid + (DYN ? GEMV_WS_MAX : 0));
+  unsigned char* ring = reinterpret_cast<unsigned char*>(go + 2);
   ring += (128u - ((unsigned)__cvta_generic_to_shared(ring) & 127u)) & 127u;  // slots 128-byte aligned (host: +128)
   unsigned dsmem;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsmem));
-  constexpr int PSLOT = DYN ? NWC * GEMV_TILE * 4 : 0;  // DYN: a slot's partial sums [8 warps][16] f32, after the ring
-  const int NS = min(GEMV_WS_MAX, (int)((dsmem - (unsigned)(ring - smem_raw)) / (SLOTB + PSLOT)));
-  float* psum = reinterpret_cast<float*>(ring + (size_t)NS * SLOTB);
+  const int NS = min(GEMV_WS_MAX, (int)((dsmem - (unsigned)(ring - smem_raw)) / SLOTB));
   if (threadIdx.x == 0) {
     for (int s = 0; s < NS; ++s) {
       mbar_init(full + s, 1);
-      mbar_init(empty + s, DYN ? 1 : NWC);  // DYN: the reducer frees a slot, after the consumers' `done`
-      if (DYN) mbar_init(done + s, NWC * 8);
+      mbar_init(empty + s, NWC);
     }
     mbar_init(go, 1);
     mbar_init_fence();
   }
-  __syncthreads();  // the only whole-block barrier: the producer (and the reducer) leave below
-
-  if (DYN && warp == NWC) {  // the producer: units from the counter, the next one asked before this one's copies
-    if (lane == 0) {
-      const unsigned total = (unsigned)(ntiles * spt);
-      unsigned u = atomicAdd(dyn.ctr, 1u);
-      int marks = 0;  // end markers written (consecutive slots: one reaches each reducer)
-      for (int n = 0;; ++n) {
-        const int slot = n % NS;
-        if (npre > 0 && n == npre) mbar_wait(go, 0u);
-        if (n >= NS) mbar_wait(empty + slot, (unsigned)(n / NS - 1) & 1u);
-        if (u >= total) {  // the end marker: a plain arrival completes the slot's phase; one per reducer warp (each
-          uid[slot] = ~0u;  // walks every GEMV_DYN_REDUCERS-th slot of the stream), the consumers stop at the first
-          mbar_arrive(full + slot);
-          if (++marks == GEMV_DYN_REDUCERS) break;
-          continue;
-        }
-        const unsigned nxt = atomicAdd(dyn.ctr, 1u);
-        const int T = (int)(u % ntiles), g0 = (int)(u / ntiles) * GPS, g1 = min(ngroups, g0 + GPS);
-        const int u0 = g0 * UPG, u1 = min(nunits, g1 * UPG);
-        const unsigned wbytes = (unsigned)(u1 - u0) * 512u;
-        const unsigned sbytes = FP8 && !AF_NO_SCALES ? (unsigned)(g1 - g0) * 64u : 0u;
-        uid[slot] = u;
-        mbar_expect_tx(full + slot, wbytes + sbytes);
-        gemv_w_copy(ring + slot * SLOTB, a.W + (size_t)T * tile_bytes + (size_t)u0 * 512, wbytes, full + slot);
-        if (FP8 && !AF_NO_SCALES)
-          gemv_w_copy(ring + slot * SLOTB + GEMV_WS_SLOT, a.scales + ((size_t)T * ngroups + g0) * 16, sbytes,
-                      full + slot);
-        u = nxt;
-      }
-      next_weights_l2<EPI, 2>(rope, true);
-      if (atom_add_acq_rel_gpu(dyn.ctr + 1, 1u) == gridDim.x - 1) {  // every producer has taken its last unit
-        dyn.ctr[0] = 0u;
-        dyn.ctr[1] = 0u;
-      }
-    }
-    return;
-  }
-  if (DYN && warp > NWC) {  // a reducer: units n = rw, rw + GEMV_DYN_REDUCERS, ... of the block's stream
-    const int rw = warp - NWC - 1, r = lane & 15, h = lane >> 4;  // h: which half of a last part's earlier parts
-    for (int n = rw;; n += GEMV_DYN_REDUCERS) {
-      const int slot = n % NS;
-      const unsigned ph = (unsigned)(n / NS) & 1u;
-      mbar_wait(full + slot, ph);
-      const unsigned u = uid[slot];
-      if (u == ~0u) break;
-      mbar_wait(done + slot, ph);
-      float s = 0.f;  // this unit's sum of row r (lanes 0-15): the 8 warps in order
-      if (lane < GEMV_TILE)
-        for (int w = 0; w < NWC; ++w) s += psum[(slot * NWC + w) * GEMV_TILE + lane];
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty + slot);  // uid and the partial sums are read: the slot may be refilled
-      const int T = (int)(u % ntiles), p = (int)(u / ntiles);
-      float* row = dyn.part + (size_t)T * spt * GEMV_TILE + r;  // row r of part q: row[q * 16]
-      if (p < spt - 1) {
-        if (lane < GEMV_TILE) st_relaxed_gpu(row + p * GEMV_TILE, s);
-        continue;
-      }
-      // the tile's last part: the epilogue's operand and the earlier parts' sums requested together (one L2 round),
-      // lane (r, h) taking parts q = h, h + 2, ... in order, 8 loads in flight; each part polled until published
-      const EpiOperand pre = epilogue_operand_of<EPI>(a, rope, R == 2 ? T * (GEMV_TILE / 2) + (r & 7) : T * GEMV_TILE + r);
-      float half = 0.f;
-      for (int q0 = h; q0 < p; q0 += 16) {
-        unsigned v[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = q0 + 2 * j < p ? ld_relaxed_gpu_u32(row + (q0 + 2 * j) * GEMV_TILE) : 0u;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int q = q0 + 2 * j;
-          if (q < p) {
-            while (v[j] == GEMV_DYN_SENTINEL) v[j] = ld_relaxed_gpu_u32(row + q * GEMV_TILE);
-            half += __uint_as_float(v[j]);
-            row[q * GEMV_TILE] = __uint_as_float(GEMV_DYN_SENTINEL);  // reset for the next launch
-          }
-        }
-      }
-      const float tot = (half + __shfl_xor_sync(0xffffffffu, half, 16)) + s;  // same bits in both halves
-      const float hi = __shfl_down_sync(0xffffffffu, tot, 8);  // row r + 8
-      if (R == 2 && lane < GEMV_TILE / 2) gemv_epilogue<EPI>(a, rope, T * (GEMV_TILE / 2) + lane, tot, hi, pre, true);
-      if (R == 1 && lane < GEMV_TILE) gemv_epilogue<EPI>(a, rope, T * GEMV_TILE + lane, tot, tot, pre, true);
-    }
-    return;
-  }
+  __syncthreads();  // the only whole-block barrier: the producer leaves below
 
   if (warp == NWC) {  // the producer: slot n of the block's stream = tile blockIdx.x + (n / spt) * gridDim.x, part n % spt
     if (lane == 0) {
@@ -831,40 +694,17 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
           gemv_w_copy(ring + slot * SLOTB + GEMV_WS_SLOT, a.scales + ((size_t)T * ngroups + g0) * 16, sbytes,
                       full + slot);
       }
-      next_weights_l2<EPI, 2>(rope, true);
     }
     return;
   }
 
-  // the first tile's epilogue operand, before the wait (DYN: the reducer's epilogues read their own)
-  const EpiOperand pre = DYN ? EpiOperand{} : epilogue_operand<EPI, R>(a, rope, blockIdx.x);
+  const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
   const NormRegs nr = norm_w_regs<PRO, GEMV_THREADS>(a);  // PRO_NORM: norm_w before the wait
   gemv_arrive_wait<EPI>(PdlSync{});  // x / h / pos only once the previous kernel is done (weights are the producer's)
   if (npre > 0 && threadIdx.x == 0) mbar_arrive(go);
   stage_x_tiled<PRO, STAGE_REGS, GEMV_THREADS>(a, xs, rs, nullptr, nullptr, nr);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
-  if (DYN) {  // the consumers: per unit, this warp's group; its 16 rows' sums to the slot's partials
-    for (int n = 0;; ++n) {
-      const int slot = n % NS;
-      mbar_wait(full + slot, (unsigned)(n / NS) & 1u);
-      const unsigned u = uid[slot];
-      if (u == ~0u) break;
-      const int g0 = (int)(u / ntiles) * GPS, off = (warp - g0) & (NWC - 1), G = g0 + off;
-      float acc[2] = {0.f, 0.f}, d[4] = {0.f, 0.f, 0.f, 0.f};
-      if (off < GPS && G < ngroups) ws_slot_mma<FP8, UPG>(d, acc, ring + slot * SLOTB, off, G, xs, nunits, lane, t);
-      gemv_tiled_finish<FP8>(d, acc);
-      __syncwarp();  // every lane has read the slot (the reducer frees it once all `done` arrivals are in)
-      if ((lane & 3) == 0) {  // rows g and g + 8 (quad lane 0 holds mma column 0)
-        psum[(slot * NWC + warp) * GEMV_TILE + (lane >> 2)] = acc[0];
-        psum[(slot * NWC + warp) * GEMV_TILE + (lane >> 2) + 8] = acc[1];
-        mbar_arrive(done + slot);  // each writing lane: its own sums, and (all 8) the slot read
-      }
-    }
-    next_weights_l2<EPI, 1>(rope, threadIdx.x == 0);
-    AF_TL_MARK(2);
-    return;
-  }
   int n = 0;
   for (int T = blockIdx.x, parity = 0; T < ntiles; T += gridDim.x, parity ^= 1) {
     float acc[2] = {0.f, 0.f}, d[4] = {0.f, 0.f, 0.f, 0.f};
@@ -880,7 +720,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
     AF_TL_MARK(1);  // timeline: the (last) tile's dot products done
     tile_epilogue<R, EPI, GEMV_THREADS>(a, rope, red + parity * NWC * GEMV_TILE, T, acc, pre);
   }
-  next_weights_l2<EPI, 1>(rope, threadIdx.x == 0);
+  next_weights_l2<EPI>(rope, threadIdx.x == 0);
   AF_TL_MARK(2);  // timeline: epilogue done
 }
 #endif
@@ -889,14 +729,14 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 // architecture (the host pass needs them), built for sm_90+ only: below, the body traps — the host launches these
 // only on sm_90+ and not with GEMV_WS=0 (step.py gemv_ws).
 #if AF_HAS_BULK
-#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, DYN, DARGS)                                                     \
+#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE)                                                                 \
   AF_TIMELINE_BLOCK;                                                                                      \
   extern __shared__ __align__(16) unsigned char smem_raw[];                                               \
-  gemv_tiled_ws<FP8, PRO, EPI, DYN>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, ROPE, smem_raw, npre, DARGS);
+  gemv_tiled_ws<FP8, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, ROPE, smem_raw, npre);
 #elif defined(__CUDA_ARCH__)
-#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, DYN, DARGS) __trap();
+#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE) __trap();
 #else
-#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, DYN, DARGS)
+#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE)
 #endif
 #define GEMV_WS_PARAMS                                                                                    \
   const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x,      \
@@ -904,22 +744,11 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 #define GEMV_ROPE_ARGS_OF (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, next_w, next_bytes})
 #define GEMV_WS_INSTANCE(NAME, FP8, PRO, EPI)                                                             \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_WS_PARAMS) {                 \
-    GEMV_WS_BODY(FP8, PRO, EPI, RopeArgs{}, false, DynArgs{})                                             \
+    GEMV_WS_BODY(FP8, PRO, EPI, RopeArgs{})                                                               \
   }
 #define GEMV_WS_ROPE_INSTANCE(NAME, FP8)                                                                  \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_ROPE_PARAMS, int npre) {     \
-    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, GEMV_ROPE_ARGS_OF, false, DynArgs{})                            \
-  }
-// The same with dynamic split-K units (DYN above): NAME takes the launch's counter and the step's partial sums too.
-#define GEMV_DYN_INSTANCE(NAME, FP8, PRO, EPI)                                                            \
-  extern "C" __global__ void __launch_bounds__(GEMV_DYN_THREADS, 2)                                       \
-  NAME(GEMV_WS_PARAMS, unsigned* dyn_ctr, float* dyn_part) {                                              \
-    GEMV_WS_BODY(FP8, PRO, EPI, RopeArgs{}, true, (DynArgs{dyn_ctr, dyn_part}))                           \
-  }
-#define GEMV_DYN_ROPE_INSTANCE(NAME, FP8)                                                                 \
-  extern "C" __global__ void __launch_bounds__(GEMV_DYN_THREADS, 2)                                       \
-  NAME(GEMV_ROPE_PARAMS, int npre, unsigned* dyn_ctr, float* dyn_part) {                                  \
-    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, GEMV_ROPE_ARGS_OF, true, (DynArgs{dyn_ctr, dyn_part}))          \
+    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, GEMV_ROPE_ARGS_OF)                                              \
   }
 
 // fp16 layer GEMVs: the register path.
@@ -978,15 +807,6 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 
 // ---- ROWS: lm_head (fp16, row-major) -------------------------------------------------------------------
 
-// LMHEAD_L2_KEEP (knob, MB; 0 = off; results/PERF_NOTES.md v35): the lm_head's last rows, this many MB of them, are
-// loaded under an L2 evict-last policy, and the engine sets aside as much of L2 for persisting lines
-// (cudaLimitPersistingL2CacheSize): the same bytes are read again by the next token's lm_head, so with every other
-// weight stream marked evict-first (GEMV_EVICT_FIRST) they may still be in L2 then — up to that many MB per token not
-// read from HBM. The step's bytes (and its roofline) are unchanged: the record says how much was asked to stay.
-#ifndef LMHEAD_L2_KEEP
-#define LMHEAD_L2_KEEP 0
-#endif
-
 // 8 fp16 weights · 8 fp16 activations, accumulated in fp32.
 __device__ __forceinline__ float dot8_f16(uint4 w, const __half* xs, int k) {
   const uint4 xv = *reinterpret_cast<const uint4*>(xs + k);
@@ -1020,14 +840,6 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
   const int nchunks = K / 8;
   const size_t row_bytes = (size_t)K * 2;
 
-  // rows >= keep_from: loaded evict-last (LMHEAD_L2_KEEP; with 0 every row takes ld_stream, as before the knob)
-  const int keep_from = LMHEAD_L2_KEEP > 0
-      ? n_out - (int)min((size_t)n_out, ((size_t)LMHEAD_L2_KEEP << 20) / row_bytes) : n_out;
-  const unsigned long long keep_policy = LMHEAD_L2_KEEP > 0 ? l2_evict_last() : 0ull;
-  auto ld_w = [&](const unsigned char* p, bool keep) {
-    return LMHEAD_L2_KEEP > 0 && keep ? ld_stream_hint(p, keep_policy) : ld_stream(p);
-  };
-
   int o = blockIdx.x * nwarps + threadIdx.x / AF_WARP;
   uint4 wv[ROWS_LOADS];
   if (o < n_out) {  // the first iteration's weights of this warp's first output, before the sync
@@ -1035,7 +847,7 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
 #pragma unroll
     for (int u = 0; u < ROWS_LOADS; ++u) {
       const int c = lane + u * AF_WARP;
-      wv[u] = c < nchunks ? ld_w(wrow + (size_t)c * 16, o >= keep_from) : make_uint4(0, 0, 0, 0);
+      wv[u] = c < nchunks ? ld_stream(wrow + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
     }
   }
   if (norm) stage_norm_w_async(a, nws);  // constant: before the wait
@@ -1062,7 +874,7 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs a, const Sync sync, uns
 #pragma unroll
         for (int u = 0; u < ROWS_LOADS; ++u) {
           const int c = c0 + u * AF_WARP;
-          wv[u] = c < nchunks ? ld_w(wrow + (size_t)c * 16, o >= keep_from) : make_uint4(0, 0, 0, 0);
+          wv[u] = c < nchunks ? ld_stream(wrow + (size_t)c * 16) : make_uint4(0, 0, 0, 0);
         }
       }
       prefetched = false;

@@ -31,8 +31,3 @@ GEMV_WS_ROPE_INSTANCE(gemv_f8_qkv_rope_ws, true)
 GEMV_WS_INSTANCE(gemv_f8_norm_swiglu_ws, true, PRO_NORM, EPI_SWIGLU)
 GEMV_WS_INSTANCE(gemv_f8_resid_ws, true, PRO_PLAIN, EPI_RESID)
 GEMV_WS_INSTANCE(gemv_f8_store_ws, true, PRO_PLAIN, EPI_STORE)
-// The same with dynamic split-K work units (DYN; gemv_common.cuh, PERF_NOTES v33).
-GEMV_DYN_ROPE_INSTANCE(gemv_f8_qkv_rope_dyn, true)
-GEMV_DYN_INSTANCE(gemv_f8_norm_swiglu_dyn, true, PRO_NORM, EPI_SWIGLU)
-GEMV_DYN_INSTANCE(gemv_f8_resid_dyn, true, PRO_PLAIN, EPI_RESID)
-GEMV_DYN_INSTANCE(gemv_f8_store_dyn, true, PRO_PLAIN, EPI_STORE)

@@ -63,17 +63,26 @@ def test_timeline_build_compiles_without_spills(src, tmp_path):
     assert frames and not local_memory(frames)
 
 
-@pytest.mark.parametrize("knob", ["ATT_TMA=1", "ATT_BULK=1"])
-def test_attention_copy_forms_compile_without_spills(knob, tmp_path):
-    """attention.cu's sm_90 staging forms (A/B knobs: 2D tensor copies, bulk copies) compile without local memory;
-    below sm_90 they refuse to compile."""
+def test_attention_tma_form_compiles_without_spills(tmp_path):
+    """attention.cu's sm_90 staging form ATT_TMA=1 (2D tensor copies; the host's default on sm_90+) compiles without
+    local memory; below sm_90 it refuses to compile."""
     src = KERNELS_DIR / "attention.cu"
-    report = compile_report(src, "sm_90", tmp_path, defines=(knob,))
+    report = compile_report(src, "sm_90", tmp_path, defines=("ATT_TMA=1",))
     frames = frames_of(report)
     assert len(frames) == len(kernel_names(src)) and not local_memory(frames)
-    out = subprocess.run([NVCC, "-arch=sm_89", "-std=c++17", f"-D{knob}", "-c", str(src), "-o", str(tmp_path / "x.o")],
+    out = subprocess.run([NVCC, "-arch=sm_89", "-std=c++17", "-DATT_TMA=1", "-c", str(src), "-o", str(tmp_path / "x.o")],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode != 0 and "needs sm_90+" in out.stderr
+
+
+def test_only_the_kept_knobs_remain():
+    """The kernels read exactly these -D knobs: GEMV_BULK (the portable ring), ATT_TMA (the portable K/V staging) and
+    the timing instruments AF_TIMELINE, AF_NO_WAIT, AF_NO_SCALES; every measured-slower form or value is gone or a
+    fixed constant (results/PERF_NOTES.md; last in commit 9969095)."""
+    knobs = set()
+    for src in sorted(KERNELS_DIR.glob("*.cu")) + sorted(KERNELS_DIR.glob("*.cuh")):
+        knobs |= set(re.findall(r"^\s*#\s*if(?:n?def)\s+(\w+)", src.read_text(), re.M))
+    assert knobs == {"GEMV_BULK", "ATT_TMA", "AF_TIMELINE", "AF_NO_WAIT", "AF_NO_SCALES"}
 
 
 def test_every_source_has_a_header():
@@ -99,56 +108,25 @@ def test_no_wait_instrument_compiles_without_spills(src, tmp_path):
     assert waits(("AF_NO_WAIT=15",)) < waits(())
 
 
-@pytest.mark.parametrize("value", [1, 2])
 @pytest.mark.parametrize("src", ["gemv_fp8.cu", "gemv_fp16.cu"])
-def test_next_weights_l2_compiles_without_spills(src, value, tmp_path):
-    """The knob GEMV_NEXT_L2 (gemv_common.cuh next_weights_l2; PERF_NOTES v30.1) compiles without local memory and puts
-    the L2 bulk prefetch into the QKV kernels only: none with the knob off, none in any other kernel; the default
-    build is GEMV_NEXT_L2=1 (v31)."""
-    path = KERNELS_DIR / src
-    define = f"GEMV_NEXT_L2={value}"
-    frames = frames_of(compile_report(path, "sm_90", tmp_path, defines=(define,)))
-    assert frames and not local_memory(frames)
-
-    def prefetching(defines) -> set[str]:
-        kernels = re.split(r"\.entry\s+", ptx_of(path, defines))[1:]
-        return {k.split("(", 1)[0].strip() for k in kernels if "cp.async.bulk.prefetch.L2" in k}
-
-    assert prefetching(("GEMV_NEXT_L2=0",)) == set()
-    on = prefetching((define,))
-    assert on and all("qkv_rope" in k for k in on), on
-    assert prefetching(()) == prefetching(("GEMV_NEXT_L2=1",))
+def test_next_weights_l2_only_in_the_qkv_kernels(src):
+    """next_weights_l2 (gemv_common.cuh; PERF_NOTES v30.1-v31): the L2 bulk prefetch of later weights is in the QKV
+    kernels only (the host's next_bytes = 0 asks nothing), once per kernel: after the block's last epilogue."""
+    kernels = re.split(r"\.entry\s+", ptx_of(KERNELS_DIR / src))[1:]
+    prefetching = {k.split("(", 1)[0].strip(): k.count("cp.async.bulk.prefetch.L2") for k in kernels
+                   if "cp.async.bulk.prefetch.L2" in k}
+    assert prefetching and all("qkv_rope" in k for k in prefetching), prefetching
+    assert set(prefetching.values()) == {1}, prefetching  # one call site: after the last epilogue
 
 
 @pytest.mark.parametrize("src", ["gemv_fp8.cu", "gemv_fp16.cu"])
-def test_evict_first_compiles_without_spills(src, tmp_path):
-    """The knob GEMV_EVICT_FIRST (gemv_common.cuh gemv_w_copy; PERF_NOTES v30.3) compiles without local memory and
-    gives every bulk weight copy the L2 cache hint: none with the knob off; the default build is GEMV_EVICT_FIRST=1
-    (v31)."""
-    path = KERNELS_DIR / src
-    frames = frames_of(compile_report(path, "sm_90", tmp_path, defines=("GEMV_EVICT_FIRST=1",)))
-    assert frames and not local_memory(frames)
-
-    plain, hinted = ptx_of(path, ("GEMV_EVICT_FIRST=0",)), ptx_of(path, ("GEMV_EVICT_FIRST=1",))
-    assert ptx_of(path) == hinted
-    assert "L2::cache_hint" not in plain and "evict_first" not in plain
-    assert hinted.count("createpolicy.fractional.L2::evict_first") > 0
-    assert hinted.count("bytes.L2::cache_hint") == plain.count("cp.async.bulk.shared::cluster.global")
-
-
-@pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
-def test_lmhead_l2_keep_compiles_without_spills(arch, tmp_path):
-    """The knob LMHEAD_L2_KEEP (the lm_head's last N MB loaded evict-last; PERF_NOTES v35) compiles without local memory
-    on sm_89 and sm_90, puts the evict-last policy and the hinted loads in the two lm_head kernels only, and leaves
-    the default build without either."""
-    path = KERNELS_DIR / "gemv_fp16.cu"
-    frames = frames_of(compile_report(path, arch, tmp_path, defines=("LMHEAD_L2_KEEP=16",)))
-    assert frames and not local_memory(frames)
-    plain, kept = ptx_of(path), ptx_of(path, ("LMHEAD_L2_KEEP=16",))
-    assert "evict_last" not in plain and "L1::no_allocate.L2::cache_hint" not in plain
-    entries = [e for e in kept.split(".entry ")[1:] if "L2::evict_last" in e]
-    assert sorted(e.split("(")[0].strip() for e in entries) == ["gemv_f16_f32", "gemv_f16_f32_argmax"]
-    assert all("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32" in e for e in entries)
+def test_every_bulk_weight_copy_is_evict_first(src):
+    """The tiled GEMVs' bulk weight and scale copies (gemv_common.cuh gemv_w_copy; PERF_NOTES v30.3, v31) all carry
+    the L2 evict-first policy: no bulk copy without the cache hint."""
+    ptx = ptx_of(KERNELS_DIR / src)
+    copies = [ln for ln in ptx.splitlines() if "cp.async.bulk.shared::cluster.global" in ln]
+    assert copies and all("L2::cache_hint" in ln for ln in copies)
+    assert ptx.count("createpolicy.fractional.L2::evict_first") > 0
 
 
 def test_no_scales_instrument_drops_only_the_scale_copies(tmp_path):
