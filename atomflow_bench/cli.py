@@ -217,7 +217,7 @@ def tune(model, weights, context, tokens):
         console.print("split bucket: " + ", ".join(f"{k} {v:.1f} µs" for k, v in
                                                    sorted(split["step_us"].items(), key=lambda kv: kv[1])[:5]))
     console.print(f"chosen: {chosen['forms']} ({forms_text(chosen['forms'])})")
-    console.print(f"saved: {chosen['path']}")
+    console.print(f"saved: {chosen['path']}" if chosen.get("path") else f"[yellow]not saved[/yellow]: {chosen['not_saved']}")
 
 
 @cli.command()

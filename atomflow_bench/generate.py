@@ -22,7 +22,7 @@ def generate_text(path: str | Path, prompt: str, n_tokens: int, backend: str = "
     decides whether a BOS is prepended). backend "numpy" runs `reference.ReferenceDecoder`; "gpu" runs
     `generate_gpu` (the GPU engine with the saved tuned forms if any, else the defaults: nothing is timed).
     """
-    from .tokenizer import load_tokenizer
+    from .store.tokenizer import load_tokenizer
 
     if backend not in ("numpy", "gpu"):
         raise ConfigError(f"unknown backend {backend!r} (expected numpy or gpu)")
@@ -37,7 +37,7 @@ def generate_text(path: str | Path, prompt: str, n_tokens: int, backend: str = "
 
     t0 = time.perf_counter()
     if backend == "numpy":
-        from .validate.reference import ReferenceDecoder, greedy
+        from .reference import ReferenceDecoder, greedy
 
         decoder = ReferenceDecoder(ckpt, weights=weights, max_seq=len(prompt_ids) + n_tokens)
         new_ids = greedy(decoder, prompt_ids, n_tokens, stop_ids=stop_ids)

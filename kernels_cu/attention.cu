@@ -24,32 +24,32 @@
 //            the head copied into shared memory by cp.async in one L2 round, together with the one round of all
 //            (max, sum) pairs; in batches when they do not fit) and resets its ticket. Blocks whose split is empty at this L exit at
 //            once, so one launch shape (captured in the graph) serves every position < max_seq.
-//            (results/PERF_NOTES.md v23-v23.2: the combine through thread block clusters (ATT_CLUSTER), sliced over
+//            (docs/PERF_NOTES.md v23-v23.2: the combine through thread block clusters (ATT_CLUSTER), sliced over
 //            the head's last blocks (ATT_COMBINE_SLICES), and K/V rows by bulk copies (ATT_BULK) measured slower,
 //            removed; last in commit 9969095.)
 //            ATT_TMA = 1 (v23.3; the default on sm_90+ since v23.5, set by the host: kernels.arch_defines; the
 //            source default 0 is the cp.async form of older GPUs): a group's K and V by 2D tensor copies (boxes
-//            [16][64] fp16 with the 128-byte swizzle; the layer slabs' tensor maps built by step.py
+//            [16][64] fp16 with the 128-byte swizzle; the layer slabs' tensor maps built by ops/attention.py
 //            attention_launch, passed as kv_map), completing on one mbarrier per ring slot (sm_90+).
 //            Rows past the split in a warp's last group: V zero-filled (P is 0 there, but 0 * NaN is NaN), K's
 //            scores masked to -inf. K/V rows sit in shared memory with their 16-byte pieces XOR-swizzled by
 //            the row (piece c of row t at c ^ (t & 7)): ldmatrix reads 8 rows of one piece without bank conflicts.
-//            History (results/PERF_NOTES.md v8-v8.2, v14): a block-wide FP32 walk and then per-warp FP32 walks
+//            History (docs/PERF_NOTES.md v8-v8.2, v14): a block-wide FP32 walk and then per-warp FP32 walks
 //            with two 4-position passes in registers (66 splits at ctx 8192, a ~100 KB one-block combine).
 // Layouts    q fp16 [n_heads*hd] (post-RoPE, start of the qkv buffer); k_cache/v_cache: this layer's slab
 //            fp16 [max_seq][n_kv*hd]; part_ml fp32 [n_heads][max_splits][2] (max in log2 units, sum); part_o
 //            fp32 [n_heads][max_splits][hd]; counters uint32 [n_kv]; out fp16 [n_heads*hd].
-//            Dynamic shared memory (step.py attention_smem): 4 warp rings of ATT_RING_BYTES ([slot][K group |
+//            Dynamic shared memory (ops/attention.py attention_smem): 4 warp rings of ATT_RING_BYTES ([slot][K group |
 //            V group], each [16][hd] fp16), reused at the end for the warps' O [4][G][hd] fp32 and the combine
 //            (m, l [2][G][max_splits], sums [G*hd/4] float4, then as many splits' partial o [G*hd] as fit).
 // Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + partials n_heads * splits * (hd + 2) * 4 * 2.
 // Launch     attention_decode_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv, max_splits), block = 128 (ATT_THREADS),
-//            2 blocks per SM, dyn. smem = 4 * ATT_RING_BYTES (+ 1 KB with ATT_TMA) (step.py attention_launch;
+//            2 blocks per SM, dyn. smem = 4 * ATT_RING_BYTES (+ 1 KB with ATT_TMA) (ops/attention.py attention_launch;
 //            arena.attention_splits caps max_splits at ~2 blocks per SM).
 #include "common.cuh"
 
-#define ATT_CHUNK 32    // positions per sub-chunk: the unit splits are cut in (arena.py ATT_CHUNK)
-#define ATT_THREADS 128 // step.py ATT_THREADS (256, one block per SM with the same ring per warp: slower, v18.1)
+#define ATT_CHUNK 32    // positions per sub-chunk: the unit splits are cut in (ops/attention.py ATT_CHUNK)
+#define ATT_THREADS 128 // ops/attention.py ATT_THREADS (256, one block per SM with the same ring per warp: slower, v18.1)
 #define ATT_WARPS (ATT_THREADS / AF_WARP)
 #define ATT_GROUP 16    // positions per group: a warp's unit of the walk (the P.V mma's K)
 #define ATT_BATCH 4     // ldmatrix loads issued before their mmas
@@ -60,7 +60,7 @@
 #error "ATT_TMA needs sm_90+ (cp.async.bulk.tensor)"
 #endif
 #if ATT_TMA
-#define ATT_TMA_PARAM , const char* __restrict__ kv_map  // this layer's tensor maps: K at +0, V at +128 (step.py)
+#define ATT_TMA_PARAM , const char* __restrict__ kv_map  // this layer's tensor maps: K at +0, V at +128 (ops/attention.py)
 #define ATT_TMA_ARG , kv_map
 #else
 #define ATT_TMA_PARAM
@@ -68,7 +68,7 @@
 #endif
 // the TMA form's code is device code of sm_90+ (the host pass compiles the default staging in its place)
 #define ATT_TMA_CODE (ATT_TMA && AF_HAS_BULK)
-#define ATT_RING_BYTES 24576  // K/V ring per warp, 24 KB (step.py ATT_RING_BYTES)
+#define ATT_RING_BYTES 24576  // K/V ring per warp, 24 KB (ops/attention.py ATT_RING_BYTES)
 
 __device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: 2^-inf = +0)
   float y;
@@ -87,7 +87,7 @@ __device__ __forceinline__ int attention_splits(int len, int max_splits) {
 // First sub-chunk of split s of n: an even share each, except the last split, which takes ATT_LAST_SHARE / 4 of
 // a share (4 would be even): the last split's blocks are dispatched last, some only when the previous launch's
 // combining blocks leave their SM, so they get less to read.
-#define ATT_LAST_SHARE 2  // results/PERF_NOTES.md v18
+#define ATT_LAST_SHARE 2  // docs/PERF_NOTES.md v18
 __device__ __forceinline__ int att_split_start(int s, int n_sub, int n) {
   return s >= n ? n_sub : (int)((long long)4 * s * n_sub / (4 * (n - 1) + ATT_LAST_SHARE));
 }
@@ -192,7 +192,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP;
   const int gid = lane >> 2, tig = lane & 3;  // mma fragment coordinates: gid = the q head row
 #if ATT_TMA_CODE
-  smem += (1024u - ((unsigned)__cvta_generic_to_shared(smem) & 1023u)) & 1023u;  // the swizzle's 1 KB (step.py: +1 KB)
+  smem += (1024u - ((unsigned)__cvta_generic_to_shared(smem) & 1023u)) & 1023u;  // the swizzle's 1 KB (ops/attention.py: +1 KB)
 #endif
   char* ring = smem + warp * D * 2 * GB;
   const int n_grp = (p1 - p0 + ATT_GROUP - 1) / ATT_GROUP;
@@ -415,7 +415,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
 }
 
 // One kernel per (head_dim, q heads per kv head): G is a compile-time constant so the per-head arrays are
-// exactly sized. Block (j, s) = item (kv head j, split s). 2 blocks per SM (step.py attention_smem).
+// exactly sized. Block (j, s) = item (kv head j, split s). 2 blocks per SM (ops/attention.py attention_smem).
 #define ATTENTION_INSTANCE(HD, G)                                                                         \
   extern "C" __global__ void __launch_bounds__(ATT_THREADS, 256 / ATT_THREADS)                          \
       attention_decode_hd##HD##_g##G(                                                                     \

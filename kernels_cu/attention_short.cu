@@ -19,22 +19,22 @@
 //            Chunks after the first (L > cap: tests only) are loaded after the wait and folded in with the
 //            online-softmax rescale. K/V rows sit in shared memory with their 16-byte pieces XOR-swizzled by the
 //            row (piece c of row t at c ^ (t & 7)): ldmatrix reads 8 rows of one piece without bank conflicts.
-//            History (results/PERF_NOTES.md v11): a first form on the FP32 pipes (a thread per position) spent
+//            History (docs/PERF_NOTES.md v11): a first form on the FP32 pipes (a thread per position) spent
 //            5.2 µs on the scores at L = 305 (hd 128, G = 3).
 // Layouts    q fp16 [n_heads*hd] (post-RoPE, start of the qkv buffer); k_cache/v_cache: this layer's slab
-//            fp16 [max_seq][n_kv*hd]; out fp16 [n_heads*hd]. Dynamic shared memory (step.py
+//            fp16 [max_seq][n_kv*hd]; out fp16 [n_heads*hd]. Dynamic shared memory (ops/attention.py
 //            attention_short_smem, cap16 = cap rounded up to 16): K [cap16][hd] fp16 (at the end the phases'
 //            reduction scratch [8 warps][16][8] fp32), V [cap16][hd] fp16, P fp16 [8][cap16 + 8].
 // Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + q and out.
 // Launch     attention_short_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv), block = 256, dyn. smem = all a block may
-//            have (step.py attention_short_launch; attention_short_smem(hd, cap) is what cap needs): no other
+//            have (ops/attention.py attention_short_launch; short_smem(hd, cap) is what cap needs): no other
 //            kernel's block shares the SM (PERF_NOTES v11.2); <= 128 registers per thread.
 #include "common.cuh"
 
 #define ATS_THREADS 256
 #define ATS_HEADS 8        // the mma's N: q heads of one kv head, padded to 8 (G <= 8)
 #define ATS_GROUPS 4       // 16-position score groups per warp per chunk
-#define ATS_CHUNK_MAX (16 * (ATS_THREADS / AF_WARP) * ATS_GROUPS)  // 512 positions per chunk (step.py)
+#define ATS_CHUNK_MAX (16 * (ATS_THREADS / AF_WARP) * ATS_GROUPS)  // 512 positions per chunk (ops/attention.py)
 #define ATS_MIN_BLOCKS 2  // <= 128 registers: the block has its SM to itself (see Launch above)
 #define ATS_BATCH 4       // ldmatrix loads issued before their mmas (scores: k-steps; P.V: 16-position steps)
 

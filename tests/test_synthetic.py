@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from atomflow_bench import tokenizer as tokenizer_mod
+from atomflow_bench.store import tokenizer as tokenizer_mod
 from atomflow_bench.config import ModelConfig, Preset
 from atomflow_bench.store.sources import synthetic
 from atomflow_bench.store.sources.synthetic import make_synthetic

@@ -1,7 +1,7 @@
 """An instrument beside the decode path: the ceiling of a persistent, dataflow step (kernels_cu/probe_stream.cu).
 
 The decode step is one kernel per op; at each boundary the next kernel's blocks can only ask for weights once
-they are resident, and HBM idles for ~11 µs per 3B layer (results/PERF_NOTES.md v30). `stream_probe` streams the
+they are resident, and HBM idles for ~11 µs per 3B layer (docs/PERF_NOTES.md v30). `stream_probe` streams the
 same bytes, op after op in the step's order (`step_ops`), through ONE grid of persistent blocks whose copies run
 ahead across op boundaries while the consumers honour a rule of dependencies (`op_groups`: which blocks' op o-1
 each block's op o waits for), plus an optional modelled latency before o_proj (the attention). Variants:

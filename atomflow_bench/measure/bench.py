@@ -66,7 +66,7 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
     from . import report
     from ..gpu.engine import Engine
     from ..gpu.nvrtc import instrument_defines
-    from ..tokenizer import load_tokenizer
+    from ..store.tokenizer import load_tokenizer
     from .tune import resolve
 
     t0 = time.perf_counter()
@@ -114,8 +114,8 @@ def cpu_fallback(model_dir, weights: str, n_tokens: int = 4) -> dict:
     """No CUDA device: a few tokens through the NumPy reference (lazy fp16 weights), NOT a performance figure."""
     import time
 
-    from ..validate.reference import ReferenceDecoder, greedy
-    from ..tokenizer import load_tokenizer
+    from ..reference import ReferenceDecoder, greedy
+    from ..store.tokenizer import load_tokenizer
     from ..store.checkpoint import Checkpoint
 
     ckpt = Checkpoint(model_dir)

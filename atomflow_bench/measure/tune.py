@@ -59,47 +59,60 @@ def tune(engine, replays: int = 12, rounds: int = 3, progress=None) -> tuple[For
         report["split"] = {"lengths": split_lengths, "step_us": {f.text: t for (f, _), t in us.items()}}
     del graphs
     a["pos"].set(np.zeros(1, np.int32))
+    engine.position = 0  # the engine's host copy, as reset() leaves it
     return Forms(short, g, split), report
 
 
 def key(engine) -> dict:
-    """What a saved choice is valid for."""
+    """What a saved choice is valid for: the GPU, the model's shape, the weight format, the kernel -D's and PDL (an
+    instrument or a portable form is another build), the source hash (any code change retunes) — and, apart from
+    these, the max_seq it was timed for (the file name within the key's folder)."""
     from .report import source_sha256
 
     shape = {k: v for k, v in engine.cfg.to_hf_dict().items()
              if k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                       "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")}
-    return {"gpu": engine.gpu["name"], "shape": shape, "weights": engine.fmt, "max_seq": engine.max_seq,
-            "source_sha256": source_sha256()}
+    return {"gpu": engine.gpu["name"], "shape": shape, "weights": engine.fmt,
+            "defines": sorted(getattr(getattr(engine, "lib", None), "defines", ())),
+            "pdl": bool(getattr(engine, "pdl", True)), "source_sha256": source_sha256()}
 
 
-def path_of(k: dict) -> Path:
+def folder_of(k: dict) -> Path:
     from ..store.store import home
 
-    digest = hashlib.sha256(json.dumps(k, sort_keys=True).encode()).hexdigest()[:16]
-    return home() / "tuning" / f"{digest}.json"
+    return home() / "tuning" / hashlib.sha256(json.dumps(k, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load(engine) -> tuple[Forms, Path] | None:
-    """The saved choice for this engine's key, or None."""
-    p = path_of(key(engine))
-    if not p.is_file():
-        return None
-    try:
-        rec = json.loads(p.read_text())
-        return Forms.parse(rec["forms"]), p
-    except (OSError, ValueError, KeyError):
-        return None  # unreadable or from an older schema: tuned again
+def path_of(k: dict, max_seq: int) -> Path:
+    return folder_of(k) / f"max_seq-{max_seq}.json"
+
+
+def load(engine, nearest: bool = False) -> tuple[Forms, Path] | None:
+    """The saved choice for this engine's key and max_seq; with `nearest`, else the one of the same key timed for the
+    nearest max_seq (validate, generate and profile reuse `run`'s tune at another length). None when there is none."""
+    folder = folder_of(key(engine))
+    exact = folder / f"max_seq-{engine.max_seq}.json"
+    cands = [exact] if exact.is_file() else []
+    if not cands and nearest and folder.is_dir():
+        saved = [(int(p.stem.split("-")[1]), p) for p in folder.glob("max_seq-*.json") if p.stem.split("-")[1].isdigit()]
+        cands = [p for _, p in sorted(saved, key=lambda sp: (abs(sp[0] - engine.max_seq), sp[0]))]
+    for p in cands:
+        try:
+            return Forms.parse(json.loads(p.read_text())["forms"]), p
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable or from an older schema: not used
+    return None
 
 
 def save(engine, forms: Forms, report: dict) -> Path:
-    from .report import now_iso
     from ..store.store import write_json_atomic
+    from .report import now_iso
 
     k = key(engine)
-    p = path_of(k)
+    p = path_of(k, engine.max_seq)
     p.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(p, {"schema": SCHEMA, "key": k, "forms": forms.text, "created": now_iso(), "timed": report})
+    write_json_atomic(p, {"schema": SCHEMA, "key": k, "max_seq": engine.max_seq, "forms": forms.text,
+                          "created": now_iso(), "timed": report})
     return p
 
 
@@ -111,7 +124,7 @@ def resolve(engine, given: Forms | None = None, retune: bool = False, tune_missi
     if given is not None:
         engine.use(given)
         return {"forms": given.text, "origin": "given"}
-    saved = None if retune else load(engine)
+    saved = None if retune else load(engine, nearest=not tune_missing)
     if saved is not None:
         engine.use(saved[0])
         return {"forms": saved[0].text, "origin": "saved", "path": str(saved[1])}

@@ -191,7 +191,7 @@ def model_source(model_dir: Path) -> str:
 def choose_prompt(model_dir: Path, vocab_size: int, prompt: str | None = None) -> tuple[list[int], str | None]:
     """(prompt ids, prompt text): the model's tokenizer encodes `prompt` (default DEFAULT_PROMPT) with its
     special tokens; a model without tokenizer.json gets 8 seeded random ids (text None)."""
-    from ..tokenizer import load_tokenizer
+    from ..store.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     if tok is None:
@@ -509,7 +509,7 @@ def engine_probes(model_dir: str | Path, weights: str, sequence: list[int], n_po
         del eng
         _free_gpu()
     else:
-        from .reference import ReferenceDecoder
+        from ..reference import ReferenceDecoder
 
         ckpt = Checkpoint(model_dir)
         lazy = ckpt.config.param_count() * 4 > (4 << 30)  # float32 copy over 4 GiB: upcast block by block
@@ -759,7 +759,7 @@ def _teacher_forced_logits(model_dir: Path, weights: str, ids: list[int], kind: 
         del eng
         _free_gpu()
         return out
-    from .reference import ReferenceDecoder
+    from ..reference import ReferenceDecoder
 
     ckpt = Checkpoint(model_dir)
     lazy = ckpt.config.param_count() * 4 > (4 << 30)
@@ -770,7 +770,7 @@ def _teacher_forced_logits(model_dir: Path, weights: str, ids: list[int], kind: 
 def quality(model_dir: str | Path, backend: str = "auto", text: str | None = None, console=None) -> dict:
     """fp8 vs fp16 of the same backend, teacher-forced over `text` (default: the shipped English paragraph)."""
     from ..measure.report import now_iso, tool_info
-    from ..tokenizer import load_tokenizer
+    from ..store.tokenizer import load_tokenizer
 
     model_dir = Path(model_dir)
     Checkpoint(model_dir)  # a loadable model before anything runs

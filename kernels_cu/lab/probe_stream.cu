@@ -1,5 +1,5 @@
 // probe_stream.cu — a benchmarking probe, not part of the decode step: what one persistent kernel could reach when
-// it streams a whole step's weights with the step's dependencies between ops (results/PERF_NOTES.md v32-v32.7).
+// it streams a whole step's weights with the step's dependencies between ops (docs/PERF_NOTES.md v32-v32.7).
 //
 // Computes   a checksum: every byte of w[op_off[0], op_off[n_ops]) is read once from shared memory as 32-bit words
 //            and summed (mod 2^64) into *sink; nothing else (an M = 1 GEMV's arithmetic is not what bounds it).

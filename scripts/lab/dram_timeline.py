@@ -12,7 +12,7 @@ PM sampling counters — where in a layer HBM idles. `scripts/gpu_check.sh dram`
         (mean of each sample offset over the layers: HBM %, CTAs launched, tensor pipe %, SM cycles active).
         OUT.json keeps every series.
 
-Not part of any test or figure; results/PERF_NOTES.md (v30) quotes what it showed.
+Not part of any test or figure; docs/PERF_NOTES.md (v30) quotes what it showed.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ Answers "which blocks of a launch are late, and at which stage".
 launches LAYER .. LAYER + 2 the same spread, the blocks that found no SM until the previous launch ended, and the
 last block of each kv head (the combine): its ticket and end. Answers "where the time per launch goes when
 attention is chained with itself". Not part of any test or figure;
-results/PERF_NOTES.md quotes what it showed.
+docs/PERF_NOTES.md quotes what it showed.
 """
 from __future__ import annotations
 

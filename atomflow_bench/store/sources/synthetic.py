@@ -138,7 +138,7 @@ def _attach_tokenizer(preset: Preset | None, out_dir: Path, console) -> None:
         if console is not None:
             console.print("no tokenizer for this synthetic model: it runs on token ids only")
         return
-    from ...tokenizer import llama3_tokenizer_json
+    from ..tokenizer import llama3_tokenizer_json
 
     path = llama3_tokenizer_json()
     if path is None:

