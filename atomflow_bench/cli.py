@@ -379,26 +379,34 @@ def peers(model, weights, context, tokens, repeats, modes, device):
 
 
 @cli.command()
-@click.argument("baseline_json", type=click.Path(dir_okay=False))
-@click.argument("new_json", type=click.Path(dir_okay=False))
+@click.argument("baseline_json", type=click.Path())
+@click.argument("new_json", type=click.Path())
 @click.option("--max-regression", default="5%", show_default=True,
-              help="Allowed TPOT slow-down, in percent, beyond the runs' p10-p90 bands.")
+              help="Allowed TPOT slow-down, in percent (0% to 100%), beyond the runs' p10-p90 bands.")
 def compare(baseline_json, new_json, max_regression):
-    """CI gate: compare two `run` results files. Exit 0 ok, 1 regression, 2 refused (different GPU/model/...)."""
-    from .measure.compare import compare_runs, diff_table, load_pair, parse_fraction
+    """CI gate: compare two `run` results files. Exit 0 ok, 1 regression, 2 refused.
 
+    \b
+    Exit codes:
+      0  no regression: within the threshold, faster, or slower but within noise (a warning)
+      1  a regression beyond the threshold, outside the p10-p90 bands (and nothing else)
+      2  refused, no verdict: the records are not comparable (another GPU, model, weights or
+         context; a timing-instrument record), a figure is missing or not a positive finite
+         number (NaN, inf, <= 0, a string, a bool, null), a file is missing, unreadable, not
+         valid JSON or not a results file, --max-regression is bad, or anything unexpected
+         failed; one line on stderr names the file and the field
+    """
     try:
-        result = compare_runs(*load_pair(baseline_json, new_json), parse_fraction(max_regression))
-    except AtomflowError as e:  # refused, unreadable, bad option: no verdict
-        err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
-        sys.exit(2)
-    console.print(diff_table(result, baseline_json, new_json))
-    for w in result["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False)
-    if result["regression"]:
-        err_console.print(f"[red]regression:[/red] TPOT median {result['delta_pct']:+.2f}% "
-                          f"(> {100 * result['max_regression']:g}%, outside the p10-p90 bands)", highlight=False)
-        sys.exit(1)
+        from .measure.compare import gate
+
+        code = gate(baseline_json, new_json, max_regression, console,
+                    lambda line: click.echo(line, err=True))
+    except Exception as e:  # not even the gate ran (an import failed): no verdict, and never 1
+        click.echo(" ".join(f"atomflow-bench: compare failed, no verdict ({type(e).__name__}: {e})".splitlines()),
+                   err=True)
+        code = 2
+    if code:
+        sys.exit(code)
 
 
 def main(argv=None):

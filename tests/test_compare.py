@@ -118,7 +118,7 @@ def test_parse_fraction(text, value):
     assert parse_fraction(text) == pytest.approx(value)
 
 
-@pytest.mark.parametrize("text", ["five", "-3%", "5x"])
+@pytest.mark.parametrize("text", ["five", "-3%", "5x", "nan", "inf%", "150%", ""])
 def test_parse_fraction_rejects(text):
     from atomflow_bench.errors import AtomflowError
 

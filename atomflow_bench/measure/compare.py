@@ -1,9 +1,21 @@
 """`compare BASELINE.json NEW.json`: the CI performance-regression gate between two `run` results files.
 
+Exit codes of `atomflow-bench compare` (the contract CI scripts rely on; `gate()` returns them):
+
+    0  no regression: within the threshold, faster, or slower but within noise ("inconclusive", a warning)
+    1  a regression beyond the threshold (and outside the p10-p90 bands); nothing else ever exits 1
+    2  refused, no verdict: the records are not comparable (another `gpu.name`, `model.name`, `weights` or
+       `context`; a timing-instrument record), a figure the verdict or the table uses is missing or is not a
+       positive finite number (NaN, inf, <= 0, a string, a bool, null), a file is missing, unreadable, not
+       valid JSON or not a results file, `--max-regression` is not a percentage in [0%, 100%], or anything
+       unexpected went wrong. Exactly one line on stderr, `atomflow-bench: <file>: <field> ...`.
+
 Refusal: the two files must describe the same measurement — same `gpu.name`, `model.name`, `weights` and
-`context`; otherwise `CompareRefused` names the first field that differs (exit code 2, as for a file that
-is missing or not a results file). A different `tokens` count or a copy bandwidth more than 5% apart
-(another machine state: clocks, another card of the same model) only warns.
+`context`; otherwise `CompareRefused` names the first field that differs. Every figure used is checked
+first (`check_record`), in both records, so a NaN median cannot slip through as "ok (TPOT +nan%)" and a
+missing `p10` cannot become a traceback (which would exit 1, the code for "regression"). A different
+`tokens` count or a copy bandwidth more than 5% apart (another machine state: clocks, another card of the
+same model) only warns.
 
 Regression rule, on TPOT (ms/token): with B, N the base and new medians and [p10, p90] each run's spread,
 
@@ -13,12 +25,17 @@ Regression rule, on TPOT (ms/token): with B, N the base and new medians and [p10
 A same-code rerun, whose median falls inside the other's p10-p90 band, therefore never fails, and a run
 that is slower by more than the threshold with tight bands always does. Slower by more than the threshold
 while the bands overlap is reported as "inconclusive (within noise)" and passes with a warning: the
-measurement cannot tell. Exit codes of the CLI: 0 no regression, 1 regression, 2 refused / unreadable.
+measurement cannot tell.
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 from ..errors import AtomflowError
 
+EXIT_OK, EXIT_REGRESSION, EXIT_REFUSED = 0, 1, 2
+MAX_THRESHOLD = 1.0  # 100%: a gate that lets a run twice as slow pass is a mistake, not a threshold
 MATCH_FIELDS = (("gpu.name", lambda r: r["gpu"]["name"]), ("model.name", lambda r: r["model"]["name"]),
                 ("weights", lambda r: r["weights"]), ("context", lambda r: r["context"]))
 COPY_BW_WARN = 0.05
@@ -29,14 +46,95 @@ class CompareRefused(AtomflowError):
 
 
 def parse_fraction(text: str) -> float:
-    """'5%' or '5' -> 0.05 (always percent); refuses negatives and non-numbers."""
+    """'5%' or '5' -> 0.05 (always percent); refuses non-numbers, NaN/inf, negatives and more than 100%."""
+    t = str(text).strip()
     try:
-        v = float(str(text).strip().rstrip("%"))
+        v = float(t[:-1] if t.endswith("%") else t)
     except ValueError:
         raise AtomflowError(f"--max-regression {text!r}: expected a percentage such as 5%") from None
-    if not 0 <= v < 1000:
-        raise AtomflowError(f"--max-regression {text!r}: must be between 0% and 1000%")
+    if not math.isfinite(v):
+        raise AtomflowError(f"--max-regression {text!r}: not a finite number; expected a percentage such as 5%")
+    if not 0 <= v / 100 <= MAX_THRESHOLD:
+        raise AtomflowError(f"--max-regression {text!r}: must be between 0% and {100 * MAX_THRESHOLD:g}%")
     return v / 100
+
+
+# every figure compare_runs reads: (dotted field, kind). "number": a positive finite int/float, not a bool;
+# "count": a positive int; "name": a non-empty string. The table reads the figures, the verdict the TPOT ones.
+CHECKED_FIELDS = (("gpu.name", "name"), ("model.name", "name"), ("weights", "name"), ("context", "count"),
+                  ("tokens", "count"), ("tpot_ms.median", "number"), ("tpot_ms.p10", "number"),
+                  ("tpot_ms.p90", "number"), ("tok_per_s", "number"), ("bandwidth_gbs", "number"),
+                  ("roofline.pct", "number"), ("copy_bandwidth_gbs.median", "number"))
+
+
+def _describe(v) -> str:
+    """A value as the JSON file spells it, short: nan, -1, 'a string', true, null, a list."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "the boolean " + ("true" if v else "false")
+    if isinstance(v, str):
+        return "the string " + _short(repr(v))
+    if isinstance(v, numbers.Real):
+        return _short(repr(v) if isinstance(v, numbers.Integral) else repr(float(v)))
+    return {dict: "an object", list: "a list"}.get(type(v), f"a {type(v).__name__}")
+
+
+def _short(r: str, n: int = 40) -> str:
+    return r if len(r) <= n else r[:n - 3] + "..."
+
+
+def _lookup(rec: dict, label: str, dotted: str):
+    cur, path = rec, []
+    for key in dotted.split("."):
+        if not isinstance(cur, dict):
+            raise CompareRefused(f"{label}: {'.'.join(path)} is {_describe(cur)}, not an object")
+        if key not in cur:
+            raise CompareRefused(f"{label}: {'.'.join(path + [key])} is missing")
+        cur = cur[key]
+        path.append(key)
+    return cur
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def check_record(rec, label: str) -> None:
+    """CompareRefused naming `label` (the file) and the first field compare_runs reads that is missing or invalid:
+    figures must be positive finite numbers (not NaN/inf, not <= 0, not strings, bools or null), counts positive
+    integers, names non-empty strings, and the TPOT spread ordered p10 <= median <= p90."""
+    if not isinstance(rec, dict):
+        raise CompareRefused(f"{label}: the record is {_describe(rec)}, not a JSON object")
+    for field, kind in CHECKED_FIELDS:
+        v = _lookup(rec, label, field)
+        if kind == "name":
+            if not isinstance(v, str) or not v.strip():
+                raise CompareRefused(f"{label}: {field} is {_describe(v)}, not a non-empty string")
+        elif kind == "count":
+            if not (isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0):
+                raise CompareRefused(f"{label}: {field} is {_describe(v)}, not a positive integer")
+        else:
+            try:
+                ok = _is_number(v) and math.isfinite(v) and v > 0
+            except OverflowError:  # an integer too large for a float
+                ok = False
+            if not ok:
+                raise CompareRefused(f"{label}: {field} is {_describe(v)}, not a positive finite number")
+    t = rec["tpot_ms"]
+    if not t["p10"] <= t["median"] <= t["p90"]:
+        raise CompareRefused(f"{label}: tpot_ms.p10/median/p90 are {t['p10']!r}/{t['median']!r}/{t['p90']!r}, "
+                             "not an ordered p10 <= median <= p90 spread")
+
+
+def _instrument(r: dict) -> str | None:
+    """The timing instrument a record was made with, as one string, or None for an ordinary run."""
+    inst = r.get("instrument")
+    if not inst:
+        return None
+    if isinstance(inst, (list, tuple)):
+        return " ".join(str(x) for x in inst)
+    return str(inst)
 
 
 def _metrics(r: dict) -> list[tuple[str, float, bool]]:
@@ -48,12 +146,19 @@ def _metrics(r: dict) -> list[tuple[str, float, bool]]:
             ("copy bandwidth (GB/s)", r["copy_bandwidth_gbs"]["median"], False)]
 
 
-def compare_runs(base: dict, new: dict, max_regression: float = 0.05) -> dict:
-    """Verdict and diff rows for two results records; CompareRefused when they are not comparable."""
-    for side, r in (("baseline", base), ("new", new)):
-        if r.get("instrument"):
-            raise CompareRefused(f"refusing to compare: the {side} run is a timing instrument "
-                                 f"({' '.join(r['instrument'])}: wrong outputs on purpose), not a result")
+def compare_runs(base: dict, new: dict, max_regression: float = 0.05,
+                 names: tuple[str, str] = ("baseline", "new")) -> dict:
+    """Verdict and diff rows for two results records; CompareRefused when they are not comparable or a figure is
+    missing or invalid (`names`: how the refusal names each record, e.g. its file)."""
+    if not (_is_number(max_regression) and 0 <= max_regression <= MAX_THRESHOLD):  # NaN fails the comparison
+        raise CompareRefused(f"max_regression {max_regression!r}: must be a fraction between 0 and {MAX_THRESHOLD:g}")
+    for side, r, label in (("baseline", base, names[0]), ("new", new, names[1])):
+        inst = _instrument(r) if isinstance(r, dict) else None
+        if inst:
+            raise CompareRefused(f"{label}: refusing to compare: the {side} run is a timing instrument "
+                                 f"({inst}: wrong outputs on purpose), not a result")
+    check_record(base, names[0])
+    check_record(new, names[1])
     for name, get in MATCH_FIELDS:
         if get(base) != get(new):
             raise CompareRefused(f"refusing to compare: {name} differs (baseline {get(base)!r}, new {get(new)!r})")
@@ -83,16 +188,26 @@ def compare_runs(base: dict, new: dict, max_regression: float = 0.05) -> dict:
             "delta_ms": delta, "delta_pct": 100 * delta / b["median"], "rows": rows, "warnings": warnings}
 
 
-def load_pair(base_path, new_path) -> tuple[dict, dict]:
-    """Both results files through `report.load`; any problem becomes CompareRefused (exit 2)."""
+def _load(path) -> dict:
     from .report import load
 
     try:
-        return load(base_path), load(new_path)
+        return load(path)
     except CompareRefused:
         raise
-    except AtomflowError as e:
+    except AtomflowError as e:  # not found, not valid JSON, not a results file, lacks a top-level field
         raise CompareRefused(str(e)) from None
+    except UnicodeDecodeError:
+        raise CompareRefused(f"{path}: not valid JSON (not UTF-8 text)") from None
+    except OSError as e:  # a directory, no permission, an I/O error
+        raise CompareRefused(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    except (ValueError, RecursionError) as e:  # whatever else the JSON parser refuses
+        raise CompareRefused(f"{path}: not valid JSON ({type(e).__name__})") from None
+
+
+def load_pair(base_path, new_path) -> tuple[dict, dict]:
+    """Both results files through `report.load`; any problem becomes CompareRefused naming the file (exit 2)."""
+    return _load(base_path), _load(new_path)
 
 
 def diff_table(result: dict, base_name: str, new_name: str):
@@ -113,3 +228,34 @@ def diff_table(result: dict, base_name: str, new_name: str):
         t.add_row(r["metric"], f"{r['baseline']:.4g}", f"{r['new']:.4g}", f"{r['delta']:+.4g}",
                   f"[{style}]{pct}[/{style}]" if style else pct)
     return t
+
+
+def one_line(text) -> str:
+    """`text` on one line (newlines, carriage returns and other line breaks become spaces)."""
+    return " ".join(str(text).splitlines()).strip()
+
+
+def gate(base_path, new_path, max_regression_text, console, err) -> int:
+    """The `compare` command: the diff table and warnings on `console`, and the exit code (EXIT_OK, EXIT_REGRESSION,
+    EXIT_REFUSED). A refusal — and any unexpected exception, so that nothing but a regression exits 1 — is one line
+    on stderr through `err(line)`, `atomflow-bench: <file>: <field> ...`, and EXIT_REFUSED."""
+    from rich.markup import escape
+
+    try:
+        threshold = parse_fraction(max_regression_text)
+        base, new = load_pair(base_path, new_path)
+        result = compare_runs(base, new, threshold, names=(str(base_path), str(new_path)))
+        table = diff_table(result, base_path, new_path)
+        console.print(table)
+        for w in result["warnings"]:
+            console.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False)
+        if result["regression"]:
+            err(one_line(f"regression: TPOT median {result['delta_pct']:+.2f}% "
+                         f"(> {100 * result['max_regression']:g}%, outside the p10-p90 bands)"))
+            return EXIT_REGRESSION
+        return EXIT_OK
+    except AtomflowError as e:  # refused, unreadable, invalid, bad option: no verdict
+        err(one_line(f"atomflow-bench: {e}"))
+    except Exception as e:  # a bug or a record no check foresaw: still no verdict, never exit 1
+        err(one_line(f"atomflow-bench: compare failed, no verdict ({type(e).__name__}: {e})"))
+    return EXIT_REFUSED
