@@ -156,9 +156,13 @@ class ModelConfig:
             v = d[key]
             if typ is int and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise ConfigError(f"{source}: field '{key}' must be a positive integer, got {v!r}")
-            if typ is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
-                raise ConfigError(f"{source}: field '{key}' must be a positive number, got {v!r}")
+            if typ is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+                raise ConfigError(f"{source}: field '{key}' must be a positive finite number, got {v!r}")
             return v
+
+        def optional(key: str, default, typ=int):
+            """Like need(), for a field with a default when absent or null."""
+            return default if d.get(key) is None else need(key, typ)
 
         mt = d.get("model_type")
         if mt != "llama":
@@ -175,11 +179,11 @@ class ModelConfig:
         if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0 or heads % kv:
             raise ConfigError(f"{source}: field 'num_key_value_heads' = {kv!r} must divide "
                               f"num_attention_heads = {heads}")
-        head_dim = d.get("head_dim") or hidden // heads
-        if not d.get("head_dim") and hidden % heads:
+        head_dim = optional("head_dim", None) or hidden // heads
+        if d.get("head_dim") is None and hidden % heads:
             raise ConfigError(f"{source}: field 'hidden_size' = {hidden} is not a multiple of "
                               f"num_attention_heads = {heads} and no 'head_dim' is given")
-        if head_dim % 2 or head_dim > 256:
+        if head_dim % 2 or not 0 < head_dim <= 256:
             raise ConfigError(f"{source}: field 'head_dim' = {head_dim} unsupported (even, at most 256)")
         # transformers >= 5 writes `rope_parameters` {rope_theta, rope_type, factor, ...} instead of
         # top-level rope_theta / rope_scaling; accept both spellings.
@@ -188,6 +192,8 @@ class ModelConfig:
             d = {**d, "rope_theta": rp.get("rope_theta", d.get("rope_theta", 10000.0)),
                  "rope_scaling": rp if rp.get("rope_type", "default") != "default" else None}
         rs = d.get("rope_scaling")
+        if rs is not None and not isinstance(rs, dict):
+            raise ConfigError(f"{source}: field 'rope_scaling' must be an object or null, got {rs!r}")
         if rs is not None:
             kind = rs.get("rope_type", rs.get("type"))
             if kind == "default":
@@ -198,15 +204,37 @@ class ModelConfig:
             else:
                 if "factor" not in rs:
                     raise ConfigError(f"{source}: field 'rope_scaling.factor' is missing")
+                for key, default in (("factor", None), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0)):
+                    v = rs.get(key, default)
+                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                        raise ConfigError(f"{source}: field 'rope_scaling.{key}' must be a positive finite "
+                                          f"number, got {v!r}")
+                if not rs.get("high_freq_factor", 4.0) > rs.get("low_freq_factor", 1.0):
+                    raise ConfigError(f"{source}: field 'rope_scaling.high_freq_factor' must exceed "
+                                      "'rope_scaling.low_freq_factor'")
+                omp = rs.get("original_max_position_embeddings", 8192)
+                if isinstance(omp, bool) or not isinstance(omp, int) or omp <= 0:
+                    raise ConfigError(f"{source}: field 'rope_scaling.original_max_position_embeddings' must be "
+                                      f"a positive integer, got {omp!r}")
                 rs = {"rope_type": "llama3", "factor": float(rs["factor"]),
                       "low_freq_factor": float(rs.get("low_freq_factor", 1.0)),
                       "high_freq_factor": float(rs.get("high_freq_factor", 4.0)),
-                      "original_max_position_embeddings": int(rs.get("original_max_position_embeddings", 8192))}
+                      "original_max_position_embeddings": omp}
         eps = d.get("rms_norm_eps", 1e-6)
-        if not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
             raise ConfigError(f"{source}: field 'rms_norm_eps' = {eps!r} must be in (0, 1)")
+        tie = d.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise ConfigError(f"{source}: field 'tie_word_embeddings' must be true or false, got {tie!r}")
+        vocab = need("vocab_size")
+        for key in ("bos_token_id", "eos_token_id"):
+            v = d.get(key)
+            ids = v if isinstance(v, list) and key == "eos_token_id" else [] if v is None else [v]
+            if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids):
+                raise ConfigError(f"{source}: field '{key}' = {v!r} is not a token id below "
+                                  f"vocab_size = {vocab}")
         return cls(
-            vocab_size=need("vocab_size"),
+            vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=need("intermediate_size"),
             num_hidden_layers=need("num_hidden_layers"),
@@ -216,11 +244,11 @@ class ModelConfig:
             rope_theta=float(need("rope_theta", float)) if "rope_theta" in d else 10000.0,
             rope_scaling=rs,
             rms_norm_eps=float(eps),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=tie,
+            max_position_embeddings=optional("max_position_embeddings", 2048),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
-            initializer_range=float(d.get("initializer_range", 0.02)),
+            initializer_range=float(optional("initializer_range", 0.02, float)),
         )
 
     @classmethod

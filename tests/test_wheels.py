@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from atomflow_bench import tokenizer as tokmod
+from atomflow_bench.store import tokenizer as tokmod
 from atomflow_bench.store import wheels
 from atomflow_bench.config import LLAMA3_TOKENIZER_WHEEL
 from atomflow_bench.errors import FetchError

@@ -28,13 +28,21 @@ class Checkpoint:
         self._where: dict[str, Path] = {}
         self._handles: dict[Path, object] = {}
         for f in files:
-            h = safe_open(str(f), framework="numpy")
+            try:
+                h = safe_open(str(f), framework="numpy")
+            except Exception as e:  # SafetensorError (truncated, garbage header), OSError (unreadable)
+                raise VerifyError(f"{f}: not a readable safetensors file ({self._first_line(e)})") from None
             self._handles[f] = h
             for k in h.keys():
                 self._where[k] = f
         missing = [k for k in self.config.tensor_shapes() if k not in self._where]
         if missing:
             raise VerifyError(f"{self.dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[0]!r}")
+
+    @staticmethod
+    def _first_line(e: BaseException) -> str:
+        lines = str(e).strip().splitlines()
+        return lines[0] if lines else type(e).__name__
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -48,7 +56,10 @@ class Checkpoint:
             f = self._where[name]
         except KeyError:
             raise VerifyError(f"{self.dir}: no tensor {name!r}") from None
-        t = self._handles[f].get_tensor(name)
+        try:
+            t = self._handles[f].get_tensor(name)
+        except Exception as e:  # SafetensorError, OSError (file changed or unreadable), TypeError (dtype)
+            raise VerifyError(f"{f}: cannot read tensor {name!r} ({self._first_line(e)})") from None
         want = self.config.tensor_shapes().get(name)
         if want is not None and tuple(t.shape) != want:
             raise VerifyError(f"{self.dir}: tensor {name!r} has shape {tuple(t.shape)}, config says {want}")

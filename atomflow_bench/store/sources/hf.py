@@ -11,6 +11,7 @@ id. A mismatching file is evicted from the cache and the fetch fails.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib
 import os
@@ -64,6 +65,9 @@ def _hub_errors(repo_id: str, revision: str | None, endpoint: str):
     except HfHubHTTPError as e:
         raise FetchError(f"{repo_id}: hub request failed: {_first_line(e)}") from None
     except _transport_errors() as e:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise FetchError(f"{repo_id}: no space left on the device while downloading into the HF cache "
+                             "(free some space or set HF_HUB_CACHE to another disk)") from None
         raise FetchError(f"{repo_id}: cannot download from {endpoint}: {_first_line(e)}") from None
 
 
