@@ -57,7 +57,7 @@ def tune(engine, replays: int = 12, rounds: int = 3, progress=None) -> tuple[For
         split_lengths = sorted({(cap + 1 + engine.max_seq) // 2, engine.max_seq})
         (split, _), us = fastest(timer(split_lengths), [(f, False) for f in gemv_forms], rounds)
         report["split"] = {"lengths": split_lengths, "step_us": {f.text: t for (f, _), t in us.items()}}
-    del graphs
+    graphs.clear()  # the candidates' graphs go before the chosen forms are built
     a["pos"].set(np.zeros(1, np.int32))
     engine.position = 0  # the engine's host copy, as reset() leaves it
     return Forms(short, g, split), report
