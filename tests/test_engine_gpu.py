@@ -371,11 +371,11 @@ def test_resolve_saves_reuses_and_retunes(tiny_dir, tuning_home, monkeypatch):
     first = tune_mod.resolve(eng)
     assert calls == [eng] and first["origin"] == "tuned now" and "not_saved" not in first
     path = Path(first["path"])
-    assert path.is_file() and path.parent == tuning_home / "tuning"
-    assert path == tune_mod.path_of(tune_mod.key(eng))
+    assert path.is_file() and path.parent.parent == tuning_home / "tuning"
+    assert path == tune_mod.path_of(tune_mod.key(eng), 64)
     saved = json.loads(path.read_text())
     assert saved["schema"] == tune_mod.SCHEMA and saved["forms"] == first["forms"]
-    assert saved["key"] == tune_mod.key(eng) and saved["key"]["max_seq"] == 64 and saved["key"]["weights"] == "fp8"
+    assert saved["key"] == tune_mod.key(eng) and saved["max_seq"] == 64 and saved["key"]["weights"] == "fp8"
     assert saved["timed"] == first["timed"] and first["timed"]["lengths"] == [32, 64]
     assert eng.forms == Forms.parse(first["forms"]) and eng.forms.text == first["forms"]
 
@@ -404,11 +404,13 @@ def test_resolve_saves_reuses_and_retunes(tiny_dir, tuning_home, monkeypatch):
     monkeypatch.delenv("ATOMFLOW_FORMS")
     assert calls == [eng, fresh]
 
-    other = Engine(tiny_dir, weights="fp8", max_seq=48)  # another key: nothing saved for it
-    assert tune_mod.path_of(tune_mod.key(other)) != path
-    assert tune_mod.resolve(other, tune_missing=False) == {"forms": default.text, "origin": "default"}
-    assert other.forms == default and calls == [eng, fresh]
-    assert sorted((tuning_home / "tuning").iterdir()) == [path]
+    other = Engine(tiny_dir, weights="fp8", max_seq=48)  # another max_seq: validate/generate take the nearest tune
+    assert tune_mod.path_of(tune_mod.key(other), 48) != path
+    assert tune_mod.resolve(other, tune_missing=False) == {"forms": retuned["forms"], "origin": "saved",
+                                                           "path": str(path)}
+    other.use(default)
+    assert calls == [eng, fresh]
+    assert [p for p in (tuning_home / "tuning").rglob("*") if p.is_file()] == [path]
     path.write_text("{")  # unreadable: as if nothing were saved
     assert tune_mod.resolve(Engine(tiny_dir, weights="fp8", max_seq=64), tune_missing=False)["origin"] == "default"
     assert calls == [eng, fresh]
@@ -665,7 +667,7 @@ def test_run_record_forms_and_instruments(tiny_dir, tuning_home, monkeypatch):
                 repeats=1, eager_tokens=4)
     plain = benchmark(**args)
     f = plain["forms"]
-    assert f["origin"] == "tuned now" and Path(f["path"]).parent == tuning_home / "tuning"
+    assert f["origin"] == "tuned now" and Path(f["path"]).parent.parent == tuning_home / "tuning"
     assert Forms.parse(f["forms"]).text == f["forms"]
     assert plain["instrument"] == [] and not any(d.startswith("AF_") for d in plain["kernel_defines"])
     assert plain["eager"]["same_tokens"] is True and len(plain["generated"]["token_ids"]) == 8
