@@ -45,7 +45,7 @@ for st in $stages; do
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
       python3 -c "import cupy; print('cupy', cupy.__version__)" ;;
     kernels)
-      timeout ${KERNELS_TIMEOUT:-400} python3 -m pytest -q -x tests/test_kernels_gpu.py -p no:cacheprovider \
+      timeout ${KERNELS_TIMEOUT:-400} python3 -m pytest -q tests/test_kernels_gpu.py -p no:cacheprovider \
         ${KERNELS_K:+-k "$KERNELS_K"} >"$OUT/kernels.log" 2>&1
       note "kernels: rc=$? $(tail -1 "$OUT/kernels.log")" ;;
     engine)
