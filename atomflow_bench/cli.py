@@ -1,8 +1,8 @@
 """`atomflow-bench` command line. Thin: every command parses options and calls one module function.
 
 Heavy imports (cupy, torch, safetensors readers) happen inside the commands so `--help` and the CPU
-commands stay fast and work without CuPy or a GPU. Any `AtomflowError` becomes `error: <one line>` on
-stderr and exit code 1.
+commands stay fast and work without CuPy or a GPU. Every error is `error: <one line>` on stderr with the exit codes of
+`main` (no traceback unless --debug).
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from rich.table import Table
 
 from . import __version__
 from .config import CATALOG, DEFAULT_MODEL
-from .errors import AtomflowError
+from .errors import AtomflowError, GpuUnavailable
+from .output import format_option
 
 console = Console()
 err_console = Console(stderr=True)
@@ -32,7 +33,11 @@ def _forms(text):
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="atomflow-bench")
 def cli():
-    """Single-stream (M=1) Llama decode on NVIDIA GPUs through CuPy RawKernels, measured honestly."""
+    """Single-stream (M=1) Llama decode on NVIDIA GPUs through CuPy RawKernels, measured honestly.
+
+    \b
+    Exit codes: 0 ok, 1 error (one line on stderr), 2 usage / compare refused, 3 no usable GPU, 70 internal error.
+    --debug (anywhere on the line) shows the traceback of an error."""
 
 
 def _gib(n: int) -> str:
@@ -92,6 +97,10 @@ def generate(model, prompt, tokens, backend, weights):
     from .generate import generate_text
     from .store.fetch import resolve_model
 
+    if backend == "gpu":
+        from .gpu.device import require_gpu
+
+        require_gpu()
     path = resolve_model(model, console=console)
     text = generate_text(path, prompt, tokens, backend=backend, weights=weights, console=console)
     console.print(text)
@@ -122,29 +131,21 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .errors import GpuUnavailable
     from .gpu.device import require_gpu
     from .measure import report
     from .measure.baselines import attach_comparisons, comparison_table, load_baselines
-    from .measure.bench import benchmark, cpu_fallback
+    from .measure.bench import benchmark
     from .store.fetch import fetch_model, resolve_model
 
+    forms = _forms(forms)
     baselines = load_baselines(baselines_dir)  # a malformed file stops here, before the measurement
+    require_gpu()  # before anything is fetched or written: no GPU, no figure (exit 3)
     path = fetch_model(model, source=source, console=console) if source else resolve_model(model, console=console)
     src = _source_of(path)
-    try:
-        require_gpu()
-    except GpuUnavailable as e:
-        console.print(f"[yellow]{e}: running the NumPy reference on the CPU for a few tokens instead — "
-                      "NOT a performance figure.[/yellow]")
-        r = cpu_fallback(path, weights)
-        console.print(f"numpy reference ({weights}): {len(r['prompt_ids'])} prompt + {len(r['token_ids'])} new tokens "
-                      f"in {r['seconds']:.1f} s; tokens {r['token_ids']}" + (f" -> {r['text']!r}" if r["text"] else ""))
-        return
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
                   transient=True) as progress:
         rec = benchmark(path, model, src, weights, context, tokens, repeats, progress=progress,
-                        forms=_forms(forms), retune=retune)
+                        forms=forms, retune=retune)
     console.print(report.run_table(rec))
     peers = None
     if with_peers:
@@ -169,15 +170,18 @@ def profile(model, weights, context, steps, forms, json_path):
     each role adds inside the graph (the step replayed without it)."""
     from pathlib import Path
 
+    from .gpu.device import require_gpu
     from .gpu.engine import Engine
     from .measure import report
     from .measure.profile import attention_line, marginal_table, profile_step, profile_table
     from .measure.tune import resolve
     from .store.fetch import resolve_model
 
+    require_gpu()
+    forms = _forms(forms)
     model_dir = resolve_model(model, console=console)
     eng = Engine(model_dir, weights=weights, max_seq=context + steps + 64)
-    chosen = resolve(eng, _forms(forms), tune_missing=False)
+    chosen = resolve(eng, forms, tune_missing=False)
     p = profile_step(eng, context, steps)
     p["forms_origin"] = chosen["origin"]
     console.print(profile_table(p))
@@ -198,11 +202,13 @@ def profile(model, weights, context, steps, forms, json_path):
 def tune(model, weights, context, tokens):
     """Time every launch form on this GPU and save the fastest for `run` (keyed by GPU, shape, format, context and
     source hash, under $ATOMFLOW_HOME/tuning)."""
+    from .gpu.device import require_gpu
     from .gpu.engine import Engine
     from .measure.report import forms_text
     from .measure.tune import resolve
     from .store.fetch import resolve_model
 
+    require_gpu()
     model_dir = resolve_model(model, console=console)
     eng = Engine(model_dir, weights=weights, max_seq=context + tokens)
     chosen = resolve(eng, retune=True)
@@ -230,7 +236,7 @@ def gemv(model, formats, reps, json_path):
     from pathlib import Path
 
     from .config import ModelConfig, get_preset
-    from .gpu.device import gpu_info
+    from .gpu.device import gpu_info, require_gpu
     from .gpu.nvrtc import KernelLib
     from .measure import report
     from .measure.profile import gemv_bench, gemv_table
@@ -238,6 +244,7 @@ def gemv(model, formats, reps, json_path):
     fmts = tuple(f.strip() for f in formats.split(","))
     if not fmts or any(f not in ("fp16", "fp8") for f in fmts):
         raise click.BadParameter(f"formats must be fp16 and/or fp8, got {formats!r}")
+    require_gpu()
     cfg = get_preset(model).config if model in CATALOG else ModelConfig.from_file(Path(model) / "config.json")
     info = gpu_info()
     lib = KernelLib()
@@ -268,8 +275,9 @@ def _source_of(path) -> str:
 @click.option("--steps", type=click.IntRange(1, 4096), default=None, help="Greedy steps compared  [default: 32, "
               "or the truth's]")
 @click.option("--prompt", default=None, help="Prompt text  [default: 'The capital of France is', or the truth's]")
-@click.option("--backend", type=click.Choice(["auto", "gpu", "numpy"]), default="auto", show_default=True,
-              help="auto: the GPU engine when a CUDA device is usable, else the NumPy reference (labelled).")
+@click.option("--backend", type=click.Choice(["gpu", "numpy", "auto"]), default="gpu", show_default=True,
+              help="gpu: the engine's kernels (needs a GPU); numpy: the NumPy reference on the CPU; auto: the GPU when "
+                   "there is one, else the reference (labelled).")
 @click.option("--allow-mismatch", is_flag=True,
               help="Compare even if the truth was made from other weights (e.g. a deliberately corrupted copy).")
 @click.option("--quality", is_flag=True, help="Instead: fp8 vs fp16 on a paragraph of English (top-1 agreement, "
@@ -369,9 +377,10 @@ def baseline_record(openai_url, served_model, catalog_model, gpu, gpu_bandwidth,
               help="cpu: a smoke test, not a performance figure.")
 def peers(model, weights, context, tokens, repeats, modes, device):
     """HF transformers decode (eager; static cache + torch.compile) on MODEL's weights: TPOT, tok/s, GB/s."""
-    from .measure.peers import measure_peers, peers_table
+    from .measure.peers import measure_peers, peers_table, require_torch
     from .store.fetch import resolve_model
 
+    require_torch(device)  # torch, transformers and (for cuda) a device, before anything is fetched
     path = resolve_model(model, console=console)
     recs = measure_peers(path, context=context, tokens=tokens, modes=[m.strip() for m in modes.split(",") if m.strip()],
                          weights=weights, device=device, repeats=repeats)
@@ -409,21 +418,58 @@ def compare(baseline_json, new_json, max_regression):
         sys.exit(code)
 
 
+@cli.command()
+@click.option("--no-bandwidth", is_flag=True, help="Skip the copy-bandwidth measurement.")
+@format_option
+def doctor(no_bandwidth, fmt):
+    """What this machine has for the main job: driver, CUDA, CuPy, GPUs, NVRTC, nvcc, peer access and NCCL, disk,
+    copy bandwidth. Exit 0 when everything `run` needs is there, 3 when the GPU stack is not, 1 otherwise."""
+    from .doctor import exit_code, run_checks
+    from .output import Tab, render
+
+    checks = run_checks(bandwidth=not no_bandwidth)
+    t = Tab("atomflow-bench doctor", ["check", "status", "detail"])
+    for c in checks:
+        t.add(c.name, c.status, c.detail)
+    render(t, fmt, console)
+    code = exit_code(checks)
+    if code:
+        sys.exit(code)
+
+
+EXIT_ERROR, EXIT_USAGE, EXIT_NO_GPU, EXIT_INTERNAL = 1, 2, 3, 70
+
+
 def main(argv=None):
+    """Exit codes: 0 ok; 1 an error the user can fix (one line on stderr); 2 usage (click) or `compare` refused;
+    3 no usable GPU (the line names the cause); 70 an internal error (a bug: one line, --debug shows the traceback);
+    130 interrupted. `compare` also exits 1 for a regression."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    if debug:
+        args.remove("--debug")
     try:
-        cli.main(args=argv, prog_name="atomflow-bench", standalone_mode=False)
+        cli.main(args=args, prog_name="atomflow-bench", standalone_mode=False)
     except click.exceptions.Abort:
         err_console.print("aborted")
         sys.exit(130)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except AtomflowError as e:
-        err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
-        sys.exit(1)
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - every error is one line unless --debug
+        if debug:
+            raise
+        if isinstance(e, AtomflowError):
+            code, text = (EXIT_NO_GPU if isinstance(e, GpuUnavailable) else EXIT_ERROR), str(e)
+        elif isinstance(e, OSError):  # a full disk, a read-only directory, a missing file the user named
+            code, text = EXIT_ERROR, f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+        else:
+            code, text = EXIT_INTERNAL, f"internal error ({type(e).__name__}: {e}); rerun with --debug for the traceback"
+        err_console.print(f"[red]error:[/red] {escape(' '.join(text.split()))}", highlight=False, soft_wrap=True)
+        sys.exit(code)
     return 0
 
 

@@ -63,12 +63,11 @@ def smollm2_fetched(shared_home) -> Path:
 
 # ---- GPU tests: `@pytest.mark.gpu` tests are skipped (with the reason) where no CUDA device is usable ----
 def _gpu_reason() -> str | None:
-    try:
-        import cupy
+    """The true cause when GPU tests cannot run (the CLI's own diagnosis: no driver, no CuPy, CUDA mismatch, no
+    device), or None."""
+    from atomflow_bench.gpu.device import gpu_problem
 
-        return None if cupy.cuda.runtime.getDeviceCount() > 0 else "no CUDA device"
-    except Exception as e:  # ImportError without CuPy, CUDARuntimeError without a driver
-        return f"no CUDA device ({type(e).__name__})"
+    return gpu_problem()
 
 
 def pytest_collection_modifyitems(config, items):

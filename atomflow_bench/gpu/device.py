@@ -1,6 +1,7 @@
 """The GPU the engine runs on: whether there is one, what it is, and the limits every launch plan reads."""
 from __future__ import annotations
 
+import ctypes
 import functools
 
 from ..errors import GpuUnavailable
@@ -10,18 +11,53 @@ from ..errors import GpuUnavailable
 SMEM_H100 = (227 * 1024, 228 * 1024, 1024)
 
 
-def require_gpu():
-    """Import CuPy and check a CUDA device exists; raise GpuUnavailable with one line otherwise."""
+def driver_cuda_version() -> int | None:
+    """The CUDA version the NVIDIA driver supports (e.g. 13000), from libcuda itself; None without a driver."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    v = ctypes.c_int(0)
+    return v.value if lib.cuDriverGetVersion(ctypes.byref(v)) == 0 else None
+
+
+def gpu_problem() -> str | None:
+    """Why this machine has no usable GPU (one line naming the cause), or None when it has one."""
+    driver = driver_cuda_version()
+    if driver is None:
+        return ("no NVIDIA driver (libcuda.so.1 not found): the GPU commands need an NVIDIA GPU; the NumPy reference "
+                "runs on the CPU with `generate` and `validate --backend numpy`")
     try:
         import cupy
     except ImportError:
-        raise GpuUnavailable("CuPy is not installed (pip install 'atomflow-bench[cuda12]' or '[cuda13]')") from None
+        major = driver // 1000
+        return (f"CuPy is not installed: pip install 'atomflow-bench[cuda{major if major in (12, 13) else 13}]' "
+                f"(the driver supports CUDA {driver // 1000}.{driver % 1000 // 10})")
+    try:
+        runtime = cupy.cuda.runtime.runtimeGetVersion()
+    except Exception:  # noqa: BLE001 - a CuPy that cannot load its runtime
+        runtime = None
+    if runtime and runtime // 1000 > driver // 1000:
+        return (f"CUDA major mismatch: the driver supports CUDA {driver // 1000}.{driver % 1000 // 10}, CuPy "
+                f"{cupy.__version__} was built for CUDA {runtime // 1000}: install cupy-cuda{driver // 1000}x "
+                f"(pip install 'atomflow-bench[cuda{driver // 1000}]') or update the driver")
     try:
         n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # CUDARuntimeError when there is no driver
-        raise GpuUnavailable(f"no CUDA device available ({type(e).__name__}: {e})") from None
+    except Exception as e:  # noqa: BLE001 - CUDARuntimeError: no device, driver/runtime trouble
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return f"the CUDA driver reports no usable device ({first})"
     if n == 0:
-        raise GpuUnavailable("no CUDA device available")
+        return "no CUDA device visible (check CUDA_VISIBLE_DEVICES)"
+    return None
+
+
+def require_gpu():
+    """CuPy with a usable CUDA device, else GpuUnavailable naming the cause (one line; the CLI exits 3)."""
+    problem = gpu_problem()
+    if problem:
+        raise GpuUnavailable(problem)
+    import cupy
+
     return cupy
 
 

@@ -19,7 +19,25 @@ from pathlib import Path
 
 from ..errors import AtomflowError
 
-KERNELS_DIR = Path(os.environ.get("ATOMFLOW_KERNELS_DIR", Path(__file__).resolve().parents[2] / "kernels_cu"))
+
+
+def find_kernels_dir() -> Path:
+    """The kernel sources: $ATOMFLOW_KERNELS_DIR when set; else the checkout's kernels_cu/ when running from a
+    source tree or an editable install (`pip install -e .`: the sources stay at the repository root, where scripts,
+    tests and edits use them); else the copy a wheel installs inside the package (pyproject maps kernels_cu/ to
+    the package `atomflow_bench.kernels_cu` as package data, since a wheel carries nothing outside its packages)."""
+    env = os.environ.get("ATOMFLOW_KERNELS_DIR")
+    if env:
+        return Path(env)
+    root = Path(__file__).resolve().parents[2]  # the repository root in a checkout; site-packages when installed
+    if (root / "pyproject.toml").is_file() and (root / "kernels_cu").is_dir():
+        return root / "kernels_cu"
+    from importlib.resources import files
+
+    return Path(str(files("atomflow_bench") / "kernels_cu"))
+
+
+KERNELS_DIR = find_kernels_dir()
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
 _DEFINE = re.compile(r"^[ \t]*#[ \t]*define(?:[^\n]*\\\n)*[^\n]*", re.M)  # a #define with continuations

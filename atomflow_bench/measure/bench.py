@@ -108,23 +108,3 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
         "compiled": eng.lib.compiled_files(),
         "instrument": instrument_defines(eng.lib.defines),  # non-empty: a timing bound with wrong outputs
     }
-
-
-def cpu_fallback(model_dir, weights: str, n_tokens: int = 4) -> dict:
-    """No CUDA device: a few tokens through the NumPy reference (lazy fp16 weights), NOT a performance figure."""
-    import time
-
-    from ..reference import ReferenceDecoder, greedy
-    from ..store.tokenizer import load_tokenizer
-    from ..store.checkpoint import Checkpoint
-
-    ckpt = Checkpoint(model_dir)
-    tok = load_tokenizer(ckpt.dir)
-    prompt = tok.encode("The capital of France is").ids if tok is not None else synthetic_prompt(ckpt.config.vocab_size, 4)
-    dec = ReferenceDecoder(ckpt, weights=weights, max_seq=len(prompt) + n_tokens, lazy=True)
-    t0 = time.perf_counter()
-    ids = greedy(dec, prompt, n_tokens)
-    dt = time.perf_counter() - t0
-    return {"backend": "numpy-reference (CPU)", "prompt_ids": prompt, "token_ids": ids,
-            "text": tok.decode(ids) if tok is not None else None, "seconds": dt,
-            "steps": len(prompt) + len(ids) - 1}

@@ -36,7 +36,7 @@ DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 HINT = "HF peers need torch and transformers: pip install 'atomflow-bench[truth]'"
 
 
-def _require_torch(device: str):
+def require_torch(device: str):
     try:
         import torch
         import transformers
@@ -95,7 +95,7 @@ def _decode(torch, model, cache, prompt, tokens: int, device: str, step=None) ->
 def measure_peers(model_dir, context: int = 128, tokens: int = 64, modes=("eager", "compiled"),
                   weights: str = "fp16", device: str = "cuda", repeats: int = 3, warmup_steps: int = 3) -> list[dict]:
     """One record per mode: engine, gpu, precision, context, tokens, tpot_ms{...}, tok/s, bytes, bandwidth."""
-    torch, transformers = _require_torch(device)
+    torch, transformers = require_torch(device)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import DynamicCache, LlamaForCausalLM, StaticCache
 
