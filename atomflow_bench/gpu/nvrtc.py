@@ -20,7 +20,6 @@ from pathlib import Path
 from ..errors import AtomflowError
 
 
-
 def find_kernels_dir() -> Path:
     """The kernel sources: $ATOMFLOW_KERNELS_DIR when set; else the checkout's kernels_cu/ when running from a
     source tree or an editable install (`pip install -e .`: the sources stay at the repository root, where scripts,

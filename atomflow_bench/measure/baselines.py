@@ -55,11 +55,9 @@ from ..errors import AtomflowError
 SCHEMA = "atomflow-bench/baseline/1"
 # The checkout's baselines/ in a source tree or an editable install (where `baseline record` writes and the files are
 # committed); else the copy a wheel installs inside the package (pyproject maps baselines/ to the package
-# `atomflow_bench.baselines` as package data: a wheel carries nothing outside its packages). parents[2] is the
-# repository root in a checkout, site-packages when installed; parents[1] is the package directory itself.
-DEFAULT_DIR = (Path(__file__).resolve().parents[2] / "baselines"
-               if (Path(__file__).resolve().parents[2] / "pyproject.toml").is_file()
-               and (Path(__file__).resolve().parents[2] / "baselines").is_dir()
+# `atomflow_bench.baselines` as package data: a wheel carries nothing outside its packages).
+_ROOT = Path(__file__).resolve().parents[2]  # the repository root in a checkout; site-packages when installed
+DEFAULT_DIR = (_ROOT / "baselines" if (_ROOT / "pyproject.toml").is_file() and (_ROOT / "baselines").is_dir()
                else Path(__file__).resolve().parents[1] / "baselines")
 
 # Spec memory bandwidth (GB/s) by the words of the GPU's name; the first entry all of whose words appear wins.
