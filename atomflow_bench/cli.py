@@ -11,12 +11,11 @@ import sys
 import click
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from . import __version__
 from .config import CATALOG, DEFAULT_MODEL
 from .errors import AtomflowError, GpuUnavailable
-from .output import format_option
+from .output import format_option, is_machine, notes_console, render
 
 console = Console()
 err_console = Console(stderr=True)
@@ -44,24 +43,111 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}G"
 
 
-@cli.command()
-def models():
-    """The catalog: name, shape, parameters, bytes per format, sources."""
-    head = ("name", "layers", "d_model", "ffn", "q/kv", "hd", "vocab", "params", "fp16", "fp8")
-    rows = [(p.name, str(c.num_hidden_layers), str(c.hidden_size), str(c.intermediate_size),
-             f"{c.num_attention_heads}/{c.num_key_value_heads}", str(c.head_dim), str(c.vocab_size),
-             f"{c.param_count() / 1e9:.3f}B", _gib(c.weight_bytes("fp16")), _gib(c.weight_bytes("fp8")))
-            for p, c in ((p, p.config) for p in CATALOG.values())]
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    fmt = lambda r: "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))  # noqa: E731
-    console.print("[bold]atomflow-bench model catalog[/bold]")
-    console.print(fmt(head), style="bold", highlight=False)
-    for r in rows:
-        console.print(fmt(r), highlight=False)
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} B"
+
+
+def _dir_bytes(directory) -> int:
+    """Sum of the sizes of the regular files under `directory` (stat only; symlinks not followed)."""
+    import os
+
+    total, stack = 0, [str(directory)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+                        elif e.is_file(follow_symlinks=False):
+                            total += e.stat(follow_symlinks=False).st_size
+                    except OSError:
+                        continue
+        except OSError:
+            continue
+    return total
+
+
+def _catalog_dir(preset, source: str):
+    """The store directory `fetch NAME --source SOURCE` fills (the layout in store/fetch.py): models/<name> for the
+    default source, models/<org>--<repo> for hf, models/<name>--<source> for another."""
+    from .store import store
+
+    if source == preset.sources[0]:
+        return store.model_dir(preset.name)
+    return store.model_dir(preset.hub_repo if source == "hf" else f"{preset.name}--{source}")
+
+
+def _store_entries():
+    """({catalog name: [(source, directory)]}, [other store directories]): what `fetch` has put in the store."""
+    from .store import store
+
+    claimed, by_model = set(), {}
     for p in CATALOG.values():
-        console.print(f"  {p.name}: sources {', '.join(p.sources)}; hub {p.hub_repo}" + (f"; {p.note}" if p.note else ""))
-    console.print("fp8 = W8A16: FP8-E4M3 layer projections with one fp32 scale per 128 inputs; embedding, norms "
-                  "and lm_head stay fp16. fp16/fp8 columns: weight bytes on the GPU (GiB).")
+        dirs = []
+        for src in dict.fromkeys([*p.sources, "synthetic", "hf"]):
+            d = _catalog_dir(p, src)
+            claimed.add(d.name)
+            if d.is_dir():
+                dirs.append((src, d))
+        by_model[p.name] = dirs
+    root = store.models_dir()
+    try:
+        others = sorted((d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")
+                         and d.name not in claimed), key=lambda d: d.name)
+    except OSError:  # no store yet
+        others = []
+    return by_model, others
+
+
+def _manifest_source(directory) -> tuple[str, str]:
+    """(source kind, model) from a store directory's manifest; ("no manifest", "") when it has none."""
+    import json
+
+    try:
+        m = json.loads((directory / "manifest.json").read_text())
+        return str(m.get("source", {}).get("kind", "?")), str(m.get("model", ""))
+    except FileNotFoundError:
+        return "no manifest", ""
+    except (OSError, ValueError, AttributeError):
+        return "unreadable manifest", ""
+
+
+@cli.command()
+@format_option
+def models(fmt):
+    """The catalog (name, shape, parameters, bytes per format, what is in the store and its size on disk), its
+    sources, and the other models in the store (local imports, hub ids)."""
+    from .output import Tab
+    from .store import store
+
+    by_model, others = _store_entries()
+    cols = ["name", "layers", "d_model", "ffn", "q/kv", "hd", "vocab", "params", "fp16", "fp8", "in store"]
+    cat = Tab("atomflow-bench model catalog", cols, key="catalog", right=tuple(cols[1:10]),
+              caption="fp8 = W8A16: FP8-E4M3 layer projections with one fp32 scale per 128 inputs; embedding, norms "
+                      "and lm_head stay fp16. fp16/fp8 columns: weight bytes on the GPU (GiB). in store: each source "
+                      f"fetched and its size on disk, under {store.models_dir()}.")
+    for p in CATALOG.values():
+        c = p.config
+        held = "; ".join(f"{src} {_size(_dir_bytes(d))}" + ("" if (d / store.MANIFEST).is_file() else " (no manifest)")
+                         for src, d in by_model[p.name]) or "not fetched"
+        cat.add(p.name, str(c.num_hidden_layers), str(c.hidden_size), str(c.intermediate_size),
+                f"{c.num_attention_heads}/{c.num_key_value_heads}", str(c.head_dim), str(c.vocab_size),
+                f"{c.param_count() / 1e9:.3f}B", _gib(c.weight_bytes("fp16")), _gib(c.weight_bytes("fp8")), held,
+                cell_styles={"in store": "" if by_model[p.name] else "dim"})
+    srcs = Tab("sources", ["name", "sources", "hub", "note"], key="sources")
+    for p in CATALOG.values():
+        srcs.add(p.name, ", ".join(p.sources), p.hub_repo, p.note or "")
+    other = Tab("in the store, not in the catalog", ["name", "source", "model", "size"], key="store", right=("size",),
+                caption=f"under {store.models_dir()}" + ("; a name works as MODEL in every command" if others
+                                                          else ": none"))
+    for d in others:
+        kind, model = _manifest_source(d)
+        other.add(d.name, kind, model, _size(_dir_bytes(d)))
+    render([cat, srcs, other], fmt, console)
 
 
 @cli.command()
@@ -125,7 +211,9 @@ def generate(model, prompt, tokens, backend, weights):
 @click.option("--forms", default=None, help=FORMS_HELP)
 @click.option("--retune", is_flag=True, help="Time the forms again even when a tune of this GPU, shape, format, "
               "context and source is saved.")
-def run(model, weights, context, tokens, repeats, json_path, no_json, source, baselines_dir, with_peers, forms, retune):
+@format_option
+def run(model, weights, context, tokens, repeats, json_path, no_json, source, baselines_dir, with_peers, forms, retune,
+        fmt):
     """Decode benchmark: TPOT, tok/s, bandwidth, % of the copy roofline, VRAM (default: synthetic Llama-3.2-3B)."""
     from pathlib import Path
 
@@ -138,24 +226,29 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
     from .store.fetch import fetch_model, resolve_model
 
     forms = _forms(forms)
+    notes = notes_console(fmt, console)  # stderr with --format csv/json: stdout holds the tables alone
     baselines = load_baselines(baselines_dir)  # a malformed file stops here, before the measurement
     require_gpu()  # before anything is fetched or written: no GPU, no figure (exit 3)
-    path = fetch_model(model, source=source, console=console) if source else resolve_model(model, console=console)
+    path = fetch_model(model, source=source, console=notes) if source else resolve_model(model, console=notes)
     src = _source_of(path)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=notes,
                   transient=True) as progress:
         rec = benchmark(path, model, src, weights, context, tokens, repeats, progress=progress,
                         forms=forms, retune=retune)
-    console.print(report.run_table(rec))
+    run_tab = report.run_table(rec)
+    if not is_machine(fmt, console):  # people see it before the peers run; csv/json get one document at the end
+        render(run_tab, fmt, console)
+        click.echo("")
     peers = None
     if with_peers:
         from .measure.peers import measure_peers
 
         peers = measure_peers(path, context=context, tokens=tokens, repeats=min(repeats, 3), weights="fp16")
-    console.print(comparison_table(attach_comparisons(rec, baselines, peers)))
+    cmp_tab = comparison_table(attach_comparisons(rec, baselines, peers))
+    render([run_tab, cmp_tab] if is_machine(fmt, console) else cmp_tab, fmt, console)
     if not no_json:
         out = report.write(rec, Path(json_path) if json_path else report.default_path(rec))
-        console.print(f"results: {out}")
+        notes.print(f"results: {out}", soft_wrap=True, highlight=False)
 
 
 @cli.command()
@@ -165,7 +258,8 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--forms", default=None, help=FORMS_HELP + " Default: a saved tune, else the defaults.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def profile(model, weights, context, steps, forms, json_path):
+@format_option
+def profile(model, weights, context, steps, forms, json_path, fmt):
     """Per-kernel time breakdown of one decode step (events, eager) + graph step time and idle gap, and what
     each role adds inside the graph (the step replayed without it)."""
     from pathlib import Path
@@ -173,20 +267,18 @@ def profile(model, weights, context, steps, forms, json_path):
     from .gpu.device import require_gpu
     from .gpu.engine import Engine
     from .measure import report
-    from .measure.profile import attention_line, marginal_table, profile_step, profile_table
+    from .measure.profile import attention_table, marginal_table, profile_step, profile_table
     from .measure.tune import resolve
     from .store.fetch import resolve_model
 
     require_gpu()
     forms = _forms(forms)
-    model_dir = resolve_model(model, console=console)
+    model_dir = resolve_model(model, console=notes_console(fmt, console))
     eng = Engine(model_dir, weights=weights, max_seq=context + steps + 64)
     chosen = resolve(eng, forms, tune_missing=False)
     p = profile_step(eng, context, steps)
     p["forms_origin"] = chosen["origin"]
-    console.print(profile_table(p))
-    console.print(marginal_table(p))
-    console.print(attention_line(p), soft_wrap=True)
+    render([profile_table(p), marginal_table(p), attention_table(p)], fmt, console)
     if json_path:
         rec = {"schema": "atomflow-bench/profile/1", "tool": report.tool_info(), "created": report.now_iso(),
                "command": report.command_line(), "gpu": eng.gpu, "model": model, "weights": weights, **p}
@@ -199,7 +291,8 @@ def profile(model, weights, context, steps, forms, json_path):
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000),
               help="The context `run` will use (the tune is kept per context + tokens).")
 @click.option("--tokens", default=256, show_default=True, type=click.IntRange(1, 32000))
-def tune(model, weights, context, tokens):
+@format_option
+def tune(model, weights, context, tokens, fmt):
     """Time every launch form on this GPU and save the fastest for `run` (keyed by GPU, shape, format, context and
     source hash, under $ATOMFLOW_HOME/tuning)."""
     from .gpu.device import require_gpu
@@ -208,22 +301,26 @@ def tune(model, weights, context, tokens):
     from .measure.tune import resolve
     from .store.fetch import resolve_model
 
+    from .output import Tab
+
     require_gpu()
-    model_dir = resolve_model(model, console=console)
+    notes = notes_console(fmt, console)
+    model_dir = resolve_model(model, console=notes)
     eng = Engine(model_dir, weights=weights, max_seq=context + tokens)
     chosen = resolve(eng, retune=True)
-    t = Table(title=f"tune — {model} {weights}, max_seq {context + tokens}, {eng.gpu['name']}")
-    t.add_column("forms")
-    t.add_column("step µs (best round)", justify="right")
+    t = Tab(f"tune — {model} {weights}, max_seq {context + tokens}, {eng.gpu['name']}",
+            ["forms", "step µs (best round)"], key="tune", right=("step µs (best round)",))
     for k, v in sorted(chosen["timed"]["step_us"].items(), key=lambda kv: kv[1]):
-        t.add_row(k, f"{v:.1f}")
-    console.print(t)
+        t.add(k, f"{v:.1f}")
+    render(t, fmt, console)
     split = chosen["timed"].get("split")
     if split:
-        console.print("split bucket: " + ", ".join(f"{k} {v:.1f} µs" for k, v in
-                                                   sorted(split["step_us"].items(), key=lambda kv: kv[1])[:5]))
-    console.print(f"chosen: {chosen['forms']} ({forms_text(chosen['forms'])})")
-    console.print(f"saved: {chosen['path']}" if chosen.get("path") else f"[yellow]not saved[/yellow]: {chosen['not_saved']}")
+        notes.print("split bucket: " + ", ".join(f"{k} {v:.1f} µs" for k, v in
+                                                 sorted(split["step_us"].items(), key=lambda kv: kv[1])[:5]),
+                    soft_wrap=True, highlight=False)
+    notes.print(f"chosen: {chosen['forms']} ({forms_text(chosen['forms'])})", soft_wrap=True, highlight=False)
+    notes.print(f"saved: {escape(str(chosen['path']))}" if chosen.get("path")
+                else f"[yellow]not saved[/yellow]: {escape(str(chosen['not_saved']))}", soft_wrap=True, highlight=False)
 
 
 @cli.command()
@@ -231,7 +328,8 @@ def tune(model, weights, context, tokens):
 @click.option("--weights", "formats", default="fp16,fp8", show_default=True, help="Comma-separated formats.")
 @click.option("--reps", default=50, show_default=True, type=click.IntRange(5, 10000))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def gemv(model, formats, reps, json_path):
+@format_option
+def gemv(model, formats, reps, json_path, fmt):
     """Every GEMV shape of MODEL alone, L2-cold: µs, GB/s, % of the copy bandwidth of the same run."""
     from pathlib import Path
 
@@ -249,7 +347,7 @@ def gemv(model, formats, reps, json_path):
     info = gpu_info()
     lib = KernelLib()
     g = gemv_bench(cfg, lib, info["sms"], fmts, reps=reps, l2_bytes=info["l2_bytes"])
-    console.print(gemv_table(g))
+    render(gemv_table(g), fmt, console)
     if json_path:
         rec = {"schema": "atomflow-bench/gemv/1", "tool": report.tool_info(), "created": report.now_iso(),
                "command": report.command_line(), "gpu": info, "model": model, **g}
@@ -284,7 +382,8 @@ def _source_of(path) -> str:
               "mean KL, both perplexities).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the full result here.")
 @click.option("--forms", default=None, help=FORMS_HELP + " Default: a saved tune, else the defaults (never timed).")
-def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, quality, json_path, forms):
+@format_option
+def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, quality, json_path, forms, fmt):
     """Engine vs HF transformers fp32, probe by probe (exit 0 only if all pass); or --quality."""
     from pathlib import Path
 
@@ -292,18 +391,23 @@ def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, 
     from .store.fetch import resolve_model
     from .validate import check as v
 
-    path = resolve_model(model, console=console)
+    notes = notes_console(fmt, console)
+    if backend == "gpu":  # before the model is fetched or the ground truth made
+        from .gpu.device import require_gpu
+
+        require_gpu()
+    path = resolve_model(model, console=notes)
     if quality:
-        res = v.quality(path, backend=backend, console=console)
-        v.print_quality(res, console)
+        res = v.quality(path, backend=backend, console=notes)
+        v.print_quality(res, console, fmt)
         ok = res["pass"] is not False
     else:
         res = v.validate(path, weights=weights, truth_dir=truth_dir, steps=steps, prompt=prompt, backend=backend,
-                         allow_mismatch=allow_mismatch, console=console, forms=_forms(forms))
-        v.print_result(res, console)
+                         allow_mismatch=allow_mismatch, console=notes, forms=_forms(forms))
+        v.print_result(res, console, fmt)
         ok = res["summary"]["pass"]
     if json_path:
-        console.print(f"results: {report.write(res, Path(json_path))}")
+        notes.print(f"results: {report.write(res, Path(json_path))}", soft_wrap=True, highlight=False)
     if not ok:
         sys.exit(1)
 
@@ -316,20 +420,21 @@ def baseline():
 @baseline.command("list")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
               help="Baselines directory  [default: the repository's baselines/]")
-def baseline_list(directory):
+@format_option
+def baseline_list(directory, fmt):
     """Validate and list the recorded baselines."""
     from .measure.baselines import load_baselines
+    from .output import Tab
 
-    t = Table(title="recorded baselines")
-    for col in ("model", "engine", "GPU", "GB/s", "precision", "ctx", "tokens", "TPOT ms", "tok/s", "source"):
-        t.add_column(col, overflow="fold")
+    t = Tab("recorded baselines", ["model", "engine", "GPU", "GB/s", "precision", "ctx", "tokens", "TPOT ms", "tok/s",
+                                   "source"], key="baselines", right=("GB/s", "ctx", "tokens", "TPOT ms", "tok/s"))
     for b in load_baselines(directory):
         e, m = b["engine"], b["metrics"]
-        t.add_row(b["model"], " ".join(x for x in (e["name"], e["version"]) if x), b["gpu"]["name"],
-                  str(b["gpu"]["memory_bandwidth_gbs"]), b["precision"], *(str(b[k]) if b[k] is not None else "—"
-                                                                   for k in ("context", "tokens")),
-                  f"{m['tpot_ms']:.3f}", f"{m['tok_per_s']:.1f}", b["source"])
-    console.print(t)
+        t.add(b["model"], " ".join(x for x in (e["name"], e["version"]) if x), b["gpu"]["name"],
+              str(b["gpu"]["memory_bandwidth_gbs"]), b["precision"], *(str(b[k]) if b[k] is not None else "—"
+                                                               for k in ("context", "tokens")),
+              f"{m['tpot_ms']:.3f}", f"{m['tok_per_s']:.1f}", b["source"])
+    render(t, fmt, console)
 
 
 @baseline.command("record")
@@ -375,16 +480,17 @@ def baseline_record(openai_url, served_model, catalog_model, gpu, gpu_bandwidth,
 @click.option("--modes", default="eager,compiled", show_default=True, help="Comma-separated: eager, static, compiled.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cpu: a smoke test, not a performance figure.")
-def peers(model, weights, context, tokens, repeats, modes, device):
+@format_option
+def peers(model, weights, context, tokens, repeats, modes, device, fmt):
     """HF transformers decode (eager; static cache + torch.compile) on MODEL's weights: TPOT, tok/s, GB/s."""
     from .measure.peers import measure_peers, peers_table, require_torch
     from .store.fetch import resolve_model
 
     require_torch(device)  # torch, transformers and (for cuda) a device, before anything is fetched
-    path = resolve_model(model, console=console)
+    path = resolve_model(model, console=notes_console(fmt, console))
     recs = measure_peers(path, context=context, tokens=tokens, modes=[m.strip() for m in modes.split(",") if m.strip()],
                          weights=weights, device=device, repeats=repeats)
-    console.print(peers_table(recs))
+    render(peers_table(recs), fmt, console)
 
 
 @cli.command()
@@ -392,7 +498,8 @@ def peers(model, weights, context, tokens, repeats, modes, device):
 @click.argument("new_json", type=click.Path())
 @click.option("--max-regression", default="5%", show_default=True,
               help="Allowed TPOT slow-down, in percent (0% to 100%), beyond the runs' p10-p90 bands.")
-def compare(baseline_json, new_json, max_regression):
+@format_option
+def compare(baseline_json, new_json, max_regression, fmt):
     """CI gate: compare two `run` results files. Exit 0 ok, 1 regression, 2 refused.
 
     \b
@@ -409,7 +516,7 @@ def compare(baseline_json, new_json, max_regression):
         from .measure.compare import gate
 
         code = gate(baseline_json, new_json, max_regression, console,
-                    lambda line: click.echo(line, err=True))
+                    lambda line: click.echo(line, err=True), fmt=fmt)
     except Exception as e:  # not even the gate ran (an import failed): no verdict, and never 1
         click.echo(" ".join(f"atomflow-bench: compare failed, no verdict ({type(e).__name__}: {e})".splitlines()),
                    err=True)
@@ -425,7 +532,7 @@ def doctor(no_bandwidth, fmt):
     """What this machine has for the main job: driver, CUDA, CuPy, GPUs, NVRTC, nvcc, peer access and NCCL, disk,
     copy bandwidth. Exit 0 when everything `run` needs is there, 3 when the GPU stack is not, 1 otherwise."""
     from .doctor import exit_code, run_checks
-    from .output import Tab, render
+    from .output import Tab
 
     checks = run_checks(bandwidth=not no_bandwidth)
     t = Tab("atomflow-bench doctor", ["check", "status", "detail"])

@@ -1,19 +1,25 @@
 """Tables for people and for machines: one way every command prints a table.
 
-`--format table` draws a rich table sized to the terminal; `md` a GitHub markdown table; `csv`; `json` (a list of
-objects, one per row, keyed by the column names). Without --format: `table` on a terminal, `md` when stdout is not
-one (a pipe, a file, a CI log), so a table never wraps into narrow cells there.
+`--format table` draws a rich table sized to the terminal; `md` a GitHub markdown table (one row per line, never
+wrapped); `csv`; `json` (a list of objects, one per row, keyed by the column names; an object of such lists, keyed
+by each table's `key`, when a command prints several). Without --format: `table` on a terminal, `md` when stdout is
+not one (a pipe, a file, a CI log), so a table never wraps into narrow cells there.
+
+Cells are plain text (never rich markup); styles (colour, bold) are kept beside them and drawn only on a terminal.
+With csv and json, stdout holds the data alone: a command's other lines (notes, warnings, "results: <path>") go to
+stderr (`notes_console`).
 """
 from __future__ import annotations
 
 import csv
+import io
 import json
-import sys
 from dataclasses import dataclass, field
 
 import click
 
 FORMATS = ("table", "md", "csv", "json")
+MACHINE = ("csv", "json")
 
 
 @dataclass
@@ -24,62 +30,136 @@ class Tab:
     columns: list[str]
     rows: list[list] = field(default_factory=list)
     caption: str = ""
-    right: tuple = ()  # columns aligned right in the terminal table (numbers)
+    right: tuple = ()  # columns aligned right (numbers): on a terminal and in markdown
+    key: str = ""  # its name in --format json when a command prints several tables (default: the title)
+    header: bool = True  # whether the terminal table shows the column names (md, csv and json always name them)
+    title_style: str = ""  # rich style of the title, terminal only
+    # rich styles, terminal only: (row index, None) a row, (None, column) a column, (row index, column) a cell
+    styles: dict = field(default_factory=dict)
 
-    def add(self, *cells) -> None:
+    def add(self, *cells, style: str = "", cell_styles: dict | None = None) -> None:
+        """Append a row; `style` styles the whole row, `cell_styles` {column: style} single cells (terminal only)."""
         if len(cells) != len(self.columns):
             raise ValueError(f"{self.title}: {len(cells)} cells for {len(self.columns)} columns")
+        i = len(self.rows)
         self.rows.append(list(cells))
+        if style:
+            self.styles[(i, None)] = style
+        for col, s in (cell_styles or {}).items():
+            if col not in self.columns:
+                raise ValueError(f"{self.title}: no column {col!r}")
+            if s:
+                self.styles[(i, col)] = s
+
+    def records(self) -> list[dict]:
+        """The rows as objects keyed by the column names (what --format json prints)."""
+        return [dict(zip(self.columns, r)) for r in self.rows]
 
 
 def format_option(f):
     """The --format option of a command that prints tables."""
     return click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
                         help="table (a terminal), md (markdown: the default when stdout is not a terminal), csv, "
-                             "json (one object per row)")(f)
+                             "json (one object per row); with csv and json every other line goes to stderr")(f)
 
 
 def chosen(fmt: str | None, console) -> str:
     return fmt or ("table" if console.is_terminal else "md")
 
 
+def is_machine(fmt: str | None, console) -> bool:
+    return chosen(fmt, console) in MACHINE
+
+
+def notes_console(fmt: str | None, console):
+    """Where a command prints its lines other than tables: `console` for table and md, a stderr console for csv
+    and json (stdout then holds only the data)."""
+    if not is_machine(fmt, console):
+        return console
+    from rich.console import Console
+
+    return Console(stderr=True, soft_wrap=True)
+
+
 def _cell(v) -> str:
     return "" if v is None else str(v)
 
 
-def render(tabs, fmt: str | None, console) -> None:
-    """Print one or more tables in the chosen format (json: one list per table, or the list when there is one)."""
-    tabs = [tabs] if isinstance(tabs, Tab) else list(tabs)
-    fmt = chosen(fmt, console)
+def _md(v) -> str:
+    return " ".join(_cell(v).replace("\\", "\\\\").replace("|", "\\|").splitlines())
+
+
+def _as_list(tabs) -> list[Tab]:
+    return [tabs] if isinstance(tabs, Tab) else list(tabs)
+
+
+def text(tabs, fmt: str) -> str:
+    """One or more tables as md, csv or json text (what `render` prints for those formats)."""
+    tabs = _as_list(tabs)
     if fmt == "json":
-        data = [[dict(zip(t.columns, r)) for r in t.rows] for t in tabs]
-        click.echo(json.dumps(data[0] if len(data) == 1 else {t.title: d for t, d in zip(tabs, data)}, indent=1,
-                              default=str))
-        return
+        data = [t.records() for t in tabs]
+        return json.dumps(data[0] if len(data) == 1 else {(t.key or t.title): d for t, d in zip(tabs, data)},
+                          indent=1, default=str, ensure_ascii=False) + "\n"
+    out = io.StringIO()
     for i, t in enumerate(tabs):
+        if i:
+            out.write("\n")
         if fmt == "csv":
             if len(tabs) > 1:
-                click.echo(f"# {t.title}")
-            w = csv.writer(sys.stdout, lineterminator="\n")
+                out.write(f"# {t.title}\n")
+            w = csv.writer(out, lineterminator="\n")
             w.writerow(t.columns)
             w.writerows([[_cell(c) for c in r] for r in t.rows])
         elif fmt == "md":
-            esc = lambda s: _cell(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-            click.echo(f"**{t.title}**\n" if t.title else "", nl=False)
-            click.echo("| " + " | ".join(map(esc, t.columns)) + " |")
-            click.echo("|" + "|".join("---:" if c in t.right else "---" for c in t.columns) + "|")
+            if t.title:
+                out.write(f"**{_md(t.title)}**\n\n")
+            out.write("| " + " | ".join(map(_md, t.columns)) + " |\n")
+            out.write("|" + "|".join("---:" if c in t.right else "---" for c in t.columns) + "|\n")
             for r in t.rows:
-                click.echo("| " + " | ".join(map(esc, r)) + " |")
+                out.write("| " + " | ".join(map(_md, r)) + " |\n")
             if t.caption:
-                click.echo(f"\n{t.caption}")
+                out.write(f"\n{t.caption}\n")
         else:
-            from rich.table import Table
+            raise ValueError(f"format {fmt!r}: not one of md, csv, json")
+    return out.getvalue()
 
-            rt = Table(title=t.title or None, caption=t.caption or None, title_justify="left")
-            for c in t.columns:
-                rt.add_column(c, justify="right" if c in t.right else "left", overflow="fold")
-            for r in t.rows:
-                rt.add_row(*map(_cell, r))
+
+def rich_table(t: Tab):
+    """`t` as a rich Table (cells as plain Text: brackets in them are never markup)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    rt = Table(title=Text(t.title, style=t.title_style) if t.title else None,
+               caption=Text(t.caption) if t.caption else None, title_justify="left", caption_justify="left",
+               show_header=t.header)
+    for c in t.columns:
+        rt.add_column(c, justify="right" if c in t.right else "left", overflow="fold",
+                      style=t.styles.get((None, c), ""))
+    for i, r in enumerate(t.rows):
+        rt.add_row(*(Text(_cell(v), style=t.styles.get((i, c), "")) for c, v in zip(t.columns, r)),
+                   style=t.styles.get((i, None)))
+    return rt
+
+
+def render(tabs, fmt: str | None, console) -> None:
+    """Print one or more tables in the chosen format (json: one list per table, or the list when there is one)."""
+    tabs = _as_list(tabs)
+    fmt = chosen(fmt, console)
+    if fmt != "table":
+        click.echo(text(tabs, fmt), nl=False)
+        return
+    for i, t in enumerate(tabs):
+        if i:
+            console.print()
+        rt = rich_table(t)
+        # a terminal table fits the terminal; asked for where there is none (a pipe, a file), it is drawn at its
+        # natural width, never squeezed into the 80 columns rich assumes there
+        if console.is_terminal:
             console.print(rt)
-        if i + 1 < len(tabs) and fmt != "json":
-            click.echo("")
+            continue
+        width = console.width
+        try:
+            console.width = max(width, console.measure(rt, options=console.options.update(width=10_000)).maximum)
+            console.print(rt)
+        finally:
+            console.width = width

@@ -6,8 +6,8 @@ import json
 
 import pytest
 from helpers_runs import make_run
-from rich.console import Console
 
+from atomflow_bench import output
 from atomflow_bench.measure.baselines import (DEFAULT_DIR, baseline_bytes_per_token, catalog_name, comparison_rows,
                                       comparison_table, load_baselines, spec_bandwidth)
 from atomflow_bench.cli import main
@@ -140,9 +140,7 @@ def test_peers_on_the_same_gpu_get_a_speedup():
 def test_table_labels_the_normalised_column(shipped):
     rows = comparison_rows(make_run(2.0), list(shipped.values())) + comparison_rows(
         make_run(14.0, gpu=RTX), list(shipped.values()))[1:]
-    console = Console(width=250, record=True)
-    console.print(comparison_table(rows))
-    text = console.export_text()
+    text = output.text(comparison_table(rows), "md")
     assert "roofline-normalised (different GPU)" in text and "speedup (same GPU)" in text
     assert "— (different GPU)" in text and "— (same GPU)" in text
     json.dumps(rows)  # stored in the results JSON as they are

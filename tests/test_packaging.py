@@ -159,11 +159,14 @@ def test_installed_baseline_list(installed, clean_env):
     assert records, "the repository records no baselines"
 
     out = _run([venv / "bin" / "atomflow-bench", "baseline", "list"], cwd=cwd, env=clean_env).stdout
-    rows = [line for line in out.splitlines() if line.startswith("│") and "TPOT ms" not in line]
-    assert len(rows) == len(records), f"{len(records)} baselines recorded, {len(rows)} rows listed:\n{out}"
-    for rec in records:  # one row per baseline: its model, engine and TPOT as the table prints them
+    # one row per baseline, on a line of its own, with its model, engine and TPOT as the command prints them (a rich
+    # table 400 columns wide or a markdown table alike: the row is one line)
+    lines = out.splitlines()
+    for rec in records:
         cells = (rec["model"], rec["engine"]["name"], f"{rec['metrics']['tpot_ms']:.3f}")
-        assert any(all(c in row for c in cells) for row in rows), f"no row {cells} in:\n{out}"
+        row = next((i for i, line in enumerate(lines) if all(c in line for c in cells)), None)
+        assert row is not None, f"no row {cells} among the {len(records)} baselines recorded:\n{out}"
+        lines[row] = ""  # each baseline its own row
 
     package, default = Path(probe["package"]).resolve().parent, Path(probe["baselines"]).resolve()
     assert default.is_relative_to(package), f"DEFAULT_DIR {default} is not inside the installed {package}"

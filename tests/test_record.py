@@ -163,16 +163,12 @@ def test_completions_url(base):
     assert completions_url(base) == "http://h:1/v1/completions"
 
 
-def _table(rec: dict, width: int = 400) -> str:
-    from io import StringIO
-
-    from rich.console import Console
-
+def _table(rec: dict) -> str:
+    """The `run` table as markdown (one line per row: what a pipe or a CI log gets)."""
     from atomflow_bench.measure.report import run_table
+    from atomflow_bench.output import text
 
-    out = StringIO()
-    Console(file=out, width=width).print(run_table(rec))
-    return out.getvalue()
+    return text(run_table(rec), "md")
 
 
 def test_run_table_shows_the_forms_and_where_they_came_from():
@@ -207,12 +203,7 @@ def test_run_table_shows_the_forms_and_where_they_came_from():
 
 def test_instrument_defines_and_run_table_warning():
     """Only a non-zero instrument knob counts; the `run` table says the TPOT of such a run is a bound."""
-    from io import StringIO
-
-    from rich.console import Console
-
     from atomflow_bench.gpu.nvrtc import instrument_defines
-    from atomflow_bench.measure.report import run_table
     from helpers_runs import make_run
 
     assert instrument_defines(("GEMV_ONE_WAVE=0", "AF_NO_WAIT=0")) == []
@@ -222,36 +213,27 @@ def test_instrument_defines_and_run_table_warning():
     rec.update({"vram_bytes": {"weights": 1 << 30, "kv": 1 << 20, "activations": 1 << 16, "scratch": 1 << 16,
                                "total": (1 << 30) + (1 << 20) + (1 << 17)},
                 "launches_per_step": 144, "pdl": True, "load": {"seconds": 1.0}})
-    out = StringIO()
-    Console(file=out, width=300).print(run_table(rec))
-    assert "INSTRUMENT" not in out.getvalue()
+    assert "INSTRUMENT" not in _table(rec)
     rec["instrument"] = ["AF_NO_WAIT=15"]
-    out = StringIO()
-    Console(file=out, width=300).print(run_table(rec))
-    assert "AF_NO_WAIT=15: a timing instrument" in out.getvalue() and "a bound, not a result" in out.getvalue()
+    text = _table(rec)
+    assert "| INSTRUMENT | AF_NO_WAIT=15: a timing instrument" in text and "a bound, not a result" in text
 
 
 def test_profile_table_names_the_profiled_step():
     """`profile`'s eager table says which step it profiled: the attention bucket and layer-GEMV form at its length."""
-    from io import StringIO
-
-    from rich.console import Console
-
     from atomflow_bench.measure.profile import profile_table
+    from atomflow_bench.output import text as as_text
 
     p = {"context": 8192, "steps": 20, "kernel_sum_us": 2672.6, "graph_step_us": 1786.1, "idle_gap_us": -886.5,
          "copy_bandwidth_gbs": {"median": 2994.0},
          "rows": [{"kernel": "gemv fp8 wgu 16384x3072", "pct": 25.2, "count": 28, "mean_us": 23.97, "us_per_step": 672.4,
                    "gbs": 2167.0, "pct_of_copy": 72.4}],
          "forms": {"length": 8193, "attention": "split", "gemv": "ring/l2=0"}}
-    out = StringIO()
-    Console(file=out, width=400).print(profile_table(p))
-    text = " ".join(out.getvalue().split())  # the caption wraps at the table's width
+    text = as_text(profile_table(p), "md")
+    assert "| gemv fp8 wgu 16384x3072 | 25.2 | 28 | 23.97 | 672.4 | 2167 | 72 |" in text
     assert "the step at length 8193: split attention, layer GEMVs ring/l2=0" in text
     del p["forms"]  # records written before v34 have no `forms`
-    out = StringIO()
-    Console(file=out, width=400).print(profile_table(p))
-    text = " ".join(out.getvalue().split())
+    text = as_text(profile_table(p), "md")
     assert "copy bandwidth 2994 GB/s" in text and "layer GEMVs" not in text
 
 

@@ -244,17 +244,15 @@ def _fmt(v, spec: str, none: str = "n/a") -> str:
 
 
 def comparison_table(rows: list[dict]):
-    """The comparison as a rich Table (rows from `comparison_rows`)."""
-    from rich.markup import escape
-    from rich.table import Table
+    """The comparison (rows from `comparison_rows`) as an output.Tab."""
+    from ..output import Tab
 
-    t = Table(title="comparison — speedup = their TPOT / ours (same GPU only); roofline-normalised = "
-                    "(our achieved GB/s / our GPU's spec GB/s) / (theirs / their GPU's spec GB/s) (different GPU only)",
-              title_justify="left")
-    for col in ("engine", "GPU", "precision", "ctx", "TPOT ms", "speedup (same GPU)", "achieved / spec GB/s",
-                "roofline-normalised (different GPU)", "source"):
-        t.add_column(col, justify="left" if col in ("engine", "GPU", "precision", "source") else "right",
-                     overflow="fold")
+    cols = ["engine", "GPU", "precision", "ctx", "TPOT ms", "speedup (same GPU)", "achieved / spec GB/s",
+            "roofline-normalised (different GPU)", "source"]
+    t = Tab("comparison — speedup = their TPOT / ours (same GPU only); roofline-normalised = "
+            "(our achieved GB/s / our GPU's spec GB/s) / (theirs / their GPU's spec GB/s) (different GPU only)",
+            cols, key="comparison",
+            right=tuple(c for c in cols if c not in ("engine", "GPU", "precision", "source")))
     for r in rows:
         if r["roofline_frac"] is None:
             frac = f"{_fmt(r['bandwidth_gbs'], '.0f')} / {_fmt(r['gpu_bandwidth_gbs'], '.0f', '?')}"
@@ -267,10 +265,9 @@ def comparison_table(rows: list[dict]):
         else:
             ratio = r["normalised_ratio"]
             speed, norm = "— (different GPU)", "n/a (bandwidth unknown)" if ratio is None else f"x{ratio:.2f}"
-        tpot = f"{r['tpot_ms']:.3f}" if r["same_gpu"] else f"[dim]{r['tpot_ms']:.3f}[/dim]"
-        engine = ("[bold]" if r["kind"] == "ours" else "") + escape(r["engine"])
-        t.add_row(engine, escape(r["gpu"]), escape(r["precision"]), _fmt(r["context"], "d", "?"), tpot, speed, frac,
-                  norm, escape(r["source"]))
+        t.add(r["engine"], r["gpu"], r["precision"], _fmt(r["context"], "d", "?"), f"{r['tpot_ms']:.3f}", speed,
+              frac, norm, r["source"], cell_styles={"engine": "bold" if r["kind"] == "ours" else "",
+                                                    "TPOT ms": "" if r["same_gpu"] else "dim"})
     return t
 
 

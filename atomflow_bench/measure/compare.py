@@ -211,22 +211,20 @@ def load_pair(base_path, new_path) -> tuple[dict, dict]:
 
 
 def diff_table(result: dict, base_name: str, new_name: str):
-    """The diff as a rich Table: metric, baseline, new, delta, delta %."""
-    from rich.markup import escape
-    from rich.table import Table
+    """The diff as an output.Tab: metric, baseline, new, delta, delta %; the verdict in the title."""
+    from ..output import Tab
 
-    verdict = {"regression": "[red]REGRESSION[/red]", "inconclusive": "[yellow]inconclusive[/yellow]",
-               "improved": "[green]improved[/green]", "ok": "[green]ok[/green]"}[result["status"]]
-    names = f"{escape(str(base_name))} -> {escape(str(new_name))}"
-    t = Table(title=f"compare {names}: {verdict} (TPOT {result['delta_pct']:+.2f}%, "
-                    f"allowed +{100 * result['max_regression']:g}% beyond the p10-p90 bands)", title_justify="left")
-    for col in ("metric", "baseline", "new", "delta", "delta %"):
-        t.add_column(col, justify="left" if col == "metric" else "right")
+    verdict, style = {"regression": ("REGRESSION", "red"), "inconclusive": ("inconclusive", "yellow"),
+                      "improved": ("improved", "green"), "ok": ("ok", "green")}[result["status"]]
+    cols = ["metric", "baseline", "new", "delta", "delta %"]
+    t = Tab(f"compare {base_name} -> {new_name}: {verdict} (TPOT {result['delta_pct']:+.2f}%, "
+            f"allowed +{100 * result['max_regression']:g}% beyond the p10-p90 bands)", cols, key="compare",
+            right=tuple(cols[1:]), title_style=style)
     for r in result["rows"]:
-        style = "red" if r["worse"] and abs(r["delta_pct"] or 0) > 100 * result["max_regression"] else ""
+        worse = r["worse"] and abs(r["delta_pct"] or 0) > 100 * result["max_regression"]
         pct = "n/a" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f}%"
-        t.add_row(r["metric"], f"{r['baseline']:.4g}", f"{r['new']:.4g}", f"{r['delta']:+.4g}",
-                  f"[{style}]{pct}[/{style}]" if style else pct)
+        t.add(r["metric"], f"{r['baseline']:.4g}", f"{r['new']:.4g}", f"{r['delta']:+.4g}", pct,
+              cell_styles={"delta %": "red" if worse else ""})
     return t
 
 
@@ -235,20 +233,26 @@ def one_line(text) -> str:
     return " ".join(str(text).splitlines()).strip()
 
 
-def gate(base_path, new_path, max_regression_text, console, err) -> int:
-    """The `compare` command: the diff table and warnings on `console`, and the exit code (EXIT_OK, EXIT_REGRESSION,
-    EXIT_REFUSED). A refusal — and any unexpected exception, so that nothing but a regression exits 1 — is one line
-    on stderr through `err(line)`, `atomflow-bench: <file>: <field> ...`, and EXIT_REFUSED."""
+def gate(base_path, new_path, max_regression_text, console, err, fmt=None) -> int:
+    """The `compare` command: the diff table (in `fmt`, output.render) and warnings on `console` (on stderr, one
+    line each, with --format csv or json), and the exit code (EXIT_OK, EXIT_REGRESSION, EXIT_REFUSED). A refusal —
+    and any unexpected exception, so that nothing but a regression exits 1 — is one line on stderr through
+    `err(line)`, `atomflow-bench: <file>: <field> ...`, and EXIT_REFUSED."""
     from rich.markup import escape
 
     try:
+        from ..output import is_machine, render
+
         threshold = parse_fraction(max_regression_text)
         base, new = load_pair(base_path, new_path)
         result = compare_runs(base, new, threshold, names=(str(base_path), str(new_path)))
         table = diff_table(result, base_path, new_path)
-        console.print(table)
+        render(table, fmt, console)
         for w in result["warnings"]:
-            console.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False)
+            if is_machine(fmt, console):
+                err(one_line(f"warning: {w}"))
+            else:
+                console.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False, soft_wrap=True)
         if result["regression"]:
             err(one_line(f"regression: TPOT median {result['delta_pct']:+.2f}% "
                          f"(> {100 * result['max_regression']:g}%, outside the p10-p90 bands)"))

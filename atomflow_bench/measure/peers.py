@@ -147,18 +147,17 @@ def measure_peers(model_dir, context: int = 128, tokens: int = 64, modes=("eager
 
 
 def peers_table(records: list[dict]):
-    """The peers as a rich Table."""
-    from rich.table import Table
-
+    """The peers as an output.Tab."""
+    from ..output import Tab
     from .baselines import spec_bandwidth
 
-    t = Table(title="HF transformers peers (same weights, same shape, this process)", title_justify="left")
-    for col in ("engine", "device", "ctx", "tokens", "TPOT median ms", "p10", "p90", "tok/s", "GB/s",
-                "% of spec GB/s", "same tokens"):
-        t.add_column(col, justify="left" if col in ("engine", "device") else "right", overflow="fold")
+    cols = ["engine", "device", "ctx", "tokens", "TPOT median ms", "p10", "p90", "tok/s", "GB/s", "% of spec GB/s",
+            "same tokens"]
+    t = Tab("HF transformers peers (same weights, same shape, this process)", cols, key="peers",
+            right=tuple(cols[2:]))
     for r in records:
         tp, spec = r["tpot_ms"], spec_bandwidth(r["gpu"])
-        t.add_row(r["engine"], r["gpu"], str(r["context"]), str(r["tokens"]), f"{tp['median']:.3f}",
-                  f"{tp['p10']:.3f}", f"{tp['p90']:.3f}", f"{r['tok_per_s']:.1f}", f"{r['bandwidth_gbs']:.0f}",
-                  f"{100 * r['bandwidth_gbs'] / spec:.0f}%" if spec else "n/a", str(r["same_tokens_as_first_mode"]))
+        t.add(r["engine"], r["gpu"], str(r["context"]), str(r["tokens"]), f"{tp['median']:.3f}",
+              f"{tp['p10']:.3f}", f"{tp['p90']:.3f}", f"{r['tok_per_s']:.1f}", f"{r['bandwidth_gbs']:.0f}",
+              f"{100 * r['bandwidth_gbs'] / spec:.0f}%" if spec else "n/a", str(r["same_tokens_as_first_mode"]))
     return t

@@ -214,14 +214,15 @@ def chained_us(launches, pdl: bool, reps: int) -> dict:
 
 
 def profile_table(p: dict):
-    from rich.table import Table
+    """The eager per-kernel breakdown of profile_step (output.Tab)."""
+    from ..output import Tab
 
-    t = Table(title=f"decode step profile (eager, events per launch; ctx {p['context']}, {p['steps']} steps)")
-    for c in ("kernel", "% of step", "count/step", "mean µs", "µs/step", "GB/s", "% copy BW"):
-        t.add_column(c, justify="left" if c == "kernel" else "right")
+    cols = ["kernel", "% of step", "count/step", "mean µs", "µs/step", "GB/s", "% copy BW"]
+    t = Tab(f"decode step profile (eager, events per launch; ctx {p['context']}, {p['steps']} steps)", cols,
+            key="profile", right=tuple(cols[1:]))
     for r in p["rows"]:
-        t.add_row(r["kernel"], f"{r['pct']:.1f}", str(r["count"]), f"{r['mean_us']:.2f}", f"{r['us_per_step']:.1f}",
-                  f"{r['gbs']:.0f}" if r["gbs"] else "-", f"{r['pct_of_copy']:.0f}" if r["pct_of_copy"] else "-")
+        t.add(r["kernel"], f"{r['pct']:.1f}", str(r["count"]), f"{r['mean_us']:.2f}", f"{r['us_per_step']:.1f}",
+              f"{r['gbs']:.0f}" if r["gbs"] else "-", f"{r['pct_of_copy']:.0f}" if r["pct_of_copy"] else "-")
     gap = p["idle_gap_us"]
     what = "idle gap" if gap >= 0 else "overlap: the graph step is shorter than the kernels one by one by"
     t.caption = (f"sum of kernels (each alone, launch latency included) {p['kernel_sum_us']:.1f} µs; graph step "
@@ -242,17 +243,33 @@ def attention_line(p: dict) -> str:
             f"{'' if a['l2_cold'] else ' (caches fit in L2: not a DRAM figure)'}")
 
 
-def gemv_table(g: dict):
-    from rich.table import Table
+def attention_table(p: dict):
+    """`attention_line` as a one-row output.Tab: the attention launches alone in a graph."""
+    from ..output import Tab
 
-    t = Table(title=f"GEMV microbenchmark (L2-cold: weights rotate over {g['l2_rotation_bytes'] >> 20} MiB+)")
-    for c in ("GEMV", "format", "rows x K", "MB", "isolated µs", "p10-p90 µs", "GB/s", "% copy BW",
-              "isolated ceiling %", "chained µs", "chained GB/s", "chained % copy BW"):
-        t.add_column(c, justify="left" if c in ("GEMV", "format") else "right")
+    a = p["attention_graph"]
+    u = a["us_per_launch"]
+    cols = ["length", "µs per layer", "p10-p90 µs", "KV floor µs", "x the floor", "DRAM"]
+    t = Tab("attention alone in a graph (the step's attention launches, one per layer)", cols, key="attention",
+            right=tuple(cols[:5]))
+    t.add(str(a["length"]), f"{u['median']:.2f}", f"{u['p10']:.2f}-{u['p90']:.2f}", f"{a['floor_us']:.2f}",
+          f"{a['x_floor']:.2f}x", "L2-cold" if a["l2_cold"] else "caches fit in L2: not a DRAM figure")
+    return t
+
+
+def gemv_table(g: dict):
+    """gemv_bench's rows (output.Tab)."""
+    from ..output import Tab
+
+    cols = ["GEMV", "format", "rows x K", "MB", "isolated µs", "p10-p90 µs", "GB/s", "% copy BW",
+            "isolated ceiling %", "chained µs", "chained GB/s", "chained % copy BW"]
+    t = Tab(f"GEMV microbenchmark (L2-cold: weights rotate over {g['l2_rotation_bytes'] >> 20} MiB+)", cols,
+            key="gemv", right=tuple(cols[2:]))
     for r in g["rows"]:
-        t.add_row(r["role"], r["format"], f"{r['rows']}x{r['k']}", f"{r['bytes'] / 1e6:.1f}", f"{r['us']['median']:.2f}",
-                  f"{r['us']['p10']:.1f}-{r['us']['p90']:.1f}", f"{r['gbs']:.0f}", f"{r['pct_of_copy']:.1f}",
-                  f"{r['isolated_ceiling_pct']:.0f}", f"{r['chained_us']['median']:.2f}", f"{r['chained_gbs']:.0f}", f"{r['chained_pct_of_copy']:.1f}")
+        t.add(r["role"], r["format"], f"{r['rows']}x{r['k']}", f"{r['bytes'] / 1e6:.1f}", f"{r['us']['median']:.2f}",
+              f"{r['us']['p10']:.1f}-{r['us']['p90']:.1f}", f"{r['gbs']:.0f}", f"{r['pct_of_copy']:.1f}",
+              f"{r['isolated_ceiling_pct']:.0f}", f"{r['chained_us']['median']:.2f}", f"{r['chained_gbs']:.0f}",
+              f"{r['chained_pct_of_copy']:.1f}")
     chain = "with programmatic dependent launch" if g.get("chained_pdl") else "without PDL (pre-sm_90)"
     t.caption = (f"copy bandwidth (same run) {g['copy_bandwidth_gbs']['median']:.0f} GB/s; isolated = an event pair "
                  f"around every launch (queued behind a spin: no host time inside); an empty launch takes "
@@ -263,17 +280,16 @@ def gemv_table(g: dict):
 
 
 def marginal_table(p: dict):
-    """The graph-mode breakdown of profile_step's `role_marginals`."""
-    from rich.table import Table
+    """The graph-mode breakdown of profile_step's `role_marginals` (output.Tab)."""
+    from ..output import Tab
 
     m = p["role_marginals"]
-    t = Table(title=f"what each role adds to the graph step (left out of the graph; length {m['length']})")
-    for c in ("role", "launches", "step without (µs)", "role adds (µs)", "per launch", "bytes floor (µs)",
-              "excess (µs)"):
-        t.add_column(c, justify="left" if c == "role" else "right")
+    cols = ["role", "launches", "step without (µs)", "role adds (µs)", "per launch", "bytes floor (µs)", "excess (µs)"]
+    t = Tab(f"what each role adds to the graph step (left out of the graph; length {m['length']})", cols,
+            key="roles", right=tuple(cols[1:]))
     for r in m["rows"]:
-        t.add_row(r["role"], str(r["count"]), f"{r['step_without_us']['median']:.1f}", f"{r['saved_us']:.1f}",
-                  f"{r['saved_us_per_launch']:.2f}", f"{r['floor_us']:.1f}", f"{r['excess_us']:.1f}")
+        t.add(r["role"], str(r["count"]), f"{r['step_without_us']['median']:.1f}", f"{r['saved_us']:.1f}",
+              f"{r['saved_us_per_launch']:.2f}", f"{r['floor_us']:.1f}", f"{r['excess_us']:.1f}")
     s = m["step_us"]
     t.caption = (f"step, position held {s['median']:.1f} µs ({s['p10']:.1f}-{s['p90']:.1f}); roles add up to "
                  f"{m['sum_saved_us']:.1f} µs; bytes floor {m['floor_us']:.1f} µs")

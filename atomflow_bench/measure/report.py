@@ -1,4 +1,4 @@
-"""The results record (versioned JSON) and its rich table.
+"""The results record (versioned JSON) and its table.
 
 Schema `atomflow-bench/run/1` (documented in README.md, section "Results JSON"). Every number in it is
 measured in the run that wrote it, except `model`, `weights`, `context`, ... which describe the run.
@@ -124,64 +124,62 @@ def _gib(n) -> str:
 
 
 def run_table(rec: dict):
-    """The `run` table (rich.Table)."""
-    from rich.table import Table
+    """The `run` table: metric / value rows (output.Tab)."""
+    from ..output import Tab
 
-    t = Table(title=f"atomflow-bench run — {rec['model']['name']} {rec['weights']}", show_header=False,
-              title_justify="left")
-    t.add_column("metric", style="bold")
-    t.add_column("value")
+    t = Tab(f"atomflow-bench run — {rec['model']['name']} {rec['weights']}", ["metric", "value"], key="run",
+            header=False, styles={(None, "metric"): "bold"})
     g = rec["gpu"]
     tp = rec["tpot_ms"]
-    t.add_row("GPU", f"{g['name']} (sm_{g['cc'].replace('.', '')}, {g['sms']} SMs), driver CUDA {g['cuda_driver']}, "
-                     f"runtime {g['cuda_runtime']}, CuPy {g['cupy']}")
+    t.add("GPU", f"{g['name']} (sm_{g['cc'].replace('.', '')}, {g['sms']} SMs), driver CUDA {g['cuda_driver']}, "
+                 f"runtime {g['cuda_runtime']}, CuPy {g['cupy']}")
     m = rec["model"]
-    t.add_row("model", f"{m['name']} ({m['source']}), {m['params'] / 1e9:.3f} B params")
-    t.add_row("weights", rec["weights"] + (" (FP8-E4M3 layers, group 128; fp16 embedding/lm_head)"
-                                           if rec["weights"] == "fp8" else ""))
-    t.add_row("context / generated", f"{rec['context']} prompt tokens, {rec['tokens']} generated x {rec['repeats']} repeats")
+    t.add("model", f"{m['name']} ({m['source']}), {m['params'] / 1e9:.3f} B params")
+    t.add("weights", rec["weights"] + (" (FP8-E4M3 layers, group 128; fp16 embedding/lm_head)"
+                                       if rec["weights"] == "fp8" else ""))
+    t.add("context / generated", f"{rec['context']} prompt tokens, {rec['tokens']} generated x {rec['repeats']} repeats")
     if rec.get("instrument"):
-        t.add_row("[red]INSTRUMENT[/red]", f"[red]{' '.join(rec['instrument'])}: a timing instrument — the outputs are wrong "
-                                           "on purpose; this TPOT is a bound, not a result[/red]")
-    t.add_row("TPOT (graph)", f"median {tp['median']:.4f} ms  (p10 {tp['p10']:.4f}, p90 {tp['p90']:.4f}, n={tp['n']})")
-    t.add_row("tok/s", f"{rec['tok_per_s']:.1f}")
+        t.add("INSTRUMENT", f"{' '.join(rec['instrument'])}: a timing instrument — the outputs are wrong on purpose; "
+                            "this TPOT is a bound, not a result", style="red")
+    t.add("TPOT (graph)", f"median {tp['median']:.4f} ms  (p10 {tp['p10']:.4f}, p90 {tp['p90']:.4f}, n={tp['n']})")
+    t.add("tok/s", f"{rec['tok_per_s']:.1f}")
     b = rec["bytes_per_token"]
-    t.add_row("bytes read / token", f"{b['total'] / 1e9:.4f} GB (weights {b['weights'] / 1e9:.4f} + KV {b['kv'] / 1e6:.2f} MB)")
-    t.add_row("achieved bandwidth", f"{rec['bandwidth_gbs']:.0f} GB/s")
+    t.add("bytes read / token", f"{b['total'] / 1e9:.4f} GB (weights {b['weights'] / 1e9:.4f} + KV {b['kv'] / 1e6:.2f} MB)")
+    t.add("achieved bandwidth", f"{rec['bandwidth_gbs']:.0f} GB/s")
     cb = rec["copy_bandwidth_gbs"]
-    t.add_row("copy bandwidth (same run)", f"{cb['median']:.0f} GB/s (p10 {cb['p10']:.0f}, p90 {cb['p90']:.0f}; "
-                                           f"D2D copy of {cb['bytes'] >> 20} MiB, read+write)")
+    t.add("copy bandwidth (same run)", f"{cb['median']:.0f} GB/s (p10 {cb['p10']:.0f}, p90 {cb['p90']:.0f}; "
+                                       f"D2D copy of {cb['bytes'] >> 20} MiB, read+write)")
     r = rec["roofline"]
-    t.add_row("% of roofline", f"[bold]{r['pct']:.1f}%[/bold]  (floor {r['tpot_floor_ms']:.4f} ms = bytes / copy bandwidth)")
+    t.add("% of roofline", f"{r['pct']:.1f}%  (floor {r['tpot_floor_ms']:.4f} ms = bytes / copy bandwidth)",
+          cell_styles={"value": "bold"})
     v = rec["vram_bytes"]
-    t.add_row("VRAM by pool", f"weights {_gib(v['weights'])}, KV {_gib(v['kv'])}, activations "
-                              f"{v['activations'] / 2**20:.2f} MiB, scratch {v['scratch'] / 2**20:.2f} MiB; total {_gib(v['total'])}")
+    t.add("VRAM by pool", f"weights {_gib(v['weights'])}, KV {_gib(v['kv'])}, activations "
+                          f"{v['activations'] / 2**20:.2f} MiB, scratch {v['scratch'] / 2**20:.2f} MiB; total {_gib(v['total'])}")
     e = rec.get("eager")
     if e:
-        t.add_row("eager (--no-graph)", f"median {e['tpot_ms']['median']:.4f} ms -> graph speedup "
-                                        f"x{e['graph_speedup']:.2f}; same tokens: {e['same_tokens']}")
+        t.add("eager (--no-graph)", f"median {e['tpot_ms']['median']:.4f} ms -> graph speedup "
+                                    f"x{e['graph_speedup']:.2f}; same tokens: {e['same_tokens']}")
     gen = rec.get("generated", {})
     if gen:
         text = gen.get("text")
         shown = repr(text[:120]) if text else str(gen["token_ids"][:16])
-        t.add_row("first tokens", shown)
-    t.add_row("launch", f"{rec['launches_per_step']} kernels/step in one CUDA Graph; "
-                        f"programmatic dependent launch: {'on' if rec.get('pdl') else 'off'}")
+        t.add("first tokens", shown)
+    t.add("launch", f"{rec['launches_per_step']} kernels/step in one CUDA Graph; "
+                    f"programmatic dependent launch: {'on' if rec.get('pdl') else 'off'}")
     fo = rec.get("forms")
     if fo:
         origin = {"tuned now": "tuned in this run", "saved": "a saved tune", "given": "given (--forms / ATOMFLOW_FORMS)",
                   "default": "the defaults (not tuned)"}.get(fo["origin"], fo["origin"])
-        t.add_row("forms", f"{fo['forms']} — {origin}: {forms_text(fo['forms'])}")
+        t.add("forms", f"{fo['forms']} — {origin}: {forms_text(fo['forms'])}")
         timed = fo.get("timed")
         if timed:
             best = sorted(timed["step_us"].items(), key=lambda kv: kv[1])[:3]
-            t.add_row("tuned", f"{len(timed['step_us'])} forms timed at lengths {timed['lengths']}; fastest "
-                               + ", ".join(f"{k} {v:.1f} µs" for k, v in best))
+            t.add("tuned", f"{len(timed['step_us'])} forms timed at lengths {timed['lengths']}; fastest "
+                           + ", ".join(f"{k} {v:.1f} µs" for k, v in best))
     buckets = ", ".join(f"{b['attention']} (lengths {b['lengths'][0]}-{b['lengths'][1]}, GEMVs {b['gemv']}): "
                         f"{b['tpot_ms']:.4f} ms" for b in rec.get("attention_buckets", []))
     if buckets:
-        t.add_row("by attention bucket", buckets)
-    t.add_row("load", f"{rec['load']['seconds']:.1f} s" + (f", fp8 from {rec['load']['fp8_source']}"
-                                                            if rec['load'].get('fp8_source') else ""))
+        t.add("by attention bucket", buckets)
+    t.add("load", f"{rec['load']['seconds']:.1f} s" + (f", fp8 from {rec['load']['fp8_source']}"
+                                                        if rec['load'].get('fp8_source') else ""))
     return t
-

@@ -703,43 +703,43 @@ def validate(model_dir: str | Path, weights: str = "fp8", truth_dir: str | Path 
     }
 
 
-def print_result(res: dict, console) -> None:
-    """The per-probe table and the summary lines."""
-    from rich import box
-    from rich.table import Table
+def print_result(res: dict, console, fmt: str | None = None) -> None:
+    """The per-probe table (output.render in `fmt`) and the summary lines (on stderr with --format csv/json)."""
+    from rich.markup import escape
+
+    from ..output import Tab, notes_console, render
 
     th = res["thresholds"]
-    t = Table(title=f"validate — {res['model']['name']} {res['weights']} vs transformers fp32 "
-                    f"({res['weights']} weight values)",
-              caption=f"engine: {res['backend']['label']}; worst position per probe", title_justify="left",
-              caption_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
-    for col in ("probe", "cos (min)", "rel L2", "max|diff|", "pos", "threshold", "result"):
-        t.add_column(col, justify="left" if col in ("probe", "threshold", "result") else "right", no_wrap=True)
+    cols = ["probe", "cos (min)", "rel L2", "max|diff|", "pos", "threshold", "result"]
+    t = Tab(f"validate — {res['model']['name']} {res['weights']} vs transformers fp32 ({res['weights']} weight values)",
+            cols, caption=f"engine: {res['backend']['label']}; worst position per probe", key="probes",
+            right=("cos (min)", "rel L2", "max|diff|", "pos"))
     thr = f"≥{th['cos_min']:g}/≤{th['rel_max']:g}"
     for p in res["probes"]:
-        t.add_row(p["name"], f"{p['cos']:.7f}", f"{p['rel_l2']:.2e}", f"{p['max_abs']:.2e}", str(p["worst_pos"]),
-                  thr, "[green]PASS[/green]" if p["pass"] else "[red bold]FAIL[/red bold]")
-    console.print(t)
+        t.add(p["name"], f"{p['cos']:.7f}", f"{p['rel_l2']:.2e}", f"{p['max_abs']:.2e}", str(p["worst_pos"]),
+              thr, "PASS" if p["pass"] else "FAIL", cell_styles={"result": "green" if p["pass"] else "red bold"})
+    render(t, fmt, console)
+    console = notes_console(fmt, console)
     s = res["summary"]
     tr = res["truth"]
     col = "green" if s["probes_pass"] == s["probes_total"] else "red"
     console.print(f"[{col}]{s['probes_pass']}/{s['probes_total']} probes PASS[/{col}]"
-                  + (f"  (first FAIL: {s['first_fail']})" if s["first_fail"] else ""))
+                  + (f"  (first FAIL: {s['first_fail']})" if s["first_fail"] else ""), soft_wrap=True)
     console.print(f"greedy agreement: {s['greedy_agree']}/{s['greedy_total']} steps (engine argmax = HF argmax; "
-                  f"prompt {len(tr['prompt_ids'])} tokens, {tr['positions']} positions teacher-forced)")
+                  f"prompt {len(tr['prompt_ids'])} tokens, {tr['positions']} positions teacher-forced)", soft_wrap=True)
     console.print(f"KL(HF || engine), last logits: {s['kl_last']:.3e} nats (≤ {th['kl_max']:g}) "
                   + ("[green]PASS[/green]" if s["kl_pass"] else "[red]FAIL[/red]")
-                  + f"; max over positions {s['kl_max_over_positions']:.3e}")
+                  + f"; max over positions {s['kl_max_over_positions']:.3e}", soft_wrap=True)
     d = res.get("drift")
     if d:
         console.print(f"fp8 quantization drift vs the unquantized model (not gated; see --quality): hidden min cos "
                       f"{d['hidden_min_cos']:.4f} (rel L2 ≤ {d['hidden_max_rel_l2']:.3f}), logits min cos "
                       f"{d['logits_min_cos']:.4f}, KL last {d['kl_last']:.2e} / mean {d['kl_mean']:.2e} nats, "
-                      f"greedy = HF fp16 tokens {d['greedy_agree']}/{d['greedy_total']}")
+                      f"greedy = HF fp16 tokens {d['greedy_agree']}/{d['greedy_total']}", soft_wrap=True)
     for n in res.get("notes", []):
-        console.print(f"[yellow]note: {n}[/yellow]")
+        console.print(f"[yellow]note: {escape(n)}[/yellow]", soft_wrap=True)
     console.print(("[green bold]PASS[/green bold]" if s["pass"] else "[red bold]FAIL[/red bold]")
-                  + f" — {res['weights']} on {res['backend']['label']}")
+                  + f" — {res['weights']} on {escape(res['backend']['label'])}", soft_wrap=True)
 
 
 # ---- quality: fp8 vs fp16 on real text -----------------------------------------------------------------
@@ -820,30 +820,30 @@ def quality(model_dir: str | Path, backend: str = "auto", text: str | None = Non
     }
 
 
-def print_quality(q: dict, console) -> None:
-    from rich.table import Table
+def print_quality(q: dict, console, fmt: str | None = None) -> None:
+    """The fp8-vs-fp16 table (output.render in `fmt`) and the verdict line (on stderr with --format csv/json)."""
+    from rich.markup import escape
 
-    t = Table(title=f"quality — {q['model']['name']}: fp8 vs fp16 over {q['text']['tokens']} tokens "
-                    f"({q['backend']['label']})", title_justify="left")
-    for col in ("metric", "fp16", "fp8", "bound", "result"):
-        t.add_column(col, justify="left" if col in ("metric", "bound", "result") else "right")
+    from ..output import Tab, notes_console, render
+
+    cols = ["metric", "fp16", "fp8", "bound", "result"]
+    t = Tab(f"quality — {q['model']['name']}: fp8 vs fp16 over {q['text']['tokens']} tokens ({q['backend']['label']})",
+            cols, key="quality", right=("fp16", "fp8"))
     b, c = q["bounds"], q["checks"]
 
-    def verdict(ok: bool) -> str:
-        if q["pass"] is None:
-            return "—"
-        return "[green]PASS[/green]" if ok else "[red]FAIL[/red]"
+    def row(metric, fp16, fp8, bound, check=None):
+        verdict = "" if check is None else "—" if q["pass"] is None else "PASS" if c[check] else "FAIL"
+        t.add(metric, fp16, fp8, bound, verdict, cell_styles={"result": {"PASS": "green", "FAIL": "red"}.get(verdict)})
 
-    t.add_row("perplexity", f"{q['fp16']['perplexity']:.4f}", f"{q['fp8']['perplexity']:.4f}",
-              f"fp8/fp16 ≤ {b['ppl_ratio_max']:g} (is {q['ppl_ratio']:.4f})", verdict(c["ppl_ratio"]))
-    t.add_row("top-1 = next token", f"{q['fp16']['top1_next_token']:.3f}", f"{q['fp8']['top1_next_token']:.3f}", "", "")
-    t.add_row("top-1 agreement fp8 vs fp16", "", f"{q['top1_agreement']:.4f}", f"≥ {b['top1_min']:g}",
-              verdict(c["top1_agreement"]))
-    t.add_row("mean KL(fp16 || fp8) / token", "", f"{q['mean_kl_fp16_fp8']:.3e}", f"≤ {b['mean_kl_max']:g} nats",
-              verdict(c["mean_kl"]))
-    t.add_row("max KL(fp16 || fp8)", "", f"{q['max_kl_fp16_fp8']:.3e}", "", "")
-    console.print(t)
+    row("perplexity", f"{q['fp16']['perplexity']:.4f}", f"{q['fp8']['perplexity']:.4f}",
+        f"fp8/fp16 ≤ {b['ppl_ratio_max']:g} (is {q['ppl_ratio']:.4f})", "ppl_ratio")
+    row("top-1 = next token", f"{q['fp16']['top1_next_token']:.3f}", f"{q['fp8']['top1_next_token']:.3f}", "")
+    row("top-1 agreement fp8 vs fp16", "", f"{q['top1_agreement']:.4f}", f"≥ {b['top1_min']:g}", "top1_agreement")
+    row("mean KL(fp16 || fp8) / token", "", f"{q['mean_kl_fp16_fp8']:.3e}", f"≤ {b['mean_kl_max']:g} nats", "mean_kl")
+    row("max KL(fp16 || fp8)", "", f"{q['max_kl_fp16_fp8']:.3e}", "")
+    render(t, fmt, console)
+    console = notes_console(fmt, console)
     if q["note"]:
-        console.print(f"[yellow]{q['note']}[/yellow]")
+        console.print(f"[yellow]{escape(q['note'])}[/yellow]", soft_wrap=True)
     else:
         console.print("[green bold]PASS[/green bold]" if q["pass"] else "[red bold]FAIL[/red bold]")
