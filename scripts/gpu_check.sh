@@ -43,7 +43,8 @@ for st in $stages; do
   case $st in
     info)
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-      python3 -c "import cupy; print('cupy', cupy.__version__)" ;;
+      atomflow-bench doctor --format md >"$OUT/doctor.md" 2>&1
+      note "doctor: rc=$? $(grep -c '| ok |' "$OUT/doctor.md") ok, $(grep -c '| FAIL |' "$OUT/doctor.md") FAIL" ;;
     kernels)
       timeout ${KERNELS_TIMEOUT:-400} python3 -m pytest -q tests/test_kernels_gpu.py -p no:cacheprovider \
         ${KERNELS_K:+-k "$KERNELS_K"} >"$OUT/kernels.log" 2>&1
