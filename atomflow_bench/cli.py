@@ -229,6 +229,12 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
     notes = notes_console(fmt, console)  # stderr with --format csv/json: stdout holds the tables alone
     baselines = load_baselines(baselines_dir)  # a malformed file stops here, before the measurement
     require_gpu()  # before anything is fetched or written: no GPU, no figure (exit 3)
+    if with_peers:  # torch and transformers before the measurement, not after it
+        from .measure.peers import require_torch
+
+        require_torch("cuda")
+    if json_path and not no_json and not Path(json_path).resolve().parent.is_dir():
+        raise AtomflowError(f"--json {json_path}: the directory {Path(json_path).resolve().parent} does not exist")
     path = fetch_model(model, source=source, console=notes) if source else resolve_model(model, console=notes)
     src = _source_of(path)
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=notes,
