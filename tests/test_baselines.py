@@ -9,7 +9,7 @@ from helpers_runs import make_run
 
 from atomflow_bench import output
 from atomflow_bench.measure.baselines import (DEFAULT_DIR, baseline_bytes_per_token, catalog_name, comparison_rows,
-                                      comparison_table, load_baselines, spec_bandwidth)
+                                      comparison_table, gpu_relation, load_baselines, spec_bandwidth, validate)
 from atomflow_bench.cli import main
 from atomflow_bench.config import CATALOG
 from atomflow_bench.errors import AtomflowError
@@ -19,7 +19,21 @@ RTX = "NVIDIA GeForce RTX 5060 Ti"
 
 @pytest.fixture(scope="module")
 def shipped() -> dict[str, dict]:
-    return {b["engine"]["name"]: b for b in load_baselines(DEFAULT_DIR)}
+    """The AtomFlow README's RTX 5060 Ti baselines, by engine name."""
+    return {b["engine"]["name"]: b for b in load_baselines(DEFAULT_DIR) if b["gpu"]["name"] == RTX}
+
+
+@pytest.fixture(scope="module")
+def vllm_h100() -> dict:
+    """The vLLM FP8 KV-cache post's fitted line, loaded as `run` loads it (the default directory)."""
+    [b] = [b for b in load_baselines() if b["model"] == "llama-3.1-8b" and b["engine"]["name"] == "vLLM"]
+    return b
+
+
+def _fit_only(b: dict) -> dict:
+    b = copy.deepcopy(b)
+    del b["metrics"]["tpot_ms"], b["metrics"]["tok_per_s"]
+    return b
 
 
 def test_shipped_baselines_hold_the_published_figures(shipped):
@@ -144,3 +158,90 @@ def test_table_labels_the_normalised_column(shipped):
     assert "roofline-normalised (different GPU)" in text and "speedup (same GPU)" in text
     assert "— (different GPU)" in text and "— (same GPU)" in text
     json.dumps(rows)  # stored in the results JSON as they are
+
+
+# ---- fitted lines (metrics.tpot_fit_ms) and a GPU whose variant is not stated ------------------------------
+H100_UNSTATED = "NVIDIA H100 (variant not stated)"
+
+
+def test_shipped_vllm_h100_holds_the_posts_fit_and_provenance(vllm_h100):
+    b = vllm_h100
+    assert b["metrics"]["tpot_fit_ms"] == {"intercept": 6.44, "per_input_token": 4.37e-5,
+                                           "input": "prompt length in tokens"}
+    assert b["context"] is None and b["tokens"] == 128
+    assert b["gpu"] == {"name": H100_UNSTATED, "memory_bandwidth_gbs": None}
+    assert b["engine"]["name"] == "vLLM" and b["engine"]["version"] == "v0.19.1"
+    for flag in ("FlashAttention-3", "bf16 KV cache", "concurrency 1", "128 output tokens"):
+        assert flag in b["engine"]["flags"]
+    for words in ("_posts/2026-04-22-fp8-kvcache.md", "The State of FP8 KV-Cache and Attention Quantization in vLLM",
+                  "2026-04-22", "v0.19.1", "fitted line through `vllm bench serve` (HTTP client)"):
+        assert words in b["source"]
+    assert "weights not stated" in b["precision"] and b["bytes_format"] is None and "weight_bytes" not in b
+    assert baseline_bytes_per_token(b, 128) is None  # the weights' precision is not stated: bytes unknown
+
+
+def test_fitted_baseline_validates_and_is_evaluated_at_the_runs_context(vllm_h100):
+    for b in (vllm_h100, _fit_only(vllm_h100)):  # besides one TPOT, and instead of it
+        validate(b)
+        for ctx, tpot in ((128, 6.445594), (4096, 6.44 + 4.37e-5 * 4096)):
+            run = make_run(7.0, model="meta-llama/Llama-3.1-8B-Instruct", context=ctx)
+            [ours, row] = comparison_rows(run, [b])
+            assert row["tpot_ms"] == pytest.approx(tpot, abs=1e-6) and row["context"] == ctx
+            assert row["label"] == f"fitted line, evaluated at ctx {ctx}"
+    text = output.text(comparison_table(comparison_rows(make_run(7.0, model="llama-3.1-8b"), [vllm_h100])), "md")
+    assert "| 128 (fitted line, evaluated at ctx 128) |" in text and "| 6.446 |" in text
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda m: m["tpot_fit_ms"].update(intercept="6.44"), "field 'metrics.tpot_fit_ms.intercept' must be number"),
+    (lambda m: m["tpot_fit_ms"].update(intercept=0), "field 'metrics.tpot_fit_ms.intercept' must be > 0"),
+    (lambda m: m["tpot_fit_ms"].pop("per_input_token"), "missing field 'metrics.tpot_fit_ms.per_input_token'"),
+    (lambda m: m["tpot_fit_ms"].update(per_input_token=-1e-5), "field 'metrics.tpot_fit_ms.per_input_token' must be >= 0"),
+    (lambda m: m["tpot_fit_ms"].update(slope=4.37e-5), "unknown field 'metrics.tpot_fit_ms.slope'"),
+    (lambda m: m["tpot_fit_ms"].pop("input"), "missing field 'metrics.tpot_fit_ms.input'"),
+    (lambda m: m.update(tpot_fit_ms=[6.44, 4.37e-5]), "field 'metrics.tpot_fit_ms' must be object"),
+    (lambda m: m.pop("tpot_fit_ms"), "missing field 'metrics.tpot_ms'"),       # neither one TPOT nor a fit
+    (lambda m: m.update(tpot_ms=6.44), "missing field 'metrics.tok_per_s'"),   # one TPOT without its tok/s
+])
+def test_malformed_fit_is_refused_naming_the_field(vllm_h100, mutate, message):
+    b = _fit_only(vllm_h100)
+    mutate(b["metrics"])
+    with pytest.raises(AtomflowError) as e:
+        validate(b, "vllm.json")
+    assert str(e.value).startswith("vllm.json: ") and message in str(e.value)
+
+
+def test_a_fit_needs_a_null_context(vllm_h100):
+    b = copy.deepcopy(vllm_h100)
+    b["context"] = 128
+    with pytest.raises(AtomflowError, match="field 'context' must be null with 'metrics.tpot_fit_ms'"):
+        validate(b)
+
+
+@pytest.mark.parametrize("ours, relation", [
+    ("NVIDIA H100 80GB HBM3", "variant not stated"), ("NVIDIA H100 PCIe", "variant not stated"),
+    ("NVIDIA H100 NVL", "variant not stated"), ("NVIDIA H200", "different"), (RTX, "different")])
+def test_gpu_relation_of_an_unstated_variant(ours, relation):
+    assert gpu_relation(H100_UNSTATED, ours) == relation
+    assert gpu_relation("NVIDIA H100 80GB HBM3", ours) == ("same" if ours == "NVIDIA H100 80GB HBM3" else "different")
+
+
+def test_unstated_variant_is_an_absolute_ratio_never_a_same_gpu_speedup(vllm_h100):
+    run = make_run(5.0, model="llama-3.1-8b")  # an H100 SXM
+    row = comparison_rows(run, [vllm_h100])[1]
+    assert not row["same_gpu"] and row["gpu_match"] == "variant not stated"
+    assert row["speedup"] == pytest.approx(6.445594 / run["tpot_ms"]["median"])
+    assert row["gpu_bandwidth_gbs"] is None and row["normalised_ratio"] is None  # no SXM bandwidth assumed silently
+    cell = comparison_table([row]).records()[0]["speedup (same GPU)"]
+    assert cell.startswith(f"x{row['speedup']:.2f} (absolute ratio; GPU variant not stated")
+    other = comparison_rows(make_run(20.0, model="llama-3.1-8b", gpu=RTX), [vllm_h100])[1]
+    assert other["gpu_match"] == "different" and other["speedup"] is None
+
+
+def test_weight_bytes_are_the_records_own(shipped):
+    b = copy.deepcopy(shipped["vLLM"])
+    b.update(weight_bytes=3_420_000_000, bytes_format=None, context=0, tokens=1)
+    assert baseline_bytes_per_token(b) == 3_420_000_000 + CATALOG["llama-3.2-3b"].config.kv_bytes_per_token()
+    b.update(weight_bytes=0)
+    with pytest.raises(AtomflowError, match="field 'weight_bytes' must be > 0"):
+        validate(b)

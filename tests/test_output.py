@@ -274,7 +274,12 @@ def test_baseline_list(capsys, fmt):
     shipped = load_baselines(DEFAULT_DIR)
     assert len(rows) == len(shipped) > 0
     assert [r["source"] for r in rows] == [b["source"] for b in shipped]  # long cells, whole
-    assert [r["TPOT ms"] for r in rows] == [f"{b['metrics']['tpot_ms']:.3f}" for b in shipped]
+    def shown(m):  # a fitted line is shown as its formula, one TPOT to 3 decimals
+        fit = m.get("tpot_fit_ms")
+        return (f"{fit['intercept']:g} + {fit['per_input_token']:g} x {fit['input']} (fitted)" if fit
+                else f"{m['tpot_ms']:.3f}")
+
+    assert [r["TPOT ms"] for r in rows] == [shown(b["metrics"]) for b in shipped]
     if fmt is None:
         assert len([line for line in out.splitlines() if line.startswith("| ")]) == 1 + len(shipped)
 

@@ -1,0 +1,232 @@
+"""`compare-peers RESULTS...`: one table of ours, live peers and recorded baselines, from files.
+
+Inputs: `run` records (`atomflow-bench/run/1`; a record of `run --peers` holds its HF peers in `peers[]`), baseline
+files (`atomflow-bench/baseline/1`: a llama.cpp or server record, ...) and the recorded baselines directory (default:
+the shipped baselines/; `--baselines DIR`). Ours, the reference, is the first run record among RESULTS, or `--ours`.
+
+One row per record (and per peer in a run record). Columns and rules:
+
+* TPOT ms, tok/s — the median TPOT and 1000 / TPOT. A baseline with a fitted line (`metrics.tpot_fit_ms`) is
+  evaluated at ours' context and labelled "fitted line, evaluated at ctx N"; tok/s is then 1000 / that TPOT.
+* bytes/token GB — each engine's own bytes read per token, from its record: a run's and a peer's
+  `bytes_per_token.total`; a baseline's `weight_bytes` (a GGUF's size) or its catalog count at `bytes_format`, plus
+  K/V rows (`baselines.baseline_bytes_per_token`); blank when unknown.
+* % of copy roofline — (bytes / the copy bandwidth measured in the same run) / TPOT, only where the record has a copy
+  bandwidth measured on that GPU: a run record (`roofline.pct`) and its peers on the run's GPU; blank otherwise.
+* speedup vs ours — their TPOT / ours (>1: ours is faster), only on the same GPU as ours (`baselines.same_gpu`: the
+  names equal word for word, case, punctuation and the words NVIDIA/GeForce aside). A baseline whose GPU variant is not
+  stated gets the absolute ratio, labelled so (`baselines.gpu_relation` says why).
+* roofline-normalised vs ours — for rows on another GPU: (our achieved GB/s / our GPU's spec GB/s) / (theirs / their
+  GPU's spec GB/s), >1: ours gets closer to its GPU's peak; "n/a" when bytes or a spec bandwidth are unknown.
+* Rows of another model than ours are left out, each with a note (on stderr with csv/json); rows at another context
+  are kept, with their context and a note.
+"""
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from pathlib import Path
+
+from . import baselines as bl
+from ..errors import AtomflowError
+
+RUN_SCHEMA = "atomflow-bench/run/1"
+
+
+def _positive_number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _check_peers(rec: dict, where: str) -> None:
+    peers = rec.get("peers")
+    if peers is None:
+        return
+    if not isinstance(peers, list):
+        raise AtomflowError(f"{where}: field 'peers' must be a list, got {type(peers).__name__}")
+    for i, p in enumerate(peers):
+        name = f"peers[{i}]"
+        if not isinstance(p, dict):
+            raise AtomflowError(f"{where}: field {name!r} must be an object")
+        for key in ("engine", "gpu", "precision"):
+            if not isinstance(p.get(key), str) or not p[key]:
+                raise AtomflowError(f"{where}: field '{name}.{key}' must be a non-empty string, got {p.get(key)!r}")
+        ctx = p.get("context")
+        if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 0:
+            raise AtomflowError(f"{where}: field '{name}.context' must be an integer >= 0, got {ctx!r}")
+        tp = p.get("tpot_ms")
+        if not isinstance(tp, dict) or not _positive_number(tp.get("median")):
+            got = tp.get("median") if isinstance(tp, dict) else tp
+            raise AtomflowError(f"{where}: field '{name}.tpot_ms.median' must be a positive number, got {got!r}")
+        nbytes = p.get("bytes_per_token")
+        if nbytes is not None and not (isinstance(nbytes, dict) and _positive_number(nbytes.get("total"))):
+            raise AtomflowError(f"{where}: field '{name}.bytes_per_token.total' must be a positive number")
+
+
+def load_result(path) -> tuple[str, dict]:
+    """("run", record) or ("baseline", record) for a file; AtomflowError (one line naming the file) otherwise."""
+    from .compare import check_record
+
+    path = Path(path)
+    try:
+        rec = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise AtomflowError(f"{path}: not found") from None
+    except IsADirectoryError:
+        raise AtomflowError(f"{path}: a directory, not a results file") from None
+    except UnicodeDecodeError:
+        raise AtomflowError(f"{path}: not a text file, not a results file") from None
+    except json.JSONDecodeError as e:
+        raise AtomflowError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except OSError as e:
+        raise AtomflowError(f"{path}: unreadable ({e.strerror or e})") from None
+    schema = rec.get("schema") if isinstance(rec, dict) else None
+    if schema == RUN_SCHEMA:
+        if rec.get("instrument"):
+            raise AtomflowError(f"{path}: a timing-instrument run ({rec['instrument']}): wrong outputs on purpose, "
+                                "a bound, not a result")
+        check_record(rec, str(path))  # every figure read here, as `compare` checks them
+        _check_peers(rec, str(path))
+        return "run", rec
+    if schema == bl.SCHEMA:
+        return "baseline", bl.validate(rec, str(path))
+    raise AtomflowError(f"{path}: not a {RUN_SCHEMA} run record nor a {bl.SCHEMA} baseline "
+                        f"(schema={schema!r})")
+
+
+def _recorded(directory) -> list[tuple[str, dict]]:
+    d = Path(directory) if directory is not None else bl.DEFAULT_DIR
+    if directory is not None and not d.is_dir():
+        raise AtomflowError(f"--baselines {directory}: not a directory")
+    if not d.is_dir():
+        return []
+    return [(str(p), bl.load_baseline(p)) for p in sorted(d.glob("*.json"))]
+
+
+def _model_of(kind: str, rec: dict) -> str:
+    return bl.catalog_name(rec["model"]["name"] if kind == "run" else rec["model"])
+
+
+def _row(kind, engine, fmt, gpu, ctx, tpot, nbytes, copy_pct, source, ours, *, gpu_bw=None, label=None) -> dict:
+    match = "same" if kind == "ours" else bl.gpu_relation(gpu, ours["gpu"])
+    spec = gpu_bw if gpu_bw is not None else (None if bl.variant_not_stated(gpu) else bl.spec_bandwidth(gpu))
+    bw = nbytes / (tpot * 1e-3) / 1e9 if nbytes else None
+    frac = bw / spec if bw and spec else None
+    notes = [label] if label else []
+    if kind != "ours":
+        if match == bl.VARIANT_NOT_STATED:
+            notes.append("GPU variant not stated: absolute TPOT ratio, not a same-GPU speedup")
+        elif match == "different":
+            spec_text = f"spec {spec:.0f} GB/s" if spec else "spec bandwidth unknown"
+            notes.append(f"other GPU: roofline-normalised ({spec_text})")
+        if ctx is None:
+            notes.append("ctx not stated")
+        elif ctx != ours["context"]:
+            notes.append(f"ctx {ctx}, ours {ours['context']}")
+    return {"kind": kind, "engine": engine, "format": fmt, "gpu": gpu, "gpu_match": match, "context": ctx,
+            "tpot_ms": tpot, "tok_per_s": 1e3 / tpot, "bytes_per_token": nbytes, "bandwidth_gbs": bw,
+            "gpu_bandwidth_gbs": spec, "roofline_frac": frac, "copy_roofline_pct": copy_pct,
+            "speedup": tpot / ours["tpot_ms"] if match != "different" else None,
+            "normalised_ratio": (ours["roofline_frac"] / frac if match == "different" and frac
+                                 and ours["roofline_frac"] else None),
+            "note": "; ".join(notes), "source": source}
+
+
+def _run_rows(kind: str, path: str, rec: dict, ours: dict) -> list[dict]:
+    gpu, copy = rec["gpu"]["name"], rec["copy_bandwidth_gbs"]["median"]
+    tpot = rec["tpot_ms"]["median"]
+    nbytes = rec["bytes_per_token"].get("total") if isinstance(rec["bytes_per_token"], dict) else None
+    rows = [_row(kind, f"atomflow-bench {rec.get('tool', {}).get('version', '?')}", rec["weights"], gpu,
+                 rec["context"], tpot, nbytes, rec["roofline"]["pct"], path, ours)]
+    for i, p in enumerate(rec.get("peers") or []):
+        pb = (p.get("bytes_per_token") or {}).get("total")
+        p_tpot = p["tpot_ms"]["median"]
+        # the copy bandwidth was measured on the run's GPU: a roofline only for peers that ran on it
+        pct = 100 * pb / (copy * 1e9) * 1e3 / p_tpot if pb and p["gpu"] == gpu else None
+        rows.append(_row("peer", p["engine"], p["precision"], p["gpu"], p["context"], p_tpot, pb, pct,
+                         f"{path} peers[{i}]", ours))
+    return rows
+
+
+def _baseline_row(path: str, b: dict, ours: dict) -> dict:
+    tpot, ctx, label = bl.baseline_tpot(b, ours["context"])
+    return _row("baseline", bl.engine_label(b), b["precision"], b["gpu"]["name"], ctx, tpot,
+                bl.baseline_bytes_per_token(b, ctx), None, f"{b['source']} [{Path(path).name}]", ours,
+                gpu_bw=bl.baseline_gpu_bandwidth(b), label=label)
+
+
+def compare_peers(results, ours: str | None = None, baselines_dir=None) -> tuple[list[dict], list[str]]:
+    """(rows, notes): the rows of `compare_peers_table`, ours first; notes name what was left out and why."""
+    paths = list(results)
+    if ours is not None and all(Path(ours).resolve() != Path(p).resolve() for p in paths):
+        paths.insert(0, ours)
+    if not paths:
+        raise AtomflowError("compare-peers: no files given (RESULTS... or --ours FILE)")
+    loaded, seen = [], set()
+    for p in paths:
+        key = Path(p).resolve()
+        if key in seen:
+            continue
+        seen.add(key)
+        loaded.append((str(p), *load_result(p)))
+    for p, b in _recorded(baselines_dir):
+        if Path(p).resolve() not in seen:
+            seen.add(Path(p).resolve())
+            loaded.append((p, "baseline", b))
+    if ours is not None:
+        ref = next(x for x in loaded if Path(x[0]).resolve() == Path(ours).resolve())
+        if ref[1] != "run":
+            raise AtomflowError(f"--ours {ours}: not a {RUN_SCHEMA} run record (a baseline)")
+    else:
+        ref = next((x for x in loaded if x[1] == "run"), None)
+        if ref is None:
+            raise AtomflowError(f"compare-peers: no {RUN_SCHEMA} run record among RESULTS to compare with; "
+                                "give one (or --ours FILE)")
+    rec = ref[2]
+    gpu, spec = rec["gpu"]["name"], bl.spec_bandwidth(rec["gpu"]["name"])
+    ref_ours = {"gpu": gpu, "tpot_ms": rec["tpot_ms"]["median"], "context": rec["context"],
+                "roofline_frac": rec["bandwidth_gbs"] / spec if spec else None}
+    model = _model_of("run", rec)
+    rows, notes = _run_rows("ours", ref[0], rec, ref_ours), []
+    for path, kind, r in loaded:
+        if r is rec:
+            continue
+        m = _model_of(kind, r)
+        if m != model:
+            what = "run" if kind == "run" else " ".join(x for x in (r["engine"]["name"], r["engine"]["version"]) if x)
+            notes.append(f"left out: {path} ({what}): model {m}, ours {model}")
+            continue
+        rows += _run_rows("run", path, r, ref_ours) if kind == "run" else [_baseline_row(path, r, ref_ours)]
+    return rows, notes
+
+
+def compare_peers_table(rows: list[dict]):
+    """The rows of `compare_peers` as an output.Tab."""
+    from ..output import Tab
+
+    cols = ["engine", "format", "GPU", "ctx", "TPOT ms", "tok/s", "bytes/token GB", "% of copy roofline",
+            "speedup vs ours (same GPU)", "roofline-normalised vs ours (other GPU)", "note", "source"]
+    t = Tab("compare-peers — speedup = their TPOT / ours (same GPU only); roofline-normalised = (our achieved GB/s / "
+            "our GPU's spec GB/s) / (theirs / their GPU's spec GB/s) (other GPU only); >1: ours is ahead",
+            cols, key="compare-peers", right=("ctx", "TPOT ms", "tok/s", "bytes/token GB", "% of copy roofline",
+                                              "speedup vs ours (same GPU)", "roofline-normalised vs ours (other GPU)"))
+    for r in rows:
+        match = r["gpu_match"]
+        if r["kind"] == "ours":
+            speed, norm = "— (ours)", "— (ours)"
+        elif match == "same":
+            speed, norm = f"x{r['speedup']:.2f}", "— (same GPU)"
+        elif match == bl.VARIANT_NOT_STATED:
+            speed, norm = f"x{r['speedup']:.2f} (absolute; GPU variant not stated)", "— (GPU variant not stated)"
+        else:
+            ratio = r["normalised_ratio"]
+            speed = "— (other GPU)"
+            norm = "n/a (bytes or spec bandwidth unknown)" if ratio is None else f"x{ratio:.2f}"
+        t.add(r["engine"], r["format"], r["gpu"], None if r["context"] is None else str(r["context"]),
+              f"{r['tpot_ms']:.3f}", f"{r['tok_per_s']:.1f}",
+              None if r["bytes_per_token"] is None else f"{r['bytes_per_token'] / 1e9:.3f}",
+              None if r["copy_roofline_pct"] is None else f"{r['copy_roofline_pct']:.1f}%",
+              speed, norm, r["note"] or None, r["source"],
+              cell_styles={"engine": "bold" if r["kind"] == "ours" else "",
+                           "TPOT ms": "" if match == "same" else "dim"})
+    return t

@@ -1,0 +1,332 @@
+"""`sweep`: the `run` measurement over a grid (models x weight formats x contexts [x tp]), resumable.
+
+One directory per sweep (`--out`): one `atomflow-bench/run/1` record per cell, named from the cell's key
+(`<model>-<weights>-ctx<context>-tp<tp>.json`), and a summary of all cells written after every cell, so an
+interrupted sweep leaves a valid one: `summary.json` (schema `atomflow-bench/sweep/1`, written atomically),
+`summary.csv` and `summary.md` (written to a temporary file, then renamed).
+
+Resumption: a cell whose record exists and is valid (a readable run record of the same model, weights, context, tp,
+tokens and repeats, on this sweep's GPU) is skipped and its figures are read from the file; a record that is not
+(unreadable, another schema, another shape, another GPU) is measured again and replaced; a failed cell leaves no
+record, so the next sweep into the same directory measures it again.
+
+A cell is a dict (`key`: model, weights, context, tp): another axis is another entry. The function that measures
+one cell is an argument of `run_sweep` (`run_cell(key, tokens, repeats) -> record`), `benchmark_cell` on the GPU;
+the tests drive the bookkeeping with a stand-in that returns recorded-style records.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..errors import AtomflowError, GpuUnavailable
+from ..store.store import write_json_atomic
+from . import report
+
+SCHEMA = "atomflow-bench/sweep/1"
+AXES = ("model", "weights", "context", "tp")  # the cell key's fields, in file-name and table order
+WEIGHTS = ("fp8", "fp16")
+STATUSES = ("done", "skipped", "failed", "pending")
+SUMMARY_FILES = ("summary.json", "summary.csv", "summary.md")
+CSV_COLUMNS = ["model", "weights", "context", "tp", "status", "file", "gpu", "tpot_median_ms", "tpot_p10_ms",
+               "tpot_p90_ms", "tok_per_s", "roofline_pct", "bytes_per_token", "forms", "forms_origin", "instrument",
+               "error", "note"]
+
+
+# ---- the grid ------------------------------------------------------------------------------------------
+def split_list(text: str, what: str) -> list[str]:
+    """'a, b,,a' -> ['a', 'b']: comma-separated, blanks dropped, duplicates once (first place kept)."""
+    items = list(dict.fromkeys(s.strip() for s in str(text).split(",") if s.strip()))
+    if not items:
+        raise AtomflowError(f"{what}: empty list")
+    return items
+
+
+def parse_contexts(text: str, lo: int = 1, hi: int = 32000) -> list[int]:
+    out = []
+    for s in split_list(text, "--ctx"):
+        try:
+            n = int(s)
+        except ValueError:
+            raise AtomflowError(f"--ctx: {s!r} is not an integer") from None
+        if not lo <= n <= hi:
+            raise AtomflowError(f"--ctx: {n} is not in {lo}..{hi}")
+        out.append(n)
+    return out
+
+
+def parse_weights(text: str) -> list[str]:
+    out = split_list(text, "--weights")
+    bad = [w for w in out if w not in WEIGHTS]
+    if bad:
+        raise AtomflowError(f"--weights: {bad[0]!r} is not one of {', '.join(WEIGHTS)}")
+    return out
+
+
+def grid(models, weights, contexts, tps=(1,)) -> list[dict]:
+    """Every cell key, models outermost, tp innermost."""
+    return [{"model": m, "weights": w, "context": int(c), "tp": int(t)}
+            for m in models for w in weights for c in contexts for t in tps]
+
+
+def cell_filename(key: dict) -> str:
+    """The record file of a cell: its key's values in AXES order (`llama-3.2-3b-fp8-ctx128-tp1.json`)."""
+    return (f"{report.slug(str(key['model']))}-{key['weights']}-ctx{key['context']}-tp{key.get('tp', 1)}"
+            + "".join(f"-{report.slug(k)}{report.slug(str(v))}" for k, v in key.items() if k not in AXES) + ".json")
+
+
+def key_text(key: dict) -> str:
+    return " ".join([str(key["model"]), str(key["weights"]), f"ctx {key['context']}", f"tp {key.get('tp', 1)}"]
+                    + [f"{k} {v}" for k, v in key.items() if k not in AXES])
+
+
+def default_out(results_dir: Path = Path("results")) -> Path:
+    return results_dir / f"sweep-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+
+
+# ---- one record: validity and the figures the summary keeps ---------------------------------------------
+def _number(rec: dict, *path) -> float:
+    v = rec
+    for p in path:
+        v = v.get(p) if isinstance(v, dict) else None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
+        raise AtomflowError(f"field {'.'.join(path)!r} is missing or not a finite number")
+    return float(v)
+
+
+def figures(rec: dict) -> dict:
+    """The summary's figures of a run record (AtomflowError naming the first missing one)."""
+    forms = rec.get("forms") if isinstance(rec.get("forms"), dict) else {}
+    return {"gpu": (rec.get("gpu") or {}).get("name"),
+            "tpot_ms": {q: _number(rec, "tpot_ms", q) for q in ("median", "p10", "p90")},
+            "tok_per_s": _number(rec, "tok_per_s"), "roofline_pct": _number(rec, "roofline", "pct"),
+            "bytes_per_token": int(_number(rec, "bytes_per_token", "total")),
+            "forms": forms.get("forms"), "forms_origin": forms.get("origin"),
+            "instrument": list(rec.get("instrument") or [])}
+
+
+def check_record(path: Path, key: dict, tokens: int, repeats: int, gpu: str | None = None) -> tuple[dict | None, str]:
+    """(record, "") when `path` holds a valid record of this cell, else (None, why not)."""
+    from .baselines import same_gpu
+
+    path = Path(path)
+    if not path.is_file():
+        return None, "no record"
+    try:
+        rec = report.load(path)
+        figures(rec)
+    except AtomflowError as e:
+        return None, " ".join(str(e).replace(str(path), path.name).split())
+    want = {"model": key["model"], "weights": key["weights"], "context": key["context"], "tp": key.get("tp", 1),
+            "tokens": tokens, "repeats": repeats}
+    have = {"model": (rec.get("model") or {}).get("name"), "weights": rec.get("weights"),
+            "context": rec.get("context"), "tp": rec.get("tp", 1), "tokens": rec.get("tokens"),
+            "repeats": rec.get("repeats")}
+    for k, v in want.items():
+        if have[k] != v:
+            return None, f"the record has {k} {have[k]!r}, this sweep {v!r}"
+    name = (rec.get("gpu") or {}).get("name", "")
+    if gpu and not same_gpu(str(name), gpu):
+        return None, f"the record was measured on {name}, this sweep runs on {gpu}"
+    return rec, ""
+
+
+# ---- the sweep -----------------------------------------------------------------------------------------
+def benchmark_cell(key: dict, tokens: int, repeats: int, *, baselines=(), peers: bool = False, forms=None,
+                   retune: bool = False, source: str | None = None, console=None) -> dict:
+    """One cell on the GPU: the model resolved (fetched if missing), `bench.benchmark`, the comparisons of `run`
+    (recorded baselines, and the HF peers with `peers`) attached; returns the run record."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..store.fetch import fetch_model, resolve_model
+    from .baselines import attach_comparisons
+    from .bench import benchmark
+
+    if key.get("tp", 1) != 1:
+        raise AtomflowError(f"tp {key['tp']}: only tp 1 is measured so far")
+    model, weights, context = key["model"], key["weights"], key["context"]
+    path = fetch_model(model, source=source, console=console) if source else resolve_model(model, console=console)
+    src = _source_of(path)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
+                  transient=True, disable=console is None) as progress:
+        rec = benchmark(path, model, src, weights, context, tokens, repeats, progress=progress, forms=forms,
+                        retune=retune)
+    peer_recs = None
+    if peers:
+        from .peers import measure_peers
+
+        peer_recs = measure_peers(path, context=context, tokens=tokens, repeats=min(repeats, 3), weights="fp16")
+    attach_comparisons(rec, list(baselines), peer_recs)
+    return rec
+
+
+def _source_of(path) -> str:
+    import json
+
+    m = Path(path) / "manifest.json"
+    if m.is_file():
+        return json.loads(m.read_text()).get("source", {}).get("kind", "unknown")
+    return "local"
+
+
+def _entry(key: dict, status: str, file: str | None = None, rec: dict | None = None, error: str | None = None,
+           note: str | None = None, seconds: float | None = None) -> dict:
+    f = figures(rec) if rec is not None else {"gpu": None, "tpot_ms": None, "tok_per_s": None, "roofline_pct": None,
+                                              "bytes_per_token": None, "forms": None, "forms_origin": None,
+                                              "instrument": []}
+    return {"key": dict(key), "status": status, "file": file, **f, "error": error, "note": note, "seconds": seconds}
+
+
+def run_sweep(cells: list[dict], out_dir, run_cell: Callable[..., dict] = benchmark_cell, *, tokens: int = 256,
+              repeats: int = 5, gpu: str | None = None, console=None, command: str | None = None) -> dict:
+    """Measure every cell not already measured in `out_dir` (see the module's doc); returns the summary.
+
+    `run_cell(key, tokens, repeats)` returns a run record or raises: AtomflowError fails that cell (its one-line
+    error kept) and the sweep goes on; GpuUnavailable and any other exception stop the sweep after the summary is
+    written (that cell: failed). `gpu`: this sweep's GPU (a record of another GPU is measured again)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    say = (lambda text: console.print(text, soft_wrap=True, highlight=False, markup=False)) if console else (
+        lambda text: None)
+    summary = {"schema": SCHEMA, "tool": report.tool_info(), "created": report.now_iso(), "updated": None,
+               "command": command if command is not None else report.command_line(), "gpu": gpu,
+               "tokens": tokens, "repeats": repeats, "directory": str(out), "complete": False,
+               "cells": [_entry(k, "pending") for k in cells]}
+    names = [cell_filename(k) for k in cells]
+    if len(set(names)) != len(names):
+        raise AtomflowError("two cells of the sweep have the same record file name")
+    n = len(cells)
+    for i, key in enumerate(cells):
+        name = names[i]
+        path = out / name
+        head = f"[{i + 1}/{n}] {key_text(key)}"
+        rec, why = check_record(path, key, tokens, repeats, gpu)
+        if rec is not None:
+            summary["cells"][i] = _entry(key, "skipped", name, rec, note="valid record already there")
+            say(f"{head}: skipped, {name} is already there")
+            write_summary(summary, out)
+            continue
+        note = f"measured again: {why}" if path.exists() else None
+        if note:
+            say(f"{head}: {name} is not a valid record of this cell ({why}): measuring it again")
+        say(f"{head}: measuring")
+        t0 = time.perf_counter()
+        try:
+            rec = run_cell(key, tokens, repeats)
+            figures(rec)  # a record the summary cannot read fails its cell and is not written
+            report.write(rec, path)
+        except GpuUnavailable as e:
+            summary["cells"][i] = _entry(key, "failed", error=_line(e), note=note)
+            write_summary(summary, out)
+            raise
+        except AtomflowError as e:
+            summary["cells"][i] = _entry(key, "failed", error=_line(e), note=note,
+                                         seconds=time.perf_counter() - t0)
+            say(f"{head}: failed: {_line(e)}")
+        except BaseException as e:  # a bug or an interrupt: the summary says where the sweep stopped, then it stops
+            what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {_line(e)}"
+            summary["cells"][i] = _entry(key, "failed", error=what, note=note, seconds=time.perf_counter() - t0)
+            write_summary(summary, out)
+            raise
+        else:
+            summary["cells"][i] = _entry(key, "done", name, rec, note=note, seconds=time.perf_counter() - t0)
+            say(f"{head}: done, TPOT {rec['tpot_ms']['median']:.4f} ms -> {name}")
+        write_summary(summary, out)
+    summary["complete"] = True
+    write_summary(summary, out)
+    return summary
+
+
+def _line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+# ---- the summary files ---------------------------------------------------------------------------------
+def counts(summary: dict) -> dict:
+    return {s: sum(c["status"] == s for c in summary["cells"]) for s in STATUSES}
+
+
+def _f(v, spec: str) -> str:
+    return "" if v is None else format(v, spec)
+
+
+def sweep_table(summary: dict):
+    """The summary as an output.Tab (one row per cell)."""
+    from ..output import Tab
+
+    cols = ["model", "weights", "ctx", "tp", "status", "TPOT ms", "p10-p90 ms", "tok/s", "% roofline", "GB/token",
+            "forms", "file / error"]
+    c = counts(summary)
+    t = Tab(f"sweep — {summary.get('gpu') or 'GPU not named'}, {summary['tokens']} tokens x {summary['repeats']} "
+            "repeats per cell", cols, key="sweep", right=("ctx", "tp", "TPOT ms", "p10-p90 ms", "tok/s", "% roofline",
+                                                           "GB/token"))
+    for e in summary["cells"]:
+        k, tp = e["key"], e["tpot_ms"]
+        last = e["error"] if e["status"] == "failed" else (e["file"] or "")
+        if e.get("note") and e["status"] != "skipped":
+            last += f" ({e['note']})"
+        forms = (e["forms"] or "") + (f" ({e['forms_origin']})" if e.get("forms_origin") else "")
+        if e.get("instrument"):
+            forms += f" INSTRUMENT {' '.join(e['instrument'])}: a bound, not a result"
+        t.add(str(k["model"]), str(k["weights"]), str(k["context"]), str(k.get("tp", 1)), e["status"],
+              _f(tp and tp["median"], ".4f"), f"{tp['p10']:.4f}-{tp['p90']:.4f}" if tp else "",
+              _f(e["tok_per_s"], ".1f"), _f(e["roofline_pct"], ".1f"),
+              _f(e["bytes_per_token"] and e["bytes_per_token"] / 1e9, ".4f"), forms, last,
+              style={"failed": "red", "pending": "dim"}.get(e["status"], ""))
+    t.caption = (f"{len(summary['cells'])} cells: {c['done']} measured, {c['skipped']} skipped (a valid record was "
+                 f"there), {c['failed']} failed" + (f", {c['pending']} not reached" if c["pending"] else "")
+                 + f"; records and summary.json/.csv/.md in {summary['directory']}; % roofline = bytes per token / "
+                 "copy bandwidth of the same run, over TPOT")
+    return t
+
+
+def csv_text(summary: dict) -> str:
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(CSV_COLUMNS)
+    for e in summary["cells"]:
+        k, tp = e["key"], e["tpot_ms"] or {}
+        w.writerow([k["model"], k["weights"], k["context"], k.get("tp", 1), e["status"], e["file"] or "",
+                    e["gpu"] or "", tp.get("median", ""), tp.get("p10", ""), tp.get("p90", ""),
+                    _f(e["tok_per_s"], ""), _f(e["roofline_pct"], ""), _f(e["bytes_per_token"], ""),
+                    e["forms"] or "", e["forms_origin"] or "", " ".join(e.get("instrument") or []), e["error"] or "",
+                    e["note"] or ""])
+    return out.getvalue()
+
+
+def md_text(summary: dict) -> str:
+    from ..output import text
+
+    head = (f"# atomflow-bench sweep\n\n`{summary['command']}` — started {summary['created']}, updated "
+            f"{summary['updated']}{'' if summary['complete'] else ' (not complete: cells not reached are pending)'}"
+            "\n\n")
+    return head + text(sweep_table(summary), "md")
+
+
+def _write_text_atomic(path: Path, data: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def write_summary(summary: dict, out_dir) -> list[Path]:
+    """summary.json (atomically), summary.csv and summary.md (each written to a temporary file, then renamed)."""
+    out = Path(out_dir)
+    summary["updated"] = report.now_iso()
+    write_json_atomic(out / "summary.json", summary)
+    _write_text_atomic(out / "summary.csv", csv_text(summary))
+    _write_text_atomic(out / "summary.md", md_text(summary))
+    return [out / f for f in SUMMARY_FILES]

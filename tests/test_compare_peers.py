@@ -1,0 +1,181 @@
+"""`atomflow-bench compare-peers` through the real CLI (CPU): run records with peers, baseline files, the shipped
+baselines; one table, speedups only on the same GPU, other GPUs roofline-normalised and labelled."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers_runs import H100, make_run
+
+from atomflow_bench.cli import main
+from atomflow_bench.config import CATALOG
+
+RTX = "NVIDIA GeForce RTX 5060 Ti"
+CFG = CATALOG["llama-3.1-8b"].config
+SPEED, NORM = "speedup vs ours (same GPU)", "roofline-normalised vs ours (other GPU)"
+
+
+def peer(mode: str, tpot: float, gpu: str = H100, context: int = 128, tokens: int = 64) -> dict:
+    """A `peers[]` entry shaped as measure/peers.py writes it."""
+    nbytes = {"weights": CFG.weight_bytes("fp16"),
+              "kv": int(round((context + (tokens - 1) / 2 + 1) * CFG.kv_bytes_per_token()))}
+    nbytes["total"] = nbytes["weights"] + nbytes["kv"]
+    return {"engine": f"HF transformers 5.0.0 {mode} fp16", "mode": mode,
+            "framework": {"torch": "2.11.0", "transformers": "5.0.0"},
+            "sdpa_backends": ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"], "gpu": gpu, "device": "cuda",
+            "precision": "fp16", "context": context, "tokens": tokens, "repeats": 3,
+            "tpot_ms": {"median": tpot, "p10": tpot * 0.99, "p90": tpot * 1.01, "repeat_medians": [tpot] * 3},
+            "tok_per_s": 1e3 / tpot, "bytes_per_token": nbytes, "bandwidth_gbs": nbytes["total"] / (tpot * 1e-3) / 1e9,
+            "same_tokens_as_first_mode": True, "token_ids": [1, 2, 3]}
+
+
+def llama_cpp(fmt: str, tpot: float, gguf_bytes: int, gpu: str = H100, context: int | None = 128) -> dict:
+    return {"schema": "atomflow-bench/baseline/1",
+            "engine": {"name": "llama.cpp server", "version": "b9999", "flags": f"-ngl 99, {fmt} GGUF"},
+            "gpu": {"name": gpu, "memory_bandwidth_gbs": None}, "model": "meta-llama/Llama-3.1-8B-Instruct",
+            "precision": fmt, "weight_bytes": gguf_bytes, "context": context, "tokens": 128,
+            "metrics": {"tpot_ms": tpot, "tok_per_s": 1e3 / tpot}, "source": "measured with atomflow-bench baseline "
+            "record on 2026-01-01", "method": "streamed /v1/completions"}
+
+
+def write(tmp_path, name: str, rec: dict) -> str:
+    (tmp_path / name).write_text(json.dumps(rec))
+    return str(tmp_path / name)
+
+
+def invoke(capsys, *args) -> tuple[int, str, str]:
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def files(tmp_path):
+    ours = make_run(5.0, model="llama-3.1-8b", weights="fp16")  # H100 SXM
+    ours["peers"] = [peer("eager", 25.0), peer("compiled", 8.0), peer("static", 900.0, gpu="cpu")]
+    return {"ours": write(tmp_path, "ours.json", ours), "ours_rec": ours,
+            "rtx": write(tmp_path, "rtx.json", make_run(30.0, model="llama-3.1-8b", gpu=RTX, copy_gbs=420.0,
+                                                        context=512)),
+            "other_model": write(tmp_path, "3b.json", make_run(2.0, model="llama-3.2-3b")),
+            "f16": write(tmp_path, "lcpp-f16.json", llama_cpp("F16", 6.5, 16_068_890_912)),
+            "q8": write(tmp_path, "lcpp-q8.json", llama_cpp("Q8_0", 4.1, 8_540_775_712, context=1024))}
+
+
+def rows_by_engine_format(out: str) -> dict[tuple[str, str], dict]:
+    rows = json.loads(out)
+    return {(r["engine"].split(" (")[0], r["format"]): r for r in rows}
+
+
+def test_one_table_of_ours_peers_runs_and_baselines(files, capsys):
+    code, out, err = invoke(capsys, "compare-peers", files["ours"], files["rtx"], files["f16"], files["q8"],
+                            files["other_model"], "--format", "json")
+    assert code == 0
+    rows = json.loads(out)
+    by = rows_by_engine_format(out)
+    ours_tpot = files["ours_rec"]["tpot_ms"]["median"]
+    assert rows[0]["engine"] == "atomflow-bench 0.1.0" and rows[0]["source"] == files["ours"]
+    assert rows[0][SPEED] == "— (ours)" and rows[0]["% of copy roofline"] == f"{files['ours_rec']['roofline']['pct']:.1f}%"
+    assert [r["engine"] for r in rows[1:4]] == ["HF transformers 5.0.0 eager fp16",
+                                                "HF transformers 5.0.0 compiled fp16", "HF transformers 5.0.0 static fp16"]
+    assert set(by) == {("atomflow-bench 0.1.0", "fp16"), ("HF transformers 5.0.0 eager fp16", "fp16"),
+                       ("HF transformers 5.0.0 compiled fp16", "fp16"), ("HF transformers 5.0.0 static fp16", "fp16"),
+                       ("atomflow-bench 0.1.0", "fp8"),
+                       ("llama.cpp server b9999", "F16"), ("llama.cpp server b9999", "Q8_0"),
+                       ("vLLM v0.19.1", "bf16 (weights not stated; bf16 KV cache)")}
+
+    # same GPU (H100 80GB HBM3 on both sides): speedup = their TPOT / ours
+    for key, tpot in ((("HF transformers 5.0.0 eager fp16", "fp16"), 25.0),
+                      (("HF transformers 5.0.0 compiled fp16", "fp16"), 8.0),
+                      (("llama.cpp server b9999", "F16"), 6.5), (("llama.cpp server b9999", "Q8_0"), 4.1)):
+        assert by[key][SPEED] == f"x{tpot / ours_tpot:.2f}" and by[key][NORM] == "— (same GPU)"
+        assert by[key]["TPOT ms"] == f"{tpot:.3f}" and by[key]["tok/s"] == f"{1e3 / tpot:.1f}"
+    # each engine's own bytes: the peers' fp16 weights + KV; the GGUF's size + KV at its context
+    eager = by[("HF transformers 5.0.0 eager fp16", "fp16")]
+    assert eager["bytes/token GB"] == f"{peer('eager', 25.0)['bytes_per_token']['total'] / 1e9:.3f}"
+    copy = files["ours_rec"]["copy_bandwidth_gbs"]["median"]
+    assert eager["% of copy roofline"] == \
+        f"{100 * peer('eager', 25.0)['bytes_per_token']['total'] / (copy * 1e9) * 1e3 / 25.0:.1f}%"
+    q8 = by[("llama.cpp server b9999", "Q8_0")]
+    assert q8["bytes/token GB"] == f"{(8_540_775_712 + round((1024 + 64.5) * CFG.kv_bytes_per_token())) / 1e9:.3f}"
+    assert q8["% of copy roofline"] is None  # no copy bandwidth measured with a baseline
+    assert q8["ctx"] == "1024" and "ctx 1024, ours 128" in q8["note"]  # another context: kept, with its context
+
+    # a peer on another device (a CPU smoke test): no copy roofline of the run's GPU, no speedup, nothing to normalise
+    cpu = by[("HF transformers 5.0.0 static fp16", "fp16")]
+    assert cpu["% of copy roofline"] is None and cpu[SPEED] == "— (other GPU)"
+    assert cpu[NORM] == "n/a (bytes or spec bandwidth unknown)" and "spec bandwidth unknown" in cpu["note"]
+
+    # another GPU: no speedup; roofline-normalised and labelled
+    rtx = by[("atomflow-bench 0.1.0", "fp8")]
+    assert rtx[SPEED] == "— (other GPU)" and rtx["GPU"] == RTX and rtx["ctx"] == "512"
+    assert "other GPU: roofline-normalised (spec 448 GB/s)" in rtx["note"]
+    theirs = make_run(30.0, model="llama-3.1-8b", gpu=RTX, copy_gbs=420.0, context=512)
+    ratio = (files["ours_rec"]["bandwidth_gbs"] / 3350) / (theirs["bandwidth_gbs"] / 448)
+    assert rtx[NORM] == f"x{ratio:.2f}"
+
+    # the shipped vLLM fit: evaluated at our context, an absolute ratio labelled, bytes unknown
+    vllm = by[("vLLM v0.19.1", "bf16 (weights not stated; bf16 KV cache)")]
+    assert vllm["TPOT ms"] == "6.446" and vllm["tok/s"] == f"{1e3 / 6.445594:.1f}" and vllm["ctx"] == "128"
+    assert "fitted line, evaluated at ctx 128" in vllm["note"] and "variant not stated" in vllm["note"]
+    assert vllm[SPEED] == f"x{6.445594 / ours_tpot:.2f} (absolute; GPU variant not stated)"
+    assert vllm["bytes/token GB"] is None and vllm["GPU"] == "NVIDIA H100 (variant not stated)"
+
+    # other models are left out, each with a note (stderr with --format json)
+    assert not any("3b" in r["source"] or "rtx5060ti" in r["source"] for r in rows)
+    assert f"left out: {files['other_model']} (run): model llama-3.2-3b, ours llama-3.1-8b" in err
+    assert "vllm-rtx5060ti-llama-3.2-3b.json (vLLM): model llama-3.2-3b" in " ".join(err.split())
+
+
+def test_ours_chooses_the_reference(files, tmp_path, capsys):
+    empty = tmp_path / "none"
+    empty.mkdir()
+    code, out, _ = invoke(capsys, "compare-peers", files["ours"], files["rtx"], "--ours", files["rtx"],
+                          "--baselines", empty, "--format", "json")
+    assert code == 0
+    rows = json.loads(out)
+    assert rows[0]["source"] == files["rtx"] and rows[0]["GPU"] == RTX and rows[0][SPEED] == "— (ours)"
+    assert len(rows) == 5 and not any(r["engine"].startswith("vLLM") for r in rows)  # --baselines: none recorded
+    assert all(r[SPEED] == "— (other GPU)" for r in rows[1:])  # the H100 rows, seen from the RTX
+
+
+def test_rows_carry_a_speedup_only_on_the_same_gpu(files, tmp_path):
+    from atomflow_bench.measure.comparison import compare_peers
+
+    rows, notes = compare_peers([files["ours"], files["rtx"], files["f16"]], baselines_dir=None)
+    kinds = {(r["kind"], r["gpu"], r["format"]): r for r in rows}
+    assert kinds[("run", RTX, "fp8")]["speedup"] is None and kinds[("run", RTX, "fp8")]["normalised_ratio"] > 0
+    assert kinds[("peer", "cpu", "fp16")]["speedup"] is None
+    assert kinds[("baseline", H100, "F16")]["speedup"] == pytest.approx(6.5 / files["ours_rec"]["tpot_ms"]["median"])
+    vllm = next(r for r in rows if r["gpu_match"] == "variant not stated")
+    assert vllm["tpot_ms"] == pytest.approx(6.445594, abs=1e-6) and vllm["gpu_bandwidth_gbs"] is None
+    assert len(notes) == 2  # the shipped Llama-3.2-3B baselines
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"schema": "atomflow-bench/profile/1"}, "not a atomflow-bench/run/1 run record nor a atomflow-bench/baseline/1 "
+                                             "baseline (schema='atomflow-bench/profile/1')"),
+    ([1, 2], "schema=None"),
+    ("{oops", "not valid JSON"),
+    ({"schema": "atomflow-bench/baseline/1", "engine": "vLLM"}, "field 'engine' must be object"),
+    ({"schema": "atomflow-bench/run/1", "gpu": {"name": "x"}}, "model is missing"),
+])
+def test_a_file_that_is_not_a_record_is_refused_in_one_line(files, tmp_path, capsys, content, message):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content if isinstance(content, str) else json.dumps(content))
+    code, out, err = invoke(capsys, "compare-peers", files["ours"], bad, "--format", "json")
+    assert code == 1 and out == ""
+    assert err.startswith("error: ") and str(bad) in " ".join(err.split()) and message in " ".join(err.split())
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_missing_file_no_run_record_and_a_baseline_as_ours(files, tmp_path, capsys):
+    code, _, err = invoke(capsys, "compare-peers", tmp_path / "absent.json")
+    assert code == 1 and "absent.json: not found" in err
+    code, _, err = invoke(capsys, "compare-peers", files["f16"])
+    assert code == 1 and "no atomflow-bench/run/1 run record among RESULTS" in err
+    code, _, err = invoke(capsys, "compare-peers", files["ours"], "--ours", files["f16"])
+    assert code == 1 and "--ours" in err and "not a atomflow-bench/run/1 run record" in err
