@@ -7,8 +7,8 @@ import json
 import pytest
 from helpers_runs import H100, make_run
 
-from atomflow_bench.cli import main
 from atomflow_bench.config import CATALOG
+from helpers_cli import invoke
 
 RTX = "NVIDIA GeForce RTX 5060 Ti"
 CFG = CATALOG["llama-3.1-8b"].config
@@ -41,16 +41,6 @@ def llama_cpp(fmt: str, tpot: float, gguf_bytes: int, gpu: str = H100, context: 
 def write(tmp_path, name: str, rec: dict) -> str:
     (tmp_path / name).write_text(json.dumps(rec))
     return str(tmp_path / name)
-
-
-def invoke(capsys, *args) -> tuple[int, str, str]:
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

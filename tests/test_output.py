@@ -18,10 +18,10 @@ from rich.console import Console
 from rich.text import Text
 
 from atomflow_bench import cli, output
-from atomflow_bench.cli import main
 from atomflow_bench.config import CATALOG, ModelConfig, Preset
 from atomflow_bench.measure.baselines import DEFAULT_DIR, load_baselines
 from atomflow_bench.output import Tab, render, text
+from helpers_cli import invoke
 
 FORMATS = ["json", "csv", None]  # None: no --format; stdout is not a terminal under pytest: markdown
 LONG = "a very long cell " * 30
@@ -88,16 +88,6 @@ def parse(out: str, fmt: str | None):
             parsed[title] = list(csv.DictReader(io.StringIO(c)))
         return parsed[None] if list(parsed) == [None] else parsed
     return md_tables(out)
-
-
-def invoke(capsys, *args) -> tuple[int, str, str]:
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def fmt_args(fmt):

@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 from helpers_runs import H100, make_run
 
-from atomflow_bench.cli import EXIT_NO_GPU, main
+from atomflow_bench.cli import EXIT_NO_GPU
 from atomflow_bench.errors import AtomflowError, GpuUnavailable
 from atomflow_bench.gpu.device import gpu_problem
 from atomflow_bench.measure import sweep as sw
 from atomflow_bench.measure.baselines import attach_comparisons
+from helpers_cli import invoke as cli
 
 MODELS, WEIGHTS, CONTEXTS = ["llama-3.2-1b", "llama-3.2-3b"], ["fp8", "fp16"], [128, 2048]
 TOKENS, REPEATS = 64, 5
@@ -103,7 +104,7 @@ def test_a_sweep_writes_one_record_per_cell_and_a_consistent_summary(tmp_path):
             assert cell["status"] == "failed" and cell["file"] is None and cell["tpot_ms"] is None
             assert cell["error"] == "llama-3.2-3b: context 2048 + tokens 64 exceed max_seq"  # one line
             assert row["error"] == cell["error"] and row["tpot_median_ms"] == ""
-            assert f"| failed |" in md and cell["error"] in md
+            assert "| failed |" in md and cell["error"] in md
             continue
         rec = json.loads((out / cell["file"]).read_text())
         assert cell["file"] == sw.cell_filename(key) and cell["status"] == "done" and cell["error"] is None
@@ -192,16 +193,6 @@ def test_a_record_the_summary_cannot_read_fails_its_cell_and_is_not_written(tmp_
 
 
 # ---- the real CLI ---------------------------------------------------------------------------------------
-def cli(capsys, *args) -> tuple[int, str, str]:
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 GRID = ["--models", ",".join(MODELS), "--weights", ",".join(WEIGHTS), "--ctx", ",".join(map(str, CONTEXTS)),
         "--tokens", TOKENS, "--repeats", REPEATS]
 
