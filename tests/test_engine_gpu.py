@@ -709,3 +709,37 @@ def test_gemv_bench_isolated_and_chained():
         assert r["isolated_ceiling_pct"] == pytest.approx(100 * floor / (floor + g["empty_launch_us"]["median"]))
     assert 0 < g["empty_launch_us"]["median"] < 50  # an empty launch between two events, no host time inside
     assert g["chained_pdl"] == (device_cc() >= 90)
+
+
+def test_run_record_energy(tiny_dir, tuning_home):
+    """`run` records the energy of the graph replays through NVML (measure/power.py, bench.energy_passes: passes of
+    their own after the timed repeats, at least ENERGY_MIN_S of replays) on the GPU CuPy runs on (by PCI bus id):
+    positive J/token, a plausible average power, one region per pass; `unavailable` is accepted only where pynvml is
+    not installed (then skipped)."""
+    import cupy as cp
+
+    from atomflow_bench.measure.bench import ENERGY_MIN_S, benchmark
+    from atomflow_bench.measure.power import COUNTER, SAMPLES, bus_key
+
+    tokens, repeats = 1024, 3
+    rec = benchmark(model_dir=tiny_dir, model_name="tiny", source="test", weights="fp16", context=16, tokens=tokens,
+                    repeats=repeats, eager_tokens=4, forms=forms_with("fp16", True))
+    e = rec["energy"]
+    if "unavailable" in e:
+        try:
+            import pynvml  # noqa: F401
+        except ImportError:
+            pytest.skip(f"energy unavailable: {e['unavailable']}")
+        pytest.fail(f"pynvml is installed, yet energy is unavailable: {e['unavailable']}")
+    assert e["joules_per_token"] > 0 and 10 <= e["avg_watts"] <= 2000, e
+    passes = e["segments"]
+    assert passes >= 1 and e["tokens"] == tokens * passes and e["event_seconds"] >= ENERGY_MIN_S
+    assert e["method"] == COUNTER or e["method"].startswith(SAMPLES)
+    assert e["joules"] == pytest.approx(e["joules_per_token"] * e["tokens"])
+    assert e["avg_watts"] == pytest.approx(e["joules"] / e["seconds"])
+    assert 0 < e["event_seconds"] <= e["seconds"]
+    w = e["watts"]
+    assert w["n"] >= 2 * passes and 0 < w["min"] <= w["median"] <= w["max"] < 2000
+    assert bus_key(e["gpu_pci_bus_id"]) == bus_key(cp.cuda.Device().pci_bus_id)
+    if e["method"] == COUNTER and e["sampled_joules"]:
+        assert 0.5 < e["sampled_joules"] / e["counter_joules"] < 2.0, e  # two NVML readings of one region agree

@@ -3,6 +3,10 @@
 * `time_decode`: the prompt (context) is fed through the graph, then every generated token is one graph
   replay bracketed by CUDA events (no host sync in between); TPOT samples from all repeats -> median and
   spread. Eager mode (`graph=False`) launches the same kernels one by one from Python.
+* `energy_passes` (`power.py`): after the timed repeats, passes of their own over the same graph replays (at least
+  ENERGY_MIN_S of them) are the regions of an NVML meter: the stream is synchronised after each pass's prefill, the
+  meter started, and stopped once the last token's event has completed. The timed repeats keep their own method (no
+  synchronisation between prefill and decode), so TPOT is measured exactly as before energy existed.
 """
 from __future__ import annotations
 
@@ -42,6 +46,31 @@ def time_decode(engine, context: int, tokens: int, repeats: int, graph: bool = T
     return {"tpot_ms": out, "token_ids": ids, "prompt_len": len(prompt), "per_token_ms": per_token.tolist()}
 
 
+ENERGY_MIN_S = 2.0  # seconds of metered decode: the NVML energy counter moves in coarse steps
+
+
+def energy_passes(engine, prompt, tokens: int, meter, min_s: float = ENERGY_MIN_S) -> dict:
+    """Joules per token of the graph replays: passes (prefill, synchronise, `tokens` replays) until at least `min_s`
+    seconds of replays were metered; `meter.result()` (or its reason when NVML is unavailable)."""
+    if meter.measures:
+        spent_ms, stream = 0.0, engine.stream
+        while spent_ms < min_s * 1e3:
+            engine.reset(prompt)
+            engine.run(len(prompt) - 1)
+            stream.synchronize()  # the prefill done: the region holds the decode steps only
+            meter.start()
+            marks = Marks(tokens, stream)
+            with stream:
+                marks.mark()
+                for _ in range(tokens):
+                    engine.run(1)
+                    marks.mark()
+            t = marks.intervals_ms()  # waits for the last token's event
+            meter.stop(tokens, event_ms=float(sum(t)))
+            spent_ms += sum(t)
+    return meter.result()
+
+
 def by_bucket(engine, context: int, per_token_ms: list[float]) -> list[dict]:
     """Median per-token time of the generated tokens in each attention bucket (token i runs at length
     context + i), with the bucket's layer-GEMV form."""
@@ -67,6 +96,7 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
     from ..gpu.engine import Engine
     from ..gpu.nvrtc import instrument_defines
     from ..store.tokenizer import load_tokenizer
+    from .power import open_meter
     from .tune import resolve
 
     t0 = time.perf_counter()
@@ -76,6 +106,11 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
     copy = copy_bandwidth()
     prompt = synthetic_prompt(eng.cfg.vocab_size, context)
     g = time_decode(eng, context, tokens, repeats, graph=True, prompt=prompt)
+    meter = open_meter()  # the GPU CuPy runs on, by PCI bus id; Unavailable (a reason, no exception) without NVML
+    try:
+        energy = energy_passes(eng, prompt, tokens, meter)
+    finally:
+        meter.close()
     n_e = min(eager_tokens, tokens)
     e = time_decode(eng, context, n_e, 1, graph=False, prompt=prompt)
     same = e["token_ids"] == g["token_ids"][:n_e]
@@ -98,6 +133,7 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
         "bytes_per_token": nbytes, "bandwidth_gbs": bw,
         "roofline": {"tpot_floor_ms": floor_ms, "pct": 100.0 * floor_ms / tpot["median"]},
         "vram_bytes": eng.vram(),
+        "energy": energy,
         "eager": {"tpot_ms": e["tpot_ms"], "tokens": n_e, "graph_speedup": e["tpot_ms"]["median"] / tpot["median"],
                   "same_tokens": bool(same)},
         "generated": {"token_ids": g["token_ids"], "text": text},

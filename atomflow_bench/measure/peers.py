@@ -17,6 +17,12 @@ events with no host synchronisation in between (the argmax stays on the GPU); on
 a smoke test, not a performance figure) by `time.perf_counter`. Bytes per token are counted as `run` counts
 ours: all weights at 2 bytes + the fp16 K/V rows of the mean context (HF's static cache reads its whole
 allocated length, masked; those extra bytes are not counted).
+
+Energy (power.py, on CUDA only): after the timed repeats, untimed passes of the same decode (at least
+ENERGY_MIN_S of steps) are the regions of an NVML meter on torch's current GPU, found by PCI bus id; the device is
+synchronised before the meter starts and the last step's event completed before it stops (the timed repeats have no
+such synchronisation, as before). Each mode's record gets
+`energy` (or `{"unavailable": reason}`); the peers table does not show it.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import synthetic_prompt
+from .bench import ENERGY_MIN_S, synthetic_prompt
 from .timing import summarize
 from ..errors import AtomflowError, GpuUnavailable
 
@@ -70,10 +76,12 @@ class _Timer:
         return [(b - a) * 1e3 for a, b in zip(self.t, self.t[1:])]
 
 
-def _decode(torch, model, cache, prompt, tokens: int, device: str, step=None) -> tuple[list[float], list[int]]:
+def _decode(torch, model, cache, prompt, tokens: int, device: str, step=None,
+            meter=None) -> tuple[list[float], list[int]]:
     """Prefill `prompt` (uncompiled) into `cache`, then `tokens` timed greedy steps through `step` (default:
     the eager forward); returns (per-step ms, the tokens+1 generated ids, the prefill's first). A static cache
-    is reset and reused, so the compiled step keeps its graph (its tensors have fixed addresses)."""
+    is reset and reused, so the compiled step keeps its graph (its tensors have fixed addresses). `meter`
+    (power.EnergyMeter, CUDA): started after the prefill (device synchronised), stopped after the last step."""
     cache.reset()
     out = model(input_ids=torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True,
                 logits_to_keep=1)
@@ -81,6 +89,10 @@ def _decode(torch, model, cache, prompt, tokens: int, device: str, step=None) ->
     pos = torch.full((1, 1), len(prompt), dtype=torch.long, device=device)
     step = step or model.forward
     timer, gen = _Timer(torch, device, tokens), [nxt]
+    metered = meter is not None and meter.measures and device == "cuda"
+    if metered:
+        torch.cuda.synchronize()
+        meter.start()
     timer.mark()
     for _ in range(tokens):
         torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
@@ -89,7 +101,24 @@ def _decode(torch, model, cache, prompt, tokens: int, device: str, step=None) ->
         pos = pos + 1
         gen.append(nxt)
         timer.mark()
-    return timer.times_ms(), [int(t) for t in torch.cat(gen).view(-1).tolist()]
+    ms = timer.times_ms()  # waits for the last step's event
+    if metered:
+        meter.stop(tokens, event_ms=float(sum(ms)))
+    return ms, [int(t) for t in torch.cat(gen).view(-1).tolist()]
+
+
+def _meter(torch, device: str):
+    """An energy meter on torch's current GPU (by PCI bus id), or an Unavailable one saying why."""
+    from .power import Unavailable, open_meter
+
+    if device != "cuda":
+        return Unavailable(f"device {device}: no GPU power to read")
+    try:
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    except Exception as e:  # noqa: BLE001 — an older torch without the PCI fields
+        return Unavailable(f"torch does not tell its GPU's PCI bus id ({type(e).__name__}: {e})")
+    return open_meter(bus)
 
 
 def measure_peers(model_dir, context: int = 128, tokens: int = 64, modes=("eager", "compiled"),
@@ -130,6 +159,15 @@ def measure_peers(model_dir, context: int = 128, tokens: int = 64, modes=("eager
                 if r:
                     samples += ms
                     per_repeat.append(float(np.median(ms)))
+            meter = _meter(torch, device)  # energy: passes of their own after the timed ones (their timing untouched)
+            try:
+                if meter.measures:
+                    spent = 0.0
+                    while spent < ENERGY_MIN_S * 1e3:
+                        spent += sum(_decode(torch, model, cache, prompt, tokens, device, step, meter)[0])
+                energy = meter.result()
+            finally:
+                meter.close()
             tpot = {**summarize(samples), "repeat_medians": per_repeat}
             reference_ids = reference_ids or ids
             records.append({
@@ -139,7 +177,7 @@ def measure_peers(model_dir, context: int = 128, tokens: int = 64, modes=("eager
                 "gpu": gpu, "device": device, "precision": weights, "context": context, "tokens": tokens,
                 "repeats": repeats, "tpot_ms": tpot, "tok_per_s": 1e3 / tpot["median"], "bytes_per_token": nbytes,
                 "bandwidth_gbs": nbytes["total"] / (tpot["median"] * 1e-3) / 1e9,
-                "same_tokens_as_first_mode": ids == reference_ids, "token_ids": ids[:16]})
+                "same_tokens_as_first_mode": ids == reference_ids, "token_ids": ids[:16], "energy": energy})
     del model
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -155,6 +155,11 @@ def run_table(rec: dict):
     v = rec["vram_bytes"]
     t.add("VRAM by pool", f"weights {_gib(v['weights'])}, KV {_gib(v['kv'])}, activations "
                           f"{v['activations'] / 2**20:.2f} MiB, scratch {v['scratch'] / 2**20:.2f} MiB; total {_gib(v['total'])}")
+    from .power import energy_text
+
+    energy = energy_text(rec.get("energy"))
+    if energy:
+        t.add("energy", energy)
     e = rec.get("eager")
     if e:
         t.add("eager (--no-graph)", f"median {e['tpot_ms']['median']:.4f} ms -> graph speedup "
