@@ -660,7 +660,7 @@ def doctor(no_bandwidth, fmt):
         sys.exit(code)
 
 
-EXIT_ERROR, EXIT_USAGE, EXIT_NO_GPU, EXIT_INTERNAL = 1, 2, 3, 70
+EXIT_ERROR, EXIT_NO_GPU, EXIT_INTERNAL = 1, 3, 70  # 2: click's usage errors and compare's refusals
 
 
 def main(argv=None):

@@ -37,16 +37,6 @@ SHAPE_MODELS = ("llama-3.2-1b", "llama-3.2-3b", "smollm2-135m")
 WS_THREADS, RING_THREADS = 288, 256  # block sizes of the warp-specialised (8 consumer warps + producer) and ring forms
 
 
-@pytest.fixture(scope="module")
-def kernel_lib():
-    """The default build (compiles each .cu on first use of one of its kernels). Overrides conftest's fixture of the
-    same name, which still imports the pre-restructure atomflow_bench.kernels; drop this once conftest builds
-    atomflow_bench.gpu.nvrtc.KernelLib."""
-    from atomflow_bench.gpu.nvrtc import KernelLib
-
-    return KernelLib()
-
-
 def default_gemv_form(fmt: str) -> GemvForm:
     """The layer GEMVs' form when nothing was tuned (forms.default_forms): on sm_90+ fp16 warp-specialised and fp8 the
     ring, each with the L2 tail; before sm_90 the ring. (What gemv_launch's old ws=None picked, plus the L2 tail.)"""

@@ -234,17 +234,8 @@ def profile_table(p: dict):
     return t
 
 
-def attention_line(p: dict) -> str:
-    """One line on the attention launches alone (profile_step's `attention_graph`)."""
-    a = p["attention_graph"]
-    u = a["us_per_launch"]
-    return (f"attention alone in a graph at length {a['length']}: {u['median']:.2f} µs per layer ({u['p10']:.2f}-"
-            f"{u['p90']:.2f}), KV floor {a['floor_us']:.2f} µs -> {a['x_floor']:.2f}x the floor"
-            f"{'' if a['l2_cold'] else ' (caches fit in L2: not a DRAM figure)'}")
-
-
 def attention_table(p: dict):
-    """`attention_line` as a one-row output.Tab: the attention launches alone in a graph."""
+    """The attention launches alone in a graph (profile_step's `attention_graph`) as a one-row output.Tab."""
     from ..output import Tab
 
     a = p["attention_graph"]

@@ -39,7 +39,6 @@ GEMV_WS_THREADS = GEMV_THREADS + 32  # 8 consumer warps + the producer (gemv_til
 GEMV_STAGES = 5             # fp8 ring: the deepest ring (groups of 128 inputs per warp) a launch gets
 GEMV_WS_SLOTS = 6           # warp-specialised: the deepest ring a launch gets (~96 KB in flight per block)
 GEMV_WS_PRE = {"fp16": 3, "fp8": 0}  # default ring slots filled before the PDL wait (0: all)
-ROLES = ("wqkv", "wo", "wgu", "wd")
 ROLE_VARIANT = {"wqkv": "qkv_rope", "wo": "resid", "wgu": "norm_swiglu", "wd": "resid"}
 # Which rows share a tile ("pairing") follows the kernel's epilogue:
 #   "none"   tile T = rows 16T .. 16T+15 (o_proj, down_proj, plain GEMVs)
