@@ -5,6 +5,9 @@
 #   KERNELS_K / ENGINE_K="pytest -k expression" (kernels / engine stage: a subset)
 #   BENCH_SPECS="model:fmt ..."  CTX=128 (bench: `run` per spec, ctx CTX, 256 tokens, 5 repeats)
 #   PROFILE_SPECS="model:fmt ..." PROFILE_CTX=128 (profile stage)
+#   engines: llama.cpp built and measured here (scripts/peer_llama_cpp.sh $LLAMA_STAGES, default all; carry
+#            .carry/llama.cpp), then ours swept over the same grid (ENGINES_MODELS, ENGINES_CTX, both formats) into
+#            SWEEP_DIR (default /tmp/atomflow-sweep: resumable on a warm machine), then compare-peers per model and ctx
 #   AB_DIR=.ab/<commit> AB_SPECS="model:fmt ..." AB_ROUNDS=2 (ab: another commit's tree against this one on the
 #                                       same machine, interleaved old, new, old, new per spec; the old tree as carried
 #                                       by `git archive C atomflow_bench kernels_cu pyproject.toml | tar -x -C .ab/C`)
@@ -76,6 +79,26 @@ print(" ".join("%s-%s=%.0f/%.0f" % (r["role"], r["format"], r["pct_of_copy"], r[
           >"$OUT/profile-$tag.log" 2>&1
         note "profile $tag: rc=$? $(grep -E 'sum of kernels' -A1 "$OUT/profile-$tag.log" | tr -s ' ' | tr '\n' ' ')"
       done ;;
+    engines)
+      M=${ENGINES_MODELS:-"llama-3.2-1b llama-3.2-3b llama-3.1-8b"}; C=${ENGINES_CTX:-"128 2048"}
+      SW=${SWEEP_DIR:-/tmp/atomflow-sweep}; LW=${LLAMA_WORK:-/tmp/llama-cpp-work}
+      OUT=$OUT/llama-cpp WORK=$LW MODELS="$M" CONTEXTS="$C" STAGE_TIMEOUT=${LLAMA_TIMEOUT:-480} \
+        bash scripts/peer_llama_cpp.sh ${LLAMA_STAGES:-all} >"$OUT/llama-cpp.log" 2>&1
+      note "llama.cpp: rc=$? $(grep -cE '^(bench|server).*rc=0' "$LW/results/summary.txt" 2>/dev/null) bench/server steps ok so far"
+      timeout ${SWEEP_TIMEOUT:-560} atomflow-bench sweep --models "$(echo $M | tr ' ' ',')" --weights fp16,fp8 \
+        --ctx "$(echo $C | tr ' ' ',')" --out "$SW" >"$OUT/sweep.log" 2>&1
+      note "sweep: rc=$? $(grep -m1 -oE '[0-9]+ done.*' "$OUT/sweep.log")"
+      mkdir -p "$OUT/compare"
+      for m in $M; do for c in $C; do
+        ours=$(ls "$SW/$m-fp16-ctx$c-tp1.json" "$SW/$m-fp8-ctx$c-tp1.json" 2>/dev/null)
+        [ -n "$ours" ] || continue
+        atomflow-bench compare-peers $ours $(ls "$LW"/results/records/llama.cpp-*-"$m"-*ctx$c.json 2>/dev/null) \
+          $(ls "$LW"/results/records/llama.cpp-server-*-"$m"-*.json 2>/dev/null) --format md \
+          >"$OUT/compare/$m-ctx$c.md" 2>&1
+        note "compare $m ctx $c: rc=$? $(grep -c '^|' "$OUT/compare/$m-ctx$c.md") table lines"
+      done; done
+      cp -r "$SW" "$OUT/sweep" 2>/dev/null
+      mkdir -p "$OUT/llama-cpp-records" && cp "$LW"/results/records/*.json "$OUT/llama-cpp-records/" 2>/dev/null ;;
     ab)
       old=${AB_DIR:?AB_DIR not set}
       for spec in ${AB_SPECS:-"llama-3.2-3b:fp8"}; do

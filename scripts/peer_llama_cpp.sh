@@ -8,7 +8,9 @@
 #   QUANTS         "F16 Q8_0"      CONTEXTS "128 2048" (llama-bench -d: decode after N tokens of context)
 #   NGEN 128  NPROMPT 512  REPS 5  JOBS 16  CUDA_ARCH (default: nvidia-smi compute_cap, e.g. 90)
 #   WORK           /tmp/llama-cpp-work   persistent between calls on a warm machine: src/, build/, gguf/, results/
-#   DROP_HF 1      delete a model's synthetic HF dir once its GGUFs exist (disk: 8B is 16 GB per copy)
+#   DROP_HF 1      delete a model's synthetic HF dir once its F16 GGUF exists (disk: 8B is 16 GB per copy)
+#   DROP_GGUF 1    delete a GGUF once its bench is recorded (the server's stays; the record keeps its size)
+#   BUILD_BG 1     the build runs in the background while `convert` makes the F16 GGUFs (which need no build)
 #   SERVER_MODEL llama-3.2-3b  SERVER_QUANT Q8_0  SERVER_PORT 8090
 #   STAGE_TIMEOUT 540  (s; a stage cut short is resumed by the next call: ninja is incremental, GGUFs are written
 #                       to .part and renamed, a finished bench is skipped)
@@ -26,7 +28,7 @@ MODELS=${MODELS:-"llama-3.2-1b llama-3.2-3b llama-3.1-8b"}
 QUANTS=${QUANTS:-"F16 Q8_0"}
 CONTEXTS=${CONTEXTS:-"128 2048"}
 NGEN=${NGEN:-128}; NPROMPT=${NPROMPT:-512}; REPS=${REPS:-5}; JOBS=${JOBS:-16}
-STAGE_TIMEOUT=${STAGE_TIMEOUT:-540}; DROP_HF=${DROP_HF:-1}
+STAGE_TIMEOUT=${STAGE_TIMEOUT:-540}; DROP_HF=${DROP_HF:-1}; DROP_GGUF=${DROP_GGUF:-1}; BUILD_BG=${BUILD_BG:-1}
 SERVER_MODEL=${SERVER_MODEL:-llama-3.2-3b}; SERVER_QUANT=${SERVER_QUANT:-Q8_0}; SERVER_PORT=${SERVER_PORT:-8090}
 T0=$(date +%s)
 stages=${*:-info build convert bench table}
@@ -63,6 +65,26 @@ CMAKE_FLAGS="-G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARC
 -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
 -DLLAMA_BUILD_COMMIT=$COMMIT -DLLAMA_BUILD_NUMBER=0"
 BUILD_CMD="cmake -S $SRC -B $BUILD $CMAKE_FLAGS && cmake --build $BUILD --target llama-bench llama-quantize llama-server -j$JOBS"
+do_build() {
+      if built && [ -f "$BUILD/.done" ]; then note "build: done earlier ($(cat "$BUILD/.done"))"; return 0; fi
+      t=$(date +%s)
+      [ -f "$BUILD/build.ninja" ] || cmake -S "$SRC" -B "$BUILD" $CMAKE_FLAGS >"$RES/logs/configure.log" 2>&1 ||
+        { note "build: configure failed (logs/configure.log): $(tail -3 "$RES/logs/configure.log" | tr '\n' ' ')"; return 1; }
+      timeout "$(left)" cmake --build "$BUILD" --target llama-bench llama-quantize llama-server -j"$JOBS" \
+        >>"$RES/logs/build.log" 2>&1; rc=$?
+      dt=$(( $(date +%s) - t )); echo "$dt" >>"$BUILD/.seconds"
+      total=$(awk '{s+=$1} END {print s}' "$BUILD/.seconds")
+      if [ $rc -eq 0 ] && built; then
+        echo "${total}s of build over $(wc -l <"$BUILD/.seconds") call(s), sm_$CUDA_ARCH, -j$JOBS" >"$BUILD/.done"
+        "$BIN/llama-bench" --help >"$RES/logs/llama-bench-help.txt" 2>&1
+        note "build: ok in ${dt}s (total $(cat "$BUILD/.done"))"
+      else
+        note "build: rc=$rc after ${dt}s ($(grep -c 'Building' "$RES/logs/build.log") steps logged; 124 = cut short: call again)"
+        [ $rc -eq 124 ] && return 0 || return 1
+      fi
+}
+BUILD_PID=
+wait_build() { [ -n "$BUILD_PID" ] && { wait "$BUILD_PID"; BUILD_PID=; }; built; }
 built() { [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-quantize" ] && [ -x "$BIN/llama-server" ]; }
 
 q_lower() { echo "$1" | tr 'A-Z' 'a-z'; }
@@ -83,54 +105,44 @@ for st in $stages; do
         df -h /tmp | tail -1; cat "$SRCJSON" | head -20; } >"$RES/logs/info.txt" 2>&1
       note "info: $GPU driver $DRIVER sm_$CUDA_ARCH; $(grep -m1 '^torch' "$RES/logs/info.txt"); src $TOP ($SDIST, llama.cpp $COMMIT)" ;;
     build)
-      if built && [ -f "$BUILD/.done" ]; then note "build: done earlier ($(cat "$BUILD/.done"))"; continue; fi
-      t=$(date +%s)
-      [ -f "$BUILD/build.ninja" ] || cmake -S "$SRC" -B "$BUILD" $CMAKE_FLAGS >"$RES/logs/configure.log" 2>&1 ||
-        { note "build: configure failed (logs/configure.log): $(tail -3 "$RES/logs/configure.log" | tr '\n' ' ')"; exit 1; }
-      timeout "$(left)" cmake --build "$BUILD" --target llama-bench llama-quantize llama-server -j"$JOBS" \
-        >>"$RES/logs/build.log" 2>&1; rc=$?
-      dt=$(( $(date +%s) - t )); echo "$dt" >>"$BUILD/.seconds"
-      total=$(awk '{s+=$1} END {print s}' "$BUILD/.seconds")
-      if [ $rc -eq 0 ] && built; then
-        echo "${total}s of build over $(wc -l <"$BUILD/.seconds") call(s), sm_$CUDA_ARCH, -j$JOBS" >"$BUILD/.done"
-        "$BIN/llama-bench" --help >"$RES/logs/llama-bench-help.txt" 2>&1
-        note "build: ok in ${dt}s (total $(cat "$BUILD/.done"))"
-      else
-        note "build: rc=$rc after ${dt}s ($(grep -c 'Building' "$RES/logs/build.log") steps logged; 124 = cut short: call again)"
-        [ $rc -eq 124 ] && exit 0 || exit 1
-      fi ;;
-    convert)
-      built || { note "convert: llama-quantize not built yet (stage build)"; exit 1; }
+      if [ "$BUILD_BG" = 1 ]; then do_build & BUILD_PID=$!; note "build: started in the background (pid $BUILD_PID)"
+      else do_build || exit $?; fi ;;
+    convert)   # F16 for every model first (needs no build: it overlaps a background build), then Q8_0
       for m in $MODELS; do
-        f16=$(gguf_of "$m" F16); q8=$(gguf_of "$m" Q8_0)
-        if [ -f "$f16" ] && { [[ " $QUANTS " != *" Q8_0 "* ]] || [ -f "$q8" ]; }; then note "convert $m: done earlier"; continue; fi
+        f16=$(gguf_of "$m" F16)
+        if [ -f "$f16" ]; then note "convert $m F16: done earlier"; continue; fi
         [ "$(left)" -gt 60 ] || { note "convert $m: no time left in this call: call again"; exit 0; }
         log=$RES/logs/convert-$m.log
         hf=$(hf_dir "$m")
-        if [ ! -f "$f16" ] && [ ! -f "$hf/config.json" ]; then
+        if [ ! -f "$hf/config.json" ]; then
           timeout "$(left)" atomflow-bench fetch "$m" >"$log" 2>&1 || { note "convert $m: fetch rc=$? (logs/convert-$m.log)"; exit 1; }
           hf=$(hf_dir "$m")
         fi
-        if [ ! -f "$f16" ]; then
-          trim=$WORK/hf-trimmed/$m
-          python3 -m atomflow_bench.measure.llama_cpp trim-model "$hf" "$trim" >"$RES/logs/trim-$m.json" 2>>"$log" ||
-            { note "convert $m: tokenizer trim failed"; exit 1; }
-          c1="python3 $SRC/convert_hf_to_gguf.py $trim --outtype f16 --outfile $f16"
-          timeout "$(left)" python3 "$SRC/convert_hf_to_gguf.py" "$trim" --outtype f16 --outfile "$f16.part" >>"$log" 2>&1 &&
-            mv "$f16.part" "$f16" || { note "convert $m: convert_hf_to_gguf rc=$? (logs/convert-$m.log; call again if 124)"; rm -f "$f16.part"; exit 1; }
-          printf 'atomflow-bench fetch %s (synthetic); python3 -m atomflow_bench.measure.llama_cpp trim-model HF TRIM (%s); %s\n' \
-            "$m" "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["note"])' "$RES/logs/trim-$m.json")" "$c1" >"$WORK/gguf/$m.commands"
-        fi
-        if [[ " $QUANTS " == *" Q8_0 "* ]] && [ ! -f "$q8" ]; then
-          timeout "$(left)" "$BIN/llama-quantize" "$f16" "$q8.part" Q8_0 >>"$log" 2>&1 && mv "$q8.part" "$q8" ||
-            { note "convert $m: llama-quantize rc=$?"; rm -f "$q8.part"; exit 1; }
-          printf '%s/llama-quantize %s %s Q8_0\n' "$BIN" "$f16" "$q8" >>"$WORK/gguf/$m.commands"
-        fi
+        trim=$WORK/hf-trimmed/$m
+        python3 -m atomflow_bench.measure.llama_cpp trim-model "$hf" "$trim" >"$RES/logs/trim-$m.json" 2>>"$log" ||
+          { note "convert $m: tokenizer trim failed"; exit 1; }
+        c1="python3 $SRC/convert_hf_to_gguf.py $trim --outtype f16 --outfile $f16"
+        timeout "$(left)" python3 "$SRC/convert_hf_to_gguf.py" "$trim" --outtype f16 --outfile "$f16.part" >>"$log" 2>&1 &&
+          mv "$f16.part" "$f16" || { note "convert $m: convert_hf_to_gguf rc=$? (logs/convert-$m.log; call again if 124)"; rm -f "$f16.part"; exit 1; }
+        printf 'atomflow-bench fetch %s (synthetic); python3 -m atomflow_bench.measure.llama_cpp trim-model HF TRIM (%s); %s\n' \
+          "$m" "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["note"])' "$RES/logs/trim-$m.json")" "$c1" >"$WORK/gguf/$m.commands"
+        rm -rf "$trim"
         [ "$DROP_HF" = 1 ] && [ -n "$hf" ] && [ -d "$hf" ] && rm -rf "$hf"   # deterministic: fetch remakes it
-        note "convert $m: $(ls -l "$f16" "$q8" 2>/dev/null | awk '{printf "%s %.2f GB; ", $NF, $5/1e9}')"
+        note "convert $m F16: $(ls -l "$f16" | awk '{printf "%.2f GB", $5/1e9}') at $(( $(date +%s) - T0 ))s"
+      done
+      [[ " $QUANTS " == *" Q8_0 "* ]] || continue
+      wait_build || { note "convert: llama-quantize not built (stage build)"; exit 1; }
+      for m in $MODELS; do
+        f16=$(gguf_of "$m" F16); q8=$(gguf_of "$m" Q8_0)
+        [ -f "$q8" ] && { note "quantize $m: done earlier"; continue; }
+        [ "$(left)" -gt 45 ] || { note "quantize $m: no time left in this call: call again"; exit 0; }
+        timeout "$(left)" "$BIN/llama-quantize" "$f16" "$q8.part" Q8_0 >>"$RES/logs/convert-$m.log" 2>&1 && mv "$q8.part" "$q8" ||
+          { note "quantize $m: llama-quantize rc=$?"; rm -f "$q8.part"; exit 1; }
+        printf '%s/llama-quantize %s %s Q8_0\n' "$BIN" "$f16" "$q8" >>"$WORK/gguf/$m.commands"
+        note "quantize $m Q8_0: $(ls -l "$q8" | awk '{printf "%.2f GB", $5/1e9}') at $(( $(date +%s) - T0 ))s"
       done ;;
     bench)
-      built || { note "bench: not built yet"; exit 1; }
+      wait_build || { note "bench: not built yet"; exit 1; }
       depths=$(echo $CONTEXTS | tr ' ' ',')
       for m in $MODELS; do for q in $QUANTS; do
         g=$(gguf_of "$m" "$q"); tag=$m-$(q_lower "$q")
@@ -147,9 +159,11 @@ for st in $stages; do
           --extra "nvcc=$(nvcc --version | tail -1)" --out "$RES/records" >"$RES/logs/record-$tag.log" 2>&1 &&
           touch "$RES/bench/$tag.recorded"
         note "bench $tag: rc=$? $(grep -o 'ctx [0-9]* TPOT [0-9.]* ms' "$RES/logs/record-$tag.log" | tr '\n' ' ')"
+        # disk: the next models' GGUFs need the room; the record keeps the size (the server's GGUF stays)
+        [ "$DROP_GGUF" = 1 ] && [ -f "$RES/bench/$tag.recorded" ] && [ "$m/$q" != "$SERVER_MODEL/$SERVER_QUANT" ] && rm -f "$g"
       done; done ;;
     server)
-      built || { note "server: not built yet"; exit 1; }
+      wait_build || { note "server: not built yet"; exit 1; }
       g=$(gguf_of "$SERVER_MODEL" "$SERVER_QUANT")
       [ -f "$g" ] || { note "server: no $g (stage convert)"; continue; }
       [ -f "$RES/server.recorded" ] && { note "server: done earlier"; continue; }
