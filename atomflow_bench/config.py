@@ -299,6 +299,20 @@ CATALOG: dict[str, Preset] = {
             rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}, rms_norm_eps=1e-5, tie_word_embeddings=False,
             max_position_embeddings=131072, bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
             ("synthetic", "hf")),
+        # Larger than one GPU: run with --tp N (synthetic weights generated on the GPUs, gpu/synthetic.py).
+        Preset("llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct", ModelConfig(
+            vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+            num_attention_heads=64, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+            rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            max_position_embeddings=131072, bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+            ("synthetic", "hf"), note="141 GB at fp16: --tp 2 or more"),
+        Preset("llama-3.1-405b", "meta-llama/Llama-3.1-405B-Instruct", ModelConfig(
+            vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+            num_attention_heads=128, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+            rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            max_position_embeddings=131072, bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
+            ("synthetic", "hf"), note="811 GB at fp16; 16 q heads per kv head, which the attention kernels do not "
+                                      "run yet"),
         Preset("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", ModelConfig(
             vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
             num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,

@@ -5,7 +5,8 @@
 // argmax_finish: every block's (value, index) -> part_*[blockIdx.x]; the last block to finish (atomic ticket
 //            on `counter`, after a __threadfence) reduces the partials and, when `advance`, writes the step
 //            state: with p = *pos: out_tokens[p] = best; *cur_token = (p + 1 < *prompt_len) ? prompt[p + 1]
-//            : best; *pos = p + 1. It always resets the counter to 0 for the next launch.
+//            : best; *pos = p + 1. It always resets the counter to 0 for the next launch, and leaves the best
+//            (value, index) in part_val[0] / part_idx[0] (tensor parallel: tp_comm.cu combines the ranks' bests).
 #pragma once
 #include "common.cuh"
 
@@ -63,6 +64,8 @@ __device__ __forceinline__ void argmax_finish(float bv, int bi, const ArgmaxArgs
     better(bv, bi, __ldcg(m.part_val + b), __ldcg(m.part_idx + b));
   block_argmax(bv, bi);
   if (threadIdx.x == 0) {
+    m.part_val[0] = bv;
+    m.part_idx[0] = bi;
     if (m.advance) {
       const int p = *m.pos;
       const int best = bi == 0x7fffffff ? 0 : bi;

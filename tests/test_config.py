@@ -9,7 +9,8 @@ from atomflow_bench.errors import ConfigError
 
 # Parameter counts published for the real checkpoints.
 PUBLISHED_PARAMS = {"llama-3.2-1b": 1.236e9, "llama-3.2-3b": 3.213e9, "llama-3.1-8b": 8.03e9,
-                    "smollm2-135m": 134.5e6}
+                    "smollm2-135m": 134.5e6,
+                    "llama-3.1-70b": 70.55e9, "llama-3.1-405b": 405.85e9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))

@@ -62,7 +62,9 @@ class ArenaPlan:
         return sum(self.regions[n].nbytes for n in self.streamed)
 
 
-def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> ArenaPlan:
+def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132, lm_head_rows: int | None = None) -> ArenaPlan:
+    """The regions of `cfg` (tensor parallel: the rank's local_config, with `lm_head_rows` its vocabulary rows; the
+    embedding stays whole, replicated)."""
     if fmt not in ("fp16", "fp8"):
         raise AtomflowError(f"unknown weight format {fmt!r} (expected fp16 or fp8)")
     if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or cfg.q_dim % 32:
@@ -91,7 +93,7 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132) -> Are
                 staging = max(staging, rows * k * 3 + rows * -(-k // GROUP) * 4)
     p.add("weights", "final_norm", (H,), np.float16, streamed=True)
     if not cfg.tie_word_embeddings:
-        p.add("weights", "lm_head", (V, H), np.float16, streamed=True)
+        p.add("weights", "lm_head", (lm_head_rows or V, H), np.float16, streamed=True)
     p.staging_bytes = staging
     # KV cache: contiguous [layers][max_seq][kv_dim], arithmetic addressing
     p.add("kv", "k_cache", (L, max_seq, cfg.kv_dim), np.float16)

@@ -9,6 +9,12 @@ up to its capacity and the split kernel those beyond, each bucket with its own l
 step advances the position by exactly one, so the engine keeps a host copy of it and runs every step with the
 bucket of its context length. The forms come in resolved (given, saved by `tune`, or forms.default_forms): the
 engine never times anything itself.
+
+Tensor parallel (`group`: gpu/comm.py Group, one process per GPU): the engine holds the rank's shard (gpu/tp.py plan;
+loaded sliced from the checkpoint, or generated on the GPU by gpu/synthetic.py) and its step sums o_proj and down
+across the ranks and combines the greedy token (ops/tp_comm.py; `allreduce` = "peer" or "nccl", default peer where
+the ranks can map each other's memory). Every rank must make the same calls in the same order (the collectives are
+inside the step), so nothing here depends on a rank's own timings.
 """
 from __future__ import annotations
 
@@ -30,20 +36,46 @@ from .upload import upload_weights
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, weights: str = "fp8", max_seq: int = 2048, forms: Forms | None = None,
-                 progress=None, pdl: bool | None = None, kernel_defines: tuple = ()):
+    def __init__(self, model_dir: str | Path | None, weights: str = "fp8", max_seq: int = 2048,
+                 forms: Forms | None = None, progress=None, pdl: bool | None = None, kernel_defines: tuple = (),
+                 group=None, allreduce: str | None = None, source=None):
         cupy = require_gpu()
         # load
-        self.ckpt = Checkpoint(model_dir)
+        self.ckpt = source if source is not None else Checkpoint(model_dir)  # source: e.g. synthetic.GpuSynthetic
         self.cfg = self.ckpt.config
         self.fmt = weights
         self.gpu = gpu_info()
         self.cc = compute_capability()
-        self.plan = plan_arena(self.cfg, weights, max_seq, self.gpu["sms"])
+        self.group = group
+        self.shard = None
+        self.layer_cfg = self.cfg  # the shapes the layer kernels see (a rank's share under tensor parallel)
+        lm_rows = None
+        if group is not None:
+            from . import tp
+
+            tp.check_kernels(self.cfg, group.size)
+            self.shards = tp.plan(self.cfg, group.size)
+            self.shard = self.shards[group.rank]
+            self.layer_cfg = tp.local_config(self.cfg, group.size)
+            lm_rows = self.shard.vocab_rows[1] - self.shard.vocab_rows[0]
+        self.plan = plan_arena(self.layer_cfg, weights, max_seq, self.gpu["sms"],
+                               lm_head_rows=None if self.cfg.tie_word_embeddings else lm_rows)
         self.max_seq = max_seq
         self.lib = KernelLib(extra_defines=kernel_defines)  # kernel_defines: e.g. the timeline instrument
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
-        self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress)
+        self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress, shard=self.shard)
+        self.tp = None
+        if group is not None:
+            from .ops.lm_head import partial_blocks
+            from .ops.tp_comm import TpComm
+
+            rows = max(s.vocab_rows[1] - s.vocab_rows[0] for s in self.shards)
+            offsets = [s.vocab_rows[0] for s in self.shards]
+            path = allreduce or "auto"
+            self.tp = TpComm(group, self.lib, self.cfg.hidden_size, partial_blocks(rows, self.gpu["sms"]), offsets,
+                             "nccl" if path == "auto" else path, try_peer=True)
+            if path == "auto" and self.tp.peer:
+                self.tp.path = "peer"
         self.short_capacity = short_capacity(self.cfg.head_dim, smem_limits())
         # Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it requests
         # weights and waits (griddepcontrol.wait) before touching the predecessor's outputs. ATOMFLOW_PDL=0: off (A/B).
@@ -59,7 +91,8 @@ class Engine:
     # ---- build ---------------------------------------------------------------------------------------------------
     def bucket_launches(self, cap: int | None, form: GemvForm) -> list:
         """One bucket's step: the short attention kernel at capacity `cap`, or (None) the split kernel."""
-        launches = build_step(self.cfg, self.fmt, self.arena, self.lib, self.gpu["sms"], cap, form)
+        launches = build_step(self.layer_cfg, self.fmt, self.arena, self.lib, self.gpu["sms"], cap, form, tp=self.tp,
+                              vocab_rows=self.shard.vocab_rows if self.shard else None)
         if self.pdl:
             for ln in launches[1:]:
                 ln.enable_pdl()
@@ -155,7 +188,14 @@ class Engine:
         return v
 
     def streamed_bytes(self, context: float) -> dict:
-        """Bytes one decode step must read at a given context length (weights in full + K and V rows)."""
+        """Bytes one decode step must read at a given context length (weights in full + K and V rows); tensor
+        parallel: this rank's."""
+        if self.group is not None:
+            from . import tp
+
+            w = tp.shard_bytes(self.cfg, self.fmt, self.group.size)[self.group.rank]
+            kv = int(round(context * tp.kv_bytes_per_token(self.cfg, self.group.size)))
+            return {"weights": w, "kv": kv, "total": w + kv}
         w = self.plan.streamed_weight_bytes()
         kv = int(round(context * self.cfg.kv_bytes_per_token()))
         return {"weights": w, "kv": kv, "total": w + kv}

@@ -33,19 +33,31 @@ from .ops.small import embed_launch
 
 
 def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, att_cap: int | None,
-               form: GemvForm) -> list[Launch]:
+               form: GemvForm, tp=None, vocab_rows: tuple[int, int] | None = None) -> list[Launch]:
     """The step's launches, each with its probes as taps (validation copies them after each launch). `att_cap`: the
     short attention kernel holding that many positions (lengths up to it), else (None) the split kernel. `form`: the
-    layer GEMVs' form."""
+    layer GEMVs' form.
+
+    Tensor parallel (`tp`: ops/tp_comm.TpComm; `cfg` is then the rank's local_config and `vocab_rows` its lm_head
+    rows): o_proj and down run the variant tp.gemv_target says, each followed by the sum across ranks
+    (tp.sum_launches, which carry the h probes); the lm_head finds the rank's best over its rows and tp's combine
+    picks the token and advances the position."""
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_norm_eps
     h, qkv, attn_out, act = (a[n] for n in ("h", "qkv", "attn_out", "act"))
     rows = linear_regions(cfg)
 
-    def gemv(i, role, x, y, n_out, k, **kw):
+    def gemv(i, role, x, y, n_out, k, variant=None, **kw):
         w = f"L{i}.{role}"
-        return gemv_launch(lib, fmt, ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None, x, y,
-                           n_out, k, n_sm, eps=eps, role=role, ws=form.ws, ws_pre=form.ws_pre, **kw)
+        return gemv_launch(lib, fmt, variant or ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None,
+                           x, y, n_out, k, n_sm, eps=eps, role=role, ws=form.ws, ws_pre=form.ws_pre, **kw)
+
+    def resid(i, role, x, k, probe):
+        """o_proj / down: h += W.x, or across ranks a partial product and the sum."""
+        if tp is None:
+            return [gemv(i, role, x, h, H, k, taps={probe: h})]
+        variant, y = tp.gemv_target(role, h)
+        return [gemv(i, role, x, y, H, k, variant=variant)] + tp.sum_launches(role, h, taps={probe: h})
 
     steps = [embed_launch(lib, a["cur_token"], a["embed"], h, taps={"embed": h})]
     for i in range(cfg.num_hidden_layers):
@@ -61,11 +73,15 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
             attention_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], a["att_ml"], a["att_o"],
                              a["att_counters"][i], attn_out, cfg.num_key_value_heads, cfg.group_size, hd,
                              taps={p + "attn_out": attn_out}),
-            gemv(i, "wo", attn_out, h, H, q_dim, taps={p + "attn": h}),
+            *resid(i, "wo", attn_out, q_dim, p + "attn"),
             gemv(i, "wgu", h, act, I, H, norm_w=a[f"L{i}.mlp_norm"], taps={p + "act": act}),
-            gemv(i, "wd", act, h, H, I, taps={p + "mlp": h}),
+            *resid(i, "wd", act, I, p + "mlp"),
         ]
-    steps.append(lm_head.lm_head_launch(lib, a, cfg, n_sm))
+    if tp is None:
+        steps.append(lm_head.lm_head_launch(lib, a, cfg, n_sm))
+    else:
+        steps.append(lm_head.lm_head_launch(lib, a, cfg, n_sm, shard=vocab_rows, partials=tp.argmax_arrays()))
+        steps += tp.argmax_launches((a["pos"], a["cur_token"], a["prompt"], a["prompt_len"], a["out_tokens"]))
     check_residual_order([ln.name for ln in steps])
     return steps
 
@@ -73,7 +89,9 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
 def hold_position(launches: list[Launch]) -> list[Launch]:
     """The step without advancing the position, for timing runs that replay it many times at one length: the
     lm_head launched with advance = 0 (it still finds the token, so the time includes the argmax)."""
-    return [lm_head.hold_position(ln) for ln in launches]
+    from .ops import tp_comm
+
+    return [tp_comm.hold_position(lm_head.hold_position(ln)) for ln in launches]
 
 
 def check_residual_order(names: list[str]) -> None:

@@ -240,38 +240,51 @@ def comm_bytes_per_token(cfg: ModelConfig, n: int) -> dict:
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.weight")
 
 
-def slice_weight(name: str, w: np.ndarray, shard: RankShard, cfg: ModelConfig | None = None) -> np.ndarray:
-    """The rank's part of the full HF tensor `name` (row-major [out, in] as HF stores it), C-contiguous.
-    Projections: q/k/v/gate/up by rows, o/down by columns; norms and the embedding whole (replicated); lm_head by
-    vocab rows. (A tied model's lm_head shard is embedding[vocab_rows], a view of the replicated table.)
-    `cfg` (optional) checks the tensor's full shape."""
+def slice_index(name: str, shard: RankShard) -> tuple[slice, slice]:
+    """(rows, columns) of the full HF tensor `name` (row-major [out, in] as HF stores it) that rank `shard` holds:
+    q/k/v/gate/up by rows, o/down by columns; norms and the embedding whole (replicated); lm_head by vocab rows."""
     hd = shard.head_dim
+    whole = slice(None)
     m = _LAYER.fullmatch(name)
     if name in ("model.embed_tokens.weight", "model.norm.weight"):
-        part = w
-    elif name == "lm_head.weight":
-        part = w[slice(*shard.vocab_rows)]
-    elif m:
+        return whole, whole
+    if name == "lm_head.weight":
+        return slice(*shard.vocab_rows), whole
+    if m:
         sub = m.group(2)
         kv = (shard.kv_heads[0] * hd, shard.kv_heads[1] * hd)
         rows = {"self_attn.q_proj": shard.q_rows, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
                 "mlp.gate_proj": shard.inter, "mlp.up_proj": shard.inter}
         cols = {"self_attn.o_proj": shard.wo_cols, "mlp.down_proj": shard.wd_cols}
         if sub in ("input_layernorm", "post_attention_layernorm"):
-            part = w
-        elif sub in rows:
-            part = w[slice(*rows[sub])]
-        elif sub in cols:
-            part = w[:, slice(*cols[sub])]
-        else:
-            raise AtomflowError(f"tensor parallel: no sharding rule for tensor {name!r}")
-    else:
-        raise AtomflowError(f"tensor parallel: no sharding rule for tensor {name!r}")
+            return whole, whole
+        if sub in rows:
+            return slice(*rows[sub]), whole
+        if sub in cols:
+            return whole, slice(*cols[sub])
+    raise AtomflowError(f"tensor parallel: no sharding rule for tensor {name!r}")
+
+
+def slice_shape(name: str, full_shape: tuple, shard: RankShard) -> tuple:
+    """The shape of the rank's part of a tensor of `full_shape` (slice_index)."""
+    rs, cs = slice_index(name, shard)
+    out = [len(range(*rs.indices(full_shape[0])))]
+    if len(full_shape) > 1:
+        out.append(len(range(*cs.indices(full_shape[1]))))
+    return tuple(out)
+
+
+def slice_weight(name: str, w: np.ndarray, shard: RankShard, cfg: ModelConfig | None = None) -> np.ndarray:
+    """The rank's part of the full HF tensor `name` (slice_index), C-contiguous. (A tied model's lm_head shard is
+    embedding[vocab_rows], a view of the replicated table.) `cfg` (optional) checks the tensor's full shape."""
+    m = _LAYER.fullmatch(name)
+    rs, cs = slice_index(name, shard)
     if cfg is not None:
         want = cfg.tensor_shapes().get(name) if not m else cfg.tensor_shapes().get(
             f"model.layers.0.{m.group(2)}.weight")
         if want is None or tuple(w.shape) != tuple(want):
             raise AtomflowError(f"tensor parallel: {name} has shape {tuple(w.shape)}, the config says {want}")
+    part = w[rs] if w.ndim == 1 else w[rs, cs]
     return np.ascontiguousarray(part)
 
 
@@ -319,5 +332,5 @@ def ranks_table(cfg: ModelConfig, ns=(1, 2, 4, 8)) -> list[dict]:
 
 
 __all__ = ["RankShard", "plan", "check", "check_kernels", "local_config", "shard_bytes", "norm_bytes", "embed_bytes",
-           "kv_bytes_per_token", "comm_bytes_per_token", "slice_weight", "local_argmax", "combine_argmax",
+           "kv_bytes_per_token", "comm_bytes_per_token", "slice_weight", "slice_index", "slice_shape", "local_argmax", "combine_argmax",
            "ranks_table", "NO_INDEX"]

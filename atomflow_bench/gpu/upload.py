@@ -39,14 +39,21 @@ class _PinnedUploader:
         self.buf = np.frombuffer(self.mem, dtype=np.uint8, count=nbytes)
         self.copied = 0
 
-    def put(self, dst, parts: list[np.ndarray]) -> None:
-        """Copy `parts` (stacked along axis 0, same dtype as `dst`) into the device array `dst`."""
-        rt = self._cupy.cuda.runtime
+    def put(self, dst, parts: list) -> None:
+        """Copy `parts` (host NumPy or device CuPy arrays, stacked along axis 0, same dtype as `dst`) into the device
+        array `dst`."""
+        cupy = self._cupy
+        rt = cupy.cuda.runtime
         total = sum(p.nbytes for p in parts)
         if total != dst.nbytes:
             raise VerifyError(f"weights of {total} bytes do not fill a {dst.nbytes}-byte region {dst.shape}")
         off = 0
         for part in parts:
+            if isinstance(part, cupy.ndarray):  # generated on the device (gpu/synthetic.py)
+                src = cupy.ascontiguousarray(part.astype(dst.dtype, copy=False)).reshape(-1).view(cupy.uint8)
+                rt.memcpy(dst.data.ptr + off, src.data.ptr, src.size, rt.memcpyDeviceToDevice)
+                off += src.size
+                continue
             src = np.ascontiguousarray(part.astype(dst.dtype, copy=False)).reshape(-1).view(np.uint8)
             for o in range(0, src.size, self.buf.size):
                 n = min(self.buf.size, src.size - o)
@@ -56,15 +63,25 @@ class _PinnedUploader:
         self.copied += total
 
 
-def upload_weights(ckpt: Checkpoint, arena, fmt: str, lib, progress=None) -> dict:
-    """Fill the arena's weight pool from the checkpoint (see the module docstring). Returns {"bytes": host bytes copied, "fp8_source": "gpu-quantized" | "file"
-    | None}."""
+def upload_weights(ckpt: Checkpoint, arena, fmt: str, lib, progress=None, shard=None) -> dict:
+    """Fill the arena's weight pool from the checkpoint (see the module docstring), or with a tensor-parallel rank's
+    `shard` (gpu/tp.py RankShard) of it: each tensor sliced at load (tp.slice_weight), or generated on the device by
+    a source with `get_shard` (gpu/synthetic.py). Returns {"bytes": bytes copied, "fp8_source": "gpu-quantized" |
+    "file" | None}."""
     import cupy
+
+    from . import tp
 
     cfg = ckpt.config
     up = _PinnedUploader()
-    fp8_file = ckpt.dir / "model-fp8.safetensors"
-    use_file = fmt == "fp8" and fp8_file.is_file()
+    if hasattr(ckpt, "get_shard"):
+        get = lambda n: ckpt.get_shard(n, shard)  # noqa: E731
+    elif shard is not None:
+        get = lambda n: tp.slice_weight(n, ckpt.get(n), shard)  # noqa: E731
+    else:
+        get = ckpt.get
+    fp8_file = ckpt.dir / "model-fp8.safetensors" if ckpt.dir is not None else None
+    use_file = fmt == "fp8" and shard is None and fp8_file is not None and fp8_file.is_file()
     if use_file:
         fp8 = safe_open(str(fp8_file), framework="numpy")
     staging = cupy.empty(arena.plan.staging_bytes, dtype=cupy.uint8)
@@ -80,7 +97,7 @@ def upload_weights(ckpt: Checkpoint, arena, fmt: str, lib, progress=None) -> dic
         dst = arena[region]
         pairing = ROLE_PAIRING.get(region.split(".", 1)[-1])
         if pairing is None:  # embedding, norms, lm_head: row-major as stored
-            up.put(dst, [ckpt.get(n) for n in names])
+            up.put(dst, [get(n) for n in names])
         else:
             rows, k = dst.shape
             if fmt == "fp8":
@@ -93,13 +110,13 @@ def upload_weights(ckpt: Checkpoint, arena, fmt: str, lib, progress=None) -> dic
                     up.put(s_rm, [fp8.get_tensor(n[:-len(".weight")] + ".weight_scale") for n in names])
                 else:
                     w16 = staging[rows * k: rows * k * 3].view(cupy.float16).reshape(rows, k)
-                    up.put(w16, [ckpt.get(n) for n in names])
+                    up.put(w16, [get(n) for n in names])
                     quantize_launch(lib, w16, q, s_rm)()
                 sv = tile_scale_view(s_rm, pairing, half)
                 arena[region + ".scale"].reshape(sv.shape)[...] = sv
             else:
                 q = staging[: rows * k * 2].view(cupy.float16).reshape(rows, k)
-                up.put(q, [ckpt.get(n) for n in names])
+                up.put(q, [get(n) for n in names])
             v = tile_view(q, fmt, pairing, half)
             dst.reshape(v.shape)[...] = v
         if progress:

@@ -10,7 +10,7 @@ Two forms per format, both y = W . x over weights pre-tiled at load time (tile_v
 Which form a step runs is launch policy (forms.GemvForm, measured by tune.py); this module builds either.
 Variants (the epilogue, gemv_common.cuh): qkv_rope (RMSNorm prologue; RoPE + KV-cache append; optionally asks L2
 for later weights: next_l2), norm_swiglu (RMSNorm prologue, SwiGLU), resid (h += W.x), store (plain fp16: the
-`gemv` microbenchmark's QKV).
+`gemv` microbenchmark's QKV), partial (plain fp32: a tensor-parallel rank's share of o_proj / down, ops/tp_comm.py).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ ROLE_VARIANT = {"wqkv": "qkv_rope", "wo": "resid", "wgu": "norm_swiglu", "wd": "
 #   "none"   tile T = rows 16T .. 16T+15 (o_proj, down_proj, plain GEMVs)
 #   "halves" rows 0-7 = gate rows 8T.., rows 8-15 = up rows 8T.. of [gate; up] stacked (SwiGLU epilogue)
 #   "rope"   rows 0-7 = rows i..i+7 of a head, rows 8-15 = rows i+hd/2.. of the same head (RoPE epilogue)
-VARIANT_PAIRING = {"qkv_rope": "rope", "norm_swiglu": "halves", "resid": "none", "store": "none"}
+VARIANT_PAIRING = {"qkv_rope": "rope", "norm_swiglu": "halves", "resid": "none", "store": "none", "partial": "none"}
 ROLE_PAIRING = {role: VARIANT_PAIRING[v] for role, v in ROLE_VARIANT.items()}
 
 

@@ -31,11 +31,12 @@ def partial_blocks(vocab: int, n_sm: int) -> int:
 
 
 def rows_launch(lib: KernelLib, w, x, y, n_out: int, k: int, n_sm: int, norm_w=None, eps: float = 1e-5,
-                x_out=None, taps=None, argmax: tuple = ()) -> Launch:
+                x_out=None, taps=None, argmax: tuple = (), advance: bool = True) -> Launch:
     """y (fp32) = W . x for fp16 row-major W [n_out, k]. With `norm_w`, x is the fp32 residual and the prologue is
     the final RMSNorm (`x_out`, fp16 [k]: where block 0 stores the normalised x). `argmax` = (part_val, part_idx,
     counter, pos, cur_token, prompt, prompt_len, out_tokens): the greedy token and the step state in the epilogue
-    (gemv_f16_f32_argmax, advancing the position); without it the plain gemv_f16_f32 (the `gemv` benchmark)."""
+    (gemv_f16_f32_argmax, advancing the position unless `advance` is False: tensor parallel leaves that to the
+    combine across ranks); without it the plain gemv_f16_f32 (the `gemv` benchmark)."""
     if tuple(w.shape) != (n_out, k) or w.dtype != np.float16 or k % 8:
         raise AtomflowError(f"lm_head GEMV needs fp16 weights [{n_out}, {k}] with K % 8 == 0, got {w.dtype} "
                             f"{tuple(w.shape)}")
@@ -50,21 +51,33 @@ def rows_launch(lib: KernelLib, w, x, y, n_out: int, k: int, n_sm: int, norm_w=N
     if argmax:
         if argmax[0].shape[0] < grid[0]:
             raise AtomflowError(f"argmax partials for {argmax[0].shape[0]} blocks, lm_head has {grid[0]}")
-        name, args = "gemv_f16_f32_argmax", args + tuple(argmax) + (i32(1),)
+        name, args = "gemv_f16_f32_argmax", args + tuple(argmax) + (i32(1 if advance else 0),)
     fn = lib[name]
     allow_dynamic_smem(fn, shmem)
     return Launch(fn, "gemv_fp16_f32_argmax" if argmax else "gemv_fp16_f32", grid, (GEMV_THREADS,), args, shmem,
                   taps or {}, moved, f"gemv fp16 lm_head {n_out}x{k}")
 
 
-def lm_head_launch(lib: KernelLib, a, cfg, n_sm: int) -> Launch:
-    """The step's tail over the arena `a`: xnorm = RMSNorm(h) * final_norm, logits, the greedy token, pos += 1."""
-    head = a["embed" if cfg.tie_word_embeddings else "lm_head"]
-    return rows_launch(lib, head, a["h"], a["logits"], cfg.vocab_size, cfg.hidden_size, n_sm,
+def lm_head_launch(lib: KernelLib, a, cfg, n_sm: int, shard: tuple[int, int] | None = None,
+                   partials: tuple | None = None) -> Launch:
+    """The step's tail over the arena `a`: xnorm = RMSNorm(h) * final_norm, logits, the greedy token, pos += 1.
+    Tensor parallel: `shard` = the rank's vocabulary rows (start, stop), `partials` = where its argmax partials go
+    (tp_comm.TpComm.argmax_arrays); the rank's best is left in partials[0] and the position is not advanced (the
+    combine across ranks does that)."""
+    r0, r1 = shard or (0, cfg.vocab_size)
+    if cfg.tie_word_embeddings:
+        head = a["embed"][r0:r1]
+    else:
+        head = a["lm_head"]
+        if head.shape[0] != r1 - r0:
+            raise AtomflowError(f"lm_head region holds {head.shape[0]} rows, the shard {r1 - r0}")
+    val, idx = partials or (a["am_val"], a["am_idx"])
+    logits = a["logits"][: r1 - r0]
+    return rows_launch(lib, head, a["h"], logits, r1 - r0, cfg.hidden_size, n_sm,
                        norm_w=a["final_norm"], eps=cfg.rms_norm_eps, x_out=a["xnorm"],
-                       taps={"final_norm": a["xnorm"], "logits": a["logits"]},
-                       argmax=(a["am_val"], a["am_idx"], a["am_counter"], a["pos"], a["cur_token"], a["prompt"],
-                               a["prompt_len"], a["out_tokens"]))
+                       taps={"final_norm": a["xnorm"], "logits": logits},
+                       argmax=(val, idx, a["am_counter"], a["pos"], a["cur_token"], a["prompt"],
+                               a["prompt_len"], a["out_tokens"]), advance=shard is None)
 
 
 def hold_position(ln: Launch) -> Launch:

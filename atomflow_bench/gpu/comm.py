@@ -1,0 +1,238 @@
+"""The ranks of a tensor-parallel run: one process per GPU, NCCL between them (cupy.cuda.nccl), bootstrapped through
+CuPy's own distributed support (`cupyx.distributed.init_process_group`: rank 0 serves a TCP store that hands the NCCL
+unique id to the others).
+
+Conventions (torchrun's and mpirun's): RANK, WORLD_SIZE, LOCAL_RANK (the GPU of this host; default RANK),
+MASTER_ADDR, MASTER_PORT. `launch` starts the N processes of one host itself; under a launcher that already set
+RANK / WORLD_SIZE every process joins instead, so two hosts need no code change. NCCL variables the user set are
+left as they are; NVLink multicast (NVLS) is off unless the user set NCCL_NVLS_ENABLE (the lent machines need it off).
+
+`Group` holds the communicator and the collectives the decode step captures (`allreduce_op`, `allgather_op`: host
+ops queued on the current stream, so a CUDA graph records them), plus the host-side exchanges the engine needs
+once (`allgather_host`: IPC handles, copy bandwidths) and the peer-memory mapping of the fast path (`peer_buffer`).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import AtomflowError
+
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def joined() -> bool:
+    """True in a process a launcher started as one rank (RANK and WORLD_SIZE set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(n: int, argv: list[str], gpus: int) -> int:
+    """Run `python -m atomflow_bench.cli ARGV` as `n` ranks on this host (GPU r for rank r) and return the exit code:
+    0 when every rank succeeded, else the first failing rank's code (the others are stopped: a rank waiting in a
+    collective for a dead peer would wait forever). Rank 0 keeps stdout; the others' stdout is dropped (they print
+    nothing but errors, which go to stderr)."""
+    if n > gpus:
+        raise AtomflowError(f"--tp {n} needs {n} GPUs on this host, {gpus} visible")
+    port = free_port()
+    procs = []
+    for r in range(n):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-m", "atomflow_bench.cli", *argv], env=env,
+                                      stdout=None if r == 0 else subprocess.DEVNULL))
+    code = 0
+    try:
+        while procs:
+            for p in list(procs):
+                rc = p.poll()
+                if rc is None:
+                    continue
+                procs.remove(p)
+                if rc != 0 and code == 0:
+                    code = rc
+                    for q in procs:
+                        q.terminate()
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        raise
+    return code
+
+
+@dataclass
+class HostOp:
+    """A collective in the step's list of launches: called on the current stream (captured into the graph like a
+    kernel). Same fields the step, graph, validation and profile read from a Launch."""
+    call: object
+    name: str
+    label: str
+    bytes_moved: int = 0
+    taps: dict = field(default_factory=dict)
+    grid: tuple = (0,)
+    block: tuple = (0,)
+    args: tuple = ()
+    shmem: int = 0
+    pdl: bool = False
+
+    def __call__(self):
+        self.call()
+
+    def enable_pdl(self) -> None:
+        """Collectives launch without the PDL attribute; the kernel after one waits for it to complete (a kernel that
+        never triggers its dependents releases them at its end)."""
+
+
+class Group:
+    """This process's rank in a group of `size` ranks, one GPU each."""
+
+    def __init__(self, size: int | None = None):
+        import cupy
+        from cupy.cuda import nccl
+
+        env = os.environ
+        try:
+            self.rank, self.size = int(env["RANK"]), int(env["WORLD_SIZE"])
+            self.local_rank = int(env.get("LOCAL_RANK", self.rank))
+            host, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
+        except (KeyError, ValueError) as e:
+            raise AtomflowError(f"tensor parallel: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT must be integers ({e})") \
+                from None
+        if size is not None and size != self.size:
+            raise AtomflowError(f"--tp {size} but the launcher started WORLD_SIZE={self.size} processes")
+        if not 0 <= self.rank < self.size:
+            raise AtomflowError(f"RANK={self.rank} is not in 0..{self.size - 1}")
+        n_dev = cupy.cuda.runtime.getDeviceCount()
+        if self.local_rank >= n_dev:
+            raise AtomflowError(f"LOCAL_RANK={self.local_rank} but this host has {n_dev} GPUs")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        cupy.cuda.Device(self.local_rank).use()
+        from cupyx.distributed import init_process_group
+
+        self.backend = init_process_group(self.size, self.rank, host=host, port=port)
+        self.comm = self.backend._comm  # cupy.cuda.nccl.NcclCommunicator
+        self._nccl = nccl
+        self.nccl_version = nccl.get_version()
+        self._peer_handles: list = []
+        host_id = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:7], "little")
+        me = np.array([host_id, self.local_rank], dtype=np.int64)
+        seen = self.allgather_host(me)
+        self.same_host = bool((seen[:, 0] == seen[0, 0]).all())
+        self.devices = [int(d) for d in seen[:, 1]]  # every rank's GPU index on its host
+
+    # ---- collectives queued on the current stream (capturable) ---------------------------------------------------
+    def allreduce_op(self, buf, label: str = "allreduce") -> HostOp:
+        """In-place sum of the fp32 device array `buf` over the ranks."""
+        import cupy
+
+        nccl, comm, n = self._nccl, self.comm, buf.size
+        if buf.dtype != np.float32:
+            raise AtomflowError(f"allreduce: fp32 buffers only, got {buf.dtype}")
+
+        def call():
+            comm.allReduce(buf.data.ptr, buf.data.ptr, n, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                           cupy.cuda.get_current_stream().ptr)
+        return HostOp(call, "nccl_allreduce", f"nccl allreduce {buf.nbytes} B", 2 * buf.nbytes)
+
+    def allgather_op(self, send, recv, label: str = "allgather") -> HostOp:
+        """recv[r * send.size:(r + 1) * send.size] = rank r's send (4-byte elements)."""
+        import cupy
+
+        nccl, comm, n = self._nccl, self.comm, send.size
+        if send.itemsize != 4 or recv.size != n * self.size:
+            raise AtomflowError("allgather: 4-byte elements, recv = size x send")
+
+        def call():
+            comm.allGather(send.data.ptr, recv.data.ptr, n, nccl.NCCL_INT32, cupy.cuda.get_current_stream().ptr)
+        return HostOp(call, "nccl_allgather", f"nccl allgather {send.nbytes} B x {self.size}", recv.nbytes)
+
+    # ---- host-side exchanges (once, at setup) ---------------------------------------------------------------------
+    def allgather_host(self, values) -> np.ndarray:
+        """Every rank's `values` (a small array of 4- or 8-byte numbers or bytes), stacked [size, ...], through NCCL."""
+        import cupy
+
+        a = np.ascontiguousarray(values)
+        raw = np.frombuffer(a.tobytes() + b"\0" * (-a.nbytes % 4), dtype=np.int32)
+        send = cupy.asarray(raw)
+        recv = cupy.empty(raw.size * self.size, dtype=cupy.int32)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        self.comm.allGather(send.data.ptr, recv.data.ptr, raw.size, self._nccl.NCCL_INT32, stream.ptr)
+        stream.synchronize()
+        out = recv.get().view(np.uint8).reshape(self.size, -1)[:, :a.nbytes]
+        return np.stack([np.frombuffer(row.tobytes(), dtype=a.dtype).reshape(a.shape) for row in out])
+
+    def barrier(self) -> None:
+        self.allgather_host(np.zeros(1, np.int32))
+
+    def _agree(self, ok: bool, reason: str) -> None:
+        """Every rank learns whether all ranks succeeded (so none is left alone in a later collective)."""
+        oks = self.allgather_host(np.array([1 if ok else 0], np.int32))[:, 0]
+        if not oks.all():
+            bad = int(np.flatnonzero(oks == 0)[0])
+            raise AtomflowError(reason if not ok else f"rank {bad} cannot map its peers' memory")
+
+    def peer_buffer(self, nbytes: int):
+        """A device buffer of `nbytes` (its own cudaMalloc, so its IPC handle maps from its start) and the addresses
+        of every rank's buffer of the same size in this process (this rank's own at index rank), through CUDA IPC.
+        AtomflowError on every rank when any rank cannot map its peers' memory (other hosts, no peer access): the
+        fast path is then off."""
+        import cupy
+
+        rt = cupy.cuda.runtime
+        reason = ""
+        if not self.same_host:
+            reason = "the ranks are on different hosts: no peer memory between them"
+        else:
+            for d in self.devices:
+                if d != self.local_rank and not rt.deviceCanAccessPeer(self.local_rank, d):
+                    reason = f"GPU {self.local_rank} cannot access GPU {d}'s memory (no peer access)"
+        self._agree(not reason, reason)
+        ptr = rt.malloc(nbytes)
+        rt.memset(ptr, 0, nbytes)
+        self._owned = getattr(self, "_owned", []) + [ptr]
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, self)
+        local = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        handles = self.allgather_host(np.frombuffer(rt.ipcGetMemHandle(ptr), dtype=np.uint8))
+        addrs, opened = [], []
+        try:
+            for r in range(self.size):
+                if r == self.rank:
+                    addrs.append(ptr)
+                else:
+                    addrs.append(rt.ipcOpenMemHandle(handles[r].tobytes()))
+                    opened.append(addrs[-1])
+            reason = ""
+        except rt.CUDARuntimeError as e:
+            reason = f"CUDA IPC: {e}"
+        self._peer_handles += opened
+        self._agree(not reason, reason)
+        return local, addrs
+
+    def close(self) -> None:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        try:
+            cupy.cuda.Device().synchronize()
+            self.barrier()  # no rank unmaps while a peer may still read its memory
+            for p in self._peer_handles:
+                rt.ipcCloseMemHandle(p)
+            self._peer_handles = []
+            for p in getattr(self, "_owned", []):
+                rt.free(p)
+            self._owned = []
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass

@@ -1,0 +1,189 @@
+"""What tensor-parallel ranks exchange inside the step: everything the host knows about kernels_cu/tp_comm.cu, and
+the NCCL reference path beside it (gpu/comm.py's collectives).
+
+Two places per layer need a sum across ranks (o_proj's and down's partial products), and the step's tail needs the
+greedy token over the vocabulary shards. Two paths, chosen per run (the record says which ran):
+
+  peer  (one host with peer access; the default there) every rank's o_proj / down GEMV stores its partial product
+        in fp32 (the "partial" GEMV variant) into one of two buffers of its own memory (o_proj: 0, down: 1, so a
+        buffer is reused only two sums later: tp_comm.cu says why that is safe); tp_allreduce_add then waits for
+        every rank (a one-shot flag barrier through peer memory) and adds the N partials to h in rank order: h
+        stays bit-identical on every rank. The lm_head leaves its best (value, index) in am_val[0] / am_idx[0] of
+        the same exported buffer; tp_argmax_combine reads every rank's pair and does the step's bookkeeping.
+  nccl  (always available: the reference) rank 0's o_proj / down keep the residual epilogue (h += W.x), the other
+        ranks' GEMVs store their partial product into h, and an in-place NCCL all-reduce of h sums them: two
+        launches per sum. The argmax pairs are all-gathered (two NCCL all-gathers of 4 bytes per rank) into local
+        memory, where tp_argmax_combine (no barrier) reads them.
+
+Both paths are built at setup where they can be (peer needs every rank on this host and peer access), so a run
+times the other path's sums too (comm_only_launches).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import AtomflowError
+from ..launch import NULL, Launch, i32
+
+TP_MAX_RANKS = 8        # tp_comm.cu TP_MAX_RANKS
+TP_AR_THREADS = 256     # tp_comm.cu TP_AR_THREADS: 4 floats per thread per block
+TP_AR_SLOTS = 16        # tp_comm.cu TP_AR_SLOTS: the most blocks a sum may have (hidden <= 16384)
+TP_ARGMAX_SLOT = 16     # tp_comm.cu TP_ARGMAX_SLOT
+TP_SLOTS = 17           # tp_comm.cu TP_SLOTS
+CU_FILES = ("tp_comm.cu", "argmax_common.cuh", "common.cuh")
+CU_DEFINES = {"TP_MAX_RANKS": TP_MAX_RANKS, "TP_AR_THREADS": TP_AR_THREADS, "TP_AR_SLOTS": TP_AR_SLOTS,
+              "TP_ARGMAX_SLOT": TP_ARGMAX_SLOT, "TP_SLOTS": TP_SLOTS}
+PATHS = ("peer", "nccl")
+SUM_ROLES = ("wo", "wd")  # the residual GEMVs whose partial products are summed across ranks
+ALIGN = 256
+
+
+def sum_blocks(n: int) -> int:
+    """Blocks of one tp_allreduce_add over n fp32 values (a slot each)."""
+    if n % 4:
+        raise AtomflowError(f"tensor-parallel sum: {n} values, not a multiple of 4 (float4 loads)")
+    g = -(-n // (TP_AR_THREADS * 4))
+    if g > TP_AR_SLOTS:
+        raise AtomflowError(f"tensor-parallel sum: hidden size {n} needs {g} blocks, at most {TP_AR_SLOTS}")
+    return g
+
+
+def exported_layout(hidden: int, am_blocks: int) -> dict[str, tuple[int, tuple, np.dtype]]:
+    """Regions of the buffer each rank exports to its peers: name -> (byte offset, shape, dtype). The same on every
+    rank (am_blocks: the most lm_head blocks any rank launches)."""
+    regions = [("part0", (hidden,), np.float32), ("part1", (hidden,), np.float32),
+               ("flags", (TP_SLOTS, TP_MAX_RANKS), np.uint32), ("am_val", (am_blocks,), np.float32),
+               ("am_idx", (am_blocks,), np.int32)]
+    out, off = {}, 0
+    for name, shape, dt in regions:
+        off = -(-off // ALIGN) * ALIGN
+        out[name] = (off, shape, np.dtype(dt))
+        off += int(np.prod(shape)) * np.dtype(dt).itemsize
+    out["_bytes"] = (off, (), np.dtype(np.uint8))
+    return out
+
+
+def allreduce_launch(lib, h, parts_ptrs, flags, peer_flags, seq, rank: int, n_ranks: int, taps=None) -> Launch:
+    """h += sum over ranks of their partials (addresses in the device array `parts_ptrs` [n_ranks] uint64)."""
+    n = h.size
+    g = sum_blocks(n)
+    return Launch(lib["tp_allreduce_add"], "tp_allreduce_add", (g,), (TP_AR_THREADS,),
+                  (h, parts_ptrs, flags, peer_flags, seq, i32(n), i32(rank), i32(n_ranks)), 0, taps or {},
+                  n * 4 * (n_ranks + 2), f"tp sum peer {n * 4} B x {n_ranks}")
+
+
+def argmax_combine_launch(lib, vals_ptrs, idxs_ptrs, offsets, flags, peer_flags, seq, rank: int, n_ranks: int,
+                          state: tuple, advance: bool = True) -> Launch:
+    """The greedy token over the ranks' (value, local index) pairs (+ offsets) and the step's bookkeeping; `state` =
+    (pos, cur_token, prompt, prompt_len, out_tokens). peer_flags None: no barrier (the pairs are local)."""
+    return Launch(lib["tp_argmax_combine"], "tp_argmax_combine", (1,), (32,),
+                  (vals_ptrs, idxs_ptrs, offsets, NULL if flags is None else flags,
+                   NULL if peer_flags is None else peer_flags, seq, i32(rank), i32(n_ranks), *state,
+                   i32(1 if advance else 0)), 0, {}, 8 * n_ranks, f"tp argmax combine x {n_ranks}")
+
+
+def hold_position(ln):
+    """The combine launch with advance = 0 (see lm_head.hold_position)."""
+    import dataclasses
+
+    if ln.name != "tp_argmax_combine":
+        return ln
+    held = dataclasses.replace(ln, args=ln.args[:-1] + (i32(0),), pdl=False, _pdl_launcher=None)
+    if ln.pdl:
+        held.enable_pdl()
+    return held
+
+
+class TpComm:
+    """One rank's side of the exchanges: buffers, peer addresses, and the launches the step inserts."""
+
+    def __init__(self, group, lib, hidden: int, am_blocks: int, vocab_offsets: list[int], path: str,
+                 try_peer: bool = True):
+        import cupy
+
+        if path not in PATHS:
+            raise AtomflowError(f"--allreduce {path!r}: one of {', '.join(PATHS)}")
+        if group.size > TP_MAX_RANKS:
+            raise AtomflowError(f"tensor parallel over {group.size} ranks: at most {TP_MAX_RANKS}")
+        self.group, self.lib, self.rank, self.n = group, lib, group.rank, group.size
+        self.hidden = hidden
+        sum_blocks(hidden)
+        lay = exported_layout(hidden, am_blocks)
+        self.peer_reason = None if try_peer else "not tried"
+        buf = addrs = None
+        if try_peer:  # every rank tries (the mapping is collective), whatever path the step takes
+            try:
+                buf, addrs = group.peer_buffer(lay["_bytes"][0])
+            except (AtomflowError, cupy.cuda.runtime.CUDARuntimeError) as e:
+                self.peer_reason = str(e).splitlines()[0]
+        if buf is None:
+            buf = cupy.zeros(lay["_bytes"][0], dtype=cupy.uint8)
+        if path == "peer" and addrs is None:
+            raise AtomflowError(f"--allreduce peer: {self.peer_reason} (use --allreduce nccl)")
+        self.path = path
+        self.peer = addrs is not None
+        self.buf = buf
+
+        def view(name):
+            off, shape, dt = lay[name]
+            return buf[off:off + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)
+
+        self.parts = [view("part0"), view("part1")]
+        self.flags, self.am_val, self.am_idx = view("flags"), view("am_val"), view("am_idx")
+        self.seq = cupy.zeros(TP_SLOTS, dtype=cupy.uint32)
+        self.offsets = cupy.asarray(np.asarray(vocab_offsets, dtype=np.int32))
+        u64 = lambda xs: cupy.asarray(np.asarray(xs, dtype=np.uint64))  # noqa: E731
+        if self.peer:
+            self.parts_ptrs = [u64([a + lay[p][0] for a in addrs]) for p in ("part0", "part1")]
+            self.peer_flags = u64([a + lay["flags"][0] for a in addrs])
+            self.peer_val = u64([a + lay["am_val"][0] for a in addrs])
+            self.peer_idx = u64([a + lay["am_idx"][0] for a in addrs])
+        # the NCCL path's gathered pairs
+        self.g_val = cupy.zeros(self.n, dtype=cupy.float32)
+        self.g_idx = cupy.zeros(self.n, dtype=cupy.int32)
+        self.g_val_ptrs = u64([self.g_val.data.ptr + 4 * s for s in range(self.n)])
+        self.g_idx_ptrs = u64([self.g_idx.data.ptr + 4 * s for s in range(self.n)])
+
+    # ---- what the step asks ---------------------------------------------------------------------------------------
+    def gemv_target(self, role: str, h, path: str | None = None) -> tuple[str, object]:
+        """(GEMV variant, output) of the residual GEMV `role` (wo | wd) on this rank."""
+        path = path or self.path
+        if path == "peer":
+            return "partial", self.parts[SUM_ROLES.index(role)]
+        return ("resid" if self.rank == 0 else "partial"), h
+
+    def sum_launches(self, role: str, h, taps=None, path: str | None = None) -> list:
+        """The launches after the residual GEMV `role` that leave h summed over the ranks."""
+        path = path or self.path
+        if path == "peer":
+            return [allreduce_launch(self.lib, h, self.parts_ptrs[SUM_ROLES.index(role)], self.flags, self.peer_flags,
+                                     self.seq, self.rank, self.n, taps)]
+        op = self.group.allreduce_op(h)
+        op.taps = taps or {}
+        return [op]
+
+    def argmax_arrays(self) -> tuple:
+        """Where the rank's lm_head keeps its argmax partials (its best ends in element 0)."""
+        return self.am_val, self.am_idx
+
+    def argmax_launches(self, state: tuple, path: str | None = None) -> list:
+        path = path or self.path
+        if path == "peer":
+            return [argmax_combine_launch(self.lib, self.peer_val, self.peer_idx, self.offsets, self.flags,
+                                          self.peer_flags, self.seq, self.rank, self.n, state)]
+        return [self.group.allgather_op(self.am_val[:1], self.g_val),
+                self.group.allgather_op(self.am_idx[:1], self.g_idx),
+                argmax_combine_launch(self.lib, self.g_val_ptrs, self.g_idx_ptrs, self.offsets, None, None, self.seq,
+                                      self.rank, self.n, state)]
+
+    def comm_only_launches(self, path: str, sums: int, scratch_h) -> list:
+        """`sums` sums of hidden fp32 (alternating the two buffers, as a step does) on `scratch_h`: the step's
+        cross-rank sums without its GEMVs, to time them inside a graph (values meaningless)."""
+        out = []
+        for c in range(sums):
+            role = SUM_ROLES[c % 2]
+            if path == "peer":
+                out += self.sum_launches(role, scratch_h, path="peer")
+            else:
+                out.append(self.group.allreduce_op(scratch_h))
+        return out
