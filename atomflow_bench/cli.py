@@ -49,6 +49,57 @@ def _forms(text):
     return Forms.parse(text) if text else None
 
 
+_ARGV: list[str] = []  # the command line main() runs (a tensor-parallel launch starts its ranks with it)
+
+
+def tp_options(f):
+    """--tp and --allreduce (run, validate, profile)."""
+    f = click.option("--allreduce", type=click.Choice(["auto", "peer", "nccl"]), default="auto", show_default=True,
+                     help="Tensor parallel: how o_proj and down are summed across ranks: peer (a one-shot sum through "
+                          "peer memory; one host), nccl (NCCL all-reduce), auto (peer where every GPU can map the "
+                          "others' memory).")(f)
+    return click.option("--tp", "tp", default=1, show_default=True, type=click.IntRange(1, 8),
+                        help="Tensor parallel over N GPUs of this host, one process each (started by this command; "
+                             "under a launcher that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT each process "
+                             "joins instead).")(f)
+
+
+def _tp_group(tp: int, allreduce: str):
+    """None for one GPU; in the launching process: start the ranks, wait, exit with their code; in a rank: its
+    gpu.comm.Group."""
+    from .gpu import comm
+
+    if tp == 1:
+        if allreduce != "auto":
+            raise click.BadParameter("--allreduce needs --tp 2 or more", param_hint="--allreduce")
+        return None
+    if not comm.joined():
+        from .gpu.device import require_gpu
+
+        cupy = require_gpu()
+        sys.exit(comm.launch(tp, _ARGV, cupy.cuda.runtime.getDeviceCount()))
+    return comm.Group(tp)
+
+
+def _tp_weights(model: str, notes):
+    """A rank's weights: the store's checkpoint when the model is there (sharded at load), else a catalog model
+    with a synthetic source generated on the GPUs. (model_dir, source object, source label)."""
+    from .errors import FetchError
+    from .store.fetch import resolve_model
+
+    try:
+        path = resolve_model(model, console=notes, fetch_if_missing=False)
+        return path, None, _source_of(path)
+    except FetchError:
+        preset = CATALOG.get(model)
+        if preset is None or "synthetic" not in preset.sources:
+            raise AtomflowError(f"{model}: not in the store; run `atomflow-bench fetch {model}` first (tensor-parallel "
+                                "ranks generate weights on the GPUs only for the catalog's synthetic models)") from None
+        from .gpu.synthetic import GpuSynthetic
+
+        return None, GpuSynthetic(preset.config), "synthetic-gpu"
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="atomflow-bench")
 def cli():
@@ -221,9 +272,10 @@ def generate(model, prompt, tokens, backend, weights):
               help="Where to write the results JSON (default: results/run-....json).")
 @click.option("--no-json", is_flag=True, help="Do not write a results file.")
 @measure_options
+@tp_options
 @format_option
 def run(model, weights, context, tokens, repeats, json_path, no_json, source, baselines_dir, with_peers, forms, retune,
-        fmt):
+        tp, allreduce, fmt):
     """Decode benchmark: TPOT, tok/s, bandwidth, % of the copy roofline, VRAM (default: synthetic Llama-3.2-3B)."""
     from pathlib import Path
 
@@ -245,12 +297,32 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
         require_torch("cuda")
     if json_path and not no_json and not Path(json_path).resolve().parent.is_dir():
         raise AtomflowError(f"--json {json_path}: the directory {Path(json_path).resolve().parent} does not exist")
-    path = fetch_model(model, source=source, console=notes) if source else resolve_model(model, console=notes)
-    src = _source_of(path)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=notes,
-                  transient=True) as progress:
-        rec = benchmark(path, model, src, weights, context, tokens, repeats, progress=progress,
-                        forms=forms, retune=retune)
+    if tp > 1:
+        from .gpu import comm
+
+        if with_peers:
+            raise click.BadParameter("--peers runs on one GPU; leave it out with --tp", param_hint="--peers")
+        if retune:
+            raise click.BadParameter("tensor-parallel runs are not tuned (each rank would time its own candidates); "
+                                     "give --forms instead", param_hint="--retune")
+        if source and not comm.joined():
+            fetch_model(model, source=source, console=notes)  # once, before the ranks start
+    group = _tp_group(tp, allreduce)
+    weight_source = None
+    if group is not None:
+        path, weight_source, src = _tp_weights(model, notes)
+    else:
+        path = fetch_model(model, source=source, console=notes) if source else resolve_model(model, console=notes)
+        src = _source_of(path)
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=notes,
+                      transient=True) as progress:
+            rec = benchmark(path, model, src, weights, context, tokens, repeats, progress=progress,
+                            forms=forms, retune=retune, group=group,
+                            allreduce=None if allreduce == "auto" else allreduce, weight_source=weight_source)
+    finally:
+        if group is not None:
+            group.close()
     run_tab = report.run_table(rec)
     if not is_machine(fmt, console):  # people see it before the peers run; csv/json get one document at the end
         render(run_tab, fmt, console)
@@ -262,7 +334,7 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
         peers = measure_peers(path, context=context, tokens=tokens, repeats=min(repeats, 3), weights="fp16")
     cmp_tab = comparison_table(attach_comparisons(rec, baselines, peers))
     render([run_tab, cmp_tab] if is_machine(fmt, console) else cmp_tab, fmt, console)
-    if not no_json:
+    if not no_json and (group is None or group.rank == 0):
         out = report.write(rec, Path(json_path) if json_path else report.default_path(rec))
         notes.print(f"results: {out}", soft_wrap=True, highlight=False)
 
@@ -274,10 +346,12 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--forms", default=None, help=FORMS_HELP + " Default: a saved tune, else the defaults.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@tp_options
 @format_option
-def profile(model, weights, context, steps, forms, json_path, fmt):
+def profile(model, weights, context, steps, forms, json_path, tp, allreduce, fmt):
     """Per-kernel time breakdown of one decode step (events, eager) + graph step time and idle gap, and what
-    each role adds inside the graph (the step replayed without it)."""
+    each role adds inside the graph (the step replayed without it). With --tp: the step's graph time and the time of
+    the sums across ranks (alone, per call and per token, for each path; and inside the step)."""
     from pathlib import Path
 
     from .gpu.device import require_gpu
@@ -289,6 +363,9 @@ def profile(model, weights, context, steps, forms, json_path, fmt):
 
     require_gpu()
     forms = _forms(forms)
+    group = _tp_group(tp, allreduce)
+    if group is not None:
+        return _profile_tp(model, weights, context, steps, forms, json_path, group, allreduce, fmt)
     model_dir = resolve_model(model, console=notes_console(fmt, console))
     eng = Engine(model_dir, weights=weights, max_seq=context + steps + 64)
     chosen = resolve(eng, forms, tune_missing=False)
@@ -298,6 +375,31 @@ def profile(model, weights, context, steps, forms, json_path, fmt):
     if json_path:
         rec = {"schema": "atomflow-bench/profile/1", "tool": report.tool_info(), "created": report.now_iso(),
                "command": report.command_line(), "gpu": eng.gpu, "model": model, "weights": weights, **p}
+        report.write(rec, Path(json_path))
+
+
+def _profile_tp(model, weights, context, steps, forms, json_path, group, allreduce, fmt):
+    from pathlib import Path
+
+    from .gpu.engine import Engine
+    from .measure import report
+    from .measure.bench import synthetic_prompt
+    from .measure.tp_bench import comm_times, tp_forms, tp_profile_table
+
+    try:
+        path, src_obj, src = _tp_weights(model, notes_console(fmt, console))
+        eng = Engine(path, weights=weights, max_seq=context + steps + 64, group=group,
+                     allreduce=None if allreduce == "auto" else allreduce, source=src_obj)
+        chosen = tp_forms(eng, forms)
+        eng.reset(synthetic_prompt(eng.cfg.vocab_size, context))
+        eng.run(context - 1)
+        p = {"tp": group.size, "context": context, "forms": chosen, "comm": comm_times(eng)}
+    finally:
+        group.close()
+    render(tp_profile_table(p, eng), fmt, console)
+    if json_path and group.rank == 0:
+        rec = {"schema": "atomflow-bench/profile/1", "tool": report.tool_info(), "created": report.now_iso(),
+               "command": report.command_line(), "gpu": eng.gpu, "model": model, "weights": weights, "source": src, **p}
         report.write(rec, Path(json_path))
 
 
@@ -472,8 +574,10 @@ def _source_of(path) -> str:
               "mean KL, both perplexities).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the full result here.")
 @click.option("--forms", default=None, help=FORMS_HELP + " Default: a saved tune, else the defaults (never timed).")
+@tp_options
 @format_option
-def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, quality, json_path, forms, fmt):
+def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, quality, json_path, forms, tp, allreduce,
+             fmt):
     """Engine vs HF transformers fp32, probe by probe (exit 0 only if all pass); or --quality."""
     from pathlib import Path
 
@@ -486,17 +590,35 @@ def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, 
         from .gpu.device import require_gpu
 
         require_gpu()
-    path = resolve_model(model, console=notes)
+    group = None
+    if tp > 1:
+        from .gpu import comm
+
+        if quality or backend != "gpu":
+            raise click.BadParameter("--tp validates the GPU engine's probes (not --quality, not --backend numpy)",
+                                     param_hint="--tp")
+        if not comm.joined():  # the model and the ground truth, once, before the ranks start
+            v.prepare_truth(resolve_model(model, console=notes), truth_dir, steps, prompt, console=notes)
+        group = _tp_group(tp, allreduce)
+        path = resolve_model(model, console=notes, fetch_if_missing=False)
+    else:
+        _tp_group(tp, allreduce)  # --allreduce without --tp: refused
+        path = resolve_model(model, console=notes)
     if quality:
         res = v.quality(path, backend=backend, console=notes)
         v.print_quality(res, console, fmt)
         ok = res["pass"] is not False
     else:
-        res = v.validate(path, weights=weights, truth_dir=truth_dir, steps=steps, prompt=prompt, backend=backend,
-                         allow_mismatch=allow_mismatch, console=notes, forms=_forms(forms))
+        try:
+            res = v.validate(path, weights=weights, truth_dir=truth_dir, steps=steps, prompt=prompt, backend=backend,
+                             allow_mismatch=allow_mismatch, console=notes, forms=_forms(forms), group=group,
+                             allreduce=None if allreduce == "auto" else allreduce)
+        finally:
+            if group is not None:
+                group.close()
         v.print_result(res, console, fmt)
         ok = res["summary"]["pass"]
-    if json_path:
+    if json_path and (group is None or group.rank == 0):
         notes.print(f"results: {report.write(res, Path(json_path))}", soft_wrap=True, highlight=False)
     if not ok:
         sys.exit(1)
@@ -668,6 +790,12 @@ def main(argv=None):
     3 no usable GPU (the line names the cause); 70 an internal error (a bug: one line, --debug shows the traceback);
     130 interrupted. `compare` also exits 1 for a regression."""
     args = list(sys.argv[1:] if argv is None else argv)
+    _ARGV[:] = args
+    import os
+
+    rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else "0"
+    if rank != "0":  # a tensor-parallel rank other than 0: rank 0 prints the tables; errors still reach stderr
+        console.quiet = True
     debug = "--debug" in args
     if debug:
         args.remove("--debug")
@@ -691,7 +819,8 @@ def main(argv=None):
             code, text = EXIT_ERROR, f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
         else:
             code, text = EXIT_INTERNAL, f"internal error ({type(e).__name__}: {e}); rerun with --debug for the traceback"
-        err_console.print(f"[red]error:[/red] {escape(' '.join(text.split()))}", highlight=False, soft_wrap=True)
+        who = f"rank {rank}: " if "WORLD_SIZE" in os.environ and os.environ["WORLD_SIZE"] != "1" else ""
+        err_console.print(f"[red]error:[/red] {escape(who + ' '.join(text.split()))}", highlight=False, soft_wrap=True)
         sys.exit(code)
     return 0
 

@@ -166,9 +166,9 @@ class Group:
 
         a = np.ascontiguousarray(values)
         raw = np.frombuffer(a.tobytes() + b"\0" * (-a.nbytes % 4), dtype=np.int32)
+        stream = cupy.cuda.get_current_stream()  # the copies below are queued on it too
         send = cupy.asarray(raw)
         recv = cupy.empty(raw.size * self.size, dtype=cupy.int32)
-        stream = cupy.cuda.Stream(non_blocking=True)
         self.comm.allGather(send.data.ptr, recv.data.ptr, raw.size, self._nccl.NCCL_INT32, stream.ptr)
         stream.synchronize()
         out = recv.get().view(np.uint8).reshape(self.size, -1)[:, :a.nbytes]

@@ -49,12 +49,14 @@ def time_decode(engine, context: int, tokens: int, repeats: int, graph: bool = T
 ENERGY_MIN_S = 2.0  # seconds of metered decode: the NVML energy counter moves in coarse steps
 
 
-def energy_passes(engine, prompt, tokens: int, meter, min_s: float = ENERGY_MIN_S) -> dict:
+def energy_passes(engine, prompt, tokens: int, meter, min_s: float = ENERGY_MIN_S, passes: int | None = None) -> dict:
     """Joules per token of the graph replays: passes (prefill, synchronise, `tokens` replays) until at least `min_s`
-    seconds of replays were metered; `meter.result()` (or its reason when NVML is unavailable)."""
+    seconds of replays were metered, or exactly `passes` of them (tensor parallel: every rank makes the same number
+    of replays); `meter.result()` (or its reason when NVML is unavailable)."""
     if meter.measures:
-        spent_ms, stream = 0.0, engine.stream
-        while spent_ms < min_s * 1e3:
+        spent_ms, stream, done = 0.0, engine.stream, 0
+        while (spent_ms < min_s * 1e3) if passes is None else (done < passes):
+            done += 1
             engine.reset(prompt)
             engine.run(len(prompt) - 1)
             stream.synchronize()  # the prefill done: the region holds the decode steps only
@@ -87,9 +89,12 @@ def by_bucket(engine, context: int, per_token_ms: list[float]) -> list[dict]:
 
 
 def benchmark(model_dir, model_name: str, source: str, weights: str, context: int, tokens: int, repeats: int,
-              eager_tokens: int = 32, progress=None, forms=None, retune: bool = False) -> dict:
+              eager_tokens: int = 32, progress=None, forms=None, retune: bool = False, group=None,
+              allreduce: str | None = None, weight_source=None) -> dict:
     """The `run` measurement on the GPU: forms (given, saved or tuned now: tune.resolve), copy roofline, graph
-    decode, eager decode; returns the record."""
+    decode, eager decode; returns the record. Tensor parallel (`group`): every rank runs this in lockstep, the forms
+    are given or the defaults (a tune times candidates per rank and could pick differently), energy passes and the
+    figures are agreed through the group, and the record gains `tp` (tp_measure)."""
     import time
 
     from . import report
@@ -100,15 +105,26 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
     from .tune import resolve
 
     t0 = time.perf_counter()
-    eng = Engine(model_dir, weights=weights, max_seq=context + tokens, progress=progress)
+    eng = Engine(model_dir, weights=weights, max_seq=context + tokens, progress=progress, group=group,
+                 allreduce=allreduce, source=weight_source)
     load_s = time.perf_counter() - t0
-    chosen = resolve(eng, forms, retune=retune, progress=progress)
+    if group is None:
+        chosen = resolve(eng, forms, retune=retune, progress=progress)
+    else:
+        from .tp_bench import tp_forms
+
+        chosen = tp_forms(eng, forms)
     copy = copy_bandwidth()
     prompt = synthetic_prompt(eng.cfg.vocab_size, context)
     g = time_decode(eng, context, tokens, repeats, graph=True, prompt=prompt)
     meter = open_meter()  # the GPU CuPy runs on, by PCI bus id; Unavailable (a reason, no exception) without NVML
     try:
-        energy = energy_passes(eng, prompt, tokens, meter)
+        if group is None:
+            energy = energy_passes(eng, prompt, tokens, meter)
+        else:
+            from .tp_bench import tp_energy
+
+            energy = tp_energy(eng, prompt, tokens, meter, g["tpot_ms"]["median"])
     finally:
         meter.close()
     n_e = min(eager_tokens, tokens)
@@ -119,9 +135,9 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
     nbytes = eng.streamed_bytes(context + (tokens - 1) / 2 + 1)
     bw = nbytes["total"] / (tpot["median"] * 1e-3) / 1e9
     floor_ms = nbytes["total"] / (copy["median"] * 1e9) * 1e3
-    tok = load_tokenizer(eng.ckpt.dir)
+    tok = load_tokenizer(eng.ckpt.dir) if eng.ckpt.dir is not None else None
     text = tok.decode(g["token_ids"]) if tok is not None else None
-    return {
+    rec = {
         "schema": report.SCHEMA, "tool": report.tool_info(), "created": report.now_iso(),
         "command": report.command_line(), "gpu": eng.gpu, "copy_bandwidth_gbs": copy,
         "model": {"name": model_name, "source": source, "params": eng.cfg.param_count(),
@@ -144,3 +160,9 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
         "compiled": eng.lib.compiled_files(),
         "instrument": instrument_defines(eng.lib.defines),  # non-empty: a timing bound with wrong outputs
     }
+    if group is not None:
+        from .tp_bench import tp_measure
+
+        rec["tp"] = tp_measure(eng, copy, tpot, nbytes, context)
+        rec["roofline"] = rec["tp"]["roofline"]
+    return rec

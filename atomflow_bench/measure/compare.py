@@ -4,14 +4,14 @@ Exit codes of `atomflow-bench compare` (the contract CI scripts rely on; `gate()
 
     0  no regression: within the threshold, faster, or slower but within noise ("inconclusive", a warning)
     1  a regression beyond the threshold (and outside the p10-p90 bands); nothing else ever exits 1
-    2  refused, no verdict: the records are not comparable (another `gpu.name`, `model.name`, `weights` or
-       `context`; a timing-instrument record), a figure the verdict or the table uses is missing or is not a
+    2  refused, no verdict: the records are not comparable (another `gpu.name`, `model.name`, `weights`,
+       `context` or tensor-parallel degree `tp.n`; a timing-instrument record), a figure the verdict or the table uses is missing or is not a
        positive finite number (NaN, inf, <= 0, a string, a bool, null), a file is missing, unreadable, not
        valid JSON or not a results file, `--max-regression` is not a percentage in [0%, 100%], or anything
        unexpected went wrong. Exactly one line on stderr, `atomflow-bench: <file>: <field> ...`.
 
-Refusal: the two files must describe the same measurement — same `gpu.name`, `model.name`, `weights` and
-`context`; otherwise `CompareRefused` names the first field that differs. Every figure used is checked
+Refusal: the two files must describe the same measurement — same `gpu.name`, `model.name`, `weights`,
+`context` and `tp.n` (1 when a record has no `tp`); otherwise `CompareRefused` names the first field that differs. Every figure used is checked
 first (`check_record`), in both records, so a NaN median cannot slip through as "ok (TPOT +nan%)" and a
 missing `p10` cannot become a traceback (which would exit 1, the code for "regression"). A different
 `tokens` count or a copy bandwidth more than 5% apart (another machine state: clocks, another card of the
@@ -37,7 +37,8 @@ from ..errors import AtomflowError
 EXIT_OK, EXIT_REGRESSION, EXIT_REFUSED = 0, 1, 2
 MAX_THRESHOLD = 1.0  # 100%: a gate that lets a run twice as slow pass is a mistake, not a threshold
 MATCH_FIELDS = (("gpu.name", lambda r: r["gpu"]["name"]), ("model.name", lambda r: r["model"]["name"]),
-                ("weights", lambda r: r["weights"]), ("context", lambda r: r["context"]))
+                ("weights", lambda r: r["weights"]), ("context", lambda r: r["context"]),
+                ("tp.n", lambda r: (r.get("tp") or {}).get("n", 1)))
 COPY_BW_WARN = 0.05
 
 

@@ -87,7 +87,9 @@ def slug(s: str) -> str:
 
 def default_path(rec: dict, results_dir: Path = Path("results")) -> Path:
     stamp = rec["created"].replace(":", "").replace("-", "")
-    name = f"run-{slug(rec['model']['name'])}-{rec['weights']}-ctx{rec['context']}-{slug(rec['gpu']['name'])}-{stamp}.json"
+    tp = (rec.get("tp") or {}).get("n", 1)
+    name = (f"run-{slug(rec['model']['name'])}-{rec['weights']}-ctx{rec['context']}" + (f"-tp{tp}" if tp > 1 else "")
+            + f"-{slug(rec['gpu']['name'])}-{stamp}.json")
     return results_dir / name
 
 
@@ -150,8 +152,22 @@ def run_table(rec: dict):
     t.add("copy bandwidth (same run)", f"{cb['median']:.0f} GB/s (p10 {cb['p10']:.0f}, p90 {cb['p90']:.0f}; "
                                        f"D2D copy of {cb['bytes'] >> 20} MiB, read+write)")
     r = rec["roofline"]
-    t.add("% of roofline", f"{r['pct']:.1f}%  (floor {r['tpot_floor_ms']:.4f} ms = bytes / copy bandwidth)",
-          cell_styles={"value": "bold"})
+    tpr = rec.get("tp")
+    t.add("% of roofline", f"{r['pct']:.1f}%  (floor {r['tpot_floor_ms']:.4f} ms = bytes / copy bandwidth"
+                           + (", per GPU: the slowest rank's" if tpr else "") + ")", cell_styles={"value": "bold"})
+    if tpr:
+        c = tpr["comm"]
+        ranks = ", ".join(f"{x['copy_bandwidth_gbs']:.0f}" for x in tpr["per_rank"])
+        t.add("tensor parallel", f"{tpr['n']} GPUs, one process each; sums across ranks: {tpr['allreduce']}"
+                                 + ("" if tpr["peer_available"] else f" (peer path off: {tpr['peer_reason']})")
+                                 + f"; copy bandwidth per GPU {ranks} GB/s; bytes above are rank 0's")
+        for path, v in c["paths"].items():
+            t.add(f"sum across ranks ({path})", f"{v['sum_us']:.2f} us per {c['sum_bytes'] // 1024} KB sum inside a "
+                                                f"graph; one token's {c['sums_per_token']} sums + argmax "
+                                                f"{v['per_token_us']:.1f} us" + ("  <- the step's" if path == c["path"]
+                                                                                   else ""))
+        t.add("exchanges inside the step", f"{c['in_step_us']:.1f} us per token (step {c['step_graph_us']['median']:.1f} "
+                                           f"us, without them {c['step_without_exchanges_us']['median']:.1f} us)")
     v = rec["vram_bytes"]
     t.add("VRAM by pool", f"weights {_gib(v['weights'])}, KV {_gib(v['kv'])}, activations "
                           f"{v['activations'] / 2**20:.2f} MiB, scratch {v['scratch'] / 2**20:.2f} MiB; total {_gib(v['total'])}")

@@ -485,25 +485,42 @@ def _backend_info(kind: str) -> dict:
 
 
 def engine_probes(model_dir: str | Path, weights: str, sequence: list[int], n_positions: int, names: list[str],
-                  backend: str = "auto", forms=None) -> tuple[dict, list[dict[str, np.ndarray]]]:
+                  backend: str = "auto", forms=None, group=None,
+                  allreduce: str | None = None) -> tuple[dict, list[dict[str, np.ndarray]]]:
     """Teacher-force `sequence` through the engine for `n_positions` positions; per position the probes `names`.
 
     GPU: `Engine.reset(sequence)` then `step_eager(taps=True)` per position: the real kernels' buffers.
     No GPU (or backend="numpy"): `ReferenceDecoder(record_taps=True)`, labelled as such.
+    Tensor parallel (`group`, GPU only): every rank runs this; the probes compared are the replicated ones (the
+    residual stream after each sum across ranks, the final norm) and the logits, gathered from the vocabulary shards.
     Returns ({"kind", "label", ...info}, [probes per position]).
     """
-    kind, label = _pick_backend(backend)
+    kind, label = _pick_backend("gpu" if group is not None else backend)
     info = {"kind": kind, "label": label, **_backend_info(kind)}
     out: list[dict[str, np.ndarray]] = []
     if kind == "gpu":
         from ..gpu.engine import Engine
         from ..measure.tune import resolve
 
-        eng = Engine(model_dir, weights=weights, max_seq=len(sequence))
-        info["forms"] = resolve(eng, forms, tune_missing=False)  # given, saved or the defaults: never timed here
+        eng = Engine(model_dir, weights=weights, max_seq=len(sequence), group=group, allreduce=allreduce)
+        if group is None:
+            info["forms"] = resolve(eng, forms, tune_missing=False)  # given, saved or the defaults: never timed here
+        else:
+            from ..measure.tp_bench import tp_forms
+
+            info["forms"] = tp_forms(eng, forms)
+            info["tp"] = {"n": group.size, "allreduce": eng.tp.path, "peer_reason": eng.tp.peer_reason}
+            info["label"] += f", tensor parallel over {group.size} GPUs (sums: {eng.tp.path})"
+            V = eng.cfg.vocab_size
+            rows = -(-V // group.size)
         eng.reset(sequence)
         for _ in range(n_positions):
             taps = eng.step_eager(taps=True)
+            if group is not None:  # the logits of every rank's vocabulary rows, in rank order
+                local = np.zeros(rows, np.float32)
+                mine = np.asarray(taps["logits"], np.float32).reshape(-1)
+                local[:mine.size] = mine
+                taps["logits"] = group.allgather_host(local).reshape(-1)[:V]
             out.append({n: np.asarray(taps[n], np.float32).reshape(-1) for n in names})
         info["fp8_source"] = eng.load_info.get("fp8_source")
         del eng
@@ -608,11 +625,21 @@ def _compare(positions: list[dict], truth: Truth, variant: str, names: list[str]
     return worst, kls
 
 
+def prepare_truth(model_dir: str | Path, truth_dir=None, steps: int | None = None, prompt: str | None = None,
+                  console=None) -> Path:
+    """The ground truth `validate` will use, made now if missing (a tensor-parallel launch makes it once, before its
+    ranks start)."""
+    model_dir = Path(model_dir)
+    cfg = Checkpoint(model_dir).config
+    return _truth_for(model_dir, cfg, weights_sha256(model_dir), truth_dir, steps, prompt, console).dir
+
+
 def validate(model_dir: str | Path, weights: str = "fp8", truth_dir: str | Path | None = None,
              steps: int | None = None, prompt: str | None = None, backend: str = "auto",
-             allow_mismatch: bool = False, console=None, forms=None) -> dict:
+             allow_mismatch: bool = False, console=None, forms=None, group=None, allreduce: str | None = None) -> dict:
     """Compare the engine's probes with the ground truth; returns the result record (schema validate/1). `forms`:
-    the launch forms to check (gpu/forms.py; default: a saved tune, else the defaults)."""
+    the launch forms to check (gpu/forms.py; default: a saved tune, else the defaults). `group`: tensor parallel
+    (engine_probes)."""
     from ..measure.report import now_iso, tool_info
 
     if weights not in THRESHOLDS:
@@ -648,7 +675,7 @@ def validate(model_dir: str | Path, weights: str = "fp8", truth_dir: str | Path 
     names = probe_names(cfg.num_hidden_layers)
     seq, P, N = truth.sequence, len(m["prompt_ids"]), int(m["steps"])
     n_pos = P + N - 1
-    info, positions = engine_probes(model_dir, weights, seq, n_pos, names, backend, forms)
+    info, positions = engine_probes(model_dir, weights, seq, n_pos, names, backend, forms, group, allreduce)
     if console is not None:
         console.print(f"engine: {info['label']}")
     th = THRESHOLDS[weights]

@@ -1,0 +1,138 @@
+"""What a tensor-parallel `run` / `profile` adds to the record (every rank calls these in lockstep; rank 0 records).
+
+* `tp_forms`: the launch forms: given (--forms / ATOMFLOW_FORMS) or the defaults — never tuned here (a tune times
+  candidates on each rank and could choose differently per rank).
+* `tp_energy`: energy passes of the same count on every rank (rank 0's count from its TPOT), each rank metering its
+  own GPU; the record's joules per token are the sum over the GPUs.
+* `tp_measure`: every rank's copy bandwidth, bytes per token and TPOT; the roofline per GPU (the slowest rank's
+  bytes / its own copy bandwidth, against the step time); and the time of the cross-rank exchanges:
+    - `sum_us`: one sum of hidden fp32 inside a CUDA graph (2 x layers of them replayed back to back, per call),
+      for each path that could be set up (peer and NCCL), the path the step runs marked;
+    - `per_token_us`: the graph of one token's exchanges alone (2 x layers sums + the argmax combine);
+    - `in_step_us`: the step's graph time minus the same step without its exchanges (the sums and the combine left
+      out, so its values are wrong and its time is a bound): what the exchanges cost inside the step, overlap
+      included. Both graphs hold the position (no advance).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .timing import replay_us, summarize
+
+COMM_REPLAYS = 50
+COMM_WARMUP = 10
+
+
+def tp_forms(engine, given=None) -> dict:
+    from ..gpu.forms import from_env
+
+    given = given or from_env()
+    if given is not None:
+        engine.use(given)
+        return {"forms": given.text, "origin": "given"}
+    return {"forms": engine.forms.text, "origin": "default (tensor parallel: not tuned)"}
+
+
+def _gather(group, values) -> np.ndarray:
+    return group.allgather_host(np.asarray(values, dtype=np.float64))
+
+
+def tp_energy(engine, prompt, tokens: int, meter, tpot_ms: float) -> dict:
+    from .bench import ENERGY_MIN_S, energy_passes
+
+    group = engine.group
+    ok = _gather(group, [1.0 if meter.measures else 0.0])[:, 0]
+    passes = int(_gather(group, [math.ceil(ENERGY_MIN_S * 1e3 / max(tokens * tpot_ms, 1e-3))])[0, 0])
+    if not ok.all():
+        bad = int(np.flatnonzero(ok == 0)[0])
+        res = meter.result() if not meter.measures else {"unavailable": f"rank {bad} has no power meter"}
+        _gather(group, [0.0, 0.0])  # the ranks' exchange below, kept in step
+        return res
+    res = energy_passes(engine, prompt, tokens, meter, passes=passes)
+    jpt = res.get("joules_per_token")
+    w = res.get("avg_watts")
+    got = _gather(group, [jpt if jpt is not None else float("nan"), w if w is not None else float("nan")])
+    if np.isnan(got).any():
+        return {**res, "tp_note": "a rank's energy is unavailable: the figures are rank 0's GPU alone"}
+    return {**res, "joules_per_token": float(got[:, 0].sum()), "avg_watts": float(got[:, 1].sum()),
+            "per_gpu": [{"joules_per_token": float(a), "avg_watts": float(b)} for a, b in got],
+            "tp_note": f"sum over the {group.size} GPUs (each metered by its own NVML counter)"}
+
+
+def _graph_us(launches, stream, replays: int = COMM_REPLAYS) -> dict:
+    from ..gpu.graph import StepGraph
+
+    return summarize(replay_us(StepGraph(launches, stream), stream, replays, warmup=COMM_WARMUP))
+
+
+def comm_times(engine) -> dict:
+    """The exchanges timed on their own and inside the step (see the module docstring); every rank in lockstep."""
+    import cupy
+
+    from ..gpu.step import hold_position
+
+    tpc, L, stream = engine.tp, engine.cfg.num_hidden_layers, engine.stream
+    scratch = cupy.zeros(engine.cfg.hidden_size, dtype=cupy.float32)
+    a = engine.arena
+    state = (a["pos"], a["cur_token"], a["prompt"], a["prompt_len"], a["out_tokens"])
+    paths = ["peer", "nccl"] if tpc.peer else ["nccl"]
+    out = {"sum_bytes": engine.cfg.hidden_size * 4, "sums_per_token": 2 * L, "paths": {}}
+    for path in paths:
+        sums = tpc.comm_only_launches(path, 2 * L, scratch)
+        t_sums = _graph_us(sums, stream)
+        t_token = _graph_us(hold_position(sums + tpc.argmax_launches(state, path=path)), stream)
+        out["paths"][path] = {"sum_us": t_sums["median"] / (2 * L), "sums_graph_us": t_sums,
+                              "per_token_us": t_token["median"], "token_graph_us": t_token}
+    key = engine.bucket(engine.position + 1)
+    step = hold_position(engine.variants[key])
+    local = [ln for ln in step if ln.name not in ("tp_allreduce_add", "tp_argmax_combine", "nccl_allreduce",
+                                                  "nccl_allgather")]
+    t_step, t_local = _graph_us(step, stream), _graph_us(local, stream)
+    out["in_step_us"] = t_step["median"] - t_local["median"]
+    out["step_graph_us"], out["step_without_exchanges_us"] = t_step, t_local
+    out["path"] = tpc.path
+    return out
+
+
+def tp_measure(engine, copy: dict, tpot: dict, nbytes: dict, context: int) -> dict:
+    group = engine.group
+    rows = _gather(group, [copy["median"], nbytes["total"], nbytes["weights"], tpot["median"]])
+    floors = rows[:, 1] / (rows[:, 0] * 1e9) * 1e3  # ms: each rank's bytes at its own copy bandwidth
+    floor = float(floors.max())
+    comm = comm_times(engine)
+    from ..gpu import tp
+
+    return {
+        "n": group.size, "allreduce": engine.tp.path,
+        "peer_available": bool(engine.tp.peer), "peer_reason": engine.tp.peer_reason,
+        "nccl_version": group.nccl_version, "same_host": group.same_host, "devices": group.devices,
+        "per_rank": [{"rank": r, "copy_bandwidth_gbs": float(c), "bytes_per_token": int(b), "weight_bytes": int(w),
+                      "tpot_ms": float(t), "floor_ms": float(f)}
+                     for r, ((c, b, w, t), f) in enumerate(zip(rows, floors))],
+        "roofline": {"tpot_floor_ms": floor, "pct": 100.0 * floor / tpot["median"],
+                     "basis": "per GPU: the slowest rank's bytes per token / its copy bandwidth, same run"},
+        "comm_bytes_per_token": tp.comm_bytes_per_token(engine.cfg, group.size),
+        "comm": comm,
+        "weights_source": "generated on the GPUs (gpu/synthetic.py)" if engine.ckpt.dir is None else "checkpoint",
+    }
+
+
+def tp_profile_table(p: dict, engine):
+    """`profile --tp`: the step's graph time and the exchanges' time (comm_times)."""
+    from ..output import Tab
+
+    c = p["comm"]
+    t = Tab(f"profile --tp {p['tp']} — ctx {p['context']}, forms {p['forms']['forms']} ({p['forms']['origin']})",
+            ["what", "us", "note"], key="tp_profile", right=("us",))
+    t.add("step (graph, position held)", round(c["step_graph_us"]["median"], 2), f"the sums: {c['path']}")
+    t.add("step without the exchanges", round(c["step_without_exchanges_us"]["median"], 2),
+          "sums and argmax combine left out (values wrong: a bound)")
+    t.add("exchanges inside the step", round(c["in_step_us"], 2), "the difference: the role's time per token")
+    for path, v in c["paths"].items():
+        t.add(f"{path}: one sum of {c['sum_bytes']} B", round(v["sum_us"], 3),
+              f"{c['sums_per_token']} sums replayed back to back in one graph, per call")
+        t.add(f"{path}: one token's exchanges alone", round(v["per_token_us"], 2),
+              f"{c['sums_per_token']} sums + the argmax combine, one graph")
+    return t

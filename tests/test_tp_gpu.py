@@ -1,0 +1,120 @@
+"""Tensor parallel on the GPUs of one host (needs 2 or more; skipped otherwise). Each test starts its ranks as
+processes (tests/tp_worker.py, RANK / WORLD_SIZE / MASTER_* set, as `run --tp` and torchrun do) and asserts on what
+they wrote:
+
+* the peer-memory sum (tp_comm.cu tp_allreduce_add) equals NumPy's h + (p_0 + p_1 + ...) in fp32 bit for bit, on
+  every rank alike, over six rounds (the barrier's epochs, the two alternating buffers); NCCL's in-place sum as the
+  step runs it (rank 0: h + its partial) agrees within fp32 rounding and is bit-identical across ranks;
+* the argmax combine (both paths): ties across ranks go to the smaller global index, NaN never wins, a rank that saw
+  nothing is skipped, nobody: token 0; the step state advanced as argmax_finish does;
+* the TP2 engine on a tiny random checkpoint (fp16 and fp8, both paths) against the one-GPU engine on the same
+  weights: every probe's cosine, the residual stream bit-identical on every rank, graph replays giving the eager
+  tokens;
+* `atomflow-bench run --tp 2` end to end: the launcher, the record's tp block, the exchanges timed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_engine_gpu import tiny_config, write_random_model
+
+pytestmark = pytest.mark.gpu
+HERE = Path(__file__).resolve().parent
+COS = {"fp16": 0.9999, "fp8": 0.995}
+
+
+def n_gpus() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+need2 = pytest.mark.skipif(n_gpus() < 2, reason="tensor parallel needs 2 or more GPUs")
+
+
+def start_ranks(n: int, argv: list[str], timeout: int = 300) -> list[subprocess.CompletedProcess]:
+    from atomflow_bench.gpu.comm import free_port
+
+    port = free_port()
+    procs = [subprocess.Popen(argv, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
+                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(n)]
+    outs = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append((p.returncode, o, e))
+    for r, (rc, o, e) in enumerate(outs):
+        assert rc == 0, f"rank {r} exited {rc}: {e[-3000:]}"
+    return outs
+
+
+def cos(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@need2
+def test_sums_and_argmax_combine_against_numpy(tmp_path):
+    start_ranks(2, [sys.executable, str(HERE / "tp_worker.py"), "kernels", str(tmp_path)])
+    for r in range(2):
+        res = json.loads((tmp_path / f"kernels-rank{r}.json").read_text())
+        assert res["peer"], f"no peer path on this machine: {res['peer_reason']}"
+        assert res["sum_exact"] == [True] * 6 and res["sum_ranks_equal"] == [True] * 6
+        assert res["nccl_sum_ok"] == [True] * 6
+        assert len(res["argmax"]) == 10
+        for c in res["argmax"]:
+            assert (c["out"], c["cur"], c["pos"]) == (c["want"], c["want"], 4), c
+
+
+@need2
+def test_tp2_engine_matches_one_gpu(tmp_path):
+    d = tmp_path / "model"
+    write_random_model(tiny_config(False), d, seed=int(np.random.SeedSequence().entropy % 2**31))
+    start_ranks(2, [sys.executable, str(HERE / "tp_worker.py"), "engine", str(tmp_path), str(d)])
+    res = json.loads((tmp_path / "engine-rank0.json").read_text())
+    for fmt in ("fp16", "fp8"):
+        ref = res[f"{fmt}-tp1"]
+        for path in ("peer", "nccl"):
+            got = res[f"{fmt}-{path}"]
+            assert got["path"] == path
+            assert all(got["h_equal"]), f"{fmt} {path}: h differs between ranks"
+            assert got["graph"] == got["eager"], f"{fmt} {path}: graph tokens != eager tokens"
+            for pos, (a, b) in enumerate(zip(got["probes"], ref["probes"])):
+                for k in a:
+                    c = cos(a[k], b[k])
+                    assert c >= COS[fmt], f"{fmt} {path} pos {pos} {k}: cos {c:.6f} < {COS[fmt]}"
+
+
+@need2
+def test_run_tp2_cli_record(tmp_path):
+    d = tmp_path / "model"
+    write_random_model(tiny_config(True), d, seed=3)
+    out = tmp_path / "run.json"
+    p = subprocess.run([sys.executable, "-m", "atomflow_bench.cli", "run", str(d), "--weights", "fp16", "--ctx", "16",
+                        "--tokens", "16", "--repeats", "2", "--tp", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    t = rec["tp"]
+    assert t["n"] == 2 and len(t["per_rank"]) == 2 and t["allreduce"] in ("peer", "nccl")
+    assert all(x["copy_bandwidth_gbs"] > 100 and x["bytes_per_token"] > 0 for x in t["per_rank"])
+    for path, v in t["comm"]["paths"].items():
+        assert 0 < v["sum_us"] < 1000 and v["per_token_us"] > 0, (path, v)
+    assert 0 < rec["roofline"]["pct"] < 150
+    assert rec["eager"]["same_tokens"]
+    assert "tensor parallel" in p.stdout

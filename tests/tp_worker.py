@@ -1,0 +1,144 @@
+"""One rank of the tensor-parallel GPU tests (tests/test_tp_gpu.py starts N of these with RANK / WORLD_SIZE /
+LOCAL_RANK / MASTER_ADDR / MASTER_PORT set). Each task writes what it saw to OUT/<task>-rank<r>.json; the test
+asserts. Usage: python tests/tp_worker.py TASK OUT [MODEL_DIR]"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def kernels(group, out: Path) -> dict:
+    """The peer sum and the argmax combine against NumPy, over several rounds (the barrier's epochs and the two
+    alternating buffers), and the NCCL path's sum."""
+    import cupy
+
+    from atomflow_bench.gpu import tp
+    from atomflow_bench.gpu.nvrtc import KernelLib
+    from atomflow_bench.gpu.ops.tp_comm import TpComm, allreduce_launch
+
+    n, r, H = group.size, group.rank, 4096
+    lib = KernelLib()
+    tpc = TpComm(group, lib, H, 4, [s * 100 for s in range(n)], "nccl")  # the peer path is set up where it can be
+    res = {"peer": tpc.peer, "peer_reason": tpc.peer_reason, "sum_exact": [], "sum_ranks_equal": [],
+           "nccl_sum_ok": [], "argmax": []}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for rnd in range(6):
+        rng = np.random.default_rng(1000 + rnd)  # the same draw on every rank: each knows all partials
+        parts = rng.standard_normal((n, H)).astype(np.float32) * np.float32(10.0 ** (rnd % 3 - 1))
+        h0 = rng.standard_normal(H).astype(np.float32)
+        acc = parts[0].copy()
+        for s in range(1, n):
+            acc = acc + parts[s]
+        ref = h0 + acc
+        if tpc.peer:
+            with stream:
+                h = cupy.asarray(h0)
+                tpc.parts[rnd % 2][...] = cupy.asarray(parts[r])
+                allreduce_launch(lib, h, tpc.parts_ptrs[rnd % 2], tpc.flags, tpc.peer_flags, tpc.seq, r, n)()
+            stream.synchronize()
+            got = h.get()
+            res["sum_exact"].append(bool(np.array_equal(got, ref)))
+            allh = group.allgather_host(got)
+            res["sum_ranks_equal"].append(bool(all(np.array_equal(allh[0], allh[s]) for s in range(n))))
+        # NCCL path as the step runs it: rank 0 holds h + its partial, the others their partial; in-place sum
+        with stream:
+            hn = cupy.asarray(h0 + parts[0] if r == 0 else parts[r])
+            group.allreduce_op(hn)()
+        stream.synchronize()
+        gn = hn.get()
+        alln = group.allgather_host(gn)
+        res["nccl_sum_ok"].append(bool(np.allclose(gn, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
+                                       and all(np.array_equal(alln[0], alln[s]) for s in range(n))))
+    # the argmax combine: ties across ranks, NaN, a rank that saw nothing, nobody saw anything
+    cases = [
+        ([1.0] * n, [5] * n),                                   # a tie on every rank: the smallest global index
+        ([float(s) for s in range(n)], [7] * n),                # the last rank's value wins
+        ([np.nan] + [-1.0] * (n - 1), [3] * n),                 # NaN never wins
+        ([-np.inf] + [2.0] * (n - 1), [tp.NO_INDEX] + [9] * (n - 1)),  # rank 0 saw no value
+        ([-np.inf] * n, [tp.NO_INDEX] * n),                     # nobody: token 0
+    ]
+    offsets = [s * 100 for s in range(n)]
+    a = {k: cupy.zeros(1, cupy.int32) for k in ("pos", "cur", "plen")}
+    prompt = cupy.arange(16, dtype=cupy.int32)
+    outt = cupy.full(16, -1, dtype=cupy.int32)
+    for path in (["peer", "nccl"] if tpc.peer else ["nccl"]):
+        for vals, idxs in cases:
+            with stream:
+                tpc.am_val[:1] = cupy.asarray(np.array([vals[r]], np.float32))
+                tpc.am_idx[:1] = cupy.asarray(np.array([idxs[r]], np.int32))
+                a["pos"][...] = 3
+                a["plen"][...] = 2
+                a["cur"][...] = -1
+                outt[...] = -1
+                for ln in tpc.argmax_launches((a["pos"], a["cur"], prompt, a["plen"], outt), path=path):
+                    ln()
+            stream.synchronize()
+            gi = [i + o if i != tp.NO_INDEX else tp.NO_INDEX for i, o in zip(idxs, offsets)]
+            want = tp.combine_argmax([v if i != tp.NO_INDEX else -np.inf for v, i in zip(vals, gi)], gi)[1]
+            res["argmax"].append({"path": path, "want": int(want), "out": int(outt.get()[3]),
+                                  "cur": int(a["cur"].get()[0]), "pos": int(a["pos"].get()[0])})
+    return res
+
+
+def engine(group, out: Path, model_dir: str) -> dict:
+    """TP engine vs the one-GPU engine on the same checkpoint: probes per position (eager), graph == eager tokens, and
+    the residual stream bit-identical on every rank."""
+    import cupy
+
+    from atomflow_bench.gpu.engine import Engine
+
+    seq = [int(t) for t in np.random.default_rng(7).integers(0, 1000, 12)]
+    names = ["embed", "layers.0.attn", "layers.0.mlp", "layers.2.mlp", "final_norm", "logits"]
+    res = {}
+    for fmt in ("fp16", "fp8"):
+        for path in ("peer", "nccl"):
+            eng = Engine(model_dir, weights=fmt, max_seq=32, group=group, allreduce=path)
+            V = eng.cfg.vocab_size
+            rows = -(-V // group.size)
+            eng.reset(seq)
+            probes, h_equal = [], []
+            for _ in range(len(seq)):
+                taps = eng.step_eager(taps=True)
+                loc = np.zeros(rows, np.float32)
+                mine = np.asarray(taps["logits"], np.float32).reshape(-1)
+                loc[:mine.size] = mine
+                taps["logits"] = group.allgather_host(loc).reshape(-1)[:V]
+                probes.append({k: np.asarray(taps[k], np.float32).reshape(-1).tolist() for k in names})
+                hh = group.allgather_host(eng.arena["h"].get())
+                h_equal.append(bool(all(np.array_equal(hh[0], hh[s]) for s in range(group.size))))
+            eager = eng.generate(seq[:4], 16, graph=False)
+            graph = eng.generate(seq[:4], 16, graph=True)
+            res[f"{fmt}-{path}"] = {"probes": probes, "h_equal": h_equal, "eager": eager, "graph": graph,
+                                    "path": eng.tp.path}
+            del eng
+            cupy.get_default_memory_pool().free_all_blocks()
+    group.barrier()
+    if group.rank == 0:  # the one-GPU engine on the same weights
+        for fmt in ("fp16", "fp8"):
+            eng = Engine(model_dir, weights=fmt, max_seq=32)
+            eng.reset(seq)
+            res[f"{fmt}-tp1"] = {"probes": [{k: np.asarray(t[k], np.float32).reshape(-1).tolist() for k in names}
+                                             for t in (eng.step_eager(taps=True) for _ in range(len(seq)))],
+                                 "graph": eng.generate(seq[:4], 16, graph=True)}
+            del eng
+    group.barrier()
+    return res
+
+
+def main() -> None:
+    task, out = sys.argv[1], Path(sys.argv[2])
+    from atomflow_bench.gpu.comm import Group
+
+    group = Group()
+    try:
+        res = kernels(group, out) if task == "kernels" else engine(group, out, sys.argv[3])
+    finally:
+        group.close()
+    (out / f"{task}-rank{group.rank}.json").write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
