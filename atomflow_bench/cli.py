@@ -64,14 +64,24 @@ def tp_options(f):
                              "joins instead).")(f)
 
 
+def _check_tp_options(tp: int, allreduce: str, with_peers: bool = False, retune: bool = False) -> None:
+    """Usage errors of --tp / --allreduce, before anything needs a GPU."""
+    if tp == 1 and allreduce != "auto":
+        raise click.BadParameter("--allreduce needs --tp 2 or more", param_hint="--allreduce")
+    if tp > 1 and with_peers:
+        raise click.BadParameter("--peers runs on one GPU; leave it out with --tp", param_hint="--peers")
+    if tp > 1 and retune:
+        raise click.BadParameter("tensor-parallel runs are not tuned (each rank would time its own candidates); "
+                                 "give --forms instead", param_hint="--retune")
+
+
 def _tp_group(tp: int, allreduce: str):
     """None for one GPU; in the launching process: start the ranks, wait, exit with their code; in a rank: its
     gpu.comm.Group."""
     from .gpu import comm
 
+    _check_tp_options(tp, allreduce)
     if tp == 1:
-        if allreduce != "auto":
-            raise click.BadParameter("--allreduce needs --tp 2 or more", param_hint="--allreduce")
         return None
     if not comm.joined():
         from .gpu.device import require_gpu
@@ -288,6 +298,7 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
     from .store.fetch import fetch_model, resolve_model
 
     forms = _forms(forms)
+    _check_tp_options(tp, allreduce, with_peers=with_peers, retune=retune)
     notes = notes_console(fmt, console)  # stderr with --format csv/json: stdout holds the tables alone
     baselines = load_baselines(baselines_dir)  # a malformed file stops here, before the measurement
     require_gpu()  # before anything is fetched or written: no GPU, no figure (exit 3)
@@ -300,11 +311,6 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
     if tp > 1:
         from .gpu import comm
 
-        if with_peers:
-            raise click.BadParameter("--peers runs on one GPU; leave it out with --tp", param_hint="--peers")
-        if retune:
-            raise click.BadParameter("tensor-parallel runs are not tuned (each rank would time its own candidates); "
-                                     "give --forms instead", param_hint="--retune")
         if source and not comm.joined():
             fetch_model(model, source=source, console=notes)  # once, before the ranks start
     group = _tp_group(tp, allreduce)
@@ -361,6 +367,7 @@ def profile(model, weights, context, steps, forms, json_path, tp, allreduce, fmt
     from .measure.tune import resolve
     from .store.fetch import resolve_model
 
+    _check_tp_options(tp, allreduce)
     require_gpu()
     forms = _forms(forms)
     group = _tp_group(tp, allreduce)
@@ -586,6 +593,10 @@ def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, 
     from .validate import check as v
 
     notes = notes_console(fmt, console)
+    _check_tp_options(tp, allreduce)
+    if tp > 1 and (quality or backend != "gpu"):
+        raise click.BadParameter("--tp validates the GPU engine's probes (not --quality, not --backend numpy)",
+                                 param_hint="--tp")
     if backend == "gpu":  # before the model is fetched or the ground truth made
         from .gpu.device import require_gpu
 
@@ -594,15 +605,11 @@ def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, 
     if tp > 1:
         from .gpu import comm
 
-        if quality or backend != "gpu":
-            raise click.BadParameter("--tp validates the GPU engine's probes (not --quality, not --backend numpy)",
-                                     param_hint="--tp")
         if not comm.joined():  # the model and the ground truth, once, before the ranks start
             v.prepare_truth(resolve_model(model, console=notes), truth_dir, steps, prompt, console=notes)
         group = _tp_group(tp, allreduce)
         path = resolve_model(model, console=notes, fetch_if_missing=False)
     else:
-        _tp_group(tp, allreduce)  # --allreduce without --tp: refused
         path = resolve_model(model, console=notes)
     if quality:
         res = v.quality(path, backend=backend, console=notes)

@@ -8,6 +8,9 @@
 #   engines: llama.cpp built and measured here (scripts/peer_llama_cpp.sh $LLAMA_STAGES, default all; carry
 #            .carry/llama.cpp), then ours swept over the same grid (ENGINES_MODELS, ENGINES_CTX, both formats) into
 #            SWEEP_DIR (default /tmp/atomflow-sweep: resumable on a warm machine), then compare-peers per model and ctx
+#   tptest / tp / tpvalidate: tensor parallel (2+ GPUs): the TP GPU tests; `run` per TP_SPECS entry
+#            "model:fmt:tp[:path]" (ctx $CTX, 256 tokens, 5 repeats; path peer|nccl|auto); `validate --tp` per
+#            TPV_SPECS entry "model:fmt:tp" (--steps ${TPV_STEPS:-8})
 #   AB_DIR=.ab/<commit> AB_SPECS="model:fmt ..." AB_ROUNDS=2 (ab: another commit's tree against this one on the
 #                                       same machine, interleaved old, new, old, new per spec; the old tree as carried
 #                                       by `git archive C atomflow_bench kernels_cu pyproject.toml | tar -x -C .ab/C`)
@@ -99,6 +102,32 @@ print(" ".join("%s-%s=%.0f/%.0f" % (r["role"], r["format"], r["pct_of_copy"], r[
       done; done
       cp -r "$SW" "$OUT/sweep" 2>/dev/null
       mkdir -p "$OUT/llama-cpp-records" && cp "$LW"/results/records/*.json "$OUT/llama-cpp-records/" 2>/dev/null ;;
+    tptest)
+      timeout ${TPTEST_TIMEOUT:-300} python3 -m pytest -q tests/test_tp_gpu.py -p no:cacheprovider -x >"$OUT/tptest.log" 2>&1
+      note "tptest: rc=$? $(tail -1 "$OUT/tptest.log")" ;;
+    tp)
+      for spec in ${TP_SPECS:-"llama-3.2-3b:fp16:2:peer"}; do
+        IFS=: read -r m w n path <<<"$spec"; path=${path:-auto}
+        tag="${m#llama-}-$w-tp$n-$path"
+        args=(); [ "$n" -gt 1 ] && args=(--tp "$n" --allreduce "$path")
+        timeout ${TP_RUN_TIMEOUT:-300} atomflow-bench run "$m" --weights "$w" --ctx "${CTX:-128}" --tokens 256 --repeats 5 \
+          "${args[@]}" --json "$OUT/run-$tag.json" >"$OUT/run-$tag.log" 2>&1
+        rc=$?
+        note "run $tag: rc=$rc $(line "$OUT/run-$tag.json") $(python3 -c 'import json, sys
+t = json.load(open(sys.argv[1])).get("tp")
+if t:
+    c = t["comm"]
+    print("| sums:", t["allreduce"], "in step %.1f us/token;" % c["in_step_us"],
+          " ".join("%s %.2f us/sum, %.1f us/token alone" % (k, v["sum_us"], v["per_token_us"]) for k, v in c["paths"].items()))' \
+          "$OUT/run-$tag.json" 2>/dev/null) $( [ $rc -ne 0 ] && tail -2 "$OUT/run-$tag.log" | tr '\n' ' ')"
+      done ;;
+    tpvalidate)
+      for spec in ${TPV_SPECS:-"llama-3.2-3b:fp16:2"}; do
+        IFS=: read -r m w n <<<"$spec"; tag="${m#llama-}-$w-tp$n"
+        timeout ${TPV_TIMEOUT:-400} atomflow-bench validate "$m" --weights "$w" --tp "$n" --steps "${TPV_STEPS:-8}" \
+          --json "$OUT/validate-$tag.json" >"$OUT/validate-$tag.log" 2>&1
+        note "validate $tag: rc=$? $(grep -E 'probes PASS|greedy|KL' "$OUT/validate-$tag.log" | tr -s ' ' | head -3 | tr '\n' ' ') $(tail -1 "$OUT/validate-$tag.log")"
+      done ;;
     ab)
       old=${AB_DIR:?AB_DIR not set}
       for spec in ${AB_SPECS:-"llama-3.2-3b:fp8"}; do

@@ -1,0 +1,83 @@
+"""Tensor parallel without GPUs (CPU): the usage errors of --tp / --allreduce (one line, exit 2, before anything needs a
+GPU), the launcher's exit-code rule (tests start real processes: `python -m atomflow_bench.cli` per rank), the layout
+every rank exports, the sum's block plan, and `compare` refusing records of another tensor-parallel degree."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from atomflow_bench.cli import main
+from atomflow_bench.errors import AtomflowError
+from atomflow_bench.gpu import comm
+from atomflow_bench.gpu.ops import tp_comm
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["run", "--allreduce", "peer"], "--allreduce needs --tp 2"),
+    (["run", "--tp", "2", "--peers"], "--peers runs on one GPU"),
+    (["run", "--tp", "2", "--retune"], "not tuned"),
+    (["profile", "--allreduce", "nccl"], "--allreduce needs --tp 2"),
+    (["validate", "--tp", "2", "--quality"], "--tp validates the GPU engine"),
+    (["validate", "--tp", "2", "--backend", "numpy"], "--tp validates the GPU engine"),
+    (["run", "--tp", "9"], "9 is not in the range"),
+])
+def test_usage_errors_before_the_gpu(argv, word, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert word in " ".join(err.split())
+
+
+def test_launcher_exit_codes(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATOMFLOW_HOME", str(tmp_path))
+    assert comm.launch(2, ["models", "--format", "json"], gpus=2) == 0
+    assert comm.launch(2, ["run", "--no-such-option"], gpus=2) == 2  # every rank fails: the first code
+    with pytest.raises(AtomflowError, match="needs 4 GPUs on this host, 2 visible"):
+        comm.launch(4, ["models"], gpus=2)
+
+
+def test_exported_layout_is_aligned_and_disjoint():
+    lay = tp_comm.exported_layout(8192, 528)
+    spans = sorted((off, off + int(__import__("numpy").prod(shape)) * dt.itemsize)
+                   for name, (off, shape, dt) in lay.items() if name != "_bytes")
+    assert all(a % 256 == 0 for a, _ in spans)
+    assert all(b1 <= a2 for (_, b1), (a2, _) in zip(spans, spans[1:]))
+    assert lay["_bytes"][0] == spans[-1][1]
+    assert lay["flags"][1] == (tp_comm.TP_SLOTS, tp_comm.TP_MAX_RANKS)
+
+
+@pytest.mark.parametrize("hidden, blocks", [(256, 1), (3072, 3), (4096, 4), (8192, 8), (16384, 16)])
+def test_sum_blocks(hidden, blocks):
+    assert tp_comm.sum_blocks(hidden) == blocks
+
+
+def test_sum_blocks_refuses():
+    with pytest.raises(AtomflowError, match="at most 16"):
+        tp_comm.sum_blocks(16384 + 1024)
+    with pytest.raises(AtomflowError, match="multiple of 4"):
+        tp_comm.sum_blocks(4098)
+
+
+def test_compare_refuses_another_tp(tmp_path, capsys):
+    from pathlib import Path
+
+    ref = Path(__file__).resolve().parents[1] / "results" / "reference" / "llama-3.2-3b-fp16-ctx128.json"
+    base = json.loads(ref.read_text())
+    new = copy.deepcopy(base)
+    new["tp"] = {"n": 2}
+    (tmp_path / "a.json").write_text(json.dumps(base))
+    (tmp_path / "b.json").write_text(json.dumps(new))
+    with pytest.raises(SystemExit) as e:
+        main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert e.value.code == 2
+    assert "tp.n differs" in capsys.readouterr().err
+    (tmp_path / "c.json").write_text(json.dumps(new))
+    try:  # the same tp: compared (no refusal)
+        code = main(["compare", str(tmp_path / "b.json"), str(tmp_path / "c.json")])
+    except SystemExit as e:
+        code = e.code
+    assert code in (0, None)
+    assert "ok (TPOT +0.00%" in capsys.readouterr().out
