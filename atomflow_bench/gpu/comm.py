@@ -123,6 +123,10 @@ class Group:
         from cupyx.distributed import init_process_group
 
         self.backend = init_process_group(self.size, self.rank, host=host, port=port)
+        # The store served the NCCL id; the communicator's creation returned only once every rank had joined, so no
+        # rank needs it any more. Rank 0 stops its server process now (left running, it would keep rank 0 from
+        # exiting: multiprocessing joins its children at exit).
+        self.backend.stop()
         self.comm = self.backend._comm  # cupy.cuda.nccl.NcclCommunicator
         self._nccl = nccl
         self.nccl_version = nccl.get_version()
