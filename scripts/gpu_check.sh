@@ -141,6 +141,7 @@ if t:
   esac
 done
 printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"
-tar -czf "$FINAL/gpu_check.tar.gz" -C "$OUT" .   # one file back (the device returns at most 8)
+tag=$(echo "$stages" | tr ' ' '-')
+tar -czf "$FINAL/gpu_check-$tag.tar.gz" -C "$OUT" .   # one file per invocation back (the device returns at most 8)
 echo "================ summary ================"
 cat "$OUT/summary.txt"
