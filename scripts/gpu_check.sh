@@ -104,7 +104,8 @@ print(" ".join("%s-%s=%.0f/%.0f" % (r["role"], r["format"], r["pct_of_copy"], r[
       mkdir -p "$OUT/llama-cpp-records" && cp "$LW"/results/records/*.json "$OUT/llama-cpp-records/" 2>/dev/null ;;
     tptest)
       timeout ${TPTEST_TIMEOUT:-300} python3 -m pytest -q tests/test_tp_gpu.py -p no:cacheprovider -x >"$OUT/tptest.log" 2>&1
-      note "tptest: rc=$? $(tail -1 "$OUT/tptest.log")" ;;
+      rc=$?; note "tptest: rc=$rc $(tail -1 "$OUT/tptest.log")"
+      [ $rc -ne 0 ] && grep -vE "^\s*$" "$OUT/tptest.log" | tail -60 ;;
     tp)
       for spec in ${TP_SPECS:-"llama-3.2-3b:fp16:2:peer"}; do
         IFS=: read -r m w n path <<<"$spec"; path=${path:-auto}
