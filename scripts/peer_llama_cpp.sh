@@ -85,6 +85,12 @@ do_build() {
 }
 BUILD_PID=
 wait_build() { [ -n "$BUILD_PID" ] && { wait "$BUILD_PID"; BUILD_PID=; }; built; }
+# whether a GGUF is still needed: its bench is not recorded, or it is the server's and the server is not recorded
+needs_gguf() {
+  [[ " $QUANTS " == *" $2 "* ]] || return 1
+  [ -f "$RES/bench/$1-$(q_lower "$2").recorded" ] || return 0
+  [ "$1/$2" = "$SERVER_MODEL/$SERVER_QUANT" ] && [[ " $stages " == *" server "* ]] && [ ! -f "$RES/server.recorded" ]
+}
 built() { [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-quantize" ] && [ -x "$BIN/llama-server" ]; }
 
 q_lower() { echo "$1" | tr 'A-Z' 'a-z'; }
@@ -111,6 +117,10 @@ for st in $stages; do
       for m in $MODELS; do
         f16=$(gguf_of "$m" F16)
         if [ -f "$f16" ]; then note "convert $m F16: done earlier"; continue; fi
+        # a GGUF dropped once benched (DROP_GGUF) is made again only for a bench or the server still to come
+        if ! needs_gguf "$m" F16 && { ! needs_gguf "$m" Q8_0 || [ -f "$(gguf_of "$m" Q8_0)" ]; }; then
+          note "convert $m F16: done earlier (its benches are recorded)"; continue
+        fi
         [ "$(left)" -gt 60 ] || { note "convert $m: no time left in this call: call again"; exit 0; }
         log=$RES/logs/convert-$m.log
         hf=$(hf_dir "$m")
@@ -135,6 +145,7 @@ for st in $stages; do
       for m in $MODELS; do
         f16=$(gguf_of "$m" F16); q8=$(gguf_of "$m" Q8_0)
         [ -f "$q8" ] && { note "quantize $m: done earlier"; continue; }
+        needs_gguf "$m" Q8_0 || { note "quantize $m: done earlier (its bench is recorded)"; continue; }
         [ "$(left)" -gt 45 ] || { note "quantize $m: no time left in this call: call again"; exit 0; }
         timeout "$(left)" "$BIN/llama-quantize" "$f16" "$q8.part" Q8_0 >>"$RES/logs/convert-$m.log" 2>&1 && mv "$q8.part" "$q8" ||
           { note "quantize $m: llama-quantize rc=$?"; rm -f "$q8.part"; exit 1; }

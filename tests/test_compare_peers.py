@@ -77,11 +77,13 @@ def test_one_table_of_ours_peers_runs_and_baselines(files, capsys):
                        ("llama.cpp server b9999", "F16"), ("llama.cpp server b9999", "Q8_0"),
                        ("vLLM v0.19.1", "bf16 (weights not stated; bf16 KV cache)")}
 
-    # same GPU (H100 80GB HBM3 on both sides): speedup = their TPOT / ours
-    for key, tpot in ((("HF transformers 5.0.0 eager fp16", "fp16"), 25.0),
-                      (("HF transformers 5.0.0 compiled fp16", "fp16"), 8.0),
-                      (("llama.cpp server b9999", "F16"), 6.5), (("llama.cpp server b9999", "Q8_0"), 4.1)):
-        assert by[key][SPEED] == f"x{tpot / ours_tpot:.2f}" and by[key][NORM] == "— (same GPU)"
+    # same GPU (H100 80GB HBM3 on both sides): speedup = their TPOT / ours; with no 8-bit run of ours given, the
+    # Q8_0 row is compared with our fp16 run, and says so
+    for key, tpot, vs in ((("HF transformers 5.0.0 eager fp16", "fp16"), 25.0, ""),
+                          (("HF transformers 5.0.0 compiled fp16", "fp16"), 8.0, ""),
+                          (("llama.cpp server b9999", "F16"), 6.5, ""),
+                          (("llama.cpp server b9999", "Q8_0"), 4.1, " vs ours fp16")):
+        assert by[key][SPEED] == f"x{tpot / ours_tpot:.2f}{vs}" and by[key][NORM] == "— (same GPU)"
         assert by[key]["TPOT ms"] == f"{tpot:.3f}" and by[key]["tok/s"] == f"{1e3 / tpot:.1f}"
     # each engine's own bytes: the peers' fp16 weights + KV; the GGUF's size + KV at its context
     eager = by[("HF transformers 5.0.0 eager fp16", "fp16")]
@@ -105,7 +107,7 @@ def test_one_table_of_ours_peers_runs_and_baselines(files, capsys):
     assert "other GPU: roofline-normalised (spec 448 GB/s)" in rtx["note"]
     theirs = make_run(30.0, model="llama-3.1-8b", gpu=RTX, copy_gbs=420.0, context=512)
     ratio = (files["ours_rec"]["bandwidth_gbs"] / 3350) / (theirs["bandwidth_gbs"] / 448)
-    assert rtx[NORM] == f"x{ratio:.2f}"
+    assert rtx[NORM] == f"x{ratio:.2f} vs ours fp16"  # an fp8 run, and no fp8 run of ours on the H100
 
     # the shipped vLLM fit: evaluated at our context, an absolute ratio labelled, bytes unknown
     vllm = by[("vLLM v0.19.1", "bf16 (weights not stated; bf16 KV cache)")]
@@ -118,6 +120,46 @@ def test_one_table_of_ours_peers_runs_and_baselines(files, capsys):
     assert not any("3b" in r["source"] or "rtx5060ti" in r["source"] for r in rows)
     assert f"left out: {files['other_model']} (run): model llama-3.2-3b, ours llama-3.1-8b" in err
     assert "vllm-rtx5060ti-llama-3.2-3b.json (vLLM): model llama-3.2-3b" in " ".join(err.split())
+
+
+def test_each_row_is_compared_with_ours_of_its_weight_width(files, tmp_path, capsys):
+    """Our fp16 and fp8 runs (same model, GPU, context) are both "ours": the Q8_0 and W8A16 rows are compared with our
+    fp8 run, the F16/bf16 rows and the HF peers with our fp16 run, and every speedup cell names which."""
+    fp8 = make_run(3.0, model="llama-3.1-8b", weights="fp8")
+    fp8["peers"] = [peer("eager", 24.0)]
+    ours8 = write(tmp_path, "ours8.json", fp8)
+    old16 = write(tmp_path, "old16.json", make_run(5.5, model="llama-3.1-8b", weights="fp16", seed=1))
+    rtx8 = write(tmp_path, "rtx8.json", make_run(30.0, model="llama-3.1-8b", gpu=RTX, copy_gbs=420.0))
+    at2048 = write(tmp_path, "fp8-2048.json", make_run(3.3, model="llama-3.1-8b", weights="fp8", context=2048))
+    code, out, _ = invoke(capsys, "compare-peers", files["ours"], ours8, old16, rtx8, at2048, files["f16"],
+                          files["q8"], "--format", "json")
+    assert code == 0
+    rows = json.loads(out)
+    t16, t8 = files["ours_rec"]["tpot_ms"]["median"], fp8["tpot_ms"]["median"]
+    assert [(r["source"], r[SPEED]) for r in rows if r[SPEED] == "— (ours)"] == \
+        [(files["ours"], "— (ours)"), (ours8, "— (ours)")]  # the reference first, then ours of the other width
+    src = {(r["source"].rsplit(" [", 1)[-1].rstrip("]") if r["source"].endswith(".json]") else r["source"]): r
+           for r in rows}
+    assert src["lcpp-q8.json"][SPEED] == f"x{4.1 / t8:.2f} vs ours fp8"
+    assert src["lcpp-f16.json"][SPEED] == f"x{6.5 / t16:.2f} vs ours fp16"
+    assert src[f"{ours8} peers[0]"][SPEED] == f"x{24.0 / t16:.2f} vs ours fp16"  # an fp16 peer of the fp8 run
+    assert src[f"{files['ours']} peers[0]"][SPEED] == f"x{25.0 / t16:.2f} vs ours fp16"
+    old = make_run(5.5, model="llama-3.1-8b", weights="fp16", seed=1)["tpot_ms"]["median"]
+    assert src[old16][SPEED] == f"x{old / t16:.2f} vs ours fp16"  # a second fp16 run is a row, not a reference
+    assert src[at2048][SPEED] == f"x{make_run(3.3, model='llama-3.1-8b')['tpot_ms']['median'] / t8:.2f} vs ours fp8"
+    theirs = make_run(30.0, model="llama-3.1-8b", gpu=RTX, copy_gbs=420.0)
+    assert src[rtx8][NORM] == f"x{(fp8['bandwidth_gbs'] / 3350) / (theirs['bandwidth_gbs'] / 448):.2f} vs ours fp8"
+    vllm = src["vllm-h100-llama-3.1-8b-fp8-kvcache-post.json"]
+    assert vllm[SPEED] == f"x{6.445594 / t16:.2f} vs ours fp16 (absolute; GPU variant not stated)"
+
+
+@pytest.mark.parametrize("fmt, width", [("fp16", 16), ("F16 (GGUF F16 weights; ...)", 16), ("bf16 (weights not "
+                                        "stated; bf16 KV cache)", 16), ("fp8", 8), ("Q8_0", 8), ("W8A16 (FP8-E4M3)", 8),
+                                        ("unspecified (likely bf16)", None), ("Q4_K_M", None), ("", None)])
+def test_weight_width_reads_the_formats_leading_word(fmt, width):
+    from atomflow_bench.measure.comparison import weight_width
+
+    assert weight_width(fmt) == width
 
 
 def test_ours_chooses_the_reference(files, tmp_path, capsys):

@@ -13,11 +13,17 @@ One row per record (and per peer in a run record). Columns and rules:
   K/V rows (`baselines.baseline_bytes_per_token`); blank when unknown.
 * % of copy roofline — (bytes / the copy bandwidth measured in the same run) / TPOT, only where the record has a copy
   bandwidth measured on that GPU: a run record (`roofline.pct`) and its peers on the run's GPU; blank otherwise.
+* ours, per weight width — the reference run record (the first, or `--ours`) and every other run record of the same
+  model, GPU and context whose weights are of another width (16-bit: fp16, F16, bf16; 8-bit: fp8, W8A16, Q8_0) are
+  all "ours". Each other row is compared with ours of its own width (`weight_width` of its format), else with the
+  reference: a Q8_0 row with our fp8 run, an F16 row with our fp16 run. The speedup cell names which ("vs ours fp8")
+  whenever the table has several references or the row's width differs from its reference's.
 * speedup vs ours — their TPOT / ours (>1: ours is faster), only on the same GPU as ours (`baselines.same_gpu`: the
   names equal word for word, case, punctuation and the words NVIDIA/GeForce aside). A baseline whose GPU variant is not
   stated gets the absolute ratio, labelled so (`baselines.gpu_relation` says why).
 * roofline-normalised vs ours — for rows on another GPU: (our achieved GB/s / our GPU's spec GB/s) / (theirs / their
-  GPU's spec GB/s), >1: ours gets closer to its GPU's peak; "n/a" when bytes or a spec bandwidth are unknown.
+  GPU's spec GB/s), ours of the row's width as above, >1: ours gets closer to its GPU's peak; "n/a" when bytes or a
+  spec bandwidth are unknown.
 * Rows of another model than ours are left out, each with a note (on stderr with csv/json); rows at another context
   are kept, with their context and a note.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 from pathlib import Path
 
 from . import baselines as bl
@@ -107,6 +114,17 @@ def _model_of(kind: str, rec: dict) -> str:
     return bl.catalog_name(rec["model"]["name"] if kind == "run" else rec["model"])
 
 
+_WIDTH = {16: ("fp16", "f16", "bf16", "float16", "bfloat16", "half"),
+          8: ("fp8", "w8a16", "q8_0", "q8", "int8", "fp8-e4m3", "e4m3")}
+
+
+def weight_width(fmt: str | None) -> int | None:
+    """16 or 8: the weight width a format's leading word names ("fp16", "F16 (GGUF ...)", "bf16", "fp8", "W8A16 (...)",
+    "Q8_0"); None when it names none ("unspecified (likely bf16)", "Q4_K")."""
+    word = re.split(r"[\s(;,]", (fmt or "").strip().lower(), maxsplit=1)[0]
+    return next((w for w, names in _WIDTH.items() if word in names), None)
+
+
 def _row(kind, engine, fmt, gpu, ctx, tpot, nbytes, copy_pct, source, ours, *, gpu_bw=None, label=None) -> dict:
     match = "same" if kind == "ours" else bl.gpu_relation(gpu, ours["gpu"])
     spec = gpu_bw if gpu_bw is not None else (None if bl.variant_not_stated(gpu) else bl.spec_bandwidth(gpu))
@@ -129,22 +147,25 @@ def _row(kind, engine, fmt, gpu, ctx, tpot, nbytes, copy_pct, source, ours, *, g
             "speedup": tpot / ours["tpot_ms"] if match != "different" else None,
             "normalised_ratio": (ours["roofline_frac"] / frac if match == "different" and frac
                                  and ours["roofline_frac"] else None),
-            "note": "; ".join(notes), "source": source}
+            "note": "; ".join(notes), "source": source,
+            "ours_format": None if kind == "ours" else ours["format"],
+            "ours_named": kind != "ours" and (ours["several"] or weight_width(fmt) != weight_width(ours["format"]))}
 
 
-def _run_rows(kind: str, path: str, rec: dict, ours: dict) -> list[dict]:
+def _run_rows(kind: str, path: str, rec: dict, ours_for) -> list[dict]:
+    """The run's row and one per peer in it; `ours_for(format)`: the reference of that format's weight width."""
     gpu, copy = rec["gpu"]["name"], rec["copy_bandwidth_gbs"]["median"]
     tpot = rec["tpot_ms"]["median"]
     nbytes = rec["bytes_per_token"].get("total") if isinstance(rec["bytes_per_token"], dict) else None
     rows = [_row(kind, f"atomflow-bench {rec.get('tool', {}).get('version', '?')}", rec["weights"], gpu,
-                 rec["context"], tpot, nbytes, rec["roofline"]["pct"], path, ours)]
+                 rec["context"], tpot, nbytes, rec["roofline"]["pct"], path, ours_for(rec["weights"]))]
     for i, p in enumerate(rec.get("peers") or []):
         pb = (p.get("bytes_per_token") or {}).get("total")
         p_tpot = p["tpot_ms"]["median"]
         # the copy bandwidth was measured on the run's GPU: a roofline only for peers that ran on it
         pct = 100 * pb / (copy * 1e9) * 1e3 / p_tpot if pb and p["gpu"] == gpu else None
         rows.append(_row("peer", p["engine"], p["precision"], p["gpu"], p["context"], p_tpot, pb, pct,
-                         f"{path} peers[{i}]", ours))
+                         f"{path} peers[{i}]", ours_for(p["precision"])))
     return rows
 
 
@@ -183,20 +204,44 @@ def compare_peers(results, ours: str | None = None, baselines_dir=None) -> tuple
             raise AtomflowError(f"compare-peers: no {RUN_SCHEMA} run record among RESULTS to compare with; "
                                 "give one (or --ours FILE)")
     rec = ref[2]
-    gpu, spec = rec["gpu"]["name"], bl.spec_bandwidth(rec["gpu"]["name"])
-    ref_ours = {"gpu": gpu, "tpot_ms": rec["tpot_ms"]["median"], "context": rec["context"],
-                "roofline_frac": rec["bandwidth_gbs"] / spec if spec else None}
-    model = _model_of("run", rec)
-    rows, notes = _run_rows("ours", ref[0], rec, ref_ours), []
+    gpu, model = rec["gpu"]["name"], _model_of("run", rec)
+    # ours: the reference, then one run record per other weight width of the same model, GPU and context
+    refs = [ref]
+    for x in loaded:
+        if (x[1] == "run" and x[2] is not rec and _model_of("run", x[2]) == model
+                and bl.same_gpu(x[2]["gpu"]["name"], gpu) and x[2]["context"] == rec["context"]
+                and weight_width(x[2]["weights"]) is not None
+                and all(weight_width(x[2]["weights"]) != weight_width(y[2]["weights"]) for y in refs)):
+            refs.append(x)
+
+    def as_ref(r: dict) -> dict:
+        spec = bl.spec_bandwidth(r["gpu"]["name"])
+        return {"gpu": r["gpu"]["name"], "tpot_ms": r["tpot_ms"]["median"], "context": r["context"],
+                "format": r["weights"], "several": len(refs) > 1,
+                "roofline_frac": r["bandwidth_gbs"] / spec if spec else None}
+
+    by_width = {weight_width(r["weights"]): as_ref(r) for _, _, r in reversed(refs)}
+    main = as_ref(rec)
+
+    def ours_for(fmt: str) -> dict:
+        return by_width.get(weight_width(fmt), main)
+
+    rows, notes = [], []
+    for path, _, r in refs:
+        rows += _run_rows("ours", path, r, ours_for)
+    is_ref = {id(x[2]) for x in refs}
     for path, kind, r in loaded:
-        if r is rec:
+        if id(r) in is_ref:
             continue
         m = _model_of(kind, r)
         if m != model:
             what = "run" if kind == "run" else " ".join(x for x in (r["engine"]["name"], r["engine"]["version"]) if x)
             notes.append(f"left out: {path} ({what}): model {m}, ours {model}")
             continue
-        rows += _run_rows("run", path, r, ref_ours) if kind == "run" else [_baseline_row(path, r, ref_ours)]
+        if kind == "run":
+            rows += _run_rows("run", path, r, ours_for)
+        else:
+            rows.append(_baseline_row(path, r, ours_for(r["precision"])))
     return rows, notes
 
 
@@ -207,21 +252,26 @@ def compare_peers_table(rows: list[dict]):
     cols = ["engine", "format", "GPU", "ctx", "TPOT ms", "tok/s", "bytes/token GB", "% of copy roofline",
             "speedup vs ours (same GPU)", "roofline-normalised vs ours (other GPU)", "note", "source"]
     t = Tab("compare-peers — speedup = their TPOT / ours (same GPU only); roofline-normalised = (our achieved GB/s / "
-            "our GPU's spec GB/s) / (theirs / their GPU's spec GB/s) (other GPU only); >1: ours is ahead",
+            "our GPU's spec GB/s) / (theirs / their GPU's spec GB/s) (other GPU only); ours = our run of the row's "
+            "weight width (16-bit: fp16/F16/bf16, 8-bit: fp8/W8A16/Q8_0) when given, else the first; "
+            ">1: ours is ahead",
             cols, key="compare-peers", right=("ctx", "TPOT ms", "tok/s", "bytes/token GB", "% of copy roofline",
                                               "speedup vs ours (same GPU)", "roofline-normalised vs ours (other GPU)"))
     for r in rows:
         match = r["gpu_match"]
         if r["kind"] == "ours":
             speed, norm = "— (ours)", "— (ours)"
-        elif match == "same":
-            speed, norm = f"x{r['speedup']:.2f}", "— (same GPU)"
-        elif match == bl.VARIANT_NOT_STATED:
-            speed, norm = f"x{r['speedup']:.2f} (absolute; GPU variant not stated)", "— (GPU variant not stated)"
         else:
-            ratio = r["normalised_ratio"]
-            speed = "— (other GPU)"
-            norm = "n/a (bytes or spec bandwidth unknown)" if ratio is None else f"x{ratio:.2f}"
+            vs = f" vs ours {r['ours_format']}" if r["ours_named"] else ""
+            if match == "same":
+                speed, norm = f"x{r['speedup']:.2f}{vs}", "— (same GPU)"
+            elif match == bl.VARIANT_NOT_STATED:
+                speed = f"x{r['speedup']:.2f}{vs} (absolute; GPU variant not stated)"
+                norm = "— (GPU variant not stated)"
+            else:
+                ratio = r["normalised_ratio"]
+                speed = "— (other GPU)"
+                norm = "n/a (bytes or spec bandwidth unknown)" if ratio is None else f"x{ratio:.2f}{vs}"
         t.add(r["engine"], r["format"], r["gpu"], None if r["context"] is None else str(r["context"]),
               f"{r['tpot_ms']:.3f}", f"{r['tok_per_s']:.1f}",
               None if r["bytes_per_token"] is None else f"{r['bytes_per_token'] / 1e9:.3f}",

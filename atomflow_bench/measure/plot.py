@@ -6,7 +6,9 @@
   (`comparisons[]`, or `peers[]` when it has no comparisons), its recorded baselines of the same GPU, and the baseline
   records given (same GPU, same model, same context unless the baseline does not state one); one figure per run
   record that has any. Baselines of other GPUs are left
-  out: absolute times across GPUs compare nothing (the `run` table gives their roofline-normalised ratio).
+  out: absolute times across GPUs compare nothing (the `run` table gives their roofline-normalised ratio). Each bar
+  says how much faster ours is; where its weight width differs from ours (an F16 bar beside our fp8 run,
+  `comparison.weight_width`) the ratio is labelled with both widths.
 * `roles`: from a `profile` record (`atomflow-bench/profile/1`), what each role adds to the graph step
   (`role_marginals.rows[].saved_us`) against its bytes floor (`floor_us`: the role's bytes at the copy bandwidth).
 
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from ..errors import AtomflowError
 from . import report
+from .comparison import weight_width
 
 PROFILE_SCHEMA = "atomflow-bench/profile/1"
 MISSING = "plot needs matplotlib, which is not installed: pip install 'atomflow-bench[plot]'"
@@ -252,6 +255,15 @@ def _comparators(rec: dict, baselines) -> tuple[list[dict], int, list]:
     return bars, other, used
 
 
+def _bar_label(b: dict) -> str:
+    """A bar's tick label: the engine (its flags, which a record may spell out at length, left to the footnote's
+    files) wrapped, then kind, the format's leading word and the context."""
+    engine = b["engine"].split(" (")[0]
+    fmt = str(b["precision"]).split(" (")[0]
+    ctx = b["context"] if b["context"] is not None else "?"
+    return "\n".join(textwrap.wrap(engine, width=44)[:2] + [f"{b['kind']}, {fmt}, ctx {ctx}"])
+
+
 def plot_compare(runs, baselines, out_dir: Path, written: set | None = None) -> list[dict]:
     written = set() if written is None else written
     out = []
@@ -267,7 +279,8 @@ def plot_compare(runs, baselines, out_dir: Path, written: set | None = None) -> 
                 "p90": tp.get("p90")}
         bars = [ours] + sorted(others, key=lambda b: b["tpot_ms"])
         note = ("Bars: median TPOT; whiskers p10-p90 where the source gives them. Peers: measured in the same process "
-                "on the same weights and shape; baselines: recorded (see their source)."
+                "on the same weights and shape; baselines: recorded (see their source: engine flags, format, method). "
+                "A ratio across weight widths (16-bit against 8-bit) is labelled: it mixes the format into the engine."
                 + (f" {other_gpu} comparison row(s) from other GPUs left out (absolute times across GPUs compare "
                    "nothing)." if other_gpu else ""))
         fig, bottom = _figure(11, 1.6 + 0.62 * len(bars), _from([path, *used], note))
@@ -275,22 +288,28 @@ def plot_compare(runs, baselines, out_dir: Path, written: set | None = None) -> 
         ys = list(range(len(bars)))[::-1]
         colors = [{"ours": OURS, "peer": PEER}.get(b["kind"], BASELINE) for b in bars]
         ax.barh(ys, [b["tpot_ms"] for b in bars], color=colors, height=0.6)
+        width = weight_width(rec["weights"])
         for y, b in zip(ys, bars):
             if b["p10"] is not None and b["p90"] is not None:
                 ax.errorbar(b["tpot_ms"], y, xerr=[[b["tpot_ms"] - b["p10"]], [b["p90"] - b["tpot_ms"]]],
                             color="black", capsize=3, linewidth=1)
-            speed = ("" if b["kind"] == "ours" else
-                     f"  — ours x{b['tpot_ms'] / ours['tpot_ms']:.2f} faster" if b["tpot_ms"] >= ours["tpot_ms"] else
-                     f"  — ours x{ours['tpot_ms'] / b['tpot_ms']:.2f} slower")
+            speed = ""
+            if b["kind"] != "ours":
+                ratio = b["tpot_ms"] / ours["tpot_ms"]
+                speed = f"\n ours x{ratio:.2f} faster" if ratio >= 1 else f"\n ours x{1 / ratio:.2f} slower"
+                theirs = weight_width(b["precision"])
+                if theirs != width:  # a ratio across weight widths mixes the format into the engine: say so
+                    speed += (f" (ours {width}-bit, this {theirs}-bit)" if theirs and width
+                              else " (weight width not stated)")
             ax.annotate(f" {b['tpot_ms']:.3f} ms, {1e3 / b['tpot_ms']:.0f} tok/s{speed}",
-                        (max(b["tpot_ms"], b["p90"] or 0), y), va="center", fontsize=9)
-        ax.set_yticks(ys, [f"{b['engine']}\n{b['kind']}, {b['precision']}, ctx "
-                           f"{b['context'] if b['context'] is not None else '?'}" for b in bars], fontsize=8.5)
-        ax.set_xlim(0, max(b["p90"] or b["tpot_ms"] for b in bars) * 1.6)
+                        (max(b["tpot_ms"], b["p90"] or 0), y), va="center", fontsize=8.5)
+        ax.set_yticks(ys, [_bar_label(b) for b in bars], fontsize=8.5)
+        ax.set_xlim(0, max(b["p90"] or b["tpot_ms"] for b in bars) * 2.2)
         ax.set_xlabel("TPOT (ms per output token, lower is better)")
         ax.grid(True, axis="x", alpha=0.3)
-        ax.set_title(f"{_model(rec)} on {_gpu(rec)}: ours ({rec['weights']}, ctx {rec['context']}) against the "
-                     "engines on the same GPU", fontsize=11)
+        ax.set_title("\n".join(textwrap.wrap(f"{_model(rec)} on {_gpu(rec)}: ours ({rec['weights']}, ctx "
+                                              f"{rec['context']}) against the engines on the same GPU", width=80)),
+                     fontsize=11)
         name = f"compare-{report.slug(_model(rec))}-{rec['weights']}-ctx{rec['context']}-{report.slug(_gpu(rec))}.png"
         out.append({"kind": "compare", "path": _save(fig, bottom, Path(out_dir) / name, written),
                     "sources": [path, *used]})
