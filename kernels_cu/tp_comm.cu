@@ -24,7 +24,7 @@
 // Bytes      sum: n*4 read from each rank (N-1 of them remote), n*4 read + written locally.
 // Launch     tp_allreduce_add grid = ceil(n / (TP_AR_THREADS * 4)) (<= TP_AR_SLOTS), block = TP_AR_THREADS;
 //            tp_argmax_combine grid = 1, block = 32. Both start with the PDL wait (their inputs are the previous
-//            kernel's outputs) and signal only after it.
+//            kernel's outputs) and signal only after it; the sum lets its successor launch before its barrier.
 #include "common.cuh"
 #include "argmax_common.cuh"
 
@@ -68,8 +68,10 @@ tp_allreduce_add(float* __restrict__ h, const unsigned long long* __restrict__ p
                  const unsigned long long* __restrict__ peer_flags, unsigned* seq, int n, int rank, int nranks) {
   AF_TIMELINE_BLOCK;
   pdl_wait();  // the partial GEMV before us is complete (and, transitively, everything before it)
+  // The next GEMV may launch now and stream the weights it reads before its own wait while we wait for the other
+  // ranks: it reads h only after its wait, i.e. after this kernel has completed.
+  pdl_launch_dependents();
   tp_barrier(flags, peer_flags, seq, blockIdx.x, rank, nranks);
-  pdl_launch_dependents();  // the next GEMV may start requesting its weights
   const int i = (blockIdx.x * TP_AR_THREADS + threadIdx.x) * 4;
   if (i >= n) return;
   float4 acc = __ldcv(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(parts[0]) + i));

@@ -81,6 +81,9 @@ def comm_times(engine) -> dict:
     out = {"sum_bytes": engine.cfg.hidden_size * 4, "sums_per_token": 2 * L, "paths": {}}
     for path in paths:
         sums = tpc.comm_only_launches(path, 2 * L, scratch)
+        if engine.pdl:  # chained as in the step
+            for ln in sums[1:]:
+                ln.enable_pdl()
         t_sums = _graph_us(sums, stream)
         t_token = _graph_us(hold_position(sums + tpc.argmax_launches(state, path=path)), stream)
         out["paths"][path] = {"sum_us": t_sums["median"] / (2 * L), "sums_graph_us": t_sums,
