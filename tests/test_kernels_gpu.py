@@ -111,6 +111,8 @@ def check_gemv(kernel_lib, n_sm, rng, fmt: str, variant: str, rows: int, k: int,
     if variant == "resid":
         h0 = rng.standard_normal(n_out, dtype=np.float32)
         y_dev = cp.asarray(h0)
+    elif variant == "partial":  # fp32 store (a tensor-parallel rank's share of o_proj / down)
+        y_dev = cp.full(n_out, np.nan, dtype=np.float32)
     else:
         y_dev = cp.full(n_out, np.nan, dtype=np.float16)
     ln = gemv_launch(kernel_lib, fmt, variant, w_dev, s_dev, x_dev, y_dev, n_out, k, n_sm, norm_w=nw_dev, eps=eps,
@@ -119,6 +121,8 @@ def check_gemv(kernel_lib, n_sm, rng, fmt: str, variant: str, rows: int, k: int,
     out = y_dev.get()
     if variant == "resid":
         assert rel_err(out.astype(np.float64) - h0, y_ref) < FP32_TOL
+    elif variant == "partial":
+        assert out.dtype == np.float32 and not np.isnan(out).any() and rel_err(out, y_ref) < FP32_TOL
     elif variant == "norm_swiglu":
         g = y_ref[:n_out].astype(np.float16).astype(np.float64)
         u = y_ref[n_out:].astype(np.float16).astype(np.float64)
@@ -140,6 +144,19 @@ def test_gemv(kernel_lib, n_sm, fmt, model, region, rows, k):
 
 
 RING_CASES = [("resid", 3072, 8192), ("store", 5120, 3072), ("norm_swiglu", 4608, 576)]
+# tensor parallel: o_proj and down per rank (gpu/tp.py local_config) of 70B over 2 and 4, 8B over 2
+PARTIAL_CASES = [(8192, 4096), (8192, 14336), (8192, 7168), (4096, 7168), (4096, 2048)]
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("ws", [False, True], ids=["ring", "ws"])
+@pytest.mark.parametrize("rows,k", PARTIAL_CASES)
+def test_gemv_partial(kernel_lib, n_sm, fmt, ws, rows, k):
+    """The "partial" variant (fp32 y = W.x, output poisoned with NaN) in both forms at the per-rank shapes."""
+    if ws:
+        skip_unless_sm90()
+    ln = check_gemv(kernel_lib, n_sm, rng_for("partial", fmt, ws, rows, k), fmt, "partial", rows, k, ws=ws)
+    assert ln.name == f"gemv_{fmt}_partial"
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
@@ -553,9 +570,12 @@ def test_lm_head_argmax(kernel_lib_lmhead, n_sm, rows, k):
     assert run(launch, 4) == best
     assert int(a["out_tokens"].get()[4]) == best
     assert int(a["pos"].get()[0]) == 5 and int(a["cur_token"].get()[0]) == best  # the first generated token
+    assert int(a["am_idx"].get()[0]) == best  # the best is left in partials[0] (tensor parallel combines them)
+    assert a["am_val"].get()[0] == np.float32(a["logits"].get()[best])
     assert run(held, 4) == best  # advance = 0: the same search, the state untouched
     assert int(a["pos"].get()[0]) == 4 and int(a["cur_token"].get()[0]) == -7
     assert (a["out_tokens"].get() == -1).all()
+    assert int(a["am_idx"].get()[0]) == best
 
 
 @pytest.fixture(scope="module")

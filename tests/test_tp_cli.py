@@ -81,3 +81,19 @@ def test_compare_refuses_another_tp(tmp_path, capsys):
         code = e.code
     assert code in (0, None)
     assert "ok (TPOT +0.00%" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fmt, cc, want", [("fp8", 90, "short:ws/l2=24;split:ws/l2=24"),
+                                           ("fp16", 90, "short:ws/l2=8;split:ws/l2=8"),
+                                           ("fp8", 89, "short:ring/l2=8;split:ring/l2=8")])
+def test_tp_default_forms(fmt, cc, want):
+    """W8A16 under tensor parallel takes the measured ws/l2=24 form on sm_90+ (PERF_NOTES v40.1); fp16 and sm_89 keep
+    the engine's defaults."""
+    import types
+
+    from atomflow_bench.gpu.forms import Forms
+    from atomflow_bench.measure.tp_bench import tp_default_forms
+
+    base = "short:ws/l2=8;split:ws/l2=8" if fmt == "fp16" else "short:ring/l2=8;split:ring/l2=8"
+    eng = types.SimpleNamespace(fmt=fmt, cc=cc, forms=Forms.parse(base))
+    assert tp_default_forms(eng).text == want
