@@ -454,13 +454,16 @@ def tune(model, weights, context, tokens, fmt):
 @click.option("--weights", "weights_list", default="fp8", show_default=True, help="Comma-separated: fp8, fp16.")
 @click.option("--ctx", "contexts", default="128", show_default=True,
               help="Comma-separated contexts (prompt tokens before the timed decode), 1 to 32000 each.")
+@click.option("--tp", "tps", default="1", show_default=True,
+              help="Comma-separated tensor-parallel degrees, e.g. 1,2,4 (a cell of tp > 1 is `run --tp N`; the "
+                   "summary gives each its ratio and efficiency against tp 1).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="The sweep's directory: one run record per cell + summary.json/.csv/.md; give an earlier sweep's "
                    "directory to resume it (its valid records are kept)  [default: results/sweep-<time>]")
 @measure_options
 @format_option
-def sweep(models, weights_list, contexts, tokens, repeats, out_dir, source, baselines_dir, with_peers, forms, retune,
-          fmt):
+def sweep(models, weights_list, contexts, tps, tokens, repeats, out_dir, source, baselines_dir, with_peers, forms,
+          retune, fmt):
     """`run` over a grid: --models x --weights x --ctx, one record per cell, resumable; a summary table (also
     summary.json/.csv/.md in --out, rewritten after every cell). A cell whose valid record is in --out is skipped; a
     failed cell is kept in the summary with its error and the sweep goes on (exit 1 at the end when a cell failed)."""
@@ -472,7 +475,8 @@ def sweep(models, weights_list, contexts, tokens, repeats, out_dir, source, base
     from .measure.baselines import load_baselines
 
     try:
-        cells = sw.grid(sw.split_list(models, "--models"), sw.parse_weights(weights_list), sw.parse_contexts(contexts))
+        cells = sw.grid(sw.split_list(models, "--models"), sw.parse_weights(weights_list), sw.parse_contexts(contexts),
+                        sw.parse_tps(tps))
     except AtomflowError as e:
         raise click.BadParameter(str(e)) from None
     forms = _forms(forms)
@@ -487,7 +491,7 @@ def sweep(models, weights_list, contexts, tokens, repeats, out_dir, source, base
     gpu = device.gpu_info()["name"]
     notes.print(f"sweep: {len(cells)} cells on {gpu} into {out}", soft_wrap=True, highlight=False, markup=False)
     run_cell = functools.partial(sw.benchmark_cell, baselines=baselines, peers=with_peers, forms=forms, retune=retune,
-                                 source=source, console=notes)
+                                 source=source, console=notes, baselines_dir=baselines_dir)
     summary = sw.run_sweep(cells, out, run_cell, tokens=tokens, repeats=repeats, gpu=gpu, console=notes)
     render(sw.sweep_table(summary), fmt, console)
     notes.print(f"summary: {out / 'summary.json'} (.csv, .md)", soft_wrap=True, highlight=False, markup=False)

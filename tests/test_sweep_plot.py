@@ -231,7 +231,7 @@ def test_sweep_cli_json_table_and_resume(gpu_stand_in, tmp_path, capsys):
     rows = json.loads(stdout)  # stdout holds the table alone; the notes went to stderr
     assert [r["status"] for r in rows] == ["done"] * 7 + ["failed"]
     assert set(rows[0]) == {"model", "weights", "ctx", "tp", "status", "TPOT ms", "p10-p90 ms", "tok/s", "% roofline",
-                            "GB/token", "forms", "file / error"}
+                            "GB/token", "vs TP1", "forms", "file / error"}
     js = json.loads((out / "summary.json").read_text())
     for row, cell in zip(rows, js["cells"]):
         assert row["ctx"] == str(cell["key"]["context"]) and row["status"] == cell["status"]
@@ -379,3 +379,61 @@ def test_plot_without_matplotlib_is_one_line_naming_the_extra(records, tmp_path,
     assert err.splitlines() == ["error: plot needs matplotlib, which is not installed: pip install "
                                 "'atomflow-bench[plot]'"]
     assert not (tmp_path / "png").exists()
+
+
+class TpStandIn(StandIn):
+    """Cells of tp > 1 answer with a record holding a `tp` block, TPOT = tp 1's / (0.8 tp): 80% efficiency."""
+
+    def __call__(self, key, tokens, repeats, **kw):
+        rec = super().__call__({**key, "tp": 1}, tokens, repeats, **kw)
+        if key["tp"] > 1:
+            for q in ("median", "p10", "p90", "mean", "min", "max"):
+                if q in rec["tpot_ms"]:
+                    rec["tpot_ms"][q] = fake_tpot(key) / (0.8 * key["tp"])
+            rec["tp"] = {"n": key["tp"], "allreduce": "peer"}
+        return rec
+
+
+def test_parse_tps():
+    assert sw.parse_tps("1, 2,4,2") == [1, 2, 4]
+    for bad, word in (("0", "not in 1..8"), ("9", "not in 1..8"), ("two", "not an integer"), (",", "empty list")):
+        with pytest.raises(AtomflowError, match=word):
+            sw.parse_tps(bad)
+
+
+def test_a_tp_axis_gets_its_ratio_and_efficiency_against_tp1(tmp_path):
+    keys = sw.grid(["llama-3.1-8b"], ["fp16"], [128], [1, 2, 4])
+    assert [sw.cell_filename(k) for k in keys] == [f"llama-3.1-8b-fp16-ctx128-tp{n}.json" for n in (1, 2, 4)]
+    summary = sw.run_sweep(keys, tmp_path, TpStandIn(), tokens=TOKENS, repeats=REPEATS, gpu=H100)
+    scale = sw.tp_scaling(summary)
+    assert set(scale) == {1, 2}
+    t1 = summary["cells"][0]["tpot_ms"]["median"]
+    for i, n in ((1, 2), (2, 4)):
+        tn = summary["cells"][i]["tpot_ms"]["median"]
+        assert tn == pytest.approx(fake_tpot(keys[i]) / (0.8 * n))
+        assert scale[i] == pytest.approx((tn / t1, t1 / (n * tn)))
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "summary.csv").read_text())))
+    assert rows[0]["tp_efficiency"] == "" and float(rows[2]["tp_efficiency"]) == pytest.approx(scale[2][1])
+    assert f"{scale[2][0]:.3f} x ({100 * scale[2][1]:.0f}% eff.)" in (tmp_path / "summary.md").read_text()
+    # resumed: the records of tp > 1 (their `tp` block) are valid cells of this sweep
+    again = sw.run_sweep(keys, tmp_path, TpStandIn(), tokens=TOKENS, repeats=REPEATS, gpu=H100)
+    assert [c["status"] for c in again["cells"]] == ["skipped"] * 3
+
+
+def test_a_tp_cell_without_its_tp1_cell_has_no_ratio(tmp_path):
+    summary = sw.run_sweep(sw.grid(["llama-3.1-8b"], ["fp16"], [128], [2]), tmp_path, TpStandIn(), tokens=TOKENS,
+                           repeats=REPEATS, gpu=H100)
+    assert sw.tp_scaling(summary) == {} and summary["cells"][0]["status"] == "done"
+
+
+def test_a_tp_cell_runs_run_tp_and_reports_its_error_line(monkeypatch, tmp_path):
+    """A cell of tp > 1 is `atomflow-bench run --tp N` in a process of its own; its one-line error becomes the cell's
+    (here the CPU's: no GPU, exit 3, nothing written)."""
+    from atomflow_bench.gpu import device
+
+    if device.gpu_problem() is None:
+        pytest.skip("a GPU is here: the run would measure")
+    monkeypatch.setenv("ATOMFLOW_HOME", str(tmp_path))
+    with pytest.raises(AtomflowError) as e:
+        sw._tp_cell({"model": "llama-3.1-8b", "weights": "fp16", "context": 128, "tp": 2}, 8, 1)
+    assert str(e.value).startswith("run --tp 2: error:") and "\n" not in str(e.value)

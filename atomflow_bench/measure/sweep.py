@@ -34,8 +34,9 @@ WEIGHTS = ("fp8", "fp16")
 STATUSES = ("done", "skipped", "failed", "pending")
 SUMMARY_FILES = ("summary.json", "summary.csv", "summary.md")
 CSV_COLUMNS = ["model", "weights", "context", "tp", "status", "file", "gpu", "tpot_median_ms", "tpot_p10_ms",
-               "tpot_p90_ms", "tok_per_s", "roofline_pct", "bytes_per_token", "forms", "forms_origin", "instrument",
-               "error", "note"]
+               "tpot_p90_ms", "tok_per_s", "roofline_pct", "bytes_per_token", "tp1_ratio", "tp_efficiency", "forms",
+               "forms_origin", "instrument", "error", "note"]
+MAX_TP = 8
 
 
 # ---- the grid ------------------------------------------------------------------------------------------
@@ -66,6 +67,25 @@ def parse_weights(text: str) -> list[str]:
     if bad:
         raise AtomflowError(f"--weights: {bad[0]!r} is not one of {', '.join(WEIGHTS)}")
     return out
+
+
+def parse_tps(text: str) -> list[int]:
+    out = []
+    for s in split_list(text, "--tp"):
+        try:
+            n = int(s)
+        except ValueError:
+            raise AtomflowError(f"--tp: {s!r} is not an integer") from None
+        if not 1 <= n <= MAX_TP:
+            raise AtomflowError(f"--tp: {n} is not in 1..{MAX_TP}")
+        out.append(n)
+    return out
+
+
+def tp_of(rec: dict) -> int:
+    """A run record's tensor-parallel degree (1 when it has no `tp` block)."""
+    t = rec.get("tp")
+    return int(t.get("n", 1)) if isinstance(t, dict) else int(t or 1)
 
 
 def grid(models, weights, contexts, tps=(1,)) -> list[dict]:
@@ -125,7 +145,7 @@ def check_record(path: Path, key: dict, tokens: int, repeats: int, gpu: str | No
     want = {"model": key["model"], "weights": key["weights"], "context": key["context"], "tp": key.get("tp", 1),
             "tokens": tokens, "repeats": repeats}
     have = {"model": (rec.get("model") or {}).get("name"), "weights": rec.get("weights"),
-            "context": rec.get("context"), "tp": rec.get("tp", 1), "tokens": rec.get("tokens"),
+            "context": rec.get("context"), "tp": tp_of(rec), "tokens": rec.get("tokens"),
             "repeats": rec.get("repeats")}
     for k, v in want.items():
         if have[k] != v:
@@ -138,18 +158,21 @@ def check_record(path: Path, key: dict, tokens: int, repeats: int, gpu: str | No
 
 # ---- the sweep -----------------------------------------------------------------------------------------
 def benchmark_cell(key: dict, tokens: int, repeats: int, *, baselines=(), peers: bool = False, forms=None,
-                   retune: bool = False, source: str | None = None, console=None) -> dict:
+                   retune: bool = False, source: str | None = None, console=None, baselines_dir=None) -> dict:
     """One cell on the GPU: the model resolved (fetched if missing), `bench.benchmark`, the comparisons of `run`
-    (recorded baselines, and the HF peers with `peers`) attached; returns the run record."""
+    (recorded baselines, and the HF peers with `peers`) attached; returns the run record. A cell of tp > 1 is
+    `atomflow-bench run --tp N` in processes of its own (_tp_cell)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..store.fetch import fetch_model, resolve_model
     from .baselines import attach_comparisons
     from .bench import benchmark
 
-    if key.get("tp", 1) != 1:
-        raise AtomflowError(f"tp {key['tp']}: only tp 1 is measured so far")
     model, weights, context = key["model"], key["weights"], key["context"]
+    if key.get("tp", 1) != 1:
+        if peers:
+            raise AtomflowError("--peers runs on one GPU: not with tp > 1")
+        return _tp_cell(key, tokens, repeats, forms=forms, source=source, baselines_dir=baselines_dir)
     path = fetch_model(model, source=source, console=console) if source else resolve_model(model, console=console)
     src = _source_of(path)
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
@@ -163,6 +186,44 @@ def benchmark_cell(key: dict, tokens: int, repeats: int, *, baselines=(), peers:
         peer_recs = measure_peers(path, context=context, tokens=tokens, repeats=min(repeats, 3), weights="fp16")
     attach_comparisons(rec, list(baselines), peer_recs)
     return rec
+
+
+def _tp_cell(key: dict, tokens: int, repeats: int, *, forms=None, source=None, baselines_dir=None) -> dict:
+    """`run --tp N` of one cell (its ranks are processes of their own, started by that command); its record."""
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory(prefix="atomflow-sweep-") as d:
+        out = Path(d) / "run.json"
+        argv = [sys.executable, "-m", "atomflow_bench.cli", "run", str(key["model"]), "--weights", key["weights"],
+                "--ctx", str(key["context"]), "--tokens", str(tokens), "--repeats", str(repeats),
+                "--tp", str(key["tp"]), "--json", str(out), "--format", "json"]
+        argv += ["--forms", forms.text] if forms is not None else []
+        argv += ["--source", source] if source else []
+        argv += ["--baselines", str(baselines_dir)] if baselines_dir else []
+        p = subprocess.run(argv, capture_output=True, text=True)
+        if p.returncode != 0 or not out.is_file():
+            last = [ln for ln in p.stderr.splitlines() if ln.strip()][-1:] or [f"exit {p.returncode}"]
+            raise AtomflowError(f"run --tp {key['tp']}: {last[0]}")
+        return report.load(out)
+
+
+def tp_scaling(summary: dict) -> dict[int, tuple[float, float]]:
+    """Per cell index of tp > 1 with a measured tp 1 cell of the same model, weights and context: (TPOT / TPOT at
+    tp 1, scaling efficiency = TPOT_1 / (tp x TPOT_tp))."""
+    one = {}
+    for e in summary["cells"]:
+        k = e["key"]
+        if k.get("tp", 1) == 1 and e["tpot_ms"]:
+            one[(k["model"], k["weights"], k["context"])] = e["tpot_ms"]["median"]
+    out = {}
+    for i, e in enumerate(summary["cells"]):
+        k = e["key"]
+        base = one.get((k["model"], k["weights"], k["context"]))
+        if k.get("tp", 1) > 1 and e["tpot_ms"] and base:
+            t = e["tpot_ms"]["median"]
+            out[i] = (t / base, base / (k["tp"] * t))
+    return out
 
 
 def _source_of(path) -> str:
@@ -260,13 +321,15 @@ def sweep_table(summary: dict):
     from ..output import Tab
 
     cols = ["model", "weights", "ctx", "tp", "status", "TPOT ms", "p10-p90 ms", "tok/s", "% roofline", "GB/token",
-            "forms", "file / error"]
+            "vs TP1", "forms", "file / error"]
+    scale = tp_scaling(summary)
     c = counts(summary)
     t = Tab(f"sweep — {summary.get('gpu') or 'GPU not named'}, {summary['tokens']} tokens x {summary['repeats']} "
             "repeats per cell", cols, key="sweep", right=("ctx", "tp", "TPOT ms", "p10-p90 ms", "tok/s", "% roofline",
                                                            "GB/token"))
-    for e in summary["cells"]:
+    for i, e in enumerate(summary["cells"]):
         k, tp = e["key"], e["tpot_ms"]
+        vs = f"{scale[i][0]:.3f} x ({100 * scale[i][1]:.0f}% eff.)" if i in scale else ""
         last = e["error"] if e["status"] == "failed" else (e["file"] or "")
         if e.get("note") and e["status"] != "skipped":
             last += f" ({e['note']})"
@@ -276,12 +339,13 @@ def sweep_table(summary: dict):
         t.add(str(k["model"]), str(k["weights"]), str(k["context"]), str(k.get("tp", 1)), e["status"],
               _f(tp and tp["median"], ".4f"), f"{tp['p10']:.4f}-{tp['p90']:.4f}" if tp else "",
               _f(e["tok_per_s"], ".1f"), _f(e["roofline_pct"], ".1f"),
-              _f(e["bytes_per_token"] and e["bytes_per_token"] / 1e9, ".4f"), forms, last,
+              _f(e["bytes_per_token"] and e["bytes_per_token"] / 1e9, ".4f"), vs, forms, last,
               style={"failed": "red", "pending": "dim"}.get(e["status"], ""))
     t.caption = (f"{len(summary['cells'])} cells: {c['done']} measured, {c['skipped']} skipped (a valid record was "
                  f"there), {c['failed']} failed" + (f", {c['pending']} not reached" if c["pending"] else "")
                  + f"; records and summary.json/.csv/.md in {summary['directory']}; % roofline = bytes per token / "
-                 "copy bandwidth of the same run, over TPOT")
+                 "copy bandwidth of the same run, over TPOT (tp > 1: per GPU, the slowest rank's); vs TP1 = TPOT / "
+                 "TPOT at tp 1 of the same model, weights and context, efficiency = TPOT_1 / (tp x TPOT)")
     return t
 
 
@@ -289,11 +353,13 @@ def csv_text(summary: dict) -> str:
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     w.writerow(CSV_COLUMNS)
-    for e in summary["cells"]:
+    scale = tp_scaling(summary)
+    for i, e in enumerate(summary["cells"]):
         k, tp = e["key"], e["tpot_ms"] or {}
+        ratio, eff = scale.get(i, ("", ""))
         w.writerow([k["model"], k["weights"], k["context"], k.get("tp", 1), e["status"], e["file"] or "",
                     e["gpu"] or "", tp.get("median", ""), tp.get("p10", ""), tp.get("p90", ""),
-                    _f(e["tok_per_s"], ""), _f(e["roofline_pct"], ""), _f(e["bytes_per_token"], ""),
+                    _f(e["tok_per_s"], ""), _f(e["roofline_pct"], ""), _f(e["bytes_per_token"], ""), ratio, eff,
                     e["forms"] or "", e["forms_origin"] or "", " ".join(e.get("instrument") or []), e["error"] or "",
                     e["note"] or ""])
     return out.getvalue()
