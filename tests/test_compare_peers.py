@@ -211,3 +211,24 @@ def test_missing_file_no_run_record_and_a_baseline_as_ours(files, tmp_path, caps
     assert code == 1 and "no atomflow-bench/run/1 run record among RESULTS" in err
     code, _, err = invoke(capsys, "compare-peers", files["ours"], "--ours", files["f16"])
     assert code == 1 and "--ours" in err and "not a atomflow-bench/run/1 run record" in err
+
+
+def test_llama_cpp_rows_carry_their_own_bytes_per_token(capsys):
+    """The issue-32 records (results/v39-engines): every llama.cpp row has its own bytes/token, the record's
+    weight_bytes + K/V rows; the untied 8B's leave out the 1.05 GB (F16) / 0.56 GB (Q8_0) input-embedding table that
+    llama.cpp reads one row of per token, so F16 no longer reads as 16.086 GB against our 15.043."""
+    from pathlib import Path
+
+    v39 = Path(__file__).resolve().parents[1] / "results" / "v39-engines"
+    files = [v39 / "sweep" / "llama-3.1-8b-fp16-ctx128-tp1.json", v39 / "sweep" / "llama-3.1-8b-fp8-ctx128-tp1.json",
+             *sorted((v39 / "llama-cpp").glob("llama.cpp-*-llama-3.1-8b-*-ctx128.json"))]
+    if not all(f.is_file() for f in files) or len(files) != 4:
+        pytest.skip("no results/v39-engines records")
+    code, out, _ = invoke(capsys, "compare-peers", *map(str, files), "--format", "json")
+    assert code == 0
+    rows = {r["format"].split(" ")[0]: r for r in json.loads(out)}
+    kv = round((128 + 127 / 2 + 1) * CFG.kv_bytes_per_token())
+    embd_f16, embd_q8 = 128256 * 4096 * 2, 128256 * 4096 // 32 * 34
+    assert rows["F16"]["bytes/token GB"] == f"{(16_068_891_040 - embd_f16 + kv) / 1e9:.3f}" == "15.043"
+    assert rows["Q8_0"]["bytes/token GB"] == f"{(8_540_770_720 - embd_q8 + kv) / 1e9:.3f}" == "8.008"
+    assert float(rows["F16"]["bytes/token GB"]) < (CFG.weight_bytes("fp16") + kv) / 1e9 - 1.0   # not the catalog's

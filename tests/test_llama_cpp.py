@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from atomflow_bench.config import CATALOG
 from atomflow_bench.errors import AtomflowError
 from atomflow_bench.measure import llama_cpp as lc
-from atomflow_bench.measure.baselines import SCHEMA, load_baselines, validate
+from atomflow_bench.measure.baselines import SCHEMA, baseline_bytes_per_token, load_baselines, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,6 +132,9 @@ def test_records_from_bench_validate_and_summarise(tmp_path):
         assert prov["prompt_tests"][0]["n_prompt"] == 512 and prov["prompt_tests"][0]["n_depth"] == r["context"]
         assert "llama.cpp's own weight bytes" in r["notes"] and "<|image|>" in r["notes"]
         assert "-d 128,2048" in prov["commands"] and "0c1e57098" in r["source"]
+        # the 3B is tied: token_embd is the output matrix, read in full, so the whole file counts
+        assert r["gguf_bytes"] == r["weight_bytes"] == 3_500_000_000
+        assert "tied embeddings" in r["weight_bytes_basis"] and "3500000000 B" in r["weight_bytes_basis"]
 
 
 def test_cli_writes_loadable_baselines(tmp_path, capsys):
@@ -152,9 +156,110 @@ def test_cli_writes_loadable_baselines(tmp_path, capsys):
     names = sorted(p.name for p in out.iterdir())
     assert names == ["llama.cpp-nvidia-h100-80gb-hbm3-llama-3.2-1b-f16-ctx128.json",
                      "llama.cpp-nvidia-h100-80gb-hbm3-llama-3.2-1b-f16-ctx2048.json"]
+    assert all(r["weight_bytes"] == r["gguf_bytes"] == 64 for r in recs)   # the 1B is tied
     lc.main(["table", *map(str, sorted(out.iterdir()))])
     table = capsys.readouterr().out
-    assert "llama-3.2-1b" in table and "F16" in table
+    assert "llama-3.2-1b" in table and "F16" in table and "W/tok GB" in table
+
+
+# ---- bytes read per token ------------------------------------------------------------------------
+V, H8 = 128256, 4096   # Llama-3.1-8B's vocabulary and hidden size (untied)
+# the GGUF sizes and llama-bench model_size of the issue-32 run (results/v39-engines/llama-cpp)
+GGUF_8B = {"F16": (16_068_891_040, 16_061_055_232), "Q8_0": (8_540_770_720, 8_532_934_912)}
+
+
+@pytest.mark.parametrize("ft, embd", [("F16", V * H8 * 2), ("Q8_0", V * H8 // 32 * 34)])
+def test_untied_weight_bytes_leave_out_the_token_embedding_table(ft, embd):
+    """Llama-3.1-8B is untied: llama.cpp reads one row of token_embd a token and output.weight in full, so the
+    record's weight_bytes are the GGUF's size less the table at its storage type (F16 2 B/weight, Q8_0 34 B per 32)."""
+    size, tensors = GGUF_8B[ft]
+    text = bench_json(model_type=f"llama 8B {ft}", filename=f"/w/llama-3.1-8b-{ft.lower()}.gguf", size=tensors)
+    recs = lc.records_from_bench(json.loads(text), model="llama-3.1-8b", gguf_bytes=size)
+    assert embd == {"F16": 1_050_673_152, "Q8_0": 558_170_112}[ft]
+    cfg = CATALOG["llama-3.1-8b"].config
+    assert not cfg.tie_word_embeddings
+    for r in recs:
+        validate(r)
+        assert r["gguf_bytes"] == size and r["weight_bytes"] == size - embd != size
+        assert r["weight_bytes"] == {"F16": 15_018_217_888, "Q8_0": 7_982_600_608}[ft]
+        basis = r["weight_bytes_basis"]
+        assert "untied" in basis and f"{V} x {H8} at {ft}" in basis and f"{embd} B" in basis
+        assert f"{size - tensors} B" in basis   # the file's metadata, counted in, is said
+        # what compare-peers reads: the record's own bytes + K/V rows, not the catalog's count with the embedding
+        kv = int(round((r["context"] + 127 / 2 + 1) * cfg.kv_bytes_per_token()))
+        assert baseline_bytes_per_token(r) == size - embd + kv
+    if ft == "F16":   # beyond our fp16 weights less the embedding: llama.cpp's F32 norms and rope_freqs, the metadata
+        assert 0 < recs[0]["weight_bytes"] - (cfg.weight_bytes("fp16") - V * H8 * 2) < 10e6
+
+
+@pytest.mark.parametrize("model, ft, size", [("llama-3.2-1b", "F16", 2_479_591_232), ("llama-3.2-1b", "Q8_0", 1_321_078_592),
+                                             ("llama-3.2-3b", "F16", 6_433_683_712), ("llama-3.2-3b", "Q8_0", 3_421_894_912)])
+def test_tied_weight_bytes_are_the_whole_file(model, ft, size):
+    wb, basis = lc.streamed_weight_bytes(model, ft, size)
+    assert wb == size and "tied embeddings" in basis and "read in full" in basis
+
+
+def test_weight_bytes_unknown_are_null_with_the_reason():
+    assert lc.streamed_weight_bytes("llama-3.1-8b", "F16", None) == (None, "no weight_bytes: the GGUF's size was not given")
+    wb, basis = lc.streamed_weight_bytes("some-other-model", "F16", 10**9)
+    assert wb is None and "not in the catalog" in basis
+    wb, basis = lc.streamed_weight_bytes("llama-3.1-8b", "Q4_K - Medium", 5 * 10**9)   # token_embd's type not known here
+    assert wb is None and "storage type" in basis
+    assert lc.streamed_weight_bytes("llama-3.2-3b", "Q4_K - Medium", 2 * 10**9)[0] == 2 * 10**9   # tied: whole file
+    r = lc.records_from_bench(json.loads(bench_json(model_type="llama 8B Q8_0")), model="llama-3.1-8b")[0]
+    assert r["weight_bytes"] is None and r["gguf_bytes"] is None and "not given" in r["weight_bytes_basis"]
+    validate(r)   # null is allowed; compare-peers then falls back to bytes_format (null for Q8_0: blank)
+    assert baseline_bytes_per_token(r) is None
+    assert lc.token_embd_bytes(V, H8, "BF16") == V * H8 * 2 and lc.token_embd_bytes(V, 4100, "Q8_0") is None
+
+
+@pytest.mark.parametrize("field, value, message", [("gguf_bytes", 0, "must be > 0"), ("gguf_bytes", "1", "integer"),
+                                                   ("weight_bytes_basis", 3, "string"), ("weight_bytes", 1.5, "integer")])
+def test_schema_checks_the_bytes_fields(field, value, message):
+    r = lc.records_from_bench(json.loads(bench_json()), model="llama-3.2-3b", gguf_bytes=3_500_000_000)[0]
+    r[field] = value
+    with pytest.raises(AtomflowError, match=message):
+        validate(r)
+
+
+V39 = ROOT / "results" / "v39-engines" / "llama-cpp"
+
+
+def test_committed_v39_records_are_what_the_cli_writes(tmp_path):
+    """Each committed llama-bench record of issue 32 is remade byte for byte from its raw llama-bench JSON, with the
+    arguments its provenance states (--created pins the creation time), weight_bytes included."""
+    recs = sorted(V39.glob("llama.cpp-nvidia-*.json"))
+    if not recs:
+        pytest.skip("no results/v39-engines/llama-cpp records")
+    done = set()
+    for f in recs:
+        r = json.loads(f.read_text())
+        p = lc.provenance_of(r)
+        if p["gguf"] in done:
+            continue
+        done.add(p["gguf"])
+        out = tmp_path / p["gguf"]
+        rc = lc.main([str(V39 / "llama-bench-json" / p["gguf"].replace(".gguf", ".json")),
+                      "--gguf-bytes", str(p["gguf_file_bytes"]), "--model", r["model"], "--gpu", r["gpu"]["name"],
+                      "--driver", p["driver"], "--source-json", str(ROOT / ".carry" / "llama.cpp" / "SOURCE.json"),
+                      "--build-flags", p["build_flags"], "--commands", p["commands"], "--extra", f"build={p['build']}",
+                      "--extra", f"cuda_arch={p['cuda_arch']}", "--extra", f"nvcc={p['nvcc']}",
+                      "--created", r["created"], "--out", str(out)])
+        assert rc == 0
+        made = sorted(out.iterdir())
+        assert len(made) == 2
+        for m in made:
+            assert m.read_text() == (V39 / m.name).read_text(), m.name
+    assert len(done) == 6
+    by = {(r["model"], lc.provenance_of(r)["file_type"]): r for r in map(lambda f: json.loads(f.read_text()), recs)}
+    assert by[("llama-3.1-8b", "F16")]["weight_bytes"] == 16_068_891_040 - V * H8 * 2
+    assert by[("llama-3.1-8b", "Q8_0")]["weight_bytes"] == 8_540_770_720 - V * H8 // 32 * 34
+    for m in ("llama-3.2-1b", "llama-3.2-3b"):
+        for ft in ("F16", "Q8_0"):
+            assert by[(m, ft)]["weight_bytes"] == by[(m, ft)]["gguf_bytes"] == lc.provenance_of(by[(m, ft)])["gguf_file_bytes"]
+    server = json.loads(next(V39.glob("llama.cpp-server-*.json")).read_text())
+    assert server["weight_bytes"] == server["gguf_bytes"] == by[("llama-3.2-3b", "Q8_0")]["gguf_bytes"]
+    validate(server)
 
 
 def test_no_decode_test_is_an_error():

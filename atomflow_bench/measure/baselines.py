@@ -23,8 +23,14 @@ rejected; `null` is allowed only where the type says so):
                     (ModelConfig.weight_bytes) is read per token at this precision, used for the
                     roofline-normalised comparison; null: not normalised
     weight_bytes    integer > 0 or null (optional): the engine's own weight bytes read per token as the record
-                    states them (a llama.cpp GGUF: the file's size); when given it is used instead of
-                    bytes_format's catalog count
+                    states them; when given it is used instead of bytes_format's catalog count. A llama.cpp
+                    record (measure/llama_cpp.py): the GGUF file's size, less the token-embedding table when
+                    the model's embeddings are untied (one row of it is read per token; a tied table is the
+                    output matrix, read in full)
+    gguf_bytes      integer > 0 or null (optional): the size of the GGUF file the engine ran, in bytes
+    weight_bytes_basis
+                    string or null (optional): how weight_bytes was computed (the sizes and the rule), or why
+                    it is null
     context         integer or null: prompt tokens before the timed decode; null when not stated (must be null
                     with metrics.tpot_fit_ms: the fit is evaluated at the run's context)
     tokens          integer or null: generated tokens per measurement; null when not stated
@@ -136,6 +142,8 @@ SPEC: Spec = {
     "precision": ((str,), True, None),
     "bytes_format": ((str, _N), False, _one_of("fp16", "fp8", None)),
     "weight_bytes": ((int, _N), False, _positive),
+    "gguf_bytes": ((int, _N), False, _positive),
+    "weight_bytes_basis": ((str, _N), False, None),
     "context": ((int, _N), True, lambda v: None if v is None or v >= 0 else f"must be >= 0, got {v!r}"),
     "tokens": ((int, _N), True, _positive),
     "metrics": ((dict,), True, {

@@ -9,8 +9,9 @@ One row per record (and per peer in a run record). Columns and rules:
 * TPOT ms, tok/s — the median TPOT and 1000 / TPOT. A baseline with a fitted line (`metrics.tpot_fit_ms`) is
   evaluated at ours' context and labelled "fitted line, evaluated at ctx N"; tok/s is then 1000 / that TPOT.
 * bytes/token GB — each engine's own bytes read per token, from its record: a run's and a peer's
-  `bytes_per_token.total`; a baseline's `weight_bytes` (a GGUF's size) or its catalog count at `bytes_format`, plus
-  K/V rows (`baselines.baseline_bytes_per_token`); blank when unknown.
+  `bytes_per_token.total`; a baseline's `weight_bytes` (a llama.cpp record's: its GGUF's size, less the
+  token-embedding table when the model is untied, see measure/llama_cpp.py) or its catalog count at `bytes_format`,
+  plus K/V rows (`baselines.baseline_bytes_per_token`); blank when unknown.
 * % of copy roofline — (bytes / the copy bandwidth measured in the same run) / TPOT, only where the record has a copy
   bandwidth measured on that GPU: a run record (`roofline.pct`) and its peers on the run's GPU; blank otherwise.
 * ours, per weight width — the reference run record (the first, or `--ours`) and every other run record of the same

