@@ -122,6 +122,16 @@ class Launch:
         self._pdl_launcher = PdlLauncher(self.fn, self.grid, self.block, self.args, self.shmem)
 
 
+def with_last_arg(ln: Launch, arg) -> Launch:
+    """A copy of `ln` whose last kernel argument is `arg` (e.g. a step's `advance` flag), PDL as `ln` had it."""
+    import dataclasses
+
+    out = dataclasses.replace(ln, args=ln.args[:-1] + (arg,), pdl=False, _pdl_launcher=None)
+    if ln.pdl:
+        out.enable_pdl()
+    return out
+
+
 def allow_dynamic_smem(fn, shmem: int) -> None:
     """Opt `fn` in to `shmem` bytes of dynamic shared memory when beyond the default 48 KB per block."""
     if shmem > 48 * 1024:

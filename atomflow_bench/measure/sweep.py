@@ -48,17 +48,22 @@ def split_list(text: str, what: str) -> list[str]:
     return items
 
 
-def parse_contexts(text: str, lo: int = 1, hi: int = 32000) -> list[int]:
+def parse_ints(text: str, what: str, lo: int, hi: int) -> list[int]:
+    """A comma-separated list of whole numbers in lo..hi (split_list's rules)."""
     out = []
-    for s in split_list(text, "--ctx"):
+    for s in split_list(text, what):
         try:
             n = int(s)
         except ValueError:
-            raise AtomflowError(f"--ctx: {s!r} is not an integer") from None
+            raise AtomflowError(f"{what}: {s!r} is not an integer") from None
         if not lo <= n <= hi:
-            raise AtomflowError(f"--ctx: {n} is not in {lo}..{hi}")
+            raise AtomflowError(f"{what}: {n} is not in {lo}..{hi}")
         out.append(n)
     return out
+
+
+def parse_contexts(text: str, lo: int = 1, hi: int = 32000) -> list[int]:
+    return parse_ints(text, "--ctx", lo, hi)
 
 
 def parse_weights(text: str) -> list[str]:
@@ -70,16 +75,7 @@ def parse_weights(text: str) -> list[str]:
 
 
 def parse_tps(text: str) -> list[int]:
-    out = []
-    for s in split_list(text, "--tp"):
-        try:
-            n = int(s)
-        except ValueError:
-            raise AtomflowError(f"--tp: {s!r} is not an integer") from None
-        if not 1 <= n <= MAX_TP:
-            raise AtomflowError(f"--tp: {n} is not in 1..{MAX_TP}")
-        out.append(n)
-    return out
+    return parse_ints(text, "--tp", 1, MAX_TP)
 
 
 def tp_of(rec: dict) -> int:

@@ -9,13 +9,11 @@ measured slower and removed (docs/PERF_NOTES.md v16; last in commit 9969095).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from ...errors import AtomflowError
 from ..device import blocks_fit, smem_limits
-from ..launch import NULL, Launch, allow_dynamic_smem, i32
+from ..launch import NULL, Launch, allow_dynamic_smem, i32, with_last_arg
 from ..nvrtc import KernelLib
 from .gemv import GEMV_THREADS
 
@@ -83,9 +81,4 @@ def lm_head_launch(lib: KernelLib, a, cfg, n_sm: int, shard: tuple[int, int] | N
 def hold_position(ln: Launch) -> Launch:
     """The lm_head launch with advance = 0: it still finds the token (the time includes the argmax) but leaves the
     position where it is (timing runs that replay one length many times)."""
-    if ln.name != "gemv_fp16_f32_argmax":
-        return ln
-    held = dataclasses.replace(ln, args=ln.args[:-1] + (i32(0),), pdl=False, _pdl_launcher=None)
-    if ln.pdl:
-        held.enable_pdl()
-    return held
+    return with_last_arg(ln, i32(0)) if ln.name == "gemv_fp16_f32_argmax" else ln

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import AtomflowError
-from ..launch import NULL, Launch, i32
+from ..launch import NULL, Launch, i32, with_last_arg
 
 TP_MAX_RANKS = 8        # tp_comm.cu TP_MAX_RANKS
 TP_AR_THREADS = 256     # tp_comm.cu TP_AR_THREADS: 4 floats per thread per block
@@ -84,14 +84,7 @@ def argmax_combine_launch(lib, vals_ptrs, idxs_ptrs, offsets, flags, peer_flags,
 
 def hold_position(ln):
     """The combine launch with advance = 0 (see lm_head.hold_position)."""
-    import dataclasses
-
-    if ln.name != "tp_argmax_combine":
-        return ln
-    held = dataclasses.replace(ln, args=ln.args[:-1] + (i32(0),), pdl=False, _pdl_launcher=None)
-    if ln.pdl:
-        held.enable_pdl()
-    return held
+    return with_last_arg(ln, i32(0)) if ln.name == "tp_argmax_combine" else ln
 
 
 class TpComm:
