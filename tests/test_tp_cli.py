@@ -97,3 +97,23 @@ def test_tp_default_forms(fmt, cc, want):
     base = "short:ws/l2=8;split:ws/l2=8" if fmt == "fp16" else "short:ring/l2=8;split:ring/l2=8"
     eng = types.SimpleNamespace(fmt=fmt, cc=cc, forms=Forms.parse(base))
     assert tp_default_forms(eng).text == want
+
+
+def test_hold_position_sets_advance_to_zero_on_the_lm_head_and_the_combine_only():
+    """step.hold_position: the lm_head's and the tp combine's last argument (advance) becomes 0; other launches and
+    collectives pass unchanged; the original launches are not modified."""
+    import numpy as np
+
+    from atomflow_bench.gpu.comm import HostOp
+    from atomflow_bench.gpu.launch import Launch, i32
+    from atomflow_bench.gpu.step import hold_position
+
+    lm = Launch(None, "gemv_fp16_f32_argmax", (4,), (256,), (np.uint64(1), i32(7), i32(1)))
+    comb = Launch(None, "tp_argmax_combine", (1,), (32,), (np.uint64(2), i32(3), i32(1)))
+    other = Launch(None, "gemv_fp16_partial", (8,), (256,), (np.uint64(3), i32(1)))
+    op = HostOp(lambda: None, "nccl_allreduce", "nccl allreduce")
+    held = hold_position([lm, other, op, comb])
+    assert [int(h.args[-1]) for h in (held[0], held[3])] == [0, 0]
+    assert held[0].args[:-1] == lm.args[:-1] and held[0].name == lm.name and held[0].grid == lm.grid
+    assert held[1] is other and held[2] is op
+    assert int(lm.args[-1]) == 1 and int(comb.args[-1]) == 1
