@@ -93,7 +93,10 @@ def test_one_table_of_ours_peers_runs_and_baselines(files, capsys):
         f"{100 * peer('eager', 25.0)['bytes_per_token']['total'] / (copy * 1e9) * 1e3 / 25.0:.1f}%"
     q8 = by[("llama.cpp server b9999", "Q8_0")]
     assert q8["bytes/token GB"] == f"{(8_540_775_712 + round((1024 + 64.5) * CFG.kv_bytes_per_token())) / 1e9:.3f}"
-    assert q8["% of copy roofline"] is None  # no copy bandwidth measured with a baseline
+    # a baseline on our GPU model: its bytes against the copy bandwidth our run measured on that GPU, labelled
+    q8_bytes = 8_540_775_712 + round((1024 + 64.5) * CFG.kv_bytes_per_token())
+    assert q8["% of copy roofline"] == f"{100 * q8_bytes / (copy * 1e9) * 1e3 / 4.1:.1f}%"
+    assert "our run's copy bandwidth (same GPU model)" in q8["note"]
     assert q8["ctx"] == "1024" and "ctx 1024, ours 128" in q8["note"]  # another context: kept, with its context
 
     # a peer on another device (a CPU smoke test): no copy roofline of the run's GPU, no speedup, nothing to normalise

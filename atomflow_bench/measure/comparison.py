@@ -13,7 +13,9 @@ One row per record (and per peer in a run record). Columns and rules:
   token-embedding table when the model is untied, see measure/llama_cpp.py) or its catalog count at `bytes_format`,
   plus K/V rows (`baselines.baseline_bytes_per_token`); blank when unknown.
 * % of copy roofline — (bytes / the copy bandwidth measured in the same run) / TPOT, only where the record has a copy
-  bandwidth measured on that GPU: a run record (`roofline.pct`) and its peers on the run's GPU; blank otherwise.
+  bandwidth measured on that GPU: a run record (`roofline.pct`) and its peers on the run's GPU; a baseline measured on
+  the same GPU model as ours (`baselines.gpu_relation` "same", e.g. llama-bench on the same machine) against our run's
+  copy bandwidth, labelled so; blank otherwise.
 * ours, per weight width — the reference run record (the first, or `--ours`) and every other run record of the same
   model, GPU and context whose weights are of another width (16-bit: fp16, F16, bf16; 8-bit: fp8, W8A16, Q8_0) are
   all "ours". Each other row is compared with ours of its own width (`weight_width` of its format), else with the
@@ -172,9 +174,14 @@ def _run_rows(kind: str, path: str, rec: dict, ours_for) -> list[dict]:
 
 def _baseline_row(path: str, b: dict, ours: dict) -> dict:
     tpot, ctx, label = bl.baseline_tpot(b, ours["context"])
-    return _row("baseline", bl.engine_label(b), b["precision"], b["gpu"]["name"], ctx, tpot,
-                bl.baseline_bytes_per_token(b, ctx), None, f"{b['source']} [{Path(path).name}]", ours,
-                gpu_bw=bl.baseline_gpu_bandwidth(b), label=label)
+    nbytes = bl.baseline_bytes_per_token(b, ctx)
+    pct = None
+    if nbytes and tpot and bl.gpu_relation(b["gpu"]["name"], ours["gpu"]) == "same":
+        # measured on our GPU model: its bytes over the copy bandwidth our run measured on that GPU
+        pct = 100 * nbytes / (ours["copy_gbs"] * 1e9) * 1e3 / tpot
+        label = "; ".join(x for x in (label, "% of roofline: our run's copy bandwidth (same GPU model)") if x)
+    return _row("baseline", bl.engine_label(b), b["precision"], b["gpu"]["name"], ctx, tpot, nbytes, pct,
+                f"{b['source']} [{Path(path).name}]", ours, gpu_bw=bl.baseline_gpu_bandwidth(b), label=label)
 
 
 def compare_peers(results, ours: str | None = None, baselines_dir=None) -> tuple[list[dict], list[str]]:
@@ -218,7 +225,7 @@ def compare_peers(results, ours: str | None = None, baselines_dir=None) -> tuple
     def as_ref(r: dict) -> dict:
         spec = bl.spec_bandwidth(r["gpu"]["name"])
         return {"gpu": r["gpu"]["name"], "tpot_ms": r["tpot_ms"]["median"], "context": r["context"],
-                "format": r["weights"], "several": len(refs) > 1,
+                "format": r["weights"], "several": len(refs) > 1, "copy_gbs": r["copy_bandwidth_gbs"]["median"],
                 "roofline_frac": r["bandwidth_gbs"] / spec if spec else None}
 
     by_width = {weight_width(r["weights"]): as_ref(r) for _, _, r in reversed(refs)}
