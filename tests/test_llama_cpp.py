@@ -227,7 +227,8 @@ V39 = ROOT / "results" / "v39-engines" / "llama-cpp"
 
 def test_committed_v39_records_are_what_the_cli_writes(tmp_path):
     """Each committed llama-bench record of issue 32 is remade byte for byte from its raw llama-bench JSON, with the
-    arguments its provenance states (--created pins the creation time), weight_bytes included."""
+    arguments its provenance states (--created pins the creation time; SOURCE.json: the carried tarball's, kept beside
+    the records), weight_bytes included."""
     recs = sorted(V39.glob("llama.cpp-nvidia-*.json"))
     if not recs:
         pytest.skip("no results/v39-engines/llama-cpp records")
@@ -241,7 +242,7 @@ def test_committed_v39_records_are_what_the_cli_writes(tmp_path):
         out = tmp_path / p["gguf"]
         rc = lc.main([str(V39 / "llama-bench-json" / p["gguf"].replace(".gguf", ".json")),
                       "--gguf-bytes", str(p["gguf_file_bytes"]), "--model", r["model"], "--gpu", r["gpu"]["name"],
-                      "--driver", p["driver"], "--source-json", str(ROOT / ".carry" / "llama.cpp" / "SOURCE.json"),
+                      "--driver", p["driver"], "--source-json", str(V39 / "SOURCE.json"),
                       "--build-flags", p["build_flags"], "--commands", p["commands"], "--extra", f"build={p['build']}",
                       "--extra", f"cuda_arch={p['cuda_arch']}", "--extra", f"nvcc={p['nvcc']}",
                       "--created", r["created"], "--out", str(out)])
