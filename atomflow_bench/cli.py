@@ -681,10 +681,14 @@ def baseline_list(directory, fmt):
 @click.option("--requests", default=5, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--timeout", default=60.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Seconds per read; a request may take this plus one second per token.")
+@click.option("--weight-bytes", type=click.IntRange(min=1), default=None,
+              help="The server's own weight bytes read per token (e.g. `python3 -m atomflow_bench.measure.llama_cpp "
+                   "weight-bytes GGUF` for llama-server)  [default: the catalog model at --precision]")
+@click.option("--weight-bytes-basis", default=None, help="How --weight-bytes was computed (kept in the record).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Where to write it  [default: baselines/<engine>-<gpu>-<model>-<time>.json]")
 def baseline_record(openai_url, served_model, catalog_model, gpu, gpu_bandwidth, precision, engine, engine_version,
-                    flags, prompt_tokens, max_tokens, requests, timeout, out):
+                    flags, prompt_tokens, max_tokens, requests, timeout, weight_bytes, weight_bytes_basis, out):
     """Measure TTFT and TPOT of any OpenAI-compatible server (streamed /v1/completions) into a baseline JSON."""
     from .measure.record import record_baseline, write_baseline
     from .measure.report import command_line
@@ -692,7 +696,7 @@ def baseline_record(openai_url, served_model, catalog_model, gpu, gpu_bandwidth,
     rec = record_baseline(openai_url, served_model, gpu, catalog_model=catalog_model, gpu_bandwidth=gpu_bandwidth,
                           precision=precision, engine=engine, engine_version=engine_version, flags=flags,
                           prompt_tokens=prompt_tokens, max_tokens=max_tokens, requests=requests, timeout=timeout,
-                          command=command_line())
+                          command=command_line(), weight_bytes=weight_bytes, weight_bytes_basis=weight_bytes_basis)
     m = rec["metrics"]
     console.print(f"TPOT median {m['tpot_ms']:.3f} ms (p10 {m['tpot_p10_ms']:.3f}, p90 {m['tpot_p90_ms']:.3f}), "
                   f"TTFT median {m['ttft_ms']:.1f} ms, {m['tok_per_s']:.1f} tok/s over {requests} requests")

@@ -186,10 +186,13 @@ for st in $stages; do
         kill -0 $spid 2>/dev/null || break; sleep 1
       done
       out=$RES/records/llama.cpp-server-$(echo "$GPU" | tr -c 'A-Za-z0-9.\n' '-' | tr 'A-Z' 'a-z')-$SERVER_MODEL-$(q_lower "$SERVER_QUANT")-prompt128.json
+      wb=$(python3 -m atomflow_bench.measure.llama_cpp weight-bytes "$g" --model "$SERVER_MODEL" 2>/dev/null)
+      wbargs=(); [ -n "$wb" ] && wbargs=(--weight-bytes "$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["weight_bytes"])' "$wb")" \
+        --weight-bytes-basis "$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["basis"])' "$wb")")
       timeout "$(left)" atomflow-bench baseline record --openai-url "http://127.0.0.1:$SERVER_PORT" --model "$SERVER_MODEL" \
         --catalog-model "$SERVER_MODEL" --gpu "$GPU" --precision "$SERVER_QUANT" --engine llama.cpp-server \
         --engine-version "$COMMIT ($SDIST)" --flags "$scmd" --prompt-tokens 128 --max-tokens 128 --requests 5 \
-        --out "$out" >"$RES/logs/server-record.log" 2>&1 && touch "$RES/server.recorded"
+        ${wbargs[@]+"${wbargs[@]}"} --out "$out" >"$RES/logs/server-record.log" 2>&1 && touch "$RES/server.recorded"
       note "server $SERVER_MODEL $SERVER_QUANT: rc=$? $(grep -m1 'TPOT median' "$RES/logs/server-record.log")"
       kill "$spid" 2>/dev/null; wait "$spid" 2>/dev/null ;;
     table) ;;   # printed on exit, always

@@ -420,3 +420,21 @@ def test_real_llama_bench_on_tiny_model(tmp_path):
     assert [r["context"] for r in recs] == [0, 16]
     assert all(lc.provenance_of(r)["file_type"] == "F16" for r in recs)
     assert all(lc.provenance_of(r)["gguf_file_bytes"] == gguf.stat().st_size for r in recs)
+
+
+def test_weight_bytes_subcommand(tmp_path, capsys):
+    """`weight-bytes GGUF --model M`: the whole file when tied, the file less token_embd when untied (sparse files of
+    the committed GGUF sizes), exit 1 with a reason when the model is not in the catalog."""
+    def gguf(name, size):
+        p = tmp_path / name
+        with open(p, "wb") as f:
+            f.truncate(size)
+        return p
+
+    assert lc.main(["weight-bytes", str(gguf("llama-3.2-3b-q8_0.gguf", 3_421_894_912)), "--model", "llama-3.2-3b"]) == 0
+    assert json.loads(capsys.readouterr().out)["weight_bytes"] == 3_421_894_912
+    assert lc.main(["weight-bytes", str(gguf("llama-3.1-8b-f16.gguf", 16_068_891_040)), "--model", "llama-3.1-8b"]) == 0
+    assert json.loads(capsys.readouterr().out)["weight_bytes"] == 16_068_891_040 - V * H8 * 2
+    assert lc.main(["weight-bytes", str(gguf("x-q8_0.gguf", 1000)), "--model", "no-such-model"]) == 1
+    assert json.loads(capsys.readouterr().out)["weight_bytes"] is None
+    assert lc.main(["weight-bytes", str(tmp_path / "missing.gguf"), "--model", "llama-3.2-3b"]) == 1

@@ -259,3 +259,25 @@ def test_tool_info_names_the_code(tmp_path):
     assert second != first
     (ker / "k.cu").rename(ker / "j.cu")
     assert source_sha256(pkg, ker) not in (first, second)
+
+
+def test_cli_records_the_servers_own_weight_bytes(server, tmp_path, capsys):
+    """--weight-bytes / --weight-bytes-basis go into the record; compare-peers then counts them (not the catalog's)."""
+    from atomflow_bench.measure.baselines import baseline_bytes_per_token
+
+    out = tmp_path / "b" / "server.json"
+    main(["baseline", "record", "--openai-url", server.url + "/v1", "--model", "llama-3.2-3b", "--gpu",
+          "NVIDIA H100 80GB HBM3", "--engine", "llama.cpp-server", "--precision", "Q8_0", "--prompt-tokens", "8",
+          "--max-tokens", "10", "--requests", "2", "--timeout", "5", "--weight-bytes", "3421894912",
+          "--weight-bytes-basis", "GGUF file size", "--out", str(out)])
+    [b] = load_baselines(out.parent)
+    assert b["weight_bytes"] == 3421894912 and b["weight_bytes_basis"] == "GGUF file size"
+    kv = baseline_bytes_per_token(b, 100) - 3421894912
+    assert 0 < kv < 3421894912 // 100
+
+
+def test_weight_bytes_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["baseline", "record", "--openai-url", "http://127.0.0.1:9", "--model", "m", "--gpu", "g",
+              "--weight-bytes", "0"])
+    assert e.value.code == 2

@@ -421,9 +421,25 @@ def main(argv: list[str] | None = None) -> int:
         for line in table_lines([Path(p) for p in argv[1:]]):
             print(line)
         return 0
+    if argv[:1] == ["weight-bytes"]:
+        ap = argparse.ArgumentParser(prog="python3 -m atomflow_bench.measure.llama_cpp weight-bytes",
+                                     description="The weight bytes llama.cpp reads per token for a GGUF of a catalog "
+                                                 "model (streamed_weight_bytes), as JSON {weight_bytes, basis}.")
+        ap.add_argument("gguf", type=Path)
+        ap.add_argument("--model", required=True, help="catalog name")
+        ap.add_argument("--file-type", help="F16, Q8_0, ... (default: from the file's name)")
+        a = ap.parse_args(argv[1:])
+        if not a.gguf.is_file():
+            print(f"error: {a.gguf}: no such file", file=sys.stderr)
+            return 1
+        ft = a.file_type or file_type(filename=a.gguf.name)
+        nbytes, basis = streamed_weight_bytes(a.model, ft, a.gguf.stat().st_size)
+        print(json.dumps({"weight_bytes": nbytes, "basis": basis}))
+        return 0 if nbytes else 1
     ap = argparse.ArgumentParser(prog="python3 -m atomflow_bench.measure.llama_cpp",
                                  description="llama-bench -o json output -> atomflow-bench/baseline/1 records "
-                                             "(one per decode test). Also: `trim-model SRC DST`, `table FILES...`.")
+                                             "(one per decode test). Also: `trim-model SRC DST`, `table FILES...`, "
+                                             "`weight-bytes GGUF --model M`.")
     ap.add_argument("bench", type=Path, help="llama-bench -o json output")
     ap.add_argument("--gguf", type=Path, help="the GGUF measured (its size is recorded)")
     ap.add_argument("--gguf-bytes", type=int, help="its size in bytes, when the file is not here")

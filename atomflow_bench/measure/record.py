@@ -140,8 +140,11 @@ def record_baseline(openai_url: str, model: str, gpu: str, *, catalog_model: str
                     gpu_bandwidth: float | None = None, precision: str = "unspecified",
                     engine: str = "OpenAI-compatible server",
                     engine_version: str | None = None, flags: str | None = None, prompt_tokens: int = 128,
-                    max_tokens: int = 128, requests: int = 5, timeout: float = 60.0, command: str = "") -> dict:
-    """Measure the server and return an `atomflow-bench/baseline/1` record (validated)."""
+                    max_tokens: int = 128, requests: int = 5, timeout: float = 60.0, command: str = "",
+                    weight_bytes: int | None = None, weight_bytes_basis: str | None = None) -> dict:
+    """Measure the server and return an `atomflow-bench/baseline/1` record (validated). `weight_bytes`: the server's
+    own weight bytes read per token when known (e.g. a GGUF's, measure/llama_cpp.py streamed_weight_bytes), with how
+    it was computed; else the comparison counts the catalog model at the record's precision."""
     from .report import now_iso
 
     m = measure(openai_url, model, prompt_tokens, max_tokens, requests, timeout)
@@ -174,6 +177,9 @@ def record_baseline(openai_url: str, model: str, gpu: str, *, catalog_model: str
         "method": method,
         "created": now_iso(),
     }
+    if weight_bytes is not None:
+        rec["weight_bytes"] = weight_bytes
+        rec["weight_bytes_basis"] = weight_bytes_basis
     return validate(rec, "recorded baseline")
 
 
