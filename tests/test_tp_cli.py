@@ -89,14 +89,10 @@ def test_compare_refuses_another_tp(tmp_path, capsys):
 def test_tp_default_forms(fmt, cc, want):
     """W8A16 under tensor parallel takes the measured ws/l2=24 form on sm_90+ (PERF_NOTES v40.1); fp16 and sm_89 keep
     the engine's defaults."""
-    import types
-
-    from atomflow_bench.gpu.forms import Forms
-    from atomflow_bench.measure.tp_bench import tp_default_forms
+    from atomflow_bench.gpu.forms import Forms, tp_defaults
 
     base = "short:ws/l2=8;split:ws/l2=8" if fmt == "fp16" else "short:ring/l2=8;split:ring/l2=8"
-    eng = types.SimpleNamespace(fmt=fmt, cc=cc, forms=Forms.parse(base))
-    assert tp_default_forms(eng).text == want
+    assert tp_defaults(Forms.parse(base), fmt, cc).text == want
 
 
 def test_hold_position_sets_advance_to_zero_on_the_lm_head_and_the_combine_only():

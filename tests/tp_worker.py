@@ -96,16 +96,11 @@ def engine(group, out: Path, model_dir: str) -> dict:
     for fmt in ("fp16", "fp8"):
         for path in ("peer", "nccl"):
             eng = Engine(model_dir, weights=fmt, max_seq=32, group=group, allreduce=path)
-            V = eng.cfg.vocab_size
-            rows = -(-V // group.size)
             eng.reset(seq)
             probes, h_equal = [], []
             for _ in range(len(seq)):
                 taps = eng.step_eager(taps=True)
-                loc = np.zeros(rows, np.float32)
-                mine = np.asarray(taps["logits"], np.float32).reshape(-1)
-                loc[:mine.size] = mine
-                taps["logits"] = group.allgather_host(loc).reshape(-1)[:V]
+                taps["logits"] = eng.tp.gather_vocab(taps["logits"], eng.cfg.vocab_size)
                 probes.append({k: np.asarray(taps[k], np.float32).reshape(-1).tolist() for k in names})
                 hh = group.allgather_host(eng.arena["h"].get())
                 h_equal.append(bool(all(np.array_equal(hh[0], hh[s]) for s in range(group.size))))

@@ -138,7 +138,7 @@ class Group:
         self.devices = [int(d) for d in seen[:, 1]]  # every rank's GPU index on its host
 
     # ---- collectives queued on the current stream (capturable) ---------------------------------------------------
-    def allreduce_op(self, buf, label: str = "allreduce") -> HostOp:
+    def allreduce_op(self, buf) -> HostOp:
         """In-place sum of the fp32 device array `buf` over the ranks."""
         import cupy
 
@@ -151,7 +151,7 @@ class Group:
                            cupy.cuda.get_current_stream().ptr)
         return HostOp(call, "nccl_allreduce", f"nccl allreduce {buf.nbytes} B", 2 * buf.nbytes)
 
-    def allgather_op(self, send, recv, label: str = "allgather") -> HostOp:
+    def allgather_op(self, send, recv) -> HostOp:
         """recv[r * send.size:(r + 1) * send.size] = rank r's send (4-byte elements)."""
         import cupy
 

@@ -27,7 +27,7 @@ from ..errors import AtomflowError
 from ..store.checkpoint import Checkpoint
 from .arena import Arena, plan_arena
 from .device import compute_capability, gpu_info, require_gpu, smem_limits
-from .forms import Forms, GemvForm, default_forms
+from .forms import Forms, GemvForm, default_forms, tp_defaults
 from .graph import StepGraph
 from .nvrtc import KernelLib
 from .ops.attention import short_capacity
@@ -71,11 +71,8 @@ class Engine:
 
             rows = max(s.vocab_rows[1] - s.vocab_rows[0] for s in self.shards)
             offsets = [s.vocab_rows[0] for s in self.shards]
-            path = allreduce or "auto"
             self.tp = TpComm(group, self.lib, self.cfg.hidden_size, partial_blocks(rows, self.gpu["sms"]), offsets,
-                             "nccl" if path == "auto" else path, try_peer=True)
-            if path == "auto" and self.tp.peer:
-                self.tp.path = "peer"
+                             allreduce or "auto")
         self.short_capacity = short_capacity(self.cfg.head_dim, smem_limits())
         # Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it requests
         # weights and waits (griddepcontrol.wait) before touching the predecessor's outputs. ATOMFLOW_PDL=0: off (A/B).
@@ -86,7 +83,11 @@ class Engine:
         self._prompt_len = 0
         self.position = 0  # host copy of the device's pos (the next step attends over position + 1 rows)
         # build
-        self.use(forms or default_forms(weights, self.cc, self.short_capacity))
+        if forms is None:
+            forms = default_forms(weights, self.cc, self.short_capacity)
+            if group is not None:
+                forms = tp_defaults(forms, weights, self.cc)
+        self.use(forms)
 
     # ---- build ---------------------------------------------------------------------------------------------------
     def bucket_launches(self, cap: int | None, form: GemvForm) -> list:

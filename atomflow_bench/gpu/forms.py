@@ -103,6 +103,20 @@ def default_forms(fmt: str, cc: int, short_capacity: int) -> Forms:
     return Forms(short_capacity > 0, g, g)
 
 
+# W8A16 under tensor parallel: the warp-specialised form with 24 MB of L2 tail, measured against the one-GPU default
+# (ring/l2=8) on 70B TP2: 14.109 vs 14.839 ms (docs/PERF_NOTES.md v40.1; the form one-GPU tunes pick for 8B W8A16 too).
+TP_FP8_GEMV = "ws/l2=24"
+
+
+def tp_defaults(forms: Forms, fmt: str, cc: int) -> Forms:
+    """The defaults of a tensor-parallel step (never tuned: each rank would time its own candidates): `forms` with
+    W8A16's layer GEMVs in TP_FP8_GEMV on sm_90+; fp16 and sm_89 unchanged."""
+    if fmt == "fp8" and cc >= 90:
+        g = GemvForm.parse(TP_FP8_GEMV)
+        return replace(forms, gemv=g, gemv_split=g)
+    return forms
+
+
 def candidates(fmt: str, cc: int, short_capacity: int) -> tuple[list[GemvForm], list[bool]]:
     """What `tune` times: every GEMV form (ws, ws-pre<N> of WS_PRE_TRY, ring) at every L2_TAILS size on sm_90+, the
     ring alone before; with and without the short bucket where it fits."""

@@ -1,7 +1,7 @@
 """What a tensor-parallel `run` / `profile` adds to the record (every rank calls these in lockstep; rank 0 records).
 
-* `tp_forms`: the launch forms: given (--forms / ATOMFLOW_FORMS) or the defaults (tp_default_forms) — never tuned
-  here (a tune times candidates on each rank and could choose differently per rank).
+* `tp_forms`: the launch forms: given (--forms / ATOMFLOW_FORMS) or the engine's defaults (gpu/forms.py
+  tp_defaults) — never tuned here (a tune times candidates on each rank and could choose differently per rank).
 * `tp_energy`: energy passes of the same count on every rank (rank 0's count from its TPOT), each rank metering its
   own GPU; the record's joules per token are the sum over the GPUs.
 * `tp_measure`: every rank's copy bandwidth, bytes per token and TPOT; the roofline per GPU (the slowest rank's
@@ -25,24 +25,6 @@ COMM_REPLAYS = 50
 COMM_WARMUP = 10
 
 
-# W8A16 under tensor parallel: the warp-specialised form with 24 MB of L2 tail, measured against the one-GPU default
-# (ring/l2=8) on 70B TP2: 14.109 vs 14.839 ms (PERF_NOTES v40.1; the form one-GPU tunes pick for 8B W8A16 too).
-TP_FP8_GEMV = "ws/l2=24"
-
-
-def tp_default_forms(engine):
-    """The forms a tensor-parallel step runs when none are given (never tuned: see the module docstring)."""
-    from dataclasses import replace
-
-    from ..gpu.forms import GemvForm
-
-    f = engine.forms  # the engine's defaults (gpu/forms.py default_forms)
-    if engine.fmt == "fp8" and engine.cc >= 90:
-        g = GemvForm.parse(TP_FP8_GEMV)
-        f = replace(f, gemv=g, gemv_split=g)
-    return f
-
-
 def tp_forms(engine, given=None) -> dict:
     from ..gpu.forms import from_env
 
@@ -50,9 +32,6 @@ def tp_forms(engine, given=None) -> dict:
     if given is not None:
         engine.use(given)
         return {"forms": given.text, "origin": "given"}
-    f = tp_default_forms(engine)
-    if f != engine.forms:
-        engine.use(f)
     return {"forms": engine.forms.text, "origin": "default (tensor parallel: not tuned)"}
 
 

@@ -511,16 +511,11 @@ def engine_probes(model_dir: str | Path, weights: str, sequence: list[int], n_po
             info["forms"] = tp_forms(eng, forms)
             info["tp"] = {"n": group.size, "allreduce": eng.tp.path, "peer_reason": eng.tp.peer_reason}
             info["label"] += f", tensor parallel over {group.size} GPUs (sums: {eng.tp.path})"
-            V = eng.cfg.vocab_size
-            rows = -(-V // group.size)
         eng.reset(sequence)
         for _ in range(n_positions):
             taps = eng.step_eager(taps=True)
             if group is not None:  # the logits of every rank's vocabulary rows, in rank order
-                local = np.zeros(rows, np.float32)
-                mine = np.asarray(taps["logits"], np.float32).reshape(-1)
-                local[:mine.size] = mine
-                taps["logits"] = group.allgather_host(local).reshape(-1)[:V]
+                taps["logits"] = eng.tp.gather_vocab(taps["logits"], eng.cfg.vocab_size)
             out.append({n: np.asarray(taps[n], np.float32).reshape(-1) for n in names})
         info["fp8_source"] = eng.load_info.get("fp8_source")
         del eng

@@ -90,31 +90,30 @@ def hold_position(ln):
 class TpComm:
     """One rank's side of the exchanges: buffers, peer addresses, and the launches the step inserts."""
 
-    def __init__(self, group, lib, hidden: int, am_blocks: int, vocab_offsets: list[int], path: str,
-                 try_peer: bool = True):
+    def __init__(self, group, lib, hidden: int, am_blocks: int, vocab_offsets: list[int], path: str = "auto"):
+        """`path`: peer, nccl, or auto (peer where every rank can map the others' memory, else nccl)."""
         import cupy
 
-        if path not in PATHS:
-            raise AtomflowError(f"--allreduce {path!r}: one of {', '.join(PATHS)}")
+        if path not in PATHS + ("auto",):
+            raise AtomflowError(f"--allreduce {path!r}: one of {', '.join(PATHS)}, auto")
         if group.size > TP_MAX_RANKS:
             raise AtomflowError(f"tensor parallel over {group.size} ranks: at most {TP_MAX_RANKS}")
         self.group, self.lib, self.rank, self.n = group, lib, group.rank, group.size
         self.hidden = hidden
         sum_blocks(hidden)
         lay = exported_layout(hidden, am_blocks)
-        self.peer_reason = None if try_peer else "not tried"
+        self.peer_reason = None
         buf = addrs = None
-        if try_peer:  # every rank tries (the mapping is collective), whatever path the step takes
-            try:
-                buf, addrs = group.peer_buffer(lay["_bytes"][0])
-            except (AtomflowError, cupy.cuda.runtime.CUDARuntimeError) as e:
-                self.peer_reason = str(e).splitlines()[0]
+        try:  # every rank tries (the mapping is collective), whatever path the step takes
+            buf, addrs = group.peer_buffer(lay["_bytes"][0])
+        except (AtomflowError, cupy.cuda.runtime.CUDARuntimeError) as e:
+            self.peer_reason = str(e).splitlines()[0]
         if buf is None:
             buf = cupy.zeros(lay["_bytes"][0], dtype=cupy.uint8)
         if path == "peer" and addrs is None:
             raise AtomflowError(f"--allreduce peer: {self.peer_reason} (use --allreduce nccl)")
-        self.path = path
         self.peer = addrs is not None
+        self.path = ("peer" if self.peer else "nccl") if path == "auto" else path
         self.buf = buf
 
         def view(name):
@@ -154,6 +153,17 @@ class TpComm:
         op = self.group.allreduce_op(h)
         op.taps = taps or {}
         return [op]
+
+    def gather_vocab(self, local, vocab: int):
+        """Every rank's values over its vocabulary rows (e.g. its logits), concatenated in rank order: [vocab] fp32
+        on the host (collective: every rank calls it)."""
+        import numpy as np
+
+        rows = -(-vocab // self.n)
+        mine = np.zeros(rows, np.float32)
+        local = np.asarray(local, np.float32).reshape(-1)
+        mine[:local.size] = local
+        return self.group.allgather_host(mine).reshape(-1)[:vocab]
 
     def argmax_arrays(self) -> tuple:
         """Where the rank's lm_head keeps its argmax partials (its best ends in element 0)."""
