@@ -42,6 +42,10 @@
 //              host-computed table, so no sincosf slow path in the kernel),
 //              writes them to y and appends k and v to the KV cache at pos (replaces rope + KV-append).
 //   EPI_F32    plain fp32 store (lm_head logits); EPI_STORE plain fp16 store.
+//   EPI_TPSUM  tensor parallel, o_proj and down: h[o] += sum over ranks s (in rank order) of rank s's W_s.x_s. Each
+//              tile's outputs are pushed into every rank's LL buffer (tp_ll.cuh; TpArgs); after its last tile the
+//              block waits for the same rows of every other rank (pushed by their block of the same index) and
+//              adds them to h: the cross-rank sum costs no kernel of its own (tp_sum_finish).
 //
 // Kernel signature for every instantiation (unused arguments are 0):
 //   (W, scales, x, norm_w, eps, y, n_out, K)            + for EPI_ROPE: (cos_sin, pos, k_cache, v_cache,
@@ -50,6 +54,7 @@
 #pragma once
 #include "common.cuh"
 #include "argmax_common.cuh"
+#include "tp_ll.cuh"
 
 #define GEMV_THREADS 256
 // TILED configuration per weight format (measured, docs/PERF_NOTES.md v7.1-v9; fixed: the other values measured
@@ -68,7 +73,7 @@
 #define GEMV_TILE 16        // weight rows per tile (the mma's M)
 
 enum { PRO_PLAIN = 0, PRO_NORM = 1 };
-enum { EPI_STORE = 0, EPI_F32 = 1, EPI_RESID = 2, EPI_SWIGLU = 3, EPI_ROPE = 4 };
+enum { EPI_STORE = 0, EPI_F32 = 1, EPI_RESID = 2, EPI_SWIGLU = 3, EPI_ROPE = 4, EPI_TPSUM = 5 };
 
 struct RopeArgs {
   const float2* cos_sin;  // [max_seq][hd/2] (cos, sin) of pos * inv_freq[i], precomputed by the host
@@ -91,6 +96,14 @@ struct GemvArgs {
   int n_out, K;
 };
 
+// EPI_TPSUM's exchange (tp_ll.cuh): slots[s] = the address of rank s's LL buffer [n ranks][n_out] for this GEMV's
+// role; seq [gridDim.x] this rank's epochs per block (local); this rank's index and the number of ranks.
+struct TpArgs {
+  const unsigned long long* slots;
+  unsigned* seq;
+  int rank, n;
+};
+
 // What the epilogue of an output reads besides its dot product, fetched BEFORE the PDL wait by the epilogue
 // threads of a block's first tile, so that the epilogue runs without an L2 round: EPI_RESID h[o] (the residual;
 // the step never launches a residual GEMV right after a writer of h — gpu/step.py build_step checks — and a kernel
@@ -105,7 +118,7 @@ struct EpiOperand {
 template <int EPI>
 __device__ __forceinline__ EpiOperand epilogue_operand_of(const GemvArgs& a, const RopeArgs& rope, int o) {
   EpiOperand p{0.f, make_float2(1.f, 0.f)};
-  if (EPI == EPI_RESID) p.h = __ldcg(reinterpret_cast<const float*>(a.y) + o);
+  if (EPI == EPI_RESID || EPI == EPI_TPSUM) p.h = __ldcg(reinterpret_cast<const float*>(a.y) + o);
   if (EPI == EPI_ROPE) {
     const int half_d = rope.hd / 2;
     if (o / half_d < rope.n_q + rope.n_kv) p.cs = rope.cos_sin[(size_t)*rope.pos * half_d + o % half_d];
@@ -123,9 +136,14 @@ __device__ __forceinline__ EpiOperand epilogue_operand(const GemvArgs& a, const 
 // i and i + hd/2). With `have_pre` its operand is `pre` (fetched before the wait: epilogue_operand), else read here.
 template <int EPI>
 __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs& rope, int o, float acc0, float acc1,
-                                              const EpiOperand pre = EpiOperand{}, bool have_pre = false) {
+                                              const EpiOperand pre = EpiOperand{}, bool have_pre = false,
+                                              const TpArgs& tp = TpArgs{}) {
   const int half_d = EPI == EPI_ROPE ? rope.hd / 2 : 1;
-  if (EPI == EPI_STORE) {
+  if (EPI == EPI_TPSUM) {  // this rank's row of every rank's buffer (h is summed by tp_sum_finish)
+    const unsigned e = tp.seq[blockIdx.x] + 1u;
+    for (int s = 0; s < tp.n; ++s)
+      ll_store(reinterpret_cast<unsigned long long*>(tp.slots[s]) + (size_t)tp.rank * a.n_out + o, acc0, e);
+  } else if (EPI == EPI_STORE) {
     reinterpret_cast<__half*>(a.y)[o] = __float2half(acc0);
   } else if (EPI == EPI_F32) {
     reinterpret_cast<float*>(a.y)[o] = acc0;
@@ -161,6 +179,26 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
   }
 }
 
+// EPI_TPSUM, after the block's last tile: the threads that ran the epilogue wait, output by output, for every rank's
+// value of it (the other ranks' blocks of the same index pushed them: tp_ll.cuh), add them in rank order, and add
+// the sum to h (pre: the first tile's h, read before the PDL wait); the block's epoch is then stored. Every rank adds
+// the same values in the same order, so h stays bit-identical on every rank.
+template <int EPI>
+__device__ __forceinline__ void tp_sum_finish(const GemvArgs& a, const TpArgs& tp, const EpiOperand& pre) {
+  if (EPI != EPI_TPSUM || threadIdx.x >= GEMV_TILE) return;
+  const unsigned e = tp.seq[blockIdx.x] + 1u;
+  const unsigned long long* mine = reinterpret_cast<const unsigned long long*>(tp.slots[tp.rank]);
+  for (int T = blockIdx.x; T < a.n_out / GEMV_TILE; T += gridDim.x) {
+    const int o = T * GEMV_TILE + threadIdx.x;
+    float acc = ll_wait(mine + o, e);
+    for (int s = 1; s < tp.n; ++s) acc += ll_wait(mine + (size_t)s * a.n_out + o, e);
+    float* hp = reinterpret_cast<float*>(a.y) + o;
+    *hp = (T == (int)blockIdx.x ? pre.h : __ldcg(hp)) + acc;
+  }
+  __syncwarp(0xffffu);  // all 16 have read the old epoch
+  if (threadIdx.x == 0) tp.seq[blockIdx.x] = e;
+}
+
 // Early trigger: the residual GEMVs (o_proj, down) let the next kernel launch before their own
 // wait, so gate/up's (and the next QKV's) blocks take free shared memory and request weights while o_proj still
 // waits for attention. Safe: neither successor reads anything before its wait but weights, pos and the cos/sin
@@ -175,8 +213,8 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
 // residual GEMVs above, then the wait (and the usual trigger after it).
 template <int EPI, class Sync>
 __device__ __forceinline__ void gemv_arrive_wait(const Sync& sync) {
-  if (EPI == EPI_RESID) pdl_launch_dependents();
-  constexpr int bit = EPI == EPI_ROPE ? 1 : EPI == EPI_RESID ? 4 : EPI == EPI_SWIGLU ? 8 : 0;  // AF_NO_WAIT (common.cuh)
+  if (EPI == EPI_RESID || EPI == EPI_TPSUM) pdl_launch_dependents();
+  constexpr int bit = EPI == EPI_ROPE ? 1 : (EPI == EPI_RESID || EPI == EPI_TPSUM) ? 4 : EPI == EPI_SWIGLU ? 8 : 0;  // AF_NO_WAIT (common.cuh)
   if (AF_NO_WAIT & bit) {
     pdl_launch_dependents();
   } else {
@@ -409,7 +447,7 @@ __device__ __forceinline__ void gemv_tiled_finish(const float (&d)[4], float (&a
 // the next tile writes the other half, so one __syncthreads per tile suffices); 16/R threads run the epilogue.
 template <int R, int EPI, int NT = 0>
 __device__ __forceinline__ void tile_epilogue(const GemvArgs& a, const RopeArgs& rope, float* part, int T,
-                                              const float (&acc)[2], const EpiOperand& pre) {
+                                              const float (&acc)[2], const EpiOperand& pre, const TpArgs& tp) {
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, nw = nthreads<NT>() / AF_WARP;
   if ((lane & 3) == 0) {  // rows g and g + 8 (all 8 mma columns are equal; quad lane 0 holds column 0)
     part[warp * GEMV_TILE + (lane >> 2)] = acc[0];
@@ -423,14 +461,14 @@ __device__ __forceinline__ void tile_epilogue(const GemvArgs& a, const RopeArgs&
       s0 += part[w * GEMV_TILE + r];
       if (R == 2) s1 += part[w * GEMV_TILE + r + 8];
     }
-    gemv_epilogue<EPI>(a, rope, T * (GEMV_TILE / R) + r, s0, R == 2 ? s1 : s0, pre, T == (int)blockIdx.x);
+    gemv_epilogue<EPI>(a, rope, T * (GEMV_TILE / R) + r, s0, R == 2 ? s1 : s0, pre, T == (int)blockIdx.x, tp);
   }
 }
 
 // fp16 weights through registers: each lane's loads of a batch (GEMV_LOADS_F16 x 16 bytes) are in flight at once.
 template <int PRO, int EPI, class Sync>
 __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope, const Sync sync,
-                                           unsigned char* smem_raw) {
+                                           unsigned char* smem_raw, const TpArgs tp = TpArgs{}) {
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;  // weight rows per output
   constexpr int KU = 16;                                              // inputs per unit (lane: 16 bytes)
   constexpr int UPG = 128 / KU;                                       // units per group of 128 inputs
@@ -486,8 +524,9 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
     gemv_tiled_finish<false>(d, acc);
     AF_TL_MARK(1);  // timeline: the (last) tile's dot products done
     if (nb > 0 && T + (int)gridDim.x < ntiles) load(T + gridDim.x, 0);  // next tile's loads fly during the sum
-    tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc, pre);
+    tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc, pre, tp);
   }
+  tp_sum_finish<EPI>(a, tp, pre);
   AF_TL_MARK(2);  // timeline: epilogue done
 }
 
@@ -513,7 +552,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
 #endif
 template <int PRO, int EPI, int NS, class Sync>
 __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArgs rope, const Sync sync,
-                                                 unsigned char* smem_raw) {
+                                                 unsigned char* smem_raw, const TpArgs tp = TpArgs{}) {
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
   constexpr int KU = 32, UPG = 128 / KU;  // a ring slot: one group of 128 inputs, 2 KB per warp (+ its scales)
   constexpr int SLOT = UPG * 512, SSLOT = AF_WARP * 8;  // bytes of a warp's slot: weights, scales area
@@ -593,8 +632,9 @@ __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArg
     }
     gemv_tiled_finish<true>(d, acc);
     AF_TL_MARK(1);  // timeline: the (last) tile's dot products done
-    tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc, pre);
+    tile_epilogue<R, EPI>(a, rope, red + parity * nw * GEMV_TILE, T, acc, pre, tp);
   }
+  tp_sum_finish<EPI>(a, tp, pre);
   next_weights_l2<EPI>(rope, threadIdx.x == 0);
   AF_TL_MARK(2);  // timeline: epilogue done
 #if !GEMV_RING_BULK
@@ -636,7 +676,7 @@ __device__ __forceinline__ void ws_slot_mma(float (&d)[4], float (&acc)[2], cons
 #if AF_HAS_BULK
 template <bool FP8, int PRO, int EPI>
 __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs rope, unsigned char* smem_raw,
-                                              const int npre) {
+                                              const int npre, const TpArgs tp = TpArgs{}) {
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
   constexpr int NWC = GEMV_THREADS / AF_WARP;                   // consumer warps
   constexpr int KU = FP8 ? 32 : 16, UPG = 128 / KU;            // inputs per 512-byte unit, units per group
@@ -718,8 +758,9 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
     }
     gemv_tiled_finish<FP8>(d, acc);
     AF_TL_MARK(1);  // timeline: the (last) tile's dot products done
-    tile_epilogue<R, EPI, GEMV_THREADS>(a, rope, red + parity * NWC * GEMV_TILE, T, acc, pre);
+    tile_epilogue<R, EPI, GEMV_THREADS>(a, rope, red + parity * NWC * GEMV_TILE, T, acc, pre, tp);
   }
+  tp_sum_finish<EPI>(a, tp, pre);
   next_weights_l2<EPI>(rope, threadIdx.x == 0);
   AF_TL_MARK(2);  // timeline: epilogue done
 }
@@ -729,14 +770,14 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 // architecture (the host pass needs them), built for sm_90+ only: below, the body traps — the host launches these
 // only on sm_90+, for the ws form (gpu/forms.py).
 #if AF_HAS_BULK
-#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE)                                                                 \
+#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, TP)                                                             \
   AF_TIMELINE_BLOCK;                                                                                      \
   extern __shared__ __align__(16) unsigned char smem_raw[];                                               \
-  gemv_tiled_ws<FP8, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, ROPE, smem_raw, npre);
+  gemv_tiled_ws<FP8, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, ROPE, smem_raw, npre, TP);
 #elif defined(__CUDA_ARCH__)
-#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE) __trap();
+#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, TP) __trap();
 #else
-#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE)
+#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, TP)
 #endif
 #define GEMV_WS_PARAMS                                                                                    \
   const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x,      \
@@ -744,11 +785,18 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 #define GEMV_ROPE_ARGS_OF (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, next_w, next_bytes})
 #define GEMV_WS_INSTANCE(NAME, FP8, PRO, EPI)                                                             \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_WS_PARAMS) {                 \
-    GEMV_WS_BODY(FP8, PRO, EPI, RopeArgs{})                                                               \
+    GEMV_WS_BODY(FP8, PRO, EPI, RopeArgs{}, TpArgs{})                                                     \
+  }
+// The cross-rank sum variant (EPI_TPSUM): TpArgs as the last four arguments.
+#define GEMV_TP_PARAMS                                                                                    \
+  const unsigned long long* __restrict__ tp_slots, unsigned* __restrict__ tp_seq, int tp_rank, int tp_n
+#define GEMV_WS_TP_INSTANCE(NAME, FP8)                                                                    \
+  extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_WS_PARAMS, GEMV_TP_PARAMS) { \
+    GEMV_WS_BODY(FP8, PRO_PLAIN, EPI_TPSUM, RopeArgs{}, (TpArgs{tp_slots, tp_seq, tp_rank, tp_n}))        \
   }
 #define GEMV_WS_ROPE_INSTANCE(NAME, FP8)                                                                  \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_ROPE_PARAMS, int npre) {     \
-    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, GEMV_ROPE_ARGS_OF)                                              \
+    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, GEMV_ROPE_ARGS_OF, TpArgs{})                                    \
   }
 
 // fp16 layer GEMVs: the register path.
@@ -762,6 +810,17 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
                                 smem_raw);                                                                \
   }
 
+// fp16 EPI_TPSUM, the register path.
+#define GEMV_TP_INSTANCE(NAME)                                                                            \
+  extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
+  NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
+       const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K, GEMV_TP_PARAMS) { \
+    AF_TIMELINE_BLOCK;                                                                                    \
+    extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
+    gemv_tiled<PRO_PLAIN, EPI_TPSUM>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, PdlSync{}, \
+                                     smem_raw, TpArgs{tp_slots, tp_seq, tp_rank, tp_n});                  \
+  }
+
 // fp8 layer GEMVs: the cp.async ring at depth NS; the kernel is NAME_r<NS> (the host picks the depth per launch).
 #define GEMV_RING_INSTANCE(NAME, PRO, EPI, NS)                                                            \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
@@ -773,6 +832,21 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
     gemv_tiled_async<PRO, EPI, NS>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{},     \
                                          PdlSync{}, smem_raw);                                            \
   }
+
+// fp8 EPI_TPSUM at ring depth NS.
+#define GEMV_TP_RING_INSTANCE(NAME, NS)                                                                   \
+  extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
+  NAME##_r##NS(const unsigned char* __restrict__ W, const float* __restrict__ scales,                    \
+               const void* __restrict__ x, const __half* __restrict__ norm_w, float eps, void* __restrict__ y, \
+               int n_out, int K, GEMV_TP_PARAMS) {                                                        \
+    AF_TIMELINE_BLOCK;                                                                                    \
+    extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
+    gemv_tiled_async<PRO_PLAIN, EPI_TPSUM, NS>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, \
+                                               PdlSync{}, smem_raw, TpArgs{tp_slots, tp_seq, tp_rank, tp_n}); \
+  }
+#define GEMV_TP_RING_INSTANCES(NAME)                                                                      \
+  GEMV_TP_RING_INSTANCE(NAME, 2) GEMV_TP_RING_INSTANCE(NAME, 3) GEMV_TP_RING_INSTANCE(NAME, 4)            \
+  GEMV_TP_RING_INSTANCE(NAME, 5)
 
 // One kernel per ring depth the host plan may pick (atomflow_bench/gpu/ops/gemv.py GEMV_RING_DEPTHS lists the same).
 #define GEMV_RING_INSTANCES(NAME, PRO, EPI)                                                               \

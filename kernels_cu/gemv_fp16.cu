@@ -20,13 +20,16 @@
 //   gemv_f16_norm_swiglu  RMSNorm / silu(gate)*up     fused gate+up projection (gate|up rows tiled in pairs)
 //   gemv_f16_resid        plain / h += W·x            o_proj and down_proj with the residual add
 //   gemv_f16_store        plain / fp16 store          generic (tests, microbenchmarks)
-//   gemv_f16_partial      plain / fp32 store          a tensor-parallel rank's share of o_proj / down (summed across ranks)
+//   gemv_f16_partial      plain / fp32 store          a tensor-parallel rank's share of o_proj / down (the NCCL path)
+//   gemv_f16_resid_tp     plain / h += sum over ranks  o_proj and down under tensor parallel with peer memory: the
+//                         of W_s.x_s (EPI_TPSUM)      cross-rank sum in the epilogue (tp_ll.cuh; 4 more arguments:
+//                                                     slots, seq, rank, ranks)
 //   gemv_f16_f32          RMSNorm or plain / fp32     lm_head logits (row-major; the `gemv` benchmark, tests)
 //   gemv_f16_f32_argmax   RMSNorm or plain / fp32     lm_head logits, the greedy token and the step state
 //                         store + argmax              (argmax_common.cuh; + V_blocks * 8 bytes of partials, a ticket)
 //                         The lm_head's prologue is the final RMSNorm when norm_w is given (x = the fp32 residual;
 //                         block 0 stores the normalised x to x_out: the `final_norm` probe), else a copy of x.
-//   gemv_f16_<variant>_ws the same four tiled variants, warp-specialised (sm_90+; a last argument `npre`: ring
+//   gemv_f16_<variant>_ws the same tiled variants, warp-specialised (sm_90+; a last argument `npre`: ring
 //                         slots filled before the PDL wait)
 #include "gemv_common.cuh"
 
@@ -35,11 +38,13 @@ GEMV_INSTANCE(gemv_f16_norm_swiglu, PRO_NORM, EPI_SWIGLU)
 GEMV_INSTANCE(gemv_f16_resid, PRO_PLAIN, EPI_RESID)
 GEMV_INSTANCE(gemv_f16_store, PRO_PLAIN, EPI_STORE)
 GEMV_INSTANCE(gemv_f16_partial, PRO_PLAIN, EPI_F32)
+GEMV_TP_INSTANCE(gemv_f16_resid_tp)
 // The warp-specialised forms (sm_90+ only: producer warp + bulk copies; the host's default there).
 GEMV_WS_ROPE_INSTANCE(gemv_f16_qkv_rope_ws, false)
 GEMV_WS_INSTANCE(gemv_f16_norm_swiglu_ws, false, PRO_NORM, EPI_SWIGLU)
 GEMV_WS_INSTANCE(gemv_f16_resid_ws, false, PRO_PLAIN, EPI_RESID)
 GEMV_WS_INSTANCE(gemv_f16_store_ws, false, PRO_PLAIN, EPI_STORE)
 GEMV_WS_INSTANCE(gemv_f16_partial_ws, false, PRO_PLAIN, EPI_F32)
+GEMV_WS_TP_INSTANCE(gemv_f16_resid_tp_ws, false)
 GEMV_ROWS_INSTANCE(gemv_f16_f32, EPI_F32)
 GEMV_ROWS_ARGMAX_INSTANCE(gemv_f16_f32_argmax)

@@ -19,7 +19,8 @@
 // Instances  same roles as gemv_fp16.cu, each at ring depths 2-5:
 //   gemv_f8_qkv_rope_r* (QKV + RoPE + KV append), gemv_f8_norm_swiglu_r* (gate+up), gemv_f8_resid_r* (o_proj,
 //   down_proj), gemv_f8_store_r* (generic), gemv_f8_partial_r* (fp32 y = W.x: a tensor-parallel rank's share of
-//   o_proj / down, summed across ranks by tp_comm.cu or NCCL), and gemv_f8_<variant>_ws. lm_head stays fp16 (gemv_f16_f32), as in
+//   o_proj / down, summed across ranks by NCCL), gemv_f8_resid_tp_r* (o_proj / down under tensor parallel with
+//   peer memory: h += the sum over ranks in the epilogue, EPI_TPSUM), and gemv_f8_<variant>_ws. lm_head stays fp16 (gemv_f16_f32), as in
 //   AtomFlow.
 #include "gemv_common.cuh"
 
@@ -28,9 +29,11 @@ GEMV_RING_INSTANCES(gemv_f8_norm_swiglu, PRO_NORM, EPI_SWIGLU)
 GEMV_RING_INSTANCES(gemv_f8_resid, PRO_PLAIN, EPI_RESID)
 GEMV_RING_INSTANCES(gemv_f8_store, PRO_PLAIN, EPI_STORE)
 GEMV_RING_INSTANCES(gemv_f8_partial, PRO_PLAIN, EPI_F32)
+GEMV_TP_RING_INSTANCES(gemv_f8_resid_tp)
 // The warp-specialised forms (sm_90+ only: producer warp + bulk copies; the host's default there).
 GEMV_WS_ROPE_INSTANCE(gemv_f8_qkv_rope_ws, true)
 GEMV_WS_INSTANCE(gemv_f8_norm_swiglu_ws, true, PRO_NORM, EPI_SWIGLU)
 GEMV_WS_INSTANCE(gemv_f8_resid_ws, true, PRO_PLAIN, EPI_RESID)
 GEMV_WS_INSTANCE(gemv_f8_store_ws, true, PRO_PLAIN, EPI_STORE)
 GEMV_WS_INSTANCE(gemv_f8_partial_ws, true, PRO_PLAIN, EPI_F32)
+GEMV_WS_TP_INSTANCE(gemv_f8_resid_tp_ws, true)

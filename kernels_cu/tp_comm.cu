@@ -1,38 +1,35 @@
-// tp_comm.cu — what tensor-parallel ranks of one host exchange through peer memory (P2P over NVLink/PCIe):
-// the sum of the residual GEMVs' partials and the greedy argmax across the vocabulary shards.
+// tp_comm.cu — what tensor-parallel ranks of one host exchange through peer memory (P2P over NVLink/PCIe) outside
+// the GEMVs: a standalone sum across ranks and the greedy argmax across the vocabulary shards. (The step's sums run in
+// the o_proj / down GEMVs' epilogue: gemv_common.cuh EPI_TPSUM, through the same LL slots, tp_ll.cuh.)
 //
-// Computes   tp_allreduce_add:  h[i] += part_0[i] + part_1[i] + ... + part_{N-1}[i]   (fp32, in rank order)
-//              part_s is rank s's partial y = W_s . x_s (the "partial" GEMV of o_proj or down), read from its own
-//              memory through a peer pointer. Every rank sums the same values in the same order, so h stays
-//              bit-identical on every rank.
+// Computes   tp_allreduce_add:  h[i] += x_0[i] + x_1[i] + ... + x_{N-1}[i]   (fp32, in rank order)
+//              x_s is rank s's vector: each rank pushes its x into every rank's LL buffer (tp_ll.cuh) and adds the
+//              N rows of its own in rank order, so h stays bit-identical on every rank. The one-shot sum on its own
+//              (the `profile` role "one sum alone", the GPU tests); the step runs the fused form.
 //            tp_argmax_combine: the best (value, index) over the ranks' lm_head shards (larger value wins, ties ->
 //              smaller global index, NaN never wins: argmax_common.cuh `better`), then the step's bookkeeping as
 //              argmax_finish does it (out_tokens[pos] = best; cur_token = prompt[pos + 1] or best; pos += 1) when
 //              `advance`. Rank s's value and local index are its lm_head's am_val[0] / am_idx[0]; global index =
 //              local + offsets[s]. With peer_flags == 0 there is no barrier: the NCCL path gathered the pairs into
 //              local memory first.
-// Barrier    one-shot, per block ("slot"): each block's thread s signals rank s (a release store of the slot's
-//            epoch into rank s's flags[slot][my rank]), then waits until every rank's flag in its own memory has
-//            reached the epoch (acquire loads), so the partials the peers' previous kernels wrote are complete.
-//            Epochs count per slot in `seq` (local); flags only grow, compared with wrap-around arithmetic.
-//            Reuse: a rank overwrites a partial buffer only two sums later (the host alternates two buffers: o_proj
-//            one, down the other), and it can only get there after every peer has signalled the sum in between,
-//            i.e. after the peers finished reading the first.
-// Layouts    h fp32 [n]; parts: [N] device addresses (uint64) of the ranks' partial buffers fp32 [n] for this sum;
-//            flags uint32 [TP_SLOTS][TP_MAX_RANKS] (local, written by peers); peer_flags [N] addresses of every
-//            rank's flags; seq uint32 [TP_SLOTS] (local). Slots 0..TP_AR_SLOTS-1: the sum's blocks; TP_ARGMAX_SLOT.
-// Bytes      sum: n*4 read from each rank (N-1 of them remote), n*4 read + written locally.
-// Launch     tp_allreduce_add grid = ceil(n / (TP_AR_THREADS * 4)) (<= TP_AR_SLOTS), block = TP_AR_THREADS;
+// Barrier    (the combine) one-shot: thread s signals rank s (a release store of the epoch into rank s's
+//            flags[my rank]), then waits until every rank's flag in its own memory has reached the epoch (acquire
+//            loads), so the pairs the peers' lm_heads wrote are complete. Epochs count in `seq` (local); flags only
+//            grow, compared with wrap-around arithmetic.
+// Layouts    h, x fp32 [n]; slots: [N] device addresses (uint64) of the ranks' LL buffers [N][n] u64 for this sum;
+//            seq uint32 [TP_SUM_BLOCKS] (local, per block); flags uint32 [TP_MAX_RANKS] (local, written by peers);
+//            peer_flags [N] addresses of every rank's flags; combine_seq uint32 [1].
+// Bytes      sum: n*4 read (x), n*8 written to each rank, n*8*N read locally, n*4 read + written (h).
+// Launch     tp_allreduce_add grid = ceil(n / (TP_AR_THREADS * 4)) (<= TP_SUM_BLOCKS), block = TP_AR_THREADS;
 //            tp_argmax_combine grid = 1, block = 32. Both start with the PDL wait (their inputs are the previous
-//            kernel's outputs) and signal only after it; the sum lets its successor launch before its barrier.
+//            kernel's outputs); the sum lets its successor launch right after it (before waiting for the ranks).
 #include "common.cuh"
 #include "argmax_common.cuh"
+#include "tp_ll.cuh"
 
 #define TP_MAX_RANKS 8
 #define TP_AR_THREADS 256
-#define TP_AR_SLOTS 16
-#define TP_ARGMAX_SLOT 16
-#define TP_SLOTS 17
+#define TP_SUM_BLOCKS 16
 
 __device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
@@ -44,45 +41,53 @@ __device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
   return v;
 }
 
-// All threads of the block call it; on return every rank has reached this slot's next epoch.
+// Thread s < nranks of the (one) block: on return every rank has reached the next epoch.
 __device__ __forceinline__ void tp_barrier(unsigned* flags, const unsigned long long* peer_flags, unsigned* seq,
-                                           int slot, int rank, int nranks) {
-  __shared__ unsigned epoch;
-  if (threadIdx.x == 0) epoch = seq[slot] + 1u;
-  __syncthreads();
-  const unsigned e = epoch;
+                                           int rank, int nranks) {
+  const unsigned e = *seq + 1u;
   const int s = threadIdx.x;
   if (s < nranks && s != rank) {
     __threadfence_system();
-    st_release_sys(reinterpret_cast<unsigned*>(peer_flags[s]) + slot * TP_MAX_RANKS + rank, e);
-    const unsigned* f = flags + slot * TP_MAX_RANKS + s;
-    while ((int)(ld_acquire_sys(f) - e) < 0) {
+    st_release_sys(reinterpret_cast<unsigned*>(peer_flags[s]) + rank, e);
+    while ((int)(ld_acquire_sys(flags + s) - e) < 0) {
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) seq[slot] = e;
+  __syncwarp();
+  if (threadIdx.x == 0) *seq = e;
 }
 
 extern "C" __global__ void __launch_bounds__(TP_AR_THREADS)
-tp_allreduce_add(float* __restrict__ h, const unsigned long long* __restrict__ parts, unsigned* flags,
-                 const unsigned long long* __restrict__ peer_flags, unsigned* seq, int n, int rank, int nranks) {
+tp_allreduce_add(float* __restrict__ h, const float* __restrict__ x, const unsigned long long* __restrict__ slots,
+                 unsigned* seq, int n, int rank, int nranks) {
   AF_TIMELINE_BLOCK;
-  pdl_wait();  // the partial GEMV before us is complete (and, transitively, everything before it)
-  // The next GEMV may launch now and stream the weights it reads before its own wait while we wait for the other
+  pdl_wait();  // x is the previous kernel's output (and, transitively, everything before it is complete)
+  // The next kernel may launch now and stream the weights it reads before its own wait while we wait for the other
   // ranks: it reads h only after its wait, i.e. after this kernel has completed.
   pdl_launch_dependents();
-  tp_barrier(flags, peer_flags, seq, blockIdx.x, rank, nranks);
+  const unsigned e = seq[blockIdx.x] + 1u;
   const int i = (blockIdx.x * TP_AR_THREADS + threadIdx.x) * 4;
-  if (i >= n) return;
-  float4 acc = __ldcv(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(parts[0]) + i));
-  for (int s = 1; s < nranks; ++s) {
-    const float4 p = __ldcv(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(parts[s]) + i));
-    acc.x += p.x; acc.y += p.y; acc.z += p.z; acc.w += p.w;
+  if (i < n) {
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(x + i));
+    for (int s = 0; s < nranks; ++s) {
+      unsigned long long* d = reinterpret_cast<unsigned long long*>(slots[s]) + (size_t)rank * n + i;
+      ll_store(d, v.x, e);
+      ll_store(d + 1, v.y, e);
+      ll_store(d + 2, v.z, e);
+      ll_store(d + 3, v.w, e);
+    }
+    const unsigned long long* mine = reinterpret_cast<const unsigned long long*>(slots[rank]) + i;
+    float4 acc = make_float4(ll_wait(mine, e), ll_wait(mine + 1, e), ll_wait(mine + 2, e), ll_wait(mine + 3, e));
+    for (int s = 1; s < nranks; ++s) {
+      const unsigned long long* p = mine + (size_t)s * n;
+      acc.x += ll_wait(p, e); acc.y += ll_wait(p + 1, e); acc.z += ll_wait(p + 2, e); acc.w += ll_wait(p + 3, e);
+    }
+    float4* hp = reinterpret_cast<float4*>(h + i);
+    float4 o = *hp;
+    o.x += acc.x; o.y += acc.y; o.z += acc.z; o.w += acc.w;
+    *hp = o;
   }
-  float4* hp = reinterpret_cast<float4*>(h + i);
-  float4 v = *hp;
-  v.x += acc.x; v.y += acc.y; v.z += acc.z; v.w += acc.w;
-  *hp = v;
+  __syncthreads();  // every thread has read the old epoch
+  if (threadIdx.x == 0) seq[blockIdx.x] = e;
 }
 
 extern "C" __global__ void __launch_bounds__(32)
@@ -92,7 +97,7 @@ tp_argmax_combine(const unsigned long long* __restrict__ vals, const unsigned lo
                   const int* __restrict__ prompt_len, int* out_tokens, int advance) {
   AF_TIMELINE_BLOCK;
   pdl_wait();  // the lm_head before us is complete
-  if (peer_flags) tp_barrier(flags, peer_flags, seq, TP_ARGMAX_SLOT, rank, nranks);
+  if (peer_flags) tp_barrier(flags, peer_flags, seq, rank, nranks);
   pdl_launch_dependents();
   const int s = threadIdx.x;
   float bv = -AF_INF;

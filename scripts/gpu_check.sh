@@ -54,7 +54,8 @@ for st in $stages; do
     kernels)
       timeout ${KERNELS_TIMEOUT:-400} python3 -m pytest -q tests/test_kernels_gpu.py -p no:cacheprovider \
         ${KERNELS_K:+-k "$KERNELS_K"} >"$OUT/kernels.log" 2>&1
-      note "kernels: rc=$? $(tail -1 "$OUT/kernels.log")" ;;
+      rc=$?; note "kernels: rc=$rc $(tail -1 "$OUT/kernels.log")"
+      [ $rc -ne 0 ] && grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/kernels.log" | head -40 ;;
     engine)
       timeout ${ENGINE_TIMEOUT:-560} python3 -m pytest -q tests/test_engine_gpu.py -p no:cacheprovider -s \
         ${ENGINE_K:+-k "$ENGINE_K"} >"$OUT/engine.log" 2>&1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 
+import numpy as np
 import pytest
 
 from atomflow_bench.cli import main
@@ -40,13 +41,14 @@ def test_launcher_exit_codes(tmp_path, monkeypatch):
 
 
 def test_exported_layout_is_aligned_and_disjoint():
-    lay = tp_comm.exported_layout(8192, 528)
-    spans = sorted((off, off + int(__import__("numpy").prod(shape)) * dt.itemsize)
+    lay = tp_comm.exported_layout(8192, 528, 4)
+    spans = sorted((off, off + int(np.prod(shape)) * dt.itemsize)
                    for name, (off, shape, dt) in lay.items() if name != "_bytes")
     assert all(a % 256 == 0 for a, _ in spans)
     assert all(b1 <= a2 for (_, b1), (a2, _) in zip(spans, spans[1:]))
     assert lay["_bytes"][0] == spans[-1][1]
-    assert lay["flags"][1] == (tp_comm.TP_SLOTS, tp_comm.TP_MAX_RANKS)
+    assert lay["flags"][1] == (tp_comm.TP_MAX_RANKS,)
+    assert all(lay[k][1] == (4, 8192) and lay[k][2] == np.uint64 for k in ("gemv0", "gemv1", "sum0", "sum1"))
 
 
 @pytest.mark.parametrize("hidden, blocks", [(256, 1), (3072, 3), (4096, 4), (8192, 8), (16384, 16)])

@@ -2,12 +2,13 @@
 processes (tests/tp_worker.py, RANK / WORLD_SIZE / MASTER_* set, as `run --tp` and torchrun do) and asserts on what
 they wrote:
 
-* the peer-memory sum (tp_comm.cu tp_allreduce_add) equals NumPy's h + (p_0 + p_1 + ...) in fp32 bit for bit, on
-  every rank alike, over six rounds (the barrier's epochs, the two alternating buffers); NCCL's in-place sum as the
+* the standalone peer-memory sum (tp_comm.cu tp_allreduce_add, LL slots) equals NumPy's h + (p_0 + p_1 + ...) in
+  fp32 bit for bit, on every rank alike, over six rounds (the epochs, the two alternating buffers); NCCL's in-place sum as the
   step runs it (rank 0: h + its partial) agrees within fp32 rounding and is bit-identical across ranks;
 * the argmax combine (both paths): ties across ranks go to the smaller global index, NaN never wins, a rank that saw
   nothing is skipped, nobody: token 0; the step state advanced as argmax_finish does;
-* the TP2 engine on a tiny random checkpoint (fp16 and fp8, both paths) against the one-GPU engine on the same
+* the TP2 engine on a tiny random checkpoint (fp16 and fp8, both paths; peer: the sums fused into o_proj / down,
+  gemv_common.cuh EPI_TPSUM) against the one-GPU engine on the same
   weights: every probe's cosine, the residual stream bit-identical on every rank, graph replays giving the eager
   tokens;
 * `atomflow-bench run --tp 2` end to end: the launcher, the record's tp block, the exchanges timed.

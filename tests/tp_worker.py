@@ -11,13 +11,13 @@ import numpy as np
 
 
 def kernels(group, out: Path) -> dict:
-    """The peer sum and the argmax combine against NumPy, over several rounds (the barrier's epochs and the two
+    """The standalone peer sum and the argmax combine against NumPy, over several rounds (the LL epochs and the two
     alternating buffers), and the NCCL path's sum."""
     import cupy
 
     from atomflow_bench.gpu import tp
     from atomflow_bench.gpu.nvrtc import KernelLib
-    from atomflow_bench.gpu.ops.tp_comm import TpComm, allreduce_launch
+    from atomflow_bench.gpu.ops.tp_comm import TpComm
 
     n, r, H = group.size, group.rank, 4096
     lib = KernelLib()
@@ -36,8 +36,7 @@ def kernels(group, out: Path) -> dict:
         if tpc.peer:
             with stream:
                 h = cupy.asarray(h0)
-                tpc.parts[rnd % 2][...] = cupy.asarray(parts[r])
-                allreduce_launch(lib, h, tpc.parts_ptrs[rnd % 2], tpc.flags, tpc.peer_flags, tpc.seq, r, n)()
+                tpc.sum_alone_launch(rnd % 2, h, cupy.asarray(parts[r]))()
             stream.synchronize()
             got = h.get()
             res["sum_exact"].append(bool(np.array_equal(got, ref)))

@@ -72,7 +72,7 @@ class Engine:
             rows = max(s.vocab_rows[1] - s.vocab_rows[0] for s in self.shards)
             offsets = [s.vocab_rows[0] for s in self.shards]
             self.tp = TpComm(group, self.lib, self.cfg.hidden_size, partial_blocks(rows, self.gpu["sms"]), offsets,
-                             allreduce or "auto")
+                             allreduce or "auto", gpu_key=(self.cc, self.gpu["sms"], *smem_limits()))
         self.short_capacity = short_capacity(self.cfg.head_dim, smem_limits())
         # Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it requests
         # weights and waits (griddepcontrol.wait) before touching the predecessor's outputs. ATOMFLOW_PDL=0: off (A/B).
@@ -90,10 +90,11 @@ class Engine:
         self.use(forms)
 
     # ---- build ---------------------------------------------------------------------------------------------------
-    def bucket_launches(self, cap: int | None, form: GemvForm) -> list:
-        """One bucket's step: the short attention kernel at capacity `cap`, or (None) the split kernel."""
+    def bucket_launches(self, cap: int | None, form: GemvForm, tp_path: str | None = None) -> list:
+        """One bucket's step: the short attention kernel at capacity `cap`, or (None) the split kernel. `tp_path`:
+        the exchanges' path if not the run's (ops/tp_comm.py; "local": none at all, for timing)."""
         launches = build_step(self.layer_cfg, self.fmt, self.arena, self.lib, self.gpu["sms"], cap, form, tp=self.tp,
-                              vocab_rows=self.shard.vocab_rows if self.shard else None)
+                              vocab_rows=self.shard.vocab_rows if self.shard else None, tp_path=tp_path)
         if self.pdl:
             for ln in launches[1:]:
                 ln.enable_pdl()

@@ -9,6 +9,7 @@ runs eagerly (`run_eager`, optionally copying probes out after each launch) or i
     attention      GQA over cache[0..pos] -> attn_out (fp16): the short kernel (whole K/V range in shared memory)
                    in the short bucket, the split kernel beyond it
     gemv  o_proj   residual epilogue                                           h += Wo . attn_out
+                   (tensor parallel: + the sum across ranks, ops/tp_comm.py)
     gemv  gate/up  RMSNorm prologue (post_attention_layernorm), SwiGLU epilogue -> act (fp16)
     gemv  down     residual epilogue                                           h += Wd . act
 
@@ -33,15 +34,17 @@ from .ops.small import embed_launch
 
 
 def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, att_cap: int | None,
-               form: GemvForm, tp=None, vocab_rows: tuple[int, int] | None = None) -> list[Launch]:
+               form: GemvForm, tp=None, vocab_rows: tuple[int, int] | None = None,
+               tp_path: str | None = None) -> list[Launch]:
     """The step's launches, each with its probes as taps (validation copies them after each launch). `att_cap`: the
     short attention kernel holding that many positions (lengths up to it), else (None) the split kernel. `form`: the
     layer GEMVs' form.
 
     Tensor parallel (`tp`: ops/tp_comm.TpComm; `cfg` is then the rank's local_config and `vocab_rows` its lm_head
-    rows): o_proj and down run the variant tp.gemv_target says, each followed by the sum across ranks
-    (tp.sum_launches, which carry the h probes); the lm_head finds the rank's best over its rows and tp's combine
-    picks the token and advances the position."""
+    rows): o_proj and down run the variant tp.gemv_target says (peer: resid_tp, which sums across ranks itself),
+    followed by tp.sum_launches (nccl: the all-reduce; the last launch carries the h probe); the lm_head finds the
+    rank's best over its rows and tp's combine picks the token and advances the position. `tp_path` overrides the
+    run's path (ops/tp_comm.py; "local": no exchange, for timing)."""
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_norm_eps
     h, qkv, attn_out, act = (a[n] for n in ("h", "qkv", "attn_out", "act"))
@@ -56,8 +59,10 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
         """o_proj / down: h += W.x, or across ranks a partial product and the sum."""
         if tp is None:
             return [gemv(i, role, x, h, H, k, taps={probe: h})]
-        variant, y = tp.gemv_target(role, h)
-        return [gemv(i, role, x, y, H, k, variant=variant)] + tp.sum_launches(role, h, taps={probe: h})
+        variant, y, tp_args = tp.gemv_target(role, h, tp_path)
+        out = [gemv(i, role, x, y, H, k, variant=variant, tp=tp_args)] + tp.sum_launches(role, h, tp_path)
+        out[-1].taps = {probe: h}
+        return out
 
     steps = [embed_launch(lib, a["cur_token"], a["embed"], h, taps={"embed": h})]
     for i in range(cfg.num_hidden_layers):
@@ -81,7 +86,8 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
         steps.append(lm_head.lm_head_launch(lib, a, cfg, n_sm))
     else:
         steps.append(lm_head.lm_head_launch(lib, a, cfg, n_sm, shard=vocab_rows, partials=tp.argmax_arrays()))
-        steps += tp.argmax_launches((a["pos"], a["cur_token"], a["prompt"], a["prompt_len"], a["out_tokens"]))
+        steps += tp.argmax_launches((a["pos"], a["cur_token"], a["prompt"], a["prompt_len"], a["out_tokens"]),
+                                    tp_path)
     check_residual_order([ln.name for ln in steps])
     return steps
 

@@ -7,11 +7,13 @@
 * `tp_measure`: every rank's copy bandwidth, bytes per token and TPOT; the roofline per GPU (the slowest rank's
   bytes / its own copy bandwidth, against the step time); and the time of the cross-rank exchanges:
     - `sum_us`: one sum of hidden fp32 inside a CUDA graph (2 x layers of them replayed back to back, per call),
-      for each path that could be set up (peer and NCCL), the path the step runs marked;
+      for each path that could be set up (peer: the standalone one-shot sum tp_allreduce_add; NCCL's all-reduce),
+      the path the step runs marked;
     - `per_token_us`: the graph of one token's exchanges alone (2 x layers sums + the argmax combine);
-    - `in_step_us`: the step's graph time minus the same step without its exchanges (the sums and the combine left
-      out, so its values are wrong and its time is a bound): what the exchanges cost inside the step, overlap
-      included. Both graphs hold the position (no advance).
+    - `in_step_us`: the step's graph time minus the same step without its exchanges (the "local" step: o_proj and
+      down store their partial products and nothing is exchanged or combined, so its values are wrong and its time
+      is a bound): what the exchanges cost inside the step, overlap included — for the peer path the only measure of
+      the sums fused into the GEMVs. Both graphs hold the position (no advance).
 """
 from __future__ import annotations
 
@@ -90,8 +92,7 @@ def comm_times(engine) -> dict:
                               "per_token_us": t_token["median"], "token_graph_us": t_token}
     key = engine.bucket(engine.position + 1)
     step = hold_position(engine.variants[key])
-    local = [ln for ln in step if ln.name not in ("tp_allreduce_add", "tp_argmax_combine", "nccl_allreduce",
-                                                  "nccl_allgather")]
+    local = hold_position(engine.bucket_launches(key, engine.gemv_form_of(engine.position + 1), tp_path="local"))
     t_step, t_local = _graph_us(step, stream), _graph_us(local, stream)
     out["in_step_us"] = t_step["median"] - t_local["median"]
     out["step_graph_us"], out["step_without_exchanges_us"] = t_step, t_local

@@ -10,7 +10,9 @@ Two forms per format, both y = W . x over weights pre-tiled at load time (tile_v
 Which form a step runs is launch policy (forms.GemvForm, measured by tune.py); this module builds either.
 Variants (the epilogue, gemv_common.cuh): qkv_rope (RMSNorm prologue; RoPE + KV-cache append; optionally asks L2
 for later weights: next_l2), norm_swiglu (RMSNorm prologue, SwiGLU), resid (h += W.x), store (plain fp16: the
-`gemv` microbenchmark's QKV), partial (plain fp32: a tensor-parallel rank's share of o_proj / down, ops/tp_comm.py).
+`gemv` microbenchmark's QKV), partial (plain fp32: a tensor-parallel rank's share of o_proj / down for the NCCL path),
+resid_tp (tensor parallel with peer memory: h += the sum over ranks of their shares, summed in the epilogue through
+the LL slots of tp_ll.cuh; ops/tp_comm.py holds the buffers).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ GEMV_WS_SLOT = 16384        # gemv_common.cuh GEMV_WS_SLOT: weight bytes per rin
 GEMV_WS_MAX = 16            # gemv_common.cuh GEMV_WS_MAX: the most slots a ring may have
 GEMV_RING_DEPTHS = (2, 3, 4, 5)  # gemv_common.cuh GEMV_RING_INSTANCES: fp8 ring depths with a kernel each
 TILE_ROWS = 16              # gemv_common.cuh GEMV_TILE: weight rows per tile (the mma's M)
-CU_FILES = ("gemv_common.cuh", "gemv_fp16.cu", "gemv_fp8.cu")
+CU_FILES = ("gemv_common.cuh", "tp_ll.cuh", "gemv_fp16.cu", "gemv_fp8.cu")
 CU_DEFINES = {"GEMV_THREADS": GEMV_THREADS, "GEMV_MIN_BLOCKS": GEMV_MIN_BLOCKS, "GEMV_WS_SLOT": GEMV_WS_SLOT,
               "GEMV_WS_MAX": GEMV_WS_MAX, "GEMV_TILE": TILE_ROWS}
 
@@ -44,7 +46,9 @@ ROLE_VARIANT = {"wqkv": "qkv_rope", "wo": "resid", "wgu": "norm_swiglu", "wd": "
 #   "none"   tile T = rows 16T .. 16T+15 (o_proj, down_proj, plain GEMVs)
 #   "halves" rows 0-7 = gate rows 8T.., rows 8-15 = up rows 8T.. of [gate; up] stacked (SwiGLU epilogue)
 #   "rope"   rows 0-7 = rows i..i+7 of a head, rows 8-15 = rows i+hd/2.. of the same head (RoPE epilogue)
-VARIANT_PAIRING = {"qkv_rope": "rope", "norm_swiglu": "halves", "resid": "none", "store": "none", "partial": "none"}
+VARIANT_PAIRING = {"qkv_rope": "rope", "norm_swiglu": "halves", "resid": "none", "store": "none", "partial": "none",
+                   "resid_tp": "none"}
+GEMV_TP_MAX_BLOCKS = 1024   # resid_tp: the most blocks (= ops/tp_comm.py GEMV_TP_MAX_BLOCKS: its epochs per block)
 ROLE_PAIRING = {role: VARIANT_PAIRING[v] for role, v in ROLE_VARIANT.items()}
 
 
@@ -196,14 +200,17 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, smem: tuple = SMEM_H10
 
 def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: int, k: int, n_sm: int,
                 norm_w=None, eps: float = 1e-5, taps=None, role: str = "", rope: tuple = (),
-                ring_depth: int | None = None, ws: bool = False, ws_pre: int | None = None) -> Launch:
+                ring_depth: int | None = None, ws: bool = False, ws_pre: int | None = None, tp: tuple | None = None
+                ) -> Launch:
     """y = W.x in `fmt` (fp16 | fp8) with `variant` in qkv_rope | norm_swiglu | resid | store (weights, and fp8
     scales, in the tiled layout with the variant's VARIANT_PAIRING).
 
     qkv_rope: n_out = qkv_dim / 2 (one output per rotation pair); `rope` = (cos_sin, pos, k_cache, v_cache,
     n_q_heads, n_kv_heads, head_dim[, next]) for this layer; next: (array, bytes from its start) the kernel asks into
     L2 after its epilogue (next_l2), or None. `ws`: the warp-specialised form (sm_90+), else the ring form;
-    `ws_pre`: the slots it fills before its wait (None: GEMV_WS_PRE). `ring_depth`: forces a ring depth (tests)."""
+    `ws_pre`: the slots it fills before its wait (None: GEMV_WS_PRE). `ring_depth`: forces a ring depth (tests).
+    resid_tp: y = h (fp32) and `tp` = (slots, seq, rank, ranks): the device array of the ranks' LL buffer addresses
+    for this role, this buffer's epochs [GEMV_TP_MAX_BLOCKS] uint32 (ops/tp_comm.py TpComm.gemv_target)."""
     fp8 = fmt == "fp8"
     rows = 2 * n_out if variant in ("norm_swiglu", "qkv_rope") else n_out
     if tuple(w.shape) != (rows, k):
@@ -235,11 +242,19 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         extra = (cos_sin, pos, k_cache, v_cache, i32(n_q), i32(n_kv), i32(hd),
                  NULL if nxt is None else nxt[0], np.uint64(0 if nxt is None else nxt[1]))
         moved += 2 * n_kv * hd * 2  # the K and V rows appended to the cache
+    if (variant == "resid_tp") != (tp is not None):
+        raise AtomflowError(f"GEMV {role or variant}: the cross-rank arguments go with variant resid_tp only")
     if ws:
         pre = GEMV_WS_PRE[fmt] if ws_pre is None else ws_pre
         if not 0 <= pre <= GEMV_WS_MAX:
             raise AtomflowError(f"GEMV ring slots before the wait: 0 to {GEMV_WS_MAX}, not {pre}")
         extra += (i32(pre),)
+    if tp is not None:
+        slots, seq, rank, n_ranks = tp
+        if grid[0] > GEMV_TP_MAX_BLOCKS or seq.size < grid[0]:
+            raise AtomflowError(f"GEMV {role or variant}: {grid[0]} blocks, more than the {seq.size} epochs kept")
+        extra += (slots, seq, i32(rank), i32(n_ranks))
+        moved += n_out * 8 * n_ranks * 2  # the LL slots: written to every rank, every rank's read back
     return Launch(fn, f"gemv_{fmt}_{variant}", grid, (GEMV_WS_THREADS if ws else GEMV_THREADS,),
                   (w, scales if fp8 else NULL, x, NULL if norm_w is None else norm_w, np.float32(eps), y,
                    i32(n_out), i32(k)) + extra, shmem, taps or {}, moved,

@@ -1,22 +1,25 @@
-"""What tensor-parallel ranks exchange inside the step: everything the host knows about kernels_cu/tp_comm.cu, and
-the NCCL reference path beside it (gpu/comm.py's collectives).
+"""What tensor-parallel ranks exchange inside the step: everything the host knows about kernels_cu/tp_comm.cu, the
+LL slots of tp_ll.cuh (also the GEMV's EPI_TPSUM epilogue, ops/gemv.py variant resid_tp), and the NCCL reference
+path beside them (gpu/comm.py's collectives).
 
 Two places per layer need a sum across ranks (o_proj's and down's partial products), and the step's tail needs the
 greedy token over the vocabulary shards. Two paths, chosen per run (the record says which ran):
 
-  peer  (one host with peer access; the default there) every rank's o_proj / down GEMV stores its partial product
-        in fp32 (the "partial" GEMV variant) into one of two buffers of its own memory (o_proj: 0, down: 1, so a
-        buffer is reused only two sums later: tp_comm.cu says why that is safe); tp_allreduce_add then waits for
-        every rank (a one-shot flag barrier through peer memory) and adds the N partials to h in rank order: h
-        stays bit-identical on every rank. The lm_head leaves its best (value, index) in am_val[0] / am_idx[0] of
-        the same exported buffer; tp_argmax_combine reads every rank's pair and does the step's bookkeeping.
+  peer  (one host with peer access and the same GPU model on every rank; the default there) o_proj and down run the
+        resid_tp GEMV: each tile's partial outputs are pushed (8-byte value + epoch stores, tp_ll.cuh) into one of two
+        LL buffers of every rank (o_proj: 0, down: 1, so a buffer is reused only two sums later), and each block
+        then waits for the other ranks' values of its own rows and adds them to h in rank order: no kernel of its
+        own, h bit-identical on every rank. The lm_head leaves its best (value, index) in am_val[0] / am_idx[0] of
+        the exported buffer; tp_argmax_combine reads every rank's pair and does the step's bookkeeping.
   nccl  (always available: the reference) rank 0's o_proj / down keep the residual epilogue (h += W.x), the other
         ranks' GEMVs store their partial product into h, and an in-place NCCL all-reduce of h sums them: two
         launches per sum. The argmax pairs are all-gathered (two NCCL all-gathers of 4 bytes per rank) into local
         memory, where tp_argmax_combine (no barrier) reads them.
 
-Both paths are built at setup where they can be (peer needs every rank on this host and peer access), so a run
-times the other path's sums too (comm_only_launches).
+A third, `local`, only for timing: the partial GEMVs into a scratch vector and no exchange at all (values wrong),
+the step the exchanges' cost is measured against (measure/tp_bench.py). The standalone sum tp_allreduce_add uses
+the same slots (its own two buffers): the "one sum alone" figure and the GPU tests. Both real paths are built at
+setup where they can be (peer needs every rank on this host and peer access), so a run times both.
 """
 from __future__ import annotations
 
@@ -27,32 +30,32 @@ from ..launch import NULL, Launch, i32, with_last_arg
 
 TP_MAX_RANKS = 8        # tp_comm.cu TP_MAX_RANKS
 TP_AR_THREADS = 256     # tp_comm.cu TP_AR_THREADS: 4 floats per thread per block
-TP_AR_SLOTS = 16        # tp_comm.cu TP_AR_SLOTS: the most blocks a sum may have (hidden <= 16384)
-TP_ARGMAX_SLOT = 16     # tp_comm.cu TP_ARGMAX_SLOT
-TP_SLOTS = 17           # tp_comm.cu TP_SLOTS
-CU_FILES = ("tp_comm.cu", "argmax_common.cuh", "common.cuh")
-CU_DEFINES = {"TP_MAX_RANKS": TP_MAX_RANKS, "TP_AR_THREADS": TP_AR_THREADS, "TP_AR_SLOTS": TP_AR_SLOTS,
-              "TP_ARGMAX_SLOT": TP_ARGMAX_SLOT, "TP_SLOTS": TP_SLOTS}
+TP_SUM_BLOCKS = 16      # tp_comm.cu TP_SUM_BLOCKS: the most blocks a standalone sum may have (hidden <= 16384)
+GEMV_TP_MAX_BLOCKS = 1024  # the most blocks a resid_tp GEMV may have (its epochs: one per block and buffer)
+CU_FILES = ("tp_comm.cu", "tp_ll.cuh", "argmax_common.cuh", "common.cuh")
+CU_DEFINES = {"TP_MAX_RANKS": TP_MAX_RANKS, "TP_AR_THREADS": TP_AR_THREADS, "TP_SUM_BLOCKS": TP_SUM_BLOCKS}
 PATHS = ("peer", "nccl")
 SUM_ROLES = ("wo", "wd")  # the residual GEMVs whose partial products are summed across ranks
 ALIGN = 256
 
 
 def sum_blocks(n: int) -> int:
-    """Blocks of one tp_allreduce_add over n fp32 values (a slot each)."""
+    """Blocks of one standalone tp_allreduce_add over n fp32 values."""
     if n % 4:
         raise AtomflowError(f"tensor-parallel sum: {n} values, not a multiple of 4 (float4 loads)")
     g = -(-n // (TP_AR_THREADS * 4))
-    if g > TP_AR_SLOTS:
-        raise AtomflowError(f"tensor-parallel sum: hidden size {n} needs {g} blocks, at most {TP_AR_SLOTS}")
+    if g > TP_SUM_BLOCKS:
+        raise AtomflowError(f"tensor-parallel sum: hidden size {n} needs {g} blocks, at most {TP_SUM_BLOCKS}")
     return g
 
 
-def exported_layout(hidden: int, am_blocks: int) -> dict[str, tuple[int, tuple, np.dtype]]:
+def exported_layout(hidden: int, am_blocks: int, n_ranks: int) -> dict[str, tuple[int, tuple, np.dtype]]:
     """Regions of the buffer each rank exports to its peers: name -> (byte offset, shape, dtype). The same on every
-    rank (am_blocks: the most lm_head blocks any rank launches)."""
-    regions = [("part0", (hidden,), np.float32), ("part1", (hidden,), np.float32),
-               ("flags", (TP_SLOTS, TP_MAX_RANKS), np.uint32), ("am_val", (am_blocks,), np.float32),
+    rank (am_blocks: the most lm_head blocks any rank launches). gemv0/1: the resid_tp GEMVs' LL buffers (o_proj,
+    down), sum0/1: the standalone sum's; each [ranks][hidden] u64 (tp_ll.cuh)."""
+    ll = (n_ranks, hidden)
+    regions = [("gemv0", ll, np.uint64), ("gemv1", ll, np.uint64), ("sum0", ll, np.uint64), ("sum1", ll, np.uint64),
+               ("flags", (TP_MAX_RANKS,), np.uint32), ("am_val", (am_blocks,), np.float32),
                ("am_idx", (am_blocks,), np.int32)]
     out, off = {}, 0
     for name, shape, dt in regions:
@@ -63,13 +66,14 @@ def exported_layout(hidden: int, am_blocks: int) -> dict[str, tuple[int, tuple, 
     return out
 
 
-def allreduce_launch(lib, h, parts_ptrs, flags, peer_flags, seq, rank: int, n_ranks: int, taps=None) -> Launch:
-    """h += sum over ranks of their partials (addresses in the device array `parts_ptrs` [n_ranks] uint64)."""
+def allreduce_launch(lib, h, x, slots_ptrs, seq, rank: int, n_ranks: int, taps=None) -> Launch:
+    """h += the sum over ranks of their x (the standalone one-shot sum; `slots_ptrs`: device array [n_ranks] uint64
+    of the ranks' LL buffers for this sum, `seq`: this buffer's epochs [TP_SUM_BLOCKS] uint32)."""
     n = h.size
     g = sum_blocks(n)
     return Launch(lib["tp_allreduce_add"], "tp_allreduce_add", (g,), (TP_AR_THREADS,),
-                  (h, parts_ptrs, flags, peer_flags, seq, i32(n), i32(rank), i32(n_ranks)), 0, taps or {},
-                  n * 4 * (n_ranks + 2), f"tp sum peer {n * 4} B x {n_ranks}")
+                  (h, x, slots_ptrs, seq, i32(n), i32(rank), i32(n_ranks)), 0, taps or {},
+                  n * 4 * 3 + n * 8 * 2 * n_ranks, f"tp sum peer {n * 4} B x {n_ranks}")
 
 
 def argmax_combine_launch(lib, vals_ptrs, idxs_ptrs, offsets, flags, peer_flags, seq, rank: int, n_ranks: int,
@@ -90,8 +94,11 @@ def hold_position(ln):
 class TpComm:
     """One rank's side of the exchanges: buffers, peer addresses, and the launches the step inserts."""
 
-    def __init__(self, group, lib, hidden: int, am_blocks: int, vocab_offsets: list[int], path: str = "auto"):
-        """`path`: peer, nccl, or auto (peer where every rank can map the others' memory, else nccl)."""
+    def __init__(self, group, lib, hidden: int, am_blocks: int, vocab_offsets: list[int], path: str = "auto",
+                 gpu_key: tuple = ()):
+        """`path`: peer, nccl, or auto (peer where every rank can map the others' memory and the ranks' GPUs agree
+        (`gpu_key`: integers that fix the GEMV plans, e.g. compute capability, SMs, shared memory per block: the
+        resid_tp GEMVs' grids must be the same on every rank), else nccl)."""
         import cupy
 
         if path not in PATHS + ("auto",):
@@ -101,13 +108,18 @@ class TpComm:
         self.group, self.lib, self.rank, self.n = group, lib, group.rank, group.size
         self.hidden = hidden
         sum_blocks(hidden)
-        lay = exported_layout(hidden, am_blocks)
+        lay = exported_layout(hidden, am_blocks, self.n)
         self.peer_reason = None
         buf = addrs = None
         try:  # every rank tries (the mapping is collective), whatever path the step takes
             buf, addrs = group.peer_buffer(lay["_bytes"][0])
         except (AtomflowError, cupy.cuda.runtime.CUDARuntimeError) as e:
             self.peer_reason = str(e).splitlines()[0]
+        keys = group.allgather_host(np.asarray(tuple(gpu_key) or (0,), np.int64))  # collective too
+        if addrs is not None and not (keys == keys[0]).all():
+            addrs = None
+            self.peer_reason = (f"the ranks' GPUs differ ({', '.join(map(str, keys.tolist()))}): the summing GEMVs' "
+                                "grids would too")
         if buf is None:
             buf = cupy.zeros(lay["_bytes"][0], dtype=cupy.uint8)
         if path == "peer" and addrs is None:
@@ -120,13 +132,16 @@ class TpComm:
             off, shape, dt = lay[name]
             return buf[off:off + int(np.prod(shape)) * dt.itemsize].view(dt).reshape(shape)
 
-        self.parts = [view("part0"), view("part1")]
+        self.ll = {k: view(k) for k in ("gemv0", "gemv1", "sum0", "sum1")}
         self.flags, self.am_val, self.am_idx = view("flags"), view("am_val"), view("am_idx")
-        self.seq = cupy.zeros(TP_SLOTS, dtype=cupy.uint32)
+        self.gemv_seq = cupy.zeros((2, GEMV_TP_MAX_BLOCKS), dtype=cupy.uint32)
+        self.sum_seq = cupy.zeros((2, TP_SUM_BLOCKS), dtype=cupy.uint32)
+        self.combine_seq = cupy.zeros(1, dtype=cupy.uint32)
+        self.local_scratch = cupy.zeros(hidden, dtype=cupy.float32)  # the `local` path's partial products
         self.offsets = cupy.asarray(np.asarray(vocab_offsets, dtype=np.int32))
         u64 = lambda xs: cupy.asarray(np.asarray(xs, dtype=np.uint64))  # noqa: E731
         if self.peer:
-            self.parts_ptrs = [u64([a + lay[p][0] for a in addrs]) for p in ("part0", "part1")]
+            self.slots = {k: u64([a + lay[k][0] for a in addrs]) for k in self.ll}
             self.peer_flags = u64([a + lay["flags"][0] for a in addrs])
             self.peer_val = u64([a + lay["am_val"][0] for a in addrs])
             self.peer_idx = u64([a + lay["am_idx"][0] for a in addrs])
@@ -137,22 +152,24 @@ class TpComm:
         self.g_idx_ptrs = u64([self.g_idx.data.ptr + 4 * s for s in range(self.n)])
 
     # ---- what the step asks ---------------------------------------------------------------------------------------
-    def gemv_target(self, role: str, h, path: str | None = None) -> tuple[str, object]:
-        """(GEMV variant, output) of the residual GEMV `role` (wo | wd) on this rank."""
+    def gemv_target(self, role: str, h, path: str | None = None) -> tuple[str, object, tuple | None]:
+        """(GEMV variant, output, its TpArgs or None) of the residual GEMV `role` (wo | wd) on this rank; `path` as
+        the step's (None), or peer | nccl | local."""
         path = path or self.path
         if path == "peer":
-            return "partial", self.parts[SUM_ROLES.index(role)]
-        return ("resid" if self.rank == 0 else "partial"), h
+            b = SUM_ROLES.index(role)
+            return "resid_tp", h, (self.slots[f"gemv{b}"], self.gemv_seq[b], self.rank, self.n)
+        if path == "local":
+            return "partial", self.local_scratch, None
+        return ("resid" if self.rank == 0 else "partial"), h, None
 
-    def sum_launches(self, role: str, h, taps=None, path: str | None = None) -> list:
-        """The launches after the residual GEMV `role` that leave h summed over the ranks."""
+    def sum_launches(self, role: str, h, path: str | None = None) -> list:
+        """The launches after the residual GEMV `role` that leave h summed over the ranks (none where the GEMV sums
+        itself)."""
         path = path or self.path
-        if path == "peer":
-            return [allreduce_launch(self.lib, h, self.parts_ptrs[SUM_ROLES.index(role)], self.flags, self.peer_flags,
-                                     self.seq, self.rank, self.n, taps)]
-        op = self.group.allreduce_op(h)
-        op.taps = taps or {}
-        return [op]
+        if path == "nccl":
+            return [self.group.allreduce_op(h)]
+        return []
 
     def gather_vocab(self, local, vocab: int):
         """Every rank's values over its vocabulary rows (e.g. its logits), concatenated in rank order: [vocab] fp32
@@ -173,20 +190,22 @@ class TpComm:
         path = path or self.path
         if path == "peer":
             return [argmax_combine_launch(self.lib, self.peer_val, self.peer_idx, self.offsets, self.flags,
-                                          self.peer_flags, self.seq, self.rank, self.n, state)]
+                                          self.peer_flags, self.combine_seq, self.rank, self.n, state)]
+        if path == "local":
+            return []
         return [self.group.allgather_op(self.am_val[:1], self.g_val),
                 self.group.allgather_op(self.am_idx[:1], self.g_idx),
-                argmax_combine_launch(self.lib, self.g_val_ptrs, self.g_idx_ptrs, self.offsets, None, None, self.seq,
-                                      self.rank, self.n, state)]
+                argmax_combine_launch(self.lib, self.g_val_ptrs, self.g_idx_ptrs, self.offsets, None, None,
+                                      self.combine_seq, self.rank, self.n, state)]
+
+    def sum_alone_launch(self, buffer: int, h, x) -> Launch:
+        """The standalone peer sum h += sum over ranks of x through LL buffer `buffer` (0 | 1)."""
+        return allreduce_launch(self.lib, h, x, self.slots[f"sum{buffer}"], self.sum_seq[buffer], self.rank, self.n)
 
     def comm_only_launches(self, path: str, sums: int, scratch_h) -> list:
-        """`sums` sums of hidden fp32 (alternating the two buffers, as a step does) on `scratch_h`: the step's
-        cross-rank sums without its GEMVs, to time them inside a graph (values meaningless)."""
-        out = []
-        for c in range(sums):
-            role = SUM_ROLES[c % 2]
-            if path == "peer":
-                out += self.sum_launches(role, scratch_h, path="peer")
-            else:
-                out.append(self.group.allreduce_op(scratch_h))
-        return out
+        """`sums` sums of hidden fp32 on `scratch_h` (peer: the standalone one-shot sum of a scratch vector into it,
+        alternating its two buffers as a step does; nccl: in-place all-reduces): the step's cross-rank sums without
+        its GEMVs, to time them inside a graph (values meaningless)."""
+        if path == "peer":
+            return [self.sum_alone_launch(c % 2, scratch_h, self.local_scratch) for c in range(sums)]
+        return [self.group.allreduce_op(scratch_h) for _ in range(sums)]
