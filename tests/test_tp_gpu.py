@@ -119,3 +119,22 @@ def test_run_tp2_cli_record(tmp_path):
     assert 0 < rec["roofline"]["pct"] < 150
     assert rec["eager"]["same_tokens"]
     assert "tensor parallel" in p.stdout
+
+
+@need2
+def test_profile_tp2_cli_record(tmp_path):
+    """`atomflow-bench profile --tp 2`: the step with and without its exchanges (the "local" step), the exchanges'
+    time inside the step, and every path's sums alone, in the table and the record."""
+    d = tmp_path / "model"
+    write_random_model(tiny_config(False), d, seed=5)
+    out = tmp_path / "profile.json"
+    p = subprocess.run([sys.executable, "-m", "atomflow_bench.cli", "profile", str(d), "--weights", "fp16", "--ctx", "16",
+                        "--steps", "4", "--tp", "2", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    c = rec["comm"]
+    assert rec["tp"] == 2 and c["path"] in ("peer", "nccl") and c["sums_per_token"] == 2 * 3
+    assert c["step_graph_us"]["median"] > 0 and c["step_without_exchanges_us"]["median"] > 0
+    assert abs(c["in_step_us"] - (c["step_graph_us"]["median"] - c["step_without_exchanges_us"]["median"])) < 1e-6
+    assert set(c["paths"]) >= {"nccl"} and all(0 < v["sum_us"] < 1000 for v in c["paths"].values())
+    assert "exchanges inside the step" in p.stdout

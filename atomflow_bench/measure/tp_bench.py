@@ -132,11 +132,12 @@ def tp_profile_table(p: dict, engine):
             ["what", "us", "note"], key="tp_profile", right=("us",))
     t.add("step (graph, position held)", round(c["step_graph_us"]["median"], 2), f"the sums: {c['path']}")
     t.add("step without the exchanges", round(c["step_without_exchanges_us"]["median"], 2),
-          "sums and argmax combine left out (values wrong: a bound)")
+          "o_proj / down store their partials, nothing summed or combined (values wrong: a bound)")
     t.add("exchanges inside the step", round(c["in_step_us"], 2), "the difference: the role's time per token")
     for path, v in c["paths"].items():
         t.add(f"{path}: one sum of {c['sum_bytes']} B", round(v["sum_us"], 3),
-              f"{c['sums_per_token']} sums replayed back to back in one graph, per call")
+              f"{'the standalone one-shot sum; ' if path == 'peer' else ''}{c['sums_per_token']} sums replayed back "
+              "to back in one graph, per call")
         t.add(f"{path}: one token's exchanges alone", round(v["per_token_us"], 2),
               f"{c['sums_per_token']} sums + the argmax combine, one graph")
     return t
