@@ -190,8 +190,7 @@ __device__ __forceinline__ void tp_sum_finish(const GemvArgs& a, const TpArgs& t
   const unsigned long long* mine = reinterpret_cast<const unsigned long long*>(tp.slots[tp.rank]);
   for (int T = blockIdx.x; T < a.n_out / GEMV_TILE; T += gridDim.x) {
     const int o = T * GEMV_TILE + threadIdx.x;
-    float acc = ll_wait(mine + o, e);
-    for (int s = 1; s < tp.n; ++s) acc += ll_wait(mine + (size_t)s * a.n_out + o, e);
+    const float acc = ll_sum_ranks(mine + o, (size_t)a.n_out, tp.n, e);
     float* hp = reinterpret_cast<float*>(a.y) + o;
     *hp = (T == (int)blockIdx.x ? pre.h : __ldcg(hp)) + acc;
   }

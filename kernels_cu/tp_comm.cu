@@ -20,7 +20,7 @@
 //            seq uint32 [TP_SUM_BLOCKS] (local, per block); flags uint32 [TP_MAX_RANKS] (local, written by peers);
 //            peer_flags [N] addresses of every rank's flags; combine_seq uint32 [1].
 // Bytes      sum: n*4 read (x), n*8 written to each rank, n*8*N read locally, n*4 read + written (h).
-// Launch     tp_allreduce_add grid = ceil(n / (TP_AR_THREADS * 4)) (<= TP_SUM_BLOCKS), block = TP_AR_THREADS;
+// Launch     tp_allreduce_add grid = ceil(n / TP_AR_THREADS) (<= TP_SUM_BLOCKS), block = TP_AR_THREADS;
 //            tp_argmax_combine grid = 1, block = 32. Both start with the PDL wait (their inputs are the previous
 //            kernel's outputs); the sum lets its successor launch right after it (before waiting for the ranks).
 #include "common.cuh"
@@ -28,8 +28,9 @@
 #include "tp_ll.cuh"
 
 #define TP_MAX_RANKS 8
+static_assert(TP_MAX_RANKS == LL_MAX_RANKS, "the LL readers keep one word per rank");
 #define TP_AR_THREADS 256
-#define TP_SUM_BLOCKS 16
+#define TP_SUM_BLOCKS 64
 
 __device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
@@ -65,26 +66,11 @@ tp_allreduce_add(float* __restrict__ h, const float* __restrict__ x, const unsig
   // ranks: it reads h only after its wait, i.e. after this kernel has completed.
   pdl_launch_dependents();
   const unsigned e = seq[blockIdx.x] + 1u;
-  const int i = (blockIdx.x * TP_AR_THREADS + threadIdx.x) * 4;
+  const int i = blockIdx.x * TP_AR_THREADS + threadIdx.x;  // one value per thread: its N slots in one round trip
   if (i < n) {
-    const float4 v = __ldcg(reinterpret_cast<const float4*>(x + i));
-    for (int s = 0; s < nranks; ++s) {
-      unsigned long long* d = reinterpret_cast<unsigned long long*>(slots[s]) + (size_t)rank * n + i;
-      ll_store(d, v.x, e);
-      ll_store(d + 1, v.y, e);
-      ll_store(d + 2, v.z, e);
-      ll_store(d + 3, v.w, e);
-    }
-    const unsigned long long* mine = reinterpret_cast<const unsigned long long*>(slots[rank]) + i;
-    float4 acc = make_float4(ll_wait(mine, e), ll_wait(mine + 1, e), ll_wait(mine + 2, e), ll_wait(mine + 3, e));
-    for (int s = 1; s < nranks; ++s) {
-      const unsigned long long* p = mine + (size_t)s * n;
-      acc.x += ll_wait(p, e); acc.y += ll_wait(p + 1, e); acc.z += ll_wait(p + 2, e); acc.w += ll_wait(p + 3, e);
-    }
-    float4* hp = reinterpret_cast<float4*>(h + i);
-    float4 o = *hp;
-    o.x += acc.x; o.y += acc.y; o.z += acc.z; o.w += acc.w;
-    *hp = o;
+    const float v = __ldcg(x + i);
+    for (int s = 0; s < nranks; ++s) ll_store(reinterpret_cast<unsigned long long*>(slots[s]) + (size_t)rank * n + i, v, e);
+    h[i] += ll_sum_ranks(reinterpret_cast<const unsigned long long*>(slots[rank]) + i, (size_t)n, nranks, e);
   }
   __syncthreads();  // every thread has read the old epoch
   if (threadIdx.x == 0) seq[blockIdx.x] = e;

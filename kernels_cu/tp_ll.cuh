@@ -22,11 +22,33 @@ __device__ __forceinline__ void ll_store(unsigned long long* p, float v, unsigne
   asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
 }
 
-// The value of slot p once its epoch has reached `epoch` (spins until then).
-__device__ __forceinline__ float ll_wait(const unsigned long long* p, unsigned epoch) {
+#define LL_MAX_RANKS 8  // = tp_comm.cu TP_MAX_RANKS: the readers keep one word per rank in registers
+
+__device__ __forceinline__ unsigned long long ll_load(const unsigned long long* p) {
   unsigned long long w;
-  do {
-    asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
-  } while ((int)((unsigned)(w >> 32) - epoch) < 0);
-  return __uint_as_float((unsigned)w);
+  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+  return w;
+}
+__device__ __forceinline__ bool ll_behind(unsigned long long w, unsigned epoch) {
+  return (int)((unsigned)(w >> 32) - epoch) < 0;
+}
+__device__ __forceinline__ float ll_value(unsigned long long w) { return __uint_as_float((unsigned)w); }
+
+// Readers load every slot they need at once (independent loads, one L2 round trip), then spin on the late ones only:
+// one slot after another would cost a round trip each (v41: 2.9 µs per sum at 4 ranks against 1.7 at 2).
+// The N slots rows[0], rows[stride], ... (N <= LL_MAX_RANKS) at `epoch`, summed in rank order.
+__device__ __forceinline__ float ll_sum_ranks(const unsigned long long* rows, size_t stride, int n, unsigned epoch) {
+  unsigned long long w[LL_MAX_RANKS];
+#pragma unroll
+  for (int s = 0; s < LL_MAX_RANKS; ++s)
+    if (s < n) w[s] = ll_load(rows + s * stride);
+  float acc = 0.f;
+#pragma unroll
+  for (int s = 0; s < LL_MAX_RANKS; ++s) {
+    if (s < n) {
+      while (ll_behind(w[s], epoch)) w[s] = ll_load(rows + s * stride);
+      acc = s == 0 ? ll_value(w[s]) : acc + ll_value(w[s]);
+    }
+  }
+  return acc;
 }

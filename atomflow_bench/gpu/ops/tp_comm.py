@@ -29,8 +29,8 @@ from ...errors import AtomflowError
 from ..launch import NULL, Launch, i32, with_last_arg
 
 TP_MAX_RANKS = 8        # tp_comm.cu TP_MAX_RANKS
-TP_AR_THREADS = 256     # tp_comm.cu TP_AR_THREADS: 4 floats per thread per block
-TP_SUM_BLOCKS = 16      # tp_comm.cu TP_SUM_BLOCKS: the most blocks a standalone sum may have (hidden <= 16384)
+TP_AR_THREADS = 256     # tp_comm.cu TP_AR_THREADS: one value per thread
+TP_SUM_BLOCKS = 64      # tp_comm.cu TP_SUM_BLOCKS: the most blocks a standalone sum may have (hidden <= 16384)
 GEMV_TP_MAX_BLOCKS = 1024  # the most blocks a resid_tp GEMV may have (its epochs: one per block and buffer)
 CU_FILES = ("tp_comm.cu", "tp_ll.cuh", "argmax_common.cuh", "common.cuh")
 CU_DEFINES = {"TP_MAX_RANKS": TP_MAX_RANKS, "TP_AR_THREADS": TP_AR_THREADS, "TP_SUM_BLOCKS": TP_SUM_BLOCKS}
@@ -41,9 +41,7 @@ ALIGN = 256
 
 def sum_blocks(n: int) -> int:
     """Blocks of one standalone tp_allreduce_add over n fp32 values."""
-    if n % 4:
-        raise AtomflowError(f"tensor-parallel sum: {n} values, not a multiple of 4 (float4 loads)")
-    g = -(-n // (TP_AR_THREADS * 4))
+    g = -(-n // TP_AR_THREADS)
     if g > TP_SUM_BLOCKS:
         raise AtomflowError(f"tensor-parallel sum: hidden size {n} needs {g} blocks, at most {TP_SUM_BLOCKS}")
     return g
