@@ -38,12 +38,13 @@
 //            with two 4-position passes in registers (66 splits at ctx 8192, a ~100 KB one-block combine).
 // Layouts    q fp16 [n_heads*hd] (post-RoPE, start of the qkv buffer); k_cache/v_cache: this layer's slab
 //            fp16 [max_seq][n_kv*hd]; part_ml fp32 [n_heads][max_splits][2] (max in log2 units, sum); part_o
-//            fp32 [n_heads][max_splits][hd]; counters uint32 [n_kv]; out fp16 [n_heads*hd].
+//            fp32 [n_heads][max_splits][hd]; counters uint32 [n_kv * V]; out fp16 [n_heads*hd].
 //            Dynamic shared memory (ops/attention.py attention_smem): 4 warp rings of ATT_RING_BYTES ([slot][K group |
 //            V group], each [16][hd] fp16), reused at the end for the warps' O [4][G][hd] fp32 and the combine
 //            (m, l [2][G][max_splits], sums [G*hd/4] float4, then as many splits' partial o [G*hd] as fit).
 // Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + partials n_heads * splits * (hd + 2) * 4 * 2.
-// Launch     attention_decode_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv, max_splits), block = 128 (ATT_THREADS),
+// Launch     attention_decode_hd{64,128}_g{1,2,3,4,8,16}: grid = (n_kv * V, max_splits) (V = 2 for G = 16, else 1:
+//            ATTENTION_INSTANCE), block = 128 (ATT_THREADS),
 //            2 blocks per SM, dyn. smem = 4 * ATT_RING_BYTES (+ 1 KB with ATT_TMA) (ops/attention.py attention_launch;
 //            arena.attention_splits caps max_splits at ~2 blocks per SM).
 #include "common.cuh"
@@ -171,8 +172,9 @@ __device__ __forceinline__ void attention_combine(const float* part_ml, const fl
   }
 }
 
-// One work item: kv head j, split `split` of the len cached positions, all G q heads (see the header).
-template <int HD, int G>
+// One work item: head group j (kv head j / V: V blocks share a kv head when it has more q heads than one block
+// takes, ATT_BLOCK_HEADS; each takes G of them), split `split` of the len cached positions (see the header).
+template <int HD, int G, int V = 1>
 __device__ __forceinline__ void attention_item(const __half* q, const __half* k_cache, const __half* v_cache, int len,
                                                int j, int split, float* part_ml, float* part_o,
                                                unsigned int* counters, __half* out, int n_kv, int max_splits,
@@ -189,6 +191,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
   const int p0 = att_split_start(split, n_sub, n_splits) * ATT_CHUNK;
   const int p1 = min(att_split_start(split + 1, n_sub, n_splits) * ATT_CHUNK, len);
   const size_t kv_dim = (size_t)n_kv * HD;
+  const int kvh = j / V;  // the kv head whose K/V this block reads
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP;
   const int gid = lane >> 2, tig = lane & 3;  // mma fragment coordinates: gid = the q head row
 #if ATT_TMA_CODE
@@ -222,8 +225,8 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
       mbar_expect_tx(bar, 2 * GB);
 #pragma unroll
       for (int h = 0; h < HD / 64; ++h) {
-        tma_load_2d(ks + h * ATT_GROUP * 128, kv_map, j * HD + h * 64, t0, bar);
-        tma_load_2d(ks + GB + h * ATT_GROUP * 128, kv_map + 128, j * HD + h * 64, t0, bar);
+        tma_load_2d(ks + h * ATT_GROUP * 128, kv_map, kvh * HD + h * 64, t0, bar);
+        tma_load_2d(ks + GB + h * ATT_GROUP * 128, kv_map + 128, kvh * HD + h * 64, t0, bar);
       }
     }
   };
@@ -240,7 +243,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
         const int r = e / DG, c = e % DG, t = t0 + r;
         if (t < p1) {
           if (!(before_wait && t == len - 1)) {
-            const size_t src = (size_t)t * kv_dim + (size_t)j * HD + c * 8;
+            const size_t src = (size_t)t * kv_dim + (size_t)kvh * HD + c * 8;
             cp_async16(ks + att_swz<HD>(r, c), k_cache + src);
             cp_async16(vs + att_swz<HD>(r, c), v_cache + src);
           }
@@ -268,7 +271,7 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     char* ks = ring + (gl / NW) * 2 * GB;
     for (int e = lane; e < 2 * DG; e += AF_WARP) {
       const int c = e % DG;
-      const size_t src = (size_t)(len - 1) * kv_dim + (size_t)j * HD + c * 8;
+      const size_t src = (size_t)(len - 1) * kv_dim + (size_t)kvh * HD + c * 8;
       *reinterpret_cast<uint4*>(ks + (e < DG ? 0 : GB) + att_swz<HD>(r, c)) = ld_cg16((e < DG ? k_cache : v_cache) + src);
     }
   }
@@ -415,7 +418,13 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
 }
 
 // One kernel per (head_dim, q heads per kv head): G is a compile-time constant so the per-head arrays are
-// exactly sized. Block (j, s) = item (kv head j, split s). 2 blocks per SM (ops/attention.py attention_smem).
+// exactly sized. Block (j, s) = item (head group j, split s): with G <= ATT_BLOCK_HEADS a head group is a kv head;
+// with more (G = 16: Llama-3.1-405B over 8 GPUs) G / ATT_BLOCK_HEADS blocks share a kv head, each taking
+// ATT_BLOCK_HEADS of its q heads (its K/V read by each of them: through L2 for all but the first). 2 blocks per SM
+// (ops/attention.py attention_smem).
+#define ATT_BLOCK_HEADS 8  // the most q heads one block takes (the scores' mma rows gid, 0-7)
+#define ATT_BG(G) ((G) > ATT_BLOCK_HEADS ? ATT_BLOCK_HEADS : (G))
+#define ATT_BV(G) ((G) > ATT_BLOCK_HEADS ? (G) / ATT_BLOCK_HEADS : 1)
 #define ATTENTION_INSTANCE(HD, G)                                                                         \
   extern "C" __global__ void __launch_bounds__(ATT_THREADS, 256 / ATT_THREADS)                          \
       attention_decode_hd##HD##_g##G(                                                                     \
@@ -426,8 +435,8 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
     extern __shared__ __align__(16) char att_smem[];                                                      \
     /* pos was written by the previous step's argmax, complete before this step's first kernel: readable */ \
     /* before the PDL wait, and so are the K/V rows before pos (attention_item waits before row pos and q) */ \
-    attention_item<HD, G>(q, k_cache, v_cache, *pos_ptr + 1, blockIdx.x, blockIdx.y, part_ml, part_o, counters, \
-                          out, n_kv, max_splits, scale, att_smem ATT_TMA_ARG);                             \
+    attention_item<HD, ATT_BG(G), ATT_BV(G)>(q, k_cache, v_cache, *pos_ptr + 1, blockIdx.x, blockIdx.y, part_ml, \
+                                             part_o, counters, out, n_kv, max_splits, scale, att_smem ATT_TMA_ARG); \
   }
 
 ATTENTION_INSTANCE(64, 1)
@@ -435,8 +444,10 @@ ATTENTION_INSTANCE(64, 2)
 ATTENTION_INSTANCE(64, 3)
 ATTENTION_INSTANCE(64, 4)
 ATTENTION_INSTANCE(64, 8)
+ATTENTION_INSTANCE(64, 16)
 ATTENTION_INSTANCE(128, 1)
 ATTENTION_INSTANCE(128, 2)
 ATTENTION_INSTANCE(128, 3)
 ATTENTION_INSTANCE(128, 4)
 ATTENTION_INSTANCE(128, 8)
+ATTENTION_INSTANCE(128, 16)

@@ -26,7 +26,7 @@
 //            attention_short_smem, cap16 = cap rounded up to 16): K [cap16][hd] fp16 (at the end the phases'
 //            reduction scratch [8 warps][16][8] fp32), V [cap16][hd] fp16, P fp16 [8][cap16 + 8].
 // Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + q and out.
-// Launch     attention_short_hd{64,128}_g{1,2,3,4,8}: grid = (n_kv), block = 256, dyn. smem = all a block may
+// Launch     attention_short_hd{64,128}_g{1,2,3,4,8,16}: grid = (n_kv * V) (V = 2 for G = 16), block = 256, dyn. smem = all a block may
 //            have (ops/attention.py attention_short_launch; short_smem(hd, cap) is what cap needs): no other
 //            kernel's block shares the SM (PERF_NOTES v11.2); <= 128 registers per thread.
 #include "common.cuh"
@@ -66,7 +66,9 @@ __device__ __forceinline__ void ats_zero_tail(char* vs, int n) {
     *reinterpret_cast<uint4*>(vs + ats_swz<HD>(i / DG, i % DG)) = make_uint4(0, 0, 0, 0);
 }
 
-template <int HD, int G, int T>
+// Block j = head group j: kv head j / V, its q heads [j * G, (j + 1) * G) (V blocks share a kv head when it has more
+// q heads than the mma's N: ATTENTION_SHORT_INSTANCE).
+template <int HD, int G, int T, int V = 1>
 __device__ __forceinline__ void attention_short_item(const __half* q, const __half* k_cache, const __half* v_cache,
                                                      int len, int j, __half* out, int n_kv, int cap, float scale,
                                                      char* smem) {
@@ -76,6 +78,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   constexpr int WPT = NW / DT;
   static_assert(G <= ATS_HEADS && NW % DT == 0 && DT % ATS_BATCH == 0, "shape");
   const size_t kv_dim = (size_t)n_kv * HD;
+  const int kvh = j / V;  // the kv head whose K/V this block reads
   const int tid = threadIdx.x, lane = tid % AF_WARP, warp = tid / AF_WARP;
   const int gid = lane >> 2, tig = lane & 3;  // mma fragment coordinates
   const int cap16 = (cap + 15) & ~15;
@@ -86,7 +89,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   char* pt = vs + cap16 * HD * 2;             // P fp16 [ATS_HEADS][cap16 (+8)]: head-major (the P.V B operand)
 
   // ---- before the wait: rows 0 .. min(L - 1, cap) - 1 (row L-1 is the previous kernel's) ----
-  ats_stage<HD, T>(k_cache, v_cache, kv_dim, j, 0, min(len - 1, cap), 0, ks, vs);
+  ats_stage<HD, T>(k_cache, v_cache, kv_dim, kvh, 0, min(len - 1, cap), 0, ks, vs);
   pdl_wait_unless_instrument<2>();  // AF_NO_WAIT (common.cuh)
   pdl_launch_dependents();
 
@@ -99,7 +102,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   }
   if (len - 1 < cap && tid < 2 * DG) {  // row L-1, appended by the QKV kernel: after the wait, through L2
     const int c = tid % DG;
-    const size_t src = (size_t)(len - 1) * kv_dim + (size_t)j * HD + c * 8;
+    const size_t src = (size_t)(len - 1) * kv_dim + (size_t)kvh * HD + c * 8;
     const uint4 u = ld_cg16((tid < DG ? k_cache : v_cache) + src);
     *reinterpret_cast<uint4*>((tid < DG ? ks : vs) + ats_swz<HD>(len - 1, c)) = u;
   }
@@ -119,7 +122,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
     const int n = min(min(cap, ATS_CHUNK_MAX), len - c0);
     if (c0 > 0) {  // a later chunk (L > cap: tests only): everyone is done with the previous one, then load it
       __syncthreads();
-      ats_stage<HD, T>(k_cache, v_cache, kv_dim, j, c0, c0 + n, c0, ks, vs);
+      ats_stage<HD, T>(k_cache, v_cache, kv_dim, kvh, c0, c0 + n, c0, ks, vs);
       ats_zero_tail<HD, T>(vs, n);
       cp_async_wait<0>();
       __syncthreads();
@@ -229,7 +232,10 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   }
 }
 
-// One kernel per (head_dim, q heads per kv head), like attention.cu. Block j = kv head j.
+// One kernel per (head_dim, q heads per kv head), like attention.cu. Block j = kv head j; with G > ATS_HEADS (16:
+// Llama-3.1-405B over 8 GPUs) G / ATS_HEADS blocks per kv head, each taking ATS_HEADS of its q heads.
+#define ATS_BG(G) ((G) > ATS_HEADS ? ATS_HEADS : (G))
+#define ATS_BV(G) ((G) > ATS_HEADS ? (G) / ATS_HEADS : 1)
 #define ATTENTION_SHORT_INSTANCE(HD, G)                                                                   \
   extern "C" __global__ void __launch_bounds__(ATS_THREADS, ATS_MIN_BLOCKS)                              \
       attention_short_hd##HD##_g##G(                                                                      \
@@ -238,8 +244,8 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) char ats_smem[];                                                      \
     /* pos was written by the previous step's argmax, complete before this step's first kernel */        \
-    attention_short_item<HD, G, ATS_THREADS>(q, k_cache, v_cache, *pos_ptr + 1, blockIdx.x, out, n_kv, cap, \
-                                             scale, ats_smem);                                            \
+    attention_short_item<HD, ATS_BG(G), ATS_THREADS, ATS_BV(G)>(q, k_cache, v_cache, *pos_ptr + 1, blockIdx.x, out, \
+                                                                n_kv, cap, scale, ats_smem);                \
   }
 
 ATTENTION_SHORT_INSTANCE(64, 1)
@@ -247,8 +253,10 @@ ATTENTION_SHORT_INSTANCE(64, 2)
 ATTENTION_SHORT_INSTANCE(64, 3)
 ATTENTION_SHORT_INSTANCE(64, 4)
 ATTENTION_SHORT_INSTANCE(64, 8)
+ATTENTION_SHORT_INSTANCE(64, 16)
 ATTENTION_SHORT_INSTANCE(128, 1)
 ATTENTION_SHORT_INSTANCE(128, 2)
 ATTENTION_SHORT_INSTANCE(128, 3)
 ATTENTION_SHORT_INSTANCE(128, 4)
 ATTENTION_SHORT_INSTANCE(128, 8)
+ATTENTION_SHORT_INSTANCE(128, 16)

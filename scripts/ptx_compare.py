@@ -23,13 +23,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 _ENTRY = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+(\w+)", re.M)
+_LOCAL_STATIC = re.compile(r"_ZZ\w+E(\d+)(\w+)")  # _ZZ<function>E<length><name>: a function-local static
 _NAMES = re.compile(r"\$L__BB\d+_\d+|%(?:rd|rs|r|fd|f|p|hh|h)\d+")
 
 
 def normalize(body: str) -> str:
     """A PTX body with comments, .loc / .file lines, the virtual-register pool declarations (.reg: their sizes follow
     the numbering) and blank lines dropped, and each virtual register / label renamed by its kind and order of first
-    use (%r57 -> %r#0 if it is the first %r seen)."""
+    use (%r57 -> %r#0 if it is the first %r seen). A function-local static's mangled name keeps only the static's
+    own name (`_ZZ14attention_itemILi128ELi2EE...E3w_m` -> `_ZZ<w_m>`): a template parameter added to the function
+    changes the mangling, not the code."""
     seen: dict[str, str] = {}
     counts: dict[str, int] = {}
 
@@ -43,7 +46,7 @@ def normalize(body: str) -> str:
 
     lines = [re.sub(r"\s*//.*$", "", ln) for ln in body.splitlines()]
     lines = [ln for ln in lines if ln.strip() and not ln.strip().startswith((".loc", ".file", ".reg"))]
-    return _NAMES.sub(rename, "\n".join(lines))
+    return _NAMES.sub(rename, _LOCAL_STATIC.sub(lambda m: f"_ZZ<{m.group(2)}>", "\n".join(lines)))
 
 
 def entries(ptx: str) -> dict[str, str]:

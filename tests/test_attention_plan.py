@@ -3,8 +3,9 @@ every supported shape."""
 import pytest
 
 from atomflow_bench.gpu.ops.attention import (ATS_CHUNK_MAX, ATS_HEADS, ATS_THREADS, ATT_BLOCKS_PER_SM, ATT_CHUNK,
-                                              ATT_RING_BYTES, ATT_THREADS, attention_smem, attention_splits,
-                                              short_capacity, short_smem, short_static)
+                                              ATT_RING_BYTES, ATT_THREADS, BLOCK_HEADS, GROUPS, attention_smem,
+                                              attention_splits, blocks_per_kv, short_capacity, short_smem,
+                                              short_static)
 from atomflow_bench.gpu.device import SMEM_H100
 
 
@@ -25,6 +26,14 @@ def test_long_contexts_are_capped_near_the_block_budget(n_kv, n_sm):
 def test_block_budget_argument():
     assert attention_splits(32768, 8, 132, blocks_per_sm=4) == 66
     assert attention_splits(32768, 8, 132) == -(-ATT_BLOCKS_PER_SM * 132 // 8)
+
+
+def test_sixteen_heads_per_kv_head_take_two_blocks():
+    """16 q heads per kv head (Llama-3.1-405B): two blocks of 8 heads share the kv head; the split cap counts both."""
+    assert [blocks_per_kv(g) for g in GROUPS] == [1, 1, 1, 1, 1, 2] and BLOCK_HEADS == ATS_HEADS == 8
+    assert attention_splits(32768, 1, 132, group=16) == attention_splits(32768, 2, 132)
+    assert attention_splits(160, 1, 132, group=16) == 5  # short contexts: still one split per chunk
+    assert attention_smem(16, 128, 64) == attention_smem(8, 128, 64)  # a block holds 8 heads' states
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])

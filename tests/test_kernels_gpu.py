@@ -23,7 +23,7 @@ from atomflow_bench.errors import AtomflowError
 from atomflow_bench.gpu.device import compute_capability, smem_limits
 from atomflow_bench.gpu.forms import GemvForm, default_forms
 from atomflow_bench.gpu.ops.attention import (ATT_CHUNK, attention_launch, attention_short_launch, attention_splits,
-                                              short_capacity)
+                                              blocks_per_kv, short_capacity)
 from atomflow_bench.gpu.ops.gemv import VARIANT_PAIRING, gemv_launch, linear_regions, next_l2, tiled, tiled_scales
 from atomflow_bench.gpu.ops.lm_head import lm_head_launch, rows_launch
 from atomflow_bench.gpu.ops.small import embed_launch, quantize_launch, spin_launch
@@ -482,7 +482,9 @@ def test_qkv_rope_kv_append(kernel_lib, n_sm, form, fmt, model, pos):
 
 
 ATT_SHAPES = {"llama-3.2-3b": (8, 3, 128), "llama-3.2-1b": (8, 4, 64), "smollm2-135m": (3, 3, 64),
-              "llama-3.1-8b": (8, 4, 128)}
+              "llama-3.1-8b": (8, 4, 128),
+              # 16 q heads per kv head (two blocks per kv head): Llama-3.1-405B on 8 GPUs (one kv head each) and 4
+              "405b-tp8": (1, 16, 128), "405b-tp4": (2, 16, 128), "g16-hd64": (2, 16, 64)}
 
 
 def attention_case(model, length, max_seq):
@@ -521,7 +523,7 @@ def test_attention_short(kernel_lib, model, length, cap):
     out = cp.full(q.size, np.nan, dtype=cp.float16)
     launch = attention_short_launch(kernel_lib, cp.asarray(q), cp.asarray(kc), cp.asarray(vc),
                                     cp.asarray([length - 1], dtype=cp.int32), out, n_kv, G, hd, cap)
-    assert launch.grid == (n_kv,)
+    assert launch.grid == (n_kv * blocks_per_kv(G),)
     launch()
     first = out.get()
     assert rel_err(first, ref) < FP16_TOL
@@ -576,15 +578,15 @@ def check_attention(lib, n_sm, model, length, cap):
 
     n_kv, G, hd = ATT_SHAPES[model]
     nh, max_seq = n_kv * G, 4160
-    splits = attention_splits(max_seq, n_kv, n_sm) if cap == "plan" else cap or -(-max_seq // ATT_CHUNK)
+    splits = attention_splits(max_seq, n_kv, n_sm, group=G) if cap == "plan" else cap or -(-max_seq // ATT_CHUNK)
     q, kc, vc, ref = attention_case(model, length, max_seq)
     out = cp.full(nh * hd, np.nan, dtype=cp.float16)
-    counters = cp.zeros(n_kv, dtype=cp.uint32)
+    counters = cp.zeros(n_kv * blocks_per_kv(G), dtype=cp.uint32)
     launch = attention_launch(lib, cp.asarray(q), cp.asarray(kc), cp.asarray(vc),
                               cp.asarray([length - 1], dtype=cp.int32),
                               cp.full((nh, splits, 2), np.nan, dtype=cp.float32),
                               cp.full((nh, splits, hd), np.nan, dtype=cp.float32), counters, out, n_kv, G, hd)
-    assert launch.grid == (n_kv, splits)
+    assert launch.grid == (n_kv * blocks_per_kv(G), splits)
     launch()
     first = out.get()
     assert rel_err(first, ref) < FP16_TOL

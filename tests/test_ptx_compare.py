@@ -64,3 +64,11 @@ def test_real_source_against_head(pc):
     out = subprocess.run(["python3", str(SCRIPTS / "ptx_compare.py"), "no-such-revision", "embedding.cu"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 1 and out.stderr.startswith("error: git archive 'no-such-revision'")
+
+
+def test_a_local_static_compares_by_its_own_name(pc):
+    """A template parameter added to a device function changes its statics' mangled names, not the code."""
+    old = "mov.u32 \t%r3, _ZZ14attention_itemILi128ELi2EEvPK6__halfS2_PcE3w_m;"
+    new = "mov.u32 \t%r3, _ZZ14attention_itemILi128ELi2ELi1EEvPK6__halfS2_PcE3w_m;"
+    other = "mov.u32 \t%r3, _ZZ14attention_itemILi128ELi2ELi1EEvPK6__halfS2_PcE3w_l;"
+    assert pc.normalize(old) == pc.normalize(new) != pc.normalize(other)

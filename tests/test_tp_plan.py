@@ -91,13 +91,9 @@ def test_per_rank_shapes_take_the_tiled_layout(name, n):
         rows = s.shapes["wqkv"][0]
         assert rows % cfg.head_dim == 0 and (cfg.head_dim // 2) % 8 == 0  # RoPE pairs within whole heads
         assert s.shapes["wgu"][0] % 16 == 0
-    if cfg.group_size in attention.GROUPS:
-        tp.check_kernels(cfg, n)
-        for fmt in ("fp16", "fp8"):
-            plan_arena(loc, fmt, 64)  # the single-GPU arena planner accepts every rank's shape
-    else:  # 405B: 16 q heads per kv head, whatever n (attention.cu's limit, not the split's)
-        with pytest.raises(AtomflowError, match=f"{cfg.group_size} q heads per kv head unsupported"):
-            tp.check_kernels(cfg, n)
+    tp.check_kernels(cfg, n)  # 405B: 16 q heads per kv head (two attention blocks per kv head)
+    for fmt in ("fp16", "fp8"):
+        plan_arena(loc, fmt, 64)  # the single-GPU arena planner accepts every rank's shape
 
 
 @pytest.mark.parametrize("name,n", CASES)

@@ -106,10 +106,11 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132, lm_hea
     p.add("activations", "xnorm", (H,), np.float16)
     p.add("activations", "logits", (V,), np.float32)
     # scratch: attention split partials, reduction tickets, step state
-    splits = attention.attention_splits(max_seq, cfg.num_key_value_heads, n_sm)
+    splits = attention.attention_splits(max_seq, cfg.num_key_value_heads, n_sm, group=cfg.group_size)
     p.add("scratch", "att_ml", (cfg.num_attention_heads, splits, 2), np.float32)
     p.add("scratch", "att_o", (cfg.num_attention_heads, splits, cfg.head_dim), np.float32)
-    p.add("scratch", "att_counters", (L, cfg.num_key_value_heads), np.uint32)  # a ticket per kv head
+    p.add("scratch", "att_counters", (L, cfg.num_key_value_heads * attention.blocks_per_kv(cfg.group_size)),
+          np.uint32)  # a ticket per head group
     am_blocks = lm_head.partial_blocks(V, n_sm)  # argmax partials: one per block of the lm_head launch
     p.add("scratch", "am_val", (am_blocks,), np.float32)
     p.add("scratch", "am_idx", (am_blocks,), np.int32)

@@ -137,7 +137,7 @@ def local_config(cfg: ModelConfig, n: int) -> ModelConfig:
 def check_kernels(cfg: ModelConfig, n: int) -> None:
     """Raise a one-line AtomflowError if a rank's attention (q heads per kv head, head_dim: unchanged by the split)
     is not one attention.cu runs. Kept out of plan(): the sharding and the byte figures hold whatever the attention
-    kernel supports (Llama-3.1-405B's 16 q heads per kv head are refused here, at any n)."""
+    kernel supports."""
     loc = local_config(cfg, n)
     attention.check_shape(loc.head_dim, loc.group_size)
 

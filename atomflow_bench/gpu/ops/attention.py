@@ -33,7 +33,13 @@ CU_DEFINES = {"ATT_CHUNK": ATT_CHUNK, "ATT_THREADS": ATT_THREADS, "ATT_GROUP": A
 
 ATT_BLOCKS_PER_SM = 2       # the split launch is capped at ~this many blocks per SM (96 KB of rings each)
 HEAD_DIMS = (64, 128)       # instances: attention_{decode,short}_hd<HD>_g<G>
-GROUPS = (1, 2, 3, 4, 8)    # q heads per kv head
+GROUPS = (1, 2, 3, 4, 8, 16)  # q heads per kv head
+BLOCK_HEADS = 8             # attention.cu ATT_BLOCK_HEADS = attention_short.cu ATS_HEADS: the most q heads one block takes
+
+
+def blocks_per_kv(group: int) -> int:
+    """Blocks that share one kv head (its q heads split between them, each reading the head's K/V): 2 for 16."""
+    return max(1, group // BLOCK_HEADS)
 
 
 def check_shape(head_dim: int, group: int) -> None:
@@ -43,10 +49,11 @@ def check_shape(head_dim: int, group: int) -> None:
         raise AtomflowError(f"{group} q heads per kv head unsupported by attention.cu ({', '.join(map(str, GROUPS))})")
 
 
-def attention_splits(max_seq: int, n_kv: int, n_sm: int, blocks_per_sm: int = ATT_BLOCKS_PER_SM) -> int:
-    """Split capacity per kv head (= the split launch's grid.y): one split per ATT_CHUNK positions, capped so the
-    whole launch is about ATT_BLOCKS_PER_SM blocks per SM; beyond the cap a split walks several sub-chunks."""
-    return max(1, min(-(-max_seq // ATT_CHUNK), -(-(blocks_per_sm * n_sm) // n_kv)))
+def attention_splits(max_seq: int, n_kv: int, n_sm: int, blocks_per_sm: int = ATT_BLOCKS_PER_SM, group: int = 1) -> int:
+    """Split capacity per head group (= the split launch's grid.y): one split per ATT_CHUNK positions, capped so the
+    whole launch (n_kv x blocks_per_kv(group) head groups) is about ATT_BLOCKS_PER_SM blocks per SM; beyond the cap
+    a split walks several sub-chunks."""
+    return max(1, min(-(-max_seq // ATT_CHUNK), -(-(blocks_per_sm * n_sm) // (n_kv * blocks_per_kv(group)))))
 
 
 def att_tma(defines: tuple | None = None) -> int:
@@ -61,6 +68,7 @@ def attention_smem(group: int, hd: int, splits: int, defines: tuple | None = Non
     rounded to 4, the float4 sums [G*hd/4], then the partial o of as many splits as fit, at least one); a plan where
     those do not fit is refused."""
     warps = ATT_THREADS // 32
+    group = min(group, BLOCK_HEADS)  # a block's heads
     rings = warps * ATT_RING_BYTES + 1024 * att_tma(defines)  # TMA: the swizzle's 1 KB alignment
     merge = 4 * warps * group * hd
     combine = 4 * (-(-2 * group * splits // 4) * 4 + 2 * group * hd)
@@ -74,12 +82,13 @@ def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, 
                      group: int, hd: int, taps=None) -> Launch:
     """The split kernel. k_cache/v_cache: one layer's [max_seq, kv_dim] slab; part_*: [n_heads, splits, ...] scratch,
     whose split count is the launch's grid.y (attention_splits: at long contexts a split walks several sub-chunks);
-    counters: a ticket per kv head."""
+    counters: a ticket per head group (n_kv x blocks_per_kv(group))."""
     splits = part_ml.shape[1]
     if part_o.shape[1] != splits or splits < 1:
         raise AtomflowError("attention partials: att_ml and att_o disagree on the split count")
-    if counters.size < n_kv:
-        raise AtomflowError(f"attention: {counters.size} tickets for {n_kv} kv heads")
+    heads = n_kv * blocks_per_kv(group)
+    if counters.size < heads:
+        raise AtomflowError(f"attention: {counters.size} tickets for {heads} head groups")
     fn = lib[f"attention_decode_hd{hd}_g{group}"]
     shmem = attention_smem(group, hd, splits, lib.defines)
     if shmem > SMEM_H100[0]:
@@ -87,7 +96,7 @@ def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, 
     allow_dynamic_smem(fn, shmem)
     # ATT_TMA: the K and V slabs' tensor maps (boxes of 16 rows x 64 dims), kept alive by the launch's arguments
     maps = (tensor_maps((k_cache, v_cache), (64, ATT_GROUP)),) if att_tma(lib.defines) else ()
-    return Launch(fn, "attention_decode", (n_kv, splits), (ATT_THREADS,),
+    return Launch(fn, "attention_decode", (heads, splits), (ATT_THREADS,),
                   (q, k_cache, v_cache, pos, part_ml, part_o, counters, out, i32(n_kv), i32(splits),
                    np.float32(1.0 / math.sqrt(hd))) + maps, shmem, taps or {}, 0)
 
@@ -129,6 +138,6 @@ def attention_short_launch(lib: KernelLib, q, k_cache, v_cache, pos, out, n_kv: 
         raise AtomflowError(f"short attention of {cap} positions needs {need} bytes of shared memory per block "
                             f"(this GPU: {smem_limits()[0]})")
     allow_dynamic_smem(fn, room)
-    return Launch(fn, "attention_decode", (n_kv,), (ATS_THREADS,),
+    return Launch(fn, "attention_decode", (n_kv * blocks_per_kv(group),), (ATS_THREADS,),
                   (q, k_cache, v_cache, pos, out, i32(n_kv), i32(cap), np.float32(1.0 / math.sqrt(hd))), room,
                   taps or {}, 0)
