@@ -269,6 +269,15 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "
                 "original_max_position_embeddings": 8192}
 
 
+def _llama31(hidden: int, intermediate: int, layers: int, heads: int) -> ModelConfig:
+    """A Llama-3.1 shape: what the 8B, 70B and 405B share (8 kv heads of 128, untied embeddings, rope factor 8)."""
+    return ModelConfig(
+        vocab_size=128256, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+        rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=131072, bos_token_id=128000, eos_token_id=[128001, 128008, 128009])
+
+
 @dataclass(frozen=True)
 class Preset:
     name: str
@@ -293,25 +302,12 @@ CATALOG: dict[str, Preset] = {
             rope_scaling=_LLAMA3_ROPE, rms_norm_eps=1e-5, tie_word_embeddings=True,
             max_position_embeddings=131072, bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
             ("synthetic", "hf")),
-        Preset("llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", ModelConfig(
-            vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-            num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-            rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            max_position_embeddings=131072, bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
-            ("synthetic", "hf")),
+        Preset("llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", _llama31(4096, 14336, 32, 32), ("synthetic", "hf")),
         # Larger than one GPU: run with --tp N (synthetic weights generated on the GPUs, gpu/synthetic.py).
-        Preset("llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct", ModelConfig(
-            vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-            num_attention_heads=64, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-            rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            max_position_embeddings=131072, bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
-            ("synthetic", "hf"), note="141 GB at fp16: --tp 2 or more"),
-        Preset("llama-3.1-405b", "meta-llama/Llama-3.1-405B-Instruct", ModelConfig(
-            vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-            num_attention_heads=128, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-            rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            max_position_embeddings=131072, bos_token_id=128000, eos_token_id=[128001, 128008, 128009]),
-            ("synthetic", "hf"), note="811 GB at fp16, ~410 GB W8A16: --tp 8 (or --tp 4 on 141 GB GPUs)"),
+        Preset("llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct", _llama31(8192, 28672, 80, 64),
+               ("synthetic", "hf"), note="141 GB at fp16: --tp 2 or more"),
+        Preset("llama-3.1-405b", "meta-llama/Llama-3.1-405B-Instruct", _llama31(16384, 53248, 126, 128),
+               ("synthetic", "hf"), note="811 GB at fp16, ~410 GB W8A16: --tp 8 (or --tp 4 on 141 GB GPUs)"),
         Preset("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", ModelConfig(
             vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
             num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,

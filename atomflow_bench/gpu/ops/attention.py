@@ -34,7 +34,7 @@ CU_DEFINES = {"ATT_CHUNK": ATT_CHUNK, "ATT_THREADS": ATT_THREADS, "ATT_GROUP": A
 ATT_BLOCKS_PER_SM = 2       # the split launch is capped at ~this many blocks per SM (96 KB of rings each)
 HEAD_DIMS = (64, 128)       # instances: attention_{decode,short}_hd<HD>_g<G>
 GROUPS = (1, 2, 3, 4, 8, 16)  # q heads per kv head
-BLOCK_HEADS = 8             # attention.cu ATT_BLOCK_HEADS = attention_short.cu ATS_HEADS: the most q heads one block takes
+BLOCK_HEADS = ATS_HEADS     # attention.cu ATT_BLOCK_HEADS: the most q heads one block takes (both kernels)
 
 
 def blocks_per_kv(group: int) -> int:

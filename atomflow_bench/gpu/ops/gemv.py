@@ -48,7 +48,6 @@ ROLE_VARIANT = {"wqkv": "qkv_rope", "wo": "resid", "wgu": "norm_swiglu", "wd": "
 #   "rope"   rows 0-7 = rows i..i+7 of a head, rows 8-15 = rows i+hd/2.. of the same head (RoPE epilogue)
 VARIANT_PAIRING = {"qkv_rope": "rope", "norm_swiglu": "halves", "resid": "none", "store": "none", "partial": "none",
                    "resid_tp": "none"}
-GEMV_TP_MAX_BLOCKS = 1024   # resid_tp: the most blocks (= ops/tp_comm.py GEMV_TP_MAX_BLOCKS: its epochs per block)
 ROLE_PAIRING = {role: VARIANT_PAIRING[v] for role, v in ROLE_VARIANT.items()}
 
 
@@ -210,7 +209,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     L2 after its epilogue (next_l2), or None. `ws`: the warp-specialised form (sm_90+), else the ring form;
     `ws_pre`: the slots it fills before its wait (None: GEMV_WS_PRE). `ring_depth`: forces a ring depth (tests).
     resid_tp: y = h (fp32) and `tp` = (slots, seq, rank, ranks): the device array of the ranks' LL buffer addresses
-    for this role, this buffer's epochs [GEMV_TP_MAX_BLOCKS] uint32 (ops/tp_comm.py TpComm.gemv_target)."""
+    for this role, this buffer's epochs (one uint32 per block; ops/tp_comm.py TpComm.gemv_target)."""
     fp8 = fmt == "fp8"
     rows = 2 * n_out if variant in ("norm_swiglu", "qkv_rope") else n_out
     if tuple(w.shape) != (rows, k):
@@ -251,7 +250,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         extra += (i32(pre),)
     if tp is not None:
         slots, seq, rank, n_ranks = tp
-        if grid[0] > GEMV_TP_MAX_BLOCKS or seq.size < grid[0]:
+        if seq.size < grid[0]:
             raise AtomflowError(f"GEMV {role or variant}: {grid[0]} blocks, more than the {seq.size} epochs kept")
         extra += (slots, seq, i32(rank), i32(n_ranks))
         moved += n_out * 8 * n_ranks * 2  # the LL slots: written to every rank, every rank's read back
