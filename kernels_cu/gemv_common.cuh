@@ -98,10 +98,17 @@ struct GemvArgs {
 
 // EPI_TPSUM's exchange (tp_ll.cuh): slots[s] = the address of rank s's LL buffer [n ranks][n_out] for this GEMV's
 // role; seq [gridDim.x] this rank's epochs per block (local); this rank's index and the number of ranks.
+// The next GEMV's head, asked into L2 while the block waits for the other ranks (tp_sum_finish): `count` tiles
+// (its first round, one per block), of each the first w_chunk bytes (tile j at next_w + j * w_stride) and the first
+// s_chunk bytes of its scales (next_s + j * s_stride; fp8); count 0: none.
 struct TpArgs {
   const unsigned long long* slots;
   unsigned* seq;
   int rank, n;
+  const unsigned char* next_w;
+  const unsigned char* next_s;
+  unsigned w_stride, w_chunk, s_stride, s_chunk;
+  int count;
 };
 
 // What the epilogue of an output reads besides its dot product, fetched BEFORE the PDL wait by the epilogue
@@ -183,9 +190,18 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
 // value of it (the other ranks' blocks of the same index pushed them: tp_ll.cuh), add them in rank order, and add
 // the sum to h (pre: the first tile's h, read before the PDL wait); the block's epoch is then stored. Every rank adds
 // the same values in the same order, so h stays bit-identical on every rank.
+// Before it waits, thread 0 asks L2 for its share of the next GEMV's head (TpArgs next_*): HBM idles while the ranks
+// meet, and the next GEMV's blocks can start only once this kernel's have left their SMs.
 template <int EPI>
 __device__ __forceinline__ void tp_sum_finish(const GemvArgs& a, const TpArgs& tp, const EpiOperand& pre) {
   if (EPI != EPI_TPSUM || threadIdx.x >= GEMV_TILE) return;
+#if AF_HAS_BULK
+  if (threadIdx.x == 0)
+    for (int j = blockIdx.x; j < tp.count; j += gridDim.x) {
+      bulk_prefetch_l2(tp.next_w + (size_t)j * tp.w_stride, tp.w_chunk);
+      if (tp.s_chunk) bulk_prefetch_l2(tp.next_s + (size_t)j * tp.s_stride, tp.s_chunk);
+    }
+#endif
   const unsigned e = tp.seq[blockIdx.x] + 1u;
   const unsigned long long* mine = reinterpret_cast<const unsigned long long*>(tp.slots[tp.rank]);
   for (int T = blockIdx.x; T < a.n_out / GEMV_TILE; T += gridDim.x) {
@@ -786,12 +802,17 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_WS_PARAMS) {                 \
     GEMV_WS_BODY(FP8, PRO, EPI, RopeArgs{}, TpArgs{})                                                     \
   }
-// The cross-rank sum variant (EPI_TPSUM): TpArgs as the last four arguments.
+// The cross-rank sum variant (EPI_TPSUM): TpArgs as the last eleven arguments.
 #define GEMV_TP_PARAMS                                                                                    \
-  const unsigned long long* __restrict__ tp_slots, unsigned* __restrict__ tp_seq, int tp_rank, int tp_n
+  const unsigned long long* __restrict__ tp_slots, unsigned* __restrict__ tp_seq, int tp_rank, int tp_n,  \
+      const unsigned char* __restrict__ tp_next_w, const unsigned char* __restrict__ tp_next_s,           \
+      unsigned tp_w_stride, unsigned tp_w_chunk, unsigned tp_s_stride, unsigned tp_s_chunk, int tp_count
+#define GEMV_TP_ARGS_OF                                                                                   \
+  (TpArgs{tp_slots, tp_seq, tp_rank, tp_n, tp_next_w, tp_next_s, tp_w_stride, tp_w_chunk, tp_s_stride,     \
+          tp_s_chunk, tp_count})
 #define GEMV_WS_TP_INSTANCE(NAME, FP8)                                                                    \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_WS_PARAMS, GEMV_TP_PARAMS) { \
-    GEMV_WS_BODY(FP8, PRO_PLAIN, EPI_TPSUM, RopeArgs{}, (TpArgs{tp_slots, tp_seq, tp_rank, tp_n}))        \
+    GEMV_WS_BODY(FP8, PRO_PLAIN, EPI_TPSUM, RopeArgs{}, GEMV_TP_ARGS_OF)                                  \
   }
 #define GEMV_WS_ROPE_INSTANCE(NAME, FP8)                                                                  \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_ROPE_PARAMS, int npre) {     \
@@ -817,7 +838,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     gemv_tiled<PRO_PLAIN, EPI_TPSUM>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, PdlSync{}, \
-                                     smem_raw, TpArgs{tp_slots, tp_seq, tp_rank, tp_n});                  \
+                                     smem_raw, GEMV_TP_ARGS_OF);                                          \
   }
 
 // fp8 layer GEMVs: the cp.async ring at depth NS; the kernel is NAME_r<NS> (the host picks the depth per launch).
@@ -841,7 +862,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     gemv_tiled_async<PRO_PLAIN, EPI_TPSUM, NS>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, \
-                                               PdlSync{}, smem_raw, TpArgs{tp_slots, tp_seq, tp_rank, tp_n}); \
+                                               PdlSync{}, smem_raw, GEMV_TP_ARGS_OF);                     \
   }
 #define GEMV_TP_RING_INSTANCES(NAME)                                                                      \
   GEMV_TP_RING_INSTANCE(NAME, 2) GEMV_TP_RING_INSTANCE(NAME, 3) GEMV_TP_RING_INSTANCE(NAME, 4)            \

@@ -142,3 +142,25 @@ def test_norm_prologue_at_hidden_16384_fits_one_block_per_sm():
     k = CATALOG["llama-3.1-405b"].config.hidden_size
     norm = gemv_plan("fp16", 256, k, N_SM, norm=True)
     assert norm[:2] == (0, 1) and blocks_fit(norm[2], SMEM_H100) == 1
+
+
+def test_head_l2_asks_the_first_slot_of_every_first_round_tile():
+    """What a summing GEMV asks into L2 while it waits (ops/gemv.py head_l2): per first-round tile of the next GEMV,
+    its first ring slot (16 KB) and, fp8, that slot's scales; one tile per block of the next launch's grid."""
+    import numpy as np
+
+    from atomflow_bench.gpu.ops.gemv import GEMV_WS_SLOT, gemv_grid, head_l2
+
+    w8 = np.zeros((14336, 8192), np.uint8)  # 70B TP4 gate/up, fp8
+    s8 = np.zeros((14336, 64), np.float32)
+    got = head_l2("fp8", "norm_swiglu", w8, s8, N_SM, True, 1, smem=SMEM_H100)
+    assert got[2:] == (16 * 8192, GEMV_WS_SLOT, 64 * 16 * 4, 8 * 16 * 4, gemv_grid("fp8", "norm_swiglu", 14336, 8192,
+                                                                                    N_SM, True, smem=SMEM_H100)[2])
+    assert got[6] == 2 * N_SM  # 896 tiles, two blocks per SM
+    w16 = np.zeros((2560, 8192), np.float16)  # 70B TP4 QKV, fp16: no scales; 160 tiles, one per block
+    got = head_l2("fp16", "qkv_rope", w16, None, N_SM, True, 2, smem=SMEM_H100)
+    assert got[2:] == (16 * 8192 * 2, 2 * GEMV_WS_SLOT, 0, 0, 160)
+    small = head_l2("fp8", "resid", np.zeros((48, 96), np.uint8), np.zeros((48, 1), np.float32), N_SM, False, 4,
+                    smem=SMEM_H100)
+    assert small[2:] == (16 * 96, 16 * 96, 64, 64, 3)  # a whole (small) tile and its one group's scales
+    assert head_l2("fp8", "resid", w8, s8, N_SM, True, 0, smem=SMEM_H100) is None

@@ -24,7 +24,8 @@ from atomflow_bench.gpu.device import compute_capability, smem_limits
 from atomflow_bench.gpu.forms import GemvForm, default_forms
 from atomflow_bench.gpu.ops.attention import (ATT_CHUNK, attention_launch, attention_short_launch, attention_splits,
                                               blocks_per_kv, short_capacity)
-from atomflow_bench.gpu.ops.gemv import VARIANT_PAIRING, gemv_launch, linear_regions, next_l2, tiled, tiled_scales
+from atomflow_bench.gpu.ops.gemv import (VARIANT_PAIRING, gemv_launch, head_l2, linear_regions, next_l2, tiled,
+                                         tiled_scales)
 from atomflow_bench.gpu.ops.lm_head import lm_head_launch, rows_launch
 from atomflow_bench.gpu.ops.small import embed_launch, quantize_launch, spin_launch
 from atomflow_bench.gpu.step import hold_position
@@ -204,7 +205,8 @@ def test_gemv_resid_tp(kernel_lib, n_sm, fmt, ws, rows, k, n_ranks, rank):
     """resid_tp (EPI_TPSUM) as rank `rank` of `n_ranks` on one GPU: the other ranks' rows are already in this rank's
     LL buffer (their GPUs would have pushed them; the 'peer' buffers are local arrays here): the kernel pushes W.x
     (checked against float64) into every buffer and sums all rows into h in rank order, bit for bit; two rounds (the
-    epochs advance, seq per block)."""
+    epochs advance, seq per block), the second asking a next GEMV's head into L2 while it waits (head_l2: here its
+    own weights; a hint, so the values must not change, and a wrong address would fault)."""
     import cupy as cp
 
     if ws:
@@ -226,7 +228,8 @@ def test_gemv_resid_tp(kernel_lib, n_sm, fmt, ws, rows, k, n_ranks, rank):
         vals = fake_peers(rng, n_ranks, rank, rows, epoch, bufs)
         h = cp.asarray(h0)
         ln = gemv_launch(kernel_lib, fmt, "resid_tp", w_dev, s_dev, cp.asarray(x16), h, rows, k, n_sm, ws=ws,
-                         tp=(slots, seq, rank, n_ranks))
+                         tp=(slots, seq, rank, n_ranks,
+                             head_l2(fmt, "resid", w_dev, s_dev, n_sm, ws, 2) if epoch == 2 else None))
         ln()
         own = check_rank_sum(bufs, vals, rank, epoch, h0, h.get())
         assert rel_err(own, w_eff @ x16.astype(np.float64)) < FP32_TOL

@@ -109,14 +109,18 @@ def test_no_wait_instrument_compiles_without_spills(src, tmp_path):
 
 
 @pytest.mark.parametrize("src", ["gemv_fp8.cu", "gemv_fp16.cu"])
-def test_next_weights_l2_only_in_the_qkv_kernels(src):
-    """next_weights_l2 (gemv_common.cuh; PERF_NOTES v30.1-v31): the L2 bulk prefetch of later weights is in the QKV
-    kernels only (the host's next_bytes = 0 asks nothing), once per kernel: after the block's last epilogue."""
+def test_l2_prefetch_only_in_the_qkv_and_summing_kernels(src):
+    """The L2 bulk prefetches of later weights (gemv_common.cuh): next_weights_l2 in the QKV kernels (PERF_NOTES
+    v30.1-v31; the host's next_bytes = 0 asks nothing), once per kernel after the block's last epilogue; and the
+    next GEMV's head in the summing kernels (resid_tp, tp_sum_finish: weights and scales, two call sites); no other
+    kernel asks L2 for anything."""
     kernels = re.split(r"\.entry\s+", ptx_of(KERNELS_DIR / src))[1:]
     prefetching = {k.split("(", 1)[0].strip(): k.count("cp.async.bulk.prefetch.L2") for k in kernels
                    if "cp.async.bulk.prefetch.L2" in k}
-    assert prefetching and all("qkv_rope" in k for k in prefetching), prefetching
-    assert set(prefetching.values()) == {1}, prefetching  # one call site: after the last epilogue
+    qkv = {k: v for k, v in prefetching.items() if "qkv_rope" in k}
+    summing = {k: v for k, v in prefetching.items() if "resid_tp" in k}
+    assert qkv and summing and len(qkv) + len(summing) == len(prefetching), prefetching
+    assert set(qkv.values()) == {1} and set(summing.values()) == {2}, prefetching
 
 
 @pytest.mark.parametrize("src", ["gemv_fp8.cu", "gemv_fp16.cu"])

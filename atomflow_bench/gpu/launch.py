@@ -61,6 +61,8 @@ def _c_arg(a):
         return ctypes.c_int32(int(a))
     if isinstance(a, np.float32):
         return ctypes.c_float(float(a))
+    if isinstance(a, np.uint32):
+        return ctypes.c_uint32(int(a))
     if isinstance(a, np.uint64):
         return ctypes.c_uint64(int(a))
     raise TypeError(f"unsupported kernel argument type {type(a).__name__}")

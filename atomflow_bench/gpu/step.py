@@ -29,7 +29,8 @@ from .launch import Launch
 from .nvrtc import KernelLib
 from .ops import lm_head
 from .ops.attention import attention_launch, attention_short_launch
-from .ops.gemv import ROLE_VARIANT, gemv_launch, linear_regions, next_l2
+from .ops import tp_comm
+from .ops.gemv import ROLE_VARIANT, gemv_launch, head_l2, linear_regions, next_l2
 from .ops.small import embed_launch
 
 
@@ -55,11 +56,21 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
         return gemv_launch(lib, fmt, variant or ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None,
                            x, y, n_out, k, n_sm, eps=eps, role=role, ws=form.ws, ws_pre=form.ws_pre, **kw)
 
+    def head(i, role):
+        """What layer i's `role` GEMV reads first, asked into L2 by the summing GEMV before it (ops/gemv.py head_l2)."""
+        if i >= cfg.num_hidden_layers:
+            return None
+        w = f"L{i}.{role}"
+        return head_l2(fmt, ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None, n_sm, form.ws,
+                       tp_comm.HEAD_L2_SLOTS)
+
     def resid(i, role, x, k, probe):
         """o_proj / down: h += W.x, or across ranks a partial product and the sum."""
         if tp is None:
             return [gemv(i, role, x, h, H, k, taps={probe: h})]
         variant, y, tp_args = tp.gemv_target(role, h, tp_path)
+        if tp_args is not None:  # while it waits for the other ranks: the next GEMV's head into L2
+            tp_args += (head(i, "wgu") if role == "wo" else head(i + 1, "wqkv"),)
         out = [gemv(i, role, x, y, H, k, variant=variant, tp=tp_args)] + tp.sum_launches(role, h, tp_path)
         out[-1].taps = {probe: h}
         return out
@@ -95,8 +106,6 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
 def hold_position(launches: list[Launch]) -> list[Launch]:
     """The step without advancing the position, for timing runs that replay it many times at one length: the
     lm_head launched with advance = 0 (it still finds the token, so the time includes the argmax)."""
-    from .ops import tp_comm
-
     return [tp_comm.hold_position(lm_head.hold_position(ln)) for ln in launches]
 
 

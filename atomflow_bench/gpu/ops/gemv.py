@@ -195,6 +195,43 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, smem: tuple = SMEM_H10
     raise AtomflowError(f"GEMV with K={k}: not even a ring of 2 slots fits the {smem[0]} bytes of shared memory")
 
 
+def gemv_grid(fmt: str, variant: str, rows: int, k: int, n_sm: int, ws: bool, ring_depth: int | None = None,
+              smem: tuple | None = None) -> tuple[int, int, int]:
+    """(ring depth, dynamic shared memory, blocks) of a launch over a [rows, k] weight in the ws or ring form
+    (`smem`: the GPU's shared memory limits, default this device's)."""
+    smem = smem or smem_limits()
+    tiles = rows // TILE_ROWS  # a block per 16-row tile at a time
+    if ws:
+        depth, per_sm, shmem = gemv_ws_plan(fmt, tiles, k, n_sm, smem, ring_depth)
+    else:
+        depth, per_sm, shmem = gemv_plan(fmt, tiles, k, n_sm, smem, ring_depth,
+                                         norm=variant in ("norm_swiglu", "qkv_rope"))
+    per_sm = max(1, min(per_sm, blocks_fit(shmem, smem)))
+    return depth, shmem, min(tiles, n_sm * per_sm)
+
+
+NO_HEAD = (NULL, NULL, 0, 0, 0, 0, 0)
+
+
+def head_l2(fmt: str, variant: str, w, scales, n_sm: int, ws: bool, slots: int,
+            smem: tuple | None = None) -> tuple | None:
+    """What a resid_tp GEMV asks into L2 while it waits for the other ranks (gemv_common.cuh tp_sum_finish): the
+    first `slots` ring slots' worth (GEMV_WS_SLOT bytes each, and their fp8 scales) of every tile in the first round
+    of the GEMV launched next (variant over weights `w` [rows, K], tiled, in the ws or ring form): what each of its
+    blocks reads first. Kernel arguments (w, scales, w_stride, w_chunk, s_stride, s_chunk, tiles), or None."""
+    if slots <= 0:
+        return None
+    rows, k = w.shape
+    fp8 = fmt == "fp8"
+    tile_w = TILE_ROWS * k * (1 if fp8 else 2)
+    w_chunk = min(slots * GEMV_WS_SLOT, tile_w)
+    groups = -(-k // GROUP)  # fp8 scales: [tile][group][16 rows] fp32
+    tile_s = groups * TILE_ROWS * 4
+    s_chunk = min(-(-w_chunk * groups // tile_w) * TILE_ROWS * 4, tile_s) if fp8 else 0
+    blocks = gemv_grid(fmt, variant, rows, k, n_sm, ws, smem=smem)[2]
+    return (w, scales if fp8 else NULL, tile_w, w_chunk, tile_s if fp8 else 0, s_chunk, blocks)
+
+
 # ---- the launch factory -----------------------------------------------------------------------------------------
 
 def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: int, k: int, n_sm: int,
@@ -220,19 +257,13 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         check_tiled(rows, k, VARIANT_PAIRING[variant], rope[6] // 2 if rope else 0)
     except VerifyError as e:
         raise AtomflowError(f"GEMV {role or variant}: {e}") from None
-    tiles = rows // TILE_ROWS  # a block per 16-row tile at a time
     if ws and compute_capability() < 90:
         raise AtomflowError("warp-specialised GEMVs need sm_90+ (bulk copies)")
-    if ws:
-        depth, per_sm, shmem = gemv_ws_plan(fmt, tiles, k, n_sm, smem_limits(), ring_depth)
-    else:
-        depth, per_sm, shmem = gemv_plan(fmt, tiles, k, n_sm, smem_limits(), ring_depth,
-                                         norm=variant in ("norm_swiglu", "qkv_rope"))
+    depth, shmem, blocks = gemv_grid(fmt, variant, rows, k, n_sm, ws, ring_depth)
     name = f"gemv_f8_{variant}" if fp8 else f"gemv_f16_{variant}"
     fn = lib[f"{name}_ws" if ws else f"{name}_r{depth}" if fp8 else name]
     allow_dynamic_smem(fn, shmem)
-    per_sm = max(1, min(per_sm, blocks_fit(shmem, smem_limits())))
-    grid = (min(tiles, n_sm * per_sm),)
+    grid = (blocks,)
     moved = w.nbytes + (scales.nbytes if fp8 else 0) + x.nbytes + y.nbytes
     extra = ()
     if variant == "qkv_rope":
@@ -249,10 +280,12 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
             raise AtomflowError(f"GEMV ring slots before the wait: 0 to {GEMV_WS_MAX}, not {pre}")
         extra += (i32(pre),)
     if tp is not None:
-        slots, seq, rank, n_ranks = tp
+        slots, seq, rank, n_ranks, *head = tp
         if seq.size < grid[0]:
             raise AtomflowError(f"GEMV {role or variant}: {grid[0]} blocks, more than the {seq.size} epochs kept")
-        extra += (slots, seq, i32(rank), i32(n_ranks))
+        nw, ns, w_stride, w_chunk, s_stride, s_chunk, count = head[0] if head and head[0] else NO_HEAD
+        extra += (slots, seq, i32(rank), i32(n_ranks), nw, ns, np.uint32(w_stride), np.uint32(w_chunk),
+                  np.uint32(s_stride), np.uint32(s_chunk), i32(count))
         moved += n_out * 8 * n_ranks * 2  # the LL slots: written to every rank, every rank's read back
     return Launch(fn, f"gemv_{fmt}_{variant}", grid, (GEMV_WS_THREADS if ws else GEMV_THREADS,),
                   (w, scales if fp8 else NULL, x, NULL if norm_w is None else norm_w, np.float32(eps), y,

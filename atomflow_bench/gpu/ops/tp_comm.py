@@ -32,6 +32,7 @@ TP_MAX_RANKS = 8        # tp_comm.cu TP_MAX_RANKS
 TP_AR_THREADS = 256     # tp_comm.cu TP_AR_THREADS: one value per thread
 TP_SUM_BLOCKS = 64      # tp_comm.cu TP_SUM_BLOCKS: the most blocks a standalone sum may have (hidden <= 16384)
 GEMV_TP_MAX_BLOCKS = 1024  # the most blocks a resid_tp GEMV may have (its epochs: one per block and buffer)
+HEAD_L2_SLOTS = 1  # resid_tp: ring slots of each first-round tile of the next GEMV asked into L2 while waiting
 CU_FILES = ("tp_comm.cu", "tp_ll.cuh", "argmax_common.cuh", "common.cuh")
 CU_DEFINES = {"TP_MAX_RANKS": TP_MAX_RANKS, "TP_AR_THREADS": TP_AR_THREADS, "TP_SUM_BLOCKS": TP_SUM_BLOCKS}
 PATHS = ("peer", "nccl")
