@@ -49,7 +49,9 @@
 //
 // Kernel signature for every instantiation (unused arguments are 0):
 //   (W, scales, x, norm_w, eps, y, n_out, K)            + for EPI_ROPE: (cos_sin, pos, k_cache, v_cache,
-//                                                                       n_q_heads, n_kv_heads, hd, next_w, next_bytes)
+//                                                                       n_q_heads, n_kv_heads, hd, next_w, next_bytes,
+//                                                                       L2Head)
+//                                                       + for EPI_TPSUM: (slots, seq, rank, n, L2Head)
 //   x: const float* (fp32 residual) with PRO_NORM, else const half*;  y: half* / float* per epilogue.
 #pragma once
 #include "common.cuh"
@@ -75,6 +77,16 @@
 enum { PRO_PLAIN = 0, PRO_NORM = 1 };
 enum { EPI_STORE = 0, EPI_F32 = 1, EPI_RESID = 2, EPI_SWIGLU = 3, EPI_ROPE = 4, EPI_TPSUM = 5 };
 
+// A later GEMV's head, asked into L2 (l2_head; ops/gemv.py head_l2): `count` tiles (that GEMV's first round, one
+// per block), of each the first w_chunk bytes (tile j at w + j * w_stride) and the first s_chunk bytes of its scales
+// (s + j * s_stride; fp8); count 0: none.
+struct L2Head {
+  const unsigned char* w;
+  const unsigned char* s;
+  unsigned w_stride, w_chunk, s_stride, s_chunk;
+  int count;
+};
+
 struct RopeArgs {
   const float2* cos_sin;  // [max_seq][hd/2] (cos, sin) of pos * inv_freq[i], precomputed by the host
   const int* pos;
@@ -83,6 +95,7 @@ struct RopeArgs {
   int n_q, n_kv, hd;
   const unsigned char* next_w;    // later weights asked into L2 (next_weights_l2; step.next_l2; 0 bytes: none)
   unsigned long long next_bytes;
+  L2Head head;                    // and, before them, o_proj's head (tensor parallel: step.build_step)
 };
 
 // One GEMV's operands (unused ones 0). x: const float* (fp32 residual) with PRO_NORM, else const half*.
@@ -97,19 +110,24 @@ struct GemvArgs {
 };
 
 // EPI_TPSUM's exchange (tp_ll.cuh): slots[s] = the address of rank s's LL buffer [n ranks][n_out] for this GEMV's
-// role; seq [gridDim.x] this rank's epochs per block (local); this rank's index and the number of ranks.
-// The next GEMV's head, asked into L2 while the block waits for the other ranks (tp_sum_finish): `count` tiles
-// (its first round, one per block), of each the first w_chunk bytes (tile j at next_w + j * w_stride) and the first
-// s_chunk bytes of its scales (next_s + j * s_stride; fp8); count 0: none.
+// role; seq [gridDim.x] this rank's epochs per block (local); this rank's index and the number of ranks; the next
+// GEMV's head, asked into L2 while the block waits for the other ranks (tp_sum_finish).
 struct TpArgs {
   const unsigned long long* slots;
   unsigned* seq;
   int rank, n;
-  const unsigned char* next_w;
-  const unsigned char* next_s;
-  unsigned w_stride, w_chunk, s_stride, s_chunk;
-  int count;
+  L2Head head;
 };
+
+// This block's share of `h` (one tile in gridDim.x), by bulk prefetches (sm_90+).
+__device__ __forceinline__ void l2_head(const L2Head& h) {
+#if AF_HAS_BULK
+  for (int j = blockIdx.x; j < h.count; j += gridDim.x) {
+    bulk_prefetch_l2(h.w + (size_t)j * h.w_stride, h.w_chunk);
+    if (h.s_chunk) bulk_prefetch_l2(h.s + (size_t)j * h.s_stride, h.s_chunk);
+  }
+#endif
+}
 
 // What the epilogue of an output reads besides its dot product, fetched BEFORE the PDL wait by the epilogue
 // threads of a block's first tile, so that the epilogue runs without an L2 round: EPI_RESID h[o] (the residual;
@@ -190,18 +208,12 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
 // value of it (the other ranks' blocks of the same index pushed them: tp_ll.cuh), add them in rank order, and add
 // the sum to h (pre: the first tile's h, read before the PDL wait); the block's epoch is then stored. Every rank adds
 // the same values in the same order, so h stays bit-identical on every rank.
-// Before it waits, thread 0 asks L2 for its share of the next GEMV's head (TpArgs next_*): HBM idles while the ranks
-// meet, and the next GEMV's blocks can start only once this kernel's have left their SMs.
+// Before it waits, thread 0 asks L2 for its share of the next GEMV's head (TpArgs head): HBM idles while the ranks
+// meet, and the next GEMV's blocks can start only once this kernel's have left their SMs (PERF_NOTES v42).
 template <int EPI>
 __device__ __forceinline__ void tp_sum_finish(const GemvArgs& a, const TpArgs& tp, const EpiOperand& pre) {
   if (EPI != EPI_TPSUM || threadIdx.x >= GEMV_TILE) return;
-#if AF_HAS_BULK
-  if (threadIdx.x == 0)
-    for (int j = blockIdx.x; j < tp.count; j += gridDim.x) {
-      bulk_prefetch_l2(tp.next_w + (size_t)j * tp.w_stride, tp.w_chunk);
-      if (tp.s_chunk) bulk_prefetch_l2(tp.next_s + (size_t)j * tp.s_stride, tp.s_chunk);
-    }
-#endif
+  if (threadIdx.x == 0) l2_head(tp.head);
   const unsigned e = tp.seq[blockIdx.x] + 1u;
   const unsigned long long* mine = reinterpret_cast<const unsigned long long*>(tp.slots[tp.rank]);
   for (int T = blockIdx.x; T < a.n_out / GEMV_TILE; T += gridDim.x) {
@@ -255,6 +267,7 @@ __device__ __forceinline__ void gemv_w_copy(void* dst, const void* src, unsigned
 #endif
 template <int EPI>
 __device__ __forceinline__ void next_weights_l2(const RopeArgs& rope, bool issuer) {
+  if (EPI == EPI_ROPE && issuer) l2_head(rope.head);  // o_proj's head first: it is read first
 #if AF_HAS_BULK
   if (EPI == EPI_ROPE && issuer && rope.next_bytes) {
     const unsigned long long share = ((rope.next_bytes + gridDim.x - 1) / gridDim.x + 15) & ~15ull;
@@ -794,10 +807,16 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 #else
 #define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, TP)
 #endif
+// An L2Head as seven kernel arguments P_w, P_s, P_w_stride, P_w_chunk, P_s_stride, P_s_chunk, P_count.
+#define L2HEAD_PARAMS(P)                                                                                  \
+  const unsigned char* __restrict__ P##_w, const unsigned char* __restrict__ P##_s, unsigned P##_w_stride, \
+      unsigned P##_w_chunk, unsigned P##_s_stride, unsigned P##_s_chunk, int P##_count
+#define L2HEAD_OF(P) L2Head{P##_w, P##_s, P##_w_stride, P##_w_chunk, P##_s_stride, P##_s_chunk, P##_count}
 #define GEMV_WS_PARAMS                                                                                    \
   const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x,      \
       const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K, int npre
-#define GEMV_ROPE_ARGS_OF (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, next_w, next_bytes})
+#define GEMV_ROPE_ARGS_OF                                                                                 \
+  (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, next_w, next_bytes, L2HEAD_OF(l2)})
 #define GEMV_WS_INSTANCE(NAME, FP8, PRO, EPI)                                                             \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_WS_PARAMS) {                 \
     GEMV_WS_BODY(FP8, PRO, EPI, RopeArgs{}, TpArgs{})                                                     \
@@ -805,11 +824,8 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 // The cross-rank sum variant (EPI_TPSUM): TpArgs as the last eleven arguments.
 #define GEMV_TP_PARAMS                                                                                    \
   const unsigned long long* __restrict__ tp_slots, unsigned* __restrict__ tp_seq, int tp_rank, int tp_n,  \
-      const unsigned char* __restrict__ tp_next_w, const unsigned char* __restrict__ tp_next_s,           \
-      unsigned tp_w_stride, unsigned tp_w_chunk, unsigned tp_s_stride, unsigned tp_s_chunk, int tp_count
-#define GEMV_TP_ARGS_OF                                                                                   \
-  (TpArgs{tp_slots, tp_seq, tp_rank, tp_n, tp_next_w, tp_next_s, tp_w_stride, tp_w_chunk, tp_s_stride,     \
-          tp_s_chunk, tp_count})
+      L2HEAD_PARAMS(l2)
+#define GEMV_TP_ARGS_OF (TpArgs{tp_slots, tp_seq, tp_rank, tp_n, L2HEAD_OF(l2)})
 #define GEMV_WS_TP_INSTANCE(NAME, FP8)                                                                    \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_WS_PARAMS, GEMV_TP_PARAMS) { \
     GEMV_WS_BODY(FP8, PRO_PLAIN, EPI_TPSUM, RopeArgs{}, GEMV_TP_ARGS_OF)                                  \
@@ -880,14 +896,14 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
    const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K,                  \
    const float2* __restrict__ cos_sin, const int* __restrict__ pos, __half* __restrict__ k_cache,         \
    __half* __restrict__ v_cache, int n_q, int n_kv, int hd, const unsigned char* __restrict__ next_w,     \
-   unsigned long long next_bytes
+   unsigned long long next_bytes, L2HEAD_PARAMS(l2)
 #define GEMV_ROPE_ARGS (GEMV_ROPE_PARAMS)
 #define GEMV_ROPE_CALL(PATH)                                                                              \
   {                                                                                                       \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     PATH(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K},                                                \
-         RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, next_w, next_bytes}, PdlSync{}, smem_raw);  \
+         GEMV_ROPE_ARGS_OF, PdlSync{}, smem_raw);                                                         \
   }
 #define GEMV_ROPE_INSTANCE(NAME)                                                                          \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS) NAME GEMV_ROPE_ARGS        \

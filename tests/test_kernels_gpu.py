@@ -228,8 +228,8 @@ def test_gemv_resid_tp(kernel_lib, n_sm, fmt, ws, rows, k, n_ranks, rank):
         vals = fake_peers(rng, n_ranks, rank, rows, epoch, bufs)
         h = cp.asarray(h0)
         ln = gemv_launch(kernel_lib, fmt, "resid_tp", w_dev, s_dev, cp.asarray(x16), h, rows, k, n_sm, ws=ws,
-                         tp=(slots, seq, rank, n_ranks,
-                             head_l2(fmt, "resid", w_dev, s_dev, n_sm, ws, 2) if epoch == 2 else None))
+                         tp=(slots, seq, rank, n_ranks),
+                         head=head_l2(fmt, "resid", w_dev, s_dev, n_sm, ws, 2) if epoch == 2 else None)
         ln()
         own = check_rank_sum(bufs, vals, rank, epoch, h0, h.get())
         assert rel_err(own, w_eff @ x16.astype(np.float64)) < FP32_TOL
@@ -432,8 +432,9 @@ def test_spin_and_queued_timing(kernel_lib):
 @pytest.mark.parametrize("pos", [0, 1, 77, 5000])
 def test_qkv_rope_kv_append(kernel_lib, n_sm, form, fmt, model, pos):
     """QKV GEMV with RMSNorm prologue and the RoPE + KV-append epilogue against NumPy, in the format's default form
-    (default_gemv_form: on sm_90+ with the L2 tail, i.e. gate/up's last MB asked into L2 after the epilogue) and in
-    the other form the tuner may pick (ws flipped, no L2 tail)."""
+    (default_gemv_form: on sm_90+ with the L2 tail, i.e. gate/up's last MB asked into L2 after the epilogue, and
+    o_proj's head before it as under tensor parallel: hints, whose contents are never read) and in the other form the
+    tuner may pick (ws flipped, no L2 tail, no head)."""
     import cupy as cp
 
     base = default_gemv_form(fmt)
@@ -463,10 +464,13 @@ def test_qkv_rope_kv_append(kernel_lib, n_sm, form, fmt, model, pos):
     wgu = cp.empty((2 * cfg.intermediate_size, H), dtype=cp.uint8 if fmt == "fp8" else cp.float16)
     nxt = next_l2(wgu, gf.l2_tail_mb)
     assert (nxt is None) == (gf.l2_tail_mb == 0)
+    wo = cp.empty((H, cfg.q_dim), dtype=cp.uint8 if fmt == "fp8" else cp.float16)
+    wo_s = cp.empty((H, -(-cfg.q_dim // 128)), dtype=cp.float32) if fmt == "fp8" else None
+    head = head_l2(fmt, "resid", wo, wo_s, n_sm, gf.ws, 1) if form == "default" else None
     ln = gemv_launch(kernel_lib, fmt, "qkv_rope", w_dev, s_dev, cp.asarray(h), y, cfg.qkv_dim // 2, H, n_sm,
                      norm_w=cp.asarray(nw),
                      rope=(cp.asarray(cs), cp.asarray([pos], dtype=cp.int32), kc, vc, nh, nkv, hd, nxt),
-                     ws=gf.ws, ws_pre=gf.ws_pre)
+                     ws=gf.ws, ws_pre=gf.ws_pre, head=head)
     assert ln.block[0] == (WS_THREADS if gf.ws else RING_THREADS)
     ln()
     ang = (np.float32(pos) * cfg.rope_inv_freq()).astype(np.float64)

@@ -56,22 +56,21 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
         return gemv_launch(lib, fmt, variant or ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None,
                            x, y, n_out, k, n_sm, eps=eps, role=role, ws=form.ws, ws_pre=form.ws_pre, **kw)
 
-    def head(i, role):
-        """What layer i's `role` GEMV reads first, asked into L2 by the summing GEMV before it (ops/gemv.py head_l2)."""
+    def head(i, role, slots):
+        """What layer i's `role` GEMV reads first (ops/gemv.py head_l2), asked into L2 by an earlier kernel."""
         if i >= cfg.num_hidden_layers:
             return None
         w = f"L{i}.{role}"
-        return head_l2(fmt, ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None, n_sm, form.ws,
-                       tp_comm.HEAD_L2_SLOTS)
+        return head_l2(fmt, ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None, n_sm, form.ws, slots)
 
     def resid(i, role, x, k, probe):
         """o_proj / down: h += W.x, or across ranks a partial product and the sum."""
         if tp is None:
             return [gemv(i, role, x, h, H, k, taps={probe: h})]
         variant, y, tp_args = tp.gemv_target(role, h, tp_path)
-        if tp_args is not None:  # while it waits for the other ranks: the next GEMV's head into L2
-            tp_args += (head(i, "wgu") if role == "wo" else head(i + 1, "wqkv"),)
-        out = [gemv(i, role, x, y, H, k, variant=variant, tp=tp_args)] + tp.sum_launches(role, h, tp_path)
+        slots = tp_comm.WAIT_HEAD_SLOTS  # while it waits for the other ranks: the next GEMV's head
+        nxt = None if tp_args is None else head(i, "wgu", slots) if role == "wo" else head(i + 1, "wqkv", slots)
+        out = [gemv(i, role, x, y, H, k, variant=variant, tp=tp_args, head=nxt)] + tp.sum_launches(role, h, tp_path)
         out[-1].taps = {probe: h}
         return out
 
@@ -82,6 +81,7 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
             gemv(i, "wqkv", h, qkv, rows["wqkv"][0] // 2, H, norm_w=a[f"L{i}.attn_norm"],
                  rope=(a["rope_cs"], a["pos"], a["k_cache"][i], a["v_cache"][i], cfg.num_attention_heads,
                        cfg.num_key_value_heads, hd, next_l2(a[f"L{i}.wgu"], form.l2_tail_mb)),
+                 head=None if tp is None else head(i, "wo", tp_comm.QKV_HEAD_SLOTS),
                  taps={p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}),
             attention_short_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], attn_out,
                                    cfg.num_key_value_heads, cfg.group_size, hd, att_cap, taps={p + "attn_out": attn_out})

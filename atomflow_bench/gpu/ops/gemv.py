@@ -210,9 +210,6 @@ def gemv_grid(fmt: str, variant: str, rows: int, k: int, n_sm: int, ws: bool, ri
     return depth, shmem, min(tiles, n_sm * per_sm)
 
 
-NO_HEAD = (NULL, NULL, 0, 0, 0, 0, 0)
-
-
 def head_l2(fmt: str, variant: str, w, scales, n_sm: int, ws: bool, slots: int,
             smem: tuple | None = None) -> tuple | None:
     """What a resid_tp GEMV asks into L2 while it waits for the other ranks (gemv_common.cuh tp_sum_finish): the
@@ -232,12 +229,18 @@ def head_l2(fmt: str, variant: str, w, scales, n_sm: int, ws: bool, slots: int,
     return (w, scales if fp8 else NULL, tile_w, w_chunk, tile_s if fp8 else 0, s_chunk, blocks)
 
 
+def _head_args(head: tuple | None) -> tuple:
+    """An L2Head's seven kernel arguments (gemv_common.cuh L2HEAD_PARAMS); None: count 0."""
+    w, sc, w_stride, w_chunk, s_stride, s_chunk, count = head or (NULL, NULL, 0, 0, 0, 0, 0)
+    return (w, sc, *(np.uint32(v) for v in (w_stride, w_chunk, s_stride, s_chunk)), i32(count))
+
+
 # ---- the launch factory -----------------------------------------------------------------------------------------
 
 def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: int, k: int, n_sm: int,
                 norm_w=None, eps: float = 1e-5, taps=None, role: str = "", rope: tuple = (),
-                ring_depth: int | None = None, ws: bool = False, ws_pre: int | None = None, tp: tuple | None = None
-                ) -> Launch:
+                ring_depth: int | None = None, ws: bool = False, ws_pre: int | None = None, tp: tuple | None = None,
+                head: tuple | None = None) -> Launch:
     """y = W.x in `fmt` (fp16 | fp8) with `variant` in qkv_rope | norm_swiglu | resid | store (weights, and fp8
     scales, in the tiled layout with the variant's VARIANT_PAIRING).
 
@@ -246,7 +249,9 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     L2 after its epilogue (next_l2), or None. `ws`: the warp-specialised form (sm_90+), else the ring form;
     `ws_pre`: the slots it fills before its wait (None: GEMV_WS_PRE). `ring_depth`: forces a ring depth (tests).
     resid_tp: y = h (fp32) and `tp` = (slots, seq, rank, ranks): the device array of the ranks' LL buffer addresses
-    for this role, this buffer's epochs (one uint32 per block; ops/tp_comm.py TpComm.gemv_target)."""
+    for this role, this buffer's epochs (one uint32 per block; ops/tp_comm.py TpComm.gemv_target).
+    `head` (qkv_rope, resid_tp): a later GEMV's head (head_l2) asked into L2: by qkv_rope after its epilogue (before
+    `next`), by resid_tp while it waits for the other ranks; None: nothing."""
     fp8 = fmt == "fp8"
     rows = 2 * n_out if variant in ("norm_swiglu", "qkv_rope") else n_out
     if tuple(w.shape) != (rows, k):
@@ -270,22 +275,22 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, *nxt = rope
         nxt = nxt[0] if nxt else None
         extra = (cos_sin, pos, k_cache, v_cache, i32(n_q), i32(n_kv), i32(hd),
-                 NULL if nxt is None else nxt[0], np.uint64(0 if nxt is None else nxt[1]))
+                 NULL if nxt is None else nxt[0], np.uint64(0 if nxt is None else nxt[1]), *_head_args(head))
         moved += 2 * n_kv * hd * 2  # the K and V rows appended to the cache
     if (variant == "resid_tp") != (tp is not None):
         raise AtomflowError(f"GEMV {role or variant}: the cross-rank arguments go with variant resid_tp only")
+    if head is not None and variant not in ("qkv_rope", "resid_tp"):
+        raise AtomflowError(f"GEMV {role or variant}: only qkv_rope and resid_tp ask a later GEMV's head into L2")
     if ws:
         pre = GEMV_WS_PRE[fmt] if ws_pre is None else ws_pre
         if not 0 <= pre <= GEMV_WS_MAX:
             raise AtomflowError(f"GEMV ring slots before the wait: 0 to {GEMV_WS_MAX}, not {pre}")
         extra += (i32(pre),)
     if tp is not None:
-        slots, seq, rank, n_ranks, *head = tp
+        slots, seq, rank, n_ranks = tp
         if seq.size < grid[0]:
             raise AtomflowError(f"GEMV {role or variant}: {grid[0]} blocks, more than the {seq.size} epochs kept")
-        nw, ns, w_stride, w_chunk, s_stride, s_chunk, count = head[0] if head and head[0] else NO_HEAD
-        extra += (slots, seq, i32(rank), i32(n_ranks), nw, ns, np.uint32(w_stride), np.uint32(w_chunk),
-                  np.uint32(s_stride), np.uint32(s_chunk), i32(count))
+        extra += (slots, seq, i32(rank), i32(n_ranks), *_head_args(head))
         moved += n_out * 8 * n_ranks * 2  # the LL slots: written to every rank, every rank's read back
     return Launch(fn, f"gemv_{fmt}_{variant}", grid, (GEMV_WS_THREADS if ws else GEMV_THREADS,),
                   (w, scales if fp8 else NULL, x, NULL if norm_w is None else norm_w, np.float32(eps), y,

@@ -32,7 +32,9 @@ TP_MAX_RANKS = 8        # tp_comm.cu TP_MAX_RANKS
 TP_AR_THREADS = 256     # tp_comm.cu TP_AR_THREADS: one value per thread
 TP_SUM_BLOCKS = 64      # tp_comm.cu TP_SUM_BLOCKS: the most blocks a standalone sum may have (hidden <= 16384)
 GEMV_TP_MAX_BLOCKS = 1024  # the most blocks a resid_tp GEMV may have (its epochs: one per block and buffer)
-HEAD_L2_SLOTS = 1  # resid_tp: ring slots of each first-round tile of the next GEMV asked into L2 while waiting
+# Ring slots of each first-round tile of a later GEMV (ops/gemv.py head_l2) asked into L2 (docs/PERF_NOTES.md v42):
+WAIT_HEAD_SLOTS = 1  # by resid_tp while it waits for the other ranks: the next GEMV's (2: the same, 4: slower)
+QKV_HEAD_SLOTS = 1   # by QKV after its epilogue: o_proj's
 CU_FILES = ("tp_comm.cu", "tp_ll.cuh", "argmax_common.cuh", "common.cuh")
 CU_DEFINES = {"TP_MAX_RANKS": TP_MAX_RANKS, "TP_AR_THREADS": TP_AR_THREADS, "TP_SUM_BLOCKS": TP_SUM_BLOCKS}
 PATHS = ("peer", "nccl")
