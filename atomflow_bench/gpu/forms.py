@@ -103,9 +103,10 @@ def default_forms(fmt: str, cc: int, short_capacity: int) -> Forms:
     return Forms(short_capacity > 0, g, g)
 
 
-# W8A16 under tensor parallel: the warp-specialised form with 24 MB of L2 tail, measured against the one-GPU default
-# (ring/l2=8) on 70B TP2: 14.109 vs 14.839 ms (docs/PERF_NOTES.md v40.1; the form one-GPU tunes pick for 8B W8A16 too).
-TP_FP8_GEMV = "ws/l2=24"
+# W8A16 under tensor parallel: the warp-specialised form, measured against the one-GPU default (ring/l2=8) on 70B TP2:
+# 14.109 vs 14.839 ms (docs/PERF_NOTES.md v40.1); with 16 MB of L2 tail since the heads of o_proj and of the GEMVs
+# after each sum are asked into L2 too (v42.2, 70B TP4: l2=16 7.290 ms, 24 7.319, 32 7.344, 8 7.284 once).
+TP_FP8_GEMV = "ws/l2=16"
 
 
 def tp_defaults(forms: Forms, fmt: str, cc: int) -> Forms:
