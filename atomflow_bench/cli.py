@@ -391,6 +391,8 @@ def _profile_tp(model, weights, context, steps, forms, json_path, group, allredu
     from .gpu.engine import Engine
     from .measure import report
     from .measure.bench import synthetic_prompt
+    from .measure.profile import marginal_table, role_marginals
+    from .measure.timing import copy_bandwidth
     from .measure.tp_bench import comm_times, tp_forms, tp_profile_table
 
     try:
@@ -401,9 +403,14 @@ def _profile_tp(model, weights, context, steps, forms, json_path, group, allredu
         eng.reset(synthetic_prompt(eng.cfg.vocab_size, context))
         eng.run(context - 1)
         p = {"tp": group.size, "context": context, "forms": chosen, "comm": comm_times(eng)}
+        # every rank takes its own step without exchanges apart (no rank waits for another); rank 0's is reported
+        length = eng.position + 1
+        local = eng.bucket_launches(eng.bucket(length), eng.gemv_form_of(length), tp_path="local")
+        p["role_marginals"] = {**role_marginals(eng, copy_bandwidth(), launches=local),
+                               "step": f"rank {group.rank}'s step without its exchanges (tp path local)"}
     finally:
         group.close()
-    render(tp_profile_table(p, eng), fmt, console)
+    render([tp_profile_table(p, eng), marginal_table(p)], fmt, console)
     if json_path and group.rank == 0:
         rec = {"schema": "atomflow-bench/profile/1", "tool": report.tool_info(), "created": report.now_iso(),
                "command": report.command_line(), "gpu": eng.gpu, "model": model, "weights": weights, "source": src, **p}

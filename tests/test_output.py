@@ -610,3 +610,14 @@ def test_validate_cli(tiny_llama_dir, tiny_truth, capsys, fmt):
         [rows] = rows.values()
     assert rows and all(r["result"] == "PASS" for r in rows)
     assert f"{len(rows)}/{len(rows)} probes PASS" in (err if fmt else out)
+
+
+def test_marginal_table_names_whose_step_it_took_apart():
+    """`profile --tp` takes apart the rank's step without its exchanges: the table's title says so; a one-GPU profile's
+    title is unchanged."""
+    from atomflow_bench.measure.profile import marginal_table
+
+    p = profile_record()
+    assert marginal_table(p).title == "what each role adds to the graph step (left out of the graph; length 148)"
+    p["role_marginals"]["step"] = "rank 0's step without its exchanges (tp path local)"
+    assert marginal_table(p).title.endswith("length 148; rank 0's step without its exchanges (tp path local))")

@@ -124,7 +124,8 @@ def test_run_tp2_cli_record(tmp_path):
 @need2
 def test_profile_tp2_cli_record(tmp_path):
     """`atomflow-bench profile --tp 2`: the step with and without its exchanges (the "local" step), the exchanges'
-    time inside the step, and every path's sums alone, in the table and the record."""
+    time inside the step, every path's sums alone, and what each role adds to rank 0's local step, in the tables and
+    the record."""
     d = tmp_path / "model"
     write_random_model(tiny_config(False), d, seed=5)
     out = tmp_path / "profile.json"
@@ -138,3 +139,9 @@ def test_profile_tp2_cli_record(tmp_path):
     assert abs(c["in_step_us"] - (c["step_graph_us"]["median"] - c["step_without_exchanges_us"]["median"])) < 1e-6
     assert set(c["paths"]) >= {"nccl"} and all(0 < v["sum_us"] < 1000 for v in c["paths"].values())
     assert "exchanges inside the step" in p.stdout
+    m = rec["role_marginals"]  # rank 0's step without exchanges, taken apart role by role
+    roles = {r["role"]: r for r in m["rows"]}
+    assert {"wqkv", "wo", "wgu", "wd"} <= set(roles) and all(r["count"] == 3 for k, r in roles.items() if k[0] == "w")
+    assert m["step"].startswith("rank 0's step without its exchanges") and m["step_us"]["median"] > 0
+    assert abs(m["step_us"]["median"] - c["step_without_exchanges_us"]["median"]) < 0.5 * m["step_us"]["median"]
+    assert "what each role adds" in p.stdout

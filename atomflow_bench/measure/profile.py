@@ -93,10 +93,11 @@ def step_role(ln) -> str:
     return ln.name
 
 
-def role_marginals(engine, copy: dict, replays: int = 30) -> dict:
+def role_marginals(engine, copy: dict, replays: int = 30, launches=None) -> dict:
     """Each role's marginal cost in the graph: step (position held: step.hold_position) minus the step without
-    that role."""
-    launches = hold_position(engine.launches)
+    that role. `launches`: the step taken apart (default the engine's; `profile --tp`: the rank's step without its
+    exchanges, which has nothing another rank must match)."""
+    launches = hold_position(engine.launches if launches is None else launches)
     length = int(engine.arena["pos"].get()[0]) + 1
     full = graph_replay_us(launches, engine.stream, replays)
     roles = list(dict.fromkeys(step_role(ln) for ln in launches))
@@ -276,7 +277,8 @@ def marginal_table(p: dict):
 
     m = p["role_marginals"]
     cols = ["role", "launches", "step without (µs)", "role adds (µs)", "per launch", "bytes floor (µs)", "excess (µs)"]
-    t = Tab(f"what each role adds to the graph step (left out of the graph; length {m['length']})", cols,
+    whose = f"; {m['step']}" if m.get("step") else ""
+    t = Tab(f"what each role adds to the graph step (left out of the graph; length {m['length']}{whose})", cols,
             key="roles", right=tuple(cols[1:]))
     for r in m["rows"]:
         t.add(r["role"], str(r["count"]), f"{r['step_without_us']['median']:.1f}", f"{r['saved_us']:.1f}",
