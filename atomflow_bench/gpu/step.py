@@ -9,7 +9,8 @@ runs eagerly (`run_eager`, optionally copying probes out after each launch) or i
     attention      GQA over cache[0..pos] -> attn_out (fp16): the short kernel (whole K/V range in shared memory)
                    in the short bucket, the split kernel beyond it
     gemv  o_proj   residual epilogue                                           h += Wo . attn_out
-                   (tensor parallel: + the sum across ranks, ops/tp_comm.py)
+                   (tensor parallel: + the sum across ranks, ops/tp_comm.py; while the ranks meet, the next
+                   GEMV's head is asked into L2, as QKV asks o_proj's: ops/gemv.py head_l2)
     gemv  gate/up  RMSNorm prologue (post_attention_layernorm), SwiGLU epilogue -> act (fp16)
     gemv  down     residual epilogue                                           h += Wd . act
 
@@ -27,9 +28,8 @@ from .arena import Arena
 from .forms import GemvForm
 from .launch import Launch
 from .nvrtc import KernelLib
-from .ops import lm_head
+from .ops import lm_head, tp_comm
 from .ops.attention import attention_launch, attention_short_launch
-from .ops import tp_comm
 from .ops.gemv import ROLE_VARIANT, gemv_launch, head_l2, linear_regions, next_l2
 from .ops.small import embed_launch
 

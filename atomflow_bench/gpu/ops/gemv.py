@@ -212,10 +212,11 @@ def gemv_grid(fmt: str, variant: str, rows: int, k: int, n_sm: int, ws: bool, ri
 
 def head_l2(fmt: str, variant: str, w, scales, n_sm: int, ws: bool, slots: int,
             smem: tuple | None = None) -> tuple | None:
-    """What a resid_tp GEMV asks into L2 while it waits for the other ranks (gemv_common.cuh tp_sum_finish): the
-    first `slots` ring slots' worth (GEMV_WS_SLOT bytes each, and their fp8 scales) of every tile in the first round
-    of the GEMV launched next (variant over weights `w` [rows, K], tiled, in the ws or ring form): what each of its
-    blocks reads first. Kernel arguments (w, scales, w_stride, w_chunk, s_stride, s_chunk, tiles), or None."""
+    """A later GEMV's head, for an earlier kernel to ask into L2 (gemv_common.cuh L2Head: resid_tp while it waits
+    for the other ranks, QKV after its epilogue): the first `slots` ring slots' worth (GEMV_WS_SLOT bytes each, and
+    their fp8 scales) of every tile in the first round of that GEMV (variant over weights `w` [rows, K], tiled, in the
+    ws or ring form): what each of its blocks reads first. Kernel arguments (w, scales, w_stride, w_chunk, s_stride,
+    s_chunk, tiles), or None for 0 slots."""
     if slots <= 0:
         return None
     rows, k = w.shape
