@@ -324,8 +324,8 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=notes,
                       transient=True) as progress:
             rec = benchmark(path, model, src, weights, context, tokens, repeats, progress=progress,
-                            forms=forms, retune=retune, group=group,
-                            allreduce=None if allreduce == "auto" else allreduce, weight_source=weight_source)
+                            forms=forms, retune=retune, group=group, allreduce=allreduce,
+                            weight_source=weight_source)
     finally:
         if group is not None:
             group.close()
@@ -391,23 +391,17 @@ def _profile_tp(model, weights, context, steps, forms, json_path, group, allredu
     from .gpu.engine import Engine
     from .measure import report
     from .measure.bench import synthetic_prompt
-    from .measure.profile import marginal_table, role_marginals
-    from .measure.timing import copy_bandwidth
-    from .measure.tp_bench import comm_times, tp_forms, tp_profile_table
+    from .measure.profile import marginal_table
+    from .measure.tp_bench import tp_forms, tp_profile, tp_profile_table
 
     try:
         path, src_obj, src = _tp_weights(model, notes_console(fmt, console))
-        eng = Engine(path, weights=weights, max_seq=context + steps + 64, group=group,
-                     allreduce=None if allreduce == "auto" else allreduce, source=src_obj)
+        eng = Engine(path, weights=weights, max_seq=context + steps + 64, group=group, allreduce=allreduce,
+                     source=src_obj)
         chosen = tp_forms(eng, forms)
         eng.reset(synthetic_prompt(eng.cfg.vocab_size, context))
         eng.run(context - 1)
-        p = {"tp": group.size, "context": context, "forms": chosen, "comm": comm_times(eng)}
-        # every rank takes its own step without exchanges apart (no rank waits for another); rank 0's is reported
-        length = eng.position + 1
-        local = eng.bucket_launches(eng.bucket(length), eng.gemv_form_of(length), tp_path="local")
-        p["role_marginals"] = {**role_marginals(eng, copy_bandwidth(), launches=local),
-                               "step": f"rank {group.rank}'s step without its exchanges (tp path local)"}
+        p = {"tp": group.size, "context": context, "forms": chosen, **tp_profile(eng)}
     finally:
         group.close()
     render([tp_profile_table(p, eng), marginal_table(p)], fmt, console)
@@ -630,7 +624,7 @@ def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, 
         try:
             res = v.validate(path, weights=weights, truth_dir=truth_dir, steps=steps, prompt=prompt, backend=backend,
                              allow_mismatch=allow_mismatch, console=notes, forms=_forms(forms), group=group,
-                             allreduce=None if allreduce == "auto" else allreduce)
+                             allreduce=allreduce)
         finally:
             if group is not None:
                 group.close()

@@ -26,23 +26,36 @@ __device__ __forceinline__ void better(float& bv, int& bi, float v, int i) {
   if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
 }
 
+// Warp-wide (value, index) reduction; result valid in every lane.
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+#pragma unroll
+  for (int o = AF_WARP / 2; o > 0; o >>= 1)
+    better(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+}
+
 // Block-wide (value, index) reduction; result valid in thread 0.
 __device__ __forceinline__ void block_argmax(float& bv, int& bi) {
   __shared__ float sv[32];
   __shared__ int si[32];
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP;
-#pragma unroll
-  for (int o = AF_WARP / 2; o > 0; o >>= 1)
-    better(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+  warp_argmax(bv, bi);
   if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
   __syncthreads();
   if (warp == 0) {
     bv = lane < (int)(blockDim.x / AF_WARP) ? sv[lane] : -AF_INF;
     bi = lane < (int)(blockDim.x / AF_WARP) ? si[lane] : 0x7fffffff;
-#pragma unroll
-    for (int o = AF_WARP / 2; o > 0; o >>= 1)
-      better(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+    warp_argmax(bv, bi);
   }
+}
+
+// The step's bookkeeping once the greedy token `bi` is known (see the header; 0x7fffffff: none, token 0).
+__device__ __forceinline__ void step_advance(int bi, int* pos, int* cur_token, const int* prompt, const int* prompt_len,
+                                             int* out_tokens) {
+  const int p = *pos;
+  const int best = bi == 0x7fffffff ? 0 : bi;
+  out_tokens[p] = best;
+  *cur_token = (p + 1 < *prompt_len) ? prompt[p + 1] : best;
+  *pos = p + 1;
 }
 
 // Every thread of the block calls this with its own (value, index); see the header.
@@ -66,13 +79,7 @@ __device__ __forceinline__ void argmax_finish(float bv, int bi, const ArgmaxArgs
   if (threadIdx.x == 0) {
     m.part_val[0] = bv;
     m.part_idx[0] = bi;
-    if (m.advance) {
-      const int p = *m.pos;
-      const int best = bi == 0x7fffffff ? 0 : bi;
-      m.out_tokens[p] = best;
-      *m.cur_token = (p + 1 < *m.prompt_len) ? m.prompt[p + 1] : best;
-      *m.pos = p + 1;
-    }
+    if (m.advance) step_advance(bi, m.pos, m.cur_token, m.prompt, m.prompt_len, m.out_tokens);
     *m.counter = 0u;
   }
 }

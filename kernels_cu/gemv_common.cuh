@@ -241,7 +241,8 @@ __device__ __forceinline__ void tp_sum_finish(const GemvArgs& a, const TpArgs& t
 template <int EPI, class Sync>
 __device__ __forceinline__ void gemv_arrive_wait(const Sync& sync) {
   if (EPI == EPI_RESID || EPI == EPI_TPSUM) pdl_launch_dependents();
-  constexpr int bit = EPI == EPI_ROPE ? 1 : (EPI == EPI_RESID || EPI == EPI_TPSUM) ? 4 : EPI == EPI_SWIGLU ? 8 : 0;  // AF_NO_WAIT (common.cuh)
+  // the AF_NO_WAIT bit (common.cuh) of this epilogue
+  constexpr int bit = EPI == EPI_ROPE ? 1 : (EPI == EPI_RESID || EPI == EPI_TPSUM) ? 4 : EPI == EPI_SWIGLU ? 8 : 0;
   if (AF_NO_WAIT & bit) {
     pdl_launch_dependents();
   } else {
@@ -812,9 +813,11 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   const unsigned char* __restrict__ P##_w, const unsigned char* __restrict__ P##_s, unsigned P##_w_stride, \
       unsigned P##_w_chunk, unsigned P##_s_stride, unsigned P##_s_chunk, int P##_count
 #define L2HEAD_OF(P) L2Head{P##_w, P##_s, P##_w_stride, P##_w_chunk, P##_s_stride, P##_s_chunk, P##_count}
-#define GEMV_WS_PARAMS                                                                                    \
+// Every tiled GEMV's first eight arguments (GemvArgs).
+#define GEMV_PARAMS                                                                                       \
   const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x,      \
-      const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K, int npre
+      const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K
+#define GEMV_WS_PARAMS GEMV_PARAMS, int npre
 #define GEMV_ROPE_ARGS_OF                                                                                 \
   (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, next_w, next_bytes, L2HEAD_OF(l2)})
 #define GEMV_WS_INSTANCE(NAME, FP8, PRO, EPI)                                                             \
@@ -838,8 +841,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 // fp16 layer GEMVs: the register path.
 #define GEMV_INSTANCE(NAME, PRO, EPI)                                                                     \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
-  NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
-       const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K) {            \
+  NAME(GEMV_PARAMS) {                                                                                     \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     gemv_tiled<PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, PdlSync{},   \
@@ -849,8 +851,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 // fp16 EPI_TPSUM, the register path.
 #define GEMV_TP_INSTANCE(NAME)                                                                            \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
-  NAME(const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x, \
-       const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K, GEMV_TP_PARAMS) { \
+  NAME(GEMV_PARAMS, GEMV_TP_PARAMS) {                                                                     \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     gemv_tiled<PRO_PLAIN, EPI_TPSUM>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, PdlSync{}, \
@@ -860,9 +861,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 // fp8 layer GEMVs: the cp.async ring at depth NS; the kernel is NAME_r<NS> (the host picks the depth per launch).
 #define GEMV_RING_INSTANCE(NAME, PRO, EPI, NS)                                                            \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
-  NAME##_r##NS(const unsigned char* __restrict__ W, const float* __restrict__ scales,                    \
-               const void* __restrict__ x, const __half* __restrict__ norm_w, float eps, void* __restrict__ y, \
-               int n_out, int K) {                                                                        \
+  NAME##_r##NS(GEMV_PARAMS) {                                                                             \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     gemv_tiled_async<PRO, EPI, NS>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{},     \
@@ -872,9 +871,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 // fp8 EPI_TPSUM at ring depth NS.
 #define GEMV_TP_RING_INSTANCE(NAME, NS)                                                                   \
   extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_MIN_BLOCKS)                            \
-  NAME##_r##NS(const unsigned char* __restrict__ W, const float* __restrict__ scales,                    \
-               const void* __restrict__ x, const __half* __restrict__ norm_w, float eps, void* __restrict__ y, \
-               int n_out, int K, GEMV_TP_PARAMS) {                                                        \
+  NAME##_r##NS(GEMV_PARAMS, GEMV_TP_PARAMS) {                                                             \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) unsigned char smem_raw[];                                             \
     gemv_tiled_async<PRO_PLAIN, EPI_TPSUM, NS>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, RopeArgs{}, \
@@ -892,11 +889,9 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 // The QKV projection with RoPE and the KV-cache append in its epilogue: fp16 through registers (NAME) or fp8 at
 // ring depth NS (NAME_r<NS>).
 #define GEMV_ROPE_PARAMS                                                                                  \
-  const unsigned char* __restrict__ W, const float* __restrict__ scales, const void* __restrict__ x,      \
-   const __half* __restrict__ norm_w, float eps, void* __restrict__ y, int n_out, int K,                  \
-   const float2* __restrict__ cos_sin, const int* __restrict__ pos, __half* __restrict__ k_cache,         \
-   __half* __restrict__ v_cache, int n_q, int n_kv, int hd, const unsigned char* __restrict__ next_w,     \
-   unsigned long long next_bytes, L2HEAD_PARAMS(l2)
+  GEMV_PARAMS, const float2* __restrict__ cos_sin, const int* __restrict__ pos, __half* __restrict__ k_cache, \
+      __half* __restrict__ v_cache, int n_q, int n_kv, int hd, const unsigned char* __restrict__ next_w,  \
+      unsigned long long next_bytes, L2HEAD_PARAMS(l2)
 #define GEMV_ROPE_ARGS (GEMV_ROPE_PARAMS)
 #define GEMV_ROPE_CALL(PATH)                                                                              \
   {                                                                                                       \

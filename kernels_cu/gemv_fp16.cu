@@ -22,8 +22,8 @@
 //   gemv_f16_store        plain / fp16 store          generic (tests, microbenchmarks)
 //   gemv_f16_partial      plain / fp32 store          a tensor-parallel rank's share of o_proj / down (the NCCL path)
 //   gemv_f16_resid_tp     plain / h += sum over ranks  o_proj and down under tensor parallel with peer memory: the
-//                         of W_s.x_s (EPI_TPSUM)      cross-rank sum in the epilogue (tp_ll.cuh; 4 more arguments:
-//                                                     slots, seq, rank, ranks)
+//                         of W_s.x_s (EPI_TPSUM)      cross-rank sum in the epilogue (tp_ll.cuh; 11 more arguments:
+//                                                     slots, seq, rank, ranks and the next GEMV's L2Head)
 //   gemv_f16_f32          RMSNorm or plain / fp32     lm_head logits (row-major; the `gemv` benchmark, tests)
 //   gemv_f16_f32_argmax   RMSNorm or plain / fp32     lm_head logits, the greedy token and the step state
 //                         store + argmax              (argmax_common.cuh; + V_blocks * 8 bytes of partials, a ticket)

@@ -20,8 +20,8 @@
 //   gemv_f8_qkv_rope_r* (QKV + RoPE + KV append), gemv_f8_norm_swiglu_r* (gate+up), gemv_f8_resid_r* (o_proj,
 //   down_proj), gemv_f8_store_r* (generic), gemv_f8_partial_r* (fp32 y = W.x: a tensor-parallel rank's share of
 //   o_proj / down, summed across ranks by NCCL), gemv_f8_resid_tp_r* (o_proj / down under tensor parallel with
-//   peer memory: h += the sum over ranks in the epilogue, EPI_TPSUM), and gemv_f8_<variant>_ws. lm_head stays fp16 (gemv_f16_f32), as in
-//   AtomFlow.
+//   peer memory: h += the sum over ranks in the epilogue, EPI_TPSUM), and gemv_f8_<variant>_ws. lm_head stays
+//   fp16 (gemv_f16_f32), as in AtomFlow.
 #include "gemv_common.cuh"
 
 GEMV_ROPE_RING_INSTANCES(gemv_f8_qkv_rope)

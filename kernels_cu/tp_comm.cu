@@ -69,7 +69,8 @@ tp_allreduce_add(float* __restrict__ h, const float* __restrict__ x, const unsig
   const int i = blockIdx.x * TP_AR_THREADS + threadIdx.x;  // one value per thread: its N slots in one round trip
   if (i < n) {
     const float v = __ldcg(x + i);
-    for (int s = 0; s < nranks; ++s) ll_store(reinterpret_cast<unsigned long long*>(slots[s]) + (size_t)rank * n + i, v, e);
+    for (int s = 0; s < nranks; ++s)
+      ll_store(reinterpret_cast<unsigned long long*>(slots[s]) + (size_t)rank * n + i, v, e);
     h[i] += ll_sum_ranks(reinterpret_cast<const unsigned long long*>(slots[rank]) + i, (size_t)n, nranks, e);
   }
   __syncthreads();  // every thread has read the old epoch
@@ -93,14 +94,6 @@ tp_argmax_combine(const unsigned long long* __restrict__ vals, const unsigned lo
     const int i = __ldcv(reinterpret_cast<const int*>(idxs[s]));
     if (i != 0x7fffffff) better(bv, bi, v, i + offsets[s]);
   }
-#pragma unroll
-  for (int o = AF_WARP / 2; o > 0; o >>= 1)
-    better(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
-  if (s == 0 && advance) {
-    const int p = *pos;
-    const int best = bi == 0x7fffffff ? 0 : bi;
-    out_tokens[p] = best;
-    *cur_token = (p + 1 < *prompt_len) ? prompt[p + 1] : best;
-    *pos = p + 1;
-  }
+  warp_argmax(bv, bi);
+  if (s == 0 && advance) step_advance(bi, pos, cur_token, prompt, prompt_len, out_tokens);
 }

@@ -12,8 +12,8 @@ engine never times anything itself.
 
 Tensor parallel (`group`: gpu/comm.py Group, one process per GPU): the engine holds the rank's shard (gpu/tp.py plan;
 loaded sliced from the checkpoint, or generated on the GPU by gpu/synthetic.py) and its step sums o_proj and down
-across the ranks and combines the greedy token (ops/tp_comm.py; `allreduce` = "peer" or "nccl", default peer where
-the ranks can map each other's memory). Every rank must make the same calls in the same order (the collectives are
+across the ranks and combines the greedy token (ops/tp_comm.py; `allreduce` = "peer", "nccl", or "auto" / None:
+peer where the ranks can map each other's memory). Every rank must make the same calls in the same order (the collectives are
 inside the step), so nothing here depends on a rank's own timings.
 """
 from __future__ import annotations

@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 
+from ..gpu.step import hold_position
 from .timing import replay_us, summarize
 
 COMM_REPLAYS = 50
@@ -69,11 +70,16 @@ def _graph_us(launches, stream, replays: int = COMM_REPLAYS) -> dict:
     return summarize(replay_us(StepGraph(launches, stream), stream, replays, warmup=COMM_WARMUP))
 
 
-def comm_times(engine) -> dict:
-    """The exchanges timed on their own and inside the step (see the module docstring); every rank in lockstep."""
-    import cupy
+def local_step(engine) -> list:
+    """The rank's step at the current length without its exchanges (tp path "local"), the position held."""
+    length = engine.position + 1
+    return hold_position(engine.bucket_launches(engine.bucket(length), engine.gemv_form_of(length), tp_path="local"))
 
-    from ..gpu.step import hold_position
+
+def comm_times(engine, local: list | None = None) -> dict:
+    """The exchanges timed on their own and inside the step (see the module docstring); every rank in lockstep.
+    `local`: local_step(engine), if already built."""
+    import cupy
 
     tpc, L, stream = engine.tp, engine.cfg.num_hidden_layers, engine.stream
     scratch = cupy.zeros(engine.cfg.hidden_size, dtype=cupy.float32)
@@ -90,9 +96,8 @@ def comm_times(engine) -> dict:
         t_token = _graph_us(hold_position(sums + tpc.argmax_launches(state, path=path)), stream)
         out["paths"][path] = {"sum_us": t_sums["median"] / (2 * L), "sums_graph_us": t_sums,
                               "per_token_us": t_token["median"], "token_graph_us": t_token}
-    key = engine.bucket(engine.position + 1)
-    step = hold_position(engine.variants[key])
-    local = hold_position(engine.bucket_launches(key, engine.gemv_form_of(engine.position + 1), tp_path="local"))
+    step = hold_position(engine.variants[engine.bucket(engine.position + 1)])
+    local = local_step(engine) if local is None else local
     t_step, t_local = _graph_us(step, stream), _graph_us(local, stream)
     out["in_step_us"] = t_step["median"] - t_local["median"]
     out["step_graph_us"], out["step_without_exchanges_us"] = t_step, t_local
@@ -121,6 +126,20 @@ def tp_measure(engine, copy: dict, tpot: dict, nbytes: dict, context: int) -> di
         "comm": comm,
         "weights_source": "generated on the GPUs (gpu/synthetic.py)" if engine.ckpt.dir is None else "checkpoint",
     }
+
+
+def tp_profile(engine) -> dict:
+    """`profile --tp`'s figures at the engine's position: comm_times, and what each role adds to the rank's step
+    without exchanges (every rank takes its own apart, so none waits for another; rank 0's is reported)."""
+    from .profile import role_marginals
+    from .timing import copy_bandwidth
+
+    local = local_step(engine)
+    comm = comm_times(engine, local)  # the ranks in lockstep first
+    roles = role_marginals(engine, copy_bandwidth(), launches=local)
+    return {"comm": comm,
+            "role_marginals": {**roles, "step": f"rank {engine.group.rank}'s step without its exchanges (tp path "
+                                                "local)"}}
 
 
 def tp_profile_table(p: dict, engine):

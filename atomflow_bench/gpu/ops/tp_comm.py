@@ -175,8 +175,6 @@ class TpComm:
     def gather_vocab(self, local, vocab: int):
         """Every rank's values over its vocabulary rows (e.g. its logits), concatenated in rank order: [vocab] fp32
         on the host (collective: every rank calls it)."""
-        import numpy as np
-
         rows = -(-vocab // self.n)
         mine = np.zeros(rows, np.float32)
         local = np.asarray(local, np.float32).reshape(-1)
