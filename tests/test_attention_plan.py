@@ -97,3 +97,40 @@ def test_arch_defines_turn_tensor_copies_on_where_they_exist(cc, given, added):
 
     assert arch_defines(cc, given) == added
     assert att_tma(given + added) == (added == ("ATT_TMA=1",))
+
+
+def test_beside_plan_where_the_whole_grid_is_resident():
+    """The attention beside QKV (ops/qkv_attention.py beside_plan): the GEMV's ws plan, its whole grid and the
+    attention blocks resident at <= 2 blocks per SM, a window what the GEMV's shared memory holds, windows to cover
+    the short kernel's capacity. 70B at TP4 (W8A16: 160 GEMV blocks with 5 ring slots each, 3 windows of 192
+    positions); where QKV runs 3 blocks per SM (3B, 8B on one GPU) it cannot run."""
+    from atomflow_bench.config import CATALOG
+    from atomflow_bench.gpu import tp
+    from atomflow_bench.gpu.ops.gemv import gemv_grid, linear_regions
+    from atomflow_bench.gpu.ops.qkv_attention import (MAX_BLOCKS_PER_SM, SPLITS_MAX, beside_capacity, beside_plan,
+                                                      static_smem)
+
+    def local(name, n):
+        return tp.local_config(CATALOG[name].config, n) if n > 1 else CATALOG[name].config
+
+    c70 = local("llama-3.1-70b", 4)
+    rows, k = linear_regions(c70)["wqkv"]
+    assert (rows, k) == (2560, 8192)
+    plan = beside_plan("fp8", rows, k, c70.num_key_value_heads, c70.group_size, c70.head_dim, 132, SMEM_H100)
+    assert plan == (160, gemv_grid("fp8", "qkv_rope", rows, k, 132, True, smem=SMEM_H100)[1], 192, 3)
+    assert short_capacity(128, SMEM_H100) <= 3 * 192
+    assert short_smem(128, 192) <= plan[1] < short_smem(128, 224)
+    assert 2 * (plan[1] + static_smem(128) + SMEM_H100[2]) <= SMEM_H100[1]  # 2 blocks per SM
+    assert beside_capacity(c70, "fp8", 132, SMEM_H100) == 576
+    for name, n in (("llama-3.2-3b", 1), ("llama-3.1-8b", 1), ("llama-3.1-70b", 2)):
+        assert beside_capacity(local(name, n), "fp8", 132, SMEM_H100) == 0, name
+    for name, n in (("llama-3.2-1b", 1), ("llama-3.1-8b", 2), ("llama-3.1-405b", 8)):
+        c = local(name, n)
+        rows, k = linear_regions(c)["wqkv"]
+        blocks, shmem, cap, splits = beside_plan("fp8", rows, k, c.num_key_value_heads, c.group_size, c.head_dim,
+                                                 132, SMEM_H100)
+        assert blocks + c.num_key_value_heads * blocks_per_kv(c.group_size) * splits <= MAX_BLOCKS_PER_SM * 132
+        assert 1 <= splits <= SPLITS_MAX
+        assert cap % ATT_CHUNK == 0 and 0 < cap <= ATS_CHUNK_MAX and short_smem(c.head_dim, cap) <= shmem, name
+    # fewer SMs: the same 70B grid no longer fits one resident wave
+    assert beside_plan("fp8", 2560, 8192, 2, 8, 128, 80, SMEM_H100) is None

@@ -488,6 +488,100 @@ def test_qkv_rope_kv_append(kernel_lib, n_sm, form, fmt, model, pos):
     assert np.isnan(kc_h[others]).all() and np.isnan(vc_h[others]).all(), "wrote outside row pos"
 
 
+# The QKV kernel with the attention beside it (qkv_attention.cu): rank configs it can run (ops/qkv_attention.py
+# beside_plan), as (model, tensor-parallel ranks).
+BESIDE_SHAPES = {"llama-3.2-1b": ("llama-3.2-1b", 1), "70b-tp4": ("llama-3.1-70b", 4),
+                 "8b-tp2": ("llama-3.1-8b", 2), "405b-tp8": ("llama-3.1-405b", 8)}
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("shape", list(BESIDE_SHAPES))
+@pytest.mark.parametrize("pos", [0, 1, 77, "window", "window+1", "all", "chunks"])
+def test_qkv_attention_beside(kernel_lib, n_sm, fmt, shape, pos):
+    """QKV (RMSNorm, RoPE, K/V append) and the short attention beside it in one grid, against NumPy: q|k|v as
+    test_qkv_rope_kv_append checks them, the cache rows, and the attention over the cache's history plus the new row
+    (computed from the kernel's own q, k, v, so each part is checked on its own). "window": the longest length one
+    window holds; "window+1": two windows combined; "all": the longest length the plan's windows hold; "chunks": one
+    window of 32 positions at length 78 (row L-1 comes from the LL words in the third chunk). Launched twice (the
+    second launch's words carry the next epoch): the same results."""
+    import cupy as cp
+
+    from atomflow_bench.gpu import tp
+    from atomflow_bench.gpu.ops.qkv_attention import SPLITS_MAX, beside_plan, qkv_attention_launch, seq_size
+
+    skip_unless_sm90("the attention beside QKV runs the warp-specialised GEMV (sm_90+)")
+    model, n = BESIDE_SHAPES[shape]
+    cfg = CATALOG[model].config if n == 1 else tp.local_config(CATALOG[model].config, n)
+    nh, nkv, hd, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    G = nh // nkv
+    rows = cfg.qkv_dim
+    plan = beside_plan(fmt, rows, H, nkv, G, hd, n_sm)
+    assert plan is not None, f"{shape} {fmt}: the plan should fit an H100"
+    blocks, _, window, windows = plan
+    cap, splits = (32, 1) if pos == "chunks" else (None, None)
+    pos = {"window": window - 1, "window+1": window, "all": window * windows - 1, "chunks": 77}.get(pos, pos)
+    rng = rng_for("qkv_attention", fmt, shape, pos)
+    w16 = (rng.standard_normal((rows, H), dtype=np.float32) * 0.02).astype(np.float16)
+    if fmt == "fp8":
+        q8, s8 = quantize_fp8(w16)
+        w_eff = dequantize_fp8(q8, s8).astype(np.float64)
+        w_dev, s_dev = cp.asarray(tiled(q8, fmt, "rope", hd // 2)), cp.asarray(tiled_scales(s8, "rope", hd // 2))
+    else:
+        w_eff, w_dev, s_dev = w16.astype(np.float64), cp.asarray(tiled(w16, fmt, "rope", hd // 2)), None
+    h = rng.standard_normal(H, dtype=np.float32) * 3
+    nw = (1 + 0.1 * rng.standard_normal(H)).astype(np.float16)
+    proj = (w_eff @ norm_ref(h, nw, 1e-5).astype(np.float64)).astype(np.float16).astype(np.float64)
+    max_seq = pos + 3
+    hist_k = rng.standard_normal((max_seq, cfg.kv_dim), dtype=np.float32).astype(np.float16)
+    hist_v = rng.standard_normal((max_seq, cfg.kv_dim), dtype=np.float32).astype(np.float16)
+    hist_k[pos:] = np.nan  # row pos is the kernel's to write; rows past it must never be read
+    hist_v[pos:] = np.nan
+    kc, vc = cp.asarray(hist_k), cp.asarray(hist_v)
+    y = cp.full(rows, np.nan, dtype=cp.float16)
+    out = cp.full(nh * hd, np.nan, dtype=cp.float16)
+    ll = cp.zeros(rows // 2, dtype=cp.uint64)
+    seq = cp.zeros(seq_size(n_sm), dtype=cp.uint32)
+    part = cp.zeros(nh * (hd + 2) * SPLITS_MAX, dtype=cp.uint64)
+    wgu = cp.empty((2 * cfg.intermediate_size, H), dtype=cp.uint8 if fmt == "fp8" else cp.float16)
+    rope = (cp.asarray(cfg.rope_cos_sin(max_seq)), cp.asarray([pos], dtype=cp.int32), kc, vc, nh, nkv, hd,
+            next_l2(wgu, 8))
+    ln = qkv_attention_launch(kernel_lib, fmt, w_dev, s_dev, cp.asarray(h), y, cp.asarray(nw), 1e-5, rope, out, ll,
+                              seq, part, n_sm, cap=cap, splits=splits)
+    assert ln.grid == (blocks + nkv * blocks_per_kv(G) * (splits or windows),) and ln.block == (WS_THREADS,)
+    ln()
+    ang = (np.float32(pos) * cfg.rope_inv_freq()).astype(np.float64)
+    c, s = np.cos(ang), np.sin(ang)
+    x = proj[: (nh + nkv) * hd].reshape(nh + nkv, hd)
+    x0, x1 = x[:, : hd // 2], x[:, hd // 2:]
+    rot = np.concatenate([x0 * c - x1 * s, x1 * c + x0 * s], axis=1).reshape(-1)
+    got = y.get()
+    assert rel_err(got[: rot.size], rot) < FP16_TOL
+    assert rel_err(got[rot.size:], proj[rot.size:]) < FP16_TOL
+    kc_h, vc_h = kc.get(), vc.get()
+    np.testing.assert_array_equal(kc_h[pos], got[nh * hd: (nh + nkv) * hd])
+    np.testing.assert_array_equal(vc_h[pos], got[(nh + nkv) * hd:])
+    assert np.isnan(kc_h[pos + 1:]).all() and np.isnan(vc_h[pos + 1:]).all(), "wrote past row pos"
+    # the attention over rows 0 .. pos, from the kernel's own q and new row
+    L = pos + 1
+    kq = kc_h[:L].astype(np.float64).reshape(L, nkv, hd)
+    vq = vc_h[:L].astype(np.float64).reshape(L, nkv, hd)
+    qv = got[: nh * hd].astype(np.float64).reshape(nh, hd)
+    ref = np.empty((nh, hd))
+    for hq in range(nh):
+        sc = kq[:, hq // G] @ qv[hq] / np.sqrt(hd)
+        pr = np.exp(sc - sc.max())
+        ref[hq] = (pr / pr.sum()) @ vq[:, hq // G]
+    first = out.get()
+    assert rel_err(first, ref.reshape(-1)) < FP16_TOL
+    assert (seq.get()[: ln.grid[0]] == 1).all() and not seq.get()[ln.grid[0]:].any(), "one epoch per block"
+    out.fill(np.nan)
+    y.fill(np.nan)
+    ln()  # the next epoch: the same words again, the same results
+    np.testing.assert_array_equal(out.get(), first)
+    np.testing.assert_array_equal(y.get(), got)
+    assert (seq.get()[: ln.grid[0]] == 2).all()
+
+
 ATT_SHAPES = {"llama-3.2-3b": (8, 3, 128), "llama-3.2-1b": (8, 4, 64), "smollm2-135m": (3, 3, 64),
               "llama-3.1-8b": (8, 4, 128),
               # 16 q heads per kv head (two blocks per kv head): Llama-3.1-405B on 8 GPUs (one kv head each) and 4

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# v43: the attention beside QKV (qkv_attention.cu; forms "beside"). Phase A (one GPU): the kernel and engine tests,
+# validate, then interleaved A/B: 1B fp16 (run) and 70B's TP4 rank step without exchanges on one GPU
+# (scripts/lab/local_step_ab.py). Phase B (4 GPUs): 70B W8A16 TP4 plain vs beside interleaved, the TP tests,
+# validate --tp 4, and the issue's other figures with the chosen default.
+export ATOMFLOW_HOME=/tmp/atomflow-home PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+PH=$1; W=/tmp/v43$PH; mkdir -p $W; S=$OUT/summary-v43-$PH.txt
+pack() { tar -czf $OUT/v43-$PH.tar.gz -C /tmp v43$PH; }
+note() { echo "$(date +%T) $*" | tee -a $S; pack; }
+show() { python3 -c 'import json, sys
+r = json.load(open(sys.argv[1])); t = r.get("tp"); b = " ".join("%s %.4f" % (x["attention"], x["tpot_ms"]) for x in r["attention_buckets"])
+s = "%s TPOT %.4f ms (%.4f-%.4f) %.1f%% [%s]" % (sys.argv[2], r["tpot_ms"]["median"], r["tpot_ms"]["p10"], r["tpot_ms"]["p90"], r["roofline"]["pct"], b)
+if t: c = t["comm"]; s += " | %s in step %.1f us, local %.1f | %s" % (t["allreduce"], c["in_step_us"], c["step_without_exchanges_us"]["median"], " ".join("%s %.2f us/sum %.1f us/token" % (k, v["sum_us"], v["per_token_us"]) for k, v in c["paths"].items()))
+print(s)' "$1" "$2" 2>&1 | tail -1; }
+P16="short:ws/l2=16;split:ws/l2=16"; B16="beside;$P16"
+if [ "$PH" = A ]; then
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a $S
+  timeout 420 python3 -m pytest -q tests/test_kernels_gpu.py -k "qkv_attention or attention_short" -p no:cacheprovider -x >$W/kernels.log 2>&1
+  rc=$?; note "kernels qkv_attention/attention_short: rc=$rc $(tail -1 $W/kernels.log)"
+  [ $rc -ne 0 ] && { grep -E "^(FAILED|ERROR)|Error|assert|seed" $W/kernels.log | head -30; exit 1; }
+  timeout 300 python3 -m pytest -q tests/test_engine_gpu.py -k "beside or attention_buckets or graph_bit_identical" -p no:cacheprovider -x >$W/engine.log 2>&1
+  rc=$?; note "engine beside/buckets: rc=$rc $(tail -1 $W/engine.log)"
+  [ $rc -ne 0 ] && { grep -E "^(FAILED|ERROR)|Error|assert" $W/engine.log | head -30; exit 1; }
+  timeout 120 atomflow-bench fetch llama-3.2-1b --source synthetic >$W/fetch.log 2>&1; note "fetch 1b rc=$?"
+  timeout 150 atomflow-bench validate llama-3.2-1b --weights fp16 --steps 16 --forms "beside;short:ws/l2=8;split:ws/l2=8" --json $W/validate-1b-fp16-beside.json >$W/validate-1b.log 2>&1
+  note "validate 1b fp16 beside: rc=$? $(grep -E 'PASS|FAIL|greedy|KL' $W/validate-1b.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  for r in a b; do
+    for f in plain beside; do
+      F="short:ws/l2=8;split:ws/l2=8"; [ $f = beside ] && F="beside;$F"
+      timeout 120 atomflow-bench run llama-3.2-1b --source synthetic --weights fp16 --ctx 128 --tokens 256 --repeats 5 --forms "$F" --json $W/1b-fp16-$f-$r.json >$W/1b-fp16-$f-$r.log 2>&1
+      note "rc=$? $(show $W/1b-fp16-$f-$r.json 1b-fp16-$f-$r)"
+    done
+  done
+  timeout 300 python3 scripts/lab/local_step_ab.py llama-3.1-70b fp8 4 "$P16" "$B16" --rounds 2 --json $W/70b-tp4-local-ab.json >$W/70b-tp4-local-ab.log 2>&1
+  note "70b tp4 local A/B rc=$? $(cat $W/70b-tp4-local-ab.log | tail -4 | tr '\n' '|')"
+fi
+if [ "$PH" = B ]; then
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  one() {  # one TAG MODEL FMT TP [extra args]
+    local tag=$1 m=$2 w=$3 n=$4; shift 4
+    timeout 150 atomflow-bench run $m --weights $w --ctx 128 --tokens 256 --repeats 5 --tp $n --json $W/$tag.json "$@" >$W/$tag.log 2>&1
+    note "rc=$? $(show $W/$tag.json $tag)"
+  }
+  one 70b-fp8-tp4-beside-a llama-3.1-70b fp8 4 --allreduce peer --forms "$B16"
+  one 70b-fp8-tp4-plain-a llama-3.1-70b fp8 4 --allreduce peer --forms "$P16"
+  one 70b-fp8-tp4-beside-b llama-3.1-70b fp8 4 --allreduce peer --forms "$B16"
+  one 70b-fp8-tp4-plain-b llama-3.1-70b fp8 4 --allreduce peer --forms "$P16"
+  timeout 200 python3 -m pytest -q tests/test_tp_gpu.py -p no:cacheprovider -x >$W/tptest.log 2>&1
+  note "tptest: rc=$? $(tail -1 $W/tptest.log)"
+  timeout 150 atomflow-bench validate llama-3.1-8b --weights fp16 --tp 4 --steps 8 --forms "beside;short:ws/l2=8;split:ws/l2=8" --json $W/validate-8b-fp16-tp4-beside.json >$W/validate-8b-fp16-tp4.log 2>&1
+  note "validate 8b fp16 tp4 beside: rc=$? $(grep -E 'PASS|FAIL|greedy|KL' $W/validate-8b-fp16-tp4.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  one 70b-fp8-tp4-beside-nccl llama-3.1-70b fp8 4 --allreduce nccl --forms "$B16"
+  one 70b-fp16-tp4-beside llama-3.1-70b fp16 4 --allreduce peer --forms "beside;short:ws/l2=8;split:ws/l2=8"
+  one 8b-fp16-tp4-beside llama-3.1-8b fp16 4 --allreduce peer --forms "beside;short:ws/l2=8;split:ws/l2=8"
+  one 70b-fp8-tp2-beside llama-3.1-70b fp8 2 --allreduce peer --forms "$B16"
+fi
+tail -30 $S

@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""A tensor-parallel rank's step without its exchanges, on ONE GPU: forms A and B interleaved on the same weights.
+
+    scripts/lab/local_step_ab.py MODEL FMT TP FORMS_A FORMS_B [--ctx 128] [--tokens 256] [--rounds 2] [--json FILE]
+
+The engine holds the rank's local config (gpu/tp.py local_config: a quarter of 70B's heads and MLP at TP 4, the
+embedding and lm_head whole) as a one-GPU model with synthetic weights generated on the GPU, so what it times is the
+layer kernels of a rank's step — the part of `run --tp N` that `profile --tp N` calls "the step without exchanges" —
+without needing N GPUs. Each round times A then B (`engine.use`, no reload) with the timing of `run` (ctx, tokens, 3
+repeats after a warm-up; median per token). The copy bandwidth is measured in the same call; the floor is the step's
+bytes (engine.streamed_bytes at the run's mean length) over it."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("fmt", choices=("fp16", "fp8"))
+    ap.add_argument("tp", type=int)
+    ap.add_argument("forms_a")
+    ap.add_argument("forms_b")
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+
+    from atomflow_bench.config import CATALOG
+    from atomflow_bench.gpu import tp
+    from atomflow_bench.gpu.engine import Engine
+    from atomflow_bench.gpu.forms import Forms
+    from atomflow_bench.gpu.synthetic import GpuSynthetic
+    from atomflow_bench.measure.bench import by_bucket, time_decode
+    from atomflow_bench.measure.timing import copy_bandwidth
+
+    if a.model not in CATALOG:
+        print(f"local_step_ab: unknown model {a.model!r}", file=sys.stderr)
+        return 2
+    full = CATALOG[a.model].config
+    cfg = tp.local_config(full, a.tp) if a.tp > 1 else full
+    forms = {"A": Forms.parse(a.forms_a), "B": Forms.parse(a.forms_b)}
+    eng = Engine(None, weights=a.fmt, max_seq=a.ctx + a.tokens + 8, source=GpuSynthetic(cfg), forms=forms["A"])
+    copy = copy_bandwidth()
+    floor_ms = eng.streamed_bytes(a.ctx + a.tokens / 2)["total"] / (copy["median"] * 1e9) * 1e3
+    runs = []
+    for r in range(a.rounds):
+        for tag in ("A", "B"):
+            eng.use(forms[tag])
+            t = time_decode(eng, a.ctx, a.tokens, repeats=3)
+            m = t["tpot_ms"]
+            runs.append({"round": r, "form": tag, "forms": forms[tag].text, "tpot_ms": m,
+                         "pct_of_floor": 100 * floor_ms / m["median"],
+                         "buckets": by_bucket(eng, t["prompt_len"], t["per_token_ms"])})
+            print(f"round {r} {tag} {forms[tag].text}: {m['median']:.4f} ms ({m['p10']:.4f}-{m['p90']:.4f}) "
+                  f"{100 * floor_ms / m['median']:.1f}% of {floor_ms:.4f} ms; "
+                  + "; ".join(f"{b['attention']} {b['tpot_ms']:.4f}" for b in runs[-1]["buckets"]), flush=True)
+    out = {"model": a.model, "fmt": a.fmt, "tp": a.tp, "local_config": cfg.to_hf_dict(), "ctx": a.ctx,
+           "tokens": a.tokens, "copy_bandwidth_gbs": copy, "floor_ms": floor_ms, "runs": runs,
+           "gpu": eng.gpu, "beside_cap": eng.beside_cap}
+    if a.json:
+        tmp = a.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+        os.replace(tmp, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
