@@ -198,6 +198,10 @@ __device__ __forceinline__ void attention_short_item(const __half* k_cache, cons
     if (warp == 0 && gid == 0) { m_sh[2 * tig] = m_run[0]; m_sh[2 * tig + 1] = m_run[1]; }
   }
   sync_n<NT>();
+  if constexpr (Arrive::kSplit) {  // the other windows' results into V's space (dead since P.V), in one round
+    arrive.template gather<HD, G, T>(vs, j);
+    sync_n<NT>();
+  }
   for (int i = tid; i < G * HD; i += T) {
     const int g = i / HD, d = i % HD;
     float acc = 0.f, l = 0.f;
@@ -205,7 +209,7 @@ __device__ __forceinline__ void attention_short_item(const __half* k_cache, cons
     for (int ph = 0; ph < WPT; ++ph) acc += red[((ph * DT + d / 16) * 16 + d % 16) * ATS_HEADS + g];
 #pragma unroll
     for (int w = 0; w < NW; ++w) l += w_red[w][g];
-    arrive.template finish<HD, G>(out, j, i, acc, l, m_sh);
+    arrive.template finish<HD, G>(out, j, i, acc, l, m_sh, reinterpret_cast<const float*>(vs));
   }
 }
 
@@ -240,7 +244,8 @@ struct AtsAfterWait {
   __device__ __forceinline__ void last_row(char*, char*, int, int) const {}
   // output i (head i / HD of the block's, dim i % HD): its sum over the positions `acc` and their weights' sum `l`
   template <int HD, int G>
-  __device__ __forceinline__ void finish(__half* out, int j, int i, float acc, float l, const float*) const {
+  __device__ __forceinline__ void finish(__half* out, int j, int i, float acc, float l, const float*,
+                                         const float*) const {
     out[(size_t)j * G * HD + i] = __float2half(acc / l);
   }
 };

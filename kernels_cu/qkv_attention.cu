@@ -96,10 +96,36 @@ struct AtsFromLL {
     for (int i = threadIdx.x; i < HD; i += T) put<HD>(i < HD / 2 ? ks : vs, r, i % (HD / 2), last[i]);
   }
 
+  // The owner (window 0) of ns > 1 windows: every other window's words -> `got` (fp32 [ns - 1][G * hd + 2 G]), all
+  // loads issued at once, then the late ones spun on (one round trip, not one per output).
+  template <int HD, int G, int T>
+  __device__ __forceinline__ void gather(char* got, int j) const {
+    if (s != 0 || ns == 1) return;
+    constexpr int W = G * HD + 2 * G;
+    constexpr int PER = ((ATS_SPLITS_MAX - 1) * W + T - 1) / T;
+    const unsigned long long* src = part + ((size_t)j * S + 1) * W;  // windows 1 .. ns - 1, consecutive
+    const int n = (ns - 1) * W;
+    unsigned long long w[PER];
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int i = threadIdx.x + k * T;
+      if (i < n) w[k] = ll_load(src + i);
+    }
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int i = threadIdx.x + k * T;
+      if (i < n) {
+        while (ll_behind(w[k], epoch)) w[k] = ll_load(src + i);
+        reinterpret_cast<float*>(got)[i] = ll_value(w[k]);
+      }
+    }
+  }
+
   template <int HD, int G>
-  __device__ __forceinline__ void finish(__half* out, int j, int i, float acc, float l, const float* m) const {
+  __device__ __forceinline__ void finish(__half* out, int j, int i, float acc, float l, const float* m,
+                                         const float* got) const {
     const int g = i / HD;
-    constexpr int W = G * HD + 2 * G;  // one window's words
+    constexpr int W = G * HD + 2 * G;  // one window's words: outputs, then (max, sum) per head
     if (ns == 1) {
       out[(size_t)j * G * HD + i] = __float2half(acc / l);
     } else if (s > 0) {
@@ -109,36 +135,16 @@ struct AtsFromLL {
         ll_store(mine + G * HD + 2 * g, m[g], epoch);
         ll_store(mine + G * HD + 2 * g + 1, l, epoch);
       }
-    } else {
-      unsigned long long wo[ATS_SPLITS_MAX], wm[ATS_SPLITS_MAX], wl[ATS_SPLITS_MAX];
-      const unsigned long long* base = part + (size_t)j * S * W;
-#pragma unroll
-      for (int t = 1; t < ATS_SPLITS_MAX; ++t) {
-        if (t < ns) {
-          wo[t] = ll_load(base + t * W + i);
-          wm[t] = ll_load(base + t * W + G * HD + 2 * g);
-          wl[t] = ll_load(base + t * W + G * HD + 2 * g + 1);
-        }
-      }
+    } else {  // the owner: its own result and the gathered ones, weighted by l_s e^(m_s - M)
       float mx = m[g];
-#pragma unroll
-      for (int t = 1; t < ATS_SPLITS_MAX; ++t) {
-        if (t < ns) {
-          while (ll_behind(wo[t], epoch)) wo[t] = ll_load(base + t * W + i);
-          while (ll_behind(wm[t], epoch)) wm[t] = ll_load(base + t * W + G * HD + 2 * g);
-          while (ll_behind(wl[t], epoch)) wl[t] = ll_load(base + t * W + G * HD + 2 * g + 1);
-          mx = fmaxf(mx, ll_value(wm[t]));
-        }
-      }
+      for (int t = 1; t < ns; ++t) mx = fmaxf(mx, got[(t - 1) * W + G * HD + 2 * g]);
       float wsum = l * __expf(m[g] - mx);
       float num = acc / l * wsum;
-#pragma unroll
-      for (int t = 1; t < ATS_SPLITS_MAX; ++t) {
-        if (t < ns) {
-          const float wt = ll_value(wl[t]) * __expf(ll_value(wm[t]) - mx);
-          num += ll_value(wo[t]) * wt;
-          wsum += wt;
-        }
+      for (int t = 1; t < ns; ++t) {
+        const float* o = got + (t - 1) * W;
+        const float wt = o[G * HD + 2 * g + 1] * __expf(o[G * HD + 2 * g] - mx);
+        num += o[i] * wt;
+        wsum += wt;
       }
       out[(size_t)j * G * HD + i] = __float2half(num / wsum);
     }
@@ -163,15 +169,15 @@ __device__ __forceinline__ void qkv_attention(const GemvArgs a, RopeArgs rope, c
   if ((int)blockIdx.x >= rope.gemv_blocks) {  // an attention block: head group jg, window s
     const int ab = (int)blockIdx.x - rope.gemv_blocks, jg = ab / att.splits, s = ab % att.splits;
     // pos was written by the previous step's argmax, complete before this step's first kernel
-    const int len = *rope.pos + 1, w0 = s * att.cap;
-    if (threadIdx.x < ATS_THREADS && w0 < len) {  // the 9th warp, and a window past L, have no part in it
+    // the windows holding positions: as few as hold L (at most `splits`), their sizes even (multiples of 16)
+    const int len = *rope.pos + 1, ns = min(att.splits, (len + att.cap - 1) / att.cap);
+    const int wsz = ((len + ns - 1) / ns + 15) & ~15, w0 = s * wsz;
+    if (threadIdx.x < ATS_THREADS && s < ns) {  // the 9th warp, and a window past L, have no part in it
       __shared__ unsigned last[HD];
       attention_short_item<HD, ATS_BG(G), ATS_THREADS, ATS_BV(G), ATS_THREADS>(
           rope.k_cache, rope.v_cache, len, jg, att.out, rope.n_kv, att.cap, att.scale,
-          reinterpret_cast<char*>(smem_raw),
-          AtsFromLL{rope.ll, att.part, e, rope.n_q, rope.n_kv, last, s, min(att.splits, (len + att.cap - 1) / att.cap),
-                    att.splits},
-          w0, s == att.splits - 1 ? len : min(len, w0 + att.cap));  // the last window walks any rest in chunks
+          reinterpret_cast<char*>(smem_raw), AtsFromLL{rope.ll, att.part, e, rope.n_q, rope.n_kv, last, s, ns, att.splits},
+          w0, s == ns - 1 ? len : w0 + wsz);  // the last window also walks in chunks what lies beyond them all
     }
     if (threadIdx.x == 0) att.seq[blockIdx.x] = e;
     return;

@@ -16,6 +16,8 @@ import json
 import os
 import sys
 
+import numpy as np
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,12 +55,16 @@ def main(argv=None) -> int:
             eng.use(forms[tag])
             t = time_decode(eng, a.ctx, a.tokens, repeats=3)
             m = t["tpot_ms"]
+            per = t["per_token_ms"]  # token i at length ctx + i: medians over quarters of the lengths
+            q = len(per) // 4
+            quarters = [(a.ctx + k * q, a.ctx + (k + 1) * q - 1, float(np.median(per[k * q:(k + 1) * q])))
+                        for k in range(4)]
             runs.append({"round": r, "form": tag, "forms": forms[tag].text, "tpot_ms": m,
-                         "pct_of_floor": 100 * floor_ms / m["median"],
-                         "buckets": by_bucket(eng, t["prompt_len"], t["per_token_ms"])})
+                         "pct_of_floor": 100 * floor_ms / m["median"], "per_token_ms": per, "quarters": quarters,
+                         "buckets": by_bucket(eng, t["prompt_len"], per)})
             print(f"round {r} {tag} {forms[tag].text}: {m['median']:.4f} ms ({m['p10']:.4f}-{m['p90']:.4f}) "
                   f"{100 * floor_ms / m['median']:.1f}% of {floor_ms:.4f} ms; "
-                  + "; ".join(f"{b['attention']} {b['tpot_ms']:.4f}" for b in runs[-1]["buckets"]), flush=True)
+                  + " ".join(f"L{lo}-{hi} {v:.4f}" for lo, hi, v in quarters), flush=True)
     out = {"model": a.model, "fmt": a.fmt, "tp": a.tp, "local_config": cfg.to_hf_dict(), "ctx": a.ctx,
            "tokens": a.tokens, "copy_bandwidth_gbs": copy, "floor_ms": floor_ms, "runs": runs,
            "gpu": eng.gpu, "beside_cap": eng.beside_cap}

@@ -43,6 +43,13 @@ def static_smem(hd: int) -> int:
     return heads * hd * 2 + (attention.ATS_THREADS // 32) * heads * 4 + heads * 4 + hd * 4 + 1024
 
 
+def gather_fits(cap: int, splits: int, group: int, hd: int) -> bool:
+    """Whether window 0 can gather the other windows' results (fp32, G * hd + 2 G per window) into the V space its
+    own window leaves (cap rounded up to 16 rows of hd fp16): qkv_attention.cu AtsFromLL gather."""
+    g = min(group, attention.ATS_HEADS)
+    return (splits - 1) * (g * hd + 2 * g) * 4 <= -(-cap // 16) * 16 * hd * 2
+
+
 def beside_plan(fmt: str, rows: int, k: int, n_kv: int, group: int, hd: int, n_sm: int, smem: tuple | None = None,
                 want: int | None = None) -> tuple[int, int, int, int] | None:
     """(GEMV blocks, dynamic shared memory, positions per window, windows per head group) of the kernel over the QKV
@@ -50,7 +57,8 @@ def beside_plan(fmt: str, rows: int, k: int, n_kv: int, group: int, hd: int, n_s
     x windows attention blocks) must be resident at once at <= 2 blocks per SM — the attention blocks poll for the
     GEMV's words from the start; a window is the largest multiple of ATT_CHUNK positions (<= ATS_CHUNK_MAX) that the
     GEMV's own shared memory holds (at least ATT_CHUNK); the windows cover `want` positions (default: the short
-    kernel's capacity) as far as SPLITS_MAX and the SMs allow. The capacity is windows x positions per window."""
+    kernel's capacity) as far as SPLITS_MAX, the SMs and window 0's gather (gather_fits) allow. The capacity is
+    windows x positions per window; a launch uses as few windows as hold its length, of even sizes."""
     smem = smem or smem_limits()
     _, shmem, blocks = gemv.gemv_grid(fmt, "qkv_rope", rows, k, n_sm, ws=True, smem=smem)
     per_sm = min(MAX_BLOCKS_PER_SM, blocks_fit(shmem + static_smem(hd), smem))
@@ -61,6 +69,8 @@ def beside_plan(fmt: str, rows: int, k: int, n_kv: int, group: int, hd: int, n_s
     want = attention.short_capacity(hd, smem) if want is None else want
     groups = n_kv * attention.blocks_per_kv(group)
     splits = min(SPLITS_MAX, max(1, -(-want // cap) if cap else 1), (per_sm * n_sm - blocks) // groups)
+    while splits > 1 and not gather_fits(cap, splits, group, hd):
+        splits -= 1
     return (blocks, shmem, cap, splits) if cap and splits >= 1 else None
 
 
@@ -91,7 +101,8 @@ def qkv_attention_launch(lib: KernelLib, fmt: str, w, scales, h, qkv, norm_w, ep
     blocks, shmem, plan_cap, plan_splits = plan
     cap = plan_cap if cap is None else cap
     splits = plan_splits if splits is None else splits
-    if not 1 <= cap or attention.short_smem(hd, cap) > shmem or not 1 <= splits <= plan_splits:
+    if (not 1 <= cap or attention.short_smem(hd, cap) > shmem or not 1 <= splits <= plan_splits
+            or not gather_fits(cap, splits, group, hd)):
         raise AtomflowError(f"QKV with the attention beside it: {splits} windows of {cap} positions do not fit its "
                             f"{shmem} bytes of shared memory or its SMs")
     n_att = n_kv * attention.blocks_per_kv(group) * splits
