@@ -31,8 +31,13 @@ from .launch import Launch
 from .nvrtc import KernelLib
 from .ops import lm_head, tp_comm
 from .ops.attention import attention_launch, attention_short_launch
-from .ops.gemv import ROLE_VARIANT, gemv_launch, head_l2, linear_regions, next_l2
-from .ops.qkv_attention import qkv_attention_launch
+from .ops.attention import blocks_per_kv
+from .ops.gemv import ROLE_VARIANT, gemv_launch, gemv_plan_of, head_l2, linear_regions, next_l2
+from .ops.qkv_attention import beside_plan, qkv_attention_launch
+
+# o_proj's grid leaves the block slots the short attention holds when o_proj starts (ops/gemv.py gemv_grid `held`), so
+# none of its blocks waits for the attention's SMs and then streams its weights after it (PERF_NOTES v43).
+O_PROJ_ROOM = True
 from .ops.small import embed_launch
 
 
@@ -61,21 +66,35 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
         return gemv_launch(lib, fmt, variant or ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None,
                            x, y, n_out, k, n_sm, eps=eps, role=role, ws=form.ws, ws_pre=form.ws_pre, **kw)
 
+    def o_proj_held() -> int:
+        """Block slots of o_proj's plan that the short attention's blocks hold when o_proj starts: beside QKV one
+        each (at most the plan's windows per head group), as a kernel of its own a whole SM each."""
+        if not O_PROJ_ROOM or not att_cap:
+            return 0
+        n_att = cfg.num_key_value_heads * blocks_per_kv(cfg.group_size)
+        if beside:
+            return n_att * beside_plan(fmt, *rows["wqkv"], cfg.num_key_value_heads, cfg.group_size, hd, n_sm)[3]
+        return n_att * gemv_plan_of(fmt, ROLE_VARIANT["wo"], *rows["wo"], n_sm, form.ws)[2]
+
+    held = {"wo": o_proj_held()}
+
     def head(i, role, slots):
         """What layer i's `role` GEMV reads first (ops/gemv.py head_l2), asked into L2 by an earlier kernel."""
         if i >= cfg.num_hidden_layers:
             return None
         w = f"L{i}.{role}"
-        return head_l2(fmt, ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None, n_sm, form.ws, slots)
+        return head_l2(fmt, ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None, n_sm, form.ws, slots,
+                       held=held.get(role, 0))
 
     def resid(i, role, x, k, probe):
         """o_proj / down: h += W.x, or across ranks a partial product and the sum."""
         if tp is None:
-            return [gemv(i, role, x, h, H, k, taps={probe: h})]
+            return [gemv(i, role, x, h, H, k, taps={probe: h}, held=held.get(role, 0))]
         variant, y, tp_args = tp.gemv_target(role, h, tp_path)
         slots = tp_comm.WAIT_HEAD_SLOTS  # while it waits for the other ranks: the next GEMV's head
         nxt = None if tp_args is None else head(i, "wgu", slots) if role == "wo" else head(i + 1, "wqkv", slots)
-        out = [gemv(i, role, x, y, H, k, variant=variant, tp=tp_args, head=nxt)] + tp.sum_launches(role, h, tp_path)
+        out = [gemv(i, role, x, y, H, k, variant=variant, tp=tp_args, head=nxt, held=held.get(role, 0))]
+        out += tp.sum_launches(role, h, tp_path)
         out[-1].taps = {probe: h}
         return out
 

@@ -42,6 +42,17 @@ if [ "$PH" = A2 ] || [ "$PH" = C ]; then
   timeout 240 python3 scripts/lab/local_step_ab.py llama-3.1-70b fp8 4 "$P16" "$B16" --rounds 2 --json $W/70b-tp4-local-ab.json >$W/70b-tp4-local-ab.log 2>&1
   note "70b tp4 local A/B rc=$? $(cat $W/70b-tp4-local-ab.log | tail -4 | tr '\n' '|')"
 fi
+if [ "$PH" = D ]; then  # o_proj's grid leaves the attention's slots (step.O_PROJ_ROOM), with and without beside
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a $S
+  timeout 150 python3 -m pytest -q tests/test_engine_gpu.py -k "beside or attention_buckets or graph_bit_identical" -p no:cacheprovider -x >$W/engine.log 2>&1
+  rc=$?; note "engine beside/buckets: rc=$rc $(tail -1 $W/engine.log)"
+  [ $rc -ne 0 ] && { grep -E "^(FAILED|ERROR)|Error|assert" $W/engine.log | head -30; exit 1; }
+  timeout 300 python3 scripts/lab/local_step_ab.py llama-3.1-70b fp8 4 "$P16@noroom" "$P16" "$B16" "$B16@noroom" --rounds 2 --json $W/70b-tp4-local-room.json >$W/70b-tp4-local-room.log 2>&1
+  note "70b tp4 local rc=$? $(cat $W/70b-tp4-local-room.log | tail -8 | tr '\n' '|')"
+  R8="short:ring/l2=8;split:ring/l2=8"
+  timeout 150 python3 scripts/lab/local_step_ab.py llama-3.1-8b fp8 1 "$R8@noroom" "$R8" --rounds 2 --json $W/8b-fp8-room.json >$W/8b-fp8-room.log 2>&1
+  note "8b fp8 rc=$? $(cat $W/8b-fp8-room.log | tail -4 | tr '\n' '|')"
+fi
 if [ "$PH" = B ]; then
   nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
   one() {  # one TAG MODEL FMT TP [extra args]

@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""A tensor-parallel rank's step without its exchanges, on ONE GPU: forms A and B interleaved on the same weights.
+"""A tensor-parallel rank's step without its exchanges, on ONE GPU: several forms interleaved on the same weights.
 
-    scripts/lab/local_step_ab.py MODEL FMT TP FORMS_A FORMS_B [--ctx 128] [--tokens 256] [--rounds 2] [--json FILE]
+    scripts/lab/local_step_ab.py MODEL FMT TP FORMS [FORMS ...] [--ctx 128] [--tokens 256] [--rounds 2] [--json FILE]
+
+A FORMS ending in "@noroom" runs with gpu/step.py O_PROJ_ROOM off (o_proj's grid ignores the attention's blocks).
 
 The engine holds the rank's local config (gpu/tp.py local_config: a quarter of 70B's heads and MLP at TP 4, the
 embedding and lm_head whole) as a one-GPU model with synthetic weights generated on the GPU, so what it times is the
 layer kernels of a rank's step — the part of `run --tp N` that `profile --tp N` calls "the step without exchanges" —
 without needing N GPUs. Each round times A then B (`engine.use`, no reload) with the timing of `run` (ctx, tokens, 3
 repeats after a warm-up; median per token). The copy bandwidth is measured in the same call; the floor is the step's
-bytes (engine.streamed_bytes at the run's mean length) over it."""
+bytes (engine.streamed_bytes at the run's mean length) over it. Prints medians per quarter of the lengths."""
 from __future__ import annotations
 
 import argparse
@@ -24,8 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("model")
     ap.add_argument("fmt", choices=("fp16", "fp8"))
     ap.add_argument("tp", type=int)
-    ap.add_argument("forms_a")
-    ap.add_argument("forms_b")
+    ap.add_argument("forms", nargs="+")
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
@@ -34,6 +35,7 @@ def main(argv=None) -> int:
 
     from atomflow_bench.config import CATALOG
     from atomflow_bench.gpu import tp
+    from atomflow_bench.gpu import step
     from atomflow_bench.gpu.engine import Engine
     from atomflow_bench.gpu.forms import Forms
     from atomflow_bench.gpu.synthetic import GpuSynthetic
@@ -45,24 +47,25 @@ def main(argv=None) -> int:
         return 2
     full = CATALOG[a.model].config
     cfg = tp.local_config(full, a.tp) if a.tp > 1 else full
-    forms = {"A": Forms.parse(a.forms_a), "B": Forms.parse(a.forms_b)}
-    eng = Engine(None, weights=a.fmt, max_seq=a.ctx + a.tokens + 8, source=GpuSynthetic(cfg), forms=forms["A"])
+    configs = [(f, Forms.parse(f.removesuffix("@noroom")), not f.endswith("@noroom")) for f in a.forms]
+    eng = Engine(None, weights=a.fmt, max_seq=a.ctx + a.tokens + 8, source=GpuSynthetic(cfg), forms=configs[0][1])
     copy = copy_bandwidth()
     floor_ms = eng.streamed_bytes(a.ctx + a.tokens / 2)["total"] / (copy["median"] * 1e9) * 1e3
     runs = []
     for r in range(a.rounds):
-        for tag in ("A", "B"):
-            eng.use(forms[tag])
+        for tag, forms, room in configs:
+            step.O_PROJ_ROOM = room
+            eng.use(forms)
             t = time_decode(eng, a.ctx, a.tokens, repeats=3)
             m = t["tpot_ms"]
             per = t["per_token_ms"]  # token i at length ctx + i: medians over quarters of the lengths
             q = len(per) // 4
             quarters = [(a.ctx + k * q, a.ctx + (k + 1) * q - 1, float(np.median(per[k * q:(k + 1) * q])))
                         for k in range(4)]
-            runs.append({"round": r, "form": tag, "forms": forms[tag].text, "tpot_ms": m,
+            runs.append({"round": r, "form": tag, "forms": forms.text, "o_proj_room": room, "tpot_ms": m,
                          "pct_of_floor": 100 * floor_ms / m["median"], "per_token_ms": per, "quarters": quarters,
                          "buckets": by_bucket(eng, t["prompt_len"], per)})
-            print(f"round {r} {tag} {forms[tag].text}: {m['median']:.4f} ms ({m['p10']:.4f}-{m['p90']:.4f}) "
+            print(f"round {r} {tag}: {m['median']:.4f} ms ({m['p10']:.4f}-{m['p90']:.4f}) "
                   f"{100 * floor_ms / m['median']:.1f}% of {floor_ms:.4f} ms; "
                   + " ".join(f"L{lo}-{hi} {v:.4f}" for lo, hi, v in quarters), flush=True)
     out = {"model": a.model, "fmt": a.fmt, "tp": a.tp, "local_config": cfg.to_hf_dict(), "ctx": a.ctx,
