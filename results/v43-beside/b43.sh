@@ -53,6 +53,12 @@ if [ "$PH" = D ]; then  # o_proj's grid leaves the attention's slots (step.O_PRO
   timeout 150 python3 scripts/lab/local_step_ab.py llama-3.1-8b fp8 1 "$R8@noroom" "$R8" --rounds 2 --json $W/8b-fp8-room.json >$W/8b-fp8-room.log 2>&1
   note "8b fp8 rc=$? $(cat $W/8b-fp8-room.log | tail -4 | tr '\n' '|')"
 fi
+if [ "$PH" = T ]; then  # the timeline around layer 10: beside at 1 and 2 windows, plain
+  timeout 200 python3 scripts/lab/beside_timeline.py llama-3.1-70b fp8 4 10 "$B16" 150 250 >$W/tl-beside.log 2>&1
+  note "timeline beside rc=$?"; cat $W/tl-beside.log | tail -30
+  timeout 150 python3 scripts/lab/beside_timeline.py llama-3.1-70b fp8 4 10 "$P16" 150 250 >$W/tl-plain.log 2>&1
+  note "timeline plain rc=$?"; cat $W/tl-plain.log | tail -14
+fi
 if [ "$PH" = B ]; then
   nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
   one() {  # one TAG MODEL FMT TP [extra args]
