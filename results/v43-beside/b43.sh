@@ -59,6 +59,13 @@ if [ "$PH" = T ]; then  # the timeline around layer 10: beside at 1 and 2 window
   timeout 150 python3 scripts/lab/beside_timeline.py llama-3.1-70b fp8 4 10 "$P16" 150 250 >$W/tl-plain.log 2>&1
   note "timeline plain rc=$?"; cat $W/tl-plain.log | tail -14
 fi
+if [ "$PH" = E ]; then  # the pre-wait prefetch flood around the attention: slots before the wait, the L2 tail
+  F() { echo "short:$1;split:$1"; }
+  timeout 420 python3 scripts/lab/local_step_ab.py llama-3.1-70b fp8 4 "$P16" "$(F ws-pre1/l2=16)" "$(F ws-pre2/l2=16)" "$(F ws-pre3/l2=16)" "$(F ws/l2=0)" "beside;$(F ws-pre2/l2=16)" --rounds 2 --json $W/70b-tp4-local-pre.json >$W/70b-tp4-local-pre.log 2>&1
+  note "70b tp4 local rc=$? $(cat $W/70b-tp4-local-pre.log | tail -12 | tr '\n' '|')"
+  timeout 120 python3 scripts/lab/beside_timeline.py llama-3.1-70b fp8 4 10 "$(F ws-pre2/l2=16)" 150 >$W/tl-pre2.log 2>&1
+  note "timeline pre2 rc=$?"; cat $W/tl-pre2.log | tail -8
+fi
 if [ "$PH" = B ]; then
   nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
   one() {  # one TAG MODEL FMT TP [extra args]
