@@ -38,6 +38,8 @@ from .ops.qkv_attention import beside_plan, qkv_attention_launch
 # o_proj's grid leaves the block slots the short attention holds when o_proj starts (ops/gemv.py gemv_grid `held`), so
 # none of its blocks waits for the attention's SMs and then streams its weights after it (PERF_NOTES v43).
 O_PROJ_ROOM = True
+# Lab only (scripts/lab/local_step_ab.py): ring slots before the wait per role, overriding the form's (empty here).
+WS_PRE_ROLE: dict = {}
 from .ops.small import embed_launch
 
 
@@ -64,7 +66,8 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
     def gemv(i, role, x, y, n_out, k, variant=None, **kw):
         w = f"L{i}.{role}"
         return gemv_launch(lib, fmt, variant or ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None,
-                           x, y, n_out, k, n_sm, eps=eps, role=role, ws=form.ws, ws_pre=form.ws_pre, **kw)
+                           x, y, n_out, k, n_sm, eps=eps, role=role, ws=form.ws,
+                           ws_pre=WS_PRE_ROLE.get(role, form.ws_pre), **kw)
 
     def o_proj_held() -> int:
         """Block slots of o_proj's plan that the short attention's blocks hold when o_proj starts: beside QKV one

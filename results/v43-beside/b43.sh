@@ -66,6 +66,11 @@ if [ "$PH" = E ]; then  # the pre-wait prefetch flood around the attention: slot
   timeout 120 python3 scripts/lab/beside_timeline.py llama-3.1-70b fp8 4 10 "$(F ws-pre2/l2=16)" 150 >$W/tl-pre2.log 2>&1
   note "timeline pre2 rc=$?"; cat $W/tl-pre2.log | tail -8
 fi
+if [ "$PH" = F ]; then  # slots before the wait: 3-5 for every GEMV, or per role
+  F() { echo "short:$1;split:$1"; }
+  timeout 500 python3 scripts/lab/local_step_ab.py llama-3.1-70b fp8 4 "$P16" "$(F ws-pre3/l2=16)" "$(F ws-pre4/l2=16)" "$(F ws-pre5/l2=16)" "$P16@gu3" "$P16@gu2" "$P16@gu3@d3" --rounds 2 --json $W/70b-tp4-local-pre2.json >$W/70b-tp4-local-pre2.log 2>&1
+  note "70b tp4 local rc=$? $(cat $W/70b-tp4-local-pre2.log | tail -14 | tr '\n' '|')"
+fi
 if [ "$PH" = B ]; then
   nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
   one() {  # one TAG MODEL FMT TP [extra args]

@@ -3,7 +3,8 @@
 
     scripts/lab/local_step_ab.py MODEL FMT TP FORMS [FORMS ...] [--ctx 128] [--tokens 256] [--rounds 2] [--json FILE]
 
-A FORMS ending in "@noroom" runs with gpu/step.py O_PROJ_ROOM off (o_proj's grid ignores the attention's blocks).
+A FORMS may end in lab overrides of gpu/step.py: "@noroom" (O_PROJ_ROOM off: o_proj's grid ignores the attention's
+blocks), "@<role><N>" (WS_PRE_ROLE: role qkv, o, gu or d fills N ring slots before its wait), e.g. "...@gu3@d3".
 
 The engine holds the rank's local config (gpu/tp.py local_config: a quarter of 70B's heads and MLP at TP 4, the
 embedding and lm_head whole) as a one-GPU model with synthetic weights generated on the GPU, so what it times is the
@@ -47,14 +48,26 @@ def main(argv=None) -> int:
         return 2
     full = CATALOG[a.model].config
     cfg = tp.local_config(full, a.tp) if a.tp > 1 else full
-    configs = [(f, Forms.parse(f.removesuffix("@noroom")), not f.endswith("@noroom")) for f in a.forms]
+    roles = {"qkv": "wqkv", "o": "wo", "gu": "wgu", "d": "wd"}
+
+    def config(text):  # FORMS[@noroom][@<role><slots>...]: lab overrides of gpu/step.py
+        forms, *tags = text.split("@")
+        pre = {}
+        for t in tags:
+            if t != "noroom":
+                r = t.rstrip("0123456789")
+                pre[roles[r]] = int(t[len(r):])
+        return text, Forms.parse(forms), "noroom" not in tags, pre
+
+    configs = [config(f) for f in a.forms]
     eng = Engine(None, weights=a.fmt, max_seq=a.ctx + a.tokens + 8, source=GpuSynthetic(cfg), forms=configs[0][1])
     copy = copy_bandwidth()
     floor_ms = eng.streamed_bytes(a.ctx + a.tokens / 2)["total"] / (copy["median"] * 1e9) * 1e3
     runs = []
     for r in range(a.rounds):
-        for tag, forms, room in configs:
+        for tag, forms, room, pre in configs:
             step.O_PROJ_ROOM = room
+            step.WS_PRE_ROLE = pre
             eng.use(forms)
             t = time_decode(eng, a.ctx, a.tokens, repeats=3)
             m = t["tpot_ms"]
