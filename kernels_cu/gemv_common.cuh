@@ -75,10 +75,7 @@
 #define GEMV_TILE 16        // weight rows per tile (the mma's M)
 
 enum { PRO_PLAIN = 0, PRO_NORM = 1 };
-enum { EPI_STORE = 0, EPI_F32 = 1, EPI_RESID = 2, EPI_SWIGLU = 3, EPI_ROPE = 4, EPI_TPSUM = 5, EPI_ROPE_LL = 6 };
-// EPI_ROPE_LL: EPI_ROPE, and every output pair also pushed as one LL word (tp_ll.cuh) for the attention blocks beside
-// the GEMV's in qkv_attention.cu, which poll them instead of waiting for the grid.
-__host__ __device__ constexpr bool epi_rope(int epi) { return epi == EPI_ROPE || epi == EPI_ROPE_LL; }
+enum { EPI_STORE = 0, EPI_F32 = 1, EPI_RESID = 2, EPI_SWIGLU = 3, EPI_ROPE = 4, EPI_TPSUM = 5 };
 
 // A later GEMV's head, asked into L2 (l2_head; ops/gemv.py head_l2): `count` tiles (that GEMV's first round, one
 // per block), of each the first w_chunk bytes (tile j at w + j * w_stride) and the first s_chunk bytes of its scales
@@ -99,9 +96,6 @@ struct RopeArgs {
   const unsigned char* next_w;    // later weights asked into L2 (next_weights_l2; step.next_l2; 0 bytes: none)
   unsigned long long next_bytes;
   L2Head head;                    // and, before them, o_proj's head (tensor parallel: step.build_step)
-  unsigned long long* ll;         // EPI_ROPE_LL: output o's pair (fp16 x2) as LL word o, at `epoch`
-  unsigned epoch;
-  int gemv_blocks;                // EPI_ROPE_LL: the grid's first gemv_blocks blocks run the GEMV
 };
 
 // One GEMV's operands (unused ones 0). x: const float* (fp32 residual) with PRO_NORM, else const half*.
@@ -125,12 +119,10 @@ struct TpArgs {
   L2Head head;
 };
 
-// This block's share of `h` (one tile in gridDim.x, or with BESIDE in the grid's first `gemv_blocks`: the blocks
-// that share it), by bulk prefetches (sm_90+).
-template <bool BESIDE = false>
-__device__ __forceinline__ void l2_head(const L2Head& h, int gemv_blocks = 0) {
+// This block's share of `h` (one tile in gridDim.x), by bulk prefetches (sm_90+).
+__device__ __forceinline__ void l2_head(const L2Head& h) {
 #if AF_HAS_BULK
-  for (int j = blockIdx.x; j < h.count; j += BESIDE ? (unsigned)gemv_blocks : gridDim.x) {
+  for (int j = blockIdx.x; j < h.count; j += gridDim.x) {
     bulk_prefetch_l2(h.w + (size_t)j * h.w_stride, h.w_chunk);
     if (h.s_chunk) bulk_prefetch_l2(h.s + (size_t)j * h.s_stride, h.s_chunk);
   }
@@ -152,7 +144,7 @@ template <int EPI>
 __device__ __forceinline__ EpiOperand epilogue_operand_of(const GemvArgs& a, const RopeArgs& rope, int o) {
   EpiOperand p{0.f, make_float2(1.f, 0.f)};
   if (EPI == EPI_RESID || EPI == EPI_TPSUM) p.h = __ldcg(reinterpret_cast<const float*>(a.y) + o);
-  if (epi_rope(EPI)) {
+  if (EPI == EPI_ROPE) {
     const int half_d = rope.hd / 2;
     if (o / half_d < rope.n_q + rope.n_kv) p.cs = rope.cos_sin[(size_t)*rope.pos * half_d + o % half_d];
   }
@@ -171,7 +163,7 @@ template <int EPI>
 __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs& rope, int o, float acc0, float acc1,
                                               const EpiOperand pre = EpiOperand{}, bool have_pre = false,
                                               const TpArgs& tp = TpArgs{}) {
-  const int half_d = epi_rope(EPI) ? rope.hd / 2 : 1;
+  const int half_d = EPI == EPI_ROPE ? rope.hd / 2 : 1;
   if (EPI == EPI_TPSUM) {  // this rank's row of every rank's buffer (h is summed by tp_sum_finish)
     const unsigned e = tp.seq[blockIdx.x] + 1u;
     for (int s = 0; s < tp.n; ++s)
@@ -202,9 +194,6 @@ __device__ __forceinline__ void gemv_epilogue(const GemvArgs& a, const RopeArgs&
     __half* out = reinterpret_cast<__half*>(a.y) + (size_t)head * rope.hd + i;
     out[0] = h0;
     out[half_d] = h1;
-    if (EPI == EPI_ROPE_LL)  // the pair for the attention blocks (qkv_attention.cu AtsFromLL): one posted store
-      ll_store(rope.ll + o, __uint_as_float((unsigned)__half_as_ushort(h0) | ((unsigned)__half_as_ushort(h1) << 16)),
-               rope.epoch);
     if (head >= rope.n_q) {
       const int kvh = head - rope.n_q;  // k heads first, then v heads
       __half* cache = kvh < rope.n_kv ? rope.k_cache : rope.v_cache;
@@ -253,7 +242,7 @@ template <int EPI, class Sync>
 __device__ __forceinline__ void gemv_arrive_wait(const Sync& sync) {
   if (EPI == EPI_RESID || EPI == EPI_TPSUM) pdl_launch_dependents();
   // the AF_NO_WAIT bit (common.cuh) of this epilogue
-  constexpr int bit = epi_rope(EPI) ? 1 : (EPI == EPI_RESID || EPI == EPI_TPSUM) ? 4 : EPI == EPI_SWIGLU ? 8 : 0;
+  constexpr int bit = EPI == EPI_ROPE ? 1 : (EPI == EPI_RESID || EPI == EPI_TPSUM) ? 4 : EPI == EPI_SWIGLU ? 8 : 0;
   if (AF_NO_WAIT & bit) {
     pdl_launch_dependents();
   } else {
@@ -277,16 +266,12 @@ __device__ __forceinline__ void gemv_w_copy(void* dst, const void* src, unsigned
   bulk_g2s_hint(dst, src, bytes, bar, l2_evict_first());
 }
 #endif
-// (EPI_ROPE_LL: shared by the grid's first rope.gemv_blocks, the blocks that run the GEMV.)
 template <int EPI>
 __device__ __forceinline__ void next_weights_l2(const RopeArgs& rope, bool issuer) {
-  constexpr bool BESIDE = EPI == EPI_ROPE_LL;
-  if (epi_rope(EPI) && issuer) l2_head<BESIDE>(rope.head, rope.gemv_blocks);  // o_proj's head first: read first
+  if (EPI == EPI_ROPE && issuer) l2_head(rope.head);  // o_proj's head first: it is read first
 #if AF_HAS_BULK
-  if (epi_rope(EPI) && issuer && rope.next_bytes) {
-    const unsigned long long share =
-        ((rope.next_bytes + (BESIDE ? (unsigned)rope.gemv_blocks : gridDim.x) - 1) /
-             (BESIDE ? (unsigned)rope.gemv_blocks : gridDim.x) + 15) & ~15ull;
+  if (EPI == EPI_ROPE && issuer && rope.next_bytes) {
+    const unsigned long long share = ((rope.next_bytes + gridDim.x - 1) / gridDim.x + 15) & ~15ull;
     const unsigned long long end = min(share * (blockIdx.x + 1), rope.next_bytes);
     for (unsigned long long b = share * blockIdx.x; b < end; b += 32768)
       bulk_prefetch_l2(rope.next_w + b, (unsigned)min(32768ull, end - b));
@@ -513,7 +498,7 @@ __device__ __forceinline__ void tile_epilogue(const GemvArgs& a, const RopeArgs&
 template <int PRO, int EPI, class Sync>
 __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope, const Sync sync,
                                            unsigned char* smem_raw, const TpArgs tp = TpArgs{}) {
-  constexpr int R = (EPI == EPI_SWIGLU || epi_rope(EPI)) ? 2 : 1;  // weight rows per output
+  constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;  // weight rows per output
   constexpr int KU = 16;                                              // inputs per unit (lane: 16 bytes)
   constexpr int UPG = 128 / KU;                                       // units per group of 128 inputs
   constexpr int LOADS = GEMV_LOADS_F16;                               // 16-byte loads per lane per batch
@@ -597,7 +582,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
 template <int PRO, int EPI, int NS, class Sync>
 __device__ __forceinline__ void gemv_tiled_async(const GemvArgs a, const RopeArgs rope, const Sync sync,
                                                  unsigned char* smem_raw, const TpArgs tp = TpArgs{}) {
-  constexpr int R = (EPI == EPI_SWIGLU || epi_rope(EPI)) ? 2 : 1;
+  constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
   constexpr int KU = 32, UPG = 128 / KU;  // a ring slot: one group of 128 inputs, 2 KB per warp (+ its scales)
   constexpr int SLOT = UPG * 512, SSLOT = AF_WARP * 8;  // bytes of a warp's slot: weights, scales area
   const int K = a.K;
@@ -721,7 +706,7 @@ __device__ __forceinline__ void ws_slot_mma(float (&d)[4], float (&acc)[2], cons
 template <bool FP8, int PRO, int EPI>
 __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs rope, unsigned char* smem_raw,
                                               const int npre, const TpArgs tp = TpArgs{}) {
-  constexpr int R = (EPI == EPI_SWIGLU || epi_rope(EPI)) ? 2 : 1;
+  constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
   constexpr int NWC = GEMV_THREADS / AF_WARP;                   // consumer warps
   constexpr int KU = FP8 ? 32 : 16, UPG = 128 / KU;            // inputs per 512-byte unit, units per group
   constexpr int GPS = GEMV_WS_SLOT / (UPG * 512);              // groups per slot: fp8 8, fp16 4
@@ -731,9 +716,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, t = lane & 3;
   const int nunits = K / KU, ngroups = (K + 127) >> 7, spt = (ngroups + GPS - 1) / GPS;  // slots per tile
   const int ntiles = a.n_out * R / GEMV_TILE;
-  // the blocks that run the GEMV (read where used, as gridDim.x was: the other instances' code stays the same)
-#define WS_NB (EPI == EPI_ROPE_LL ? (unsigned)rope.gemv_blocks : gridDim.x)
-  const int my_tiles = blockIdx.x < ntiles ? (ntiles - blockIdx.x + WS_NB - 1) / WS_NB : 0;
+  const int my_tiles = blockIdx.x < ntiles ? (ntiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
   const int tile_bytes = nunits * 512;
   __half* xs = reinterpret_cast<__half*>(smem_raw);
   float* red = reinterpret_cast<float*>(smem_raw + K * sizeof(__half));
@@ -756,11 +739,11 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   }
   __syncthreads();  // the only whole-block barrier: the producer leaves below
 
-  if (warp == NWC) {  // the producer: slot n of the block's stream = tile blockIdx.x + (n / spt) * WS_NB, part n % spt
+  if (warp == NWC) {  // the producer: slot n of the block's stream = tile blockIdx.x + (n / spt) * gridDim.x, part n % spt
     if (lane == 0) {
       const int total = my_tiles * spt;
       auto part = [&](int n, int& T, int& g0, int& g1, int& u0, int& u1) {  // slot n's tile, groups and units
-        T = blockIdx.x + (n / spt) * WS_NB;
+        T = blockIdx.x + (n / spt) * gridDim.x;
         g0 = (n % spt) * GPS;
         g1 = min(ngroups, g0 + GPS);
         u0 = g0 * UPG;
@@ -792,7 +775,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
   int n = 0;
-  for (int T = blockIdx.x, parity = 0; T < ntiles; T += WS_NB, parity ^= 1) {
+  for (int T = blockIdx.x, parity = 0; T < ntiles; T += gridDim.x, parity ^= 1) {
     float acc[2] = {0.f, 0.f}, d[4] = {0.f, 0.f, 0.f, 0.f};
     for (int p = 0; p < spt; ++p, ++n) {
       const int slot = n % NS;
@@ -809,7 +792,6 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   tp_sum_finish<EPI>(a, tp, pre);
   next_weights_l2<EPI>(rope, threadIdx.x == 0);
   AF_TL_MARK(2);  // timeline: epilogue done
-#undef WS_NB
 }
 #endif
 

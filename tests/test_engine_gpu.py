@@ -213,51 +213,6 @@ def test_attention_buckets(tiny_dir):
     assert split_only.bucket(1) is None and len(split_only.launches[2].grid) == 2
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_beside_bucket(tiny_dir, fmt):
-    """The attention beside QKV (forms `beside`, qkv_attention.cu) serves the lengths up to its capacity (windows x
-    positions per window), then the short kernel, then the split one; a layer then has 4 launches, not 5. Its logits
-    after a prompt (forced tokens, so nothing diverges): bit-identical to the same GEMV form without it while one
-    window holds the positions (the same mma order, the same attention code on the same fp16 inputs), within fp16
-    rounding where the windows combine (measured 1.1e-3 relative at length 255 of the tiny model); graph replays crossing into the short bucket give the eager tokens."""
-    if device_cc() < 90:
-        pytest.skip("the attention beside QKV runs the warp-specialised GEMV (sm_90+)")
-    g = GemvForm(True, None, 8)
-    plain, beside = Forms(True, g, g), Forms(True, g, g, beside=True)
-    eng = Engine(tiny_dir, weights=fmt, max_seq=900, forms=plain)
-    plain_launches = len(eng.variants[eng.short_capacity])
-    eng.use(beside)
-    bcap, cap = eng.beside_cap, eng.short_capacity
-    launch = eng.variants[bcap][1]
-    window, windows = int(launch.args[-3]), int(launch.args[-2])
-    assert launch.name == "qkv_attention" and windows > 1 and bcap == window * windows
-    assert 0 < bcap < cap < 900 and eng.att_caps == [bcap, cap] and list(eng.variants) == [bcap, cap, None]
-    assert eng.bucket(bcap) == bcap and eng.bucket(bcap + 1) == cap and eng.bucket(cap + 1) is None
-    steps = eng.variants[bcap]
-    assert len(steps) == plain_launches - eng.cfg.num_hidden_layers
-    assert [ln.name for ln in steps].count("qkv_attention") == eng.cfg.num_hidden_layers
-    assert not any(ln.name == "attention_decode" for ln in steps)
-    rng = np.random.default_rng()
-    for n in (window // 2, window, window + 1, bcap - 1, bcap):  # one window; 2; all of them
-        prompt = [int(t) for t in rng.integers(0, 1000, n)]
-        logits = {}
-        for forms in (plain, beside):
-            eng.use(forms)
-            eng.reset(prompt)
-            eng.run(n - 1)
-            eng.stream.synchronize()
-            logits[forms.beside] = eng.arena["logits"].get().astype(np.float64)
-        if n <= window:
-            np.testing.assert_array_equal(logits[True], logits[False], err_msg=f"length {n}")
-        else:
-            err = np.linalg.norm(logits[True] - logits[False]) / np.linalg.norm(logits[False])
-            assert err < 5e-3, f"length {n}: rel err {err:.2e}"  # attn_out's fp16 roundings differ, 3 layers on
-    eng.use(beside)
-    prompt = [int(t) for t in rng.integers(0, 1000, bcap - 12)]  # beside -> short
-    graph = eng.generate(prompt, 24)
-    assert eng.generate(prompt, 24, graph=False) == graph
-
-
 def layer_gemvs(launches) -> list:
     return [ln for ln in launches if ln.name.startswith("gemv_") and " lm_head " not in ln.label]
 

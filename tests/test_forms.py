@@ -67,16 +67,6 @@ def test_forms_text_round_trips_and_refuses_nonsense():
     for bad in ("", "long:ring", "short:ring;short:ws", "ring", "short=ring"):
         with pytest.raises(AtomflowError, match="forms"):
             Forms.parse(bad)
-    beside = Forms.parse("beside;short:ws/l2=16;split:ws/l2=16")
-    assert beside == Forms(True, GemvForm(True, None, 16), GemvForm(True, None, 16), beside=True)
-    assert beside.text == "beside;short:ws/l2=16;split:ws/l2=16" and Forms.parse(beside.text) == beside
-    assert not Forms.parse("short:ws/l2=16").beside
-    for bad in ("beside;split:ws", "beside;short:ring/l2=8", "beside;beside;short:ws", "beside"):
-        with pytest.raises(AtomflowError, match="forms"):
-            Forms.parse(bad)
-    with pytest.raises(AtomflowError, match="beside needs sm_90"):
-        beside.check(89)
-    assert beside.check(90) == beside
 
 
 def test_forms_before_sm90_refuse_bulk_copies():

@@ -8,7 +8,7 @@ they wrote:
 * the argmax combine (both paths): ties across ranks go to the smaller global index, NaN never wins, a rank that saw
   nothing is skipped, nobody: token 0; the step state advanced as argmax_finish does;
 * the TP2 engine on a tiny random checkpoint (fp16 and fp8, both paths; peer: the sums fused into o_proj / down,
-  gemv_common.cuh EPI_TPSUM; and peer with the attention beside QKV, qkv_attention.cu) against the one-GPU engine on the same
+  gemv_common.cuh EPI_TPSUM) against the one-GPU engine on the same
   weights: every probe's cosine, the residual stream bit-identical on every rank, graph replays giving the eager
   tokens;
 * `atomflow-bench run --tp 2` end to end: the launcher, the record's tp block, the exchanges timed.
@@ -90,9 +90,9 @@ def test_tp2_engine_matches_one_gpu(tmp_path):
     res = json.loads((tmp_path / "engine-rank0.json").read_text())
     for fmt in ("fp16", "fp8"):
         ref = res[f"{fmt}-tp1"]
-        for path in ("peer", "nccl", "beside"):
+        for path in ("peer", "nccl"):
             got = res[f"{fmt}-{path}"]
-            assert got["path"] == ("peer" if path == "beside" else path)
+            assert got["path"] == path
             assert all(got["h_equal"]), f"{fmt} {path}: h differs between ranks"
             assert got["graph"] == got["eager"], f"{fmt} {path}: graph tokens != eager tokens"
             for pos, (a, b) in enumerate(zip(got["probes"], ref["probes"])):

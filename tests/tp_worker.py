@@ -88,17 +88,13 @@ def engine(group, out: Path, model_dir: str) -> dict:
     import cupy
 
     from atomflow_bench.gpu.engine import Engine
-    from atomflow_bench.gpu.forms import Forms
 
     seq = [int(t) for t in np.random.default_rng(7).integers(0, 1000, 12)]
     names = ["embed", "layers.0.attn", "layers.0.mlp", "layers.2.mlp", "final_norm", "logits"]
     res = {}
     for fmt in ("fp16", "fp8"):
-        for path in ("peer", "nccl", "beside"):  # beside: peer sums, the attention beside QKV (qkv_attention.cu)
-            forms = Forms.parse("beside;short:ws/l2=8;split:ws/l2=8") if path == "beside" else None
-            eng = Engine(model_dir, weights=fmt, max_seq=32, group=group, allreduce="peer" if path == "beside" else path,
-                         forms=forms)
-            assert (eng.beside_cap > 0) == (path == "beside")
+        for path in ("peer", "nccl"):
+            eng = Engine(model_dir, weights=fmt, max_seq=32, group=group, allreduce=path)
             eng.reset(seq)
             probes, h_equal = [], []
             for _ in range(len(seq)):

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import GROUP, ModelConfig
 from ..errors import AtomflowError
-from .ops import attention, gemv, lm_head, qkv_attention
+from .ops import attention, gemv, lm_head
 
 ALIGN = 256
 POOLS = ("weights", "kv", "activations", "scratch")
@@ -112,10 +112,6 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132, lm_hea
     p.add("scratch", "att_counters", (L, cfg.num_key_value_heads * attention.blocks_per_kv(cfg.group_size)),
           np.uint32)  # a ticket per head group
     am_blocks = lm_head.partial_blocks(V, n_sm)  # argmax partials: one per block of the lm_head launch
-    # the attention beside QKV (ops/qkv_attention.py): its LL words and its blocks' epochs, zero until first used
-    p.add("scratch", "att_ll", (cfg.qkv_dim // 2,), np.uint64)
-    p.add("scratch", "att_seq", (qkv_attention.seq_size(n_sm),), np.uint32)
-    p.add("scratch", "att_part", (qkv_attention.part_words(cfg),), np.uint64)
     p.add("scratch", "am_val", (am_blocks,), np.float32)
     p.add("scratch", "am_idx", (am_blocks,), np.int32)
     p.add("scratch", "am_counter", (1,), np.uint32)

@@ -5,8 +5,7 @@
     eng.reset(prompt_ids); taps = eng.step_eager(taps=True)        # probes from the same launches
 
 The step exists in one form per attention bucket: with `forms.short_attention` the short kernel serves the lengths
-up to its capacity and the split kernel those beyond, each bucket with its own layer-GEMV form (forms.Forms); with
-`forms.beside` the shortest lengths run the attention beside QKV (ops/qkv_attention.py), in the short bucket's form. The
+up to its capacity and the split kernel those beyond, each bucket with its own layer-GEMV form (forms.Forms). The
 step advances the position by exactly one, so the engine keeps a host copy of it and runs every step with the
 bucket of its context length. The forms come in resolved (given, saved by `tune`, or forms.default_forms): the
 engine never times anything itself.
@@ -32,7 +31,6 @@ from .forms import Forms, GemvForm, default_forms, tp_defaults
 from .graph import StepGraph
 from .nvrtc import KernelLib
 from .ops.attention import short_capacity
-from .ops.qkv_attention import beside_capacity
 from .step import build_step, run_eager
 from .upload import upload_weights
 
@@ -96,8 +94,7 @@ class Engine:
         """One bucket's step: the short attention kernel at capacity `cap`, or (None) the split kernel. `tp_path`:
         the exchanges' path if not the run's (ops/tp_comm.py; "local": none at all, for timing)."""
         launches = build_step(self.layer_cfg, self.fmt, self.arena, self.lib, self.gpu["sms"], cap, form, tp=self.tp,
-                              vocab_rows=self.shard.vocab_rows if self.shard else None, tp_path=tp_path,
-                              beside=bool(cap) and cap == self.beside_cap)
+                              vocab_rows=self.shard.vocab_rows if self.shard else None, tp_path=tp_path)
         if self.pdl:
             for ln in launches[1:]:
                 ln.enable_pdl()
@@ -108,10 +105,8 @@ class Engine:
         first replay."""
         self.forms = forms.check(self.cc)
         cap = self.short_capacity if forms.short_attention else 0
-        # beside: the lengths its own capacity holds (0 where the shape cannot run it: the short kernel then)
-        self.beside_cap = min(cap, beside_capacity(self.layer_cfg, self.fmt, self.gpu["sms"])) if forms.beside else 0
-        self.att_caps = sorted({c for c in (self.beside_cap, cap) if c})
-        self.variants = {c: self.bucket_launches(c, forms.gemv) for c in self.att_caps}
+        self.att_caps = [cap] if cap else []
+        self.variants = {cap: self.bucket_launches(cap, forms.gemv)} if cap else {}
         if not cap or self.max_seq > cap:  # lengths beyond the short bucket
             self.variants[None] = self.bucket_launches(None, forms.gemv_split)
         self._graphs: dict = {}
@@ -136,8 +131,7 @@ class Engine:
         self.position = 0
 
     def bucket(self, length: int):
-        """The attention bucket of a step at context length `length` (capacity, or None: the split kernel; the
-        beside bucket's capacity is `beside_cap`)."""
+        """The attention bucket of a step at context length `length` (capacity, or None: the split kernel)."""
         return next((c for c in self.att_caps if length <= c), None)
 
     def gemv_form_of(self, length: int) -> GemvForm:

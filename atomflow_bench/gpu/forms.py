@@ -1,14 +1,12 @@
 """Launch policy as one typed value: which form of each op a decode step runs.
 
-A step has one to three attention buckets: with `short_attention` the short kernel serves every length up to its
+A step has one or two attention buckets: with `short_attention` the short kernel serves every length up to its
 capacity (ops/attention.short_capacity) and the split kernel the lengths beyond; without it the split kernel serves
-all. With `beside` (and short attention, in the ws form) the lengths up to the beside capacity run the short
-attention's blocks beside QKV's in one grid (ops/qkv_attention.py), the short kernel those up to its own. Each bucket runs the layer GEMVs in one form (`GemvForm`): warp-specialised or the ring path, the slots filled
+all. Each bucket runs the layer GEMVs in one form (`GemvForm`): warp-specialised or the ring path, the slots filled
 before the PDL wait, and how many MB of gate/up's weights QKV asks into L2. The text form, for the CLI's --forms
 and ATOMFLOW_FORMS, is
 
     short:<gemv>;split:<gemv>      e.g.  short:ws-pre2/l2=8;split:ring/l2=0
-    beside;short:<gemv>;split:<gemv>   the attention beside QKV where it fits (the short bucket's form, ws)
     split:<gemv>                   the split kernel for every length
     <gemv> = ring | ws | ws-pre<N>, then /l2=<MB>
 
@@ -65,41 +63,31 @@ class Forms:
     short_attention: bool     # the short kernel serves lengths up to its capacity (else the split one serves all)
     gemv: GemvForm            # the layer GEMVs of the short bucket (unused without short attention)
     gemv_split: GemvForm      # the layer GEMVs of the split bucket
-    beside: bool = False      # the short bucket's shortest lengths with the attention beside QKV (qkv_attention.cu)
 
     @property
     def text(self) -> str:
         split = f"split:{self.gemv_split.text}"
-        short = f"short:{self.gemv.text};{split}" if self.short_attention else split
-        return f"beside;{short}" if self.beside else short
+        return f"short:{self.gemv.text};{split}" if self.short_attention else split
 
     @classmethod
     def parse(cls, text: str) -> "Forms":
         parts: dict[str, GemvForm] = {}
-        beside = False
         for seg in filter(None, (s.strip() for s in text.split(";"))):
-            if seg == "beside" and not beside:
-                beside = True
-                continue
             bucket, sep, form = seg.partition(":")
             if not sep or bucket not in ("short", "split") or bucket in parts:
-                raise AtomflowError(f"forms {text!r}: expected [beside;]short:<gemv>;split:<gemv> or split:<gemv> "
+                raise AtomflowError(f"forms {text!r}: expected short:<gemv>;split:<gemv> or split:<gemv> "
                                     "(<gemv> = ring | ws | ws-pre<N>, then /l2=<MB>)")
             parts[bucket] = GemvForm.parse(form)
         if not parts:
             raise AtomflowError("forms: empty")
         short = parts.get("short")
-        if beside and (short is None or not short.ws):
-            raise AtomflowError(f"forms {text!r}: beside needs a short bucket in the ws form (short:ws...)")
-        return cls(short is not None, short or parts["split"], parts.get("split", short), beside)
+        return cls(short is not None, short or parts["split"], parts.get("split", short))
 
     def bucket_form(self, short: bool) -> GemvForm:
         return self.gemv if short else self.gemv_split
 
     def check(self, cc: int) -> "Forms":
-        """Refuse what this GPU cannot run (one line): ws, the L2 prefetch and beside need sm_90+ (bulk copies)."""
-        if self.beside and (cc < 90 or not self.short_attention or not self.gemv.ws):
-            raise AtomflowError(f"forms {self.text!r}: beside needs sm_90+ and a short bucket in the ws form")
+        """Refuse what this GPU cannot run (one line): ws and the L2 prefetch need sm_90+ (bulk copies)."""
         for g in {self.gemv, self.gemv_split}:
             if cc < 90 and (g.ws or g.l2_tail_mb):
                 raise AtomflowError(f"forms {self.text!r}: ws and /l2=<MB> need sm_90+ (bulk copies); this GPU is "
@@ -117,8 +105,10 @@ def default_forms(fmt: str, cc: int, short_capacity: int) -> Forms:
 
 # W8A16 under tensor parallel: the warp-specialised form, measured against the one-GPU default (ring/l2=8) on 70B TP2:
 # 14.109 vs 14.839 ms (docs/PERF_NOTES.md v40.1); with 16 MB of L2 tail since the heads of o_proj and of the GEMVs
-# after each sum are asked into L2 too (v42.2, 70B TP4: l2=16 7.290 ms, 24 7.319, 32 7.344, 8 7.284 once).
-TP_FP8_GEMV = "ws/l2=16"
+# after each sum are asked into L2 too (v42.2, 70B TP4: l2=16 7.290 ms, 24 7.319, 32 7.344, 8 7.284 once); 3 ring
+# slots before the wait rather than all 6 (v43: 70B's TP4 rank step on one GPU -20 µs, three calls; 1, 2, 4, 5 and
+# gate/up alone at 2-3 slower or the same): less of the next GEMVs' weights in flight while the attention chain runs.
+TP_FP8_GEMV = "ws-pre3/l2=16"
 
 
 def tp_defaults(forms: Forms, fmt: str, cc: int) -> Forms:

@@ -44,8 +44,6 @@ _MACRO_INSTANCE = re.compile(r"^(?:GEMV_(?:ROPE_|ROWS_|ROWS_ARGMAX_|WS_|WS_ROPE_
                              r"|GEMV_(?:ROPE_|TP_)?RING_INSTANCES\((\w+)[,)]"  # NAME_r<depth> for every depth
                              r"|ATTENTION_(SHORT_)?INSTANCE\((\d+), (\d+)\))", re.M)  # attention_{decode,short}_hd<HD>_g<G>
 _RING_DEPTH = re.compile(r"GEMV_RING_INSTANCE\(NAME, PRO, EPI, (\d+)\)")  # in GEMV_RING_INSTANCES' definition
-_BESIDE = re.compile(r"^QKV_ATTENTION_GROUPS\((\d+), \w+, (\d+)\)", re.M)  # qkv_attention_f<F>_hd<HD>_g<G>, every G
-_BESIDE_GROUP = re.compile(r"QKV_ATTENTION_INSTANCE\(F, FP8, HD, (\d+)\)")  # in QKV_ATTENTION_GROUPS' definition
 
 
 def expand_source(path: Path, seen: set | None = None) -> str:
@@ -77,9 +75,6 @@ def kernel_names(path: Path) -> list[str]:
             names += [f"{ring}_r{d}" for d in ring_depths(path)]
         else:
             names.append(gemv or f"attention_{'short' if short else 'decode'}_hd{hd}_g{g}")
-    groups = _BESIDE_GROUP.findall(path.read_text())
-    for f, hd in _BESIDE.findall(text):
-        names += [f"qkv_attention_f{f}_hd{hd}_g{g}" for g in groups]
     return names
 
 

@@ -7,10 +7,9 @@ runs eagerly (`run_eager`, optionally copying probes out after each launch) or i
     gemv  QKV      RMSNorm prologue (input_layernorm), q|k|v rows stacked; epilogue: RoPE on q and k,
                    k and v appended to the cache at pos                        -> qkv (fp16)
     attention      GQA over cache[0..pos] -> attn_out (fp16): the short kernel (whole K/V range in shared memory)
-                   in the short bucket, the split kernel beyond it; in the beside bucket the short attention's
-                   blocks run in QKV's grid instead (ops/qkv_attention.py: 4 launches per layer)
+                   in the short bucket, the split kernel beyond it
     gemv  o_proj   residual epilogue                                           h += Wo . attn_out
-                   (tensor parallel: + the sum across ranks, ops/tp_comm.py; while the ranks meet, the next
+                   (its grid leaves the block slots the short attention holds: o_proj_held; tensor parallel: + the sum across ranks, ops/tp_comm.py; while the ranks meet, the next
                    GEMV's head is asked into L2, as QKV asks o_proj's: ops/gemv.py head_l2)
     gemv  gate/up  RMSNorm prologue (post_attention_layernorm), SwiGLU epilogue -> act (fp16)
     gemv  down     residual epilogue                                           h += Wd . act
@@ -30,22 +29,14 @@ from .forms import GemvForm
 from .launch import Launch
 from .nvrtc import KernelLib
 from .ops import lm_head, tp_comm
-from .ops.attention import attention_launch, attention_short_launch
-from .ops.attention import blocks_per_kv
+from .ops.attention import attention_launch, attention_short_launch, blocks_per_kv
 from .ops.gemv import ROLE_VARIANT, gemv_launch, gemv_plan_of, head_l2, linear_regions, next_l2
-from .ops.qkv_attention import beside_plan, qkv_attention_launch
-
-# o_proj's grid leaves the block slots the short attention holds when o_proj starts (ops/gemv.py gemv_grid `held`), so
-# none of its blocks waits for the attention's SMs and then streams its weights after it (PERF_NOTES v43).
-O_PROJ_ROOM = True
-# Lab only (scripts/lab/local_step_ab.py): ring slots before the wait per role, overriding the form's (empty here).
-WS_PRE_ROLE: dict = {}
 from .ops.small import embed_launch
 
 
 def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, att_cap: int | None,
                form: GemvForm, tp=None, vocab_rows: tuple[int, int] | None = None,
-               tp_path: str | None = None, beside: bool = False) -> list[Launch]:
+               tp_path: str | None = None) -> list[Launch]:
     """The step's launches, each with its probes as taps (validation copies them after each launch). `att_cap`: the
     short attention kernel holding that many positions (lengths up to it), else (None) the split kernel. `form`: the
     layer GEMVs' form.
@@ -54,32 +45,22 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
     rows): o_proj and down run the variant tp.gemv_target says (peer: resid_tp, which sums across ranks itself),
     followed by tp.sum_launches (nccl: the all-reduce; the last launch carries the h probe); the lm_head finds the
     rank's best over its rows and tp's combine picks the token and advances the position. `tp_path` overrides the
-    run's path (ops/tp_comm.py; "local": no exchange, for timing). `beside`: the attention's blocks in QKV's grid
-    (ops/qkv_attention.py, at its plan's capacity: `att_cap` must not exceed it; `form` must be ws)."""
+    run's path (ops/tp_comm.py; "local": no exchange, for timing)."""
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_norm_eps
     h, qkv, attn_out, act = (a[n] for n in ("h", "qkv", "attn_out", "act"))
     rows = linear_regions(cfg)
-    if beside and not (att_cap and form.ws):
-        raise AtomflowError("the attention beside QKV needs the short attention's capacity and the ws form")
 
     def gemv(i, role, x, y, n_out, k, variant=None, **kw):
         w = f"L{i}.{role}"
         return gemv_launch(lib, fmt, variant or ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None,
-                           x, y, n_out, k, n_sm, eps=eps, role=role, ws=form.ws,
-                           ws_pre=WS_PRE_ROLE.get(role, form.ws_pre), **kw)
+                           x, y, n_out, k, n_sm, eps=eps, role=role, ws=form.ws, ws_pre=form.ws_pre, **kw)
 
-    def o_proj_held() -> int:
-        """Block slots of o_proj's plan that the short attention's blocks hold when o_proj starts: beside QKV one
-        each (at most the plan's windows per head group), as a kernel of its own a whole SM each."""
-        if not O_PROJ_ROOM or not att_cap:
-            return 0
-        n_att = cfg.num_key_value_heads * blocks_per_kv(cfg.group_size)
-        if beside:
-            return n_att * beside_plan(fmt, *rows["wqkv"], cfg.num_key_value_heads, cfg.group_size, hd, n_sm)[3]
-        return n_att * gemv_plan_of(fmt, ROLE_VARIANT["wo"], *rows["wo"], n_sm, form.ws)[2]
-
-    held = {"wo": o_proj_held()}
+    # o_proj's grid leaves the block slots the short attention's blocks hold (each a whole SM) when it starts, so none
+    # of its blocks waits for those SMs and then streams its weights after the attention (ops/gemv.py gemv_grid
+    # `held`; PERF_NOTES v43: -9 µs on 8B W8A16, -5 to -17 on 70B's TP4 rank step)
+    held = {"wo": cfg.num_key_value_heads * blocks_per_kv(cfg.group_size)
+            * gemv_plan_of(fmt, ROLE_VARIANT["wo"], *rows["wo"], n_sm, form.ws)[2] if att_cap else 0}
 
     def head(i, role, slots):
         """What layer i's `role` GEMV reads first (ops/gemv.py head_l2), asked into L2 by an earlier kernel."""
@@ -104,29 +85,18 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
     steps = [embed_launch(lib, a["cur_token"], a["embed"], h, taps={"embed": h})]
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
-        rope = (a["rope_cs"], a["pos"], a["k_cache"][i], a["v_cache"][i], cfg.num_attention_heads,
-                cfg.num_key_value_heads, hd, next_l2(a[f"L{i}.wgu"], form.l2_tail_mb))
-        qkv_head = None if tp is None else head(i, "wo", tp_comm.QKV_HEAD_SLOTS)
-        qkv_taps = {p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}
-        if beside:
-            w = f"L{i}.wqkv"
-            steps.append(qkv_attention_launch(lib, fmt, a[w], a[w + ".scale"] if fmt == "fp8" else None, h, qkv,
-                                              a[f"L{i}.attn_norm"], eps, rope, attn_out, a["att_ll"], a["att_seq"],
-                                              a["att_part"], n_sm, ws_pre=form.ws_pre, head=qkv_head,
-                                              taps={**qkv_taps, p + "attn_out": attn_out}))
-        else:
-            steps += [
-                gemv(i, "wqkv", h, qkv, rows["wqkv"][0] // 2, H, norm_w=a[f"L{i}.attn_norm"], rope=rope,
-                     head=qkv_head, taps=qkv_taps),
-                attention_short_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], attn_out,
-                                       cfg.num_key_value_heads, cfg.group_size, hd, att_cap,
-                                       taps={p + "attn_out": attn_out})
-                if att_cap else
-                attention_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], a["att_ml"], a["att_o"],
-                                 a["att_counters"][i], attn_out, cfg.num_key_value_heads, cfg.group_size, hd,
-                                 taps={p + "attn_out": attn_out}),
-            ]
         steps += [
+            gemv(i, "wqkv", h, qkv, rows["wqkv"][0] // 2, H, norm_w=a[f"L{i}.attn_norm"],
+                 rope=(a["rope_cs"], a["pos"], a["k_cache"][i], a["v_cache"][i], cfg.num_attention_heads,
+                       cfg.num_key_value_heads, hd, next_l2(a[f"L{i}.wgu"], form.l2_tail_mb)),
+                 head=None if tp is None else head(i, "wo", tp_comm.QKV_HEAD_SLOTS),
+                 taps={p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}),
+            attention_short_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], attn_out,
+                                   cfg.num_key_value_heads, cfg.group_size, hd, att_cap, taps={p + "attn_out": attn_out})
+            if att_cap else
+            attention_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], a["att_ml"], a["att_o"],
+                             a["att_counters"][i], attn_out, cfg.num_key_value_heads, cfg.group_size, hd,
+                             taps={p + "attn_out": attn_out}),
             *resid(i, "wo", attn_out, q_dim, p + "attn"),
             gemv(i, "wgu", h, act, I, H, norm_w=a[f"L{i}.mlp_norm"], taps={p + "act": act}),
             *resid(i, "wd", act, I, p + "mlp"),

@@ -82,10 +82,7 @@ def by_bucket(engine, context: int, per_token_ms: list[float]) -> list[dict]:
         g = groups.setdefault(engine.bucket(L), {"attention": engine.bucket(L), "lengths": [L, L], "ms": []})
         g["lengths"][1] = L
         g["ms"].append(t)
-    def name(cap):
-        return "split" if cap is None else f"{'beside' if cap == getattr(engine, 'beside_cap', 0) else 'short'} <= {cap}"
-
-    return [{"attention": name(g["attention"]),
+    return [{"attention": "split" if g["attention"] is None else f"short <= {g['attention']}",
              "lengths": g["lengths"], "tokens": len(g["ms"]), "tpot_ms": float(np.median(g["ms"])),
              "gemv": engine.gemv_form_of(g["lengths"][0]).text}
             for g in groups.values()]

@@ -50,9 +50,7 @@ def profile_step(engine, context: int = 128, steps: int = 20, copy: dict | None 
     engine.run(len(prompt) - 1, graph=True)
     launches = engine.launches
     length = engine.position + 1  # the first profiled step's length: its bucket's forms
-    bucket = engine.bucket(length)
-    forms = {"length": length,
-             "attention": "split" if not bucket else "beside" if bucket == engine.beside_cap else "short",
+    forms = {"length": length, "attention": "short" if engine.bucket(length) else "split",
              "gemv": engine.gemv_form_of(length).text}
     n = len(launches)
     per = np.array(queued_event_us(engine.lib, launches * steps, engine.stream)).reshape(steps, n)  # µs [steps, n]
@@ -121,12 +119,10 @@ def role_marginals(engine, copy: dict, replays: int = 30, launches=None) -> dict
 
 
 def attention_graph(engine, copy: dict, replays: int = 30) -> dict:
-    """The step's attention launches (one per layer) captured alone into a graph and replayed (None in the beside
-    bucket, which has none); the position is wherever the engine stands. µs per launch vs the floor 2 * L * kv_dim * 2 bytes / copy bandwidth."""
+    """The step's attention launches (one per layer) captured alone into a graph and replayed; the position is
+    wherever the engine stands. µs per launch vs the floor 2 * L * kv_dim * 2 bytes / copy bandwidth."""
     launches = [ln for ln in engine.launches if ln.name == "attention_decode"]
     length = int(engine.arena["pos"].get()[0]) + 1
-    if not launches:  # the beside bucket: the attention runs inside QKV's launches
-        return None
     replay = graph_replay_us(launches, engine.stream, replays)
     per = {k: (v / len(launches) if k != "n" else v) for k, v in replay.items()}
     kv = _kv_bytes(engine.cfg, length)
@@ -244,13 +240,10 @@ def attention_table(p: dict):
     from ..output import Tab
 
     a = p["attention_graph"]
+    u = a["us_per_launch"]
     cols = ["length", "µs per layer", "p10-p90 µs", "KV floor µs", "x the floor", "DRAM"]
     t = Tab("attention alone in a graph (the step's attention launches, one per layer)", cols, key="attention",
             right=tuple(cols[:5]))
-    if a is None:
-        t.caption = "none at this length: the attention runs beside QKV, in its launches"
-        return t
-    u = a["us_per_launch"]
     t.add(str(a["length"]), f"{u['median']:.2f}", f"{u['p10']:.2f}-{u['p90']:.2f}", f"{a['floor_us']:.2f}",
           f"{a['x_floor']:.2f}x", "L2-cold" if a["l2_cold"] else "caches fit in L2: not a DRAM figure")
     return t

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Phases A, A2, C, D, T, E, F ran on the trees of commits dfcef9c..744fad5 (the attention beside QKV, the lab switches
+# @noroom / @<role><N>; since removed); B1, B2 on the final tree.
 # v43: the attention beside QKV (qkv_attention.cu; forms "beside"). Phase A (one GPU): the kernel and engine tests,
 # validate, then interleaved A/B: 1B fp16 (run) and 70B's TP4 rank step without exchanges on one GPU
 # (scripts/lab/local_step_ab.py). Phase B (4 GPUs): 70B W8A16 TP4 plain vs beside interleaved, the TP tests,
@@ -71,24 +73,37 @@ if [ "$PH" = F ]; then  # slots before the wait: 3-5 for every GEMV, or per role
   timeout 500 python3 scripts/lab/local_step_ab.py llama-3.1-70b fp8 4 "$P16" "$(F ws-pre3/l2=16)" "$(F ws-pre4/l2=16)" "$(F ws-pre5/l2=16)" "$P16@gu3" "$P16@gu2" "$P16@gu3@d3" --rounds 2 --json $W/70b-tp4-local-pre2.json >$W/70b-tp4-local-pre2.log 2>&1
   note "70b tp4 local rc=$? $(cat $W/70b-tp4-local-pre2.log | tail -14 | tr '\n' '|')"
 fi
-if [ "$PH" = B ]; then
-  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
-  one() {  # one TAG MODEL FMT TP [extra args]
-    local tag=$1 m=$2 w=$3 n=$4; shift 4
-    timeout 150 atomflow-bench run $m --weights $w --ctx 128 --tokens 256 --repeats 5 --tp $n --json $W/$tag.json "$@" >$W/$tag.log 2>&1
+if [ "$PH" = B1 ] || [ "$PH" = B2 ]; then  # 4 GPUs: the TP4 figures; old = .ab/401131e (ws/l2=16, o_proj's full grid)
+  one() {  # one TAG TREE MODEL FMT TP [extra args]
+    local tag=$1 tree=$2 m=$3 w=$4 n=$5; shift 5
+    if [ "$tree" = new ]; then
+      timeout 150 atomflow-bench run $m --weights $w --ctx 128 --tokens 256 --repeats 5 --tp $n --json $W/$tag.json "$@" >$W/$tag.log 2>&1
+    else
+      (cd .ab/$tree && PYTHONPATH=$PWD timeout 150 python3 -c 'from atomflow_bench.cli import main; main()' run $m \
+        --weights $w --ctx 128 --tokens 256 --repeats 5 --tp $n --json $W/$tag.json "$@") >$W/$tag.log 2>&1
+    fi
     note "rc=$? $(show $W/$tag.json $tag)"
   }
-  one 70b-fp8-tp4-beside-a llama-3.1-70b fp8 4 --allreduce peer --forms "$B16"
-  one 70b-fp8-tp4-plain-a llama-3.1-70b fp8 4 --allreduce peer --forms "$P16"
-  one 70b-fp8-tp4-beside-b llama-3.1-70b fp8 4 --allreduce peer --forms "$B16"
-  one 70b-fp8-tp4-plain-b llama-3.1-70b fp8 4 --allreduce peer --forms "$P16"
-  timeout 200 python3 -m pytest -q tests/test_tp_gpu.py -p no:cacheprovider -x >$W/tptest.log 2>&1
+fi
+if [ "$PH" = B1 ]; then
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  one 70b-fp8-tp4-new-a new llama-3.1-70b fp8 4 --allreduce peer
+  one 70b-fp8-tp4-old-a 401131e llama-3.1-70b fp8 4 --allreduce peer
+  one 70b-fp8-tp4-room-a new llama-3.1-70b fp8 4 --allreduce peer --forms "$P16"
+  one 70b-fp8-tp4-new-b new llama-3.1-70b fp8 4 --allreduce peer
+  one 70b-fp8-tp4-old-b 401131e llama-3.1-70b fp8 4 --allreduce peer
+  one 70b-fp8-tp4-room-b new llama-3.1-70b fp8 4 --allreduce peer --forms "$P16"
+  timeout 200 python3 -m pytest -q tests/test_tp_gpu.py -p no:cacheprovider >$W/tptest.log 2>&1
   note "tptest: rc=$? $(tail -1 $W/tptest.log)"
-  timeout 150 atomflow-bench validate llama-3.1-8b --weights fp16 --tp 4 --steps 8 --forms "beside;short:ws/l2=8;split:ws/l2=8" --json $W/validate-8b-fp16-tp4-beside.json >$W/validate-8b-fp16-tp4.log 2>&1
-  note "validate 8b fp16 tp4 beside: rc=$? $(grep -E 'PASS|FAIL|greedy|KL' $W/validate-8b-fp16-tp4.log | tr -s ' ' | head -3 | tr '\n' ' ')"
-  one 70b-fp8-tp4-beside-nccl llama-3.1-70b fp8 4 --allreduce nccl --forms "$B16"
-  one 70b-fp16-tp4-beside llama-3.1-70b fp16 4 --allreduce peer --forms "beside;short:ws/l2=8;split:ws/l2=8"
-  one 8b-fp16-tp4-beside llama-3.1-8b fp16 4 --allreduce peer --forms "beside;short:ws/l2=8;split:ws/l2=8"
-  one 70b-fp8-tp2-beside llama-3.1-70b fp8 2 --allreduce peer --forms "$B16"
+fi
+if [ "$PH" = B2 ]; then
+  one 70b-fp8-tp4-nccl new llama-3.1-70b fp8 4 --allreduce nccl
+  one 70b-fp16-tp4 new llama-3.1-70b fp16 4 --allreduce peer
+  one 8b-fp16-tp4 new llama-3.1-8b fp16 4 --allreduce peer
+  one 70b-fp8-tp2 new llama-3.1-70b fp8 2 --allreduce peer
+  timeout 150 atomflow-bench validate llama-3.1-8b --weights fp16 --tp 4 --steps 8 --json $W/validate-8b-fp16-tp4.json >$W/validate-8b-fp16-tp4.log 2>&1
+  note "validate 8b fp16 tp4: rc=$? $(grep -E 'probes|greedy|KL' $W/validate-8b-fp16-tp4.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  timeout 150 atomflow-bench profile llama-3.1-70b --weights fp8 --tp 4 --json $W/profile-70b-fp8-tp4.json >$W/profile-70b-fp8-tp4.log 2>&1
+  note "profile 70b fp8 tp4: rc=$?"; tail -40 $W/profile-70b-fp8-tp4.log
 fi
 tail -30 $S

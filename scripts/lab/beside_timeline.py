@@ -7,7 +7,9 @@ tensor-parallel rank's local config on ONE GPU (as scripts/lab/local_step_ab.py)
 For each length: one instrumented replay at that length; for layer LAYER, in µs relative to the QKV GEMV blocks'
 last end: QKV's GEMV blocks (median end, last end); each attention block (its window or head group: start, mark 0
 = q and K/V in shared memory, 1 scores, 2 probabilities, 3 P.V, end); o_proj (first start, first release, median
-end, last end) and gate/up's first release. Not part of any test or figure; docs/PERF_NOTES.md quotes it."""
+end, last end) and gate/up's first release. Not part of any test or figure; docs/PERF_NOTES.md v43 quotes it. (The
+attention beside QKV, kernels_cu/qkv_attention.cu, measured slower and removed, is in git history at commit 744fad5;
+this script reads either step.)"""
 from __future__ import annotations
 
 import sys

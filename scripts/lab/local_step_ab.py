@@ -3,8 +3,8 @@
 
     scripts/lab/local_step_ab.py MODEL FMT TP FORMS [FORMS ...] [--ctx 128] [--tokens 256] [--rounds 2] [--json FILE]
 
-A FORMS may end in lab overrides of gpu/step.py: "@noroom" (O_PROJ_ROOM off: o_proj's grid ignores the attention's
-blocks), "@<role><N>" (WS_PRE_ROLE: role qkv, o, gu or d fills N ring slots before its wait), e.g. "...@gu3@d3".
+(PERF_NOTES v43 also ran it with lab-only switches in gpu/step.py, since removed: o_proj's grid ignoring the
+attention's blocks, and slots before the wait per role; they are in git history at commit 744fad5.)
 
 The engine holds the rank's local config (gpu/tp.py local_config: a quarter of 70B's heads and MLP at TP 4, the
 embedding and lm_head whole) as a one-GPU model with synthetic weights generated on the GPU, so what it times is the
@@ -36,7 +36,6 @@ def main(argv=None) -> int:
 
     from atomflow_bench.config import CATALOG
     from atomflow_bench.gpu import tp
-    from atomflow_bench.gpu import step
     from atomflow_bench.gpu.engine import Engine
     from atomflow_bench.gpu.forms import Forms
     from atomflow_bench.gpu.synthetic import GpuSynthetic
@@ -48,26 +47,13 @@ def main(argv=None) -> int:
         return 2
     full = CATALOG[a.model].config
     cfg = tp.local_config(full, a.tp) if a.tp > 1 else full
-    roles = {"qkv": "wqkv", "o": "wo", "gu": "wgu", "d": "wd"}
-
-    def config(text):  # FORMS[@noroom][@<role><slots>...]: lab overrides of gpu/step.py
-        forms, *tags = text.split("@")
-        pre = {}
-        for t in tags:
-            if t != "noroom":
-                r = t.rstrip("0123456789")
-                pre[roles[r]] = int(t[len(r):])
-        return text, Forms.parse(forms), "noroom" not in tags, pre
-
-    configs = [config(f) for f in a.forms]
+    configs = [(f, Forms.parse(f)) for f in a.forms]
     eng = Engine(None, weights=a.fmt, max_seq=a.ctx + a.tokens + 8, source=GpuSynthetic(cfg), forms=configs[0][1])
     copy = copy_bandwidth()
     floor_ms = eng.streamed_bytes(a.ctx + a.tokens / 2)["total"] / (copy["median"] * 1e9) * 1e3
     runs = []
     for r in range(a.rounds):
-        for tag, forms, room, pre in configs:
-            step.O_PROJ_ROOM = room
-            step.WS_PRE_ROLE = pre
+        for tag, forms in configs:
             eng.use(forms)
             t = time_decode(eng, a.ctx, a.tokens, repeats=3)
             m = t["tpot_ms"]
@@ -75,7 +61,7 @@ def main(argv=None) -> int:
             q = len(per) // 4
             quarters = [(a.ctx + k * q, a.ctx + (k + 1) * q - 1, float(np.median(per[k * q:(k + 1) * q])))
                         for k in range(4)]
-            runs.append({"round": r, "form": tag, "forms": forms.text, "o_proj_room": room, "tpot_ms": m,
+            runs.append({"round": r, "form": tag, "forms": forms.text, "tpot_ms": m,
                          "pct_of_floor": 100 * floor_ms / m["median"], "per_token_ms": per, "quarters": quarters,
                          "buckets": by_bucket(eng, t["prompt_len"], per)})
             print(f"round {r} {tag}: {m['median']:.4f} ms ({m['p10']:.4f}-{m['p90']:.4f}) "
@@ -83,7 +69,7 @@ def main(argv=None) -> int:
                   + " ".join(f"L{lo}-{hi} {v:.4f}" for lo, hi, v in quarters), flush=True)
     out = {"model": a.model, "fmt": a.fmt, "tp": a.tp, "local_config": cfg.to_hf_dict(), "ctx": a.ctx,
            "tokens": a.tokens, "copy_bandwidth_gbs": copy, "floor_ms": floor_ms, "runs": runs,
-           "gpu": eng.gpu, "beside_cap": eng.beside_cap}
+           "gpu": eng.gpu}
     if a.json:
         tmp = a.json + ".tmp"
         with open(tmp, "w") as f:
