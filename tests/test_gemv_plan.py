@@ -164,18 +164,3 @@ def test_head_l2_asks_the_first_slot_of_every_first_round_tile():
                     smem=SMEM_H100)
     assert small[2:] == (16 * 96, 16 * 96, 64, 64, 3)  # a whole (small) tile and its one group's scales
     assert head_l2("fp8", "resid", w8, s8, N_SM, True, 0, smem=SMEM_H100) is None
-
-
-def test_grid_leaves_the_slots_another_kernel_holds():
-    """gemv_grid(held=N): the grid stays within the plan's block slots minus the N that another kernel's blocks hold
-    when it starts (o_proj after the short attention: gpu/step.py), at least one block; the plan itself (ring depth,
-    shared memory) is unchanged."""
-    from atomflow_bench.gpu.device import SMEM_H100
-    from atomflow_bench.gpu.ops.gemv import gemv_grid, gemv_plan_of
-
-    # 70B at TP4, W8A16: o_proj is 512 tiles of [16, 2048], 2 blocks per SM; 2 attention blocks hold 2 SMs = 4 slots
-    depth, shmem, blocks = gemv_grid("fp8", "resid", 8192, 2048, 132, True, smem=SMEM_H100)
-    assert blocks == 264 and gemv_plan_of("fp8", "resid", 8192, 2048, 132, True, smem=SMEM_H100) == (depth, shmem, 2)
-    assert gemv_grid("fp8", "resid", 8192, 2048, 132, True, smem=SMEM_H100, held=4) == (depth, shmem, 260)
-    assert gemv_grid("fp8", "resid", 3072, 8192, 132, False, smem=SMEM_H100, held=16)[2] == 192  # fewer tiles: as is
-    assert gemv_grid("fp16", "resid", 8192, 2048, 132, True, smem=SMEM_H100, held=10_000)[2] == 1

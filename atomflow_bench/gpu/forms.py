@@ -105,10 +105,8 @@ def default_forms(fmt: str, cc: int, short_capacity: int) -> Forms:
 
 # W8A16 under tensor parallel: the warp-specialised form, measured against the one-GPU default (ring/l2=8) on 70B TP2:
 # 14.109 vs 14.839 ms (docs/PERF_NOTES.md v40.1); with 16 MB of L2 tail since the heads of o_proj and of the GEMVs
-# after each sum are asked into L2 too (v42.2, 70B TP4: l2=16 7.290 ms, 24 7.319, 32 7.344, 8 7.284 once); 3 ring
-# slots before the wait rather than all 6 (v43: 70B's TP4 rank step on one GPU -20 µs, three calls; 1, 2, 4, 5 and
-# gate/up alone at 2-3 slower or the same): less of the next GEMVs' weights in flight while the attention chain runs.
-TP_FP8_GEMV = "ws-pre3/l2=16"
+# after each sum are asked into L2 too (v42.2, 70B TP4: l2=16 7.290 ms, 24 7.319, 32 7.344, 8 7.284 once).
+TP_FP8_GEMV = "ws/l2=16"
 
 
 def tp_defaults(forms: Forms, fmt: str, cc: int) -> Forms:

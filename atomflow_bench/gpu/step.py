@@ -9,7 +9,7 @@ runs eagerly (`run_eager`, optionally copying probes out after each launch) or i
     attention      GQA over cache[0..pos] -> attn_out (fp16): the short kernel (whole K/V range in shared memory)
                    in the short bucket, the split kernel beyond it
     gemv  o_proj   residual epilogue                                           h += Wo . attn_out
-                   (its grid leaves the block slots the short attention holds: o_proj_held; tensor parallel: + the sum across ranks, ops/tp_comm.py; while the ranks meet, the next
+                   (tensor parallel: + the sum across ranks, ops/tp_comm.py; while the ranks meet, the next
                    GEMV's head is asked into L2, as QKV asks o_proj's: ops/gemv.py head_l2)
     gemv  gate/up  RMSNorm prologue (post_attention_layernorm), SwiGLU epilogue -> act (fp16)
     gemv  down     residual epilogue                                           h += Wd . act
@@ -29,8 +29,8 @@ from .forms import GemvForm
 from .launch import Launch
 from .nvrtc import KernelLib
 from .ops import lm_head, tp_comm
-from .ops.attention import attention_launch, attention_short_launch, blocks_per_kv
-from .ops.gemv import ROLE_VARIANT, gemv_launch, gemv_plan_of, head_l2, linear_regions, next_l2
+from .ops.attention import attention_launch, attention_short_launch
+from .ops.gemv import ROLE_VARIANT, gemv_launch, head_l2, linear_regions, next_l2
 from .ops.small import embed_launch
 
 
@@ -56,29 +56,21 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
         return gemv_launch(lib, fmt, variant or ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None,
                            x, y, n_out, k, n_sm, eps=eps, role=role, ws=form.ws, ws_pre=form.ws_pre, **kw)
 
-    # o_proj's grid leaves the block slots the short attention's blocks hold (each a whole SM) when it starts, so none
-    # of its blocks waits for those SMs and then streams its weights after the attention (ops/gemv.py gemv_grid
-    # `held`; PERF_NOTES v43: -9 µs on 8B W8A16, -5 to -17 on 70B's TP4 rank step)
-    held = {"wo": cfg.num_key_value_heads * blocks_per_kv(cfg.group_size)
-            * gemv_plan_of(fmt, ROLE_VARIANT["wo"], *rows["wo"], n_sm, form.ws)[2] if att_cap else 0}
-
     def head(i, role, slots):
         """What layer i's `role` GEMV reads first (ops/gemv.py head_l2), asked into L2 by an earlier kernel."""
         if i >= cfg.num_hidden_layers:
             return None
         w = f"L{i}.{role}"
-        return head_l2(fmt, ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None, n_sm, form.ws, slots,
-                       held=held.get(role, 0))
+        return head_l2(fmt, ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None, n_sm, form.ws, slots)
 
     def resid(i, role, x, k, probe):
         """o_proj / down: h += W.x, or across ranks a partial product and the sum."""
         if tp is None:
-            return [gemv(i, role, x, h, H, k, taps={probe: h}, held=held.get(role, 0))]
+            return [gemv(i, role, x, h, H, k, taps={probe: h})]
         variant, y, tp_args = tp.gemv_target(role, h, tp_path)
         slots = tp_comm.WAIT_HEAD_SLOTS  # while it waits for the other ranks: the next GEMV's head
         nxt = None if tp_args is None else head(i, "wgu", slots) if role == "wo" else head(i + 1, "wqkv", slots)
-        out = [gemv(i, role, x, y, H, k, variant=variant, tp=tp_args, head=nxt, held=held.get(role, 0))]
-        out += tp.sum_launches(role, h, tp_path)
+        out = [gemv(i, role, x, y, H, k, variant=variant, tp=tp_args, head=nxt)] + tp.sum_launches(role, h, tp_path)
         out[-1].taps = {probe: h}
         return out
 

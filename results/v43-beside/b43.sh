@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Phases A, A2, C, D, T, E, F ran on the trees of commits dfcef9c..744fad5 (the attention beside QKV, the lab switches
-# @noroom / @<role><N>; since removed); B1, B2 on the final tree.
+# @noroom / @<role><N>; since removed); B1 on commit b2f4819 (o_proj's grid leaving the attention's slots, TP W8A16
+# ws-pre3/l2=16; both since removed: no gain at TP4), B3 on the final tree (= 401131e's product code).
 # v43: the attention beside QKV (qkv_attention.cu; forms "beside"). Phase A (one GPU): the kernel and engine tests,
 # validate, then interleaved A/B: 1B fp16 (run) and 70B's TP4 rank step without exchanges on one GPU
 # (scripts/lab/local_step_ab.py). Phase B (4 GPUs): 70B W8A16 TP4 plain vs beside interleaved, the TP tests,
@@ -73,7 +74,7 @@ if [ "$PH" = F ]; then  # slots before the wait: 3-5 for every GEMV, or per role
   timeout 500 python3 scripts/lab/local_step_ab.py llama-3.1-70b fp8 4 "$P16" "$(F ws-pre3/l2=16)" "$(F ws-pre4/l2=16)" "$(F ws-pre5/l2=16)" "$P16@gu3" "$P16@gu2" "$P16@gu3@d3" --rounds 2 --json $W/70b-tp4-local-pre2.json >$W/70b-tp4-local-pre2.log 2>&1
   note "70b tp4 local rc=$? $(cat $W/70b-tp4-local-pre2.log | tail -14 | tr '\n' '|')"
 fi
-if [ "$PH" = B1 ] || [ "$PH" = B2 ]; then  # 4 GPUs: the TP4 figures; old = .ab/401131e (ws/l2=16, o_proj's full grid)
+if [ "$PH" = B1 ] || [ "$PH" = B2 ] || [ "$PH" = B3 ]; then  # 4 GPUs: the TP4 figures; old = .ab/401131e (ws/l2=16, o_proj's full grid)
   one() {  # one TAG TREE MODEL FMT TP [extra args]
     local tag=$1 tree=$2 m=$3 w=$4 n=$5; shift 5
     if [ "$tree" = new ]; then
@@ -105,5 +106,11 @@ if [ "$PH" = B2 ]; then
   note "validate 8b fp16 tp4: rc=$? $(grep -E 'probes|greedy|KL' $W/validate-8b-fp16-tp4.log | tr -s ' ' | head -3 | tr '\n' ' ')"
   timeout 150 atomflow-bench profile llama-3.1-70b --weights fp8 --tp 4 --json $W/profile-70b-fp8-tp4.json >$W/profile-70b-fp8-tp4.log 2>&1
   note "profile 70b fp8 tp4: rc=$?"; tail -40 $W/profile-70b-fp8-tp4.log
+fi
+if [ "$PH" = B3 ]; then  # profile --tp 4: rank 0's step without exchanges, role by role (its first 4-GPU run)
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  timeout 300 atomflow-bench profile llama-3.1-70b --weights fp8 --tp 4 --json $W/profile-70b-fp8-tp4.json >$W/profile-70b-fp8-tp4.log 2>&1
+  note "profile 70b fp8 tp4: rc=$?"; tail -45 $W/profile-70b-fp8-tp4.log
+  one 70b-fp8-tp4 new llama-3.1-70b fp8 4 --allreduce peer
 fi
 tail -30 $S

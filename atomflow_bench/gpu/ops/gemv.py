@@ -195,9 +195,9 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, smem: tuple = SMEM_H10
     raise AtomflowError(f"GEMV with K={k}: not even a ring of 2 slots fits the {smem[0]} bytes of shared memory")
 
 
-def gemv_plan_of(fmt: str, variant: str, rows: int, k: int, n_sm: int, ws: bool, ring_depth: int | None = None,
-                 smem: tuple | None = None) -> tuple[int, int, int]:
-    """(ring depth, dynamic shared memory, blocks per SM) of a launch over a [rows, k] weight in the ws or ring form
+def gemv_grid(fmt: str, variant: str, rows: int, k: int, n_sm: int, ws: bool, ring_depth: int | None = None,
+              smem: tuple | None = None) -> tuple[int, int, int]:
+    """(ring depth, dynamic shared memory, blocks) of a launch over a [rows, k] weight in the ws or ring form
     (`smem`: the GPU's shared memory limits, default this device's)."""
     smem = smem or smem_limits()
     tiles = rows // TILE_ROWS  # a block per 16-row tile at a time
@@ -206,20 +206,12 @@ def gemv_plan_of(fmt: str, variant: str, rows: int, k: int, n_sm: int, ws: bool,
     else:
         depth, per_sm, shmem = gemv_plan(fmt, tiles, k, n_sm, smem, ring_depth,
                                          norm=variant in ("norm_swiglu", "qkv_rope"))
-    return depth, shmem, max(1, min(per_sm, blocks_fit(shmem, smem)))
-
-
-def gemv_grid(fmt: str, variant: str, rows: int, k: int, n_sm: int, ws: bool, ring_depth: int | None = None,
-              smem: tuple | None = None, held: int = 0) -> tuple[int, int, int]:
-    """(ring depth, dynamic shared memory, blocks) of a launch over a [rows, k] weight in the ws or ring form.
-    `held`: block slots of this launch's plan that blocks of another kernel hold when it starts (the attention's,
-    before o_proj): the grid stays within the slots left, so no block waits for an SM (at least one block)."""
-    depth, shmem, per_sm = gemv_plan_of(fmt, variant, rows, k, n_sm, ws, ring_depth, smem)
-    return depth, shmem, max(1, min(rows // TILE_ROWS, n_sm * per_sm - held))
+    per_sm = max(1, min(per_sm, blocks_fit(shmem, smem)))
+    return depth, shmem, min(tiles, n_sm * per_sm)
 
 
 def head_l2(fmt: str, variant: str, w, scales, n_sm: int, ws: bool, slots: int,
-            smem: tuple | None = None, held: int = 0) -> tuple | None:
+            smem: tuple | None = None) -> tuple | None:
     """A later GEMV's head, for an earlier kernel to ask into L2 (gemv_common.cuh L2Head: resid_tp while it waits
     for the other ranks, QKV after its epilogue): the first `slots` ring slots' worth (GEMV_WS_SLOT bytes each, and
     their fp8 scales) of every tile in the first round of that GEMV (variant over weights `w` [rows, K], tiled, in the
@@ -234,7 +226,7 @@ def head_l2(fmt: str, variant: str, w, scales, n_sm: int, ws: bool, slots: int,
     groups = -(-k // GROUP)  # fp8 scales: [tile][group][16 rows] fp32
     tile_s = groups * TILE_ROWS * 4
     s_chunk = min(-(-w_chunk * groups // tile_w) * TILE_ROWS * 4, tile_s) if fp8 else 0
-    blocks = gemv_grid(fmt, variant, rows, k, n_sm, ws, smem=smem, held=held)[2]
+    blocks = gemv_grid(fmt, variant, rows, k, n_sm, ws, smem=smem)[2]
     return (w, scales if fp8 else NULL, tile_w, w_chunk, tile_s if fp8 else 0, s_chunk, blocks)
 
 
@@ -249,7 +241,7 @@ def _head_args(head: tuple | None) -> tuple:
 def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: int, k: int, n_sm: int,
                 norm_w=None, eps: float = 1e-5, taps=None, role: str = "", rope: tuple = (),
                 ring_depth: int | None = None, ws: bool = False, ws_pre: int | None = None, tp: tuple | None = None,
-                head: tuple | None = None, held: int = 0) -> Launch:
+                head: tuple | None = None) -> Launch:
     """y = W.x in `fmt` (fp16 | fp8) with `variant` in qkv_rope | norm_swiglu | resid | store (weights, and fp8
     scales, in the tiled layout with the variant's VARIANT_PAIRING).
 
@@ -260,7 +252,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     resid_tp: y = h (fp32) and `tp` = (slots, seq, rank, ranks): the device array of the ranks' LL buffer addresses
     for this role, this buffer's epochs (one uint32 per block; ops/tp_comm.py TpComm.gemv_target).
     `head` (qkv_rope, resid_tp): a later GEMV's head (head_l2) asked into L2: by qkv_rope after its epilogue (before
-    `next`), by resid_tp while it waits for the other ranks; None: nothing. `held`: gemv_grid's."""
+    `next`), by resid_tp while it waits for the other ranks; None: nothing."""
     fp8 = fmt == "fp8"
     rows = 2 * n_out if variant in ("norm_swiglu", "qkv_rope") else n_out
     if tuple(w.shape) != (rows, k):
@@ -273,7 +265,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         raise AtomflowError(f"GEMV {role or variant}: {e}") from None
     if ws and compute_capability() < 90:
         raise AtomflowError("warp-specialised GEMVs need sm_90+ (bulk copies)")
-    depth, shmem, blocks = gemv_grid(fmt, variant, rows, k, n_sm, ws, ring_depth, held=held)
+    depth, shmem, blocks = gemv_grid(fmt, variant, rows, k, n_sm, ws, ring_depth)
     name = f"gemv_f8_{variant}" if fp8 else f"gemv_f16_{variant}"
     fn = lib[f"{name}_ws" if ws else f"{name}_r{depth}" if fp8 else name]
     allow_dynamic_smem(fn, shmem)
