@@ -113,4 +113,10 @@ if [ "$PH" = B3 ]; then  # profile --tp 4: rank 0's step without exchanges, role
   note "profile 70b fp8 tp4: rc=$?"; tail -45 $W/profile-70b-fp8-tp4.log
   one 70b-fp8-tp4 new llama-3.1-70b fp8 4 --allreduce peer
 fi
+if [ "$PH" = H ]; then  # issue 35 on what is lent: Llama-3.1-405B W8A16 over 4 H200s (~102 GB per GPU), its first run
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tee -a $S
+  timeout 540 atomflow-bench run llama-3.1-405b --weights fp8 --ctx 128 --tokens 256 --repeats 3 --tp 4 --allreduce peer \
+    --json $W/405b-fp8-tp4.json >$W/405b-fp8-tp4.log 2>&1
+  note "rc=$? $(show $W/405b-fp8-tp4.json 405b-fp8-tp4)"; tail -25 $W/405b-fp8-tp4.log
+fi
 tail -30 $S
