@@ -2,7 +2,9 @@
 PM sampling counters — where in a layer HBM idles. `scripts/gpu_check.sh dram` runs both halves.
 
     python3 scripts/dram_timeline.py child MODEL WEIGHTS CONTEXT [REPLAYS]
-        the workload: an Engine (kernel defines from ATOMFLOW_KERNEL_DEFINES) at position CONTEXT, warmed up; then,
+        the workload: an Engine (kernel defines from ATOMFLOW_KERNEL_DEFINES) at position CONTEXT, warmed up; MODEL
+        "name/tpN": a tensor-parallel rank's local config of a catalog model as a one-GPU model with synthetic weights
+        generated on the GPU (as scripts/lab/local_step_ab.py); then,
         between cudaProfilerStart and Stop, REPLAYS (default 2) graph replays of the step, each synchronised. Run
         it under ncu --profile-from-start off --graph-profiling graph --section PmSampling --clock-control none
     python3 scripts/dram_timeline.py summary RAW.csv OUT.json N_LAYERS
@@ -41,7 +43,16 @@ def child(model: str, weights: str, context: int, replays: int) -> None:
     from atomflow_bench.gpu.engine import Engine
     from atomflow_bench.store.fetch import resolve_model
 
-    eng = Engine(resolve_model(model), weights=weights, max_seq=context + 16 + replays)
+    name, _, tp_n = model.partition("/tp")
+    if tp_n:
+        from atomflow_bench.config import CATALOG
+        from atomflow_bench.gpu import tp
+        from atomflow_bench.gpu.synthetic import GpuSynthetic
+
+        eng = Engine(None, weights=weights, max_seq=context + 16 + replays,
+                     source=GpuSynthetic(tp.local_config(CATALOG[name].config, int(tp_n))))
+    else:
+        eng = Engine(resolve_model(model), weights=weights, max_seq=context + 16 + replays)
     eng.reset(synthetic_prompt(eng.cfg.vocab_size, context))
     eng.run(context - 4)
     eng.stream.synchronize()
@@ -53,8 +64,7 @@ def child(model: str, weights: str, context: int, replays: int) -> None:
         end.record()
     end.synchronize()
     print(f"unprofiled: 3 replays {cupy.cuda.get_elapsed_time(start, end) / 3 * 1e3:.1f} us per step "
-          f"(gemv form {eng.gemv_choice['chosen']}, attention {eng.attention_choice.get('chosen')}, "
-          f"defines {os.environ.get('ATOMFLOW_KERNEL_DEFINES', '')!r})", flush=True)
+          f"(forms {eng.forms.text}, defines {os.environ.get('ATOMFLOW_KERNEL_DEFINES', '')!r})", flush=True)
     cupy.cuda.profiler.start()
     for _ in range(replays):
         eng.run(1)
