@@ -121,11 +121,12 @@ if [ "$PH" = H ]; then  # issue 35 on what is lent: Llama-3.1-405B W8A16 over 4 
 fi
 if [ "$PH" = G ]; then  # HBM's read throughput over 70B's TP4 rank step (one GPU, Nsight Compute PM sampling)
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+  export ATOMFLOW_FORMS="$P16"  # the TP default form (not the one-GPU default ring/l2=8)
   timeout 400 "$NCU" --profile-from-start off --graph-profiling graph --section PmSampling --clock-control none \
     --cache-control none -f -o $W/dram-70b-tp4 python3 scripts/lab/dram_timeline.py child llama-3.1-70b/tp4 fp8 128 2 >$W/dram.log 2>&1
   note "ncu rc=$? $(grep -E 'unprofiled|profiled' $W/dram.log | tr '\n' ' ')"
   "$NCU" -i $W/dram-70b-tp4.ncu-rep --page raw --csv --print-metric-instances values >$W/dram-70b-tp4.csv 2>>$W/dram.log
   python3 scripts/lab/dram_timeline.py summary $W/dram-70b-tp4.csv $W/dram-70b-tp4.json 80 >$W/dram-70b-tp4.txt 2>&1
-  note "summary rc=$?"; rm -f $W/dram-70b-tp4.ncu-rep; gzip -f $W/dram-70b-tp4.csv; head -60 $W/dram-70b-tp4.txt
+  rm -f $W/dram-70b-tp4.ncu-rep; gzip -f $W/dram-70b-tp4.csv; note "summary rc=$?"; head -60 $W/dram-70b-tp4.txt
 fi
 tail -30 $S

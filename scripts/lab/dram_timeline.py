@@ -2,7 +2,8 @@
 PM sampling counters — where in a layer HBM idles. `scripts/gpu_check.sh dram` runs both halves.
 
     python3 scripts/dram_timeline.py child MODEL WEIGHTS CONTEXT [REPLAYS]
-        the workload: an Engine (kernel defines from ATOMFLOW_KERNEL_DEFINES) at position CONTEXT, warmed up; MODEL
+        the workload: an Engine (kernel defines from ATOMFLOW_KERNEL_DEFINES, forms from ATOMFLOW_FORMS) at position
+        CONTEXT, warmed up; MODEL
         "name/tpN": a tensor-parallel rank's local config of a catalog model as a one-GPU model with synthetic weights
         generated on the GPU (as scripts/lab/local_step_ab.py); then,
         between cudaProfilerStart and Stop, REPLAYS (default 2) graph replays of the step, each synchronised. Run
@@ -43,16 +44,19 @@ def child(model: str, weights: str, context: int, replays: int) -> None:
     from atomflow_bench.gpu.engine import Engine
     from atomflow_bench.store.fetch import resolve_model
 
+    from atomflow_bench.gpu.forms import from_env
+
+    forms = from_env()  # ATOMFLOW_FORMS, else the engine's defaults
     name, _, tp_n = model.partition("/tp")
     if tp_n:
         from atomflow_bench.config import CATALOG
         from atomflow_bench.gpu import tp
         from atomflow_bench.gpu.synthetic import GpuSynthetic
 
-        eng = Engine(None, weights=weights, max_seq=context + 16 + replays,
+        eng = Engine(None, weights=weights, max_seq=context + 16 + replays, forms=forms,
                      source=GpuSynthetic(tp.local_config(CATALOG[name].config, int(tp_n))))
     else:
-        eng = Engine(resolve_model(model), weights=weights, max_seq=context + 16 + replays)
+        eng = Engine(resolve_model(model), weights=weights, max_seq=context + 16 + replays, forms=forms)
     eng.reset(synthetic_prompt(eng.cfg.vocab_size, context))
     eng.run(context - 4)
     eng.stream.synchronize()
@@ -95,12 +99,18 @@ def read_raw(path: str) -> list[dict]:
 
 
 def layers_of(dram: np.ndarray, n_layers: int) -> dict:
-    """Sample indices: first active, lm_head start (the first 40 samples all above 85%), the layers' deep dips."""
+    """Sample indices: first active, lm_head start (the step's last sustained stream: walking back from the last
+    active sample while 90% of each 40-sample window is above 80% of HBM peak; the lm_head's stream has short dips,
+    e.g. 70B's TP4 rank shape), the layers' deep dips."""
     active = np.nonzero(dram > 5)[0]
-    a = int(active[0])
-    lm = next((i for i in range(a, len(dram) - 40) if (dram[i:i + 40] > 85).all()), None)
+    a, last = int(active[0]), int(active[-1])
+    high = np.convolve(dram > 80, np.ones(40) / 40, mode="valid")  # high[i]: share of samples i .. i+39 above 80%
+    i = last - 45
+    while i > a and high[i] >= 0.9:
+        i -= 1
+    lm = i + 40 if i < last - 45 else None  # the first sample after the last window that was not sustained
     if lm is None:
-        raise SystemExit("no lm_head stream (40 samples above 85% of HBM peak) in the replay's samples")
+        raise SystemExit("no lm_head stream (40-sample windows 90% above 80% of HBM peak) at the replay's end")
     dips = [i for i in range(a + 5, lm) if dram[i] < 10 and dram[i - 1] >= 10 and dram[i - 2] >= 10]
     return {"first": a, "lm_head": lm, "last": int(active[-1]), "dips": dips[-n_layers:]}
 
