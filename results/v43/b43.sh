@@ -127,6 +127,6 @@ if [ "$PH" = G ]; then  # HBM's read throughput over 70B's TP4 rank step (one GP
   note "ncu rc=$? $(grep -E 'unprofiled|profiled' $W/dram.log | tr '\n' ' ')"
   "$NCU" -i $W/dram-70b-tp4.ncu-rep --page raw --csv --print-metric-instances values >$W/dram-70b-tp4.csv 2>>$W/dram.log
   python3 scripts/lab/dram_timeline.py summary $W/dram-70b-tp4.csv $W/dram-70b-tp4.json 80 >$W/dram-70b-tp4.txt 2>&1
-  rm -f $W/dram-70b-tp4.ncu-rep; gzip -f $W/dram-70b-tp4.csv; note "summary rc=$?"; head -60 $W/dram-70b-tp4.txt
+  rc=$?; rm -f $W/dram-70b-tp4.ncu-rep; gzip -f $W/dram-70b-tp4.csv; note "summary rc=$rc"; head -60 $W/dram-70b-tp4.txt
 fi
 tail -30 $S
