@@ -99,18 +99,16 @@ def read_raw(path: str) -> list[dict]:
 
 
 def layers_of(dram: np.ndarray, n_layers: int) -> dict:
-    """Sample indices: first active, lm_head start (the step's last sustained stream: walking back from the last
-    active sample while 90% of each 40-sample window is above 80% of HBM peak; the lm_head's stream has short dips,
-    e.g. 70B's TP4 rank shape), the layers' deep dips."""
+    """Sample indices: first active, lm_head start (the first window of 40 samples with at most two at or below 85%
+    of HBM peak — the lm_head's stream dips for a sample every ~100 µs on 70B's TP4 rank shape — then its first
+    sample above 85%), the layers' deep dips."""
     active = np.nonzero(dram > 5)[0]
-    a, last = int(active[0]), int(active[-1])
-    high = np.convolve(dram > 80, np.ones(40) / 40, mode="valid")  # high[i]: share of samples i .. i+39 above 80%
-    i = last - 45
-    while i > a and high[i] >= 0.9:
-        i -= 1
-    lm = i + 40 if i < last - 45 else None  # the first sample after the last window that was not sustained
+    a = int(active[0])
+    lm = next((i for i in range(a, len(dram) - 40) if (dram[i:i + 40] > 85).sum() >= 38), None)
     if lm is None:
-        raise SystemExit("no lm_head stream (40-sample windows 90% above 80% of HBM peak) at the replay's end")
+        raise SystemExit("no lm_head stream (40 samples, at most two at or below 85% of HBM peak) in the replay")
+    while dram[lm] <= 85:
+        lm += 1
     dips = [i for i in range(a + 5, lm) if dram[i] < 10 and dram[i - 1] >= 10 and dram[i - 2] >= 10]
     return {"first": a, "lm_head": lm, "last": int(active[-1]), "dips": dips[-n_layers:]}
 
