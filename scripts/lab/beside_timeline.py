@@ -70,7 +70,8 @@ def main() -> int:
                   f" marks {marks} end {us(row[3]):+.2f}")
         o, _ = grid(1 if fused else 2)
         w = o[:, 2][o[:, 2] > 0]
-        print(f"  o_proj: first start {us(o[:, 1].min()):+.2f} first release {us(w.min()) if w.size else float('nan'):+.2f}"
+        release = us(w.min()) if w.size else float("nan")
+        print(f"  o_proj: first start {us(o[:, 1].min()):+.2f} first release {release:+.2f}"
               f" end median {us(np.median(o[:, 3])):+.2f} last {us(o[:, 3].max()):+.2f} ({len(o)} blocks)")
         g, _ = grid(2 if fused else 3)
         w = g[:, 2][g[:, 2] > 0]
