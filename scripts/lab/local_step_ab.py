@@ -10,8 +10,9 @@ The engine holds the rank's local config (gpu/tp.py local_config: a quarter of 7
 embedding and lm_head whole) as a one-GPU model with synthetic weights generated on the GPU, so what it times is the
 layer kernels of a rank's step — the part of `run --tp N` that `profile --tp N` calls "the step without exchanges" —
 without needing N GPUs. Each round times the forms in the order given (`engine.use`, no reload) with the timing of
-`run` (ctx, tokens, 3 repeats after a warm-up; median per token). The copy bandwidth is measured in the same call; the floor is the step's
-bytes (engine.streamed_bytes at the run's mean length) over it. Prints medians per quarter of the lengths."""
+`run` (ctx, tokens, 3 repeats after a warm-up; median per token). The copy bandwidth is measured in the same call;
+the floor is the step's bytes (engine.streamed_bytes at the run's mean length) over it. Prints medians per quarter
+of the lengths."""
 from __future__ import annotations
 
 import argparse
