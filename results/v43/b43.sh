@@ -74,7 +74,7 @@ if [ "$PH" = F ]; then  # slots before the wait: 3-5 for every GEMV, or per role
   timeout 500 python3 scripts/lab/local_step_ab.py llama-3.1-70b fp8 4 "$P16" "$(F ws-pre3/l2=16)" "$(F ws-pre4/l2=16)" "$(F ws-pre5/l2=16)" "$P16@gu3" "$P16@gu2" "$P16@gu3@d3" --rounds 2 --json $W/70b-tp4-local-pre2.json >$W/70b-tp4-local-pre2.log 2>&1
   note "70b tp4 local rc=$? $(cat $W/70b-tp4-local-pre2.log | tail -14 | tr '\n' '|')"
 fi
-if [ "$PH" = B1 ] || [ "$PH" = B2 ] || [ "$PH" = B3 ]; then  # 4 GPUs: the TP4 figures; old = .ab/401131e (ws/l2=16, o_proj's full grid)
+if [ "$PH" = B1 ] || [ "$PH" = B2 ] || [ "$PH" = B3 ] || [ "$PH" = B4 ]; then  # 4 GPUs: the TP4 figures; old = .ab/401131e (ws/l2=16, o_proj's full grid)
   one() {  # one TAG TREE MODEL FMT TP [extra args]
     local tag=$1 tree=$2 m=$3 w=$4 n=$5; shift 5
     if [ "$tree" = new ]; then
@@ -128,5 +128,12 @@ if [ "$PH" = G ]; then  # HBM's read throughput over 70B's TP4 rank step (one GP
   "$NCU" -i $W/dram-70b-tp4.ncu-rep --page raw --csv --print-metric-instances values >$W/dram-70b-tp4.csv 2>>$W/dram.log
   python3 scripts/lab/dram_timeline.py summary $W/dram-70b-tp4.csv $W/dram-70b-tp4.json 80 >$W/dram-70b-tp4.txt 2>&1
   rc=$?; rm -f $W/dram-70b-tp4.ncu-rep; gzip -f $W/dram-70b-tp4.csv; note "summary rc=$rc"; head -60 $W/dram-70b-tp4.txt
+fi
+if [ "$PH" = B4 ]; then  # gate/up at one block per SM (6 slots), room for down's early blocks: .ab/g1 = HEAD + that
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  one 70b-fp8-tp4-a new llama-3.1-70b fp8 4 --allreduce peer
+  one 70b-fp8-tp4-g1-a g1 llama-3.1-70b fp8 4 --allreduce peer
+  one 70b-fp8-tp4-b new llama-3.1-70b fp8 4 --allreduce peer
+  one 70b-fp8-tp4-g1-b g1 llama-3.1-70b fp8 4 --allreduce peer
 fi
 tail -30 $S
