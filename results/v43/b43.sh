@@ -2,6 +2,8 @@
 # Phases A, A2, C, D, T, E, F ran on the trees of commits dfcef9c..744fad5 (the attention beside QKV, the lab switches
 # @noroom / @<role><N>; since removed); B1 on commit b2f4819 (o_proj's grid leaving the attention's slots, TP W8A16
 # ws-pre3/l2=16; both since removed: no gain at TP4), B3 on the final tree (= 401131e's product code).
+# scripts/lab/beside_timeline.py (phases T, E) is in git history at 6d37b1d, local_step_ab.py's @-switches (D, F)
+# at 744fad5.
 # v43: the attention beside QKV (qkv_attention.cu; forms "beside"). Phase A (one GPU): the kernel and engine tests,
 # validate, then interleaved A/B: 1B fp16 (run) and 70B's TP4 rank step without exchanges on one GPU
 # (scripts/lab/local_step_ab.py). Phase B (4 GPUs): 70B W8A16 TP4 plain vs beside interleaved, the TP tests,

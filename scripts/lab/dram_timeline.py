@@ -3,9 +3,7 @@ PM sampling counters — where in a layer HBM idles. `scripts/gpu_check.sh dram`
 
     python3 scripts/dram_timeline.py child MODEL WEIGHTS CONTEXT [REPLAYS]
         the workload: an Engine (kernel defines from ATOMFLOW_KERNEL_DEFINES, forms from ATOMFLOW_FORMS) at position
-        CONTEXT, warmed up; MODEL
-        "name/tpN": a tensor-parallel rank's local config of a catalog model as a one-GPU model with synthetic weights
-        generated on the GPU (as scripts/lab/local_step_ab.py); then,
+        CONTEXT, warmed up; MODEL as atomflow_bench/lab/local.py takes it (`name/tpN`: a rank's local config); then,
         between cudaProfilerStart and Stop, REPLAYS (default 2) graph replays of the step, each synchronised. Run
         it under ncu --profile-from-start off --graph-profiling graph --section PmSampling --clock-control none
     python3 scripts/dram_timeline.py summary RAW.csv OUT.json N_LAYERS
@@ -40,23 +38,12 @@ SERIES = {  # short name -> the raw page's column (PmSampling section, GH100)
 def child(model: str, weights: str, context: int, replays: int) -> None:
     import cupy
 
-    from atomflow_bench.measure.bench import synthetic_prompt
-    from atomflow_bench.gpu.engine import Engine
-    from atomflow_bench.store.fetch import resolve_model
-
     from atomflow_bench.gpu.forms import from_env
+    from atomflow_bench.lab.local import lab_engine
+    from atomflow_bench.measure.bench import synthetic_prompt
 
-    forms = from_env()  # ATOMFLOW_FORMS, else the engine's defaults
-    name, _, tp_n = model.partition("/tp")
-    if tp_n:
-        from atomflow_bench.config import CATALOG
-        from atomflow_bench.gpu import tp
-        from atomflow_bench.gpu.synthetic import GpuSynthetic
-
-        eng = Engine(None, weights=weights, max_seq=context + 16 + replays, forms=forms,
-                     source=GpuSynthetic(tp.local_config(CATALOG[name].config, int(tp_n))))
-    else:
-        eng = Engine(resolve_model(model), weights=weights, max_seq=context + 16 + replays, forms=forms)
+    # ATOMFLOW_FORMS, else the engine's defaults
+    eng = lab_engine(model, weights, context + 16 + replays, forms=from_env())
     eng.reset(synthetic_prompt(eng.cfg.vocab_size, context))
     eng.run(context - 4)
     eng.stream.synchronize()

@@ -6,8 +6,8 @@
 (PERF_NOTES v43 also ran it with lab-only switches in gpu/step.py, since removed: o_proj's grid ignoring the
 attention's blocks, and slots before the wait per role; they are in git history at commit 744fad5.)
 
-The engine holds the rank's local config (gpu/tp.py local_config: a quarter of 70B's heads and MLP at TP 4, the
-embedding and lm_head whole) as a one-GPU model with synthetic weights generated on the GPU, so what it times is the
+The engine holds the rank's local config as a one-GPU model with synthetic weights (atomflow_bench/lab/local.py:
+a quarter of 70B's heads and MLP at TP 4, the embedding and lm_head whole), so what it times is the
 layer kernels of a rank's step — the part of `run --tp N` that `profile --tp N` calls "the step without exchanges" —
 without needing N GPUs. Each round times the forms in the order given (`engine.use`, no reload) with the timing of
 `run` (ctx, tokens, 3 repeats after a warm-up; median per token). The copy bandwidth is measured in the same call;
@@ -35,21 +35,18 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
 
-    from atomflow_bench.config import CATALOG
-    from atomflow_bench.gpu import tp
-    from atomflow_bench.gpu.engine import Engine
+    from atomflow_bench.errors import AtomflowError
     from atomflow_bench.gpu.forms import Forms
-    from atomflow_bench.gpu.synthetic import GpuSynthetic
+    from atomflow_bench.lab.local import lab_engine
     from atomflow_bench.measure.bench import by_bucket, time_decode
     from atomflow_bench.measure.timing import copy_bandwidth
 
-    if a.model not in CATALOG:
-        print(f"local_step_ab: unknown model {a.model!r}", file=sys.stderr)
-        return 2
-    full = CATALOG[a.model].config
-    cfg = tp.local_config(full, a.tp) if a.tp > 1 else full
     configs = [(f, Forms.parse(f)) for f in a.forms]
-    eng = Engine(None, weights=a.fmt, max_seq=a.ctx + a.tokens + 8, source=GpuSynthetic(cfg), forms=configs[0][1])
+    try:
+        eng = lab_engine(f"{a.model}/tp{a.tp}", a.fmt, a.ctx + a.tokens + 8, forms=configs[0][1])
+    except AtomflowError as e:
+        print(f"local_step_ab: {e}", file=sys.stderr)
+        return 2
     copy = copy_bandwidth()
     floor_ms = eng.streamed_bytes(a.ctx + a.tokens / 2)["total"] / (copy["median"] * 1e9) * 1e3
     runs = []
@@ -68,7 +65,7 @@ def main(argv=None) -> int:
             print(f"round {r} {tag}: {m['median']:.4f} ms ({m['p10']:.4f}-{m['p90']:.4f}) "
                   f"{100 * floor_ms / m['median']:.1f}% of {floor_ms:.4f} ms; "
                   + " ".join(f"L{lo}-{hi} {v:.4f}" for lo, hi, v in quarters), flush=True)
-    out = {"model": a.model, "fmt": a.fmt, "tp": a.tp, "local_config": cfg.to_hf_dict(), "ctx": a.ctx,
+    out = {"model": a.model, "fmt": a.fmt, "tp": a.tp, "local_config": eng.cfg.to_hf_dict(), "ctx": a.ctx,
            "tokens": a.tokens, "copy_bandwidth_gbs": copy, "floor_ms": floor_ms, "runs": runs,
            "gpu": eng.gpu}
     if a.json:

@@ -5,6 +5,8 @@
 Default: for every block of the layer's attention launch, its SM, start / wait return / marks / end (µs, relative
 to the attention launch's first wait return), and every block of any other launch that was resident on the same
 SM at the same time (role, start, end). Answers "what shares the SM with attention".
+MODEL as atomflow_bench/lab/local.py takes it: a model in the store, or `name/tpN` (a tensor-parallel rank's local
+config on one GPU, synthetic weights).
 --layer: for each launch of the layer (QKV .. down, then the next QKV), the spread over its blocks (min, p10,
 median, p90, max) of start, wait return, marks and end, in µs after the previous launch's last block ended.
 Answers "which blocks of a launch are late, and at which stage".
@@ -23,15 +25,14 @@ import numpy as np
 
 def main() -> None:
     from atomflow_bench.lab import timeline
+    from atomflow_bench.lab.local import lab_engine
     from atomflow_bench.measure.bench import synthetic_prompt
-    from atomflow_bench.gpu.engine import Engine
-    from atomflow_bench.store.fetch import resolve_model
     from atomflow_bench.measure.profile import step_role
 
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     model, weights, context = args[0], args[1], int(args[2])
     layer = int(args[3]) if len(args) > 3 else 10
-    eng = Engine(resolve_model(model), weights=weights, max_seq=context + 16, kernel_defines=(timeline.DEFINE,))
+    eng = lab_engine(model, weights, context + 16, kernel_defines=(timeline.DEFINE,))
     eng.reset(synthetic_prompt(eng.cfg.vocab_size, context))
     eng.run(context - 1)
     bufs = timeline.buffers(eng.lib)
