@@ -238,6 +238,114 @@ def test_gemv_resid_tp(kernel_lib, n_sm, fmt, ws, rows, k, n_ranks, rank):
     assert ln.name == f"gemv_{fmt}_resid_tp"
 
 
+def ll_pairs(x16: np.ndarray, epoch: int) -> np.ndarray:
+    """An fp16 vector as the LL hand-over's words (tp_ll.cuh): each pair's 32 bits low, the epoch high."""
+    return x16.view(np.uint32).astype(np.uint64) | np.uint64(epoch << 32)
+
+
+LL_CASES = [("resid", 8192, 2048), ("partial", 8192, 2048), ("resid", 3072, 3072), ("resid_tp", 4096, 2048),
+            ("resid", 48, 96)]
+
+
+def ll_gemv_pair(kernel_lib, n_sm, rng, fmt, variant, rows, k):
+    """Weights (tiled, device), the plain launch's maker and its operands for the LL hand-over tests."""
+    import cupy as cp
+
+    w16 = (rng.standard_normal((rows, k), dtype=np.float32) * 0.02).astype(np.float16)
+    if fmt == "fp8":
+        q, sc = quantize_fp8(w16)
+        w_dev, s_dev = cp.asarray(tiled(q, fmt)), cp.asarray(tiled_scales(sc))
+    else:
+        w_dev, s_dev = cp.asarray(tiled(w16, fmt)), None
+    h0 = rng.standard_normal(rows, dtype=np.float32)
+    keep = []  # resid_tp's LL buffers, alive as long as the launches
+
+    def launch(x_dev, ll=None):
+        """(launch, y) of `variant` over x (fp16, or LL words with `ll`); y fresh: h0, or NaN for partial;
+        resid_tp as the only rank (its sum is its own row)."""
+        y = cp.full(rows, np.nan, np.float32) if variant == "partial" else cp.asarray(h0)
+        tp = None
+        if variant == "resid_tp":
+            keep.append(cp.zeros((1, rows), dtype=cp.uint64))
+            tp = (cp.asarray(np.array([keep[-1].data.ptr], dtype=np.uint64)), cp.zeros(1024, dtype=cp.uint32), 0, 1)
+        return gemv_launch(kernel_lib, fmt, variant, w_dev, s_dev, x_dev, y, rows, k, n_sm, ws=True, tp=tp,
+                           ll=ll), y
+    return launch
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("variant,rows,k", LL_CASES)
+def test_gemv_ll_same_as_plain(kernel_lib, n_sm, fmt, variant, rows, k):
+    """PRO_LL (o_proj after the short attention, forms' /ll): x given as LL words at the epoch *pos * stride + base
+    gives bit for bit the plain launch's output over the same fp16 x (the same pairs staged in the same order); base 0
+    (ll_unpolled: the grid wait, the words as they are) too, with the words at any epoch."""
+    import cupy as cp
+
+    skip_unless_sm90()
+    rng = rng_for("gemv_ll", fmt, variant, rows, k)
+    launch = ll_gemv_pair(kernel_lib, n_sm, rng, fmt, variant, rows, k)
+    x16 = rng.standard_normal(k, dtype=np.float32).astype(np.float16)
+    plain, y_plain = launch(cp.asarray(x16))
+    plain()
+    ref = y_plain.get()
+    assert np.isfinite(ref).all()
+    pos, stride, base = 37, 80, 12
+    words = cp.asarray(ll_pairs(x16, pos * stride + base))
+    ln, y = launch(words, ll=(cp.asarray([pos], dtype=cp.int32), stride, base))
+    assert ln.name == f"gemv_{fmt}_{variant}_ll" and ln.block[0] == WS_THREADS
+    ln()
+    np.testing.assert_array_equal(y.get(), ref)
+    words[...] = cp.asarray(ll_pairs(x16, 5))  # an epoch nobody polls for
+    ln0, y0 = launch(words, ll=(cp.asarray([pos], dtype=cp.int32), stride, 0))
+    ln0()
+    np.testing.assert_array_equal(y0.get(), ref)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_gemv_ll_waits_for_its_epoch(kernel_lib, n_sm, fmt):
+    """The LL consumer reads x only at its epoch: its words start at the previous epoch with other values (as the
+    previous layer's attention leaves them); another stream writes the right words ~0.3 ms later (a spin, then a copy).
+    The output must be the one over the late words; a consumer that did not wait would have used the stale ones."""
+    import cupy as cp
+
+    skip_unless_sm90()
+    rows, k = 256, 2048  # 16 tiles: few blocks, so the late writer's copy finds free SMs
+    rng = rng_for("gemv_ll_wait", fmt)
+    launch = ll_gemv_pair(kernel_lib, n_sm, rng, fmt, "resid", rows, k)
+    x_old, x_new = (rng.standard_normal(k, dtype=np.float32).astype(np.float16) for _ in range(2))
+    plain, y_plain = launch(cp.asarray(x_new))
+    plain()
+    ref = y_plain.get()
+    pos, stride, base = 9, 16, 4
+    epoch = pos * stride + base
+    words = cp.asarray(ll_pairs(x_old, epoch - 1))
+    late = cp.asarray(ll_pairs(x_new, epoch))
+    ln, y = launch(words, ll=(cp.asarray([pos], dtype=cp.int32), stride, base))
+    writer, reader = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    spin = spin_launch(kernel_lib, 300_000)
+    cp.cuda.Device().synchronize()
+    with writer:
+        spin()
+        words[...] = late  # a copy kernel queued behind the spin: it runs ~0.3 ms from now
+    with reader:
+        ln()
+    reader.synchronize()
+    writer.synchronize()
+    np.testing.assert_array_equal(y.get(), ref)
+
+
+def test_gemv_ll_refuses(kernel_lib, n_sm):
+    import cupy as cp
+
+    w = cp.zeros((16, 32), cp.float16)
+    words, pos = cp.zeros(16, cp.uint64), cp.zeros(1, cp.int32)
+    with pytest.raises(AtomflowError, match="LL hand-over"):  # the ring form has no PRO_LL instance
+        gemv_launch(kernel_lib, "fp16", "resid", w, None, words, cp.zeros(16, cp.float32), 16, 32, n_sm, ll=(pos, 1, 1))
+    with pytest.raises(AtomflowError, match="LL hand-over"):  # x must be the k/2 words
+        gemv_launch(kernel_lib, "fp16", "resid", w, None, cp.zeros(32, cp.float16), cp.zeros(16, cp.float32), 16, 32,
+                    n_sm, ws=True, ll=(pos, 1, 1))
+
+
 def test_gemv_resid_tp_refuses(kernel_lib, n_sm):
     import cupy as cp
 
@@ -537,6 +645,29 @@ def test_attention_short(kernel_lib, model, length, cap):
     out.fill(np.nan)
     launch()  # a replay gives the identical result
     np.testing.assert_array_equal(out.get(), first)
+
+
+@pytest.mark.parametrize("model", ["llama-3.2-3b", "llama-3.2-1b", "405b-tp4"])
+@pytest.mark.parametrize("length", [1, 130, 383])
+def test_attention_short_ll(kernel_lib, model, length):
+    """With `ll` the short attention also writes its output as LL words (forms' /ll): the same fp16 pairs as `out`,
+    bit for bit, every word at the epoch (length - 1) * stride + base; `out` as without."""
+    import cupy as cp
+
+    n_kv, G, hd = ATT_SHAPES[model]
+    cap = short_capacity(hd, smem_limits())
+    q, kc, vc, ref = attention_case(model, length, max_seq=1024)
+    out = cp.full(q.size, np.nan, dtype=cp.float16)
+    words = cp.zeros(q.size // 2, dtype=cp.uint64)
+    stride, base = 80, 7
+    launch = attention_short_launch(kernel_lib, cp.asarray(q), cp.asarray(kc), cp.asarray(vc),
+                                    cp.asarray([length - 1], dtype=cp.int32), out, n_kv, G, hd, cap,
+                                    ll=(words, stride, base))
+    launch()
+    got, w = out.get(), words.get()
+    assert rel_err(got, ref) < FP16_TOL
+    assert ((w >> np.uint64(32)) == (length - 1) * stride + base).all()
+    np.testing.assert_array_equal((w & np.uint64(0xFFFFFFFF)).astype(np.uint32), got.view(np.uint32))
 
 
 def test_attention_short_refuses_what_does_not_fit(kernel_lib):
