@@ -28,7 +28,7 @@ if [ "$PH" = W ]; then  # the boundaries' bound at TP4: AF_NO_WAIT 0, 4 (o_proj,
     DEF="$DEF" one 70b-fp8-tp4-nowait$d-$RANDOM new llama-3.1-70b fp8 4 --allreduce peer
   done
 fi
-if [ "$PH" = L ]; then  # the LL hand-over attention -> o_proj: its GPU tests, then A/B on 4 GPUs and on one
+if [ "$PH" = L ] || [ "$PH" = L2 ]; then  # the LL hand-over attention -> o_proj: its GPU tests, then A/B on 4 GPUs and on one
   nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
   timeout 200 python3 -m pytest -q tests/test_kernels_gpu.py -k "_ll" -p no:cacheprovider >$W/kernels-ll.log 2>&1
   rc=$?; note "kernels ll: rc=$rc $(tail -1 $W/kernels-ll.log)"
@@ -37,9 +37,10 @@ if [ "$PH" = L ]; then  # the LL hand-over attention -> o_proj: its GPU tests, t
   rc=$?; note "engine ll: rc=$rc $(tail -1 $W/engine-ll.log)"
   [ $rc -ne 0 ] && { grep -E "^(FAILED|ERROR)|Error|assert" $W/engine-ll.log | head -30; exit 1; }
   P16="short:ws/l2=16;split:ws/l2=16"; L16="short:ws/l2=16/ll;split:ws/l2=16"
+  N=${TPN:-4}  # TPN=2 on a 2-GPU machine (call L2, when no 4-GPU kind was lent)
   for r in a b; do
-    one 70b-fp8-tp4-plain-$r new llama-3.1-70b fp8 4 --allreduce peer --forms "$P16"
-    one 70b-fp8-tp4-ll-$r new llama-3.1-70b fp8 4 --allreduce peer --forms "$L16"
+    one 70b-fp8-tp$N-plain-$r new llama-3.1-70b fp8 $N --allreduce peer --forms "$P16"
+    one 70b-fp8-tp$N-ll-$r new llama-3.1-70b fp8 $N --allreduce peer --forms "$L16"
   done
   timeout 120 atomflow-bench fetch llama-3.2-1b --source synthetic >$W/fetch.log 2>&1; note "fetch 1b rc=$?"
   for r in a b; do
