@@ -233,7 +233,7 @@ def check_gemv_launches(eng, key, form: GemvForm) -> None:
     assert len(qkv) == eng.cfg.num_hidden_layers
     for i, ln in enumerate(qkv):
         wgu = eng.arena[f"L{i}.wgu"]
-        nxt, size = ln.args[-3:-1] if form.ws else ln.args[-2:]
+        nxt, size = ln.args[15:17]  # after the 8 GemvArgs and the 7 rope arguments (ops/gemv.py gemv_launch)
         want = min(form.l2_tail_mb << 20, wgu.nbytes) & ~15
         assert int(size) == want, (form.text, i)
         if want:
