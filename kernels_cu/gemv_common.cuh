@@ -442,8 +442,11 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
   sync_n<NT>();
 }
 
-// PRO_LL: x's pairs from the producer's LL words (a.x: u64 [K/2]); LL_LOADS words in flight per thread, then a
-// spin on the late ones only (one L2 round when they are there). poll false: the words as they are.
+// PRO_LL: x's pairs from the producer's LL words (a.x: u64 [K/2]). While the producer runs, only the first warp
+// polls, each lane one word of 32 spread evenly over x (so every producer block's share has one: the short attention
+// has at most 16 blocks); once all 32 are at the epoch, every thread loads its words (LL_LOADS in flight) and spins
+// on any still late. (Every thread polling its own words: 1B fp16 +13 µs, 70B W8A16 TP2 +140 µs, PERF_NOTES v44.1.)
+// poll false: the words as they are.
 #define LL_LOADS 8
 template <int NT>
 __device__ __forceinline__ void stage_x_ll(const GemvArgs& a, __half* xs, unsigned epoch, bool poll) {
@@ -451,6 +454,12 @@ __device__ __forceinline__ void stage_x_ll(const GemvArgs& a, __half* xs, unsign
   unsigned* xs2 = reinterpret_cast<unsigned*>(xs);
   const unsigned long long* src = reinterpret_cast<const unsigned long long*>(a.x);
   const int npairs = a.K / 2;
+  if (poll && threadIdx.x < AF_WARP) {
+    const unsigned long long* probe = src + max(0, (int)(((threadIdx.x + 1) * npairs) / AF_WARP) - 1);
+    while (!ll_is(ll_load(probe), epoch)) {
+    }
+  }
+  sync_n<NT>();
   for (int p0 = threadIdx.x; p0 < npairs; p0 += LL_LOADS * nth) {
     unsigned long long w[LL_LOADS];
 #pragma unroll

@@ -53,3 +53,23 @@ if [ "$PH" = L ] || [ "$PH" = L2 ]; then  # the LL hand-over attention -> o_proj
   timeout 100 atomflow-bench validate llama-3.2-1b --weights fp16 --steps 16 --forms "short:ws/l2=8/ll;split:ws/l2=8" --json $W/validate-1b-fp16-ll.json >$W/validate-1b.log 2>&1
   note "validate 1b fp16 ll: rc=$? $(grep -E 'PASS|FAIL|greedy|KL' $W/validate-1b.log | tr -s ' ' | head -3 | tr '\n' ' ')"
 fi
+if [ "$PH" = M ]; then  # v44.2: the LL consumer polls with its first warp only (32 sampled words), A/B at TP$TPN
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  timeout 200 python3 -m pytest -q tests/test_kernels_gpu.py -k "_ll" -p no:cacheprovider >$W/kernels-ll.log 2>&1
+  rc=$?; note "kernels ll: rc=$rc $(tail -1 $W/kernels-ll.log)"
+  [ $rc -ne 0 ] && { grep -E "^(FAILED|ERROR)|Error|assert|seed" $W/kernels-ll.log | head -30; exit 1; }
+  timeout 200 python3 -m pytest -q tests/test_engine_gpu.py -k "ll_hand_over" -p no:cacheprovider >$W/engine-ll.log 2>&1
+  rc=$?; note "engine ll: rc=$rc $(tail -1 $W/engine-ll.log)"
+  [ $rc -ne 0 ] && { grep -E "^(FAILED|ERROR)|Error|assert" $W/engine-ll.log | head -30; exit 1; }
+  P16="short:ws/l2=16;split:ws/l2=16"; L16="short:ws/l2=16/ll;split:ws/l2=16"; N=${TPN:-4}
+  for r in a b; do
+    one 70b-fp8-tp$N-plain-$r new llama-3.1-70b fp8 $N --allreduce peer --forms "$P16"
+    one 70b-fp8-tp$N-ll-$r new llama-3.1-70b fp8 $N --allreduce peer --forms "$L16"
+  done
+  timeout 120 atomflow-bench fetch llama-3.2-1b --source synthetic >$W/fetch.log 2>&1
+  for f in plain ll; do
+    F="short:ws/l2=8;split:ws/l2=8"; [ $f = ll ] && F="short:ws/l2=8/ll;split:ws/l2=8"
+    timeout 90 atomflow-bench run llama-3.2-1b --weights fp16 --ctx 128 --tokens 256 --repeats 5 --forms "$F" --json $W/1b-fp16-$f.json >$W/1b-fp16-$f.log 2>&1
+    note "rc=$? $(show $W/1b-fp16-$f.json 1b-fp16-$f)"
+  done
+fi
