@@ -442,11 +442,15 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
   sync_n<NT>();
 }
 
-// PRO_LL: x's pairs from the producer's LL words (a.x: u64 [K/2]). While the producer runs, only the first warp
-// polls, each lane one word of 32 spread evenly over x (so every producer block's share has one: the short attention
-// has at most 16 blocks); once all 32 are at the epoch, every thread loads its words (LL_LOADS in flight) and spins
-// on any still late. (Every thread polling its own words: 1B fp16 +13 µs, 70B W8A16 TP2 +140 µs, PERF_NOTES v44.1.)
-// poll false: the words as they are.
+// PRO_LL: x's pairs from the producer's LL words (a.x: u64 [K/2]). While the producer runs, only LL_SAMPLES lanes
+// of the first warp poll, lane l one word of the l-th of LL_SAMPLES equal segments of x (the short attention's blocks
+// write such segments: up to 8 blocks, each then has a sampled word), the word within the segment chosen by the block
+// index, so the ~264 blocks' polls spread over the segment's lines instead of all hitting the same ones (the writer's
+// stores queue behind the polls of a hot line). Once the samples are at the epoch, every thread loads its words
+// (LL_LOADS in flight) and spins on any still late (a segment of more than one writer block). Measured forms: every
+// thread polling its own words (+13 µs on 1B fp16, +137 on 70B W8A16 TP2) and 32 lanes on the same 32 words in every
+// block (+33 µs at TP4), PERF_NOTES v44.1-v44.2. poll false: the words as they are.
+#define LL_SAMPLES 8
 #define LL_LOADS 8
 template <int NT>
 __device__ __forceinline__ void stage_x_ll(const GemvArgs& a, __half* xs, unsigned epoch, bool poll) {
@@ -454,9 +458,11 @@ __device__ __forceinline__ void stage_x_ll(const GemvArgs& a, __half* xs, unsign
   unsigned* xs2 = reinterpret_cast<unsigned*>(xs);
   const unsigned long long* src = reinterpret_cast<const unsigned long long*>(a.x);
   const int npairs = a.K / 2;
-  if (poll && threadIdx.x < AF_WARP) {
-    const unsigned long long* probe = src + max(0, (int)(((threadIdx.x + 1) * npairs) / AF_WARP) - 1);
-    while (!ll_is(ll_load(probe), epoch)) {
+  if (poll && threadIdx.x < LL_SAMPLES) {
+    const int seg = npairs / LL_SAMPLES;  // npairs >= 16 (K % 32 == 0); a short last segment takes the rest
+    const int lo = threadIdx.x * seg, n = threadIdx.x == LL_SAMPLES - 1 ? npairs - lo : seg;
+    const unsigned long long* probe = src + lo + (n > 0 ? (int)((blockIdx.x * 37u + 11u) % (unsigned)n) : 0);
+    while (n > 0 && !ll_is(ll_load(probe), epoch)) {
     }
   }
   sync_n<NT>();

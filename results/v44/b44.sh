@@ -73,3 +73,23 @@ if [ "$PH" = M ]; then  # v44.2: the LL consumer polls with its first warp only 
     note "rc=$? $(show $W/1b-fp16-$f.json 1b-fp16-$f)"
   done
 fi
+if [ "$PH" = N ]; then  # v44.3 (one GPU): the pollers spread over x's lines; tests, then 1B / 8B fp16 A/B
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  timeout 200 python3 -m pytest -q tests/test_kernels_gpu.py -k "_ll" -p no:cacheprovider >$W/kernels-ll.log 2>&1
+  rc=$?; note "kernels ll: rc=$rc $(tail -1 $W/kernels-ll.log)"
+  [ $rc -ne 0 ] && { grep -E "^(FAILED|ERROR)|Error|assert|seed" $W/kernels-ll.log | head -30; exit 1; }
+  timeout 200 python3 -m pytest -q tests/test_engine_gpu.py -k "ll_hand_over" -p no:cacheprovider >$W/engine-ll.log 2>&1
+  rc=$?; note "engine ll: rc=$rc $(tail -1 $W/engine-ll.log)"
+  [ $rc -ne 0 ] && { grep -E "^(FAILED|ERROR)|Error|assert" $W/engine-ll.log | head -30; exit 1; }
+  for m in llama-3.2-1b llama-3.1-8b; do timeout 200 atomflow-bench fetch $m --source synthetic >$W/fetch-$m.log 2>&1; done
+  for r in a b; do
+    for m in llama-3.2-1b llama-3.1-8b; do
+      [ $m = llama-3.1-8b ] && [ $r = b ] && continue
+      for f in plain ll; do
+        F="short:ws/l2=8;split:ws/l2=8"; [ $f = ll ] && F="short:ws/l2=8/ll;split:ws/l2=8"
+        timeout 120 atomflow-bench run $m --weights fp16 --ctx 128 --tokens 256 --repeats 5 --forms "$F" --json $W/$m-fp16-$f-$r.json >$W/$m-fp16-$f-$r.log 2>&1
+        note "rc=$? $(show $W/$m-fp16-$f-$r.json $m-fp16-$f-$r)"
+      done
+    done
+  done
+fi
