@@ -817,6 +817,9 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
                       full + slot);
       }
     }
+    // LAB (v44.4): with bit 31 of ll.base the producer warp waits for the previous grid before it leaves, so the
+    // block's completion has the attention's behind it explicitly (the consumers still poll)
+    if (PRO == PRO_LL && (ll.base >> 31)) pdl_wait();
     return;
   }
 
@@ -826,7 +829,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
     // the LL hand-over: no grid wait. Everything else read here (h, the TP epochs, pos) was written by kernels
     // before the attention, complete once the attention passed its own wait, which precedes its trigger of this launch
     pdl_launch_dependents();
-    const unsigned epoch = ll_epoch_of(*ll.pos, ll.stride, ll.base);
+    const unsigned epoch = ll_epoch_of(*ll.pos, ll.stride, ll.base & 0x7fffffffu);
     if (npre > 0 && threadIdx.x == 0) mbar_arrive(go);
     stage_x_ll<GEMV_THREADS>(a, xs, epoch, !(AF_NO_WAIT & 4));
   } else {

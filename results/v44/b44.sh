@@ -93,3 +93,14 @@ if [ "$PH" = N ]; then  # v44.3 (one GPU): the pollers spread over x's lines; te
     done
   done
 fi
+if [ "$PH" = O ]; then  # v44.4 (one GPU): where the hand-over costs: plain, ll, unpolled, late (scripts/lab/ll_ab.py)
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  timeout 100 python3 -m pytest -q tests/test_kernels_gpu.py -k "gemv_ll" -p no:cacheprovider >$W/kernels-ll.log 2>&1
+  rc=$?; note "kernels gemv_ll: rc=$rc $(tail -1 $W/kernels-ll.log)"
+  timeout 200 atomflow-bench fetch llama-3.1-8b --source synthetic >$W/fetch.log 2>&1
+  timeout 200 python3 scripts/lab/ll_ab.py llama-3.1-8b fp16 ws/l2=8 --json $W/ll-ab-8b-fp16.json >$W/ll-ab-8b.log 2>&1
+  note "8b fp16 rc=$? $(tail -1 $W/ll-ab-8b.log)"
+  timeout 240 python3 scripts/lab/ll_ab.py llama-3.1-70b/tp4 fp8 ws/l2=16 --json $W/ll-ab-70b-tp4.json >$W/ll-ab-70b.log 2>&1
+  note "70b/tp4 fp8 rc=$? $(tail -1 $W/ll-ab-70b.log)"
+  tail -14 $W/ll-ab-70b.log
+fi
