@@ -25,15 +25,11 @@
 //            fp16 [max_seq][n_kv*hd]; out fp16 [n_heads*hd]. Dynamic shared memory (ops/attention.py
 //            attention_short_smem, cap16 = cap rounded up to 16): K [cap16][hd] fp16 (at the end the phases'
 //            reduction scratch [8 warps][16][8] fp32), V [cap16][hd] fp16, P fp16 [8][cap16 + 8].
-//            out_ll (the LL hand-over, non-null when the host's form says so): the same outputs again as LL words
-//            u64 [n_heads*hd/2] (tp_ll.cuh: an fp16 pair in the low word, the epoch pos * ll_stride + ll_base in the
-//            high one), which the next GEMV polls instead of waiting for this grid (gemv_common.cuh PRO_LL).
-// Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + q and out (+ out_ll).
+// Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + q and out.
 // Launch     attention_short_hd{64,128}_g{1,2,3,4,8,16}: grid = (n_kv * V) (V = 2 for G = 16), block = 256, dyn. smem = all a block may
 //            have (ops/attention.py attention_short_launch; short_smem(hd, cap) is what cap needs): no other
 //            kernel's block shares the SM (PERF_NOTES v11.2); <= 128 registers per thread.
 #include "common.cuh"
-#include "tp_ll.cuh"
 
 #define ATS_THREADS 256
 #define ATS_HEADS 8        // the mma's N: q heads of one kv head, padded to 8 (G <= 8)
@@ -75,8 +71,7 @@ __device__ __forceinline__ void ats_zero_tail(char* vs, int n) {
 template <int HD, int G, int T, int V = 1>
 __device__ __forceinline__ void attention_short_item(const __half* q, const __half* k_cache, const __half* v_cache,
                                                      int len, int j, __half* out, int n_kv, int cap, float scale,
-                                                     char* smem, unsigned long long* out_ll = nullptr,
-                                                     unsigned ll_epoch = 0) {
+                                                     char* smem) {
   constexpr int DG = HD / 8;          // 16-byte pieces per row
   constexpr int NW = T / AF_WARP;
   constexpr int DT = HD / 16;         // P.V: 16-dim tiles; NW / DT warps (phases) per tile
@@ -226,19 +221,14 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   rw[(gid + 8) * ATS_HEADS + 2 * tig] = o[2];
   rw[(gid + 8) * ATS_HEADS + 2 * tig + 1] = o[3];
   __syncthreads();
-  for (int i = 2 * tid; i < G * HD; i += 2 * T) {  // a pair of outputs per thread (HD is even): one LL word
+  for (int i = tid; i < G * HD; i += T) {
     const int g = i / HD, d = i % HD;
-    float acc0 = 0.f, acc1 = 0.f, l = 0.f;
+    float acc = 0.f, l = 0.f;
 #pragma unroll
-    for (int ph = 0; ph < WPT; ++ph) {
-      acc0 += red[((ph * DT + d / 16) * 16 + d % 16) * ATS_HEADS + g];
-      acc1 += red[((ph * DT + (d + 1) / 16) * 16 + (d + 1) % 16) * ATS_HEADS + g];
-    }
+    for (int ph = 0; ph < WPT; ++ph) acc += red[((ph * DT + d / 16) * 16 + d % 16) * ATS_HEADS + g];
 #pragma unroll
     for (int w = 0; w < NW; ++w) l += w_red[w][g];
-    const __half2 v = __halves2half2(__float2half(acc0 / l), __float2half(acc1 / l));
-    *reinterpret_cast<__half2*>(out + (size_t)j * G * HD + i) = v;
-    if (out_ll) ll_store_bits(out_ll + ((size_t)j * G * HD + i) / 2, *reinterpret_cast<const unsigned*>(&v), ll_epoch);
+    out[(size_t)j * G * HD + i] = __float2half(acc / l);
   }
 }
 
@@ -250,15 +240,12 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   extern "C" __global__ void __launch_bounds__(ATS_THREADS, ATS_MIN_BLOCKS)                              \
       attention_short_hd##HD##_g##G(                                                                      \
       const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache, \
-      const int* __restrict__ pos_ptr, __half* __restrict__ out, int n_kv, int cap, float scale,         \
-      unsigned long long* __restrict__ out_ll, unsigned ll_stride, unsigned ll_base) {                    \
+      const int* __restrict__ pos_ptr, __half* __restrict__ out, int n_kv, int cap, float scale) {        \
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) char ats_smem[];                                                      \
     /* pos was written by the previous step's argmax, complete before this step's first kernel */        \
-    const int pos = *pos_ptr;                                                                             \
-    attention_short_item<HD, ATS_BG(G), ATS_THREADS, ATS_BV(G)>(q, k_cache, v_cache, pos + 1, blockIdx.x, out, \
-                                                                n_kv, cap, scale, ats_smem, out_ll,       \
-                                                                ll_epoch_of(pos, ll_stride, ll_base));    \
+    attention_short_item<HD, ATS_BG(G), ATS_THREADS, ATS_BV(G)>(q, k_cache, v_cache, *pos_ptr + 1, blockIdx.x, out, \
+                                                                n_kv, cap, scale, ats_smem);                \
   }
 
 ATTENTION_SHORT_INSTANCE(64, 1)

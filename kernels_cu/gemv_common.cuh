@@ -34,8 +34,6 @@
 // Fusions (each removes a launch and a round trip of an activation vector):
 //   PRO_NORM   prologue: x = RMSNorm(h_fp32) * w_norm computed per block straight into shared memory
 //              (replaces a separate RMSNorm kernel before QKV and gate/up).
-//   PRO_LL     prologue (ws form): x from LL words written by the attention, polled instead of the PDL wait
-//              (tp_ll.cuh, LlIn).
 //   EPI_RESID  epilogue: h_fp32[o] += W·x (residual add after o_proj and down_proj).
 //   EPI_SWIGLU epilogue: rows o (gate) and o + n_out (up) of the stacked [gate; up] weight meet in one tile;
 //              y[o] = silu(gate) * up; the 2·I intermediate never exists.
@@ -76,15 +74,7 @@
 #define ROWS_LOADS 8
 #define GEMV_TILE 16        // weight rows per tile (the mma's M)
 
-enum { PRO_PLAIN = 0, PRO_NORM = 1, PRO_LL = 2 };
-
-// PRO_LL's input (the LL hand-over, tp_ll.cuh; warp-specialised o_proj after the short attention): x is u64 LL words
-// [K/2] (an fp16 pair + epoch each), polled at epoch ll_epoch_of(*pos, stride, base) instead of the PDL wait;
-// base 0: the PDL wait, then the words' pairs as x (profile's step without the attention: nothing writes them).
-struct LlIn {
-  const int* pos;
-  unsigned stride, base;
-};
+enum { PRO_PLAIN = 0, PRO_NORM = 1 };
 enum { EPI_STORE = 0, EPI_F32 = 1, EPI_RESID = 2, EPI_SWIGLU = 3, EPI_ROPE = 4, EPI_TPSUM = 5 };
 
 // A later GEMV's head, asked into L2 (l2_head; ops/gemv.py head_l2): `count` tiles (that GEMV's first round, one
@@ -442,49 +432,6 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
   sync_n<NT>();
 }
 
-// PRO_LL: x's pairs from the producer's LL words (a.x: u64 [K/2]). While the producer runs, only LL_SAMPLES lanes
-// of the first warp poll, lane l one word of the l-th of LL_SAMPLES equal segments of x (the short attention's blocks
-// write such segments: up to 8 blocks, each then has a sampled word), the word within the segment chosen by the block
-// index, so the ~264 blocks' polls spread over the segment's lines instead of all hitting the same ones (the writer's
-// stores queue behind the polls of a hot line). Once the samples are at the epoch, every thread loads its words
-// (LL_LOADS in flight) and spins on any still late (a segment of more than one writer block). Measured forms: every
-// thread polling its own words (+13 µs on 1B fp16, +137 on 70B W8A16 TP2) and 32 lanes on the same 32 words in every
-// block (+33 µs at TP4), PERF_NOTES v44.1-v44.2. poll false: the words as they are.
-#define LL_SAMPLES 8
-#define LL_LOADS 8
-template <int NT>
-__device__ __forceinline__ void stage_x_ll(const GemvArgs& a, __half* xs, unsigned epoch, bool poll) {
-  const int nth = nthreads<NT>();
-  unsigned* xs2 = reinterpret_cast<unsigned*>(xs);
-  const unsigned long long* src = reinterpret_cast<const unsigned long long*>(a.x);
-  const int npairs = a.K / 2;
-  if (poll && threadIdx.x < LL_SAMPLES) {
-    const int seg = npairs / LL_SAMPLES;  // npairs >= 16 (K % 32 == 0); a short last segment takes the rest
-    const int lo = threadIdx.x * seg, n = threadIdx.x == LL_SAMPLES - 1 ? npairs - lo : seg;
-    const unsigned long long* probe = src + lo + (n > 0 ? (int)((blockIdx.x * 37u + 11u) % (unsigned)n) : 0);
-    while (n > 0 && !ll_is(ll_load(probe), epoch)) {
-    }
-  }
-  sync_n<NT>();
-  for (int p0 = threadIdx.x; p0 < npairs; p0 += LL_LOADS * nth) {
-    unsigned long long w[LL_LOADS];
-#pragma unroll
-    for (int i = 0; i < LL_LOADS; ++i) {
-      const int p = p0 + i * nth;
-      if (p < npairs) w[i] = ll_load(src + p);
-    }
-#pragma unroll
-    for (int i = 0; i < LL_LOADS; ++i) {
-      const int p = p0 + i * nth;
-      if (p < npairs) {
-        while (poll && !ll_is(w[i], epoch)) w[i] = ll_load(src + p);
-        xs2[xs_pair(p)] = (unsigned)w[i];
-      }
-    }
-  }
-  sync_n<NT>();
-}
-
 // The mma(s) of one 512-byte unit u (16 rows x KU inputs) for lane quad t: fp16 one k-tile, fp8 two.
 template <bool FP8>
 __device__ __forceinline__ void unit_mma(float (&d)[4], uint4 w, const __half* xs, int u, int t) {
@@ -758,7 +705,7 @@ __device__ __forceinline__ void ws_slot_mma(float (&d)[4], float (&acc)[2], cons
 #if AF_HAS_BULK
 template <bool FP8, int PRO, int EPI>
 __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs rope, unsigned char* smem_raw,
-                                              const int npre, const TpArgs tp = TpArgs{}, const LlIn ll = LlIn{}) {
+                                              const int npre, const TpArgs tp = TpArgs{}) {
   constexpr int R = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;
   constexpr int NWC = GEMV_THREADS / AF_WARP;                   // consumer warps
   constexpr int KU = FP8 ? 32 : 16, UPG = 128 / KU;            // inputs per 512-byte unit, units per group
@@ -817,29 +764,14 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
                       full + slot);
       }
     }
-    // LAB (v44.4): with bit 31 of ll.base the producer warp waits for the previous grid before it leaves, so the
-    // block's completion has the attention's behind it explicitly (the consumers still poll)
-    if (PRO == PRO_LL && (ll.base >> 31)) pdl_wait();
     return;
   }
 
   const EpiOperand pre = epilogue_operand<EPI, R>(a, rope, blockIdx.x);  // the first tile's, before the wait
   const NormRegs nr = norm_w_regs<PRO, GEMV_THREADS>(a);  // PRO_NORM: norm_w before the wait
-  if (PRO == PRO_LL && ll.base) {
-    // the LL hand-over: no grid wait. Everything else read here (h, the TP epochs, pos) was written by kernels
-    // before the attention, complete once the attention passed its own wait, which precedes its trigger of this launch
-    pdl_launch_dependents();
-    const unsigned epoch = ll_epoch_of(*ll.pos, ll.stride, ll.base & 0x7fffffffu);
-    if (npre > 0 && threadIdx.x == 0) mbar_arrive(go);
-    stage_x_ll<GEMV_THREADS>(a, xs, epoch, !(AF_NO_WAIT & 4));
-  } else {
-    gemv_arrive_wait<EPI>(PdlSync{});  // x / h / pos only once the previous kernel is done (weights are the producer's)
-    if (npre > 0 && threadIdx.x == 0) mbar_arrive(go);
-    if (PRO == PRO_LL)
-      stage_x_ll<GEMV_THREADS>(a, xs, 0u, false);
-    else
-      stage_x_tiled<PRO, STAGE_REGS, GEMV_THREADS>(a, xs, rs, nullptr, nullptr, nr);
-  }
+  gemv_arrive_wait<EPI>(PdlSync{});  // x / h / pos only once the previous kernel is done (weights are the producer's)
+  if (npre > 0 && threadIdx.x == 0) mbar_arrive(go);
+  stage_x_tiled<PRO, STAGE_REGS, GEMV_THREADS>(a, xs, rs, nullptr, nullptr, nr);
   AF_TL_MARK(0);  // timeline: x staged (prologue done)
 
   int n = 0;
@@ -867,14 +799,14 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 // architecture (the host pass needs them), built for sm_90+ only: below, the body traps — the host launches these
 // only on sm_90+, for the ws form (gpu/forms.py).
 #if AF_HAS_BULK
-#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, TP, LL)                                                         \
+#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, TP)                                                             \
   AF_TIMELINE_BLOCK;                                                                                      \
   extern __shared__ __align__(16) unsigned char smem_raw[];                                               \
-  gemv_tiled_ws<FP8, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, ROPE, smem_raw, npre, TP, LL);
+  gemv_tiled_ws<FP8, PRO, EPI>(GemvArgs{W, scales, x, norm_w, eps, y, n_out, K}, ROPE, smem_raw, npre, TP);
 #elif defined(__CUDA_ARCH__)
-#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, TP, LL) __trap();
+#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, TP) __trap();
 #else
-#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, TP, LL)
+#define GEMV_WS_BODY(FP8, PRO, EPI, ROPE, TP)
 #endif
 // An L2Head as seven kernel arguments P_w, P_s, P_w_stride, P_w_chunk, P_s_stride, P_s_chunk, P_count.
 #define L2HEAD_PARAMS(P)                                                                                  \
@@ -890,7 +822,7 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
   (RopeArgs{cos_sin, pos, k_cache, v_cache, n_q, n_kv, hd, next_w, next_bytes, L2HEAD_OF(l2)})
 #define GEMV_WS_INSTANCE(NAME, FP8, PRO, EPI)                                                             \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_WS_PARAMS) {                 \
-    GEMV_WS_BODY(FP8, PRO, EPI, RopeArgs{}, TpArgs{}, LlIn{})                                             \
+    GEMV_WS_BODY(FP8, PRO, EPI, RopeArgs{}, TpArgs{})                                                     \
   }
 // The cross-rank sum variant (EPI_TPSUM): TpArgs as the last eleven arguments.
 #define GEMV_TP_PARAMS                                                                                    \
@@ -899,23 +831,11 @@ __device__ __forceinline__ void gemv_tiled_ws(const GemvArgs a, const RopeArgs r
 #define GEMV_TP_ARGS_OF (TpArgs{tp_slots, tp_seq, tp_rank, tp_n, L2HEAD_OF(l2)})
 #define GEMV_WS_TP_INSTANCE(NAME, FP8)                                                                    \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_WS_PARAMS, GEMV_TP_PARAMS) { \
-    GEMV_WS_BODY(FP8, PRO_PLAIN, EPI_TPSUM, RopeArgs{}, GEMV_TP_ARGS_OF, LlIn{})                          \
-  }
-// The LL hand-over's consumers (PRO_LL; o_proj after the short attention): LlIn as the last three arguments.
-#define GEMV_LL_PARAMS const int* __restrict__ ll_pos, unsigned ll_stride, unsigned ll_base
-#define GEMV_LL_ARGS_OF (LlIn{ll_pos, ll_stride, ll_base})
-#define GEMV_WS_LL_INSTANCE(NAME, FP8, EPI)                                                               \
-  extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_WS_PARAMS, GEMV_LL_PARAMS) { \
-    GEMV_WS_BODY(FP8, PRO_LL, EPI, RopeArgs{}, TpArgs{}, GEMV_LL_ARGS_OF)                                 \
-  }
-#define GEMV_WS_TP_LL_INSTANCE(NAME, FP8)                                                                 \
-  extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3)                                        \
-      NAME(GEMV_WS_PARAMS, GEMV_TP_PARAMS, GEMV_LL_PARAMS) {                                              \
-    GEMV_WS_BODY(FP8, PRO_LL, EPI_TPSUM, RopeArgs{}, GEMV_TP_ARGS_OF, GEMV_LL_ARGS_OF)                    \
+    GEMV_WS_BODY(FP8, PRO_PLAIN, EPI_TPSUM, RopeArgs{}, GEMV_TP_ARGS_OF)                                  \
   }
 #define GEMV_WS_ROPE_INSTANCE(NAME, FP8)                                                                  \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 3) NAME(GEMV_ROPE_PARAMS, int npre) {     \
-    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, GEMV_ROPE_ARGS_OF, TpArgs{}, LlIn{})                            \
+    GEMV_WS_BODY(FP8, PRO_NORM, EPI_ROPE, GEMV_ROPE_ARGS_OF, TpArgs{})                                    \
   }
 
 // fp16 layer GEMVs: the register path.

@@ -17,12 +17,9 @@
 //            (it needs the peer's values of the exchange in between, written after the peer's reads).
 #pragma once
 
-__device__ __forceinline__ void ll_store_bits(unsigned long long* p, unsigned bits, unsigned epoch) {
-  const unsigned long long w = (unsigned long long)bits | ((unsigned long long)epoch << 32);
-  asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
-}
 __device__ __forceinline__ void ll_store(unsigned long long* p, float v, unsigned epoch) {
-  ll_store_bits(p, __float_as_uint(v), epoch);
+  const unsigned long long w = (unsigned long long)__float_as_uint(v) | ((unsigned long long)epoch << 32);
+  asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
 }
 
 #define LL_MAX_RANKS 8  // = tp_comm.cu TP_MAX_RANKS: the readers keep one word per rank in registers
@@ -55,15 +52,3 @@ __device__ __forceinline__ float ll_sum_ranks(const unsigned long long* rows, si
   }
   return acc;
 }
-
-// The LL hand-over inside one GPU (attention -> o_proj, gemv_common.cuh PRO_LL): the producer writes its fp16 outputs
-// as LL words (a pair per word) with the epoch of (position, layer); the consumer polls them instead of waiting for the
-// producer's grid to complete (griddepcontrol.wait), which under the next kernels' early weight requests released
-// o_proj ~3 µs after the attention's last block (docs/PERF_NOTES.md v43, v44). Epoch pos * stride + base with
-// stride = the layers and base = layer + 1: consecutive producers of one buffer never share an epoch (base >= 1, the
-// buffer starts at 0), so the consumer waits for equality, never for "not behind" (a reset replays positions).
-// base = 0: no hand-over (the consumer waits for the grid as usual; the producer's words are not read).
-__device__ __forceinline__ unsigned ll_epoch_of(int pos, unsigned stride, unsigned base) {
-  return (unsigned)pos * stride + base;
-}
-__device__ __forceinline__ bool ll_is(unsigned long long w, unsigned epoch) { return (unsigned)(w >> 32) == epoch; }

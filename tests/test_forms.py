@@ -52,15 +52,6 @@ def test_gemv_form_text_round_trips():
             GemvForm.parse(bad)
     with pytest.raises(AtomflowError, match="ws-pre<N> needs the ws form"):
         GemvForm(False, 2, 0)
-    assert GemvForm.parse("ws/l2=16/ll") == GemvForm(True, None, 16, True)
-    assert GemvForm.parse("ws-pre2/ll").text == "ws-pre2/l2=0/ll"
-    for text in ("ws/l2=16/ll", "ws-pre3/l2=0/ll"):
-        assert GemvForm.parse(text).text == text
-    with pytest.raises(AtomflowError, match="needs the ws form"):
-        GemvForm.parse("ring/l2=8/ll")
-    for bad in ("ws/ll/l2=8", "ws/l2=8/ll/ll"):
-        with pytest.raises(AtomflowError, match="GEMV form"):
-            GemvForm.parse(bad)
 
 
 def test_forms_text_round_trips_and_refuses_nonsense():
@@ -73,10 +64,6 @@ def test_forms_text_round_trips_and_refuses_nonsense():
     assert Forms.parse(only_split.text) == only_split
     same = Forms.parse("short:ws/l2=8")  # no split entry: the split bucket runs the short bucket's form
     assert same.gemv_split == same.gemv == GemvForm(True, None, 8)
-    ll = Forms.parse("short:ws/l2=16/ll")  # the split bucket takes the short one's form without /ll
-    assert ll.gemv.ll and ll.gemv_split == GemvForm(True, None, 16) and Forms.parse(ll.text) == ll
-    with pytest.raises(AtomflowError, match="short bucket"):
-        Forms.parse("short:ws/l2=16;split:ws/l2=16/ll")
     for bad in ("", "long:ring", "short:ring;short:ws", "ring", "short=ring"):
         with pytest.raises(AtomflowError, match="forms"):
             Forms.parse(bad)

@@ -102,7 +102,6 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132, lm_hea
     p.add("activations", "h", (H,), np.float32)
     p.add("activations", "qkv", (cfg.qkv_dim,), np.float16)
     p.add("activations", "attn_out", (cfg.q_dim,), np.float16)
-    p.add("activations", "attn_ll", (cfg.q_dim // 2,), np.uint64)  # attn_out as LL words (forms' /ll: step.py)
     p.add("activations", "act", (cfg.intermediate_size,), np.float16)
     p.add("activations", "xnorm", (H,), np.float16)
     p.add("activations", "logits", (V,), np.float32)

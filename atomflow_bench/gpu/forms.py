@@ -8,8 +8,7 @@ and ATOMFLOW_FORMS, is
 
     short:<gemv>;split:<gemv>      e.g.  short:ws-pre2/l2=8;split:ring/l2=0
     split:<gemv>                   the split kernel for every length
-    <gemv> = ring | ws | ws-pre<N>, then /l2=<MB>, then /ll (ws, short bucket only: o_proj takes the attention's
-             output as LL words instead of waiting for its grid; ops/gemv.py gemv_launch `ll`)
+    <gemv> = ring | ws | ws-pre<N>, then /l2=<MB>
 
 Forms are resolved once (given, saved by `tune`, or the defaults below) and handed to the step builder; nothing
 below that reads the environment.
@@ -32,37 +31,31 @@ class GemvForm:
     ws: bool = False            # warp-specialised (producer warp + bulk copies, sm_90+), else the ring form
     ws_pre: int | None = None   # ws: ring slots filled before the PDL wait (None: the format's default)
     l2_tail_mb: int = 0         # MB of gate/up's last weights each QKV launch asks into L2 after its epilogue
-    ll: bool = False            # ws: the attention hands o_proj its output as LL words (no grid wait; short bucket)
 
     def __post_init__(self):
         if self.ws_pre is not None and (not self.ws or not 0 <= self.ws_pre <= GEMV_WS_MAX):
             raise AtomflowError(f"ws-pre<N> needs the ws form and 0 <= N <= {GEMV_WS_MAX}")
         if self.l2_tail_mb < 0:
             raise AtomflowError(f"l2={self.l2_tail_mb}: MB must be >= 0")
-        if self.ll and not self.ws:
-            raise AtomflowError("/ll (the LL hand-over into o_proj) needs the ws form")
 
     @property
     def text(self) -> str:
         base = "ring" if not self.ws else "ws" if self.ws_pre is None else f"ws-pre{self.ws_pre}"
-        return f"{base}/l2={self.l2_tail_mb}" + ("/ll" if self.ll else "")
+        return f"{base}/l2={self.l2_tail_mb}"
 
     @classmethod
     def parse(cls, text: str) -> "GemvForm":
-        body = text.strip()
-        ll = body.endswith("/ll")
-        body = body[:-3] if ll else body
-        base, sep, l2 = body.partition("/l2=")
+        base, sep, l2 = text.strip().partition("/l2=")
         if sep and not l2.isdigit():
             raise AtomflowError(f"GEMV form {text!r}: /l2=<MB> takes a whole number")
         tail = int(l2) if sep else 0
         if base == "ring":
-            return cls(False, None, tail, ll)
+            return cls(False, None, tail)
         if base == "ws":
-            return cls(True, None, tail, ll)
+            return cls(True, None, tail)
         if base.startswith("ws-pre") and base[6:].isdigit():
-            return cls(True, int(base[6:]), tail, ll)
-        raise AtomflowError(f"GEMV form {text!r}: ring, ws or ws-pre<N>, then optionally /l2=<MB>, then /ll")
+            return cls(True, int(base[6:]), tail)
+        raise AtomflowError(f"GEMV form {text!r}: ring, ws or ws-pre<N>, then optionally /l2=<MB>")
 
 
 @dataclass(frozen=True)
@@ -87,10 +80,8 @@ class Forms:
             parts[bucket] = GemvForm.parse(form)
         if not parts:
             raise AtomflowError("forms: empty")
-        if "split" in parts and parts["split"].ll:
-            raise AtomflowError(f"forms {text!r}: /ll is for the short bucket (the split attention writes no LL words)")
         short = parts.get("short")
-        return cls(short is not None, short or parts["split"], parts.get("split") or replace(short, ll=False))
+        return cls(short is not None, short or parts["split"], parts.get("split", short))
 
     def bucket_form(self, short: bool) -> GemvForm:
         return self.gemv if short else self.gemv_split
@@ -123,7 +114,7 @@ def tp_defaults(forms: Forms, fmt: str, cc: int) -> Forms:
     W8A16's layer GEMVs in TP_FP8_GEMV on sm_90+; fp16 and sm_89 unchanged."""
     if fmt == "fp8" and cc >= 90:
         g = GemvForm.parse(TP_FP8_GEMV)
-        return replace(forms, gemv=g, gemv_split=replace(g, ll=False))
+        return replace(forms, gemv=g, gemv_split=g)
     return forms
 
 

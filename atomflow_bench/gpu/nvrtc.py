@@ -40,7 +40,7 @@ KERNELS_DIR = find_kernels_dir()
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
 _DEFINE = re.compile(r"^[ \t]*#[ \t]*define(?:[^\n]*\\\n)*[^\n]*", re.M)  # a #define with continuations
-_MACRO_INSTANCE = re.compile(r"^(?:GEMV_(?:ROPE_|ROWS_|ROWS_ARGMAX_|WS_|WS_ROPE_|TP_|WS_TP_|WS_LL_|WS_TP_LL_)?INSTANCE\((\w+)[,)]"  # NAME
+_MACRO_INSTANCE = re.compile(r"^(?:GEMV_(?:ROPE_|ROWS_|ROWS_ARGMAX_|WS_|WS_ROPE_|TP_|WS_TP_)?INSTANCE\((\w+)[,)]"  # NAME
                              r"|GEMV_(?:ROPE_|TP_)?RING_INSTANCES\((\w+)[,)]"  # NAME_r<depth> for every depth
                              r"|ATTENTION_(SHORT_)?INSTANCE\((\d+), (\d+)\))", re.M)  # attention_{decode,short}_hd<HD>_g<G>
 _RING_DEPTH = re.compile(r"GEMV_RING_INSTANCE\(NAME, PRO, EPI, (\d+)\)")  # in GEMV_RING_INSTANCES' definition

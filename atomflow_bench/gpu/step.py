@@ -63,23 +63,14 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
         w = f"L{i}.{role}"
         return head_l2(fmt, ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None, n_sm, form.ws, slots)
 
-    # the LL hand-over (forms' /ll, short bucket): the attention also writes its output as LL words, which o_proj
-    # polls instead of waiting for the attention's grid (tp_ll.cuh; docs/PERF_NOTES.md v44)
-    ll = form.ll and bool(att_cap)
-    L = cfg.num_hidden_layers
-
-    def ll_of(i, role):
-        return (a["pos"], L, i + 1) if ll and role == "wo" else None
-
     def resid(i, role, x, k, probe):
         """o_proj / down: h += W.x, or across ranks a partial product and the sum."""
         if tp is None:
-            return [gemv(i, role, x, h, H, k, taps={probe: h}, ll=ll_of(i, role))]
+            return [gemv(i, role, x, h, H, k, taps={probe: h})]
         variant, y, tp_args = tp.gemv_target(role, h, tp_path)
         slots = tp_comm.WAIT_HEAD_SLOTS  # while it waits for the other ranks: the next GEMV's head
         nxt = None if tp_args is None else head(i, "wgu", slots) if role == "wo" else head(i + 1, "wqkv", slots)
-        out = [gemv(i, role, x, y, H, k, variant=variant, tp=tp_args, head=nxt, ll=ll_of(i, role))] + \
-            tp.sum_launches(role, h, tp_path)
+        out = [gemv(i, role, x, y, H, k, variant=variant, tp=tp_args, head=nxt)] + tp.sum_launches(role, h, tp_path)
         out[-1].taps = {probe: h}
         return out
 
@@ -93,13 +84,12 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
                  head=None if tp is None else head(i, "wo", tp_comm.QKV_HEAD_SLOTS),
                  taps={p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}),
             attention_short_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], attn_out,
-                                   cfg.num_key_value_heads, cfg.group_size, hd, att_cap, taps={p + "attn_out": attn_out},
-                                   ll=(a["attn_ll"], L, i + 1) if ll else None)
+                                   cfg.num_key_value_heads, cfg.group_size, hd, att_cap, taps={p + "attn_out": attn_out})
             if att_cap else
             attention_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], a["att_ml"], a["att_o"],
                              a["att_counters"][i], attn_out, cfg.num_key_value_heads, cfg.group_size, hd,
                              taps={p + "attn_out": attn_out}),
-            *resid(i, "wo", a["attn_ll"] if ll else attn_out, q_dim, p + "attn"),
+            *resid(i, "wo", attn_out, q_dim, p + "attn"),
             gemv(i, "wgu", h, act, I, H, norm_w=a[f"L{i}.mlp_norm"], taps={p + "act": act}),
             *resid(i, "wd", act, I, p + "mlp"),
         ]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..gpu.ops.gemv import linear_regions, ll_unpolled
+from ..gpu.ops.gemv import linear_regions
 from ..config import GROUP, ModelConfig
 from ..gpu.step import hold_position
 from .bench import synthetic_prompt, time_decode
@@ -106,8 +106,6 @@ def role_marginals(engine, copy: dict, replays: int = 30, launches=None) -> dict
     for role in roles:
         mine = [ln for ln in launches if step_role(ln) == role]
         rest = [ln for ln in launches if step_role(ln) != role]
-        if role == "attention_decode":  # o_proj would poll for words nobody writes: it waits for the grid instead
-            rest = [ll_unpolled(ln) for ln in rest]
         without = graph_replay_us(rest, engine.stream, replays) if rest else summarize([0.0])
         nbytes = sum(_kv_bytes(engine.cfg, length) if ln.name == "attention_decode" else ln.bytes_moved
                      for ln in mine)

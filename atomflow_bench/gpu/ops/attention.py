@@ -16,7 +16,7 @@ import numpy as np
 
 from ...errors import AtomflowError
 from ..device import SMEM_H100, smem_limits
-from ..launch import NULL, Launch, allow_dynamic_smem, i32, tensor_maps
+from ..launch import Launch, allow_dynamic_smem, i32, tensor_maps
 from ..nvrtc import KernelLib, knob
 
 # = the kernels' #defines (tests/test_op_constants.py reads them from the .cu files)
@@ -127,22 +127,17 @@ def short_capacity(hd: int, smem: tuple = SMEM_H100) -> int:
 
 
 def attention_short_launch(lib: KernelLib, q, k_cache, v_cache, pos, out, n_kv: int, group: int, hd: int, cap: int,
-                           taps=None, ll: tuple | None = None) -> Launch:
+                           taps=None) -> Launch:
     """One block per kv head holding up to `cap` positions of K and V in shared memory (longer contexts are walked
     in chunks of `cap`: correct, but the engine switches to attention_launch there). The block asks for all the
     shared memory a block may have, whatever `cap` needs: nothing else (the next GEMV's early blocks) can share its
-    SM, whose weight loads would stall this block's shared-memory traffic (docs/PERF_NOTES.md v11.2).
-    `ll` = (words, stride, base): the outputs also go out as LL words (u64 [n_heads*hd/2], epoch pos * stride + base:
-    tp_ll.cuh) for o_proj's LL hand-over (ops/gemv.py gemv_launch `ll`); None: not."""
+    SM, whose weight loads would stall this block's shared-memory traffic (docs/PERF_NOTES.md v11.2)."""
     fn = lib[f"attention_short_hd{hd}_g{group}"]
     need, room = short_smem(hd, cap), smem_limits()[0] - short_static(hd)
     if cap < 1 or need > room:
         raise AtomflowError(f"short attention of {cap} positions needs {need} bytes of shared memory per block "
                             f"(this GPU: {smem_limits()[0]})")
     allow_dynamic_smem(fn, room)
-    words, stride, base = ll or (NULL, 0, 0)
-    if ll is not None and (words.size * 2 != out.size or base < 1):
-        raise AtomflowError(f"short attention: {words.size} LL words for {out.size} outputs (base {base})")
     return Launch(fn, "attention_decode", (n_kv * blocks_per_kv(group),), (ATS_THREADS,),
-                  (q, k_cache, v_cache, pos, out, i32(n_kv), i32(cap), np.float32(1.0 / math.sqrt(hd)), words,
-                   np.uint32(stride), np.uint32(base)), room, taps or {}, 0)
+                  (q, k_cache, v_cache, pos, out, i32(n_kv), i32(cap), np.float32(1.0 / math.sqrt(hd))), room,
+                  taps or {}, 0)

@@ -21,7 +21,7 @@ import numpy as np
 from ...config import GROUP
 from ...errors import AtomflowError, VerifyError
 from ..device import SMEM_H100, blocks_fit, compute_capability, smem_limits
-from ..launch import NULL, Launch, allow_dynamic_smem, i32, with_last_arg
+from ..launch import NULL, Launch, allow_dynamic_smem, i32
 from ..nvrtc import KernelLib
 
 # = the kernels' #defines (tests/test_op_constants.py reads them from the .cu files)
@@ -49,7 +49,6 @@ ROLE_VARIANT = {"wqkv": "qkv_rope", "wo": "resid", "wgu": "norm_swiglu", "wd": "
 VARIANT_PAIRING = {"qkv_rope": "rope", "norm_swiglu": "halves", "resid": "none", "store": "none", "partial": "none",
                    "resid_tp": "none"}
 ROLE_PAIRING = {role: VARIANT_PAIRING[v] for role, v in ROLE_VARIANT.items()}
-LL_VARIANTS = ("resid", "partial", "resid_tp")  # with an _ll_ws instance (PRO_LL: o_proj after the short attention)
 
 
 def linear_regions(cfg) -> dict[str, tuple[int, int]]:
@@ -242,7 +241,7 @@ def _head_args(head: tuple | None) -> tuple:
 def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: int, k: int, n_sm: int,
                 norm_w=None, eps: float = 1e-5, taps=None, role: str = "", rope: tuple = (),
                 ring_depth: int | None = None, ws: bool = False, ws_pre: int | None = None, tp: tuple | None = None,
-                head: tuple | None = None, ll: tuple | None = None) -> Launch:
+                head: tuple | None = None) -> Launch:
     """y = W.x in `fmt` (fp16 | fp8) with `variant` in qkv_rope | norm_swiglu | resid | store (weights, and fp8
     scales, in the tiled layout with the variant's VARIANT_PAIRING).
 
@@ -253,10 +252,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     resid_tp: y = h (fp32) and `tp` = (slots, seq, rank, ranks): the device array of the ranks' LL buffer addresses
     for this role, this buffer's epochs (one uint32 per block; ops/tp_comm.py TpComm.gemv_target).
     `head` (qkv_rope, resid_tp): a later GEMV's head (head_l2) asked into L2: by qkv_rope after its epilogue (before
-    `next`), by resid_tp while it waits for the other ranks; None: nothing.
-    `ll` = (pos, stride, base) (ws form; resid, partial, resid_tp): x is the attention's LL words (u64 [k/2]), polled
-    at epoch *pos * stride + base instead of the PDL wait (the LL hand-over, gemv_common.cuh PRO_LL; base 0: the
-    wait, then the words as they are: ll_unpolled). The launch's name ends in _ll."""
+    `next`), by resid_tp while it waits for the other ranks; None: nothing."""
     fp8 = fmt == "fp8"
     rows = 2 * n_out if variant in ("norm_swiglu", "qkv_rope") else n_out
     if tuple(w.shape) != (rows, k):
@@ -271,11 +267,6 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
         raise AtomflowError("warp-specialised GEMVs need sm_90+ (bulk copies)")
     depth, shmem, blocks = gemv_grid(fmt, variant, rows, k, n_sm, ws, ring_depth)
     name = f"gemv_f8_{variant}" if fp8 else f"gemv_f16_{variant}"
-    if ll is not None and (not ws or variant not in LL_VARIANTS or x.size * 2 != k):
-        raise AtomflowError(f"GEMV {role or variant}: the LL hand-over needs the ws form, a variant of "
-                            f"{', '.join(LL_VARIANTS)} and {k // 2} input words (got {variant}, {x.size})")
-    if ll is not None:
-        name += "_ll"
     fn = lib[f"{name}_ws" if ws else f"{name}_r{depth}" if fp8 else name]
     allow_dynamic_smem(fn, shmem)
     grid = (blocks,)
@@ -302,19 +293,10 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
             raise AtomflowError(f"GEMV {role or variant}: {grid[0]} blocks, more than the {seq.size} epochs kept")
         extra += (slots, seq, i32(rank), i32(n_ranks), *_head_args(head))
         moved += n_out * 8 * n_ranks * 2  # the LL slots: written to every rank, every rank's read back
-    if ll is not None:
-        pos, stride, base = ll
-        extra += (pos, np.uint32(stride), np.uint32(base))
-    return Launch(fn, f"gemv_{fmt}_{variant}" + ("_ll" if ll is not None else ""), grid, (GEMV_WS_THREADS if ws else GEMV_THREADS,),
+    return Launch(fn, f"gemv_{fmt}_{variant}", grid, (GEMV_WS_THREADS if ws else GEMV_THREADS,),
                   (w, scales if fp8 else NULL, x, NULL if norm_w is None else norm_w, np.float32(eps), y,
                    i32(n_out), i32(k)) + extra, shmem, taps or {}, moved,
                   f"gemv {fmt} {role or variant} {rows}x{k}")
-
-
-def ll_unpolled(ln: Launch) -> Launch:
-    """An LL hand-over's consumer (gemv_launch `ll`) that waits for the previous kernel's grid instead of polling
-    (base 0, its last argument): for a step without the producer (profile's role marginals); others unchanged."""
-    return with_last_arg(ln, np.uint32(0)) if ln.name.endswith("_ll") else ln
 
 
 def next_l2(wgu, tail_mb: int) -> tuple | None:
