@@ -104,7 +104,7 @@ if [ "$PH" = O ]; then  # v44.4 (one GPU): where the hand-over costs: plain, ll,
   note "70b/tp4 fp8 rc=$? $(tail -1 $W/ll-ab-70b.log)"
   tail -14 $W/ll-ab-70b.log
 fi
-if [ "$PH" = P ]; then  # v44.5 (one GPU): LL + o_proj's grid leaving the attention's SMs; lab tree .ab/lab44 (branch lab/v44-ll-room)
+if [ "$PH" = P ]; then  # v44.5 (one GPU): LL + o_proj's grid leaving the attention's SMs; lab tree .ab/lab44 = 339c9c6 + results/v44/P/lab-v44.5-ll-room.patch
   nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
   timeout 200 atomflow-bench fetch llama-3.1-8b --source synthetic >$W/fetch.log 2>&1
   (cd .ab/lab44 && PYTHONPATH=$PWD timeout 200 python3 scripts/lab/ll_ab.py llama-3.1-8b fp16 ws/l2=8 --json $W/ll-room-8b-fp16.json) >$W/ll-room-8b.log 2>&1
