@@ -113,3 +113,11 @@ if [ "$PH" = P ]; then  # v44.5 (one GPU): LL + o_proj's grid leaving the attent
   note "70b/tp4 fp8 rc=$? $(grep grids $W/ll-room-70b.log) | $(tail -1 $W/ll-room-70b.log)"
   tail -14 $W/ll-room-70b.log
 fi
+if [ "$PH" = Q ]; then  # v44.6 (one GPU): the layer timeline with and without /ll (lab tree .ab/ll339 = 339c9c6, timeline_blocks.py taking ATOMFLOW_FORMS)
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  for f in plain ll; do
+    F="short:ws/l2=16;split:ws/l2=16"; [ $f = ll ] && F="short:ws/l2=16/ll;split:ws/l2=16"
+    (cd .ab/ll339 && ATOMFLOW_FORMS="$F" PYTHONPATH=$PWD timeout 200 python3 scripts/lab/timeline_blocks.py llama-3.1-70b/tp4 fp8 150 10 --layer) >$W/tl-$f.log 2>&1
+    note "timeline $f rc=$?"; tail -40 $W/tl-$f.log
+  done
+fi
