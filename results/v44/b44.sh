@@ -121,3 +121,10 @@ if [ "$PH" = Q ]; then  # v44.6 (one GPU): the layer timeline with and without /
     note "timeline $f rc=$?"; tail -40 $W/tl-$f.log
   done
 fi
+if [ "$PH" = R ]; then  # v44.7 (one GPU): the LL polls with a 500 ns pause (lab tree .ab/ll339 + __nanosleep in stage_x_ll's sampling loop)
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  (cd .ab/ll339 && PYTHONPATH=$PWD timeout 240 python3 scripts/lab/ll_ab.py llama-3.1-70b/tp4 fp8 ws/l2=16 --rounds 2 --json $W/ll-sleep-70b-tp4.json) >$W/ll-sleep-70b.log 2>&1
+  note "70b/tp4 fp8 rc=$? $(tail -1 $W/ll-sleep-70b.log)"
+  (cd .ab/ll339 && ATOMFLOW_FORMS="short:ws/l2=16/ll;split:ws/l2=16" PYTHONPATH=$PWD timeout 200 python3 scripts/lab/timeline_blocks.py llama-3.1-70b/tp4 fp8 150 10 --layer) >$W/tl-ll-sleep.log 2>&1
+  note "timeline ll+sleep rc=$?"; grep -A 10 "attention_decode\|launch 53" $W/tl-ll-sleep.log | head -24
+fi
