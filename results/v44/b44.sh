@@ -128,3 +128,10 @@ if [ "$PH" = R ]; then  # v44.7 (one GPU): the LL polls with a 500 ns pause (lab
   (cd .ab/ll339 && ATOMFLOW_FORMS="short:ws/l2=16/ll;split:ws/l2=16" PYTHONPATH=$PWD timeout 200 python3 scripts/lab/timeline_blocks.py llama-3.1-70b/tp4 fp8 150 10 --layer) >$W/tl-ll-sleep.log 2>&1
   note "timeline ll+sleep rc=$?"; grep -A 10 "attention_decode\|launch 53" $W/tl-ll-sleep.log | head -24
 fi
+if [ "$PH" = S ]; then  # v44.8 (one GPU): the plain step's timeline with QKV's L2 tail 16 MB, 0 and 4 (TP4 rank step)
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  for t in 16 0 4; do
+    ATOMFLOW_FORMS="short:ws/l2=$t;split:ws/l2=$t" timeout 200 python3 scripts/lab/timeline_blocks.py llama-3.1-70b/tp4 fp8 150 10 --layer >$W/tl-l2-$t.log 2>&1
+    note "timeline l2=$t rc=$?"; grep -A 7 "attention_decode\|launch 53" $W/tl-l2-$t.log | grep -E "launch|wait|mark0|mark3|end" | head -10
+  done
+fi

@@ -6,7 +6,7 @@ Default: for every block of the layer's attention launch, its SM, start / wait r
 to the attention launch's first wait return), and every block of any other launch that was resident on the same
 SM at the same time (role, start, end). Answers "what shares the SM with attention".
 MODEL as atomflow_bench/lab/local.py takes it: a model in the store, or `name/tpN` (a tensor-parallel rank's local
-config on one GPU, synthetic weights).
+config on one GPU, synthetic weights). The forms: ATOMFLOW_FORMS, else the engine's defaults.
 --layer: for each launch of the layer (QKV .. down, then the next QKV), the spread over its blocks (min, p10,
 median, p90, max) of start, wait return, marks and end, in µs after the previous launch's last block ended.
 Answers "which blocks of a launch are late, and at which stage".
@@ -32,7 +32,8 @@ def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     model, weights, context = args[0], args[1], int(args[2])
     layer = int(args[3]) if len(args) > 3 else 10
-    eng = lab_engine(model, weights, context + 16, kernel_defines=(timeline.DEFINE,))
+    from atomflow_bench.gpu.forms import from_env
+    eng = lab_engine(model, weights, context + 16, kernel_defines=(timeline.DEFINE,), forms=from_env())
     eng.reset(synthetic_prompt(eng.cfg.vocab_size, context))
     eng.run(context - 1)
     bufs = timeline.buffers(eng.lib)
