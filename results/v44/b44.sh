@@ -135,3 +135,10 @@ if [ "$PH" = S ]; then  # v44.8 (one GPU): the plain step's timeline with QKV's 
     note "timeline l2=$t rc=$?"; grep -A 7 "attention_decode\|launch 53" $W/tl-l2-$t.log | grep -E "launch|wait|mark0|mark3|end" | head -10
   done
 fi
+if [ "$PH" = T ]; then  # v44.9 (one GPU): QKV asks all of o_proj into L2 (lab tree .ab/qo = c95f7c5 + results/v44/T/lab-v44.9-qkv-oproj.diff)
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  (cd .ab/qo && PYTHONPATH=$PWD timeout 240 python3 scripts/lab/qo_ab.py llama-3.1-70b/tp4 fp8 128) >$W/qo-ab.log 2>&1
+  note "qo_ab rc=$? $(tail -1 $W/qo-ab.log)"; tail -14 $W/qo-ab.log
+  (cd .ab/qo && LAB_QKV_OPROJ_ALL=1 ATOMFLOW_FORMS="short:ws/l2=0;split:ws/l2=0" PYTHONPATH=$PWD timeout 200 python3 scripts/lab/timeline_blocks.py llama-3.1-70b/tp4 fp8 150 10 --layer) >$W/tl-all.log 2>&1
+  note "timeline all rc=$?"; grep -A 7 "attention_decode\|launch 53" $W/tl-all.log | grep -E "launch|wait|mark0|mark3|end" | head -10
+fi
