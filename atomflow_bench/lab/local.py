@@ -10,13 +10,16 @@ from ..errors import AtomflowError
 
 
 def lab_engine(model: str, weights: str, max_seq: int, **kw):
-    """An Engine for `model` (see the module docstring); `kw` goes to Engine (forms, kernel_defines, ...)."""
+    """An Engine for `model` (see the module docstring); `kw` goes to Engine (forms, kernel_defines, ...). Without
+    `forms`, the lab takes ATOMFLOW_FORMS (forms.from_env), else the engine's defaults."""
     from ..config import CATALOG
     from ..gpu import tp
     from ..gpu.engine import Engine
+    from ..gpu.forms import from_env
     from ..gpu.synthetic import GpuSynthetic
     from ..store.fetch import resolve_model
 
+    kw.setdefault("forms", from_env())
     name, sep, n = model.partition("/tp")
     if not sep:
         return Engine(resolve_model(model), weights=weights, max_seq=max_seq, **kw)

@@ -38,12 +38,10 @@ SERIES = {  # short name -> the raw page's column (PmSampling section, GH100)
 def child(model: str, weights: str, context: int, replays: int) -> None:
     import cupy
 
-    from atomflow_bench.gpu.forms import from_env
     from atomflow_bench.lab.local import lab_engine
     from atomflow_bench.measure.bench import synthetic_prompt
 
-    # ATOMFLOW_FORMS, else the engine's defaults
-    eng = lab_engine(model, weights, context + 16 + replays, forms=from_env())
+    eng = lab_engine(model, weights, context + 16 + replays)  # forms: ATOMFLOW_FORMS, else the engine's defaults
     eng.reset(synthetic_prompt(eng.cfg.vocab_size, context))
     eng.run(context - 4)
     eng.stream.synchronize()

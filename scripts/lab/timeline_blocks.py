@@ -32,8 +32,7 @@ def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     model, weights, context = args[0], args[1], int(args[2])
     layer = int(args[3]) if len(args) > 3 else 10
-    from atomflow_bench.gpu.forms import from_env
-    eng = lab_engine(model, weights, context + 16, kernel_defines=(timeline.DEFINE,), forms=from_env())
+    eng = lab_engine(model, weights, context + 16, kernel_defines=(timeline.DEFINE,))  # forms: ATOMFLOW_FORMS
     eng.reset(synthetic_prompt(eng.cfg.vocab_size, context))
     eng.run(context - 1)
     bufs = timeline.buffers(eng.lib)
