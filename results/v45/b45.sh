@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# v45: o_proj's pre-wait ring fill paced (lab tree .ab/pace = HEAD + results/v45/A/lab-v45-pace.diff), TP4 rank step on one GPU.
+export ATOMFLOW_HOME=/tmp/atomflow-home PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+PH=$1; W=/tmp/v45$PH; mkdir -p $W; S=$OUT/summary-v45-$PH.txt
+pack() { tar -czf $OUT/v45-$PH.tar.gz -C /tmp v45$PH; }
+note() { echo "$(date +%T) $*" | tee -a $S; pack; }
+if [ "$PH" = A ]; then
+  nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm --format=csv,noheader | tee -a $S
+  (cd .ab/pace && PYTHONPATH=$PWD timeout 300 python3 scripts/lab/pace_ab.py llama-3.1-70b/tp4 fp8 128 ws/l2=16 \
+     wo:66 wo:131 wo:262 wgu:131 wo:131,wgu:131 wqkv:131,wo:131,wgu:131,wd:131) >$W/pace-ab.log 2>&1
+  note "pace_ab rc=$? $(tail -1 $W/pace-ab.log)"; tail -24 $W/pace-ab.log
+  for v in "" wo:131; do
+    (cd .ab/pace && LAB_PACE="$v" ATOMFLOW_FORMS="short:ws/l2=16;split:ws/l2=16" PYTHONPATH=$PWD timeout 150 python3 scripts/lab/timeline_blocks.py llama-3.1-70b/tp4 fp8 150 10 --layer) >$W/tl-pace${v/:/}.log 2>&1
+    note "timeline pace='$v' rc=$?"; grep -A 7 "attention_decode\|launch 53" $W/tl-pace${v/:/}.log | grep -E "launch|wait|mark0|mark3|end" | head -10
+  done
+fi
