@@ -15,3 +15,14 @@ if [ "$PH" = A ]; then
     note "timeline pace='$v' rc=$?"; grep -A 7 "attention_decode\|launch 53" $W/tl-pace${v/:/}.log | grep -E "launch|wait|mark0|mark3|end" | head -10
   done
 fi
+if [ "$PH" = C ]; then  # o_proj's slots before the wait (LAB_PRE) against its pace, the TP4 / TP2 rank steps and one-GPU shapes
+  nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm --format=csv,noheader | tee -a $S
+  ab() { local tag=$1; shift; (cd .ab/pace && PYTHONPATH=$PWD timeout 200 python3 scripts/lab/pace_ab.py "$@") >$W/ab-$tag.log 2>&1
+         note "$tag rc=$? $(tail -1 $W/ab-$tag.log)"; }
+  ab 70b-tp4 llama-3.1-70b/tp4 fp8 128 ws/l2=16 pace=wo:262 pre=wo:1 pre=wo:2 pre=wo:3 pre=wo:1+pace=wgu:131
+  ab 3b-fp8 llama-3.2-3b/tp1 fp8 128 ws/l2=8 form=ring/l2=8 pre=wo:1 pre=wo:2 pace=wo:262
+  ab 8b-fp8 llama-3.1-8b/tp1 fp8 128 ws/l2=8 form=ring/l2=8 pre=wo:1 pace=wo:262
+  ab 8b-fp16 llama-3.1-8b/tp1 fp16 128 ws/l2=8 pre=wo:1 pre=wo:2 pace=wo:262
+  ab 1b-fp16 llama-3.2-1b/tp1 fp16 128 ws/l2=8 pre=wo:1 pre=wo:2 pace=wo:262
+  ab 70b-tp2 llama-3.1-70b/tp2 fp8 128 ws/l2=16 pace=wo:262 pre=wo:1 pre=wo:2
+fi
