@@ -219,8 +219,9 @@ def layer_gemvs(launches) -> list:
 
 def check_gemv_launches(eng, key, form: GemvForm) -> None:
     """The layer GEMVs of bucket `key` run `form`: warp-specialised (288 threads, the slots-before-the-wait argument
-    last: the format's default for plain ws) or the ring (256 threads); every QKV launch asks L2 for the last
-    `form.l2_tail_mb` MB of its layer's gate/up weights (all of them when smaller; nothing for 0)."""
+    last: the format's default for plain ws, o_proj's own with /wo-pre=) or the ring (256 threads); every QKV launch
+    asks L2 for the last `form.l2_tail_mb` MB of its layer's gate/up weights (all of them when smaller; nothing for
+    0)."""
     from atomflow_bench.gpu.ops.gemv import GEMV_WS_PRE
 
     layer = layer_gemvs(eng.variants[key])
@@ -228,7 +229,9 @@ def check_gemv_launches(eng, key, form: GemvForm) -> None:
     for ln in layer:
         assert ln.block[0] == (288 if form.ws else 256), (form.text, ln.label)
         if form.ws:
-            assert int(ln.args[-1]) == (GEMV_WS_PRE[eng.fmt] if form.ws_pre is None else form.ws_pre), ln.label
+            role = ln.label.split()[2]  # "gemv <fmt> <role> <rows>x<k>" (ops/gemv.py gemv_launch)
+            pre = form.slots_before_wait(role)
+            assert int(ln.args[-1]) == (GEMV_WS_PRE[eng.fmt] if pre is None else pre), ln.label
     qkv = [ln for ln in layer if "qkv_rope" in ln.name]
     assert len(qkv) == eng.cfg.num_hidden_layers
     for i, ln in enumerate(qkv):
@@ -243,11 +246,11 @@ def check_gemv_launches(eng, key, form: GemvForm) -> None:
 
 
 def gemv_forms_to_try(fmt: str, cc: int) -> list[GemvForm]:
-    """Every form tune times (forms.candidates: ws, ws-pre<N> of WS_PRE_TRY and ring at every L2_TAILS size on
-    sm_90+) and two slot counts it does not (ws-pre0, ws-pre1)."""
+    """Every form tune times (forms.candidates: ws, ws-pre<N> of WS_PRE_TRY, ws with o_proj's counts of WO_PRE_TRY
+    and ring at every L2_TAILS size on sm_90+) and slot counts it does not (ws-pre0, ws-pre1, o_proj's 0 and 1)."""
     forms = candidates(fmt, cc, 1)[0]
     if cc >= 90:
-        forms += [GemvForm(True, 0, 0), GemvForm(True, 1, 8)]
+        forms += [GemvForm(True, 0, 0), GemvForm(True, 1, 8), GemvForm(True, None, 8, 1), GemvForm(True, 3, 0, 0)]
     return forms
 
 

@@ -54,11 +54,45 @@ def test_gemv_form_text_round_trips():
         GemvForm(False, 2, 0)
 
 
+def test_o_proj_slots_before_the_wait():
+    """/wo-pre=<N>: o_proj's own count of ring slots before its wait (PERF_NOTES v45), ws only, after /l2=; the other
+    roles keep the form's count (None: the format's default)."""
+    from atomflow_bench.gpu.forms import GemvForm
+    from atomflow_bench.gpu.ops.gemv import GEMV_WS_MAX
+
+    g = GemvForm.parse("ws/l2=16/wo-pre=2")
+    assert g == GemvForm(True, None, 16, 2) and g.text == "ws/l2=16/wo-pre=2"
+    assert [g.slots_before_wait(r) for r in ("wqkv", "wo", "wgu", "wd")] == [None, 2, None, None]
+    h = GemvForm.parse("ws-pre3/l2=8/wo-pre=0")
+    assert [h.slots_before_wait(r) for r in ("wqkv", "wo", "wgu", "wd")] == [3, 0, 3, 3]
+    assert GemvForm.parse("ws/wo-pre=1") == GemvForm(True, None, 0, 1)  # no /l2=: nothing asked
+    assert GemvForm.parse("ws-pre2/l2=8").slots_before_wait("wo") == 2  # without it, o_proj as the rest
+    for bad in ("ws/l2=8/wo-pre=", "ws/l2=8/wo-pre=x", "ws/wo-pre=2/l2=8", "ws/l2=8/wo-pre=-1"):
+        with pytest.raises(AtomflowError, match="GEMV form"):
+            GemvForm.parse(bad)
+    for bad in ("ring/l2=8/wo-pre=2", f"ws/l2=8/wo-pre={GEMV_WS_MAX + 1}"):
+        with pytest.raises(AtomflowError, match="wo-pre=<N> needs the ws form"):
+            GemvForm.parse(bad)
+
+
+def test_tune_tries_o_proj_counts_for_w8a16_only():
+    """forms.candidates: W8A16 on sm_90+ adds ws with o_proj's WO_PRE_TRY counts at every L2 size (v45: 8B W8A16
+    -61 µs); fp16 (slower with any o_proj count, v45) and sm_89 add none."""
+    from atomflow_bench.gpu.forms import L2_TAILS, WO_PRE_TRY, GemvForm, candidates
+
+    fp8 = candidates("fp8", 90, 1)[0]
+    assert WO_PRE_TRY["fp8"] and all(GemvForm(True, None, t, n) in fp8 for n in WO_PRE_TRY["fp8"] for t in L2_TAILS)
+    assert not any(g.wo_pre is not None for g in candidates("fp16", 90, 1)[0] + candidates("fp8", 89, 1)[0])
+    assert len(set(fp8)) == len(fp8)
+
+
 def test_forms_text_round_trips_and_refuses_nonsense():
     from atomflow_bench.gpu.forms import Forms, GemvForm
 
     f = Forms.parse("short:ws-pre2/l2=8;split:ring/l2=0")
     assert f == Forms(True, GemvForm(True, 2, 8), GemvForm(False, None, 0)) and Forms.parse(f.text) == f
+    tp = Forms.parse("short:ws/l2=16/wo-pre=2;split:ws/l2=16/wo-pre=2")
+    assert tp.gemv == tp.gemv_split == GemvForm(True, None, 16, 2) and Forms.parse(tp.text) == tp
     only_split = Forms.parse("split:ring/l2=4")
     assert not only_split.short_attention and only_split.gemv_split == GemvForm(False, None, 4)
     assert Forms.parse(only_split.text) == only_split
@@ -81,7 +115,8 @@ def test_forms_before_sm90_refuse_bulk_copies():
 
 def test_defaults_and_candidates():
     """The defaults (no tune): short attention where it fits; sm_90 fp16 ws, fp8 ring, 8 MB of L2 tail; the ring
-    alone before sm_90. The tuner's candidates: 3 GEMV bases (fp16) or 2 (fp8) x the L2 sizes, each bucket."""
+    alone before sm_90. The tuner's candidates: 3 GEMV bases (fp16: ws, ws-pre2, ring; fp8: ws, ws with o_proj's
+    count, ring) x the L2 sizes, each bucket."""
     from atomflow_bench.gpu.forms import L2_TAILS, GemvForm, candidates, default_forms
 
     assert default_forms("fp16", 90, 416).text == "short:ws/l2=8;split:ws/l2=8"
@@ -90,7 +125,7 @@ def test_defaults_and_candidates():
     gemv, shorts = candidates("fp16", 90, 416)
     assert len(gemv) == 3 * len(L2_TAILS) and len(set(gemv)) == len(gemv) and shorts == [True, False]
     assert GemvForm(True, 2, 0) in gemv and GemvForm(False, None, 24) in gemv and 0 in L2_TAILS
-    assert len(candidates("fp8", 90, 416)[0]) == 2 * len(L2_TAILS)
+    assert len(candidates("fp8", 90, 416)[0]) == 3 * len(L2_TAILS)
     assert candidates("fp8", 89, 0) == ([GemvForm()], [False])
 
 
@@ -101,6 +136,7 @@ def test_run_table_explains_the_forms():
     assert "warp-specialised" in t and "2 ring slots filled before the PDL wait" in t
     assert "the last 8 MB of gate/up's weights" in t and t.endswith("QKV asks L2 for nothing")
     assert forms_text("split:ring/l2=4").startswith("split attention at every length")
+    assert "o_proj 2 before its wait" in forms_text("split:ws/l2=16/wo-pre=2")
 
 
 def test_kernel_defines_name_only_what_the_kernels_read(monkeypatch):

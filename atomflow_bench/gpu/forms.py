@@ -3,12 +3,12 @@
 A step has one or two attention buckets: with `short_attention` the short kernel serves every length up to its
 capacity (ops/attention.short_capacity) and the split kernel the lengths beyond; without it the split kernel serves
 all. Each bucket runs the layer GEMVs in one form (`GemvForm`): warp-specialised or the ring path, the slots filled
-before the PDL wait, and how many MB of gate/up's weights QKV asks into L2. The text form, for the CLI's --forms
-and ATOMFLOW_FORMS, is
+before the PDL wait (o_proj's apart), and how many MB of gate/up's weights QKV asks into L2. The text form, for the
+CLI's --forms and ATOMFLOW_FORMS, is
 
     short:<gemv>;split:<gemv>      e.g.  short:ws-pre2/l2=8;split:ring/l2=0
     split:<gemv>                   the split kernel for every length
-    <gemv> = ring | ws | ws-pre<N>, then /l2=<MB>
+    <gemv> = ring | ws | ws-pre<N>, then /l2=<MB>, then (ws) /wo-pre=<N>
 
 Forms are resolved once (given, saved by `tune`, or the defaults below) and handed to the step builder; nothing
 below that reads the environment.
@@ -23,6 +23,8 @@ from .ops.gemv import GEMV_WS_MAX
 
 L2_TAILS = (0, 4, 8, 16, 24)  # MB of gate/up's tail the tuner tries (docs/PERF_NOTES.md v30.4: the best differs)
 WS_PRE_TRY = {"fp16": (2,), "fp8": ()}  # slots-before-the-wait counts tried besides the default (v16: 1B fp16 at 2)
+# o_proj's own count tried besides the form's (v45: 8B W8A16 ws 2 -61 µs; fp16 shapes +1 to +24 at any count)
+WO_PRE_TRY = {"fp16": (), "fp8": (2,)}
 ENV = "ATOMFLOW_FORMS"
 
 
@@ -31,31 +33,42 @@ class GemvForm:
     ws: bool = False            # warp-specialised (producer warp + bulk copies, sm_90+), else the ring form
     ws_pre: int | None = None   # ws: ring slots filled before the PDL wait (None: the format's default)
     l2_tail_mb: int = 0         # MB of gate/up's last weights each QKV launch asks into L2 after its epilogue
+    # ws: o_proj's slots before its wait (None: as ws_pre). Its blocks land while the attention runs, and what they
+    # ask before the release queues in front of the attention's completion (docs/PERF_NOTES.md v45)
+    wo_pre: int | None = None
 
     def __post_init__(self):
-        if self.ws_pre is not None and (not self.ws or not 0 <= self.ws_pre <= GEMV_WS_MAX):
-            raise AtomflowError(f"ws-pre<N> needs the ws form and 0 <= N <= {GEMV_WS_MAX}")
+        for name, n in (("ws-pre<N>", self.ws_pre), ("wo-pre=<N>", self.wo_pre)):
+            if n is not None and (not self.ws or not 0 <= n <= GEMV_WS_MAX):
+                raise AtomflowError(f"{name} needs the ws form and 0 <= N <= {GEMV_WS_MAX}")
         if self.l2_tail_mb < 0:
             raise AtomflowError(f"l2={self.l2_tail_mb}: MB must be >= 0")
 
     @property
     def text(self) -> str:
         base = "ring" if not self.ws else "ws" if self.ws_pre is None else f"ws-pre{self.ws_pre}"
-        return f"{base}/l2={self.l2_tail_mb}"
+        wo = "" if self.wo_pre is None else f"/wo-pre={self.wo_pre}"
+        return f"{base}/l2={self.l2_tail_mb}{wo}"
+
+    def slots_before_wait(self, role: str) -> int | None:
+        """What a ws launch of `role` fills before its wait (None: the format's default)."""
+        return self.wo_pre if role == "wo" and self.wo_pre is not None else self.ws_pre
 
     @classmethod
     def parse(cls, text: str) -> "GemvForm":
-        base, sep, l2 = text.strip().partition("/l2=")
-        if sep and not l2.isdigit():
-            raise AtomflowError(f"GEMV form {text!r}: /l2=<MB> takes a whole number")
-        tail = int(l2) if sep else 0
+        usage = f"GEMV form {text!r}: ring, ws or ws-pre<N>, then optionally /l2=<MB>, then (ws) /wo-pre=<N>"
+        rest, sep_wo, wo = text.strip().partition("/wo-pre=")
+        base, sep, l2 = rest.partition("/l2=")
+        if (sep and not l2.isdigit()) or (sep_wo and not wo.isdigit()):
+            raise AtomflowError(usage)
+        tail, wo_pre = int(l2) if sep else 0, int(wo) if sep_wo else None
         if base == "ring":
-            return cls(False, None, tail)
+            return cls(False, None, tail, wo_pre)
         if base == "ws":
-            return cls(True, None, tail)
+            return cls(True, None, tail, wo_pre)
         if base.startswith("ws-pre") and base[6:].isdigit():
-            return cls(True, int(base[6:]), tail)
-        raise AtomflowError(f"GEMV form {text!r}: ring, ws or ws-pre<N>, then optionally /l2=<MB>")
+            return cls(True, int(base[6:]), tail, wo_pre)
+        raise AtomflowError(usage)
 
 
 @dataclass(frozen=True)
@@ -76,7 +89,7 @@ class Forms:
             bucket, sep, form = seg.partition(":")
             if not sep or bucket not in ("short", "split") or bucket in parts:
                 raise AtomflowError(f"forms {text!r}: expected short:<gemv>;split:<gemv> or split:<gemv> "
-                                    "(<gemv> = ring | ws | ws-pre<N>, then /l2=<MB>)")
+                                    "(<gemv> = ring | ws | ws-pre<N>, then /l2=<MB>, then (ws) /wo-pre=<N>)")
             parts[bucket] = GemvForm.parse(form)
         if not parts:
             raise AtomflowError("forms: empty")
@@ -105,8 +118,9 @@ def default_forms(fmt: str, cc: int, short_capacity: int) -> Forms:
 
 # W8A16 under tensor parallel: the warp-specialised form, measured against the one-GPU default (ring/l2=8) on 70B TP2:
 # 14.109 vs 14.839 ms (docs/PERF_NOTES.md v40.1); with 16 MB of L2 tail since the heads of o_proj and of the GEMVs
-# after each sum are asked into L2 too (v42.2, 70B TP4: l2=16 7.290 ms, 24 7.319, 32 7.344, 8 7.284 once).
-TP_FP8_GEMV = "ws/l2=16"
+# after each sum are asked into L2 too (v42.2, 70B TP4: l2=16 7.290 ms, 24 7.319, 32 7.344, 8 7.284 once); o_proj
+# filling 2 slots before its wait (v45, the rank steps on one GPU: 70B TP4 -178 µs, TP2 -129, 405B TP8 -195).
+TP_FP8_GEMV = "ws/l2=16/wo-pre=2"
 
 
 def tp_defaults(forms: Forms, fmt: str, cc: int) -> Forms:
@@ -119,12 +133,13 @@ def tp_defaults(forms: Forms, fmt: str, cc: int) -> Forms:
 
 
 def candidates(fmt: str, cc: int, short_capacity: int) -> tuple[list[GemvForm], list[bool]]:
-    """What `tune` times: every GEMV form (ws, ws-pre<N> of WS_PRE_TRY, ring) at every L2_TAILS size on sm_90+, the
-    ring alone before; with and without the short bucket where it fits."""
+    """What `tune` times: every GEMV form (ws, ws-pre<N> of WS_PRE_TRY, ws with o_proj's count of WO_PRE_TRY, ring)
+    at every L2_TAILS size on sm_90+, the ring alone before; with and without the short bucket where it fits."""
     if cc < 90:
         gemv = [GemvForm()]
     else:
-        bases = [GemvForm(True), *(GemvForm(True, n) for n in WS_PRE_TRY[fmt]), GemvForm(False)]
+        bases = [GemvForm(True), *(GemvForm(True, n) for n in WS_PRE_TRY[fmt]),
+                 *(GemvForm(True, wo_pre=n) for n in WO_PRE_TRY[fmt]), GemvForm(False)]
         gemv = [replace(b, l2_tail_mb=t) for b in bases for t in L2_TAILS]
     return gemv, ([True, False] if short_capacity else [False])
 

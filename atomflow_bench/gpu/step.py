@@ -54,7 +54,8 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
     def gemv(i, role, x, y, n_out, k, variant=None, **kw):
         w = f"L{i}.{role}"
         return gemv_launch(lib, fmt, variant or ROLE_VARIANT[role], a[w], a[w + ".scale"] if fmt == "fp8" else None,
-                           x, y, n_out, k, n_sm, eps=eps, role=role, ws=form.ws, ws_pre=form.ws_pre, **kw)
+                           x, y, n_out, k, n_sm, eps=eps, role=role, ws=form.ws,
+                           ws_pre=form.slots_before_wait(role), **kw)
 
     def head(i, role, slots):
         """What layer i's `role` GEMV reads first (ops/gemv.py head_l2), asked into L2 by an earlier kernel."""

@@ -182,7 +182,7 @@ def gemv_bench(cfg: ModelConfig, lib, n_sm: int, formats=("fp16", "fp8"), reps: 
             else:  # each format in its default form (forms.default_forms)
                 g = default_forms(f, cc, 0).gemv
                 launches = [gemv_launch(lib, f, variant, wcopies[c], ss[c], x, y, n_out, k, n_sm, norm_w=nw, role=role,
-                                        ws=g.ws, ws_pre=g.ws_pre) for c in range(copies)]
+                                        ws=g.ws, ws_pre=g.slots_before_wait(role)) for c in range(copies)]
             us = queued_event_us(lib, [launches[i % copies] for i in range(reps + 5)], stream)
             s = summarize(us[5:])
             moved = launches[0].bytes_moved

@@ -29,6 +29,7 @@ def forms_text(text: str) -> str:
     def gemv(g) -> str:
         base = "warp-specialised (producer warp + bulk copies)" if g.ws else "per-warp ring (fp8) / registers (fp16)"
         pre = f", {g.ws_pre} ring slots filled before the PDL wait" if g.ws_pre is not None else ""
+        pre += f", o_proj {g.wo_pre} before its wait" if g.wo_pre is not None else ""
         l2 = f"the last {g.l2_tail_mb} MB of gate/up's weights" if g.l2_tail_mb else "nothing"
         return f"{base}{pre}; QKV asks L2 for {l2}"
 

@@ -32,3 +32,43 @@ fi
 if [ "$PH" = D ]; then  # (run inline in the call, recorded here) 8B fp8, 3B fp8 against the ring, 70B TP4 with other L2 tails, 405B TP8 rank step
   cd .ab/pace && for m in "llama-3.1-8b/tp1 fp8 128 ws/l2=8 pace=wo:262 pre=wo:2 pre=wo:3 pre=wo:2+pace=wo:262" "llama-3.2-3b/tp1 fp8 128 ring/l2=8 form=ws/l2=8+pre=wo:2 form=ws/l2=4+pre=wo:2 form=ws/l2=16+pre=wo:2" "llama-3.1-70b/tp4 fp8 128 ws/l2=16 pre=wo:2 form=ws/l2=8+pre=wo:2 form=ws/l2=24+pre=wo:2" "llama-3.1-405b/tp8 fp8 128 ws/l2=16 pre=wo:1 pre=wo:2 pre=wo:3"; do PYTHONPATH=$PWD timeout 250 python3 scripts/lab/pace_ab.py $m 2>&1 | tail -1; done | tee $OUT/ab-D.log
 fi
+show() { python3 -c 'import json, sys
+r = json.load(open(sys.argv[1])); t = r.get("tp"); f = (r.get("forms") or {}).get("forms")
+s = "%s TPOT %.4f ms (%.4f-%.4f) %.1f%% | %s" % (sys.argv[2], r["tpot_ms"]["median"], r["tpot_ms"]["p10"], r["tpot_ms"]["p90"], r["roofline"]["pct"], f)
+if t: c = t["comm"]; s += " | %s in step %.1f us, local %.1f" % (t["allreduce"], c["in_step_us"], c["step_without_exchanges_us"]["median"])
+print(s)' "$1" "$2" 2>&1 | tail -1; }
+runf() {  # runf TAG MODEL FMT [args]: one `run` of the product tree (ctx 128, 256 tokens, 5 repeats)
+  local tag=$1 m=$2 w=$3; shift 3
+  timeout 300 atomflow-bench run $m --weights $w --ctx 128 --tokens 256 --repeats 5 --json $W/$tag.json "$@" >$W/$tag.log 2>&1
+  note "rc=$? $(show $W/$tag.json $tag)"
+}
+if [ "$PH" = E ]; then  # one GPU: the engine tests of every form (o_proj's count included), 8B W8A16 tuned anew, A/B against the old tune
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  timeout 300 python3 -m pytest -q tests/test_engine_gpu.py -k "every_gemv_form" -p no:cacheprovider >$W/engine-forms.log 2>&1
+  rc=$?; note "engine every_gemv_form: rc=$rc $(tail -1 $W/engine-forms.log)"
+  [ $rc -ne 0 ] && grep -E "^(FAILED|ERROR)|Error|assert" $W/engine-forms.log | head -30
+  timeout 200 atomflow-bench fetch llama-3.1-8b --source synthetic >$W/fetch.log 2>&1
+  runf 8b-fp8-tuned llama-3.1-8b fp8
+  OLD="short:ws/l2=24;split:ws/l2=24"
+  NEW=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["forms"]["forms"])' $W/8b-fp8-tuned.json)
+  for r in 1 2; do
+    runf 8b-fp8-old-$r llama-3.1-8b fp8 --forms "$OLD"
+    runf 8b-fp8-new-$r llama-3.1-8b fp8 --forms "$NEW"
+  done
+  timeout 300 atomflow-bench validate llama-3.2-1b --weights fp8 --steps 16 --forms "short:ws/l2=8/wo-pre=2;split:ws/l2=8/wo-pre=2" --json $W/validate-1b-fp8-wo2.json >$W/validate-1b-fp8-wo2.log 2>&1
+  note "validate 1b fp8 ws/l2=8/wo-pre=2: rc=$? $(grep -E 'probes PASS|greedy|KL' $W/validate-1b-fp8-wo2.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+fi
+if [ "$PH" = F ]; then  # two GPUs: the TP GPU tests, 70B W8A16 TP2 old default vs new (o_proj 2 slots before its wait), validate 8B W8A16 TP2
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  timeout 300 python3 -m pytest -q tests/test_tp_gpu.py -p no:cacheprovider -x >$W/tptest.log 2>&1
+  rc=$?; note "tptest: rc=$rc $(tail -1 $W/tptest.log)"
+  [ $rc -ne 0 ] && grep -vE "^\s*$" $W/tptest.log | tail -30
+  OLD="short:ws/l2=16;split:ws/l2=16"
+  for r in 1 2; do
+    runf 70b-fp8-tp2-old-$r llama-3.1-70b fp8 --tp 2 --allreduce peer --forms "$OLD"
+    runf 70b-fp8-tp2-new-$r llama-3.1-70b fp8 --tp 2 --allreduce peer
+  done
+  timeout 200 atomflow-bench fetch llama-3.1-8b --source synthetic >$W/fetch.log 2>&1
+  timeout 400 atomflow-bench validate llama-3.1-8b --weights fp8 --tp 2 --steps 8 --json $W/validate-8b-fp8-tp2.json >$W/validate-8b-fp8-tp2.log 2>&1
+  note "validate 8b fp8 tp2: rc=$? $(grep -E 'probes PASS|greedy|KL' $W/validate-8b-fp8-tp2.log | tr -s ' ' | head -3 | tr '\n' ' ') $(tail -1 $W/validate-8b-fp8-tp2.log)"
+fi
