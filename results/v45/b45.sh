@@ -72,3 +72,12 @@ if [ "$PH" = F ]; then  # two GPUs: the TP GPU tests, 70B W8A16 TP2 old default 
   timeout 400 atomflow-bench validate llama-3.1-8b --weights fp8 --tp 2 --steps 8 --json $W/validate-8b-fp8-tp2.json >$W/validate-8b-fp8-tp2.log 2>&1
   note "validate 8b fp8 tp2: rc=$? $(grep -E 'probes PASS|greedy|KL' $W/validate-8b-fp8-tp2.log | tr -s ' ' | head -3 | tr '\n' ' ') $(tail -1 $W/validate-8b-fp8-tp2.log)"
 fi
+if [ "$PH" = G ]; then  # v45.2 (one GPU): the other roles' slots before the wait with o_proj at 2 (lab tree .ab/pre = 092b29f + results/v45/G/lab-v45.2-pre.diff)
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  (cd .ab/pre && PYTHONPATH=$PWD timeout 300 python3 scripts/lab/pre_ab.py llama-3.1-70b/tp4 fp8 128 ws/l2=16/wo-pre=2 \
+     pre=wd:1 pre=wd:2 pre=wd:3 pre=wqkv:1 pre=wqkv:2 pre=wgu:3 pre=wo:1 form=ws/l2=8/wo-pre=2) >$W/pre-ab-70b-tp4.log 2>&1
+  note "70b/tp4 rc=$? $(tail -1 $W/pre-ab-70b-tp4.log)"
+  (cd .ab/pre && PYTHONPATH=$PWD timeout 200 python3 scripts/lab/pre_ab.py llama-3.1-8b/tp1 fp8 128 ws/l2=24/wo-pre=2 \
+     pre=wd:1 pre=wd:2 pre=wqkv:1 pre=wqkv:2 pre=wo:1) >$W/pre-ab-8b.log 2>&1
+  note "8b fp8 rc=$? $(tail -1 $W/pre-ab-8b.log)"
+fi
