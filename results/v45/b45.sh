@@ -81,3 +81,29 @@ if [ "$PH" = G ]; then  # v45.2 (one GPU): the other roles' slots before the wai
      pre=wd:1 pre=wd:2 pre=wqkv:1 pre=wqkv:2 pre=wo:1) >$W/pre-ab-8b.log 2>&1
   note "8b fp8 rc=$? $(tail -1 $W/pre-ab-8b.log)"
 fi
+if [ "$PH" = H ]; then  # issue 34 on 4 GPUs: 70B W8A16 TP4, the tree before (forms given) against the new default, then the issue's other runs on the same machine
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  OLD="short:ws/l2=16;split:ws/l2=16"
+  for r in 1 2; do
+    runf 70b-fp8-tp4-old-$r llama-3.1-70b fp8 --tp 4 --allreduce peer --forms "$OLD"
+    runf 70b-fp8-tp4-new-$r llama-3.1-70b fp8 --tp 4 --allreduce peer
+  done
+  runf 70b-fp8-tp4-nccl llama-3.1-70b fp8 --tp 4 --allreduce nccl
+  runf 70b-fp8-tp2 llama-3.1-70b fp8 --tp 2 --allreduce peer
+  runf 70b-fp16-tp4 llama-3.1-70b fp16 --tp 4 --allreduce peer
+  runf 8b-fp16-tp4 llama-3.1-8b fp16 --tp 4 --allreduce peer
+  timeout 200 atomflow-bench fetch llama-3.1-8b --source synthetic >$W/fetch.log 2>&1
+  timeout 300 atomflow-bench validate llama-3.1-8b --weights fp8 --tp 4 --steps 8 --json $W/validate-8b-fp8-tp4.json >$W/validate-8b-fp8-tp4.log 2>&1
+  note "validate 8b fp8 tp4: rc=$? $(grep -E 'probes PASS|greedy|KL' $W/validate-8b-fp8-tp4.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+fi
+if [ "$PH" = X ]; then  # issue 35 on 8 GPUs: 405B W8A16 TP8 (o_proj at 2, the default, and at 1: v45's rank step), both paths; 70B fp16 TP8 and TP4; validate 8B TP8
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  runf 405b-fp8-tp8-peer llama-3.1-405b fp8 --tp 8 --allreduce peer
+  runf 405b-fp8-tp8-peer-wo1 llama-3.1-405b fp8 --tp 8 --allreduce peer --forms "short:ws/l2=16/wo-pre=1;split:ws/l2=16/wo-pre=1"
+  runf 405b-fp8-tp8-nccl llama-3.1-405b fp8 --tp 8 --allreduce nccl
+  runf 70b-fp16-tp8 llama-3.1-70b fp16 --tp 8 --allreduce peer
+  runf 70b-fp16-tp4 llama-3.1-70b fp16 --tp 4 --allreduce peer
+  timeout 200 atomflow-bench fetch llama-3.1-8b --source synthetic >$W/fetch.log 2>&1
+  timeout 300 atomflow-bench validate llama-3.1-8b --weights fp16 --tp 8 --steps 8 --json $W/validate-8b-fp16-tp8.json >$W/validate-8b-fp16-tp8.log 2>&1
+  note "validate 8b fp16 tp8: rc=$? $(grep -E 'probes PASS|greedy|KL' $W/validate-8b-fp16-tp8.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+fi
