@@ -107,3 +107,12 @@ if [ "$PH" = X ]; then  # issue 35 on 8 GPUs: 405B W8A16 TP8 (o_proj at 2, the d
   timeout 300 atomflow-bench validate llama-3.1-8b --weights fp16 --tp 8 --steps 8 --json $W/validate-8b-fp16-tp8.json >$W/validate-8b-fp16-tp8.log 2>&1
   note "validate 8b fp16 tp8: rc=$? $(grep -E 'probes PASS|greedy|KL' $W/validate-8b-fp16-tp8.log | tr -s ' ' | head -3 | tr '\n' ' ')"
 fi
+if [ "$PH" = I ]; then  # v45.3 (one GPU): o_proj warp-specialised inside a ring step (lab tree .ab/pre = 092b29f + results/v45/I/lab-v45.3-ws-role.diff)
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  (cd .ab/pre && PYTHONPATH=$PWD timeout 200 python3 scripts/lab/pre_ab.py llama-3.2-3b/tp1 fp8 128 ring/l2=8 \
+     ws=wo:0 ws=wo:1 ws=wo:2 ws=wo:3) >$W/ws-role-3b.log 2>&1
+  note "3b fp8 rc=$? $(tail -1 $W/ws-role-3b.log)"
+  (cd .ab/pre && PYTHONPATH=$PWD timeout 200 python3 scripts/lab/pre_ab.py llama-3.1-8b/tp1 fp8 128 ws/l2=24/wo-pre=2 \
+     form=ring/l2=24 form=ring/l2=24+ws=wo:2) >$W/ws-role-8b.log 2>&1
+  note "8b fp8 rc=$? $(tail -1 $W/ws-role-8b.log)"
+fi
