@@ -116,3 +116,16 @@ if [ "$PH" = I ]; then  # v45.3 (one GPU): o_proj warp-specialised inside a ring
      form=ring/l2=24 form=ring/l2=24+ws=wo:2) >$W/ws-role-8b.log 2>&1
   note "8b fp8 rc=$? $(tail -1 $W/ws-role-8b.log)"
 fi
+if [ "$PH" = J ]; then  # v45.4 (2 GPUs): gate/up's and QKV's early fills in front of the exchanges, 70B W8A16 TP2 (lab tree .ab/pre)
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  labrun() {  # labrun TAG LAB_PRE
+    (cd .ab/pre && LAB_PRE="$2" PYTHONPATH=$PWD timeout 300 python3 -c 'from atomflow_bench.cli import main; main()' run llama-3.1-70b \
+      --weights fp8 --ctx 128 --tokens 256 --repeats 5 --tp 2 --allreduce peer --json $W/$1.json) >$W/$1.log 2>&1
+    note "rc=$? LAB_PRE='$2' $(show $W/$1.json $1)"
+  }
+  labrun 70b-fp8-tp2-base1 ""
+  labrun 70b-fp8-tp2-wgu3 "wgu:3"
+  labrun 70b-fp8-tp2-wqkv2 "wqkv:2"
+  labrun 70b-fp8-tp2-both "wgu:3,wqkv:2"
+  labrun 70b-fp8-tp2-base2 ""
+fi
