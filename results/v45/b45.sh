@@ -88,15 +88,16 @@ if [ "$PH" = H ]; then  # issue 34 on 4 GPUs: 70B W8A16 TP4, the tree before (fo
     runf 70b-fp8-tp4-old-$r llama-3.1-70b fp8 --tp 4 --allreduce peer --forms "$OLD"
     runf 70b-fp8-tp4-new-$r llama-3.1-70b fp8 --tp 4 --allreduce peer
   done
+  timeout 200 atomflow-bench fetch llama-3.1-8b --source synthetic >$W/fetch.log 2>&1
+  timeout 300 atomflow-bench validate llama-3.1-8b --weights fp8 --tp 4 --steps 8 --json $W/validate-8b-fp8-tp4.json >$W/validate-8b-fp8-tp4.log 2>&1
+  note "validate 8b fp8 tp4: rc=$? $(grep -E 'probes PASS|greedy|KL' $W/validate-8b-fp8-tp4.log | tr -s ' ' | head -3 | tr '\n' ' ')"
   runf 70b-fp8-tp4-nccl llama-3.1-70b fp8 --tp 4 --allreduce nccl
   runf 70b-fp8-tp2 llama-3.1-70b fp8 --tp 2 --allreduce peer
+  runf 70b-fp8-tp4-l2-8 llama-3.1-70b fp8 --tp 4 --allreduce peer --forms "short:ws/l2=8/wo-pre=2;split:ws/l2=8/wo-pre=2"  # v45.2: -23 us on the rank step
   if [ -n "${FP16:-}" ]; then  # the fp16 runs (their path unchanged since v42's records): only with device time to spare
     runf 70b-fp16-tp4 llama-3.1-70b fp16 --tp 4 --allreduce peer
     runf 8b-fp16-tp4 llama-3.1-8b fp16 --tp 4 --allreduce peer
   fi
-  timeout 200 atomflow-bench fetch llama-3.1-8b --source synthetic >$W/fetch.log 2>&1
-  timeout 300 atomflow-bench validate llama-3.1-8b --weights fp8 --tp 4 --steps 8 --json $W/validate-8b-fp8-tp4.json >$W/validate-8b-fp8-tp4.log 2>&1
-  note "validate 8b fp8 tp4: rc=$? $(grep -E 'probes PASS|greedy|KL' $W/validate-8b-fp8-tp4.log | tr -s ' ' | head -3 | tr '\n' ' ')"
 fi
 if [ "$PH" = X ]; then  # issue 35 on 8 GPUs: 405B W8A16 TP8 (o_proj at 2, the default, and at 1: v45's rank step), both paths; 70B fp16 TP8 and TP4; validate 8B TP8
   nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
