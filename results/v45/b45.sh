@@ -132,3 +132,12 @@ if [ "$PH" = J ]; then  # v45.4 (2 GPUs): gate/up's and QKV's early fills in fro
   labrun 70b-fp8-tp2-both "wgu:3,wqkv:2"
   labrun 70b-fp8-tp2-base2 ""
 fi
+if [ "$PH" = K ]; then  # v45.5 (one GPU): QKV's head of o_proj with o_proj at 2 (lab tree .ab/pre = 092b29f + results/v45/K/lab-v45.5-qkv-head.diff)
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  (cd .ab/pre && PYTHONPATH=$PWD timeout 200 python3 scripts/lab/pre_ab.py llama-3.1-70b/tp4 fp8 128 ws/l2=16/wo-pre=2 \
+     qkvhead=1 qkvhead=2) >$W/qkv-head-70b-tp4.log 2>&1
+  note "70b/tp4 rc=$? $(tail -1 $W/qkv-head-70b-tp4.log)"
+  (cd .ab/pre && PYTHONPATH=$PWD timeout 250 python3 scripts/lab/pre_ab.py llama-3.1-405b/tp8 fp8 128 ws/l2=16/wo-pre=2 \
+     qkvhead=1 qkvhead=2 pre=wo:1+qkvhead=1) >$W/qkv-head-405b-tp8.log 2>&1
+  note "405b/tp8 rc=$? $(tail -1 $W/qkv-head-405b-tp8.log)"
+fi
