@@ -141,3 +141,14 @@ if [ "$PH" = K ]; then  # v45.5 (one GPU): QKV's head of o_proj with o_proj at 2
      qkvhead=1 qkvhead=2 pre=wo:1+qkvhead=1) >$W/qkv-head-405b-tp8.log 2>&1
   note "405b/tp8 rc=$? $(tail -1 $W/qkv-head-405b-tp8.log)"
 fi
+if [ "$PH" = L ]; then  # v45.6 (one H200): 8B W8A16 old tune against o_proj at 2, the TP4 rank step
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee -a $S
+  timeout 200 atomflow-bench fetch llama-3.1-8b --source synthetic >$W/fetch.log 2>&1
+  for r in 1 2; do
+    runf 8b-fp8-h200-old-$r llama-3.1-8b fp8 --forms "short:ws/l2=24;split:ws/l2=24"
+    runf 8b-fp8-h200-new-$r llama-3.1-8b fp8 --forms "short:ws/l2=24/wo-pre=2;split:ws/l2=24/wo-pre=2"
+  done
+  (cd .ab/pre && PYTHONPATH=$PWD timeout 200 python3 scripts/lab/pre_ab.py llama-3.1-70b/tp4 fp8 128 ws/l2=16 \
+     pre=wo:1 pre=wo:2) >$W/pre-ab-70b-tp4-h200.log 2>&1
+  note "70b/tp4 h200 rc=$? $(tail -1 $W/pre-ab-70b-tp4-h200.log)"
+fi
