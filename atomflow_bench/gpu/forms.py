@@ -23,7 +23,7 @@ from .ops.gemv import GEMV_WS_MAX
 
 L2_TAILS = (0, 4, 8, 16, 24)  # MB of gate/up's tail the tuner tries (docs/PERF_NOTES.md v30.4: the best differs)
 WS_PRE_TRY = {"fp16": (2,), "fp8": ()}  # slots-before-the-wait counts tried besides the default (v16: 1B fp16 at 2)
-# o_proj's own count tried besides the form's (v45: 8B W8A16 ws 2 -61 µs; fp16 shapes +1 to +24 at any count)
+# o_proj's own count tried besides the form's (v45.1: 8B W8A16 ws/l2=24 at 2 -69 µs; fp16 shapes +1 to +24 at any count)
 WO_PRE_TRY = {"fp16": (), "fp8": (2,)}
 ENV = "ATOMFLOW_FORMS"
 
@@ -119,7 +119,7 @@ def default_forms(fmt: str, cc: int, short_capacity: int) -> Forms:
 # W8A16 under tensor parallel: the warp-specialised form, measured against the one-GPU default (ring/l2=8) on 70B TP2:
 # 14.109 vs 14.839 ms (docs/PERF_NOTES.md v40.1); with 16 MB of L2 tail since the heads of o_proj and of the GEMVs
 # after each sum are asked into L2 too (v42.2, 70B TP4: l2=16 7.290 ms, 24 7.319, 32 7.344, 8 7.284 once); o_proj
-# filling 2 slots before its wait (v45, the rank steps on one GPU: 70B TP4 -178 µs, TP2 -129, 405B TP8 -195).
+# filling 2 slots before its wait (v45-v45.1: 70B TP2 on 2 GPUs -95 µs; the TP4 rank step on one GPU -178).
 TP_FP8_GEMV = "ws/l2=16/wo-pre=2"
 
 
