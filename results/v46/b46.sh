@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# v46 (session 21): the H200 question of v45.6, asked again; the call stops at once unless every GPU is an H200.
+export ATOMFLOW_HOME=/tmp/atomflow-home PYTHONUNBUFFERED=1
+PH=$1; W=/tmp/v46$PH; mkdir -p $W; S=$OUT/summary-v46-$PH.txt
+pack() { tar -czf $OUT/v46-$PH.tar.gz -C /tmp v46$PH; }
+note() { echo "$(date +%T) $*" | tee -a $S; pack; }
+nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm --format=csv,noheader | tee -a $S
+if nvidia-smi --query-gpu=name --format=csv,noheader | grep -qv H200; then note "not an H200: nothing run"; exit 0; fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+show() { python3 -c 'import json, sys
+r = json.load(open(sys.argv[1])); f = (r.get("forms") or {}).get("forms")
+print("%s TPOT %.4f ms (%.4f-%.4f) %.1f%% | %s" % (sys.argv[2], r["tpot_ms"]["median"], r["tpot_ms"]["p10"], r["tpot_ms"]["p90"], r["roofline"]["pct"], f))' "$1" "$2" 2>&1 | tail -1; }
+runf() {  # runf TAG MODEL FMT [args]: one `run` of the product tree (ctx 128, 256 tokens, 5 repeats)
+  local tag=$1 m=$2 w=$3; shift 3
+  timeout 300 atomflow-bench run $m --weights $w --ctx 128 --tokens 256 --repeats 5 --json $W/$tag.json "$@" >$W/$tag.log 2>&1
+  note "rc=$? $(show $W/$tag.json $tag)"
+}
+if [ "$PH" = A ]; then  # one H200: 8B W8A16 old tune against o_proj at 2 (interleaved twice); the TP4 rank step (lab tree .ab/pre)
+  timeout 200 atomflow-bench fetch llama-3.1-8b --source synthetic >$W/fetch.log 2>&1
+  for r in 1 2; do
+    runf 8b-fp8-old-$r llama-3.1-8b fp8 --forms "short:ws/l2=24;split:ws/l2=24"
+    runf 8b-fp8-new-$r llama-3.1-8b fp8 --forms "short:ws/l2=24/wo-pre=2;split:ws/l2=24/wo-pre=2"
+  done
+  (cd .ab/pre && PYTHONPATH=$PWD timeout 240 python3 scripts/lab/pre_ab.py llama-3.1-70b/tp4 fp8 128 ws/l2=16 \
+     qkvhead=1 pre=wo:1+qkvhead=1 pre=wo:2+qkvhead=1 pre=wo:3+qkvhead=1 form=ws/l2=24/wo-pre=2+qkvhead=1 form=ws/l2=8/wo-pre=2+qkvhead=1) >$W/pre-ab-70b-tp4.log 2>&1
+  note "70b/tp4 rank step rc=$? $(tail -1 $W/pre-ab-70b-tp4.log)"
+fi
