@@ -8,8 +8,10 @@ nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm --format=csv,nohe
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -qv H200; then note "not an H200: nothing run"; exit 0; fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 show() { python3 -c 'import json, sys
-r = json.load(open(sys.argv[1])); f = (r.get("forms") or {}).get("forms")
-print("%s TPOT %.4f ms (%.4f-%.4f) %.1f%% | %s" % (sys.argv[2], r["tpot_ms"]["median"], r["tpot_ms"]["p10"], r["tpot_ms"]["p90"], r["roofline"]["pct"], f))' "$1" "$2" 2>&1 | tail -1; }
+r = json.load(open(sys.argv[1])); t = r.get("tp"); f = (r.get("forms") or {}).get("forms")
+s = "%s TPOT %.4f ms (%.4f-%.4f) %.1f%% | %s" % (sys.argv[2], r["tpot_ms"]["median"], r["tpot_ms"]["p10"], r["tpot_ms"]["p90"], r["roofline"]["pct"], f)
+if t: c = t["comm"]; s += " | %s in step %.1f us, local %.1f" % (t["allreduce"], c["in_step_us"], c["step_without_exchanges_us"]["median"])
+print(s)' "$1" "$2" 2>&1 | tail -1; }
 runf() {  # runf TAG MODEL FMT [args]: one `run` of the product tree (ctx 128, 256 tokens, 5 repeats)
   local tag=$1 m=$2 w=$3; shift 3
   timeout 300 atomflow-bench run $m --weights $w --ctx 128 --tokens 256 --repeats 5 --json $W/$tag.json "$@" >$W/$tag.log 2>&1
@@ -24,4 +26,15 @@ if [ "$PH" = A ]; then  # one H200: 8B W8A16 old tune against o_proj at 2 (inter
   (cd .ab/pre && PYTHONPATH=$PWD timeout 240 python3 scripts/lab/pre_ab.py llama-3.1-70b/tp4 fp8 128 ws/l2=16 \
      qkvhead=1 pre=wo:1+qkvhead=1 pre=wo:2+qkvhead=1 pre=wo:3+qkvhead=1 form=ws/l2=24/wo-pre=2+qkvhead=1 form=ws/l2=8/wo-pre=2+qkvhead=1) >$W/pre-ab-70b-tp4.log 2>&1
   note "70b/tp4 rank step rc=$? $(tail -1 $W/pre-ab-70b-tp4.log)"
+fi
+if [ "$PH" = B ]; then  # 2x H200: 70B W8A16 TP2, the old default against o_proj at 2 (interleaved twice); 8B W8A16 on one of them
+  for r in 1 2; do
+    runf 70b-fp8-tp2-old-$r llama-3.1-70b fp8 --tp 2 --allreduce peer --forms "short:ws/l2=16;split:ws/l2=16"
+    runf 70b-fp8-tp2-new-$r llama-3.1-70b fp8 --tp 2 --allreduce peer
+  done
+  timeout 200 atomflow-bench fetch llama-3.1-8b --source synthetic >$W/fetch.log 2>&1
+  for r in 1 2; do
+    runf 8b-fp8-old-$r llama-3.1-8b fp8 --forms "short:ws/l2=24;split:ws/l2=24"
+    runf 8b-fp8-new-$r llama-3.1-8b fp8 --forms "short:ws/l2=24/wo-pre=2;split:ws/l2=24/wo-pre=2"
+  done
 fi
