@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# v46 (session 21): the H200 question of v45.6, asked again; the call stops at once unless every GPU is an H200.
+# v46 (session 21): the H200 question of v45.6, asked again; the call stops at once unless every GPU is a $WANT (H200 unless set).
 export ATOMFLOW_HOME=/tmp/atomflow-home PYTHONUNBUFFERED=1
 PH=$1; W=/tmp/v46$PH; mkdir -p $W; S=$OUT/summary-v46-$PH.txt
 pack() { tar -czf $OUT/v46-$PH.tar.gz -C /tmp v46$PH; }
 note() { echo "$(date +%T) $*" | tee -a $S; pack; }
 nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm --format=csv,noheader | tee -a $S
-if nvidia-smi --query-gpu=name --format=csv,noheader | grep -qv H200; then note "not an H200: nothing run"; exit 0; fi
+WANT=${WANT:-H200}  # the chip this call is for; any other stops it at once
+if nvidia-smi --query-gpu=name --format=csv,noheader | grep -qv "$WANT"; then note "not an $WANT: nothing run"; exit 0; fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 show() { python3 -c 'import json, sys
 r = json.load(open(sys.argv[1])); t = r.get("tp"); f = (r.get("forms") or {}).get("forms")
@@ -36,5 +37,11 @@ if [ "$PH" = B ]; then  # 2x H200: 70B W8A16 TP2, the old default against o_proj
   for r in 1 2; do
     runf 8b-fp8-old-$r llama-3.1-8b fp8 --forms "short:ws/l2=24;split:ws/l2=24"
     runf 8b-fp8-new-$r llama-3.1-8b fp8 --forms "short:ws/l2=24/wo-pre=2;split:ws/l2=24/wo-pre=2"
+  done
+fi
+if [ "$PH" = C ]; then  # 2 GPUs (WANT=H200, then WANT=H100): 70B W8A16 TP2, the TP default against its l2=8 (the rank step's -155 on the H200, -23 on the H100)
+  for r in 1 2; do
+    runf 70b-fp8-tp2-l2-16-$r llama-3.1-70b fp8 --tp 2 --allreduce peer
+    runf 70b-fp8-tp2-l2-8-$r llama-3.1-70b fp8 --tp 2 --allreduce peer --forms "short:ws/l2=8/wo-pre=2;split:ws/l2=8/wo-pre=2"
   done
 fi
