@@ -119,8 +119,9 @@ def default_forms(fmt: str, cc: int, short_capacity: int) -> Forms:
 # W8A16 under tensor parallel: the warp-specialised form, measured against the one-GPU default (ring/l2=8) on 70B TP2:
 # 14.109 vs 14.839 ms (docs/PERF_NOTES.md v40.1); with 16 MB of L2 tail since the heads of o_proj and of the GEMVs
 # after each sum are asked into L2 too (v42.2, 70B TP4: l2=16 7.290 ms, 24 7.319, 32 7.344, 8 7.284 once); o_proj
-# filling 2 slots before its wait (v45-v45.1: 70B TP2 on 2 GPUs -95 µs; the TP4 rank step on one GPU -178).
-TP_FP8_GEMV = "ws/l2=16/wo-pre=2"
+# filling 2 slots before its wait (v45-v45.1: 70B TP2 on 2 GPUs -95 µs; the TP4 rank step on one GPU -178); with that,
+# 8 MB of tail again (v46.2-v46.3, 70B TP2 against l2=16: -34 µs on 2x H100, -73 on 2x H200).
+TP_FP8_GEMV = "ws/l2=8/wo-pre=2"
 
 
 def tp_defaults(forms: Forms, fmt: str, cc: int) -> Forms:

@@ -45,3 +45,41 @@ if [ "$PH" = C ]; then  # 2 GPUs (WANT=H200, then WANT=H100): 70B W8A16 TP2, the
     runf 70b-fp8-tp2-l2-8-$r llama-3.1-70b fp8 --tp 2 --allreduce peer --forms "short:ws/l2=8/wo-pre=2;split:ws/l2=8/wo-pre=2"
   done
 fi
+if [ "$PH" = H ]; then  # issue 34 on 4 GPUs (WANT=H100): 70B W8A16 TP4, the forms before (given) against the default, then the issue's other runs on the same machine
+  V42="short:ws/l2=16;split:ws/l2=16"; V45="short:ws/l2=16/wo-pre=2;split:ws/l2=16/wo-pre=2"
+  runf 70b-fp8-tp4-v42-1 llama-3.1-70b fp8 --tp 4 --allreduce peer --forms "$V42"
+  runf 70b-fp8-tp4-v45-1 llama-3.1-70b fp8 --tp 4 --allreduce peer --forms "$V45"
+  runf 70b-fp8-tp4-new-1 llama-3.1-70b fp8 --tp 4 --allreduce peer
+  runf 70b-fp8-tp4-new-2 llama-3.1-70b fp8 --tp 4 --allreduce peer
+  runf 70b-fp8-tp4-v45-2 llama-3.1-70b fp8 --tp 4 --allreduce peer --forms "$V45"
+  timeout 200 atomflow-bench fetch llama-3.1-8b --source synthetic >$W/fetch.log 2>&1
+  timeout 300 atomflow-bench validate llama-3.1-8b --weights fp8 --tp 4 --steps 8 --json $W/validate-8b-fp8-tp4.json >$W/validate-8b-fp8-tp4.log 2>&1
+  note "validate 8b fp8 tp4: rc=$? $(grep -E 'probes PASS|greedy|KL' $W/validate-8b-fp8-tp4.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  runf 70b-fp8-tp4-nccl llama-3.1-70b fp8 --tp 4 --allreduce nccl
+  runf 70b-fp8-tp2 llama-3.1-70b fp8 --tp 2 --allreduce peer
+fi
+if [ "$PH" = H2 ]; then  # the rest of issue 34's runs (their path unchanged since v42's records), same kind
+  runf 70b-fp16-tp4 llama-3.1-70b fp16 --tp 4 --allreduce peer
+  runf 70b-fp16-tp4-nccl llama-3.1-70b fp16 --tp 4 --allreduce nccl
+  runf 8b-fp16-tp4 llama-3.1-8b fp16 --tp 4 --allreduce peer
+  runf 8b-fp16-tp2 llama-3.1-8b fp16 --tp 2 --allreduce peer
+  runf 8b-fp16-tp1 llama-3.1-8b fp16
+fi
+if [ "$PH" = X ]; then  # issue 35 on 8 GPUs (WANT=H100): 405B W8A16 TP8 (the default and o_proj at 1: v45's rank step), both paths; 70B fp16 TP8 and TP4; validate 8B TP8
+  runf 405b-fp8-tp8-peer llama-3.1-405b fp8 --tp 8 --allreduce peer
+  runf 405b-fp8-tp8-peer-wo1 llama-3.1-405b fp8 --tp 8 --allreduce peer --forms "short:ws/l2=8/wo-pre=1;split:ws/l2=8/wo-pre=1"
+  runf 405b-fp8-tp8-nccl llama-3.1-405b fp8 --tp 8 --allreduce nccl
+  runf 70b-fp16-tp8 llama-3.1-70b fp16 --tp 8 --allreduce peer
+  runf 70b-fp16-tp4 llama-3.1-70b fp16 --tp 4 --allreduce peer
+  timeout 200 atomflow-bench fetch llama-3.1-8b --source synthetic >$W/fetch.log 2>&1
+  timeout 300 atomflow-bench validate llama-3.1-8b --weights fp16 --tp 8 --steps 8 --json $W/validate-8b-fp16-tp8.json >$W/validate-8b-fp16-tp8.log 2>&1
+  note "validate 8b fp16 tp8: rc=$? $(grep -E 'probes PASS|greedy|KL' $W/validate-8b-fp16-tp8.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+fi
+if [ "$PH" = V ]; then  # 2 GPUs (WANT=H100): the TP GPU tests and validate 8B W8A16 TP2 with the new TP default
+  timeout 300 python3 -m pytest -q tests/test_tp_gpu.py -p no:cacheprovider -x >$W/tptest.log 2>&1
+  rc=$?; note "tptest: rc=$rc $(tail -1 $W/tptest.log)"
+  [ $rc -ne 0 ] && grep -vE "^\s*$" $W/tptest.log | tail -30
+  timeout 200 atomflow-bench fetch llama-3.1-8b --source synthetic >$W/fetch.log 2>&1
+  timeout 300 atomflow-bench validate llama-3.1-8b --weights fp8 --tp 2 --steps 8 --json $W/validate-8b-fp8-tp2.json >$W/validate-8b-fp8-tp2.log 2>&1
+  note "validate 8b fp8 tp2: rc=$? $(grep -E 'probes PASS|greedy|KL' $W/validate-8b-fp8-tp2.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+fi
