@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from . import __version__
 from .config import CATALOG, DEFAULT_MODEL
-from .errors import AtomflowError, GpuUnavailable
+from .errors import AtomflowError, GpuUnavailable, Terminated
 from .output import format_option, is_machine, notes_console, render
 
 console = Console()
@@ -804,7 +804,8 @@ EXIT_ERROR, EXIT_NO_GPU, EXIT_INTERNAL = 1, 3, 70  # 2: click's usage errors and
 def main(argv=None):
     """Exit codes: 0 ok; 1 an error the user can fix (one line on stderr); 2 usage (click) or `compare` refused;
     3 no usable GPU (the line names the cause); 70 an internal error (a bug: one line, --debug shows the traceback);
-    130 interrupted. `compare` also exits 1 for a regression."""
+    130 interrupted, 143 terminated (SIGTERM; what was being written is removed). `compare` also exits 1 for a
+    regression."""
     args = list(sys.argv[1:] if argv is None else argv)
     _ARGV[:] = args
     import os
@@ -815,6 +816,13 @@ def main(argv=None):
     debug = "--debug" in args
     if debug:
         args.remove("--debug")
+    if "WORLD_SIZE" not in os.environ:  # a rank keeps the default: its launcher stops it, and a dead peer can't wait on it
+        import signal
+
+        def terminated(signum, frame):
+            raise Terminated()
+
+        signal.signal(signal.SIGTERM, terminated)
     try:
         cli.main(args=args, prog_name="atomflow-bench", standalone_mode=False)
     except click.exceptions.Abort:
@@ -826,6 +834,9 @@ def main(argv=None):
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
+    except Terminated:
+        err_console.print("terminated")
+        sys.exit(143)
     except Exception as e:  # noqa: BLE001 - every error is one line unless --debug
         if debug:
             raise

@@ -19,3 +19,8 @@ class VerifyError(AtomflowError):
 
 class GpuUnavailable(AtomflowError):
     pass
+
+
+class Terminated(BaseException):
+    """SIGTERM (`timeout`, a job scheduler) raised in the main thread, so that what is being written is removed and a
+    tensor-parallel launcher stops its ranks, as for Ctrl-C. Not an Exception: no `except Exception` swallows it."""

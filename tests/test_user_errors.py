@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -179,6 +180,113 @@ def test_full_disk_simulated(home, tmp_path, monkeypatch, capsys):
     rc, out, err = _main(capsys, "fetch", str(src))
     _one_line_error(rc, out, err, "no space left on the device holding", str(home))
     _no_partial(home, "local--good")
+
+
+def test_too_little_space_refused_before_writing(tmp_path):
+    """A synthetic model's size is known before anything is written: on a 64 KiB disk `fetch` refuses at once."""
+    with _tmpfs(tmp_path / "small", "size=64k") as small:
+        r = _cli(small, "fetch", "llama-3.2-1b", "--source", "synthetic")
+        _one_line_error(r.returncode, r.stdout, r.stderr, "llama-3.2-1b: needs 2.5 GB on the disk holding",
+                        "nothing was written")
+        assert not (small / "models").exists() or os.listdir(small / "models") == []
+
+
+def test_too_little_space_simulated(home, monkeypatch, capsys):
+    """The same without mounting anything: the disk reports 1 GB free; fp16 and fp8 name their own sizes."""
+    from atomflow_bench.store import fetch
+
+    monkeypatch.setattr(fetch.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 10**9, 10**9))
+    rc, out, err = _main(capsys, "fetch", "llama-3.1-405b", "--source", "synthetic")
+    _one_line_error(rc, out, err, "llama-3.1-405b: needs 811.7 GB", "1.0 GB free", "ATOMFLOW_HOME")
+    rc, out, err = _main(capsys, "fetch", "llama-3.1-8b", "--source", "synthetic", "--format", "fp8")
+    _one_line_error(rc, out, err, "llama-3.1-8b: needs 23.3 GB")  # 16.06 GB fp16 + 7.20 GB fp8 codes and scales
+    _no_partial(home)
+
+
+def test_fp8_bytes_is_the_fp8_file(tmp_path):
+    """fetch.fp8_bytes (what the space check asks for) is what write_fp8 writes, less the file's header."""
+    from atomflow_bench.store.fetch import fp8_bytes, write_fp8
+    from atomflow_bench.store.fetch import _safetensors_header
+
+    path = write_fp8(_model(tmp_path / "m"))
+    _, data_start = _safetensors_header(path)
+    assert path.stat().st_size - data_start == fp8_bytes(TINY) > 0
+
+
+def test_sigterm_removes_what_it_was_writing(home):
+    """`timeout` or a scheduler sends SIGTERM: `fetch` stops with one line and exit 143, nothing half-written."""
+    env = {**os.environ, "ATOMFLOW_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    p = subprocess.Popen([sys.executable, "-m", "atomflow_bench.cli", "fetch", "llama-3.2-1b", "--source", "synthetic"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: any(n.startswith(".llama-3.2-1b.partial-") for n in _listdir(home / "models")), p)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 143 and err == "terminated\n", (p.returncode, err)
+    assert os.listdir(home / "models") == []
+
+
+def test_sigterm_to_a_launcher_stops_its_ranks(home, tmp_path):
+    """A tensor-parallel launcher that is terminated stops its ranks (a rank left running would hold its GPU). The
+    ranks here run `fetch` (no GPU needed), long enough to outlive the check if nobody stopped them."""
+    env = {**os.environ, "ATOMFLOW_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    launcher = ("import signal, sys\n"
+                "from atomflow_bench.errors import Terminated\n"
+                "from atomflow_bench.gpu.comm import launch\n"
+                "def stop(s, f): raise Terminated()\n"
+                "signal.signal(signal.SIGTERM, stop)\n"
+                "try:\n"
+                "    launch(2, ['fetch', 'llama-3.1-8b', '--source', 'synthetic'], 2)\n"
+                "except Terminated:\n"
+                "    sys.exit(143)\n")
+    p = subprocess.Popen([sys.executable, "-c", launcher], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True)
+    _wait_for(lambda: len(_ranks(home)) == 2, p)
+    ranks = _ranks(home)
+    try:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+        assert p.returncode == 143
+        _wait_for(lambda: not any(_alive(r) for r in ranks), None, timeout=10)  # an 8B takes a minute to write
+    finally:
+        for r in filter(_alive, ranks):
+            os.kill(r, signal.SIGKILL)
+
+
+def _listdir(d: Path) -> list[str]:
+    return os.listdir(d) if d.is_dir() else []
+
+
+def _wait_for(cond, proc, timeout: float = 60) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond():
+        assert proc is None or proc.poll() is None, proc.communicate()
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def _ranks(home: Path) -> list[int]:
+    """The pids of the rank processes (RANK set) whose ATOMFLOW_HOME is `home`."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"ATOMFLOW_HOME={home}".encode() in env and any(e.startswith(b"RANK=") for e in env):
+            out.append(int(pid))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def test_failed_replace_keeps_the_stored_version(home, tmp_path, monkeypatch, capsys):

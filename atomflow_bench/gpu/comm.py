@@ -66,7 +66,7 @@ def launch(n: int, argv: list[str], gpus: int) -> int:
                     for q in procs:
                         q.terminate()
             time.sleep(0.05)
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C, SIGTERM (errors.Terminated), a bug: no rank is left running on a GPU
         for p in procs:
             p.terminate()
         raise

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import shutil
 import struct
 import sys
 from collections import deque
@@ -342,8 +343,32 @@ def write_fp8(directory: Path, console=None, workers: int | None = None) -> Path
     return path
 
 
+def fp8_bytes(cfg: ModelConfig) -> int:
+    """The tensor bytes of FP8_FILE (write_fp8): every layer projection's FP8 codes and float32 scales."""
+    return cfg.num_hidden_layers * sum(n * k + 4 * n * math.ceil(k / GROUP) for n, k in cfg.linear_shapes().values())
+
+
+SPACE_SLACK = 16 << 20  # config, index, manifest, a synthetic Llama's tokenizer.json (~9 MB)
+
+
+def _check_space(name: str, directory: Path, need: int) -> None:
+    """Refuse before writing when the disk that will hold `directory` has less than `need` bytes free: a full disk
+    would otherwise be found only after writing all it holds (a synthetic 405B is 811 GB)."""
+    root = Path(directory)
+    while not root.exists() and root != root.parent:
+        root = root.parent
+    free = shutil.disk_usage(root).free
+    if need + SPACE_SLACK > free:
+        raise FetchError(f"{name}: needs {need / 1e9:.1f} GB on the disk holding {store.home()}, "
+                         f"{free / 1e9:.1f} GB free (nothing was written; free some space or set ATOMFLOW_HOME to "
+                         "another disk)")
+
+
 def _add_fp8(directory: Path, manifest: dict, console) -> None:
     """Rebuild `directory` with the fp8 file added: links to its files plus the new one, new manifest."""
+    from .checkpoint import Checkpoint
+
+    _check_space(manifest["model"], directory, fp8_bytes(Checkpoint(directory).config))
     _say(console, f"adding {FP8_FILE} to {directory}")
     with _os_errors(manifest["model"]), store.staging_dir(directory, overwrite=True) as tmp:
         for rel in manifest["files"]:
@@ -385,6 +410,9 @@ def fetch_model(spec: str, source: str | None = None, fmt: str = "fp16", revisio
             _say(console, f"{plan.name}: already in the store")
         _warn_no_tokenizer(plan.directory, plan.name, console)
         return plan.directory
+    if plan.kind == "synthetic":  # the one source whose size is known before anything is written
+        cfg = plan.target.config
+        _check_space(plan.name, plan.directory, 2 * cfg.param_count() + (fp8_bytes(cfg) if fmt == "fp8" else 0))
     _say(console, f"fetching {plan.name} ({plan.kind}) into {plan.directory}")
     with _os_errors(plan.name), store.staging_dir(plan.directory, overwrite=True) as tmp:
         source_info = _build(plan, tmp, revision, seed, console)
