@@ -83,3 +83,11 @@ if [ "$PH" = V ]; then  # 2 GPUs (WANT=H100): the TP GPU tests and validate 8B W
   timeout 300 atomflow-bench validate llama-3.1-8b --weights fp8 --tp 2 --steps 8 --json $W/validate-8b-fp8-tp2.json >$W/validate-8b-fp8-tp2.log 2>&1
   note "validate 8b fp8 tp2: rc=$? $(grep -E 'probes PASS|greedy|KL' $W/validate-8b-fp8-tp2.log | tr -s ' ' | head -3 | tr '\n' ' ')"
 fi
+if [ "$PH" = T ]; then  # one GPU (WANT=H100): the L2 tail around the new TP default on the rank steps (lab tree .ab/pre; QKV's head as under TP)
+  for m in "llama-3.1-70b/tp4" "llama-3.1-70b/tp2" "llama-3.1-405b/tp8"; do
+    (cd .ab/pre && PYTHONPATH=$PWD timeout 200 python3 scripts/lab/pre_ab.py $m fp8 128 ws/l2=8/wo-pre=2 \
+       qkvhead=1 form=ws/l2=0/wo-pre=2+qkvhead=1 form=ws/l2=4/wo-pre=2+qkvhead=1 form=ws/l2=6/wo-pre=2+qkvhead=1 \
+       form=ws/l2=12/wo-pre=2+qkvhead=1) >$W/tail-${m/\//-}.log 2>&1
+    note "$m rc=$? $(tail -1 $W/tail-${m/\//-}.log)"
+  done
+fi
