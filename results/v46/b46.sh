@@ -65,9 +65,9 @@ if [ "$PH" = H2 ]; then  # the rest of issue 34's runs (their path unchanged sin
   runf 8b-fp16-tp2 llama-3.1-8b fp16 --tp 2 --allreduce peer
   runf 8b-fp16-tp1 llama-3.1-8b fp16
 fi
-if [ "$PH" = X ]; then  # issue 35 on 8 GPUs (WANT=H100): 405B W8A16 TP8 (the default and o_proj at 1: v45's rank step), both paths; 70B fp16 TP8 and TP4; validate 8B TP8
+if [ "$PH" = X ]; then  # issue 35 on 8 GPUs (WANT=H100): 405B W8A16 TP8 (the default and v45's l2=16: v46.4's rank step), both paths; 70B fp16 TP8 and TP4; validate 8B TP8
   runf 405b-fp8-tp8-peer llama-3.1-405b fp8 --tp 8 --allreduce peer
-  runf 405b-fp8-tp8-peer-wo1 llama-3.1-405b fp8 --tp 8 --allreduce peer --forms "short:ws/l2=8/wo-pre=1;split:ws/l2=8/wo-pre=1"
+  runf 405b-fp8-tp8-peer-l2-16 llama-3.1-405b fp8 --tp 8 --allreduce peer --forms "short:ws/l2=16/wo-pre=2;split:ws/l2=16/wo-pre=2"  # v46.4: its rank step prefers the larger tail
   runf 405b-fp8-tp8-nccl llama-3.1-405b fp8 --tp 8 --allreduce nccl
   runf 70b-fp16-tp8 llama-3.1-70b fp16 --tp 8 --allreduce peer
   runf 70b-fp16-tp4 llama-3.1-70b fp16 --tp 4 --allreduce peer
