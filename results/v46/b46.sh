@@ -91,3 +91,9 @@ if [ "$PH" = T ]; then  # one GPU (WANT=H100): the L2 tail around the new TP def
     note "$m rc=$? $(tail -1 $W/tail-${m/\//-}.log)"
   done
 fi
+if [ "$PH" = H3 ]; then  # what H2 runs that the budget allowed after H, same warm machine
+  runf 70b-fp16-tp4 llama-3.1-70b fp16 --tp 4 --allreduce peer
+  runf 8b-fp16-tp4 llama-3.1-8b fp16 --tp 4 --allreduce peer
+  runf 8b-fp16-tp2 llama-3.1-8b fp16 --tp 2 --allreduce peer
+  runf 8b-fp16-tp1 llama-3.1-8b fp16
+fi
