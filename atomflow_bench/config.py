@@ -97,11 +97,14 @@ class ModelConfig:
         if fmt == "fp16":
             return 2 * total
         if fmt == "fp8":
-            lin = self.layer_linear_params()
-            scales = self.num_hidden_layers * sum(
-                o * math.ceil(i / GROUP) for o, i in self.linear_shapes().values())
-            return 2 * (total - lin) + lin + 4 * scales
+            return 2 * (total - self.layer_linear_params()) + self.fp8_projection_bytes()
         raise ConfigError(f"unknown weight format {fmt!r} (expected fp16 or fp8)")
+
+    def fp8_projection_bytes(self) -> int:
+        """The layer projections in W8A16 (the tensors of the fetched model-fp8.safetensors): 1 byte per weight plus
+        one float32 scale per group of GROUP inputs."""
+        per_layer = sum(o * i + 4 * o * math.ceil(i / GROUP) for o, i in self.linear_shapes().values())
+        return self.num_hidden_layers * per_layer
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_hidden_layers * self.kv_dim * 2  # K and V, fp16

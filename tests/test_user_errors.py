@@ -204,13 +204,12 @@ def test_too_little_space_simulated(home, monkeypatch, capsys):
 
 
 def test_fp8_bytes_is_the_fp8_file(tmp_path):
-    """fetch.fp8_bytes (what the space check asks for) is what write_fp8 writes, less the file's header."""
-    from atomflow_bench.store.fetch import fp8_bytes, write_fp8
-    from atomflow_bench.store.fetch import _safetensors_header
+    """ModelConfig.fp8_projection_bytes (what the space check asks for) is what write_fp8 writes, less the header."""
+    from atomflow_bench.store.fetch import _safetensors_header, write_fp8
 
     path = write_fp8(_model(tmp_path / "m"))
     _, data_start = _safetensors_header(path)
-    assert path.stat().st_size - data_start == fp8_bytes(TINY) > 0
+    assert path.stat().st_size - data_start == TINY.fp8_projection_bytes() > 0
 
 
 def test_sigterm_removes_what_it_was_writing(home):

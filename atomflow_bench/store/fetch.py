@@ -330,7 +330,7 @@ def write_fp8(directory: Path, console=None, workers: int | None = None) -> Path
     for name, (n, k) in projections:
         specs += [(f"{name}.weight_fp8", np.uint8, (n, k)),
                   (f"{name}.weight_scale", np.float32, (n, math.ceil(k / GROUP)))]
-    total = sum(math.prod(shape) * np.dtype(dt).itemsize for _, dt, shape in specs)
+    total = cfg.fp8_projection_bytes()
     path = Path(directory) / FP8_FILE
     meta = {"format": "fp8-e4m3", "group_size": str(GROUP), "scale_dtype": "float32"}
     workers = workers or min(16, os.cpu_count() or 1)
@@ -341,11 +341,6 @@ def write_fp8(directory: Path, console=None, workers: int | None = None) -> Path
             out.write(scales)
             advance(q.nbytes + scales.nbytes)
     return path
-
-
-def fp8_bytes(cfg: ModelConfig) -> int:
-    """The tensor bytes of FP8_FILE (write_fp8): every layer projection's FP8 codes and float32 scales."""
-    return cfg.num_hidden_layers * sum(n * k + 4 * n * math.ceil(k / GROUP) for n, k in cfg.linear_shapes().values())
 
 
 SPACE_SLACK = 16 << 20  # config, index, manifest, a synthetic Llama's tokenizer.json (~9 MB)
@@ -368,7 +363,7 @@ def _add_fp8(directory: Path, manifest: dict, console) -> None:
     """Rebuild `directory` with the fp8 file added: links to its files plus the new one, new manifest."""
     from .checkpoint import Checkpoint
 
-    _check_space(manifest["model"], directory, fp8_bytes(Checkpoint(directory).config))
+    _check_space(manifest["model"], directory, Checkpoint(directory).config.fp8_projection_bytes())
     _say(console, f"adding {FP8_FILE} to {directory}")
     with _os_errors(manifest["model"]), store.staging_dir(directory, overwrite=True) as tmp:
         for rel in manifest["files"]:
@@ -412,7 +407,8 @@ def fetch_model(spec: str, source: str | None = None, fmt: str = "fp16", revisio
         return plan.directory
     if plan.kind == "synthetic":  # the one source whose size is known before anything is written
         cfg = plan.target.config
-        _check_space(plan.name, plan.directory, 2 * cfg.param_count() + (fp8_bytes(cfg) if fmt == "fp8" else 0))
+        _check_space(plan.name, plan.directory,
+                     cfg.weight_bytes("fp16") + (cfg.fp8_projection_bytes() if fmt == "fp8" else 0))
     _say(console, f"fetching {plan.name} ({plan.kind}) into {plan.directory}")
     with _os_errors(plan.name), store.staging_dir(plan.directory, overwrite=True) as tmp:
         source_info = _build(plan, tmp, revision, seed, console)
