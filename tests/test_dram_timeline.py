@@ -1,19 +1,24 @@
-"""scripts/dram_timeline.py's reading of Nsight Compute's raw CSV page (CPU): the PM-sampling series of each profiled
-graph replay, where the layers and lm_head lie, and the per-layer fold that docs/PERF_NOTES.md v30 quotes."""
+"""lab/scripts/dram_timeline.py's reading of Nsight Compute's raw CSV page (CPU): the PM-sampling series of each profiled
+graph replay, where the layers and lm_head lie, and the per-layer fold that lab/PERF_NOTES.md v30 quotes."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers_scripts import load_script
+
+SCRIPT = Path(__file__).resolve().parents[1] / "lab" / "scripts" / "dram_timeline.py"
 
 
 @pytest.fixture(scope="module")
 def dt():
-    return load_script("lab/dram_timeline")
+    spec = importlib.util.spec_from_file_location("dram_timeline", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 LAYER = [95.0] * 6 + [60.0, 3.0, 2.0, 40.0]  # one layer: a stream, then a two-sample hole (the dip starts at 7)

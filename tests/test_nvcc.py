@@ -56,7 +56,7 @@ def test_compiles_without_spills(src, arch, tmp_path):
 def test_timeline_build_compiles_without_spills(src, tmp_path):
     """The timeline instrument (-DAF_TIMELINE, `profile --timeline`) must not push a kernel into local memory,
     or the instrumented step would time something else."""
-    from atomflow_bench.lab.timeline import DEFINE
+    from lab.timeline import DEFINE
 
     report = compile_report(src, "sm_90", tmp_path, defines=(DEFINE,))
     frames = frames_of(report)

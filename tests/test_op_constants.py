@@ -1,5 +1,5 @@
 """One home per op (CPU): every constant an ops/ module mirrors from its kernels equals the `#define` in its .cu, and
-the package's imports form no cycle between its parts; the lab is never imported by the product."""
+the package's imports form no cycle between its parts (that the product never imports the lab: test_lab_local.py)."""
 from __future__ import annotations
 
 import ast
@@ -94,7 +94,6 @@ def test_no_import_cycles_between_parts_and_no_lab_in_the_product():
             a, b = _part(me), _part(dep)
             if a != b:
                 graph.setdefault(a, set()).add(b)
-    assert "lab" not in {d for src, deps in graph.items() if src != "lab" for d in deps}, graph
     seen, stack = set(), []
 
     def visit(n):

@@ -1,6 +1,8 @@
-"""The persistent-stream probe's host side (atomflow_bench/probe.py; the kernel: tests/test_kernels_gpu.py)."""
+"""The persistent-stream probe's host side (lab/probe.py; the kernel: tests/test_kernels_gpu.py, and its build here)."""
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,9 @@ import pytest
 from atomflow_bench.gpu.arena import plan_arena
 from atomflow_bench.config import CATALOG
 from atomflow_bench.errors import AtomflowError
-from atomflow_bench.lab.probe import dynamic, expected_counters, op_groups, probe_table, probe_variants, step_ops
+from atomflow_bench.gpu.nvrtc import kernel_names
+from lab import KERNELS_DIR
+from lab.probe import dynamic, expected_counters, op_groups, probe_table, probe_variants, step_ops
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +68,7 @@ def test_probe_table_lists_every_variant():
 
 
 def test_probe_script_refuses_an_unknown_model():
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/lab/probe_stream.py"), "llama-9b", "fp8"],
+    r = subprocess.run([sys.executable, str(ROOT / "lab/scripts/probe_stream.py"), "llama-9b", "fp8"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()]
     assert "unknown model 'llama-9b'" in r.stderr
@@ -90,6 +94,18 @@ def test_op_groups_and_the_counters_they_leave():
 
 
 def test_probe_script_refuses_an_unknown_variant():
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/lab/probe_stream.py"), "llama-3.2-3b", "fp8", "--only",
+    r = subprocess.run([sys.executable, str(ROOT / "lab/scripts/probe_stream.py"), "llama-3.2-3b", "fp8", "--only",
                         "stream,fast"], capture_output=True, text=True)
     assert r.returncode == 2 and "no probe variant 'fast'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_the_probe_kernel_compiles_beside_the_product():
+    """lab/kernels/probe_stream.cu builds against the product's kernels_cu/common.cuh from its place in the lab (the
+    wheel no longer carries it, so no packaging test compiles it), and nvcc's entries are the loader's names."""
+    (src,) = sorted(KERNELS_DIR.glob("*.cu"))
+    out = subprocess.run([shutil.which("nvcc"), "-arch=sm_90", "-std=c++17", "-Xptxas", "-v", "-c", str(src), "-o",
+                          "/dev/null"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    entries = re.findall(r"Compiling entry function '(\w+)'", out.stderr)
+    assert entries and sorted(entries) == sorted(kernel_names(src)) and "probe_stream" in entries

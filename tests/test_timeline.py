@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from atomflow_bench.errors import AtomflowError
-from atomflow_bench.lab.timeline import (
+from lab.timeline import (
     MARKS,
     check_blocks,
     granularity_ns,
