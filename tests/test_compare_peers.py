@@ -217,16 +217,16 @@ def test_missing_file_no_run_record_and_a_baseline_as_ours(files, tmp_path, caps
 
 
 def test_llama_cpp_rows_carry_their_own_bytes_per_token(capsys):
-    """The issue-32 records (results/v39-engines): every llama.cpp row has its own bytes/token, the record's
+    """The issue-32 records (results/engines-h100): every llama.cpp row has its own bytes/token, the record's
     weight_bytes + K/V rows; the untied 8B's leave out the 1.05 GB (F16) / 0.56 GB (Q8_0) input-embedding table that
     llama.cpp reads one row of per token, so F16 no longer reads as 16.086 GB against our 15.043."""
     from pathlib import Path
 
-    v39 = Path(__file__).resolve().parents[1] / "results" / "v39-engines"
+    v39 = Path(__file__).resolve().parents[1] / "results" / "engines-h100"
     files = [v39 / "sweep" / "llama-3.1-8b-fp16-ctx128-tp1.json", v39 / "sweep" / "llama-3.1-8b-fp8-ctx128-tp1.json",
              *sorted((v39 / "llama-cpp").glob("llama.cpp-*-llama-3.1-8b-*-ctx128.json"))]
     if not all(f.is_file() for f in files) or len(files) != 4:
-        pytest.skip("no results/v39-engines records")
+        pytest.skip("no results/engines-h100 records")
     code, out, _ = invoke(capsys, "compare-peers", *map(str, files), "--format", "json")
     assert code == 0
     rows = {r["format"].split(" ")[0]: r for r in json.loads(out)}

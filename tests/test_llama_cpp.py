@@ -164,7 +164,7 @@ def test_cli_writes_loadable_baselines(tmp_path, capsys):
 
 # ---- bytes read per token ------------------------------------------------------------------------
 V, H8 = 128256, 4096   # Llama-3.1-8B's vocabulary and hidden size (untied)
-# the GGUF sizes and llama-bench model_size of the issue-32 run (results/v39-engines/llama-cpp)
+# the GGUF sizes and llama-bench model_size of the issue-32 run (results/engines-h100/llama-cpp)
 GGUF_8B = {"F16": (16_068_891_040, 16_061_055_232), "Q8_0": (8_540_770_720, 8_532_934_912)}
 
 
@@ -222,7 +222,7 @@ def test_schema_checks_the_bytes_fields(field, value, message):
         validate(r)
 
 
-V39 = ROOT / "results" / "v39-engines" / "llama-cpp"
+V39 = ROOT / "results" / "engines-h100" / "llama-cpp"
 
 
 def test_committed_v39_records_are_what_the_cli_writes(tmp_path):
@@ -231,7 +231,7 @@ def test_committed_v39_records_are_what_the_cli_writes(tmp_path):
     the records), weight_bytes included."""
     recs = sorted(V39.glob("llama.cpp-nvidia-*.json"))
     if not recs:
-        pytest.skip("no results/v39-engines/llama-cpp records")
+        pytest.skip("no results/engines-h100/llama-cpp records")
     done = set()
     for f in recs:
         r = json.loads(f.read_text())

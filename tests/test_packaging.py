@@ -124,13 +124,26 @@ def test_wheel_installs_the_package_not_the_checkout(installed):
     assert sorted(set(ours) - set(theirs)) == [], "missing from the wheel (add new subpackages to pyproject.toml)"
 
 
+def test_wheel_ships_no_lab_code(installed):
+    """The lab (lab/: probes, instruments, the notebook, per-call records) stays in the checkout: no file the wheel
+    installed (its RECORD) is the lab's, neither a top-level `lab` package nor one inside atomflow_bench."""
+    _, _, probe, _ = installed
+    package = Path(probe["package"]).resolve().parent
+    (record,) = package.parent.glob("atomflow_bench-*.dist-info/RECORD")
+    files = [line.split(",", 1)[0] for line in record.read_text().splitlines() if line]
+    assert any(f == "atomflow_bench/kernels_cu/common.cuh" for f in files)  # the RECORD lists the package's files
+    lab = [f for f in files if f.startswith("lab/") or "/lab/" in f or "probe_stream" in f or "PERF_NOTES" in f]
+    assert lab == [], f"lab code in the wheel: {lab}"
+    assert not (package.parent / "lab").exists() and not (package / "lab").exists()
+
+
 def test_wheel_carries_the_kernel_sources(installed):
     _, _, probe, _ = installed
     package, kernels = Path(probe["package"]).resolve().parent, Path(probe["kernels"]).resolve()
     assert kernels.is_relative_to(package), f"KERNELS_DIR {kernels} is not inside the installed {package}"
     assert kernels.is_dir(), f"KERNELS_DIR {kernels} does not exist"
     ours, theirs = _files(KERNELS, ("*.cu", "*.cuh")), _files(kernels, ("*.cu", "*.cuh"))
-    assert ours and "lab/probe_stream.cu" in ours
+    assert ours and not any(n.startswith("lab/") for n in ours)
     assert sorted(theirs) == sorted(ours), "kernel sources in the wheel differ from kernels_cu/"
     assert [n for n in ours if theirs[n] != ours[n]] == [], "kernel sources changed on the way into the wheel"
 
