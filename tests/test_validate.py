@@ -7,6 +7,8 @@ made from the ORIGINAL model.
 """
 from __future__ import annotations
 
+import ast
+import graphlib
 import json
 import shutil
 import subprocess
@@ -79,6 +81,26 @@ def test_weights_hash_covers_only_fp16_safetensors(tiny_llama_dir, tmp_path):
     raw[-1] ^= 1
     st.write_bytes(bytes(raw))
     assert truth.weights_sha256(d) != h
+
+
+def test_validate_modules_import_in_layers():
+    """validate/'s modules import each other without a circle, the engine side never reaches for the HF side, and
+    the only imports inside functions are the optional extras (torch, transformers, cupy)."""
+    deps: dict[str, set[str]] = {}
+    inside: set[str] = set()
+    for f in sorted((REPO / "atomflow_bench" / "validate").glob("*.py")):
+        tree = ast.parse(f.read_text())
+        deps[f.stem] = {node.module or a.name for node in ast.walk(tree)
+                        if isinstance(node, ast.ImportFrom) and node.level == 1 for a in node.names}
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inside |= {a.name.split(".")[0] if isinstance(n, ast.Import) else (n.module or "").split(".")[0]
+                           for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    assert {"truth", "probes", "metrics", "report", "check"} <= set(deps)
+    list(graphlib.TopologicalSorter(deps).static_order())   # raises CycleError on a circle
+    assert deps["metrics"] == set() and deps["report"] == set() and deps["probes"] == set()
+    assert deps["truth"] == {"probes"}
+    assert inside <= {"torch", "transformers", "cupy"}, inside
 
 
 # ---- the ground truth ---------------------------------------------------------------------------------
