@@ -595,7 +595,7 @@ def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, 
 
     from .measure import report
     from .store.fetch import resolve_model
-    from .validate import check as v
+    from . import validate as v
 
     notes = notes_console(fmt, console)
     _check_tp_options(tp, allreduce)

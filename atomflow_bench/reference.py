@@ -1,4 +1,7 @@
-"""NumPy reference decoder: the ground truth the GPU engine is validated against (float32 math).
+"""NumPy reference decoder: Llama decode in float32 on the CPU, the engine's stand-in where there is no GPU.
+
+`generate` and `validate --backend numpy` run it instead of the GPU engine, and the GPU tests check the engine's
+kernels against its taps. The ground truth itself is HuggingFace transformers (validate/truth.py).
 
 One token per `step`, exactly the M=1 decode the engine runs, written to match HuggingFace's Llama:
 
@@ -12,7 +15,8 @@ One token per `step`, exactly the M=1 decode the engine runs, written to match H
 `weights="fp16"` uses the stored weights upcast to float32; `weights="fp8"` passes the seven layer
 projections through `quant.quantize_fp8` / `dequantize_fp8` first (W8A16 as the engine stores them;
 embedding, norms and lm_head stay as stored). All weights are upcast to float32 once, at construction:
-4 bytes per parameter, so this is meant for small models (SmolLM2-135M: ~0.54 GB) and tiny test models.
+4 bytes per parameter (SmolLM2-135M: ~0.54 GB). `lazy=True` keeps the stored fp16 matrices instead and upcasts them
+block by block inside each matvec, for models whose float32 copy would not fit in host memory.
 """
 from __future__ import annotations
 

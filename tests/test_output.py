@@ -537,7 +537,7 @@ def validate_result() -> dict:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_validate_print_result(capsys, fmt):
-    from atomflow_bench.validate.check import print_result
+    from atomflow_bench.validate import print_result
 
     console = Console(file=sys.stdout)  # as the CLI's: stdout, not a terminal
     print_result(validate_result(), console, fmt)
@@ -557,7 +557,7 @@ def test_validate_print_result(capsys, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_validate_print_quality(capsys, fmt):
-    from atomflow_bench.validate.check import print_quality
+    from atomflow_bench.validate import print_quality
 
     q = {"model": {"name": "tiny"}, "text": {"tokens": 120}, "backend": {"label": "NumPy reference (CPU)"},
          "fp16": {"perplexity": 12.5, "top1_next_token": 0.41}, "fp8": {"perplexity": 12.7, "top1_next_token": 0.40},
@@ -591,10 +591,10 @@ def test_peers_cli_on_cpu(tiny_llama_dir, capsys, fmt):
 @pytest.fixture(scope="module")
 def tiny_truth(tiny_llama_dir, tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
-    from atomflow_bench.validate import check as v
+    from atomflow_bench.validate.truth import generate_truth
 
     d = tmp_path_factory.mktemp("tiny-truth-output") / "truth"
-    v.generate_truth(tiny_llama_dir, d, prompt="w5 w17 w42", steps=3, device="cpu")
+    generate_truth(tiny_llama_dir, d, prompt="w5 w17 w42", steps=3, device="cpu")
     return d
 
 

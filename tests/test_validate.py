@@ -7,6 +7,8 @@ made from the ORIGINAL model.
 """
 from __future__ import annotations
 
+import ast
+import graphlib
 import json
 import shutil
 import subprocess
@@ -16,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from atomflow_bench.validate import check as v
+from atomflow_bench.validate import check, metrics, probes, truth
 from atomflow_bench.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,30 +37,26 @@ def run_cli(args: list[str], capsys) -> tuple[int, str]:
     return rc, cap.out + cap.err
 
 
-def probes_of(path: Path) -> dict[str, dict]:
-    return {p["name"]: p for p in json.loads(path.read_text())["probes"]}
-
-
 @pytest.fixture(scope="module")
 def tiny_truth(tiny_llama_dir, tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp("tiny-truth") / "truth"
-    v.generate_truth(tiny_llama_dir, d, prompt=TINY_PROMPT, steps=TINY_STEPS, device="cpu")
+    truth.generate_truth(tiny_llama_dir, d, prompt=TINY_PROMPT, steps=TINY_STEPS, device="cpu")
     return d
 
 
 # ---- metrics and identities ---------------------------------------------------------------------------
 def test_metrics_and_kl():
     x = np.random.default_rng(0).standard_normal(100).astype(np.float32)
-    assert v.metrics(x, x) == (pytest.approx(1.0), 0.0, 0.0)
-    c, r, a = v.metrics(2 * x, x)        # a scale error: cosine cannot see it, rel L2 does
+    assert metrics.probe_metrics(x, x) == (pytest.approx(1.0), 0.0, 0.0)
+    c, r, a = metrics.probe_metrics(2 * x, x)        # a scale error: cosine cannot see it, rel L2 does
     assert c == pytest.approx(1.0) and r == pytest.approx(1.0) and a == pytest.approx(np.abs(x).max())
-    assert v.metrics(-x, x)[0] == pytest.approx(-1.0)
-    assert v.metrics(np.full(3, np.nan), np.ones(3))[:2] == (-1.0, float("inf"))
-    assert v.kl_div(x, x) == pytest.approx(0.0, abs=1e-15)
-    assert v.kl_div(x, x + 5.0) == pytest.approx(0.0, abs=1e-12)  # softmax is shift-invariant
-    assert v.kl_div(x, -x) > 1.0
-    names = v.probe_names(28)
+    assert metrics.probe_metrics(-x, x)[0] == pytest.approx(-1.0)
+    assert metrics.probe_metrics(np.full(3, np.nan), np.ones(3))[:2] == (-1.0, float("inf"))
+    assert metrics.kl_div(x, x) == pytest.approx(0.0, abs=1e-15)
+    assert metrics.kl_div(x, x + 5.0) == pytest.approx(0.0, abs=1e-12)  # softmax is shift-invariant
+    assert metrics.kl_div(x, -x) > 1.0
+    names = probes.probe_names(28)
     assert len(names) == 1 + 56 + 2 and names[:3] == ["embed", "layers.0.attn", "layers.0.mlp"]
     assert names[-2:] == ["final_norm", "logits"]
 
@@ -66,23 +64,43 @@ def test_metrics_and_kl():
 def test_weights_hash_covers_only_fp16_safetensors(tiny_llama_dir, tmp_path):
     d = tmp_path / "m"
     shutil.copytree(tiny_llama_dir, d)
-    h = v.weights_sha256(d)
-    assert h == v.weights_sha256(tiny_llama_dir)
+    h = truth.weights_sha256(d)
+    assert h == truth.weights_sha256(tiny_llama_dir)
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "rope_theta": 1.0}))
     (d / "model-fp8.safetensors").write_bytes(b"derived")
-    assert v.weights_sha256(d) == h                      # config and the derived fp8 file are not covered
+    assert truth.weights_sha256(d) == h                      # config and the derived fp8 file are not covered
     st = d / "model.safetensors"
     # a store manifest's per-file hash is used when it lists the file at its current size
     (d / "manifest.json").write_text(json.dumps({"format": "atomflow-manifest/1", "model": "m", "source": {},
                                                  "files": {"model.safetensors": {"sha256": "ab" * 32,
                                                                                  "size": st.stat().st_size}}}))
-    assert v.weights_sha256(d) != h
+    assert truth.weights_sha256(d) != h
     (d / "manifest.json").unlink()
     raw = bytearray(st.read_bytes())
     raw[-1] ^= 1
     st.write_bytes(bytes(raw))
-    assert v.weights_sha256(d) != h
+    assert truth.weights_sha256(d) != h
+
+
+def test_validate_modules_import_in_layers():
+    """validate/'s modules import each other without a circle, the engine side never reaches for the HF side, and
+    the only imports inside functions are the optional extras (torch, transformers, cupy)."""
+    deps: dict[str, set[str]] = {}
+    inside: set[str] = set()
+    for f in sorted((REPO / "atomflow_bench" / "validate").glob("*.py")):
+        tree = ast.parse(f.read_text())
+        deps[f.stem] = {node.module or a.name for node in ast.walk(tree)
+                        if isinstance(node, ast.ImportFrom) and node.level == 1 for a in node.names}
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inside |= {a.name.split(".")[0] if isinstance(n, ast.Import) else (n.module or "").split(".")[0]
+                           for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    assert {"truth", "probes", "metrics", "report", "check"} <= set(deps)
+    list(graphlib.TopologicalSorter(deps).static_order())   # raises CycleError on a circle
+    assert deps["metrics"] == set() and deps["report"] == set() and deps["probes"] == set()
+    assert deps["truth"] == {"probes"}
+    assert inside <= {"torch", "transformers", "cupy"}, inside
 
 
 # ---- the ground truth ---------------------------------------------------------------------------------
@@ -92,16 +110,16 @@ def test_truth_files_match_hf(tiny_truth, tiny_llama_dir):
     from safetensors import safe_open
 
     m = json.loads((tiny_truth / "truth.json").read_text())
-    assert m["schema"] == v.TRUTH_SCHEMA and m["dtype"] == "float32" and m["device"].startswith("cpu")
+    assert m["schema"] == truth.TRUTH_SCHEMA and m["dtype"] == "float32" and m["device"].startswith("cpu")
     assert m["prompt_ids"] == [0, 5, 17, 42, 99, 150] and m["prompt"] == TINY_PROMPT
     assert len(m["generated_ids"]) == m["steps"] == TINY_STEPS
     assert m["positions"] == 6 + TINY_STEPS - 1
-    assert m["weights_sha256"] == v.weights_sha256(tiny_llama_dir)
+    assert m["weights_sha256"] == truth.weights_sha256(tiny_llama_dir)
     assert set(m["variants"]) == {"fp16", "fp8"}
     assert m["variants"]["fp16"]["predicted_ids"] == m["generated_ids"]
     for key in ("torch", "transformers", "created", "model", "config_sha256"):
         assert m[key]
-    names = v.probe_names(3)
+    names = probes.probe_names(3)
     with safe_open(str(tiny_truth / "truth.safetensors"), framework="numpy") as f:
         assert len(list(f.keys())) == 2 * m["positions"] * len(names)
         t = f.get_tensor("fp16.pos0.logits")
@@ -109,14 +127,14 @@ def test_truth_files_match_hf(tiny_truth, tiny_llama_dir):
 
     new, steps, hidden = hf_decode(load_hf(tiny_llama_dir), m["prompt_ids"], TINY_STEPS)
     assert new == m["generated_ids"]
-    truth = v.Truth(tiny_truth)
+    stored = truth.Truth(tiny_truth)
     for s, ref in enumerate(steps):
         for n in names:
-            np.testing.assert_allclose(truth.get("fp16", s, n), ref[n], rtol=1e-6, atol=1e-6, err_msg=f"{s} {n}")
+            np.testing.assert_allclose(stored.get("fp16", s, n), ref[n], rtol=1e-6, atol=1e-6, err_msg=f"{s} {n}")
         for i in range(2):  # hidden_states[i + 1] is layer i's output (the last one is normed in transformers 5)
-            np.testing.assert_allclose(truth.get("fp16", s, f"layers.{i}.mlp"), hidden[s][i + 1], rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(stored.get("fp16", s, f"layers.{i}.mlp"), hidden[s][i + 1], rtol=1e-6, atol=1e-6)
     # the fp8 variant differs (other weight values) but is close, and is teacher-forced on the same tokens
-    c = v.metrics(truth.get("fp8", 5, "logits"), truth.get("fp16", 5, "logits"))[0]
+    c = metrics.probe_metrics(stored.get("fp8", 5, "logits"), stored.get("fp16", 5, "logits"))[0]
     assert 0.95 < c < 1.0
 
 
@@ -162,7 +180,7 @@ def test_validate_tiny_passes(fmt, tiny_llama_dir, tiny_truth, tmp_path, capsys)
     assert "9/9 probes PASS" in out and f"greedy agreement: {TINY_STEPS}/{TINY_STEPS}" in out
     assert "NumPy reference (CPU)" in out
     res = json.loads(js.read_text())
-    assert res["schema"] == v.RESULT_SCHEMA and res["summary"]["pass"] and res["backend"]["kind"] == "numpy"
+    assert res["schema"] == check.RESULT_SCHEMA and res["summary"]["pass"] and res["backend"]["kind"] == "numpy"
     assert res["truth"]["variant"] == fmt and len(res["probes"]) == 9
     # the NumPy path is float32 math on the same weight values as HF: orders of magnitude inside the bounds
     assert res["summary"]["min_cos"] > 1 - 1e-9 and res["summary"]["max_rel_l2"] < 1e-5
@@ -237,14 +255,14 @@ def test_broken_engine_fails_at_the_right_probe(case, fmt, tiny_llama_dir, tiny_
     assert rc != 0, out
     assert f"(first FAIL: {first})" in out and "probes PASS" in out
     res = json.loads(js.read_text())
-    probes = {p["name"]: p for p in res["probes"]}
+    by_name = {p["name"]: p for p in res["probes"]}
     assert res["summary"]["first_fail"] == first and not res["summary"]["pass"]
-    assert not probes[first]["pass"]
+    assert not by_name[first]["pass"]
     for name in passing:
-        assert probes[name]["pass"], name
-        assert probes[name]["cos"] > 1 - 1e-9, name   # untouched by the fault: exact
-    th = v.THRESHOLDS[fmt]
-    p = probes[first]
+        assert by_name[name]["pass"], name
+        assert by_name[name]["cos"] > 1 - 1e-9, name   # untouched by the fault: exact
+    th = metrics.THRESHOLDS[fmt]
+    p = by_name[first]
     print(f"\n{case} {fmt}: {first} cos {p['cos']:.5f} (bound {th.cos_min}), rel L2 {p['rel_l2']:.3f} "
           f"(bound {th.rel_max}) -> 1-cos {((1 - p['cos']) / (1 - th.cos_min)):.1f}x / rel "
           f"{p['rel_l2'] / th.rel_max:.1f}x past the bounds")
@@ -258,7 +276,7 @@ def test_broken_engine_fails_at_the_right_probe(case, fmt, tiny_llama_dir, tiny_
 def smol_truth(smollm2_fetched, tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp("smol-truth") / "truth"
-    v.generate_truth(smollm2_fetched, d, steps=4, device="cpu")   # "The capital of France is" + 4 steps
+    truth.generate_truth(smollm2_fetched, d, steps=4, device="cpu")   # "The capital of France is" + 4 steps
     return d
 
 
@@ -281,7 +299,7 @@ def test_quality_smollm2(smollm2_fetched, tmp_path, capsys):
     rc, out = run_cli(["validate", str(smollm2_fetched), "--quality", "--backend", "numpy", "--json", str(js)], capsys)
     assert rc == 0, out
     q = json.loads(js.read_text())
-    assert q["schema"] == v.QUALITY_SCHEMA and q["pass"] is True
+    assert q["schema"] == check.QUALITY_SCHEMA and q["pass"] is True
     assert 100 <= q["text"]["tokens"] <= 150
     assert q["fp16"]["perplexity"] < 30 and q["ppl_ratio"] < 1.10
     assert q["top1_agreement"] >= 0.90 and q["mean_kl_fp16_fp8"] <= 0.05

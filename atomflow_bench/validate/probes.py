@@ -1,0 +1,128 @@
+"""The engine side of validate: which probes are compared, and the engine's values of them, position by position.
+
+Two backends: the GPU `Engine` (its real kernels; each launch's output copied to the host right after it, the same
+launches the CUDA graph replays) and, without a usable GPU or when asked, the NumPy `ReferenceDecoder` on the CPU,
+labelled as such in every output.
+"""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError, GpuUnavailable
+from ..gpu.device import gpu_info, require_gpu
+from ..gpu.engine import Engine
+from ..measure.tp_bench import tp_forms
+from ..measure.tune import resolve
+from ..reference import ReferenceDecoder
+from ..store.checkpoint import Checkpoint
+
+# Above this size the reference keeps the stored fp16 matrices and upcasts them block by block at use, so a CPU run
+# of a large model needs 2 bytes per parameter of host memory instead of 4.
+REFERENCE_FP32_MAX_BYTES = 4 << 30
+
+
+def probe_names(n_layers: int) -> list[str]:
+    """The compared probes in decode order: embed, per layer attn then mlp, final_norm, logits."""
+    return ["embed"] + [f"layers.{i}.{k}" for i in range(n_layers) for k in ("attn", "mlp")] + ["final_norm", "logits"]
+
+
+def pick_backend(backend: str) -> tuple[str, str]:
+    """('gpu' | 'numpy', label) for backend auto | gpu | numpy; auto falls back to the reference without a GPU."""
+    if backend not in ("auto", "gpu", "numpy"):
+        raise ConfigError(f"unknown backend {backend!r} (expected auto, gpu or numpy)")
+    if backend == "numpy":
+        return "numpy", "NumPy reference (CPU), as requested — not the GPU engine"
+    try:
+        require_gpu()
+    except GpuUnavailable:
+        if backend == "gpu":
+            raise
+        return "numpy", "NumPy reference (CPU) — no GPU"
+    return "gpu", "GPU engine (CuPy kernels; probes copied after each launch of the eager step)"
+
+
+def backend_info(kind: str) -> dict:
+    """What the backend ran on: the GPU's description, or the CPU and NumPy version."""
+    if kind == "gpu":
+        return {"gpu": gpu_info()}
+    return {"cpu": platform.processor() or platform.machine(), "numpy": np.__version__}
+
+
+def _reference(model_dir: Path, weights: str, max_seq: int, record_taps: bool = False) -> ReferenceDecoder:
+    ckpt = Checkpoint(model_dir)
+    lazy = ckpt.config.param_count() * 4 > REFERENCE_FP32_MAX_BYTES
+    return ReferenceDecoder(ckpt, weights=weights, max_seq=max_seq, record_taps=record_taps, lazy=lazy)
+
+
+def free_gpu() -> None:
+    """Give the memory pool's blocks back, so whatever runs next on the GPU plans its arena with them."""
+    try:
+        import cupy  # an optional extra: present whenever an Engine was built
+
+        cupy.get_default_memory_pool().free_all_blocks()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+
+def engine_probes(model_dir: str | Path, weights: str, sequence: list[int], n_positions: int, names: list[str],
+                  backend: str = "auto", forms=None, group=None,
+                  allreduce: str | None = None) -> tuple[dict, list[dict[str, np.ndarray]]]:
+    """Teacher-force `sequence` through the engine for `n_positions` positions; per position the probes `names`.
+
+    GPU: `Engine.reset(sequence)` makes the step's argmax kernel feed the sequence's next token, and
+    `step_eager(taps=True)` per position gives the real kernels' buffers. `forms`: the launch forms to check (given,
+    else a saved tune, else the defaults; never timed here).
+    No GPU (or backend="numpy"): `ReferenceDecoder(record_taps=True)`, labelled as such.
+    Tensor parallel (`group`, GPU only): every rank runs this; the probes compared are the replicated ones (the
+    residual stream after each sum across ranks, the final norm) and the logits, gathered from the vocabulary shards.
+    Returns ({"kind", "label", ...info}, [probes per position]).
+    """
+    kind, label = pick_backend("gpu" if group is not None else backend)
+    info = {"kind": kind, "label": label, **backend_info(kind)}
+    out: list[dict[str, np.ndarray]] = []
+    if kind == "numpy":
+        dec = _reference(Path(model_dir), weights, len(sequence), record_taps=True)
+        for s in range(n_positions):
+            dec.step(int(sequence[s]))
+            out.append({n: dec.taps[n] for n in names})
+        return info, out
+
+    eng = Engine(model_dir, weights=weights, max_seq=len(sequence), group=group, allreduce=allreduce)
+    if group is None:
+        info["forms"] = resolve(eng, forms, tune_missing=False)
+    else:
+        info["forms"] = tp_forms(eng, forms)
+        info["tp"] = {"n": group.size, "allreduce": eng.tp.path, "peer_reason": eng.tp.peer_reason}
+        info["label"] += f", tensor parallel over {group.size} GPUs (sums: {eng.tp.path})"
+    eng.reset(sequence)
+    for _ in range(n_positions):
+        taps = eng.step_eager(taps=True)
+        if group is not None:  # the logits of every rank's vocabulary rows, in rank order
+            taps["logits"] = eng.tp.gather_vocab(taps["logits"], eng.cfg.vocab_size)
+        out.append({n: np.asarray(taps[n], np.float32).reshape(-1) for n in names})
+    info["fp8_source"] = eng.load_info.get("fp8_source")
+    del eng
+    free_gpu()
+    return info, out
+
+
+def engine_logits(model_dir: Path, weights: str, ids: list[int], kind: str) -> np.ndarray:
+    """float32 logits [len(ids) - 1, vocab] of positions 0..T-2 (each predicting ids[s + 1]), teacher-forced on `ids`
+    through the GPU engine (`kind` "gpu") or the NumPy reference ("numpy")."""
+    n = len(ids) - 1
+    if kind == "numpy":
+        dec = _reference(model_dir, weights, len(ids))
+        return np.stack([dec.step(int(t)) for t in ids[:-1]])
+    eng = Engine(model_dir, weights=weights, max_seq=len(ids))
+    eng.reset(ids)
+    out = np.empty((n, eng.cfg.vocab_size), np.float32)
+    for s in range(n):
+        eng.step_eager()
+        eng.stream.synchronize()
+        out[s] = eng.arena["logits"].get()
+    del eng
+    free_gpu()
+    return out
