@@ -808,7 +808,11 @@ def main(argv=None):
     regression."""
     args = list(sys.argv[1:] if argv is None else argv)
     _ARGV[:] = args
-    rank = (envs.RANK or 0) if envs.WORLD_SIZE is not None else 0
+    try:
+        rank = (envs.RANK or 0) if envs.WORLD_SIZE is not None else 0
+    except AtomflowError as e:  # a launcher's variable that is not an integer
+        err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(EXIT_ERROR)
     if rank != 0:  # a tensor-parallel rank other than 0: rank 0 prints the tables; errors still reach stderr
         console.quiet = True
     debug = "--debug" in args

@@ -3,6 +3,8 @@ table says."""
 import ast
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,3 +165,14 @@ def test_what_the_package_sets(monkeypatch):
         monkeypatch.setenv(k, env[k])
     assert (envs.RANK, envs.WORLD_SIZE, envs.LOCAL_RANK, envs.MASTER_ADDR, envs.MASTER_PORT) == \
         (1, 2, 1, "127.0.0.1", 4321)
+
+
+def test_a_bad_launcher_variable_is_one_line(tmp_path):
+    """A non-integer RANK / WORLD_SIZE stops the CLI with one line naming the variable, before any command runs."""
+    env = {k: v for k, v in os.environ.items() if k not in envs.VARIABLES}
+    env |= {"RANK": "first", "WORLD_SIZE": "2", "ATOMFLOW_HOME": str(tmp_path),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "atomflow_bench.cli", "models"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stderr.strip() == "error: RANK='first': not an integer", proc.stderr
