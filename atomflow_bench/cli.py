@@ -12,7 +12,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from . import __version__
+from . import __version__, envs
 from .config import CATALOG, DEFAULT_MODEL
 from .errors import AtomflowError, GpuUnavailable, Terminated
 from .output import format_option, is_machine, notes_console, render
@@ -808,15 +808,17 @@ def main(argv=None):
     regression."""
     args = list(sys.argv[1:] if argv is None else argv)
     _ARGV[:] = args
-    import os
-
-    rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else "0"
-    if rank != "0":  # a tensor-parallel rank other than 0: rank 0 prints the tables; errors still reach stderr
+    try:
+        rank = (envs.RANK or 0) if envs.WORLD_SIZE is not None else 0
+    except AtomflowError as e:  # a launcher's variable that is not an integer
+        err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(EXIT_ERROR)
+    if rank != 0:  # a tensor-parallel rank other than 0: rank 0 prints the tables; errors still reach stderr
         console.quiet = True
     debug = "--debug" in args
     if debug:
         args.remove("--debug")
-    if "WORLD_SIZE" not in os.environ:  # a rank keeps the default: its launcher stops it, and a dead peer can't wait on it
+    if envs.WORLD_SIZE is None:  # a rank keeps the default: its launcher stops it, and a dead peer can't wait on it
         import signal
 
         def terminated(signum, frame):
@@ -846,7 +848,7 @@ def main(argv=None):
             code, text = EXIT_ERROR, f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
         else:
             code, text = EXIT_INTERNAL, f"internal error ({type(e).__name__}: {e}); rerun with --debug for the traceback"
-        who = f"rank {rank}: " if "WORLD_SIZE" in os.environ and os.environ["WORLD_SIZE"] != "1" else ""
+        who = f"rank {rank}: " if (envs.WORLD_SIZE or 1) > 1 else ""
         err_console.print(f"[red]error:[/red] {escape(who + ' '.join(text.split()))}", highlight=False, soft_wrap=True)
         sys.exit(code)
     return 0

