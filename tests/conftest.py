@@ -83,11 +83,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 # ---- GPU tests: compiled kernels, one KernelLib per build for the whole session ----
-# NVRTC takes seconds per .cu file (the GEMV and attention files the most) when CuPy's disk cache is cold, and a step
-# build compiles on first use, one file after another. So each GPU test module lists the builds its tests use in
-# KERNEL_BUILDS, entries (kernels dir or None, extra -D's, .cu file names or None for all), and before the first test the
-# selected modules' builds are compiled in parallel threads (NVRTC runs without the GIL). A later KernelLib of the same
-# sources and options, an Engine's included, gets the module from CuPy's per-process memo (or its disk cache).
+# NVRTC takes seconds per .cu file (the GEMV and attention files the most) when CuPy's disk cache is cold, and a
+# step build compiles on first use, one file after another. So each GPU test module lists the builds its tests use
+# in KERNEL_BUILDS, entries (kernels dir or None, extra -D's, .cu file names or None for all), and before the first
+# test the selected modules' builds are compiled in parallel threads (NVRTC runs without the GIL). A later KernelLib
+# of the same sources and options, an Engine's included, gets the module from CuPy's per-process memo (or its disk
+# cache).
 _KERNEL_LIBS: dict = {}
 
 
