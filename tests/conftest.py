@@ -107,13 +107,13 @@ def compile_builds(builds) -> dict:
     ones that failed (the tests that use them compile again and report it)."""
     import cupy
 
-    jobs = []
+    jobs = {}
     for kdir, defines, files in builds:
         lib = shared_kernel_lib(tuple(defines), kdir)
         for path in sorted(lib.dir.glob("*.cu")):
             if files is None or path.name in files:
-                jobs.append(((str(lib.dir), tuple(defines), path.name), lib.module(path)))
-    jobs.sort(key=lambda j: -len(j[1].code))  # the largest sources first: they bound the wall time
+                jobs[str(lib.dir), tuple(defines), path.name] = lib.module(path)
+    jobs = sorted(jobs.items(), key=lambda j: -len(j[1].code))  # the largest sources first: they bound the wall time
     device = cupy.cuda.Device().id
 
     def compile_one(module):
