@@ -780,7 +780,7 @@ def test_run_record_energy(tiny_model, tuning_home):
         assert 0.5 < e["sampled_joules"] / e["counter_joules"] < 2.0, e  # two NVML readings of one region agree
 
 
-# ---- the synthetic Llama-3.2-1B shape (its arena is over 2 GB: the only engine test past 32-bit byte offsets) ----
+# ---- the synthetic Llama-3.2-1B shape: the real vocabulary and depth; in fp16 the only arena here past 2^31 bytes ----
 LLAMA1B_LENGTHS = (5, 4)  # prompt, new tokens
 
 
