@@ -2,7 +2,9 @@
 # The one device command: install, GPU tests, benchmarks; a short table last, full logs and JSON under $OUT.
 #   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench validate gemv profile ab
 #                                       (default: info kernels engine bench)
-#   KERNELS_K / ENGINE_K="pytest -k expression" (kernels / engine stage: a subset)
+#   KERNELS_K / ENGINE_K="pytest -k expression" (kernels / engine stage: a subset); each test stage logs its 25
+#                                       slowest tests (--durations) and adds a row (passed, failed, wall seconds) to
+#                                       the table printed last
 #   BENCH_SPECS="model:fmt ..."  CTX=128 (bench: `run` per spec, ctx CTX, 256 tokens, 5 repeats)
 #   PROFILE_SPECS="model:fmt ..." PROFILE_CTX=128 (profile stage)
 #   engines: llama.cpp built and measured here (scripts/peer_llama_cpp.sh $LLAMA_STAGES, default all; carry
@@ -42,6 +44,26 @@ run_one() {  # run_one TAG MODEL FMT [tree]: one `run` (ctx $CTX, 256 tokens, 5 
   note "run $tag: rc=$? $(line "$OUT/run-$tag.json")"
 }
 
+suites=()  # "name passed failed seconds" per pytest stage, for the table at the end
+suite() {  # suite NAME FILE TIMEOUT K [pytest args]: one GPU test file, its 25 slowest tests in its log, wall seconds
+  local name=$1 file=$2 limit=$3 k=$4; shift 4
+  local t0 rc last
+  t0=$(date +%s)
+  timeout "$limit" python3 -m pytest -q "$file" -p no:cacheprovider --durations=25 ${k:+-k "$k"} "$@" \
+    >"$OUT/$name.log" 2>&1
+  rc=$?
+  local secs=$(( $(date +%s) - t0 ))
+  last=$(grep -E "[0-9]+ (passed|failed|error)" "$OUT/$name.log" | tail -1)
+  [ $rc -eq 124 ] && last="timed out after ${limit}s; last summary: ${last:-none}"
+  note "$name: rc=$rc ${secs}s $last"
+  count() { local n; n=$(printf '%s' "$last" | grep -oE "[0-9]+ $1" | grep -oE "^[0-9]+"); echo "${n:-0}"; }
+  local failed=$(( $(count failed) + $(count error) ))  # "error" counts "2 errors" too
+  [ $rc -eq 124 ] && failed="$failed+timeout"
+  suites+=("$name $(count passed) $failed $secs")
+  [ $rc -ne 0 ] && grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/$name.log" | head -40
+  return 0
+}
+
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >>"$OUT/install.log" 2>&1 && export PYTHONPATH=/tmp/site; fi
 
@@ -52,14 +74,9 @@ for st in $stages; do
       atomflow-bench doctor --format md >"$OUT/doctor.md" 2>&1
       note "doctor: rc=$? $(grep -c '| ok |' "$OUT/doctor.md") ok, $(grep -c '| FAIL |' "$OUT/doctor.md") FAIL" ;;
     kernels)
-      timeout ${KERNELS_TIMEOUT:-400} python3 -m pytest -q tests/test_kernels_gpu.py -p no:cacheprovider \
-        ${KERNELS_K:+-k "$KERNELS_K"} >"$OUT/kernels.log" 2>&1
-      rc=$?; note "kernels: rc=$rc $(tail -1 "$OUT/kernels.log")"
-      [ $rc -ne 0 ] && grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/kernels.log" | head -40 ;;
+      suite kernels tests/test_kernels_gpu.py "${KERNELS_TIMEOUT:-400}" "${KERNELS_K:-}" ;;
     engine)
-      timeout ${ENGINE_TIMEOUT:-560} python3 -m pytest -q tests/test_engine_gpu.py -p no:cacheprovider -s \
-        ${ENGINE_K:+-k "$ENGINE_K"} >"$OUT/engine.log" 2>&1
-      note "engine: rc=$? $(tail -1 "$OUT/engine.log")" ;;
+      suite engine tests/test_engine_gpu.py "${ENGINE_TIMEOUT:-560}" "${ENGINE_K:-}" -s ;;
     bench)
       for spec in ${BENCH_SPECS:-"llama-3.2-3b:fp8" "llama-3.2-3b:fp16" "llama-3.2-1b:fp16"}; do
         run_one "${spec%%:*}-${spec##*:}" "${spec%%:*}" "${spec##*:}"
@@ -104,9 +121,7 @@ print(" ".join("%s-%s=%.0f/%.0f" % (r["role"], r["format"], r["pct_of_copy"], r[
       cp -r "$SW" "$OUT/sweep" 2>/dev/null
       mkdir -p "$OUT/llama-cpp-records" && cp "$LW"/results/records/*.json "$OUT/llama-cpp-records/" 2>/dev/null ;;
     tptest)
-      timeout ${TPTEST_TIMEOUT:-300} python3 -m pytest -q tests/test_tp_gpu.py -p no:cacheprovider -x >"$OUT/tptest.log" 2>&1
-      rc=$?; note "tptest: rc=$rc $(tail -1 "$OUT/tptest.log")"
-      [ $rc -ne 0 ] && grep -vE "^\s*$" "$OUT/tptest.log" | tail -60 ;;
+      suite tptest tests/test_tp_gpu.py "${TPTEST_TIMEOUT:-300}" "" -x ;;
     tp)
       for spec in ${TP_SPECS:-"llama-3.2-3b:fp16:2:peer"}; do
         IFS=: read -r m w n path <<<"$spec"; path=${path:-auto}
@@ -142,6 +157,10 @@ if t:
     *) note "unknown stage $st" ;;
   esac
 done
+if [ ${#suites[@]} -gt 0 ]; then
+  summary+=("" "| suite | passed | failed | seconds |" "|---|---:|---:|---:|")
+  for row in "${suites[@]}"; do set -- $row; summary+=("| $1 | $2 | $3 | $4 |"); done
+fi
 printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"
 tag=$(echo "$stages" | tr ' ' '-')
 tar -czf "$FINAL/gpu_check-$tag.tar.gz" -C "$OUT" .   # one file per invocation back (the device returns at most 8)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import pytest
@@ -80,11 +82,78 @@ def pytest_collection_modifyitems(config, items):
             it.add_marker(pytest.mark.skip(reason=reason))
 
 
+# ---- GPU tests: compiled kernels, one KernelLib per build for the whole session ----
+# NVRTC takes seconds per .cu file (the GEMV and attention files the most) when CuPy's disk cache is cold, and a
+# step build compiles on first use, one file after another. So each GPU test module lists the builds its tests use
+# in KERNEL_BUILDS, entries (kernels dir or None, extra -D's, .cu file names or None for all), and before the first
+# test the selected modules' builds are compiled in parallel threads (NVRTC runs without the GIL). A later KernelLib
+# of the same sources and options, an Engine's included, gets the module from CuPy's per-process memo (or its disk
+# cache).
+_KERNEL_LIBS: dict = {}
+
+
+def shared_kernel_lib(defines: tuple = (), kernels_dir=None):
+    """The session's KernelLib of `kernels_dir` (default: kernels_cu/) built with the extra -D's `defines`."""
+    from atomflow_bench.gpu.nvrtc import KERNELS_DIR, KernelLib
+
+    key = (str(kernels_dir or KERNELS_DIR), tuple(defines))
+    if key not in _KERNEL_LIBS:
+        _KERNEL_LIBS[key] = KernelLib(Path(key[0]), extra_defines=key[1])
+    return _KERNEL_LIBS[key]
+
+
+def compile_builds(builds) -> dict:
+    """Compile every (kernels dir, defines, files) build in parallel; returns {(dir, defines, file): error} for the
+    ones that failed (the tests that use them compile again and report it)."""
+    import cupy
+
+    jobs = {}
+    for kdir, defines, files in builds:
+        lib = shared_kernel_lib(tuple(defines), kdir)
+        for path in sorted(lib.dir.glob("*.cu")):
+            if files is None or path.name in files:
+                jobs[str(lib.dir), tuple(defines), path.name] = lib.module(path)
+    jobs = sorted(jobs.items(), key=lambda j: -len(j[1].code))  # the largest sources first: they bound the wall time
+    device = cupy.cuda.Device().id
+
+    def compile_one(module):
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.free(0)  # this thread's context current before the module is loaded
+            module.compile()
+
+    errors = {}
+    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1) or 1) as pool:
+        futures = {pool.submit(compile_one, module): key for key, module in jobs}
+        for f in as_completed(futures):
+            if f.exception() is not None:
+                errors[futures[f]] = f.exception()
+    return errors
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_kernels(request):
+    """The KERNEL_BUILDS of the selected, runnable GPU test modules, compiled before the first test."""
+    modules = {getattr(it, "module", None) for it in request.session.items
+               if "gpu" in it.keywords and it.get_closest_marker("skip") is None}
+    builds = []
+    for mod in modules:
+        builds += [b for b in getattr(mod, "KERNEL_BUILDS", ()) if b not in builds]
+    if builds:
+        t0 = time.perf_counter()
+        errors = compile_builds(builds)
+        print(f"\ncompiled {len(builds)} kernel builds in {time.perf_counter() - t0:.1f} s"
+              + "".join(f"\n  {k}: {type(e).__name__} (the tests that use it will say)" for k, e in errors.items()))
+
+
 @pytest.fixture(scope="session")
 def kernel_lib():
-    from atomflow_bench.gpu.nvrtc import KernelLib
+    return shared_kernel_lib()  # each .cu compiled on the first use of one of its kernels, unless compiled_kernels did
 
-    return KernelLib()  # each .cu compiled on the first use of one of its kernels
+
+@pytest.fixture(scope="session")
+def kernel_lib_of():
+    """shared_kernel_lib(defines, kernels_dir): the session's KernelLib of another build."""
+    return shared_kernel_lib
 
 
 @pytest.fixture(scope="session")

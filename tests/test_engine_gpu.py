@@ -18,6 +18,8 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,13 +32,22 @@ from atomflow_bench.errors import AtomflowError
 from atomflow_bench.gpu.arena import Arena, plan_arena
 from atomflow_bench.gpu.engine import Engine
 from atomflow_bench.gpu.forms import Forms, GemvForm, candidates, default_forms
+from atomflow_bench.lab.timeline import DEFINE as TIMELINE_DEFINE
 from atomflow_bench.store.checkpoint import Checkpoint
+from atomflow_bench.store.sources.synthetic import make_synthetic
 from atomflow_bench.store.store import write_json_atomic
 from atomflow_bench.reference import ReferenceDecoder
 
 pytestmark = pytest.mark.gpu
 
 COS_MIN = {"fp16": 0.999, "fp8": 0.99}
+# A build with wrong-result timing instruments (the run record marks it); also the build whose -D's
+# test_removed_kernel_defines_refused shows are taken. Every -D set is a compile of its own.
+INSTRUMENTED = ("AF_NO_WAIT=15", "AF_NO_SCALES=1")
+STEP_FILES = ("embedding.cu", "gemv_fp16.cu", "gemv_fp8.cu", "quantize_fp8.cu", "attention_short.cu", "attention.cu")
+# The kernel builds these tests compile (conftest.compiled_kernels compiles them in parallel before the first test):
+# the default build (gemv_bench and profile's timing use spin.cu too), the timeline's and the instrumented step.
+KERNEL_BUILDS = [(None, (), None), (None, (TIMELINE_DEFINE,), STEP_FILES), (None, INSTRUMENTED, STEP_FILES[:5])]
 
 
 def tiny_config(tied: bool) -> ModelConfig:
@@ -63,17 +74,19 @@ def write_random_model(cfg: ModelConfig, out, seed: int) -> None:
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
 def tiny_dir(request, tmp_path_factory):
+    """Tied and untied: for the tests that compare the logits with the reference (the lm_head read from the embedding
+    or from its own matrix)."""
     d = tmp_path_factory.mktemp("tiny") / "model"
     write_random_model(tiny_config(request.param), d, seed=int(np.random.SeedSequence().entropy % 2**31))
     return d
 
 
 @pytest.fixture(scope="module")
-def llama1b_dir(tmp_path_factory):
-    from atomflow_bench.store.sources.synthetic import make_synthetic
-
-    d = tmp_path_factory.mktemp("llama1b") / "model"
-    make_synthetic(CATALOG["llama-3.2-1b"], d, seed=1)
+def tiny_model(tmp_path_factory):
+    """The untied tiny model (the lm_head its own matrix): for the tests whose subject does not depend on tying
+    (forms, buckets, tuning, PDL, graphs, builds, profile, records)."""
+    d = tmp_path_factory.mktemp("tiny-untied") / "model"
+    write_random_model(tiny_config(False), d, seed=int(np.random.SeedSequence().entropy % 2**31))
     return d
 
 
@@ -114,22 +127,34 @@ def cosine(a, b) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
 
 
+_references: dict = {}
+
+
+def reference_run(model_dir, fmt: str, prompt_len: int, n_new: int):
+    """The NumPy reference's teacher-forced run over a random prompt and its greedy continuation: (the sequence
+    (prompt + reference greedy ids), each step's taps, each step's top-1 margin). One per (model, format, lengths):
+    the tests that run other engine forms over the same lengths compare against the same run."""
+    key = (str(model_dir), fmt, prompt_len, n_new)
+    if key not in _references:
+        ckpt = Checkpoint(model_dir)
+        prompt = [int(t) for t in np.random.default_rng().integers(0, ckpt.config.vocab_size, prompt_len)]
+        ref = ReferenceDecoder(ckpt, weights=fmt, max_seq=prompt_len + n_new, record_taps=True)
+        seq, ref_taps, margins = list(prompt), [], []
+        for i in range(prompt_len + n_new - 1):
+            logits = ref.step(seq[i])
+            ref_taps.append(dict(ref.taps))
+            top2 = np.sort(logits)[-2:]
+            margins.append(float(top2[1] - top2[0]))
+            if i >= prompt_len - 1:
+                seq.append(int(np.argmax(logits)))
+        _references[key] = seq, ref_taps, margins
+    return _references[key]
+
+
 def compare_probes(model_dir, fmt: str, prompt_len: int, n_new: int, forms: Forms | None = None):
     """Teacher-forced probe comparison over prompt + reference continuation; returns (engine, min cos, worst probe,
     the sequence (prompt + reference greedy ids), reference margins, max |logit diff| at each step)."""
-    ckpt = Checkpoint(model_dir)
-    cfg = ckpt.config
-    rng = np.random.default_rng()
-    prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)]
-    ref = ReferenceDecoder(ckpt, weights=fmt, max_seq=prompt_len + n_new, record_taps=True)
-    seq, ref_taps, margins = list(prompt), [], []
-    for i in range(prompt_len + n_new - 1):
-        logits = ref.step(seq[i])
-        ref_taps.append(dict(ref.taps))
-        top2 = np.sort(logits)[-2:]
-        margins.append(float(top2[1] - top2[0]))
-        if i >= prompt_len - 1:
-            seq.append(int(np.argmax(logits)))
+    seq, ref_taps, margins = reference_run(model_dir, fmt, prompt_len, n_new)
     eng = Engine(model_dir, weights=fmt, max_seq=prompt_len + n_new, forms=forms)
     eng.reset(seq)  # the whole sequence as "prompt": the engine is teacher-forced on the same tokens
     worst, worst_name, logit_err = 1.0, None, []
@@ -186,11 +211,11 @@ def test_tiny_long_context(tiny_dir, fmt, att):
     assert grids == ({1} if eng.att_caps else {2})  # short: (n_kv,), split: (n_kv, splits)
 
 
-def test_attention_buckets(tiny_dir):
+def test_attention_buckets(tiny_model):
     """The engine runs every step with its length's bucket: graph replays crossing from the short kernel into the
     split kernel give the same tokens and logits as eager steps, and the host's copy of the position stays
     equal to the device's."""
-    eng = Engine(tiny_dir, weights="fp16", max_seq=900, forms=forms_with("fp16", True))
+    eng = Engine(tiny_model, weights="fp16", max_seq=900, forms=forms_with("fp16", True))
     cap = eng.att_caps[-1]
     assert eng.att_caps == [cap] == [eng.short_capacity] and cap < 900 and list(eng.variants) == [cap, None]
     assert [len(eng.variants[k][2].grid) for k in eng.variants] == [1, 2]  # short: (n_kv,), split: (n_kv, splits)
@@ -208,7 +233,7 @@ def test_attention_buckets(tiny_dir):
         np.testing.assert_array_equal(eng.arena["logits"].get(), eager_logits)
     with pytest.raises(AtomflowError, match="exceed max_seq"):
         eng.run(900 - eng.position + 1)
-    split_only = Engine(tiny_dir, weights="fp16", max_seq=900, forms=forms_with("fp16", False))
+    split_only = Engine(tiny_model, weights="fp16", max_seq=900, forms=forms_with("fp16", False))
     assert split_only.att_caps == [] and list(split_only.variants) == [None]
     assert split_only.bucket(1) is None and len(split_only.launches[2].grid) == 2
 
@@ -255,12 +280,12 @@ def gemv_forms_to_try(fmt: str, cc: int) -> list[GemvForm]:
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_every_gemv_form_same_tokens(tiny_dir, fmt):
+def test_every_gemv_form_same_tokens(tiny_model, fmt):
     """Every layer-GEMV form (GemvForm: ring, ws, ws-pre<N>, each /l2=<MB>) runs its launches in both buckets, and the
     forms sum in the same mma order: the greedy tokens of the default forms across the short/split boundary, graph
     and eager; the L2 prefetch of gate/up's tail changes no bit of the logits. Different forms per bucket, and the
     split kernel for every length, give the same tokens too; before sm_90 the ws and /l2 forms are refused."""
-    eng = Engine(tiny_dir, weights=fmt, max_seq=900)
+    eng = Engine(tiny_model, weights=fmt, max_seq=900)
     assert eng.forms == default_forms(fmt, eng.cc, eng.short_capacity)
     keys = [eng.short_capacity, None] if eng.short_capacity else [None]
     assert list(eng.variants) == keys
@@ -317,7 +342,7 @@ def launch_shape(launches) -> list:
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_tune_chooses_among_candidates(tiny_dir, fmt):
+def test_tune_chooses_among_candidates(tiny_model, fmt):
     """measure.tune.tune: every (GEMV form, attention bucket) pair of forms.candidates timed at the short bucket's
     longest length and half of it, the fastest kept; with the short attention chosen and lengths beyond its capacity
     (max_seq 900), the split bucket's GEMV form timed on its own at max_seq and half-way from the capacity. Nothing
@@ -325,7 +350,7 @@ def test_tune_chooses_among_candidates(tiny_dir, fmt):
     their tokens those of the default forms across the bucket boundary."""
     from atomflow_bench.measure.tune import tune
 
-    eng = Engine(tiny_dir, weights=fmt, max_seq=900)
+    eng = Engine(tiny_model, weights=fmt, max_seq=900)
     default, cap = eng.forms, eng.short_capacity
     gemvs, shorts = candidates(fmt, eng.cc, cap)
     forms, rep = tune(eng)
@@ -351,7 +376,7 @@ def test_tune_chooses_among_candidates(tiny_dir, fmt):
     prompt = crossing_prompt(eng)
     want = eng.generate(prompt, 24)
     eng.use(forms)
-    given = Engine(tiny_dir, weights=fmt, max_seq=900, forms=forms)
+    given = Engine(tiny_model, weights=fmt, max_seq=900, forms=forms)
     assert list(eng.variants) == list(given.variants) == ([cap, None] if forms.short_attention and cap else [None])
     for key in eng.variants:
         assert launch_shape(eng.variants[key]) == launch_shape(given.variants[key]), key
@@ -362,7 +387,7 @@ def test_tune_chooses_among_candidates(tiny_dir, fmt):
     assert given.generate(prompt, 24) == want
 
 
-def test_resolve_saves_reuses_and_retunes(tiny_dir, tuning_home, monkeypatch):
+def test_resolve_saves_reuses_and_retunes(tiny_model, tuning_home, monkeypatch):
     """measure.tune.resolve: the first call tunes and saves under $ATOMFLOW_HOME/tuning; a fresh engine of the same
     key gets the saved forms without timing anything; retune=True times again; given forms (argument, else
     ATOMFLOW_FORMS) win over a saved choice; with tune_missing=False a key with nothing saved (or an unreadable
@@ -377,7 +402,7 @@ def test_resolve_saves_reuses_and_retunes(tiny_dir, tuning_home, monkeypatch):
         return real_tune(engine, *args, **kw)
 
     monkeypatch.setattr(tune_mod, "tune", counting_tune)
-    eng = Engine(tiny_dir, weights="fp8", max_seq=64)
+    eng = Engine(tiny_model, weights="fp8", max_seq=64)
     default = eng.forms
     first = tune_mod.resolve(eng)
     assert calls == [eng] and first["origin"] == "tuned now" and "not_saved" not in first
@@ -390,7 +415,7 @@ def test_resolve_saves_reuses_and_retunes(tiny_dir, tuning_home, monkeypatch):
     assert saved["timed"] == first["timed"] and first["timed"]["lengths"] == [32, 64]
     assert eng.forms == Forms.parse(first["forms"]) and eng.forms.text == first["forms"]
 
-    fresh = Engine(tiny_dir, weights="fp8", max_seq=64)
+    fresh = Engine(tiny_model, weights="fp8", max_seq=64)
     assert fresh.forms == default
     again = tune_mod.resolve(fresh)
     assert again == {"forms": first["forms"], "origin": "saved", "path": first["path"]} and calls == [eng]
@@ -415,7 +440,7 @@ def test_resolve_saves_reuses_and_retunes(tiny_dir, tuning_home, monkeypatch):
     monkeypatch.delenv("ATOMFLOW_FORMS")
     assert calls == [eng, fresh]
 
-    other = Engine(tiny_dir, weights="fp8", max_seq=48)  # another max_seq: validate/generate take the nearest tune
+    other = Engine(tiny_model, weights="fp8", max_seq=48)  # another max_seq: validate/generate take the nearest tune
     assert tune_mod.path_of(tune_mod.key(other), 48) != path
     assert tune_mod.resolve(other, tune_missing=False) == {"forms": retuned["forms"], "origin": "saved",
                                                            "path": str(path)}
@@ -423,7 +448,7 @@ def test_resolve_saves_reuses_and_retunes(tiny_dir, tuning_home, monkeypatch):
     assert calls == [eng, fresh]
     assert [p for p in (tuning_home / "tuning").rglob("*") if p.is_file()] == [path]
     path.write_text("{")  # unreadable: as if nothing were saved
-    assert tune_mod.resolve(Engine(tiny_dir, weights="fp8", max_seq=64), tune_missing=False)["origin"] == "default"
+    assert tune_mod.resolve(Engine(tiny_model, weights="fp8", max_seq=64), tune_missing=False)["origin"] == "default"
     assert calls == [eng, fresh]
 
     prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 20)]  # 20 + 24 - 1 <= 48
@@ -432,13 +457,8 @@ def test_resolve_saves_reuses_and_retunes(tiny_dir, tuning_home, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_llama1b_engine_matches_reference(llama1b_dir, fmt):
-    assert_matches_reference(llama1b_dir, fmt, prompt_len=5, n_new=4, label="llama-3.2-1b synthetic")
-
-
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_graph_bit_identical_to_eager(tiny_dir, fmt):
-    eng = Engine(tiny_dir, weights=fmt, max_seq=200)
+def test_graph_bit_identical_to_eager(tiny_model, fmt):
+    eng = Engine(tiny_model, weights=fmt, max_seq=200)
     prompt = [int(t) for t in np.random.default_rng().integers(0, 1000, 70)]  # > one attention chunk
     eager = eng.generate(prompt, 40, graph=False)
     eager_logits = eng.arena["logits"].get()
@@ -448,7 +468,7 @@ def test_graph_bit_identical_to_eager(tiny_dir, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_pdl_on_off_same_tokens(tiny_dir, fmt, monkeypatch):
+def test_pdl_on_off_same_tokens(tiny_model, fmt, monkeypatch):
     """Programmatic dependent launch: on by default from sm_90 (every launch after the step's first carries it),
     off with ATOMFLOW_PDL=0 or pdl=False; the argument wins over the environment. Both give the same tokens and
     logits, graph and eager, across the bucket boundary. The position-holding step that tune times
@@ -457,13 +477,13 @@ def test_pdl_on_off_same_tokens(tiny_dir, fmt, monkeypatch):
     from atomflow_bench.gpu.step import hold_position
 
     monkeypatch.delenv("ATOMFLOW_PDL", raising=False)
-    on = Engine(tiny_dir, weights=fmt, max_seq=900)
+    on = Engine(tiny_model, weights=fmt, max_seq=900)
     assert on.pdl == (on.cc >= 90)
-    off = Engine(tiny_dir, weights=fmt, max_seq=900, pdl=False)
+    off = Engine(tiny_model, weights=fmt, max_seq=900, pdl=False)
     monkeypatch.setenv("ATOMFLOW_PDL", "0")
-    assert Engine(tiny_dir, weights=fmt, max_seq=64).pdl is False
+    assert Engine(tiny_model, weights=fmt, max_seq=64).pdl is False
     if on.cc >= 90:
-        assert Engine(tiny_dir, weights=fmt, max_seq=64, pdl=True).pdl is True
+        assert Engine(tiny_model, weights=fmt, max_seq=64, pdl=True).pdl is True
     assert off.pdl is False and list(off.variants) == list(on.variants)
     for key in on.variants:
         assert not any(ln.pdl for ln in off.variants[key])
@@ -496,14 +516,14 @@ def test_pdl_on_off_same_tokens(tiny_dir, fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_compiles_only_what_the_step_launches(tiny_dir, fmt, monkeypatch):
+def test_compiles_only_what_the_step_launches(tiny_model, fmt, monkeypatch):
     """An engine compiles the .cu files of the kernels its step launches (and fp8's load-time quantiser), nothing
     else: no fp8 GEMVs for fp16 weights, no lab or timing kernel, the split attention only with its bucket. The
     step's tail is one fused lm_head launch (final norm, logits and argmax)."""
     from atomflow_bench.gpu.nvrtc import KERNELS_DIR
 
     monkeypatch.delenv("ATOMFLOW_KERNEL_DEFINES", raising=False)
-    eng = Engine(tiny_dir, weights=fmt, max_seq=64)
+    eng = Engine(tiny_model, weights=fmt, max_seq=64)
     files = eng.lib.compiled_files()
     att = {"attention_short.cu"} if eng.att_caps else {"attention.cu"}
     fp8 = {"gemv_fp8.cu", "quantize_fp8.cu"}
@@ -515,7 +535,7 @@ def test_compiles_only_what_the_step_launches(tiny_dir, fmt, monkeypatch):
         assert fp8 <= set(files)
     lab = {p.name for p in (KERNELS_DIR / "lab").glob("*.cu")}
     assert "probe_stream.cu" in lab and not lab & set(files) and "spin.cu" not in files
-    both = Engine(tiny_dir, weights=fmt, max_seq=900)
+    both = Engine(tiny_model, weights=fmt, max_seq=900)
     assert set(both.lib.compiled_files()) == set(files) | ({"attention.cu", "attention_short.cu"} if both.att_caps
                                                            else set())
     L = eng.cfg.num_hidden_layers
@@ -528,16 +548,17 @@ def test_compiles_only_what_the_step_launches(tiny_dir, fmt, monkeypatch):
 @pytest.mark.parametrize("knob", ["LMHEAD_NORM=0", "LMHEAD_ARGMAX=0", "LMHEAD_L2_KEEP=4", "GEMV_NEXT_L2=1",
                                   "GEMV_NEXT_L2_GU=1", "ATT_CLUSTER=2", "ATT_COMBINE_SLICES=1", "ATT_BULK=1",
                                   "GEMV_WS=1", "GEMV_STAGES=4"])
-def test_removed_kernel_defines_refused(tiny_dir, monkeypatch, knob):
+def test_removed_kernel_defines_refused(tiny_model, monkeypatch, knob):
     """ATOMFLOW_KERNEL_DEFINES (and kernel_defines) take only what the kernels read (ATT_TMA, GEMV_BULK and the
     instruments): a removed knob is a one-line AtomflowError, not a silently different build."""
     monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", knob)
     with pytest.raises(AtomflowError, match="ATOMFLOW_KERNEL_DEFINES"):
-        Engine(tiny_dir, weights="fp16", max_seq=64)
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "AF_NO_WAIT=0")
+        Engine(tiny_model, weights="fp16", max_seq=64)
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", " ".join(INSTRUMENTED))
     with pytest.raises(AtomflowError, match="ATOMFLOW_KERNEL_DEFINES"):
-        Engine(tiny_dir, weights="fp16", max_seq=64, kernel_defines=(knob,))
-    assert "AF_NO_WAIT=0" in Engine(tiny_dir, weights="fp16", max_seq=64).lib.defines  # the check can pass
+        Engine(tiny_model, weights="fp16", max_seq=64, kernel_defines=(knob,))
+    # the check can pass (the run record's instrumented build: no compile of its own)
+    assert set(INSTRUMENTED) <= set(Engine(tiny_model, weights="fp16", max_seq=64).lib.defines)
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
@@ -549,10 +570,10 @@ def test_group8_matches_reference(tmp_path, fmt):
     assert_matches_reference(tmp_path / "g8", fmt, prompt_len=40, n_new=4, label="group 8")
 
 
-def test_no_device_allocation_during_decode(tiny_dir):
+def test_no_device_allocation_during_decode(tiny_model):
     import cupy as cp
 
-    eng = Engine(tiny_dir, weights="fp8", max_seq=128)
+    eng = Engine(tiny_model, weights="fp8", max_seq=128)
     prompt = [1, 2, 3, 4]
     calls = []
 
@@ -591,14 +612,14 @@ def test_refuses_model_that_does_not_fit():
     assert cp.cuda.runtime.memGetInfo()[0] >= free_before - (64 << 20)  # nothing was allocated
 
 
-def test_profile_roles_in_graph(tiny_dir):
+def test_profile_roles_in_graph(tiny_model):
     """`profile`'s graph-mode breakdown: every role of the step left out once, the position never advanced
     (step.hold_position), bytes per role from the launches, and the eager table covers the step; the record names
     the forms the engine ran and the profiled bucket's attention and layer-GEMV form."""
     from atomflow_bench.measure.profile import profile_step, role_marginals, step_role
     from atomflow_bench.measure.timing import copy_bandwidth
 
-    eng = Engine(tiny_dir, weights="fp8", max_seq=200)
+    eng = Engine(tiny_model, weights="fp8", max_seq=200)
     if eng.cc >= 90:  # not the defaults, and a split bucket form that must not be reported for length 40
         eng.use(Forms.parse("short:ws-pre1/l2=4;split:ring/l2=0"))
     copy = copy_bandwidth(nbytes=1 << 26, reps=5)
@@ -628,7 +649,7 @@ def test_profile_roles_in_graph(tiny_dir):
 
 
 @pytest.mark.parametrize("att", ["short", "split"])
-def test_timeline_instrument(tiny_dir, att):
+def test_timeline_instrument(tiny_model, att):
     """`lab.timeline.record`: the instrumented build decodes the same tokens as the plain one; one replay's
     records cover every block of every launch, their grid ids map onto the step's launches in order (else
     timeline.launch_times raises), and the per-role spans add up to the replay. Both attention kernels."""
@@ -636,12 +657,12 @@ def test_timeline_instrument(tiny_dir, att):
     from atomflow_bench.measure.profile import step_role
 
     forms = forms_with("fp8", att == "short")
-    t = timeline.record(tiny_dir, "fp8", context=40, replays=4, copy={"median": 3000.0}, plain_step_us=1.0,
+    t = timeline.record(tiny_model, "fp8", context=40, replays=4, copy={"median": 3000.0}, plain_step_us=1.0,
                         forms=forms)
     prompt = [int(x) for x in np.random.default_rng().integers(0, 1000, 50)]
-    plain = Engine(tiny_dir, weights="fp8", max_seq=t["max_seq"], forms=forms)  # the launch shapes recorded
-    inst = Engine(tiny_dir, weights="fp8", max_seq=t["max_seq"], forms=forms, kernel_defines=(timeline.DEFINE,))
-    assert timeline.DEFINE in inst.lib.defines and timeline.DEFINE not in plain.lib.defines
+    plain = Engine(tiny_model, weights="fp8", max_seq=t["max_seq"], forms=forms)  # the launch shapes recorded
+    inst = Engine(tiny_model, weights="fp8", max_seq=t["max_seq"], forms=forms, kernel_defines=(TIMELINE_DEFINE,))
+    assert TIMELINE_DEFINE in inst.lib.defines and TIMELINE_DEFINE not in plain.lib.defines
     assert inst.generate(prompt, 16) == plain.generate(prompt, 16)
     L = plain.cfg.num_hidden_layers
     assert {r["role"]: r["count"] for r in t["rows"]} == {
@@ -668,13 +689,19 @@ def test_timeline_instrument(tiny_dir, att):
         assert None not in a and 0 <= a[0] <= a[1] <= a[2] <= a[3]
 
 
-def test_run_record_forms_and_instruments(tiny_dir, tuning_home, monkeypatch):
+def test_run_record_forms_and_instruments(tiny_model, tuning_home, monkeypatch):
     """The `run` record (measure.bench.benchmark): "forms" is resolve's answer (tuned now, then saved for the same
     key, given when passed), "compiled" the .cu files the engine built, and a build with a timing instrument
     (AF_NO_WAIT, AF_NO_SCALES: wrong outputs on purpose) is marked in "instrument" and "kernel_defines"."""
+    from atomflow_bench.measure import bench
     from atomflow_bench.measure.bench import benchmark
 
-    args = dict(model_dir=tiny_dir, model_name="tiny", source="test", weights="fp8", context=16, tokens=8,
+    # One metered pass per record: at least ENERGY_MIN_S of these 8-token passes would be thousands of passes, each
+    # with its NVML reads and sampler thread (minutes here); test_run_record_energy checks the energy figures.
+    energy_passes = bench.energy_passes
+    monkeypatch.setattr(bench, "energy_passes",
+                        lambda engine, prompt, tokens, meter: energy_passes(engine, prompt, tokens, meter, passes=1))
+    args = dict(model_dir=tiny_model, model_name="tiny", source="test", weights="fp8", context=16, tokens=8,
                 repeats=1, eager_tokens=4)
     plain = benchmark(**args)
     f = plain["forms"]
@@ -689,10 +716,10 @@ def test_run_record_forms_and_instruments(tiny_dir, tuning_home, monkeypatch):
     again = benchmark(**args)
     assert again["forms"] == {"forms": f["forms"], "origin": "saved", "path": f["path"]}
     assert again["generated"]["token_ids"] == plain["generated"]["token_ids"]
-    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "AF_NO_WAIT=15 AF_NO_SCALES=1")
+    monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", " ".join(INSTRUMENTED))
     inst = benchmark(**args, forms=Forms.parse(f["forms"]))
     assert inst["forms"] == {"forms": f["forms"], "origin": "given"}
-    assert inst["instrument"] == ["AF_NO_WAIT=15", "AF_NO_SCALES=1"]
+    assert inst["instrument"] == ["AF_NO_WAIT=15", "AF_NO_SCALES=1"] == list(INSTRUMENTED)
     assert {"AF_NO_WAIT=15", "AF_NO_SCALES=1"} <= set(inst["kernel_defines"])
     assert inst["launches_per_step"] == plain["launches_per_step"] and inst["pdl"] == plain["pdl"]
 
@@ -722,7 +749,7 @@ def test_gemv_bench_isolated_and_chained():
     assert g["chained_pdl"] == (device_cc() >= 90)
 
 
-def test_run_record_energy(tiny_dir, tuning_home):
+def test_run_record_energy(tiny_model, tuning_home):
     """`run` records the energy of the graph replays through NVML (measure/power.py, bench.energy_passes: passes of
     their own after the timed repeats, at least ENERGY_MIN_S of replays) on the GPU CuPy runs on (by PCI bus id):
     positive J/token, a plausible average power, one region per pass; `unavailable` is accepted only where pynvml is
@@ -733,14 +760,11 @@ def test_run_record_energy(tiny_dir, tuning_home):
     from atomflow_bench.measure.power import COUNTER, SAMPLES, bus_key
 
     tokens, repeats = 1024, 3
-    rec = benchmark(model_dir=tiny_dir, model_name="tiny", source="test", weights="fp16", context=16, tokens=tokens,
+    rec = benchmark(model_dir=tiny_model, model_name="tiny", source="test", weights="fp16", context=16, tokens=tokens,
                     repeats=repeats, eager_tokens=4, forms=forms_with("fp16", True))
     e = rec["energy"]
     if "unavailable" in e:
-        try:
-            import pynvml  # noqa: F401
-        except ImportError:
-            pytest.skip(f"energy unavailable: {e['unavailable']}")
+        pytest.importorskip("pynvml", reason=f"energy unavailable: {e['unavailable']}")
         pytest.fail(f"pynvml is installed, yet energy is unavailable: {e['unavailable']}")
     assert e["joules_per_token"] > 0 and 10 <= e["avg_watts"] <= 2000, e
     passes = e["segments"]
@@ -754,3 +778,36 @@ def test_run_record_energy(tiny_dir, tuning_home):
     assert bus_key(e["gpu_pci_bus_id"]) == bus_key(cp.cuda.Device().pci_bus_id)
     if e["method"] == COUNTER and e["sampled_joules"]:
         assert 0.5 < e["sampled_joules"] / e["counter_joules"] < 2.0, e  # two NVML readings of one region agree
+
+
+# ---- the synthetic Llama-3.2-1B shape: the real vocabulary and depth; in fp16 the only arena here past 2^31 bytes ----
+LLAMA1B_LENGTHS = (5, 4)  # prompt, new tokens
+
+
+def llama1b_references(model_dir: str) -> dict:
+    """The synthetic Llama-3.2-1B checkpoint written to `model_dir` and the NumPy reference's runs on it in both
+    formats (reference_run's entries). On the CPU alone: about a minute, most of it the fp8 reference quantising
+    ~1B weights, so llama1b_in_background runs it in a process of its own while the other tests use the GPU."""
+    make_synthetic(CATALOG["llama-3.2-1b"], Path(model_dir), seed=1)
+    for fmt in ("fp16", "fp8"):
+        reference_run(model_dir, fmt, *LLAMA1B_LENGTHS)
+    return _references
+
+
+@pytest.fixture(scope="module", autouse=True)
+def llama1b_in_background(request, tmp_path_factory):
+    """(model directory, future of llama1b_references), started before this module's first test when a llama1b test
+    is selected (else None). A spawned process: the parent holds a CUDA context, the child needs none."""
+    if not any(getattr(it, "module", None) is request.module and "llama1b" in it.name for it in request.session.items):
+        yield None
+        return
+    d = tmp_path_factory.mktemp("llama1b") / "model"
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield d, pool.submit(llama1b_references, str(d))
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_llama1b_engine_matches_reference(llama1b_in_background, fmt):
+    model_dir, refs = llama1b_in_background
+    _references.update(refs.result())
+    assert_matches_reference(model_dir, fmt, *LLAMA1B_LENGTHS, label="llama-3.2-1b synthetic")

@@ -1,8 +1,12 @@
 """Every kernel in kernels_cu/ against a NumPy reference, on the GPU.
 
-Rules (llm.c dev/cuda style): fresh random inputs per case (never zeros), outputs poisoned with NaN (or a
+Rules (llm.c dev/cuda style): fresh random inputs every run (never zeros), outputs poisoned with NaN (or a
 sentinel) before the launch so an unwritten element fails, references in float64 (or exact emulation of
-the fp16 roundings the kernel is specified to do). Error bounds, as relative L2 error ||out-ref||/||ref||:
+the fp16 roundings the kernel is specified to do). The costly inputs are drawn once per shape and shared by the cases
+that launch them in other forms (ring depths, slot counts, builds, ranks, lengths): a GEMV's weight matrix with its fp8
+quantisation and float64 copy (gemv_weights), an attention shape's K/V caches (kv_caches); the vectors (x, h, q, the
+residual) are drawn per case. Drawing, quantising and widening a 117M-element matrix in NumPy takes seconds, the
+launch microseconds. Error bounds, as relative L2 error ||out-ref||/||ref||:
   fp16 outputs (QKV, SwiGLU, RoPE, attention, RMSNorm)   <= 2e-3   (fp16 rounding is 2^-11 ~ 4.9e-4 per element)
   fp32 outputs (logits, residual updates)                <= 1e-4   (fp32 accumulation over K <= 14336 terms)
   the lm_head's RMSNorm prologue (xnorm): per element <= 2e-3 relative (2 fp16 ulps) and at most 2% of the elements
@@ -14,6 +18,8 @@ use the row-major matrices, so a layout bug fails here. A launch's form (warp-sp
 wait, the L2 tail) is a launch argument now (gpu.forms): each form is launched here by name.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -28,10 +34,17 @@ from atomflow_bench.gpu.ops.gemv import (VARIANT_PAIRING, gemv_launch, head_l2, 
                                          tiled_scales)
 from atomflow_bench.gpu.ops.lm_head import lm_head_launch, rows_launch
 from atomflow_bench.gpu.ops.small import embed_launch, quantize_launch, spin_launch
+from atomflow_bench.gpu.nvrtc import KERNELS_DIR
 from atomflow_bench.gpu.step import hold_position
 from atomflow_bench.quant import dequantize_fp8, quantize_fp8
 
 pytestmark = pytest.mark.gpu
+
+# The kernel builds these tests compile (conftest.compiled_kernels compiles them in parallel before the first test):
+# every file of the default build, attention.cu's portable staging (ATT_TMA=0), the GEMVs without bulk copies
+# (GEMV_BULK=0) and the lab's probe kernels.
+KERNEL_BUILDS = [(None, (), None), (None, ("ATT_TMA=0",), ("attention.cu",)),
+                 (None, ("GEMV_BULK=0",), ("gemv_fp16.cu", "gemv_fp8.cu")), (KERNELS_DIR / "lab", (), None)]
 
 FP16_TOL, FP32_TOL = 2e-3, 1e-4
 SHAPE_MODELS = ("llama-3.2-1b", "llama-3.2-3b", "smollm2-135m")
@@ -62,6 +75,38 @@ def rng_for(*key) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
+WEIGHTS_HOST_BYTES = 8 << 30  # the float64 copies gemv_weights keeps (least recently used dropped first)
+_weights: OrderedDict = OrderedDict()
+
+
+def gemv_weights(fmt: str, rows: int, k: int, pairing: str = "none", half: int = 0):
+    """(device weights in the tiled layout, device scales (fp8) or None, float64 weights the reference multiplies) of
+    a random [rows, k] fp16 matrix (std 0.02; fp8: quantised, the reference on the dequantised values), drawn once per
+    (format, shape, tile pairing) and shared by the cases that launch it; kernels only read their weights."""
+    import cupy as cp
+
+    key = (fmt, rows, k, pairing, half)
+    if key in _weights:
+        _weights.move_to_end(key)
+        seed, entry = _weights[key]
+        print(f"weights {key}: rng seed {seed}")
+        return entry
+    seed = np.random.SeedSequence().entropy
+    print(f"weights {key}: rng seed {seed}")
+    rng = np.random.default_rng(seed)
+    w16 = (rng.standard_normal((rows, k), dtype=np.float32) * 0.02).astype(np.float16)
+    if fmt == "fp8":
+        q, s = quantize_fp8(w16)
+        entry = (cp.asarray(tiled(q, fmt, pairing, half)), cp.asarray(tiled_scales(s, pairing, half)),
+                 dequantize_fp8(q, s).astype(np.float64))
+    else:
+        entry = (cp.asarray(tiled(w16, fmt, pairing, half)), None, w16.astype(np.float64))
+    _weights[key] = (seed, entry)
+    while len(_weights) > 1 and sum(e[2].nbytes for _, e in _weights.values()) > WEIGHTS_HOST_BYTES:
+        _weights.popitem(last=False)
+    return entry
+
+
 def norm_ref(h: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """HF LlamaRMSNorm for fp16 models: normalise in fp32, round to fp16, times the fp16 weight."""
     h = h.astype(np.float32)
@@ -90,15 +135,7 @@ def check_gemv(kernel_lib, n_sm, rng, fmt: str, variant: str, rows: int, k: int,
     import cupy as cp
 
     n_out = rows // 2 if variant == "norm_swiglu" else rows
-    w16 = (rng.standard_normal((rows, k), dtype=np.float32) * 0.02).astype(np.float16)
-    pairing = VARIANT_PAIRING[variant]
-    if fmt == "fp8":
-        q, s = quantize_fp8(w16)
-        w_eff = dequantize_fp8(q, s).astype(np.float64)
-        w_dev, s_dev = cp.asarray(tiled(q, fmt, pairing)), cp.asarray(tiled_scales(s, pairing))
-    else:
-        w_eff = w16.astype(np.float64)
-        w_dev, s_dev = cp.asarray(tiled(w16, fmt, pairing)), None
+    w_dev, s_dev, w_eff = gemv_weights(fmt, rows, k, VARIANT_PAIRING[variant])
     eps = 1e-5
     if variant.startswith("norm"):
         h = rng.standard_normal(k, dtype=np.float32) * 3
@@ -145,8 +182,10 @@ def test_gemv(kernel_lib, n_sm, fmt, model, region, rows, k):
 
 
 RING_CASES = [("resid", 3072, 8192), ("store", 5120, 3072), ("norm_swiglu", 4608, 576)]
-# tensor parallel: o_proj and down per rank (gpu/tp.py local_config) of 70B over 2 and 4, 8B over 2
-PARTIAL_CASES = [(8192, 4096), (8192, 14336), (8192, 7168), (4096, 7168), (4096, 2048)]
+# tensor parallel: o_proj and down per rank (gpu/tp.py local_config): 70B over 2 (o_proj; down, the only K above 11k,
+# where the fp8 ring is 4 deep) and 8B over 2 (o_proj). (70B's down over 4 and 8B's down over 2, K 7168, run the plans
+# of the first shape.)
+PARTIAL_CASES = [(8192, 4096), (8192, 14336), (4096, 2048)]
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
@@ -212,13 +251,7 @@ def test_gemv_resid_tp(kernel_lib, n_sm, fmt, ws, rows, k, n_ranks, rank):
     if ws:
         skip_unless_sm90()
     rng = rng_for("resid_tp", fmt, ws, rows, k, n_ranks, rank)
-    w16 = (rng.standard_normal((rows, k), dtype=np.float32) * 0.02).astype(np.float16)
-    if fmt == "fp8":
-        q, sc = quantize_fp8(w16)
-        w_eff = dequantize_fp8(q, sc).astype(np.float64)
-        w_dev, s_dev = cp.asarray(tiled(q, fmt)), cp.asarray(tiled_scales(sc))
-    else:
-        w_eff, w_dev, s_dev = w16.astype(np.float64), cp.asarray(tiled(w16, fmt)), None
+    w_dev, s_dev, w_eff = gemv_weights(fmt, rows, k)
     bufs = [cp.zeros((n_ranks, rows), dtype=cp.uint64) for _ in range(n_ranks)]
     slots = cp.asarray(np.array([b.data.ptr for b in bufs], dtype=np.uint64))
     seq = cp.zeros(1024, dtype=cp.uint32)
@@ -311,10 +344,8 @@ def test_gemv_ws_slots_before_the_wait(kernel_lib, n_sm, fmt, pre, variant, rows
 # with the kernel define GEMV_BULK=0 (sm_89's path), lane by lane with cp.async. The test ids keep the names of the
 # builds these cases ran on before the GEMV_WS knob became the launch argument `ws` ("GEMV_WS=0": the default build).
 @pytest.fixture(scope="module", params=[(), ("GEMV_BULK=0",)], ids=["GEMV_WS=0", "GEMV_WS=0 GEMV_BULK=0"])
-def kernel_lib_ring(request, kernel_lib):
-    from atomflow_bench.gpu.nvrtc import KernelLib
-
-    return KernelLib(extra_defines=request.param) if request.param else kernel_lib
+def kernel_lib_ring(request, kernel_lib_of):
+    return kernel_lib_of(request.param)
 
 
 @pytest.mark.parametrize("depth", [2, 3, 4, 5])
@@ -445,13 +476,7 @@ def test_qkv_rope_kv_append(kernel_lib, n_sm, form, fmt, model, pos):
     cfg = CATALOG[model].config
     nh, nkv, hd, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
     rng = rng_for("qkv_rope", fmt, model, pos)
-    w16 = (rng.standard_normal((cfg.qkv_dim, H), dtype=np.float32) * 0.02).astype(np.float16)
-    if fmt == "fp8":
-        q8, s8 = quantize_fp8(w16)
-        w_eff = dequantize_fp8(q8, s8).astype(np.float64)
-        w_dev, s_dev = cp.asarray(tiled(q8, fmt, "rope", hd // 2)), cp.asarray(tiled_scales(s8, "rope", hd // 2))
-    else:
-        w_eff, w_dev, s_dev = w16.astype(np.float64), cp.asarray(tiled(w16, fmt, "rope", hd // 2)), None
+    w_dev, s_dev, w_eff = gemv_weights(fmt, cfg.qkv_dim, H, "rope", hd // 2)
     h = rng.standard_normal(H, dtype=np.float32) * 3
     nw = (1 + 0.1 * rng.standard_normal(H)).astype(np.float16)
     proj = (w_eff @ norm_ref(h, nw, 1e-5).astype(np.float64)).astype(np.float16).astype(np.float64)
@@ -494,16 +519,33 @@ ATT_SHAPES = {"llama-3.2-3b": (8, 3, 128), "llama-3.2-1b": (8, 4, 64), "smollm2-
               "405b-tp8": (1, 16, 128), "405b-tp4": (2, 16, 128), "g16-hd64": (2, 16, 64)}
 
 
+_kv_caches: dict = {}
+
+
+def kv_caches(model, max_seq):
+    """Random K and V caches (fp16 [max_seq, n_kv * hd]) and their float64 copies, drawn once per (shape, max_seq)
+    and shared by the lengths, split counts and builds that read them."""
+    key = (model, max_seq)
+    if key not in _kv_caches:
+        n_kv, G, hd = ATT_SHAPES[model]
+        rng = rng_for("kv", model, max_seq)
+        kc = rng.standard_normal((max_seq, n_kv * hd), dtype=np.float32).astype(np.float16)
+        vc = rng.standard_normal((max_seq, n_kv * hd), dtype=np.float32).astype(np.float16)
+        _kv_caches[key] = kc, vc, kc.astype(np.float64), vc.astype(np.float64)
+    return _kv_caches[key]
+
+
 def attention_case(model, length, max_seq):
-    """Random q and K/V caches (fp16) and the float64 reference output of GQA attention over `length` rows."""
+    """Random q (per case), the shape's K/V caches (fp16, NaN past `length`) and the float64 reference output of GQA
+    attention over `length` rows."""
     n_kv, G, hd = ATT_SHAPES[model]
     nh = n_kv * G
     rng = rng_for("att", model, length)
     q = (rng.standard_normal(nh * hd, dtype=np.float32) * rng.uniform(0.5, 3)).astype(np.float16)
-    kc = rng.standard_normal((max_seq, n_kv * hd), dtype=np.float32).astype(np.float16)
-    vc = rng.standard_normal((max_seq, n_kv * hd), dtype=np.float32).astype(np.float16)
-    kq = kc[:length].astype(np.float64).reshape(length, n_kv, hd)
-    vq = vc[:length].astype(np.float64).reshape(length, n_kv, hd)
+    kc, vc, k64, v64 = kv_caches(model, max_seq)
+    kq = k64[:length].reshape(length, n_kv, hd)
+    vq = v64[:length].reshape(length, n_kv, hd)
+    kc, vc = kc.copy(), vc.copy()
     kc[length:] = np.nan  # rows past the length must never reach the output (a masked score still multiplies V)
     vc[length:] = np.nan
     ref = np.empty((nh, hd))
@@ -550,12 +592,10 @@ def test_attention_short_refuses_what_does_not_fit(kernel_lib):
 
 
 @pytest.fixture(scope="module", params=["ATT_TMA=1", "ATT_TMA=0"])
-def kernel_lib_att(request):
+def kernel_lib_att(request, kernel_lib_of):
     """attention.cu's staging forms: ATT_TMA = 1: K/V groups staged by 2D tensor copies (sm_90+; the default there,
     nvrtc.arch_defines); ATT_TMA = 0: by cp.async (the default before sm_90, the portable form)."""
-    from atomflow_bench.gpu.nvrtc import KernelLib
-
-    return KernelLib(extra_defines=(request.param,))
+    return kernel_lib_of((request.param,))
 
 
 @pytest.mark.parametrize("model", list(ATT_SHAPES))
@@ -668,7 +708,8 @@ def test_lm_head_argmax(kernel_lib_lmhead, n_sm, rows, k):
     held()
     x = a["xnorm"].get()
     assert_norm_matches(x, h, nw, 1e-5)  # the norm prologue against NumPy (the separate rmsnorm kernel is gone)
-    ref = w.astype(np.float64) @ x.astype(np.float64)
+    x64 = x.astype(np.float64)
+    ref = np.concatenate([w[r:r + 8192].astype(np.float64) @ x64 for r in range(0, rows, 8192)])  # no 3 GB temporary
 
     def run(ln, pos):
         poison(pos)
@@ -686,7 +727,7 @@ def test_lm_head_argmax(kernel_lib_lmhead, n_sm, rows, k):
     best = int(rng.integers(rows // 2, rows - 8))  # a planted maximum and its exact tie 7 rows later
     w[best] = w[best + 7] = (np.sign(x.astype(np.float32)) * 0.05).astype(np.float16)
     a["lm_head"].set(w)
-    ref = w.astype(np.float64) @ x.astype(np.float64)
+    ref[[best, best + 7]] = w[[best, best + 7]].astype(np.float64) @ x64  # only these rows changed
     assert run(launch, 4) == best
     assert int(a["out_tokens"].get()[4]) == best
     assert int(a["pos"].get()[0]) == 5 and int(a["cur_token"].get()[0]) == best  # the first generated token
@@ -699,11 +740,9 @@ def test_lm_head_argmax(kernel_lib_lmhead, n_sm, rows, k):
 
 
 @pytest.fixture(scope="module")
-def lab_lib():
+def lab_lib(kernel_lib_of):
     """The lab kernels (kernels_cu/lab/: probe_stream.cu), as scripts/lab/probe_stream.py builds them."""
-    from atomflow_bench.gpu.nvrtc import KERNELS_DIR, KernelLib
-
-    return KernelLib(KERNELS_DIR / "lab")
+    return kernel_lib_of((), KERNELS_DIR / "lab")
 
 
 def test_probe_stream(lab_lib, n_sm):
