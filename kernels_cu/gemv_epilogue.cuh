@@ -132,9 +132,10 @@ __device__ __forceinline__ void tp_sum_finish(const GemvArgs& a, const TpArgs& t
 // The GEMVs' synchronisation with the previous kernel, called after their pre-wait weight requests.
 // Early trigger: the residual GEMVs (o_proj, down) let the next kernel launch before their own wait, so gate/up's
 // (and the next QKV's) blocks take free shared memory and request weights while o_proj still waits for attention;
-// with the short attention a step of 1B to 3B runs 14 to 21 µs faster. Safe: neither successor reads anything before its
-// wait but weights, pos and the cos/sin table, and the residual GEMVs' pre-wait read of h keeps its guarantee (their
-// predecessors, attention and gate/up, still trigger after their wait: gpu/step.py check_residual_order). The
+// with the short attention a step of 1B to 3B runs 14 to 21 µs faster. Safe: neither successor reads anything
+// before its wait but weights, pos and the cos/sin table, and the residual GEMVs' pre-wait read of h keeps its
+// guarantee (their predecessors, attention and gate/up, still trigger after their wait: gpu/step.py
+// check_residual_order). The
 // trigger sits here, after this kernel's own weight requests, and not at the kernel's start: there the successor's
 // requests go out first and delay this kernel's. The other GEMVs trigger after their wait (sync.arrive_wait): an
 // early QKV trigger measured no faster.
@@ -154,8 +155,8 @@ __device__ __forceinline__ void gemv_arrive_wait(const Sync& sync) {
 // asks L2 for o_proj's head (rope.head) and its 1/gridDim share of a range of later weights (rope.next_w, next_bytes:
 // the host's choice, ops/gemv.py next_l2: the last MB of gate/up; 0 bytes: none) by bulk prefetches. Why: the hardware
 // counters show HBM idle for ~4.5 µs per layer between QKV's last weights and o_proj's blocks (QKV's tail, then the
-// attention), because o_proj's blocks are launched only at the attention's wait. Issued any earlier (right after
-// the block's own pre-wait requests) the prefetch competes with the block's own weights and measured slower.
+// attention), because o_proj's blocks are launched only at the attention's wait. Issued earlier (right after
+// the block's own pre-wait requests) it measured slower.
 template <int EPI>
 __device__ __forceinline__ void next_weights_l2(const RopeArgs& rope, bool issuer) {
   if (EPI == EPI_ROPE && issuer) l2_head(rope.head);  // o_proj's head first: it is read first

@@ -1,8 +1,8 @@
 // gemv_prologue.cuh — the GEMVs' prologue: x staged in shared memory, as a copy of the fp16 input or as
 // RMSNorm(h) * norm_w (PRO_NORM), so that the RMSNorm before QKV, gate/up and the lm_head needs no kernel of its own.
 //
-// Computes   x[k] = fp16(h[k] * rsqrt(mean(h^2) + eps) * norm_w[k]), the sum of squares in rms_inv's order (common.cuh),
-//            so x is bit-identical to the separate rmsnorm_f32_f16; or x = the fp16 input.
+// Computes   x[k] = fp16(h[k] * rsqrt(mean(h^2) + eps) * norm_w[k]), the sum of squares in rms_inv's order
+//            (common.cuh rms_inv, rmsnorm_elem) whichever way it is staged; or x = the fp16 input.
 // Layouts    h fp32 [K], norm_w fp16 [K]; x in shared memory: in fragment order for the tiled GEMVs (xs_pair: a lane
 //            quad's 8 inputs of each 32 contiguous, one 16-byte load per mma pair), in input order for the lm_head.
 // Bytes      per block K * 4 (h) + K * 2 (norm_w), or K * 2 (the fp16 input), through L2 (.cg: the previous kernel
@@ -121,9 +121,9 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
       const int c = threadIdx.x + i * nth;
       if (c < nchunks) {
         const __half2 w01 = *reinterpret_cast<const __half2*>(&wv[i].x), w23 = *reinterpret_cast<const __half2*>(&wv[i].y);
-        const unsigned v01 = norm_pair(hv[i].x, hv[i].y, inv, w01), v23 = norm_pair(hv[i].z, hv[i].w, inv, w23);
-        xs2[xs_pair(2 * c)] = v01;
-        xs2[xs_pair(2 * c + 1)] = v23;
+        const unsigned p01 = norm_pair(hv[i].x, hv[i].y, inv, w01), p23 = norm_pair(hv[i].z, hv[i].w, inv, w23);
+        xs2[xs_pair(2 * c)] = p01;
+        xs2[xs_pair(2 * c + 1)] = p23;
       }
     }
   } else if (PRO == PRO_NORM) {

@@ -32,7 +32,7 @@ __device__ __forceinline__ float dot8_f16(uint4 w, const __half* xs, int k) {
 
 // y[o] (EPI) = W[o, :] · x for fp16 row-major W, x fp16: every warp owns outputs gw, gw + n_warps, ... .
 // With a.norm_w (the final RMSNorm as the lm_head's prologue): x = RMSNorm(a.x) * norm_w by norm_x_parked, bit-identical
-// to rmsnorm_f32_f16 at 256 threads (h parked in `hs`, norm_w copied to `nws` before the PDL wait; shared memory
+// to rms_inv then rmsnorm_elem at 256 threads (h parked in `hs`, norm_w copied to `nws` before the PDL wait; shared memory
 // K * 8 + 128 bytes, else K * 2); block 0 also stores x to `x_out` (the `final_norm` probe) when given.
 // ARGMAX: each warp also keeps the best (y[o], o) of its outputs, and the block ends with argmax_finish
 // (argmax_common.cuh): the greedy token and the step's bookkeeping without a kernel of their own.

@@ -185,7 +185,7 @@ __device__ __forceinline__ void gemv_tiled(const GemvArgs a, const RopeArgs rope
 
 // The same GEMV for fp8 weights, streamed through shared memory: every warp keeps NS of its 128-input groups
 // in flight in a private ring, across tile boundaries and through each tile's reduction; the first NS groups are
-// requested before the wait for the previous kernel. Registers no longer bound the bytes in flight.
+// requested before the wait for the previous kernel. Registers do not bound the bytes in flight.
 // Two ways to fill the ring (the same ring and shared-memory plan):
 //   GEMV_BULK (sm_90+, default): lane 0 copies a group's 2 KB of weights and 64 bytes of scales with two bulk
 //     copies (`cp.async.bulk`, the copy engine; a group is contiguous in the tiled layout) that complete on the

@@ -13,14 +13,14 @@
 #pragma once
 #include "gemv_tiled.cuh"
 
-// 8 consumer warps + 1 producer warp. The producer's lane 0 streams the block's weights (its tiles in order, each a contiguous run of groups) into a
-// ring of NS slots of GEMV_WS_SLOT bytes (fp8: 8 groups + their 512 B of scales; fp16: 4 groups) with bulk copies
-// completing on the slot's `full` mbarrier; it starts at the block's start, never waits for the previous kernel
-// (but fills at most npre slots before the consumers have: the `go` mbarrier) and refills a slot once the 8 consumer
-// warps have arrived on its `empty` mbarrier. The consumers never issue a
-// weight load: they wait for the previous kernel, stage x (named barrier of 256 threads), and in every slot take
-// the group they own (group g belongs to warp g % 8, as in the ring form), then release the slot. NS is what the
-// host gave: (dynamic shared memory - x - scratch - barriers) / slot (ops/gemv.py gemv_ws_plan), at most GEMV_WS_MAX.
+// 8 consumer warps + 1 producer warp. The producer's lane 0 streams the block's weights (its tiles in order, each a
+// contiguous run of groups) into a ring of NS slots of GEMV_WS_SLOT bytes (fp8: 8 groups + their 512 B of scales;
+// fp16: 4 groups) with bulk copies completing on the slot's `full` mbarrier; it starts at the block's start, never
+// waits for the previous kernel (but fills at most npre slots before the consumers have: the `go` mbarrier) and
+// refills a slot once the 8 consumer warps have arrived on its `empty` mbarrier. The consumers never issue a weight
+// load: they wait for the previous kernel, stage x (named barrier of 256 threads), and in every slot take the group
+// they own (group g belongs to warp g % 8, as in the ring form), then release the slot. NS is what the host gave:
+// (dynamic shared memory - x - scratch - barriers) / slot (ops/gemv.py gemv_ws_plan), at most GEMV_WS_MAX.
 // The ring is 128-byte aligned (the header's shared-memory layout): an unaligned ring measured ~5% slower.
 #define GEMV_WS_SLOT 16384  // weight bytes per ring slot
 #define GEMV_WS_MAX 16      // most slots a ring may have (barriers reserved for all)

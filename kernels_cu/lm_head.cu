@@ -1,5 +1,5 @@
-// lm_head.cu — the step's tail in one launch: the final RMSNorm, logits = lm_head · x, and the greedy argmax with the
-// step's bookkeeping (gemv_rows.cuh, argmax_common.cuh).
+// lm_head.cu — the step's tail in one launch: the final RMSNorm, logits = lm_head · x, and the greedy argmax with
+// the step's bookkeeping (gemv_rows.cuh, argmax_common.cuh).
 //
 // Computes   x = RMSNorm(h) * final_norm (when norm_w is given; else x is the fp16 input), logits[o] = W[o, :] · x in
 //            fp32; the _argmax instance also finds the greedy token (largest logit, ties to the smaller id) and

@@ -703,7 +703,7 @@ def lab_lib():
     """The lab kernels (kernels_cu/lab/: probe_stream.cu), as scripts/lab/probe_stream.py builds them."""
     from atomflow_bench.gpu.nvrtc import KERNELS_DIR, KernelLib
 
-    return KernelLib(KERNELS_DIR / "lab")
+    return KernelLib(KERNELS_DIR / "lab", kernels={"probe_stream.cu": ("probe_stream",)})
 
 
 def test_probe_stream(lab_lib, n_sm):
