@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("sources", nargs="*", help="kernels_cu sources, e.g. gemv_fp8.cu (default: all)")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("-D", dest="defines", action="append", default=[], help="a -D define for both sides")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # sources may follow -D options
     got = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", args.rev, "kernels_cu"],
                          capture_output=True, timeout=120)
     if got.returncode != 0:

@@ -36,9 +36,10 @@ CU_FILES = ("gemv_args.cuh", "gemv_prologue.cuh", "gemv_epilogue.cuh", "gemv_til
 CU_DEFINES = {"GEMV_THREADS": GEMV_THREADS, "GEMV_MIN_BLOCKS": GEMV_MIN_BLOCKS, "GEMV_WS_SLOT": GEMV_WS_SLOT,
               "GEMV_WS_MAX": GEMV_WS_MAX, "GEMV_TILE": TILE_ROWS}
 
-# host-side plan constants, each the fastest measured on the catalog shapes (H100)
 GEMV_WARPS = GEMV_THREADS // 32
 GEMV_WS_THREADS = GEMV_THREADS + 32  # 8 consumer warps + the producer (gemv_tiled_ws)
+# The plans' limits, each the fastest value measured on the catalog shapes (H100): deeper rings take shared memory
+# that a second block per SM needs, and more bytes requested before the wait delay the previous kernel's completion.
 GEMV_STAGES = 5             # fp8 ring: the deepest ring (groups of 128 inputs per warp) a launch gets
 GEMV_WS_SLOTS = 6           # warp-specialised: the deepest ring a launch gets (~96 KB in flight per block)
 GEMV_WS_PRE = {"fp16": 3, "fp8": 0}  # default ring slots filled before the PDL wait (0: all)
