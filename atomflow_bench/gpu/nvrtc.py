@@ -88,8 +88,8 @@ def cuda_include_dirs() -> list[str]:
 
 PORTABLE = ("ATT_TMA", "GEMV_BULK")  # forms for GPUs without bulk copies / TMA (0); ATT_TMA is set to 1 on sm_90+
 # Timing instruments: with a non-zero value the step computes wrong results on purpose (AF_NO_WAIT, AF_NO_SCALES:
-# common.cuh) or records when each block runs (AF_TIMELINE: lab/timeline.py). `run` marks
-# its record with them, `compare` refuses such a record and `validate` refuses to start.
+# common.cuh) or records when each block runs (AF_TIMELINE: lab/timeline.py). `run` marks its record with them,
+# `compare` refuses such a record and `validate` refuses to start.
 INSTRUMENTS = ("AF_NO_WAIT", "AF_NO_SCALES", "AF_TIMELINE")
 KERNEL_DEFINES = PORTABLE + INSTRUMENTS
 
