@@ -1,5 +1,5 @@
 // argmax_common.cuh — greedy argmax pieces of the lm_head GEMV with the
-// argmax in its epilogue (gemv_common.cuh gemv_rows, gemv_fp16.cu gemv_f16_f32_argmax). No kernels here.
+// argmax in its epilogue (gemv_rows.cuh gemv_rows, lm_head.cu gemv_f16_f32_argmax). No kernels here.
 //
 // Order      (value, index): larger value wins, ties -> smaller index (like numpy.argmax); NaN never wins.
 // argmax_finish: every block's (value, index) -> part_*[blockIdx.x]; the last block to finish (atomic ticket

@@ -23,19 +23,18 @@
 //            of head j to finish (acq_rel atomic ticket) rescales and sums them into `out` (every partial o of
 //            the head copied into shared memory by cp.async in one L2 round, together with the one round of all
 //            (max, sum) pairs; in batches when they do not fit) and resets its ticket. Blocks whose split is empty at this L exit at
-//            once, so one launch shape (captured in the graph) serves every position < max_seq.
-//            (docs/PERF_NOTES.md v23-v23.2: the combine through thread block clusters (ATT_CLUSTER), sliced over
-//            the head's last blocks (ATT_COMBINE_SLICES), and K/V rows by bulk copies (ATT_BULK) measured slower,
-//            removed; last in commit 9969095.)
-//            ATT_TMA = 1 (v23.3; the default on sm_90+ since v23.5, set by the host: kernels.arch_defines; the
-//            source default 0 is the cp.async form of older GPUs): a group's K and V by 2D tensor copies (boxes
+//            once, so one launch shape (captured in the graph) serves every position < max_seq. The combine runs
+//            in the last block because a combine through thread block clusters, or sliced over the head's last
+//            blocks, measured slower.
+//            ATT_TMA = 1 (the default on sm_90+, set by the host: nvrtc.arch_defines; the source default 0 is the
+//            cp.async form of older GPUs): a group's K and V by 2D tensor copies (boxes
 //            [16][64] fp16 with the 128-byte swizzle; the layer slabs' tensor maps built by ops/attention.py
 //            attention_launch, passed as kv_map), completing on one mbarrier per ring slot (sm_90+).
 //            Rows past the split in a warp's last group: V zero-filled (P is 0 there, but 0 * NaN is NaN), K's
 //            scores masked to -inf. K/V rows sit in shared memory with their 16-byte pieces XOR-swizzled by
 //            the row (piece c of row t at c ^ (t & 7)): ldmatrix reads 8 rows of one piece without bank conflicts.
-//            History (docs/PERF_NOTES.md v8-v8.2, v14): a block-wide FP32 walk and then per-warp FP32 walks
-//            with two 4-position passes in registers (66 splits at ctx 8192, a ~100 KB one-block combine).
+//            Why tensor cores and per-warp rings: walks on the FP32 pipes (block-wide, or per warp with 4-position
+//            passes in registers) ran well below the K/V byte rate.
 // Layouts    q fp16 [n_heads*hd] (post-RoPE, start of the qkv buffer); k_cache/v_cache: this layer's slab
 //            fp16 [max_seq][n_kv*hd]; part_ml fp32 [n_heads][max_splits][2] (max in log2 units, sum); part_o
 //            fp32 [n_heads][max_splits][hd]; counters uint32 [n_kv * V]; out fp16 [n_heads*hd].
@@ -50,7 +49,7 @@
 #include "common.cuh"
 
 #define ATT_CHUNK 32    // positions per sub-chunk: the unit splits are cut in (ops/attention.py ATT_CHUNK)
-#define ATT_THREADS 128 // ops/attention.py ATT_THREADS (256, one block per SM with the same ring per warp: slower, v18.1)
+#define ATT_THREADS 128 // ops/attention.py ATT_THREADS; 4 warps, 2 blocks per SM (256 threads, 1 block: slower)
 #define ATT_WARPS (ATT_THREADS / AF_WARP)
 #define ATT_GROUP 16    // positions per group: a warp's unit of the walk (the P.V mma's K)
 #define ATT_BATCH 4     // ldmatrix loads issued before their mmas
@@ -88,7 +87,7 @@ __device__ __forceinline__ int attention_splits(int len, int max_splits) {
 // First sub-chunk of split s of n: an even share each, except the last split, which takes ATT_LAST_SHARE / 4 of
 // a share (4 would be even): the last split's blocks are dispatched last, some only when the previous launch's
 // combining blocks leave their SM, so they get less to read.
-#define ATT_LAST_SHARE 2  // docs/PERF_NOTES.md v18
+#define ATT_LAST_SHARE 2  // half a share: the fastest of the shares measured
 __device__ __forceinline__ int att_split_start(int s, int n_sub, int n) {
   return s >= n ? n_sub : (int)((long long)4 * s * n_sub / (4 * (n - 1) + ATT_LAST_SHARE));
 }
@@ -425,9 +424,9 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
 #define ATT_BLOCK_HEADS 8  // the most q heads one block takes (the scores' mma rows gid, 0-7)
 #define ATT_BG(G) ((G) > ATT_BLOCK_HEADS ? ATT_BLOCK_HEADS : (G))
 #define ATT_BV(G) ((G) > ATT_BLOCK_HEADS ? (G) / ATT_BLOCK_HEADS : 1)
-#define ATTENTION_INSTANCE(HD, G)                                                                         \
+#define ATTENTION_INSTANCE(NAME, HD, G)                                                                   \
   extern "C" __global__ void __launch_bounds__(ATT_THREADS, 256 / ATT_THREADS)                          \
-      attention_decode_hd##HD##_g##G(                                                                     \
+      NAME(                                                                                               \
       const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache, \
       const int* __restrict__ pos_ptr, float* part_ml, float* part_o, unsigned int* counters,             \
       __half* __restrict__ out, int n_kv, int max_splits, float scale ATT_TMA_PARAM) {                    \
@@ -439,15 +438,15 @@ __device__ __forceinline__ void attention_item(const __half* q, const __half* k_
                                              part_o, counters, out, n_kv, max_splits, scale, att_smem ATT_TMA_ARG); \
   }
 
-ATTENTION_INSTANCE(64, 1)
-ATTENTION_INSTANCE(64, 2)
-ATTENTION_INSTANCE(64, 3)
-ATTENTION_INSTANCE(64, 4)
-ATTENTION_INSTANCE(64, 8)
-ATTENTION_INSTANCE(64, 16)
-ATTENTION_INSTANCE(128, 1)
-ATTENTION_INSTANCE(128, 2)
-ATTENTION_INSTANCE(128, 3)
-ATTENTION_INSTANCE(128, 4)
-ATTENTION_INSTANCE(128, 8)
-ATTENTION_INSTANCE(128, 16)
+ATTENTION_INSTANCE(attention_decode_hd64_g1, 64, 1)
+ATTENTION_INSTANCE(attention_decode_hd64_g2, 64, 2)
+ATTENTION_INSTANCE(attention_decode_hd64_g3, 64, 3)
+ATTENTION_INSTANCE(attention_decode_hd64_g4, 64, 4)
+ATTENTION_INSTANCE(attention_decode_hd64_g8, 64, 8)
+ATTENTION_INSTANCE(attention_decode_hd64_g16, 64, 16)
+ATTENTION_INSTANCE(attention_decode_hd128_g1, 128, 1)
+ATTENTION_INSTANCE(attention_decode_hd128_g2, 128, 2)
+ATTENTION_INSTANCE(attention_decode_hd128_g3, 128, 3)
+ATTENTION_INSTANCE(attention_decode_hd128_g4, 128, 4)
+ATTENTION_INSTANCE(attention_decode_hd128_g8, 128, 8)
+ATTENTION_INSTANCE(attention_decode_hd128_g16, 128, 16)

@@ -19,16 +19,17 @@
 //            Chunks after the first (L > cap: tests only) are loaded after the wait and folded in with the
 //            online-softmax rescale. K/V rows sit in shared memory with their 16-byte pieces XOR-swizzled by the
 //            row (piece c of row t at c ^ (t & 7)): ldmatrix reads 8 rows of one piece without bank conflicts.
-//            History (docs/PERF_NOTES.md v11): a first form on the FP32 pipes (a thread per position) spent
-//            5.2 µs on the scores at L = 305 (hd 128, G = 3).
+//            Why tensor cores: on the FP32 pipes (a thread per position) the scores alone take 5.2 µs at L = 305
+//            (hd 128, G = 3).
 // Layouts    q fp16 [n_heads*hd] (post-RoPE, start of the qkv buffer); k_cache/v_cache: this layer's slab
 //            fp16 [max_seq][n_kv*hd]; out fp16 [n_heads*hd]. Dynamic shared memory (ops/attention.py
 //            attention_short_smem, cap16 = cap rounded up to 16): K [cap16][hd] fp16 (at the end the phases'
 //            reduction scratch [8 warps][16][8] fp32), V [cap16][hd] fp16, P fp16 [8][cap16 + 8].
 // Bytes      2 * L * n_kv * hd * 2 (K and V, each read once) + q and out.
-// Launch     attention_short_hd{64,128}_g{1,2,3,4,8,16}: grid = (n_kv * V) (V = 2 for G = 16), block = 256, dyn. smem = all a block may
-//            have (ops/attention.py attention_short_launch; short_smem(hd, cap) is what cap needs): no other
-//            kernel's block shares the SM (PERF_NOTES v11.2); <= 128 registers per thread.
+// Launch     attention_short_hd{64,128}_g{1,2,3,4,8,16}: grid = (n_kv * V) (V = 2 for G = 16), block = 256,
+//            dyn. smem = all a block may have (ops/attention.py attention_short_launch; short_smem(hd, cap) is what
+//            cap needs), so that no other kernel's block shares the SM: the next GEMV's early blocks' weight loads
+//            would stall this block's shared-memory traffic; <= 128 registers per thread.
 #include "common.cuh"
 
 #define ATS_THREADS 256
@@ -236,9 +237,9 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
 // Llama-3.1-405B over 8 GPUs) G / ATS_HEADS blocks per kv head, each taking ATS_HEADS of its q heads.
 #define ATS_BG(G) ((G) > ATS_HEADS ? ATS_HEADS : (G))
 #define ATS_BV(G) ((G) > ATS_HEADS ? (G) / ATS_HEADS : 1)
-#define ATTENTION_SHORT_INSTANCE(HD, G)                                                                   \
+#define ATTENTION_SHORT_INSTANCE(NAME, HD, G)                                                             \
   extern "C" __global__ void __launch_bounds__(ATS_THREADS, ATS_MIN_BLOCKS)                              \
-      attention_short_hd##HD##_g##G(                                                                      \
+      NAME(                                                                                               \
       const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache, \
       const int* __restrict__ pos_ptr, __half* __restrict__ out, int n_kv, int cap, float scale) {        \
     AF_TIMELINE_BLOCK;                                                                                    \
@@ -248,15 +249,15 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
                                                                 n_kv, cap, scale, ats_smem);                \
   }
 
-ATTENTION_SHORT_INSTANCE(64, 1)
-ATTENTION_SHORT_INSTANCE(64, 2)
-ATTENTION_SHORT_INSTANCE(64, 3)
-ATTENTION_SHORT_INSTANCE(64, 4)
-ATTENTION_SHORT_INSTANCE(64, 8)
-ATTENTION_SHORT_INSTANCE(64, 16)
-ATTENTION_SHORT_INSTANCE(128, 1)
-ATTENTION_SHORT_INSTANCE(128, 2)
-ATTENTION_SHORT_INSTANCE(128, 3)
-ATTENTION_SHORT_INSTANCE(128, 4)
-ATTENTION_SHORT_INSTANCE(128, 8)
-ATTENTION_SHORT_INSTANCE(128, 16)
+ATTENTION_SHORT_INSTANCE(attention_short_hd64_g1, 64, 1)
+ATTENTION_SHORT_INSTANCE(attention_short_hd64_g2, 64, 2)
+ATTENTION_SHORT_INSTANCE(attention_short_hd64_g3, 64, 3)
+ATTENTION_SHORT_INSTANCE(attention_short_hd64_g4, 64, 4)
+ATTENTION_SHORT_INSTANCE(attention_short_hd64_g8, 64, 8)
+ATTENTION_SHORT_INSTANCE(attention_short_hd64_g16, 64, 16)
+ATTENTION_SHORT_INSTANCE(attention_short_hd128_g1, 128, 1)
+ATTENTION_SHORT_INSTANCE(attention_short_hd128_g2, 128, 2)
+ATTENTION_SHORT_INSTANCE(attention_short_hd128_g3, 128, 3)
+ATTENTION_SHORT_INSTANCE(attention_short_hd128_g4, 128, 4)
+ATTENTION_SHORT_INSTANCE(attention_short_hd128_g8, 128, 8)
+ATTENTION_SHORT_INSTANCE(attention_short_hd128_g16, 128, 16)

@@ -80,7 +80,7 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// AF_NO_WAIT (a timing instrument, never a default; PERF_NOTES v28): a bit mask of the layer kernels that skip their
+// AF_NO_WAIT (a timing instrument, never a default): a bit mask of the layer kernels that skip their
 // PDL wait — 1 QKV, 2 attention, 4 the residual GEMVs (o_proj, down), 8 gate/up. Such a kernel reads its inputs
 // whenever it reaches them, so its results are wrong; a step then times the chain of the same kernels with those
 // data dependencies removed: the most any scheduling of these kernels (a persistent layer kernel included) could
@@ -88,7 +88,7 @@ __device__ __forceinline__ void pdl_wait() {
 #ifndef AF_NO_WAIT
 #define AF_NO_WAIT 0
 #endif
-// AF_NO_SCALES (a timing instrument, never a default; PERF_NOTES v36): the fp8 GEMVs' bulk paths (the ring on sm_90+
+// AF_NO_SCALES (a timing instrument, never a default): the fp8 GEMVs' bulk paths (the ring on sm_90+
 // and the warp-specialised forms) copy no scales — each slot then multiplies by whatever its scale area holds, so the
 // results are wrong; a step times the fp8 layers without their 3.1% of scale bytes (fp32 per 128 inputs): the most
 // any smaller scale format could gain.
@@ -282,18 +282,12 @@ __device__ __forceinline__ float rms_inv(const float* h, float eps, int K, float
 }
 
 // RMSNorm(h) * w exactly as HF computes it for an fp16 model: normalise in fp32, round to fp16, multiply
-// by the fp16 weight (product rounded to fp16). Used by the final-norm kernel and the GEMV prologues.
+// by the fp16 weight (product rounded to fp16). Used by the GEMV prologues (gemv_prologue.cuh).
 __device__ __forceinline__ float rmsnorm_elem(float h, float inv, __half w) {
   return __half2float(__hmul(__float2half(h * inv), w));
 }
 
-__device__ __forceinline__ void rmsnorm_to_half(const float* h, const __half* __restrict__ w, float eps, int K,
-                                                __half* out, float* red) {
-  const float inv = rms_inv(h, eps, K, red);
-  for (int k = threadIdx.x; k < K; k += (int)blockDim.x) out[k] = __float2half(rmsnorm_elem(__ldcg(h + k), inv, w[k]));
-}
-
-// Synchronisation with the previous kernel, used by the GEMV skeletons (gemv_common.cuh) between issuing their
+// Synchronisation with the previous kernel, used by the GEMVs (gemv_tiled.cuh, gemv_rows.cuh) between issuing their
 // weight loads (independent of the previous kernel) and reading its outputs: wait for the predecessor
 // (programmatic dependent launch), then let the next kernel start launching.
 struct PdlSync {

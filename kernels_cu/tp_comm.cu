@@ -1,6 +1,6 @@
 // tp_comm.cu — what tensor-parallel ranks of one host exchange through peer memory (P2P over NVLink/PCIe) outside
 // the GEMVs: a standalone sum across ranks and the greedy argmax across the vocabulary shards. (The step's sums run in
-// the o_proj / down GEMVs' epilogue: gemv_common.cuh EPI_TPSUM, through the same LL slots, tp_ll.cuh.)
+// the o_proj / down GEMVs' epilogue: gemv_epilogue.cuh EPI_TPSUM, through the same LL slots, tp_ll.cuh.)
 //
 // Computes   tp_allreduce_add:  h[i] += x_0[i] + x_1[i] + ... + x_{N-1}[i]   (fp32, in rank order)
 //              x_s is rank s's vector: each rank pushes its x into every rank's LL buffer (tp_ll.cuh) and adds the

@@ -1,12 +1,12 @@
 // tp_ll.cuh — the low-latency ("LL", as NCCL calls it) slots through which tensor-parallel ranks of one host push
 // values into each other's memory (peer memory over NVLink/PCIe): used by the GEMV's cross-rank sum epilogue
-// (gemv_common.cuh EPI_TPSUM) and by the standalone sum (tp_comm.cu tp_allreduce_add).
+// (gemv_epilogue.cuh EPI_TPSUM) and by the standalone sum (tp_comm.cu tp_allreduce_add).
 //
 // A slot is 8 bytes written by one store: the value's fp32 bits (low word) and the epoch of the exchange (high word).
 // The reader polls its local slot until the epoch has arrived; the value came in the same single-copy-atomic 8-byte
 // store, so no fence and no separate flag is needed: the writer's stores are posted (no round trip) and the reader
-// waits one one-way trip. Why: the flag barrier and remote reads of the first form cost ~6 µs per sum (a fence, a
-// flag round trip and remote loads; docs/PERF_NOTES.md v40.1).
+// waits one one-way trip. Why: a flag barrier with remote reads costs ~6 µs per sum (a fence, a flag round trip and
+// remote loads).
 // Layout     a rank's buffer of one exchange: [n ranks][n values] u64, rank s's values in row s; every rank writes
 //            its row into every rank's buffer (its own included) and reads all rows of its own.
 // Epochs     count the exchanges of one (buffer, block index): the kernel's block b reads seq[b] + 1 and writes it
@@ -35,7 +35,7 @@ __device__ __forceinline__ bool ll_behind(unsigned long long w, unsigned epoch) 
 __device__ __forceinline__ float ll_value(unsigned long long w) { return __uint_as_float((unsigned)w); }
 
 // Readers load every slot they need at once (independent loads, one L2 round trip), then spin on the late ones only:
-// one slot after another would cost a round trip each (v41: 2.9 µs per sum at 4 ranks against 1.7 at 2).
+// one slot after another costs a round trip each (2.9 µs per sum at 4 ranks against 1.7 at 2).
 // The N slots rows[0], rows[stride], ... (N <= LL_MAX_RANKS) at `epoch`, summed in rank order.
 __device__ __forceinline__ float ll_sum_ranks(const unsigned long long* rows, size_t stride, int n, unsigned epoch) {
   unsigned long long w[LL_MAX_RANKS];

@@ -16,7 +16,7 @@
 #   AB_DIR=.ab/<commit> AB_SPECS="model:fmt ..." AB_ROUNDS=2 (ab: another commit's tree against this one on the
 #                                       same machine, interleaved old, new, old, new per spec; the old tree as carried
 #                                       by `git archive C atomflow_bench kernels_cu pyproject.toml | tar -x -C .ab/C`)
-# The lab's stages (probe, dram) are in scripts/lab/lab_check.sh.
+# The lab's stages (probe, dram) are in lab/scripts/lab_check.sh.
 set -uo pipefail
 FINAL=${OUT:-/tmp/atomflow-out}; OUT=$(mktemp -d); mkdir -p "$FINAL"   # logs go to $OUT, bundled into $FINAL
 export PYTHONUNBUFFERED=1 ATOMFLOW_HOME=${ATOMFLOW_HOME:-/tmp/atomflow-home}

@@ -3,11 +3,13 @@
 
     scripts/ptx_compare.py REV [SOURCE ...] [--arch sm_90] [-D NAME=V ...]
 
-compiles each kernels_cu source (default: all) to PTX at git revision REV and in the working tree, splits both into
-their kernel entries and compares each entry's body after renumbering virtual registers and labels by first use (so a
-refactor that only shifts nvcc's numbering reads "same"). Prints one line per kernel — same, differs (with the count
-of changed lines), or only on one side — and exits 1 when any kernel present on both sides differs. Used in
-docs/PERF_NOTES.md v34.2 to rule session 11's kernel edits out as the cause of a slower machine's runs.
+compiles each kernels_cu source (default: all of both trees) to PTX at git revision REV and in the working tree, splits
+both into their kernel entries and compares each kernel's body, found by name in whichever source defines it, after
+renumbering virtual registers and labels by first use (so a refactor that only shifts nvcc's numbering reads "same").
+A kernel that moved to another source compares the same way ("same, from OLD.cu"); one present only on one side is
+matched to a kernel only on the other side whose body, its own name aside, is the same ("renamed from OLD").
+Prints one line per kernel (same, differs with the count of changed lines, renamed, or only on one side), then a
+summary, and exits 1 when any kernel present on both sides differs.
 """
 from __future__ import annotations
 
@@ -27,12 +29,13 @@ _LOCAL_STATIC = re.compile(r"_ZZ\w+E(\d+)(\w+)")  # _ZZ<function>E<length><name>
 _NAMES = re.compile(r"\$L__BB\d+_\d+|%(?:rd|rs|r|fd|f|p|hh|h)\d+")
 
 
-def normalize(body: str) -> str:
+def normalize(body: str, name: str = "") -> str:
     """A PTX body with comments, .loc / .file lines, the virtual-register pool declarations (.reg: their sizes follow
     the numbering) and blank lines dropped, and each virtual register / label renamed by its kind and order of first
     use (%r57 -> %r#0 if it is the first %r seen). A function-local static's mangled name keeps only the static's
     own name (`_ZZ14attention_itemILi128ELi2EE...E3w_m` -> `_ZZ<w_m>`): a template parameter added to the function
-    changes the mangling, not the code."""
+    changes the mangling, not the code. The kernel's own `name` (its entry and parameter names) reads `<kernel>`, so
+    a renamed kernel with the same code compares equal."""
     seen: dict[str, str] = {}
     counts: dict[str, int] = {}
 
@@ -46,7 +49,10 @@ def normalize(body: str) -> str:
 
     lines = [re.sub(r"\s*//.*$", "", ln) for ln in body.splitlines()]
     lines = [ln for ln in lines if ln.strip() and not ln.strip().startswith((".loc", ".file", ".reg"))]
-    return _NAMES.sub(rename, _LOCAL_STATIC.sub(lambda m: f"_ZZ<{m.group(2)}>", "\n".join(lines)))
+    text = _LOCAL_STATIC.sub(lambda m: f"_ZZ<{m.group(2)}>", "\n".join(lines))
+    if name:
+        text = re.sub(re.escape(name) + r"(?=_param_|\W|$)", "<kernel>", text)
+    return _NAMES.sub(rename, text)
 
 
 def entries(ptx: str) -> dict[str, str]:
@@ -55,15 +61,25 @@ def entries(ptx: str) -> dict[str, str]:
     out = {}
     for i, (pos, name) in enumerate(starts):
         end = starts[i + 1][0] if i + 1 < len(starts) else len(ptx)
-        out[name] = normalize(ptx[pos:end])
+        out[name] = normalize(ptx[pos:end], name)
     return out
 
 
 def compare(old: dict[str, str], new: dict[str, str]) -> list[tuple[str, str, int]]:
-    """(kernel, "same" | "differs" | "only old" | "only new", changed lines) for every kernel of either side."""
+    """(kernel, "same" | "differs" | "renamed from OLD" | "only old" | "only new", changed lines) for every kernel of
+    either side; a kernel only old whose body equals that of exactly one kernel only new is that one, renamed."""
+    gone = {n: b for n, b in old.items() if n not in new}
+    came = {n: b for n, b in new.items() if n not in old}
+    renamed = {}  # new name -> old name
+    for n, b in came.items():
+        match = [o for o, ob in gone.items() if ob == b]
+        if len(match) == 1 and sum(nb == b for nb in came.values()) == 1:
+            renamed[n] = match[0]
     rows = []
-    for name in sorted(set(old) | set(new)):
-        if name not in new:
+    for name in sorted((set(old) | set(new)) - set(renamed.values())):
+        if name in renamed:
+            rows.append((name, f"renamed from {renamed[name]}", 0))
+        elif name not in new:
             rows.append((name, "only old", 0))
         elif name not in old:
             rows.append((name, "only new", 0))
@@ -74,6 +90,17 @@ def compare(old: dict[str, str], new: dict[str, str]) -> list[tuple[str, str, in
             changed = sum(1 for ln in diff if ln[:1] in "+-" and not ln.startswith(("+++", "---")))
             rows.append((name, "differs", changed))
     return rows
+
+
+def tree_entries(tree: Path, names: list[str], arch: str, defines: list[str]) -> tuple[dict, dict]:
+    """({kernel: normalized body}, {kernel: source}) over the sources `names` of the kernels folder `tree` (those it
+    has)."""
+    bodies, where = {}, {}
+    for name in names:
+        if (tree / name).is_file():
+            for kernel, body in entries(ptx(tree / name, tree, arch, defines)).items():
+                bodies[kernel], where[kernel] = body, name
+    return bodies, where
 
 
 def ptx(src: Path, include: Path, arch: str, defines: list[str]) -> str:
@@ -90,26 +117,33 @@ def main(argv=None) -> int:
     ap.add_argument("sources", nargs="*", help="kernels_cu sources, e.g. gemv_fp8.cu (default: all)")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("-D", dest="defines", action="append", default=[], help="a -D define for both sides")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # sources may follow -D options
     got = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", args.rev, "kernels_cu"],
                          capture_output=True, timeout=120)
     if got.returncode != 0:
         raise SystemExit(f"error: git archive {args.rev!r}: {got.stderr.decode().strip()}")
-    names = args.sources or sorted(p.name for p in (ROOT / "kernels_cu").glob("*.cu"))
-    differs = 0
+    new_dir = ROOT / "kernels_cu"
+    for name in args.sources:
+        if not (new_dir / name).is_file():
+            raise SystemExit(f"error: no kernels_cu/{name} in the working tree")
     with tempfile.TemporaryDirectory() as tmp:
         with tarfile.open(fileobj=BytesIO(got.stdout)) as tar:
             tar.extractall(tmp, filter="data")
         old_dir = Path(tmp) / "kernels_cu"
-        for name in names:
-            new_src, old_src = ROOT / "kernels_cu" / name, old_dir / name
-            if not new_src.is_file():
-                raise SystemExit(f"error: no kernels_cu/{name} in the working tree")
-            old = entries(ptx(old_src, old_dir, args.arch, args.defines)) if old_src.is_file() else {}
-            new = entries(ptx(new_src, ROOT / "kernels_cu", args.arch, args.defines))
-            for kernel, state, changed in compare(old, new):
-                differs += state == "differs"
-                print(f"{name:22s} {kernel:40s} {state}" + (f" ({changed} lines)" if changed else ""))
+        names = args.sources or sorted({p.name for d in (old_dir, new_dir) for p in d.glob("*.cu")})
+        old, old_where = tree_entries(old_dir, names, args.arch, args.defines)
+        new, new_where = tree_entries(new_dir, names, args.arch, args.defines)
+    counts: dict[str, int] = {}
+    differs = 0
+    for kernel, state, changed in compare(old, new):
+        differs += state == "differs"
+        src = new_where.get(kernel) or old_where[kernel]
+        if state == "same" and old_where[kernel] != src:
+            state = f"same, from {old_where[kernel]}"
+        kind = "same, moved" if state.startswith("same, from") else state.split(" from ")[0]
+        counts[kind] = counts.get(kind, 0) + 1
+        print(f"{src:22s} {kernel:40s} {state}" + (f" ({changed} lines)" if changed else ""))
+    print(f"{sum(counts.values())} kernels: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     return 1 if differs else 0
 
 

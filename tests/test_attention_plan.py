@@ -86,7 +86,7 @@ def test_short_attention_capacity_on_smaller_gpus():
 
 
 @pytest.mark.parametrize("cc, given, added", [
-    (90, (), ("ATT_TMA=1",)),                       # sm_90+: K/V by 2D tensor copies (v23.5)
+    (90, (), ("ATT_TMA=1",)),                       # sm_90+: K/V by 2D tensor copies
     (100, ("GEMV_BULK=1",), ("ATT_TMA=1",)),        # other defines leave it on
     (89, (), ()),                                   # no tensor copies before sm_90: the cp.async form
     (90, ("ATT_TMA=0",), ()),                       # the run's own value wins

@@ -32,7 +32,8 @@ from atomflow_bench.errors import AtomflowError
 from atomflow_bench.gpu.arena import Arena, plan_arena
 from atomflow_bench.gpu.engine import Engine
 from atomflow_bench.gpu.forms import Forms, GemvForm, candidates, default_forms
-from atomflow_bench.lab.timeline import DEFINE as TIMELINE_DEFINE
+from lab import KERNELS_DIR as LAB_KERNELS_DIR
+from lab.timeline import DEFINE as TIMELINE_DEFINE
 from atomflow_bench.store.checkpoint import Checkpoint
 from atomflow_bench.store.sources.synthetic import make_synthetic
 from atomflow_bench.store.store import write_json_atomic
@@ -520,20 +521,18 @@ def test_compiles_only_what_the_step_launches(tiny_model, fmt, monkeypatch):
     """An engine compiles the .cu files of the kernels its step launches (and fp8's load-time quantiser), nothing
     else: no fp8 GEMVs for fp16 weights, no lab or timing kernel, the split attention only with its bucket. The
     step's tail is one fused lm_head launch (final norm, logits and argmax)."""
-    from atomflow_bench.gpu.nvrtc import KERNELS_DIR
-
     monkeypatch.delenv("ATOMFLOW_KERNEL_DEFINES", raising=False)
     eng = Engine(tiny_model, weights=fmt, max_seq=64)
     files = eng.lib.compiled_files()
     att = {"attention_short.cu"} if eng.att_caps else {"attention.cu"}
     fp8 = {"gemv_fp8.cu", "quantize_fp8.cu"}
-    assert set(files) == {"embedding.cu", "gemv_fp16.cu"} | att | (fp8 if fmt == "fp8" else set())
+    assert set(files) == {"embedding.cu", "lm_head.cu"} | att | (fp8 if fmt == "fp8" else {"gemv_fp16.cu"})
     assert len(files) == len(set(files))
     if fmt == "fp16":
         assert not fp8 & set(files)
     else:
         assert fp8 <= set(files)
-    lab = {p.name for p in (KERNELS_DIR / "lab").glob("*.cu")}
+    lab = {p.name for p in LAB_KERNELS_DIR.glob("*.cu")}
     assert "probe_stream.cu" in lab and not lab & set(files) and "spin.cu" not in files
     both = Engine(tiny_model, weights=fmt, max_seq=900)
     assert set(both.lib.compiled_files()) == set(files) | ({"attention.cu", "attention_short.cu"} if both.att_caps
@@ -653,7 +652,7 @@ def test_timeline_instrument(tiny_model, att):
     """`lab.timeline.record`: the instrumented build decodes the same tokens as the plain one; one replay's
     records cover every block of every launch, their grid ids map onto the step's launches in order (else
     timeline.launch_times raises), and the per-role spans add up to the replay. Both attention kernels."""
-    from atomflow_bench.lab import timeline
+    from lab import timeline
     from atomflow_bench.measure.profile import step_role
 
     forms = forms_with("fp8", att == "short")

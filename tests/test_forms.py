@@ -55,7 +55,7 @@ def test_gemv_form_text_round_trips():
 
 
 def test_o_proj_slots_before_the_wait():
-    """/wo-pre=<N>: o_proj's own count of ring slots before its wait (PERF_NOTES v45), ws only, after /l2=; the other
+    """/wo-pre=<N>: o_proj's own count of ring slots before its wait (forms.GemvForm.wo_pre), ws only, after /l2=; the other
     roles keep the form's count (None: the format's default)."""
     from atomflow_bench.gpu.forms import GemvForm
     from atomflow_bench.gpu.ops.gemv import GEMV_WS_MAX
@@ -76,8 +76,8 @@ def test_o_proj_slots_before_the_wait():
 
 
 def test_tune_tries_o_proj_counts_for_w8a16_only():
-    """forms.candidates: W8A16 on sm_90+ adds ws with o_proj's WO_PRE_TRY counts at every L2 size (v45: 8B W8A16
-    -61 µs); fp16 (slower with any o_proj count, v45) and sm_89 add none."""
+    """forms.candidates: W8A16 on sm_90+ adds ws with o_proj's WO_PRE_TRY counts at every L2 size (it pays on 8B
+    W8A16); fp16 (slower with any o_proj count) and sm_89 add none."""
     from atomflow_bench.gpu.forms import L2_TAILS, WO_PRE_TRY, GemvForm, candidates
 
     fp8 = candidates("fp8", 90, 1)[0]

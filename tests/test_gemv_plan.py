@@ -1,6 +1,6 @@
 """The tiled GEMV launch plans (CPU): ring depth, blocks per SM and shared memory per launch.
 
-gemv_ws_plan (the ws form, sm_90+): the warp-specialised kernels (gemv_common.cuh gemv_tiled_ws) read their
+gemv_ws_plan (the ws form, sm_90+): the warp-specialised kernels (gemv_ws.cuh gemv_tiled_ws) read their
 ring depth back from the dynamic shared memory, so the plan must size it exactly: x + partial sums + barriers +
 slots. gemv_plan (the ring form; the only one before sm_90): an fp8 launch runs the kernel of its ring depth (gemv_fp8.cu
 gemv_f8_<variant>_r<depth>), whose layout (gemv_tiled_async) needs exactly x + partial sums + depth ring slots.

@@ -34,9 +34,10 @@ from atomflow_bench.gpu.ops.gemv import (VARIANT_PAIRING, gemv_launch, head_l2, 
                                          tiled_scales)
 from atomflow_bench.gpu.ops.lm_head import lm_head_launch, rows_launch
 from atomflow_bench.gpu.ops.small import embed_launch, quantize_launch, spin_launch
-from atomflow_bench.gpu.nvrtc import KERNELS_DIR
+from atomflow_bench.gpu.nvrtc import KernelLib
 from atomflow_bench.gpu.step import hold_position
 from atomflow_bench.quant import dequantize_fp8, quantize_fp8
+from lab import KERNELS_DIR as LAB_KERNELS_DIR
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +45,7 @@ pytestmark = pytest.mark.gpu
 # every file of the default build, attention.cu's portable staging (ATT_TMA=0), the GEMVs without bulk copies
 # (GEMV_BULK=0) and the lab's probe kernels.
 KERNEL_BUILDS = [(None, (), None), (None, ("ATT_TMA=0",), ("attention.cu",)),
-                 (None, ("GEMV_BULK=0",), ("gemv_fp16.cu", "gemv_fp8.cu")), (KERNELS_DIR / "lab", (), None)]
+                 (None, ("GEMV_BULK=0",), ("gemv_fp16.cu", "gemv_fp8.cu")), (LAB_KERNELS_DIR, (), None)]
 
 FP16_TOL, FP32_TOL = 2e-3, 1e-4
 SHAPE_MODELS = ("llama-3.2-1b", "llama-3.2-3b", "smollm2-135m")
@@ -740,18 +741,18 @@ def test_lm_head_argmax(kernel_lib_lmhead, n_sm, rows, k):
 
 
 @pytest.fixture(scope="module")
-def lab_lib(kernel_lib_of):
-    """The lab kernels (kernels_cu/lab/: probe_stream.cu), as scripts/lab/probe_stream.py builds them."""
-    return kernel_lib_of((), KERNELS_DIR / "lab")
+def lab_lib():
+    """The lab kernels (lab/kernels/probe_stream.cu), as lab/scripts/probe_stream.py builds them."""
+    return KernelLib(LAB_KERNELS_DIR, kernels={"probe_stream.cu": ("probe_stream",)})
 
 
 def test_probe_stream(lab_lib, n_sm):
-    """kernels_cu/lab/probe_stream.cu (the persistent-stream probe, atomflow_bench/lab/probe.py): on fresh random
+    """lab/kernels/probe_stream.cu (the persistent-stream probe, lab/probe.py): on fresh random
     bytes every chunk is read exactly once (stream_probe checks each launch's checksum and the op counters against
     what the rule gives, raising otherwise) for ops smaller than the grid, not multiples of the chunk, rings of 1, 2
     and 12 chunks, each dependency rule (none, the grid, groups of 4, the layer rule, static or dynamic chunks;
     spinning or sleeping polls, both signals); the modelled latency is waited for only where the op waits."""
-    from atomflow_bench.lab.probe import stream_probe
+    from lab.probe import stream_probe
 
     ops = [("L0.qkv", 16 * 5), ("L0.o", 16 * 1001), ("L0.gu", 16 * 70001), ("L0.d", 4096 * n_sm + 48),
            ("L1.qkv", 16 * 3), ("L1.o", 16 * 20011), ("lm_head", 16 * 123457)]

@@ -1,5 +1,6 @@
-"""Every kernels_cu/*.cu compiles with nvcc for sm_89, sm_90 and sm_120 with warnings as errors, and the
-register report shows no local-memory spills (no stack frame) in any kernel (CPU: needs nvcc only)."""
+"""Every kernels_cu/*.cu compiles with nvcc for sm_89, sm_90 and sm_120 with warnings as errors, defines exactly the
+kernels the op modules declare for it (their KERNELS), and the register report shows no local-memory spills (no stack
+frame) in any kernel (CPU: needs nvcc only)."""
 from __future__ import annotations
 
 import re
@@ -8,11 +9,12 @@ import subprocess
 
 import pytest
 
-from atomflow_bench.gpu.nvrtc import KERNELS_DIR, kernel_names
+from atomflow_bench.gpu.nvrtc import KERNELS_DIR, declared_kernels
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 SOURCES = sorted(KERNELS_DIR.glob("*.cu"))
+DECLARED = declared_kernels()
 
 
 def compile_report(src, arch: str, tmp_path, defines=()) -> str:
@@ -46,7 +48,10 @@ def ptx_of(path, defines=()) -> str:
 def test_compiles_without_spills(src, arch, tmp_path):
     report = compile_report(src, arch, tmp_path)
     entries = re.findall(r"Compiling entry function '(\w+)'", report)
-    assert sorted(entries) == sorted(kernel_names(src)), "kernel list of the loader disagrees with nvcc"
+    declared = DECLARED.get(src.name, ())
+    assert sorted(entries) == sorted(declared), (
+        f"{src.name} defines {sorted(set(entries) - set(declared))} beyond the op modules' KERNELS and lacks "
+        f"{sorted(set(declared) - set(entries))}")
     frames = frames_of(report)
     assert len(frames) == len(entries)
     assert not local_memory(frames), f"local memory use (stack/spills) in {list(zip(entries, frames))}"
@@ -69,7 +74,7 @@ def test_attention_tma_form_compiles_without_spills(tmp_path):
     src = KERNELS_DIR / "attention.cu"
     report = compile_report(src, "sm_90", tmp_path, defines=("ATT_TMA=1",))
     frames = frames_of(report)
-    assert len(frames) == len(kernel_names(src)) and not local_memory(frames)
+    assert len(frames) == len(DECLARED["attention.cu"]) and not local_memory(frames)
     out = subprocess.run([NVCC, "-arch=sm_89", "-std=c++17", "-DATT_TMA=1", "-c", str(src), "-o", str(tmp_path / "x.o")],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode != 0 and "needs sm_90+" in out.stderr
@@ -78,7 +83,7 @@ def test_attention_tma_form_compiles_without_spills(tmp_path):
 def test_only_the_kept_knobs_remain():
     """The kernels read exactly these -D knobs: GEMV_BULK (the portable ring), ATT_TMA (the portable K/V staging) and
     the timing instruments AF_TIMELINE, AF_NO_WAIT, AF_NO_SCALES; every measured-slower form or value is gone or a
-    fixed constant (docs/PERF_NOTES.md; last in commit 9969095)."""
+    fixed constant."""
     knobs = set()
     for src in sorted(KERNELS_DIR.glob("*.cu")) + sorted(KERNELS_DIR.glob("*.cuh")):
         knobs |= set(re.findall(r"^\s*#\s*if(?:n?def)\s+(\w+)", src.read_text(), re.M))
@@ -86,17 +91,19 @@ def test_only_the_kept_knobs_remain():
 
 
 def test_every_source_has_a_header():
-    for src in SOURCES:
-        head = src.read_text().splitlines()[0]
-        assert head.startswith(f"// {src.name} —"), f"{src.name}: first line must name the op"
+    """Every .cu, and every GEMV header (gemv_*.cuh: the pieces the GEMV kernels are built from), opens with a header
+    naming it and saying what it computes, its layouts, the bytes it moves and how it is launched."""
+    for src in SOURCES + sorted(KERNELS_DIR.glob("gemv_*.cuh")):
         text = src.read_text()
-        for key in ("Layout", "Bytes", "Launch"):
-            assert key in text, f"{src.name}: header lacks '{key}'"
+        assert text.splitlines()[0].startswith(f"// {src.name} —"), f"{src.name}: first line must name the op"
+        header = text[: text.index("#")]
+        for key in ("Computes", "Layout", "Bytes", "Launch"):
+            assert f"// {key}" in header, f"{src.name}: header lacks '{key}'"
 
 
 @pytest.mark.parametrize("src", ["gemv_fp8.cu", "gemv_fp16.cu", "attention_short.cu", "attention.cu"])
 def test_no_wait_instrument_compiles_without_spills(src, tmp_path):
-    """The timing instrument AF_NO_WAIT (common.cuh; PERF_NOTES v28) with every bit set compiles without local
+    """The timing instrument AF_NO_WAIT (common.cuh) with every bit set compiles without local
     memory, and it does remove the waits: fewer griddepcontrol.wait in the PTX than the default build."""
     path = KERNELS_DIR / src
     frames = frames_of(compile_report(path, "sm_90", tmp_path, defines=("AF_NO_WAIT=15",)))
@@ -110,8 +117,8 @@ def test_no_wait_instrument_compiles_without_spills(src, tmp_path):
 
 @pytest.mark.parametrize("src", ["gemv_fp8.cu", "gemv_fp16.cu"])
 def test_l2_prefetch_only_in_the_qkv_and_summing_kernels(src):
-    """The L2 bulk prefetches of later weights (gemv_common.cuh): next_weights_l2 in the QKV kernels (PERF_NOTES
-    v30.1-v31; the host's next_bytes = 0 asks nothing) after the block's last epilogue: o_proj's head (l2_head:
+    """The L2 bulk prefetches of later weights (gemv_epilogue.cuh): next_weights_l2 in the QKV kernels (the host's
+    next_bytes = 0 asks nothing) after the block's last epilogue: o_proj's head (l2_head:
     weights and scales) and the range (one); and the next GEMV's head in the summing kernels (resid_tp,
     tp_sum_finish: weights and scales); no other kernel asks L2 for anything."""
     kernels = re.split(r"\.entry\s+", ptx_of(KERNELS_DIR / src))[1:]
@@ -125,7 +132,7 @@ def test_l2_prefetch_only_in_the_qkv_and_summing_kernels(src):
 
 @pytest.mark.parametrize("src", ["gemv_fp8.cu", "gemv_fp16.cu"])
 def test_every_bulk_weight_copy_is_evict_first(src):
-    """The tiled GEMVs' bulk weight and scale copies (gemv_common.cuh gemv_w_copy; PERF_NOTES v30.3, v31) all carry
+    """The tiled GEMVs' bulk weight and scale copies (gemv_tiled.cuh gemv_w_copy) all carry
     the L2 evict-first policy: no bulk copy without the cache hint."""
     ptx = ptx_of(KERNELS_DIR / src)
     copies = [ln for ln in ptx.splitlines() if "cp.async.bulk.shared::cluster.global" in ln]
@@ -134,7 +141,7 @@ def test_every_bulk_weight_copy_is_evict_first(src):
 
 
 def test_no_scales_instrument_drops_only_the_scale_copies(tmp_path):
-    """The timing instrument AF_NO_SCALES (PERF_NOTES v36) compiles without local memory and removes exactly the fp8
+    """The timing instrument AF_NO_SCALES (common.cuh) compiles without local memory and removes exactly the fp8
     scale copies: the bulk copies of the fp8 kernels drop, the fp16 kernels are untouched."""
     fp8, fp16 = KERNELS_DIR / "gemv_fp8.cu", KERNELS_DIR / "gemv_fp16.cu"
     frames = frames_of(compile_report(fp8, "sm_90", tmp_path, defines=("AF_NO_SCALES=1",)))

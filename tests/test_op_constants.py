@@ -1,5 +1,7 @@
-"""One home per op (CPU): every constant an ops/ module mirrors from its kernels equals the `#define` in its .cu, and
-the package's imports form no cycle between its parts (that the product never imports the lab: test_lab_local.py)."""
+"""One home per op (CPU): every constant an ops/ module mirrors from its kernels equals the `#define` in its .cu, every
+kernel a launch factory builds is in its module's KERNELS (tests/test_nvcc.py checks those lists against what nvcc
+finds in each .cu), and the package's imports form no cycle between its parts (that the product never imports the lab:
+test_lab_local.py)."""
 from __future__ import annotations
 
 import ast
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from atomflow_bench.gpu.nvrtc import KERNELS_DIR, kernel_names, ring_depths
+from atomflow_bench.gpu.nvrtc import KERNELS_DIR, declared_kernels
 
 OPS = ("gemv", "attention", "lm_head", "small", "tp_comm")
 PKG = Path(__file__).resolve().parents[1] / "atomflow_bench"
@@ -39,26 +41,32 @@ def test_the_check_can_fail(tmp_path, monkeypatch):
     assert defines(["x.cu"]) == {"GEMV_THREADS": 128}
 
 
-def test_every_kernel_the_ops_name_exists():
-    """The kernel names the launch factories build (ring depths, variants, attention instances) exist in a .cu."""
+def test_every_kernel_the_ops_build_is_declared():
+    """The kernel names the launch factories build (variants, ring depths, forms, attention instances) are in their
+    module's KERNELS, under the .cu that defines them; every .cu of kernels_cu/ is some module's, each kernel is
+    declared once, and the lab's kernels are not the product's."""
     from atomflow_bench.gpu.ops import attention, gemv
 
-    names = {n for f in KERNELS_DIR.glob("*.cu") for n in kernel_names(f)}
-    assert ring_depths(KERNELS_DIR / "gemv_fp8.cu") == gemv.GEMV_RING_DEPTHS
-    for fmt, prefix in (("fp16", "gemv_f16"), ("fp8", "gemv_f8")):
-        for variant in gemv.VARIANT_PAIRING:
-            assert f"{prefix}_{variant}_ws" in names
-            if fmt == "fp8":
-                assert all(f"{prefix}_{variant}_r{d}" in names for d in gemv.GEMV_RING_DEPTHS)
-            else:
-                assert f"{prefix}_{variant}" in names
+    files = declared_kernels()
+    names = [n for cu in files.values() for n in cu]
+    assert len(names) == len(set(names)), "a kernel declared twice"
+    assert set(files) == {p.name for p in KERNELS_DIR.glob("*.cu")}
+    fp16, fp8 = set(files["gemv_fp16.cu"]), set(files["gemv_fp8.cu"])
+    for variant in gemv.VARIANT_PAIRING:
+        assert {gemv.kernel_name("fp16", variant, False), gemv.kernel_name("fp16", variant, True)} <= fp16
+        assert gemv.kernel_name("fp8", variant, True) in fp8
+        assert {gemv.kernel_name("fp8", variant, False, d) for d in gemv.GEMV_RING_DEPTHS} <= fp8
+    assert gemv.kernel_name("fp8", "resid", False, 3) == "gemv_f8_resid_r3"
+    assert gemv.kernel_name("fp16", "resid", False, 0) == "gemv_f16_resid"
+    assert gemv.kernel_name("fp8", "qkv_rope", True) == "gemv_f8_qkv_rope_ws"
     for hd in attention.HEAD_DIMS:
         for g in attention.GROUPS:
-            assert {f"attention_decode_hd{hd}_g{g}", f"attention_short_hd{hd}_g{g}"} <= names
-    assert {"gemv_f16_f32", "gemv_f16_f32_argmax", "embed_lookup", "quantize_fp8", "spin_ns", "tp_allreduce_add",
-            "tp_argmax_combine"} <= names
-    assert not any(n.endswith("_dyn") for n in names)  # removed forms stay removed
-    assert "probe_stream" not in names  # the lab's kernels are not the product's
+            assert attention.split_kernel(hd, g) in files["attention.cu"]
+            assert attention.short_kernel(hd, g) in files["attention_short.cu"]
+    assert attention.split_kernel(128, 4) == "attention_decode_hd128_g4"
+    assert set(files["lm_head.cu"]) == {"gemv_f16_f32", "gemv_f16_f32_argmax"}
+    assert {"embed_lookup", "quantize_fp8", "spin_ns", "tp_allreduce_add", "tp_argmax_combine"} <= set(names)
+    assert "probe_stream" not in names
 
 
 def _imports(path: Path) -> set[str]:

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from helpers_scripts import SCRIPTS, load_script
 
-from atomflow_bench.gpu.nvrtc import KERNELS_DIR, kernel_names
+from atomflow_bench.gpu.nvrtc import KERNELS_DIR, declared_kernels
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +56,21 @@ def test_changed_instruction_and_missing_kernel(pc):
     assert pc.compare(pc.entries(A), pc.entries(c))[0][1] == "differs"
 
 
+def test_a_renamed_kernel_reads_renamed(pc):
+    """A kernel only old and one only new with the same code, their own names aside, are one kernel renamed; with
+    other code they stay two."""
+    b = A.replace("k_one", "k_uno")
+    assert pc.compare(pc.entries(A), pc.entries(b)) == [("k_two", "same", 0), ("k_uno", "renamed from k_one", 0)]
+    c = b.replace("add.s32 \t%r7, %r5, 1;", "add.s32 \t%r7, %r5, 2;")
+    rows = {k: state for k, state, _ in pc.compare(pc.entries(A), pc.entries(c))}
+    assert rows == {"k_one": "only old", "k_uno": "only new", "k_two": "same"}
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("git") is None, reason="needs nvcc and git")
 def test_real_source_against_head(pc):
     src = KERNELS_DIR / "embedding.cu"
     got = pc.entries(pc.ptx(src, KERNELS_DIR, "sm_90", []))
-    assert sorted(got) == sorted(kernel_names(src))
+    assert sorted(got) == sorted(declared_kernels()["embedding.cu"])
     out = subprocess.run(["python3", str(SCRIPTS / "ptx_compare.py"), "no-such-revision", "embedding.cu"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 1 and out.stderr.startswith("error: git archive 'no-such-revision'")

@@ -1,5 +1,5 @@
 """The tiled weight layout of the layer GEMVs (weights.tile_view) against the PTX ISA's mma.m16n8k16 fragment
-layout, on the CPU: every byte the kernel (kernels_cu/gemv_common.cuh, TILED) hands to an mma as fragment
+layout, on the CPU: every byte the kernel (kernels_cu/gemv_tiled.cuh) hands to an mma as fragment
 element a_i of lane l must be the weight at the (row, column) the ISA assigns to that element, for every
 pairing of rows the epilogues rely on; and the fragment-ordered x in shared memory must give each lane the
 B elements the ISA assigns to it.
@@ -25,7 +25,7 @@ A_ELEM = [(0, 0), (0, 1), (8, 0), (8, 1), (0, 8), (0, 9), (8, 8), (8, 9)]  # a_i
 
 
 def weight_row(pairing: str, tile: int, r: int, rows: int, half: int) -> int:
-    """The weight row the kernel's epilogue treats as tile row r (gemv_common.cuh gemv_tiled + gemv_epilogue)."""
+    """The weight row the kernel's epilogue treats as tile row r (gemv_tiled.cuh gemv_tiled + gemv_epilogue.cuh gemv_epilogue)."""
     if pairing == "none":
         return tile * 16 + r  # output tile*16 + r
     o, rh = tile * 8 + r % 8, r // 8  # output o: acc0 = tile row r (< 8), acc1 = tile row r + 8
@@ -91,7 +91,7 @@ def test_scale_tiles(pairing, rows, k, half):
 
 
 def xs_pair(p: int) -> int:
-    """kernels_cu/gemv_common.cuh xs_pair."""
+    """kernels_cu/gemv_prologue.cuh xs_pair."""
     r = p & 15
     return (p & ~15) | ((r & 3) << 2) | ((r >> 3) << 1) | ((r >> 2) & 1)
 

@@ -69,7 +69,7 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132, lm_hea
         raise AtomflowError(f"unknown weight format {fmt!r} (expected fp16 or fp8)")
     if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or cfg.q_dim % 32:
         raise AtomflowError("hidden_size, intermediate_size and heads*head_dim must be multiples of 32 "
-                            "(tiled GEMV layout, kernels_cu/gemv_common.cuh)")
+                            "(tiled GEMV layout, kernels_cu/gemv_tiled.cuh)")
     attention.check_shape(cfg.head_dim, cfg.group_size)
     if not 1 <= max_seq <= 32768:
         raise AtomflowError(f"max_seq {max_seq} out of range (1..32768)")

@@ -21,9 +21,10 @@ from .. import envs
 from ..errors import AtomflowError
 from .ops.gemv import GEMV_WS_MAX
 
-L2_TAILS = (0, 4, 8, 16, 24)  # MB of gate/up's tail the tuner tries (docs/PERF_NOTES.md v30.4: the best differs)
-WS_PRE_TRY = {"fp16": (2,), "fp8": ()}  # slots-before-the-wait counts tried besides the default (v16: 1B fp16 at 2)
-# o_proj's own count tried besides the form's (v45.1: 8B W8A16 ws/l2=24 at 2 -69 µs; fp16 shapes +1 to +24 at any count)
+# What the tuner tries. Each list holds the values that won on some measured shape, since the best differs per shape:
+L2_TAILS = (0, 4, 8, 16, 24)  # MB of gate/up's tail asked into L2
+WS_PRE_TRY = {"fp16": (2,), "fp8": ()}  # slots-before-the-wait counts besides the default (1B fp16 is fastest at 2)
+# o_proj's own count besides the form's: 2 pays on 8B W8A16; on fp16 shapes every count measured slower
 WO_PRE_TRY = {"fp16": (), "fp8": (2,)}
 
 
@@ -33,7 +34,7 @@ class GemvForm:
     ws_pre: int | None = None   # ws: ring slots filled before the PDL wait (None: the format's default)
     l2_tail_mb: int = 0         # MB of gate/up's last weights each QKV launch asks into L2 after its epilogue
     # ws: o_proj's slots before its wait (None: as ws_pre). Its blocks land while the attention runs, and what they
-    # ask before the release queues in front of the attention's completion (docs/PERF_NOTES.md v45)
+    # ask before the release queues in front of the attention's completion
     wo_pre: int | None = None
 
     def __post_init__(self):
@@ -109,17 +110,16 @@ class Forms:
 
 def default_forms(fmt: str, cc: int, short_capacity: int) -> Forms:
     """The forms when nothing was tuned or given (validate, generate, tests): short attention where it fits; on
-    sm_90+ fp16 warp-specialised, fp8 the ring (v13: fp8 ws slower on 3B), each asking 8 MB of gate/up into L2 (the
-    size most shapes chose, v31); before sm_90 the ring form alone."""
+    sm_90+ fp16 warp-specialised, fp8 the ring (ws measured slower for fp8 on 3B), each asking 8 MB of gate/up into
+    L2 (the size most shapes chose); before sm_90 the ring form alone."""
     g = GemvForm(ws=fmt == "fp16", l2_tail_mb=8) if cc >= 90 else GemvForm()
     return Forms(short_capacity > 0, g, g)
 
 
-# W8A16 under tensor parallel: the warp-specialised form, measured against the one-GPU default (ring/l2=8) on 70B TP2:
-# 14.109 vs 14.839 ms (docs/PERF_NOTES.md v40.1); with 16 MB of L2 tail since the heads of o_proj and of the GEMVs
-# after each sum are asked into L2 too (v42.2, 70B TP4: l2=16 7.290 ms, 24 7.319, 32 7.344, 8 7.284 once); o_proj
-# filling 2 slots before its wait (v45-v45.1: 70B TP2 on 2 GPUs -95 µs; the TP4 rank step on one GPU -178); with that,
-# 8 MB of tail again (v46.2-v46.3, 70B TP2 against l2=16: -34 µs on 2x H100, -73 on 2x H200).
+# W8A16 under tensor parallel, each part the faster on 70B: the warp-specialised form (TP2: 14.11 ms against 14.84 for
+# the one-GPU default ring/l2=8), o_proj filling 2 slots before its wait (GemvForm.wo_pre: what its blocks ask
+# before the release queues in front of the attention's completion), and 8 MB of L2 tail, the fastest tail with
+# o_proj at 2 on 2x H100 and on 2x H200.
 TP_FP8_GEMV = "ws/l2=8/wo-pre=2"
 
 

@@ -1,7 +1,8 @@
 """NVRTC: the CUDA kernels compiled from `kernels_cu/*.cu` through CuPy, one RawModule per file, on first use.
 
-Each `.cu` file is one op (see its header). `KernelLib` compiles a file the first time one of its kernels is asked
-for (a step build asks only for the kernels it launches, so only their files are compiled), for the device's own
+Each `.cu` file is one op (see its header). Every op module (gpu/ops/*.py) declares the kernels it launches and the
+.cu that defines each (its KERNELS); `KernelLib` compiles a file the first time one of its kernels is asked for (a
+step build asks only for the kernels it launches, so only their files are compiled), for the device's own
 architecture, and CuPy's on-disk cache (~/.cupy/kernel_cache, keyed by source + options + arch) makes a second
 process skip NVRTC. Local `#include "x.cuh"` lines are inlined here so that the cache key covers the headers too.
 
@@ -37,12 +38,6 @@ def find_kernels_dir() -> Path:
 
 KERNELS_DIR = find_kernels_dir()
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
-_DEFINE = re.compile(r"^[ \t]*#[ \t]*define(?:[^\n]*\\\n)*[^\n]*", re.M)  # a #define with continuations
-_MACRO_INSTANCE = re.compile(r"^(?:GEMV_(?:ROPE_|ROWS_|ROWS_ARGMAX_|WS_|WS_ROPE_|TP_|WS_TP_)?INSTANCE\((\w+)[,)]"  # NAME
-                             r"|GEMV_(?:ROPE_|TP_)?RING_INSTANCES\((\w+)[,)]"  # NAME_r<depth> for every depth
-                             r"|ATTENTION_(SHORT_)?INSTANCE\((\d+), (\d+)\))", re.M)  # attention_{decode,short}_hd<HD>_g<G>
-_RING_DEPTH = re.compile(r"GEMV_RING_INSTANCE\(NAME, PRO, EPI, (\d+)\)")  # in GEMV_RING_INSTANCES' definition
 
 
 def expand_source(path: Path, seen: set | None = None) -> str:
@@ -60,21 +55,16 @@ def expand_source(path: Path, seen: set | None = None) -> str:
     return _INCLUDE.sub(repl, text)
 
 
-def ring_depths(path: Path) -> tuple[int, ...]:
-    """The fp8 ring depths with a kernel each: those GEMV_RING_INSTANCES instantiates (gemv_common.cuh)."""
-    return tuple(int(d) for d in _RING_DEPTH.findall(expand_source(path)))
+def declared_kernels() -> dict[str, tuple[str, ...]]:
+    """{.cu file: its kernels} over every op module's KERNELS: what the product launches and where it is defined."""
+    # Imported here, not at the top: every op module imports this one (KernelLib, knob).
+    from .ops import attention, gemv, lm_head, small, tp_comm
 
-
-def kernel_names(path: Path) -> list[str]:
-    """The extern "C" kernels a .cu file defines (directly or through the instance macros)."""
-    text = _DEFINE.sub("", path.read_text())
-    names = _KERNEL.findall(text)
-    for gemv, ring, short, hd, g in _MACRO_INSTANCE.findall(text):
-        if ring:
-            names += [f"{ring}_r{d}" for d in ring_depths(path)]
-        else:
-            names.append(gemv or f"attention_{'short' if short else 'decode'}_hd{hd}_g{g}")
-    return names
+    out: dict[str, tuple[str, ...]] = {}
+    for mod in (attention, gemv, lm_head, small, tp_comm):
+        for cu, names in mod.KERNELS.items():
+            out[cu] = out.get(cu, ()) + tuple(names)
+    return out
 
 
 def cuda_include_dirs() -> list[str]:
@@ -97,8 +87,8 @@ def cuda_include_dirs() -> list[str]:
 
 PORTABLE = ("ATT_TMA", "GEMV_BULK")  # forms for GPUs without bulk copies / TMA (0); ATT_TMA is set to 1 on sm_90+
 # Timing instruments: with a non-zero value the step computes wrong results on purpose (AF_NO_WAIT, AF_NO_SCALES:
-# common.cuh, docs/PERF_NOTES.md v28, v36) or records when each block runs (AF_TIMELINE: lab/timeline.py). `run` marks
-# its record with them, `compare` refuses such a record and `validate` refuses to start.
+# common.cuh) or records when each block runs (AF_TIMELINE: lab/timeline.py). `run` marks its record with them,
+# `compare` refuses such a record and `validate` refuses to start.
 INSTRUMENTS = ("AF_NO_WAIT", "AF_NO_SCALES", "AF_TIMELINE")
 KERNEL_DEFINES = PORTABLE + INSTRUMENTS
 
@@ -129,19 +119,22 @@ def instrument_defines(defines: tuple | None = None) -> list[str]:
 
 
 def arch_defines(cc: int, defines: tuple) -> tuple:
-    """ATT_TMA=1 on sm_90+ where the run does not set it: attention.cu stages K/V groups by 2D tensor copies
-    (docs/PERF_NOTES.md v23.5). The source default (ATT_TMA 0) is the portable form for older GPUs and nvcc."""
+    """ATT_TMA=1 on sm_90+ where the run does not set it: attention.cu stages K/V groups by 2D tensor copies there,
+    which measured faster than per-lane copies. The source default (ATT_TMA 0) is the portable form for older GPUs
+    and nvcc."""
     if any(d.startswith("ATT_TMA=") for d in defines) or cc < 90:
         return ()
     return ("ATT_TMA=1",)
 
 
 class KernelLib:
-    """Compiled kernels by name, one cupy.RawModule per .cu file, compiled on first use."""
+    """Compiled kernels by name, one cupy.RawModule per .cu file, compiled on first use. `kernels`: {.cu file: its
+    kernels} of `kernels_dir` (default: the product's, declared_kernels; the lab passes its own)."""
 
     OPTIONS = ("-std=c++17",)
 
-    def __init__(self, kernels_dir: Path = KERNELS_DIR, extra_defines: tuple = ()):
+    def __init__(self, kernels_dir: Path = KERNELS_DIR, extra_defines: tuple = (),
+                 kernels: dict[str, tuple[str, ...]] | None = None):
         import cupy  # noqa: F401  (fail here, clearly, when CuPy is missing)
 
         from .device import compute_capability
@@ -149,10 +142,8 @@ class KernelLib:
         self.dir = Path(kernels_dir)
         if not self.dir.is_dir():
             raise AtomflowError(f"kernel sources not found: {self.dir} (set ATOMFLOW_KERNELS_DIR)")
-        self._file_of: dict[str, Path] = {}
-        for f in sorted(self.dir.glob("*.cu")):
-            for name in kernel_names(f):
-                self._file_of[name] = f
+        files = declared_kernels() if kernels is None else kernels
+        self._file_of = {name: self.dir / cu for cu, names in files.items() for name in names}
         self._modules: dict[Path, object] = {}
         self._kernels: dict[str, object] = {}
         given = parse_defines(envs.ATOMFLOW_KERNEL_DEFINES) + parse_defines(extra_defines)

@@ -111,10 +111,10 @@ def hold_position(launches: list[Launch]) -> list[Launch]:
 
 
 def check_residual_order(names: list[str]) -> None:
-    """A residual GEMV reads h[o] before its PDL wait (gemv_common.cuh epilogue_operand): that is safe only when
+    """A residual GEMV reads h[o] before its PDL wait (gemv_epilogue.cuh epilogue_operand): that is safe only when
     the last writer of h is not its direct predecessor (a kernel starts once its predecessor passed its own wait,
     so everything before the predecessor is complete). Writers of h: the embedding and the residual GEMVs. The
-    residual GEMVs themselves trigger their successor before their wait (gemv_common.cuh gemv_arrive_wait), so
+    residual GEMVs themselves trigger their successor before their wait (gemv_epilogue.cuh gemv_arrive_wait), so
     that guarantee holds for kernels after any other kernel — which is why a residual GEMV must not follow one."""
     for prev, name in zip(names, names[1:]):
         if "_resid" in name and (prev == "embed_lookup" or "_resid" in prev):

@@ -37,6 +37,21 @@ GROUPS = (1, 2, 3, 4, 8, 16)  # q heads per kv head
 BLOCK_HEADS = ATS_HEADS     # attention.cu ATT_BLOCK_HEADS: the most q heads one block takes (both kernels)
 
 
+def split_kernel(hd: int, group: int) -> str:
+    """The split kernel's instance for head_dim `hd` and `group` q heads per kv head (attention.cu)."""
+    return f"attention_decode_hd{hd}_g{group}"
+
+
+def short_kernel(hd: int, group: int) -> str:
+    """The short kernel's instance (attention_short.cu)."""
+    return f"attention_short_hd{hd}_g{group}"
+
+
+# The kernels this module launches, by the .cu that defines them (as ops/gemv.py KERNELS): one per head_dim and group.
+KERNELS = {"attention.cu": tuple(split_kernel(hd, g) for hd in HEAD_DIMS for g in GROUPS),
+           "attention_short.cu": tuple(short_kernel(hd, g) for hd in HEAD_DIMS for g in GROUPS)}
+
+
 def blocks_per_kv(group: int) -> int:
     """Blocks that share one kv head (its q heads split between them, each reading the head's K/V): 2 for 16."""
     return max(1, group // BLOCK_HEADS)
@@ -89,7 +104,7 @@ def attention_launch(lib: KernelLib, q, k_cache, v_cache, pos, part_ml, part_o, 
     heads = n_kv * blocks_per_kv(group)
     if counters.size < heads:
         raise AtomflowError(f"attention: {counters.size} tickets for {heads} head groups")
-    fn = lib[f"attention_decode_hd{hd}_g{group}"]
+    fn = lib[split_kernel(hd, group)]
     shmem = attention_smem(group, hd, splits, lib.defines)
     if shmem > SMEM_H100[0]:
         raise AtomflowError(f"{splits} attention splits need {shmem} bytes of shared memory (> {SMEM_H100[0]})")
@@ -131,8 +146,8 @@ def attention_short_launch(lib: KernelLib, q, k_cache, v_cache, pos, out, n_kv: 
     """One block per kv head holding up to `cap` positions of K and V in shared memory (longer contexts are walked
     in chunks of `cap`: correct, but the engine switches to attention_launch there). The block asks for all the
     shared memory a block may have, whatever `cap` needs: nothing else (the next GEMV's early blocks) can share its
-    SM, whose weight loads would stall this block's shared-memory traffic (docs/PERF_NOTES.md v11.2)."""
-    fn = lib[f"attention_short_hd{hd}_g{group}"]
+    SM, whose weight loads would stall this block's shared-memory traffic (measured slower when they share it)."""
+    fn = lib[short_kernel(hd, group)]
     need, room = short_smem(hd, cap), smem_limits()[0] - short_static(hd)
     if cap < 1 or need > room:
         raise AtomflowError(f"short attention of {cap} positions needs {need} bytes of shared memory per block "

@@ -1,6 +1,6 @@
 """The layer GEMVs (QKV, o_proj, gate/up, down): everything the host knows about kernels_cu/gemv_fp16.cu,
-gemv_fp8.cu and their skeleton gemv_common.cuh (TILED) — constants, the tiled weight layout, the launch plans and
-the launch factory.
+gemv_fp8.cu and their headers gemv_args.cuh, gemv_prologue.cuh, gemv_epilogue.cuh, gemv_tiled.cuh and gemv_ws.cuh:
+constants, the kernels by name, the tiled weight layout, the launch plans and the launch factory.
 
 Two forms per format, both y = W . x over weights pre-tiled at load time (tile_view):
   ring  the per-warp path: fp8 through a cp.async ring in shared memory (one kernel per ring depth, `_r<N>`), fp16
@@ -8,7 +8,7 @@ Two forms per format, both y = W . x over weights pre-tiled at load time (tile_v
   ws    warp-specialised, sm_90+: a producer warp fills a ring of 16 KB slots with bulk copies for 8 consumer warps
         (gemv_ws_plan); `ws_pre` slots are requested before the PDL wait.
 Which form a step runs is launch policy (forms.GemvForm, measured by tune.py); this module builds either.
-Variants (the epilogue, gemv_common.cuh): qkv_rope (RMSNorm prologue; RoPE + KV-cache append; optionally asks L2
+Variants (the epilogue, gemv_epilogue.cuh): qkv_rope (RMSNorm prologue; RoPE + KV-cache append; optionally asks L2
 for later weights: next_l2), norm_swiglu (RMSNorm prologue, SwiGLU), resid (h += W.x), store (plain fp16: the
 `gemv` microbenchmark's QKV), partial (plain fp32: a tensor-parallel rank's share of o_proj / down for the NCCL path),
 resid_tp (tensor parallel with peer memory: h += the sum over ranks of their shares, summed in the epilogue through
@@ -25,19 +25,21 @@ from ..launch import NULL, Launch, allow_dynamic_smem, i32
 from ..nvrtc import KernelLib
 
 # = the kernels' #defines (tests/test_op_constants.py reads them from the .cu files)
-GEMV_THREADS = 256          # gemv_common.cuh GEMV_THREADS
-GEMV_MIN_BLOCKS = 2         # gemv_common.cuh GEMV_MIN_BLOCKS: the grid never exceeds one resident wave of these
-GEMV_WS_SLOT = 16384        # gemv_common.cuh GEMV_WS_SLOT: weight bytes per ring slot (fp8: 8 groups of 128, fp16: 4)
-GEMV_WS_MAX = 16            # gemv_common.cuh GEMV_WS_MAX: the most slots a ring may have
-GEMV_RING_DEPTHS = (2, 3, 4, 5)  # gemv_common.cuh GEMV_RING_INSTANCES: fp8 ring depths with a kernel each
-TILE_ROWS = 16              # gemv_common.cuh GEMV_TILE: weight rows per tile (the mma's M)
-CU_FILES = ("gemv_common.cuh", "tp_ll.cuh", "gemv_fp16.cu", "gemv_fp8.cu")
+GEMV_THREADS = 256          # gemv_args.cuh GEMV_THREADS
+GEMV_MIN_BLOCKS = 2         # gemv_tiled.cuh GEMV_MIN_BLOCKS: the grid never exceeds one resident wave of these
+GEMV_WS_SLOT = 16384        # gemv_ws.cuh GEMV_WS_SLOT: weight bytes per ring slot (fp8: 8 groups of 128, fp16: 4)
+GEMV_WS_MAX = 16            # gemv_ws.cuh GEMV_WS_MAX: the most slots a ring may have
+GEMV_RING_DEPTHS = (2, 3, 4, 5)  # fp8 ring depths with a kernel each (gemv_fp8.cu gemv_f8_<variant>_r<depth>)
+TILE_ROWS = 16              # gemv_args.cuh GEMV_TILE: weight rows per tile (the mma's M)
+CU_FILES = ("gemv_args.cuh", "gemv_prologue.cuh", "gemv_epilogue.cuh", "gemv_tiled.cuh", "gemv_ws.cuh", "tp_ll.cuh",
+            "gemv_fp16.cu", "gemv_fp8.cu")
 CU_DEFINES = {"GEMV_THREADS": GEMV_THREADS, "GEMV_MIN_BLOCKS": GEMV_MIN_BLOCKS, "GEMV_WS_SLOT": GEMV_WS_SLOT,
               "GEMV_WS_MAX": GEMV_WS_MAX, "GEMV_TILE": TILE_ROWS}
 
-# host-side plan constants (measured: docs/PERF_NOTES.md v7.1-v9, v13, v16)
 GEMV_WARPS = GEMV_THREADS // 32
 GEMV_WS_THREADS = GEMV_THREADS + 32  # 8 consumer warps + the producer (gemv_tiled_ws)
+# The plans' limits, each the fastest value measured on the catalog shapes (H100): deeper rings take shared memory
+# that a second block per SM needs, and more bytes requested before the wait delay the previous kernel's completion.
 GEMV_STAGES = 5             # fp8 ring: the deepest ring (groups of 128 inputs per warp) a launch gets
 GEMV_WS_SLOTS = 6           # warp-specialised: the deepest ring a launch gets (~96 KB in flight per block)
 GEMV_WS_PRE = {"fp16": 3, "fp8": 0}  # default ring slots filled before the PDL wait (0: all)
@@ -51,13 +53,29 @@ VARIANT_PAIRING = {"qkv_rope": "rope", "norm_swiglu": "halves", "resid": "none",
 ROLE_PAIRING = {role: VARIANT_PAIRING[v] for role, v in ROLE_VARIANT.items()}
 
 
+def kernel_name(fmt: str, variant: str, ws: bool, depth: int = 0) -> str:
+    """The kernel of a launch: gemv_f16_<variant> (the register path), gemv_f8_<variant>_r<depth> (the ring at that
+    depth) or gemv_{f16,f8}_<variant>_ws (warp-specialised)."""
+    name = f"gemv_{'f8' if fmt == 'fp8' else 'f16'}_{variant}"
+    return f"{name}_ws" if ws else f"{name}_r{depth}" if fmt == "fp8" else name
+
+
+# The kernels this module launches, by the .cu that defines them (nvrtc.KernelLib compiles a file for its kernels;
+# tests/test_op_constants.py checks the lists against the entries nvcc finds in each file).
+KERNELS = {
+    "gemv_fp16.cu": tuple(kernel_name("fp16", v, ws) for v in VARIANT_PAIRING for ws in (False, True)),
+    "gemv_fp8.cu": tuple(kernel_name("fp8", v, False, d) for v in VARIANT_PAIRING for d in GEMV_RING_DEPTHS)
+    + tuple(kernel_name("fp8", v, True) for v in VARIANT_PAIRING),
+}
+
+
 def linear_regions(cfg) -> dict[str, tuple[int, int]]:
     """The engine's fused projections per layer: [rows, K]. q|k|v stacked; gate|up stacked."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     return {"wqkv": (cfg.qkv_dim, H), "wo": (H, cfg.q_dim), "wgu": (2 * I, H), "wd": (H, I)}
 
 
-# ---- the tiled layout (gemv_common.cuh TILED) -------------------------------------------------------------------
+# ---- the tiled layout (gemv_tiled.cuh) --------------------------------------------------------------------------
 # Each tile is stored as 512-byte units whose lane l holds its mma.m16n8k16 A fragments: rows l/4 and l/4 + 8,
 # inputs 2(l%4), +1, +8, +9 of a 16-input k-tile (fp8: two k-tiles per unit). Every layout is a reshape + transpose
 # of the row-major matrix, so the same view works on NumPy and CuPy arrays (no gather, no temporary on the device:
@@ -133,10 +151,10 @@ def gemv_plan(fmt: str, tiles: int, k: int, n_sm: int, smem: tuple = SMEM_H100, 
     fp16 (register path): no ring (depth 0), 2 blocks per SM. fp8 (cp.async ring): the deepest ring <= GEMV_STAGES at
     which 2 blocks fit an SM (5 groups per warp at K <= ~11k, 4 above: 8B's down projection); but a launch of
     more tiles than 2 per SM and at most 3 per SM (3B/8B QKV) runs one tile per block at 3 blocks per SM (ring >= 3:
-    a warp's whole share of the tile is requested before the wait) instead of a partial second round (v9).
+    a warp's whole share of the tile is requested before the wait) instead of a partial second round.
     The launch runs gemv_f8_<variant>_r<depth>. `depth` forces that ring depth at 1 block per SM (tests: every
     depth, several tiles per block). `norm`: an RMSNorm prologue (fp16: h and norm_w parked in shared memory,
-    k * 6 bytes more; gemv_common.cuh STAGE_SMEM)."""
+    k * 6 bytes more; gemv_prologue.cuh STAGE_SMEM)."""
     base = k * 2 + (2 * GEMV_WARPS * 16 + 32) * 4  # x in fragment order + partial sums + block_sum scratch
     per_sm = GEMV_MIN_BLOCKS
     if fmt != "fp8":
@@ -171,7 +189,8 @@ def gemv_ws_plan(fmt: str, tiles: int, k: int, n_sm: int, smem: tuple = SMEM_H10
 
     2 blocks per SM (3 for more than 2 and at most 3 tiles per SM: one tile per block, one wave), each with the
     deepest ring <= GEMV_WS_SLOTS that fits, but no deeper than the slots its tiles fill; fewer blocks per SM if not
-    even 2 slots fit. A grid of at most one block per SM gets up to GEMV_WS_MAX slots (1B down: -47 µs, v16). The
+    even 2 slots fit. A grid of at most one block per SM gets up to GEMV_WS_MAX slots (the whole SM's shared memory:
+    measured faster on 1B's down projection). The
     kernel reads its ring depth back from the dynamic shared memory size. `depth` forces that many slots at 1 block
     per SM (tests)."""
     base, slot = ws_smem(fmt, k)
@@ -212,7 +231,7 @@ def gemv_grid(fmt: str, variant: str, rows: int, k: int, n_sm: int, ws: bool, ri
 
 def head_l2(fmt: str, variant: str, w, scales, n_sm: int, ws: bool, slots: int,
             smem: tuple | None = None) -> tuple | None:
-    """A later GEMV's head, for an earlier kernel to ask into L2 (gemv_common.cuh L2Head: resid_tp while it waits
+    """A later GEMV's head, for an earlier kernel to ask into L2 (gemv_args.cuh L2Head: resid_tp while it waits
     for the other ranks, QKV after its epilogue): the first `slots` ring slots' worth (GEMV_WS_SLOT bytes each, and
     their fp8 scales) of every tile in the first round of that GEMV (variant over weights `w` [rows, K], tiled, in the
     ws or ring form): what each of its blocks reads first. Kernel arguments (w, scales, w_stride, w_chunk, s_stride,
@@ -231,7 +250,7 @@ def head_l2(fmt: str, variant: str, w, scales, n_sm: int, ws: bool, slots: int,
 
 
 def _head_args(head: tuple | None) -> tuple:
-    """An L2Head's seven kernel arguments (gemv_common.cuh L2HEAD_PARAMS); None: count 0."""
+    """An L2Head's seven kernel arguments (gemv_args.cuh L2HEAD_PARAMS); None: count 0."""
     w, sc, w_stride, w_chunk, s_stride, s_chunk, count = head or (NULL, NULL, 0, 0, 0, 0, 0)
     return (w, sc, *(np.uint32(v) for v in (w_stride, w_chunk, s_stride, s_chunk)), i32(count))
 
@@ -266,8 +285,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     if ws and compute_capability() < 90:
         raise AtomflowError("warp-specialised GEMVs need sm_90+ (bulk copies)")
     depth, shmem, blocks = gemv_grid(fmt, variant, rows, k, n_sm, ws, ring_depth)
-    name = f"gemv_f8_{variant}" if fp8 else f"gemv_f16_{variant}"
-    fn = lib[f"{name}_ws" if ws else f"{name}_r{depth}" if fp8 else name]
+    fn = lib[kernel_name(fmt, variant, ws, depth)]
     allow_dynamic_smem(fn, shmem)
     grid = (blocks,)
     moved = w.nbytes + (scales.nbytes if fp8 else 0) + x.nbytes + y.nbytes
@@ -300,9 +318,9 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
 
 
 def next_l2(wgu, tail_mb: int) -> tuple | None:
-    """What a layer's QKV kernel asks into L2 after its epilogue (gemv_common.cuh next_weights_l2): the last
+    """What a layer's QKV kernel asks into L2 after its epilogue (gemv_epilogue.cuh next_weights_l2): the last
     `tail_mb` MB of that layer's gate/up weights `wgu` (the tiles its blocks stream last), or None for 0. HBM idles
-    for ~4.5 µs per layer between QKV's last weights and o_proj's blocks; this fills it (docs/PERF_NOTES.md v30-v31;
-    the size that pays differs per shape, so it is part of the tuned form)."""
+    for ~4.5 µs per layer between QKV's last weights and o_proj's blocks; this fills it (the size that pays differs
+    per shape, so it is part of the tuned form)."""
     tail = min(tail_mb << 20, wgu.nbytes) & ~15
     return (wgu.view(np.uint8).reshape(-1)[wgu.nbytes - tail:], tail) if tail else None

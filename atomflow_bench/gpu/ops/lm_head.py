@@ -1,11 +1,11 @@
-"""The lm_head: the step's tail after the last layer, in one launch (gemv_common.cuh ROWS skeleton `gemv_rows`,
-gemv_fp16.cu gemv_f16_f32_argmax, argmax_common.cuh): the final RMSNorm in its prologue (block 0 also stores the
+"""The lm_head: the step's tail after the last layer, in one launch (kernels_cu/lm_head.cu gemv_f16_f32_argmax, built
+on gemv_rows.cuh and argmax_common.cuh): the final RMSNorm in its prologue (block 0 also stores the
 normalised x: the `final_norm` probe), logits = lm_head . x in fp32, and in its epilogue the greedy argmax and the
 step's bookkeeping (out_tokens[pos] = best; cur_token = the prompt's next id or best; pos += 1).
 
 fp16 row-major weights, shared with the embedding when tied (HF's layout: ~100% of the copy bandwidth as it is):
-a warp per output row, 16-byte streaming loads. The separate rmsnorm and argmax kernels this fusion replaced were
-measured slower and removed (docs/PERF_NOTES.md v16; last in commit 9969095).
+a warp per output row, 16-byte streaming loads. One launch, not an RMSNorm, a GEMV and an argmax kernel: the
+separate kernels measured slower.
 """
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ from ..nvrtc import KernelLib
 from .gemv import GEMV_THREADS
 
 ROWS_WARPS = GEMV_THREADS // 32  # a warp per output row at a time
-ROWS_MIN_BLOCKS = 4              # gemv_common.cuh ROWS_MIN_BLOCKS: the grid is at most this many blocks per SM
-CU_FILES = ("gemv_common.cuh", "gemv_fp16.cu", "argmax_common.cuh")
+ROWS_MIN_BLOCKS = 4              # gemv_rows.cuh ROWS_MIN_BLOCKS: the grid is at most this many blocks per SM
+CU_FILES = ("gemv_rows.cuh", "lm_head.cu", "argmax_common.cuh")
 CU_DEFINES = {"ROWS_MIN_BLOCKS": ROWS_MIN_BLOCKS}
+# The kernels this module launches, by the .cu that defines them (as ops/gemv.py KERNELS).
+KERNELS = {"lm_head.cu": ("gemv_f16_f32", "gemv_f16_f32_argmax")}
 
 
 def partial_blocks(vocab: int, n_sm: int) -> int:

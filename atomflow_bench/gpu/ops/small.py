@@ -11,6 +11,8 @@ EMBED_THREADS = 256
 QUANT_THREADS = 256
 QUANT_GROUPS_PER_BLOCK = 8  # quantize_fp8.cu: a warp per group of 128 inputs
 CU_FILES = ("embedding.cu", "quantize_fp8.cu", "spin.cu")
+# The kernels this module launches, by the .cu that defines them (as ops/gemv.py KERNELS).
+KERNELS = {"embedding.cu": ("embed_lookup",), "quantize_fp8.cu": ("quantize_fp8",), "spin.cu": ("spin_ns",)}
 
 
 def embed_launch(lib: KernelLib, token, emb, h, taps=None) -> Launch:

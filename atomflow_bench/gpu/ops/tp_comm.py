@@ -37,6 +37,7 @@ WAIT_HEAD_SLOTS = 1  # by resid_tp while it waits for the other ranks: the next 
 QKV_HEAD_SLOTS = 1   # by QKV after its epilogue: o_proj's
 CU_FILES = ("tp_comm.cu", "tp_ll.cuh", "argmax_common.cuh", "common.cuh")
 CU_DEFINES = {"TP_MAX_RANKS": TP_MAX_RANKS, "TP_AR_THREADS": TP_AR_THREADS, "TP_SUM_BLOCKS": TP_SUM_BLOCKS}
+KERNELS = {"tp_comm.cu": ("tp_allreduce_add", "tp_argmax_combine")}  # launched here, defined there (nvrtc.KernelLib)
 PATHS = ("peer", "nccl")
 SUM_ROLES = ("wo", "wd")  # the residual GEMVs whose partial products are summed across ranks
 ALIGN = 256
