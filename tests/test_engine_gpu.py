@@ -669,10 +669,10 @@ def test_timeline_instrument(tiny_dir, att):
 
 
 def test_run_record_forms_and_instruments(tiny_dir, tuning_home, monkeypatch):
-    """The `run` record (measure.bench.benchmark): "forms" is resolve's answer (tuned now, then saved for the same
+    """The `run` record (measure.decode.benchmark): "forms" is resolve's answer (tuned now, then saved for the same
     key, given when passed), "compiled" the .cu files the engine built, and a build with a timing instrument
     (AF_NO_WAIT, AF_NO_SCALES: wrong outputs on purpose) is marked in "instrument" and "kernel_defines"."""
-    from atomflow_bench.measure.bench import benchmark
+    from atomflow_bench.measure.decode import benchmark
 
     args = dict(model_dir=tiny_dir, model_name="tiny", source="test", weights="fp8", context=16, tokens=8,
                 repeats=1, eager_tokens=4)
@@ -729,7 +729,7 @@ def test_run_record_energy(tiny_dir, tuning_home):
     not installed (then skipped)."""
     import cupy as cp
 
-    from atomflow_bench.measure.bench import ENERGY_MIN_S, benchmark
+    from atomflow_bench.measure.decode import ENERGY_MIN_S, benchmark
     from atomflow_bench.measure.power import COUNTER, SAMPLES, bus_key
 
     tokens, repeats = 1024, 3

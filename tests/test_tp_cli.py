@@ -11,8 +11,8 @@ import pytest
 
 from atomflow_bench.cli import main
 from atomflow_bench.errors import AtomflowError
-from atomflow_bench.gpu import comm
-from atomflow_bench.gpu.ops import tp_comm
+from atomflow_bench.gpu.tp import group as comm
+from atomflow_bench.gpu.tp import sums as tp_comm
 
 
 @pytest.mark.parametrize("argv, word", [
@@ -100,7 +100,7 @@ def test_hold_position_sets_advance_to_zero_on_the_lm_head_and_the_combine_only(
     collectives pass unchanged; the original launches are not modified."""
     import numpy as np
 
-    from atomflow_bench.gpu.comm import HostOp
+    from atomflow_bench.gpu.tp.group import HostOp
     from atomflow_bench.gpu.launch import Launch, i32
     from atomflow_bench.gpu.step import hold_position
 

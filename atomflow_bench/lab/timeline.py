@@ -167,7 +167,7 @@ def record(model_dir, weights: str, context: int, replays: int, copy: dict, plai
     `forms`: the launch forms (gpu/forms.Forms) — pass the ones the plain engine ran."""
     import cupy as cp
 
-    from ..measure.bench import synthetic_prompt
+    from ..measure.decode import synthetic_prompt
     from ..gpu.engine import Engine
     from ..measure.profile import _kv_bytes, step_role
 

@@ -336,7 +336,7 @@ def generate_truth(model_dir: str | Path, out_dir: str | Path, prompt: str | Non
     torch, transformers = require_truth_deps()
     from safetensors.numpy import save_file
 
-    from ..measure.report import now_iso, tool_info
+    from ..measure.run_record import now_iso, tool_info
 
     if steps < 1:
         raise ConfigError(f"steps must be at least 1, got {steps}")
@@ -506,7 +506,7 @@ def engine_probes(model_dir: str | Path, weights: str, sequence: list[int], n_po
         if group is None:
             info["forms"] = resolve(eng, forms, tune_missing=False)  # given, saved or the defaults: never timed here
         else:
-            from ..measure.tp_bench import tp_forms
+            from ..gpu.tp.figures import tp_forms
 
             info["forms"] = tp_forms(eng, forms)
             info["tp"] = {"n": group.size, "allreduce": eng.tp.path, "peer_reason": eng.tp.peer_reason}
@@ -635,7 +635,7 @@ def validate(model_dir: str | Path, weights: str = "fp8", truth_dir: str | Path 
     """Compare the engine's probes with the ground truth; returns the result record (schema validate/1). `forms`:
     the launch forms to check (gpu/forms.py; default: a saved tune, else the defaults). `group`: tensor parallel
     (engine_probes)."""
-    from ..measure.report import now_iso, tool_info
+    from ..measure.run_record import now_iso, tool_info
 
     if weights not in THRESHOLDS:
         raise ConfigError(f"unknown weight format {weights!r} (expected fp16 or fp8)")
@@ -791,7 +791,7 @@ def _teacher_forced_logits(model_dir: Path, weights: str, ids: list[int], kind: 
 
 def quality(model_dir: str | Path, backend: str = "auto", text: str | None = None, console=None) -> dict:
     """fp8 vs fp16 of the same backend, teacher-forced over `text` (default: the shipped English paragraph)."""
-    from ..measure.report import now_iso, tool_info
+    from ..measure.run_record import now_iso, tool_info
     from ..store.tokenizer import load_tokenizer
 
     model_dir = Path(model_dir)
