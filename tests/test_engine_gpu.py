@@ -672,11 +672,11 @@ def test_run_record_forms_and_instruments(tiny_dir, tuning_home, monkeypatch):
     """The `run` record (measure.decode.benchmark): "forms" is resolve's answer (tuned now, then saved for the same
     key, given when passed), "compiled" the .cu files the engine built, and a build with a timing instrument
     (AF_NO_WAIT, AF_NO_SCALES: wrong outputs on purpose) is marked in "instrument" and "kernel_defines"."""
+    from atomflow_bench.measure.context import RunContext
     from atomflow_bench.measure.decode import benchmark
 
-    args = dict(model_dir=tiny_dir, model_name="tiny", source="test", weights="fp8", context=16, tokens=8,
-                repeats=1, eager_tokens=4)
-    plain = benchmark(**args)
+    args = dict(weights="fp8", context=16, tokens=8, repeats=1, eager_tokens=4)
+    plain = benchmark(RunContext("tiny", tiny_dir, "test"), **args)
     f = plain["forms"]
     assert f["origin"] == "tuned now" and Path(f["path"]).parent.parent == tuning_home / "tuning"
     assert Forms.parse(f["forms"]).text == f["forms"]
@@ -686,11 +686,11 @@ def test_run_record_forms_and_instruments(tiny_dir, tuning_home, monkeypatch):
     assert "spin.cu" not in plain["compiled"] and "probe_stream.cu" not in plain["compiled"]
     for gone in ("attention_choice", "gemv_choice", "l2_keep"):
         assert gone not in plain
-    again = benchmark(**args)
+    again = benchmark(RunContext("tiny", tiny_dir, "test"), **args)
     assert again["forms"] == {"forms": f["forms"], "origin": "saved", "path": f["path"]}
     assert again["generated"]["token_ids"] == plain["generated"]["token_ids"]
     monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", "AF_NO_WAIT=15 AF_NO_SCALES=1")
-    inst = benchmark(**args, forms=Forms.parse(f["forms"]))
+    inst = benchmark(RunContext("tiny", tiny_dir, "test"), **args, forms=Forms.parse(f["forms"]))
     assert inst["forms"] == {"forms": f["forms"], "origin": "given"}
     assert inst["instrument"] == ["AF_NO_WAIT=15", "AF_NO_SCALES=1"]
     assert {"AF_NO_WAIT=15", "AF_NO_SCALES=1"} <= set(inst["kernel_defines"])
@@ -729,11 +729,12 @@ def test_run_record_energy(tiny_dir, tuning_home):
     not installed (then skipped)."""
     import cupy as cp
 
+    from atomflow_bench.measure.context import RunContext
     from atomflow_bench.measure.decode import ENERGY_MIN_S, benchmark
     from atomflow_bench.measure.power import COUNTER, SAMPLES, bus_key
 
     tokens, repeats = 1024, 3
-    rec = benchmark(model_dir=tiny_dir, model_name="tiny", source="test", weights="fp16", context=16, tokens=tokens,
+    rec = benchmark(RunContext("tiny", tiny_dir, "test"), weights="fp16", context=16, tokens=tokens,
                     repeats=repeats, eager_tokens=4, forms=forms_with("fp16", True))
     e = rec["energy"]
     if "unavailable" in e:

@@ -26,7 +26,7 @@ import numpy as np
 def main() -> None:
     from atomflow_bench.lab import timeline
     from atomflow_bench.lab.local import lab_engine
-    from atomflow_bench.measure.bench import synthetic_prompt
+    from atomflow_bench.measure.decode import synthetic_prompt
     from atomflow_bench.measure.profile import step_role
 
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
