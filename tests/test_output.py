@@ -17,7 +17,7 @@ from helpers_runs import make_run
 from rich.console import Console
 from rich.text import Text
 
-from atomflow_bench import cli, output
+from atomflow_bench import output
 from atomflow_bench.config import CATALOG, ModelConfig, Preset
 from atomflow_bench.measure.baselines import DEFAULT_DIR, load_baselines
 from atomflow_bench.output import Tab, render, text

@@ -87,8 +87,8 @@ def test_compare_refuses_another_tp(tmp_path, capsys):
                                            ("fp16", 90, "short:ws/l2=8;split:ws/l2=8"),
                                            ("fp8", 89, "short:ring/l2=8;split:ring/l2=8")])
 def test_tp_default_forms(fmt, cc, want):
-    """W8A16 under tensor parallel takes the measured ws/l2=8/wo-pre=2 form on sm_90+ (PERF_NOTES v40.1, v42.2,
-    v45, v46.3); fp16 and sm_89 keep the engine's defaults."""
+    """W8A16 under tensor parallel takes the measured ws/l2=8/wo-pre=2 form on sm_90+; fp16 and sm_89 keep the
+    engine's defaults."""
     from atomflow_bench.gpu.forms import Forms, tp_defaults
 
     base = "short:ws/l2=8;split:ws/l2=8" if fmt == "fp16" else "short:ring/l2=8;split:ring/l2=8"

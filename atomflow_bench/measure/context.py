@@ -8,6 +8,7 @@ makes either.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from ..gpu.engine import Engine, pdl_default
 from ..gpu.nvrtc import KernelLib
 from ..store.checkpoint import Checkpoint
 from . import tune
-from .decode import energy_passes
+from .decode import benchmark, energy_passes
+from .peers import measure_peers
 from .profile import attention_table, marginal_table, profile_step, profile_table
 
 
@@ -29,6 +31,7 @@ class RunContext:
     group: object = None           # tensor parallel: this rank's gpu/tp/group.py Group
     allreduce: str | None = None   # tensor parallel: the sums' path (peer, nccl, auto)
     forms: dict | None = None      # the forms of the last engine made and where they came from
+    load_seconds: float = 0.0      # how long the last engine took to load and build (tuning not included)
 
     @property
     def writes(self) -> bool:
@@ -54,11 +57,21 @@ class RunContext:
         lib = KernelLib()
         key = tune.key_of(gpu_info()["name"], ckpt.config, weights, lib.defines, pdl_default(compute_capability()))
         forms, self.forms = tune.choose(key, max_seq, given, retune=retune, nearest=not tune_missing)
+        t0 = time.perf_counter()
         eng = Engine(None, weights=weights, max_seq=max_seq, forms=forms, progress=progress, source=ckpt, lib=lib)
+        self.load_seconds = time.perf_counter() - t0
         if forms is None:
             self.forms = (tune.tune_and_save(eng, progress=progress) if tune_missing
                           else {"forms": eng.forms.text, "origin": "default"})
         return eng
+
+    def measure(self, weights: str, context: int, tokens: int, repeats: int, *, forms=None, retune: bool = False,
+                progress=None, peers: bool = False, baselines_dir=None) -> tuple[dict, list | None]:
+        """`run`'s measurement (decode.benchmark) and, with `peers`, the HF transformers peers on the same weights:
+        (the record, the peers' records or None). A sweep cell is this."""
+        rec = benchmark(self, weights, context, tokens, repeats, progress=progress, forms=forms, retune=retune)
+        return rec, (measure_peers(self.model_dir, context=context, tokens=tokens, repeats=min(repeats, 3),
+                                   weights="fp16") if peers else None)
 
     # ---- what a measurement adds -------------------------------------------------------------------------------
     def energy(self, eng, prompt, tokens: int, meter, tpot_ms: float) -> dict:

@@ -11,8 +11,6 @@
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from ..gpu.nvrtc import instrument_defines
@@ -100,9 +98,7 @@ def benchmark(ctx, weights: str, context: int, tokens: int, repeats: int, eager_
     """The `run` measurement on the GPU(s) of run context `ctx`: the engine (forms given, saved or tuned now: the
     context resolves them), copy roofline, graph decode, energy, eager decode; returns the record. Under tensor
     parallel every rank runs this in lockstep and the context adds what the ranks agree on (gpu/tp/figures.py)."""
-    t0 = time.perf_counter()
     eng = ctx.engine(weights, context + tokens, given=forms, retune=retune, progress=progress)
-    load_s = time.perf_counter() - t0
     copy = copy_bandwidth()
     prompt = synthetic_prompt(eng.cfg.vocab_size, context)
     g = time_decode(eng, context, tokens, repeats, graph=True, prompt=prompt)
@@ -137,7 +133,7 @@ def benchmark(ctx, weights: str, context: int, tokens: int, repeats: int, eager_
         "eager": {"tpot_ms": e["tpot_ms"], "tokens": n_e, "graph_speedup": e["tpot_ms"]["median"] / tpot["median"],
                   "same_tokens": bool(same)},
         "generated": {"token_ids": g["token_ids"], "text": text},
-        "load": {"seconds": load_s, **eng.load_info},
+        "load": {"seconds": ctx.load_seconds, **eng.load_info},
         "launches_per_step": len(eng.launches),
         "pdl": eng.pdl,
         "kernel_defines": list(eng.lib.defines),

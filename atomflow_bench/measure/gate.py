@@ -32,8 +32,9 @@ from __future__ import annotations
 import math
 import numbers
 
-from ..errors import AtomflowError
 from rich.markup import escape
+
+from ..errors import AtomflowError
 from ..output import Tab, is_machine, render
 from .run_record import load
 

@@ -52,9 +52,9 @@ import re
 import sys
 from pathlib import Path
 
-from .baselines import SCHEMA, catalog_name, spec_bandwidth, validate
-from ..errors import AtomflowError
 from ..config import CATALOG
+from ..errors import AtomflowError
+from .baselines import SCHEMA, catalog_name, spec_bandwidth, validate
 from .run_record import now_iso, slug
 
 ENGINE = "llama.cpp"

@@ -38,9 +38,9 @@ import numbers
 import re
 from pathlib import Path
 
-from . import baselines as bl
 from ..errors import AtomflowError
 from ..output import Tab
+from . import baselines as bl
 from .gate import check_record
 
 RUN_SCHEMA = "atomflow-bench/run/1"

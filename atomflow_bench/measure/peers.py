@@ -21,7 +21,7 @@ allocated length, masked; those extra bytes are not counted).
 Energy (power.py, on CUDA only): after the timed repeats, untimed passes of the same decode (at least
 ENERGY_MIN_S of steps) are the regions of an NVML meter on torch's current GPU, found by PCI bus id; the device is
 synchronised before the meter starts and the last step's event completed before it stops (the timed repeats have no
-such synchronisation, as before). Each mode's record gets
+such synchronisation). Each mode's record gets
 `energy` (or `{"unavailable": reason}`); the peers table does not show it.
 """
 from __future__ import annotations
@@ -32,13 +32,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .decode import ENERGY_MIN_S, synthetic_prompt
-from .timing import summarize
-from ..errors import AtomflowError, GpuUnavailable
 from ..config import ModelConfig
+from ..errors import AtomflowError, GpuUnavailable
 from ..output import Tab
 from .baselines import spec_bandwidth
+from .decode import ENERGY_MIN_S, synthetic_prompt
 from .power import Unavailable, open_meter
+from .timing import summarize
 
 MODES = ("eager", "static", "compiled")
 SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")  # cuDNN left out: see the module docstring

@@ -24,8 +24,8 @@ from pathlib import Path
 from ..errors import AtomflowError
 from ..output import Tab
 from . import run_record
-from .peer_table import weight_width
 from .baselines import SCHEMA as BASELINE_SCHEMA, catalog_name, same_gpu, validate
+from .peer_table import weight_width
 from .sweep import SCHEMA as SWEEP_SCHEMA
 
 PROFILE_SCHEMA = "atomflow-bench/profile/1"

@@ -27,17 +27,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..gpu.ops.gemv import linear_regions
 from ..config import GROUP, ModelConfig
-from ..gpu.step import hold_position
-from .decode import synthetic_prompt, time_decode
-from .timing import copy_bandwidth, graph_replay_us, queued_event_us, summarize
 from ..gpu.device import compute_capability
 from ..gpu.forms import default_forms
+from ..gpu.ops.gemv import linear_regions
 from ..gpu.ops.gemv import gemv_launch
 from ..gpu.ops.lm_head import rows_launch
 from ..gpu.ops.small import spin_launch
+from ..gpu.step import hold_position
 from ..output import Tab
+from .decode import synthetic_prompt, time_decode
+from .timing import copy_bandwidth, graph_replay_us, queued_event_us, summarize
 
 
 L2_BYTES = 50 << 20  # H100 L2 size: a working set of 4x this is treated as L2-cold

@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 from .. import __version__
-from ..store.store import write_json_atomic
 from ..errors import AtomflowError
 from ..gpu.forms import Forms
 from ..gpu.nvrtc import KERNELS_DIR
 from ..output import Tab
+from ..store.store import write_json_atomic
 from .power import energy_text
 
 SCHEMA = "atomflow-bench/run/1"

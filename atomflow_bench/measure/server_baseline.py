@@ -20,11 +20,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .baselines import SCHEMA, catalog_name, spec_bandwidth, validate
-from .timing import summarize
 from ..errors import AtomflowError
 from ..store.store import write_json_atomic
+from .baselines import SCHEMA, catalog_name, spec_bandwidth, validate
 from .run_record import now_iso, slug
+from .timing import summarize
 
 FIXED_LENGTH = "fixed"
 # Request variants, tried in this order on the warm-up request until the server accepts one.

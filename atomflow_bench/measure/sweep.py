@@ -19,8 +19,6 @@ from __future__ import annotations
 import csv
 import io
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,14 +28,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import AtomflowError, GpuUnavailable
 from ..output import Tab, text
-from ..store.fetch import fetch_model, resolve_model
-from ..store.listing import source_label
 from ..store.store import write_json_atomic
 from . import run_record
 from .baselines import attach_comparisons, same_gpu
-from .context import RunContext
-from .decode import benchmark
-from .peers import measure_peers
 
 SCHEMA = "atomflow-bench/sweep/1"
 AXES = ("model", "weights", "context", "tp")  # the cell key's fields, in file-name and table order
@@ -163,43 +156,19 @@ def check_record(path: Path, key: dict, tokens: int, repeats: int, gpu: str | No
 
 
 # ---- the sweep -----------------------------------------------------------------------------------------
-def benchmark_cell(key: dict, tokens: int, repeats: int, *, baselines=(), peers: bool = False, forms=None,
-                   retune: bool = False, source: str | None = None, console=None, baselines_dir=None) -> dict:
-    """One cell on the GPU: the model resolved (fetched if missing) into a one-GPU run context, `decode.benchmark`,
-    the comparisons of `run` (recorded baselines, and the HF peers with `peers`) attached; returns the run record. A
-    cell of tp > 1 is `atomflow-bench run --tp N`, whose ranks are processes of their own (_tp_cell)."""
-    model, weights, context = key["model"], key["weights"], key["context"]
-    if key.get("tp", 1) != 1:
-        if peers:
-            raise AtomflowError("--peers runs on one GPU: not with tp > 1")
-        return _tp_cell(key, tokens, repeats, forms=forms, source=source, baselines_dir=baselines_dir)
-    path = fetch_model(model, source=source, console=console) if source else resolve_model(model, console=console)
-    ctx = RunContext(model, path, source_label(path))
+def benchmark_cell(key: dict, tokens: int, repeats: int, *, open_cell, baselines=(), peers: bool = False,
+                   forms=None, retune: bool = False, source: str | None = None, console=None,
+                   baselines_dir=None) -> dict:
+    """One cell on the GPU(s): its run context (`open_cell`: gpu/tp/context.py open_cell; one GPU, or the ranks of
+    `run --tp N`), the measurement, the comparisons of `run` (recorded baselines, and the HF peers with `peers`)
+    attached; returns the run record."""
+    ctx = open_cell(key["model"], key.get("tp", 1), source=source, notes=console)
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
                   transient=True, disable=console is None) as progress:
-        rec = benchmark(ctx, weights, context, tokens, repeats, progress=progress, forms=forms, retune=retune)
-    peer_recs = None
-    if peers:
-        peer_recs = measure_peers(path, context=context, tokens=tokens, repeats=min(repeats, 3), weights="fp16")
+        rec, peer_recs = ctx.measure(key["weights"], key["context"], tokens, repeats, forms=forms, retune=retune,
+                                     progress=progress, peers=peers, baselines_dir=baselines_dir)
     attach_comparisons(rec, list(baselines), peer_recs)
     return rec
-
-
-def _tp_cell(key: dict, tokens: int, repeats: int, *, forms=None, source=None, baselines_dir=None) -> dict:
-    """`run --tp N` of one cell (its ranks are processes of their own, started by that command); its record."""
-    with tempfile.TemporaryDirectory(prefix="atomflow-sweep-") as d:
-        out = Path(d) / "run.json"
-        argv = [sys.executable, "-m", "atomflow_bench.cli", "run", str(key["model"]), "--weights", key["weights"],
-                "--ctx", str(key["context"]), "--tokens", str(tokens), "--repeats", str(repeats),
-                "--tp", str(key["tp"]), "--json", str(out), "--format", "json"]
-        argv += ["--forms", forms.text] if forms is not None else []
-        argv += ["--source", source] if source else []
-        argv += ["--baselines", str(baselines_dir)] if baselines_dir else []
-        p = subprocess.run(argv, capture_output=True, text=True)
-        if p.returncode != 0 or not out.is_file():
-            last = [ln for ln in p.stderr.splitlines() if ln.strip()][-1:] or [f"exit {p.returncode}"]
-            raise AtomflowError(f"run --tp {key['tp']}: {last[0]}")
-        return run_record.load(out)
 
 
 def tp_scaling(summary: dict) -> dict[int, tuple[float, float]]:
@@ -228,7 +197,7 @@ def _entry(key: dict, status: str, file: str | None = None, rec: dict | None = N
     return {"key": dict(key), "status": status, "file": file, **f, "error": error, "note": note, "seconds": seconds}
 
 
-def run_sweep(cells: list[dict], out_dir, run_cell: Callable[..., dict] = benchmark_cell, *, tokens: int = 256,
+def run_sweep(cells: list[dict], out_dir, run_cell: Callable[..., dict], *, tokens: int = 256,
               repeats: int = 5, gpu: str | None = None, console=None, command: str | None = None) -> dict:
     """Measure every cell not already measured in `out_dir` (see the module's doc); returns the summary.
 

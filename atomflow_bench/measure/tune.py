@@ -17,7 +17,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-
 from rich.markup import escape
 
 from ..gpu.forms import Forms, candidates, from_env

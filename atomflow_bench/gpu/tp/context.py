@@ -8,13 +8,18 @@ record's `tp` figures, `profile`'s exchanges), so `run`, `profile`, `validate` a
 """
 from __future__ import annotations
 
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 from ...config import CATALOG
 from ...errors import AtomflowError, FetchError
 from ...measure.context import RunContext
 from ...measure.decode import synthetic_prompt
 from ...measure.profile import marginal_table
+from ...measure.run_record import load
 from ...store.fetch import fetch_model, resolve_model
 from ...store.listing import source_label
 from ..device import require_gpu
@@ -39,8 +44,10 @@ class TpContext(RunContext):
         """The rank's engine, built once: with the given forms, else the tensor-parallel defaults (never tuned: each
         rank would time its own candidates and could choose differently)."""
         forms, self.forms = choose_forms(given)
+        t0 = time.perf_counter()
         eng = Engine(self.model_dir, weights=weights, max_seq=max_seq, forms=forms, progress=progress,
                      group=self.group, allreduce=self.allreduce, source=self.weight_source)
+        self.load_seconds = time.perf_counter() - t0
         self.forms = self.forms or default_origin(eng)
         return eng
 
@@ -94,3 +101,34 @@ def open_context(model: str, tp: int = 1, allreduce: str = "auto", *, notes=None
         group.close()
         raise
     return TpContext(model, path, label, weight_source=weight_source, group=group, allreduce=allreduce)
+
+
+class RanksRun:
+    """A sweep cell of tp > 1 seen from the sweep's process: `atomflow-bench run --tp N` as a command of its own (it
+    starts its ranks), its record read back; the same `measure` as a RunContext."""
+
+    def __init__(self, model: str, tp: int, source: str | None = None):
+        self.model, self.tp, self.source = model, tp, source
+
+    def measure(self, weights: str, context: int, tokens: int, repeats: int, *, forms=None, retune: bool = False,
+                progress=None, peers: bool = False, baselines_dir=None) -> tuple[dict, None]:
+        if peers:
+            raise AtomflowError("--peers runs on one GPU: not with tp > 1")
+        with tempfile.TemporaryDirectory(prefix="atomflow-sweep-") as d:
+            out = Path(d) / "run.json"
+            argv = [sys.executable, "-m", "atomflow_bench.cli", "run", str(self.model), "--weights", weights,
+                    "--ctx", str(context), "--tokens", str(tokens), "--repeats", str(repeats), "--tp", str(self.tp),
+                    "--json", str(out), "--format", "json"]
+            argv += ["--forms", forms.text] if forms is not None else []
+            argv += ["--source", self.source] if self.source else []
+            argv += ["--baselines", str(baselines_dir)] if baselines_dir else []
+            p = subprocess.run(argv, capture_output=True, text=True)
+            if p.returncode != 0 or not out.is_file():
+                last = [ln for ln in p.stderr.splitlines() if ln.strip()][-1:] or [f"exit {p.returncode}"]
+                raise AtomflowError(f"run --tp {self.tp}: {last[0]}")
+            return load(out), None
+
+
+def open_cell(model: str, tp: int = 1, *, source: str | None = None, notes=None):
+    """A sweep cell's run context: one GPU (as open_context), or for tp > 1 a RanksRun."""
+    return open_context(model, source=source, notes=notes) if tp == 1 else RanksRun(model, tp, source)

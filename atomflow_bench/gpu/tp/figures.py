@@ -1,7 +1,8 @@
 """What a tensor-parallel `run` / `profile` adds to the record (every rank calls these in lockstep; rank 0 records).
 
-* `tp_forms`: the launch forms: given (--forms / ATOMFLOW_FORMS) or the engine's defaults (gpu/forms.py
-  tp_defaults); never tuned here (a tune times candidates on each rank and could choose differently per rank).
+* `choose_forms`: the launch forms, before the rank's engine is made: given (--forms / ATOMFLOW_FORMS) or the
+  engine's defaults (gpu/forms.py tp_defaults); never tuned (a tune times candidates on each rank and could choose
+  differently per rank). `tp_forms` does the same for an engine already built.
 * `tp_energy`: energy passes of the same count on every rank (rank 0's count from its TPOT), each rank metering its
   own GPU; the record's joules per token are the sum over the GPUs.
 * `tp_measure`: every rank's copy bandwidth, bytes per token and TPOT; the roofline per GPU (the slowest rank's
