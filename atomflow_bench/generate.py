@@ -57,11 +57,10 @@ def generate_text(path: str | Path, prompt: str, n_tokens: int, backend: str = "
 
 def generate_gpu(ckpt, prompt_ids, n_tokens: int, weights: str = "fp16", stop_ids=()) -> list[int]:
     """Greedy continuation on the GPU (all n_tokens run as graph replays), cut after the first stop id."""
-    from .gpu.engine import Engine
-    from .measure.tune import resolve
+    from .measure.context import RunContext
 
-    eng = Engine(ckpt.dir, weights=weights, max_seq=len(prompt_ids) + n_tokens)
-    resolve(eng, tune_missing=False)
+    ctx = RunContext(str(ckpt.dir), ckpt.dir, "")  # forms: given, else a saved tune, else the defaults (never timed)
+    eng = ctx.engine(weights, len(prompt_ids) + n_tokens, tune_missing=False)
     ids = eng.generate(prompt_ids, n_tokens)
     for i, t in enumerate(ids):
         if t in stop_ids:

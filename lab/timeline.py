@@ -167,7 +167,7 @@ def record(model_dir, weights: str, context: int, replays: int, copy: dict, plai
     `forms`: the launch forms (gpu/forms.Forms) — pass the ones the plain engine ran."""
     import cupy as cp
 
-    from atomflow_bench.measure.bench import synthetic_prompt
+    from atomflow_bench.measure.decode import synthetic_prompt
     from atomflow_bench.gpu.engine import Engine
     from atomflow_bench.measure.profile import _kv_bytes, step_role
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from atomflow_bench.measure import report
+from atomflow_bench.measure import run_record as report
 from atomflow_bench.measure.timing import summarize
 
 H100 = "NVIDIA H100 80GB HBM3"

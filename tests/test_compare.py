@@ -6,9 +6,9 @@ import json
 import pytest
 from helpers_runs import make_run
 
-from atomflow_bench.measure import report
+from atomflow_bench.measure import run_record as report
 from atomflow_bench.cli import main
-from atomflow_bench.measure.compare import CompareRefused, compare_runs, parse_fraction
+from atomflow_bench.measure.gate import CompareRefused, compare_runs, parse_fraction
 
 def write(tmp_path, name: str, rec: dict):
     p = tmp_path / name

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from helpers_runs import make_run
 
-from atomflow_bench.measure import compare as compare_mod
+from atomflow_bench.measure import gate as compare_mod
 from atomflow_bench.cli import main
-from atomflow_bench.measure.compare import CompareRefused, check_record, compare_runs
+from atomflow_bench.measure.gate import CompareRefused, check_record, compare_runs
 
 REPO = Path(__file__).resolve().parents[1]
 MISSING = object()

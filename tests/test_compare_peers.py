@@ -160,7 +160,7 @@ def test_each_row_is_compared_with_ours_of_its_weight_width(files, tmp_path, cap
                                         "stated; bf16 KV cache)", 16), ("fp8", 8), ("Q8_0", 8), ("W8A16 (FP8-E4M3)", 8),
                                         ("unspecified (likely bf16)", None), ("Q4_K_M", None), ("", None)])
 def test_weight_width_reads_the_formats_leading_word(fmt, width):
-    from atomflow_bench.measure.comparison import weight_width
+    from atomflow_bench.measure.peer_table import weight_width
 
     assert weight_width(fmt) == width
 
@@ -178,7 +178,7 @@ def test_ours_chooses_the_reference(files, tmp_path, capsys):
 
 
 def test_rows_carry_a_speedup_only_on_the_same_gpu(files, tmp_path):
-    from atomflow_bench.measure.comparison import compare_peers
+    from atomflow_bench.measure.peer_table import compare_peers
 
     rows, notes = compare_peers([files["ours"], files["rtx"], files["f16"]], baselines_dir=None)
     kinds = {(r["kind"], r["gpu"], r["format"]): r for r in rows}

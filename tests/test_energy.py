@@ -240,7 +240,7 @@ def test_bus_key_spellings():
 
 
 def run_table_md(rec) -> str:
-    from atomflow_bench.measure.report import run_table
+    from atomflow_bench.measure.run_record import run_table
 
     rec = dict(rec)
     rec.update({"vram_bytes": {"weights": 1 << 30, "kv": 1 << 20, "activations": 1 << 20, "scratch": 1 << 20,
@@ -276,7 +276,7 @@ def test_compare_does_not_look_at_energy():
     """Shown, not gated: the compare gate's code never reads the field."""
     from pathlib import Path
 
-    from atomflow_bench.measure import compare
+    from atomflow_bench.measure import gate as compare
 
     assert "energy" not in Path(compare.__file__).read_text()
 

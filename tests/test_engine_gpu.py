@@ -689,20 +689,20 @@ def test_timeline_instrument(tiny_model, att):
 
 
 def test_run_record_forms_and_instruments(tiny_model, tuning_home, monkeypatch):
-    """The `run` record (measure.bench.benchmark): "forms" is resolve's answer (tuned now, then saved for the same
+    """The `run` record (measure.decode.benchmark): "forms" is resolve's answer (tuned now, then saved for the same
     key, given when passed), "compiled" the .cu files the engine built, and a build with a timing instrument
     (AF_NO_WAIT, AF_NO_SCALES: wrong outputs on purpose) is marked in "instrument" and "kernel_defines"."""
-    from atomflow_bench.measure import bench
-    from atomflow_bench.measure.bench import benchmark
+    from atomflow_bench.measure import context
+    from atomflow_bench.measure.context import RunContext
+    from atomflow_bench.measure.decode import benchmark
 
     # One metered pass per record: at least ENERGY_MIN_S of these 8-token passes would be thousands of passes, each
     # with its NVML reads and sampler thread (minutes here); test_run_record_energy checks the energy figures.
-    energy_passes = bench.energy_passes
-    monkeypatch.setattr(bench, "energy_passes",
+    energy_passes = context.energy_passes
+    monkeypatch.setattr(context, "energy_passes",
                         lambda engine, prompt, tokens, meter: energy_passes(engine, prompt, tokens, meter, passes=1))
-    args = dict(model_dir=tiny_model, model_name="tiny", source="test", weights="fp8", context=16, tokens=8,
-                repeats=1, eager_tokens=4)
-    plain = benchmark(**args)
+    args = dict(weights="fp8", context=16, tokens=8, repeats=1, eager_tokens=4)
+    plain = benchmark(RunContext("tiny", tiny_model, "test"), **args)
     f = plain["forms"]
     assert f["origin"] == "tuned now" and Path(f["path"]).parent.parent == tuning_home / "tuning"
     assert Forms.parse(f["forms"]).text == f["forms"]
@@ -712,11 +712,11 @@ def test_run_record_forms_and_instruments(tiny_model, tuning_home, monkeypatch):
     assert "spin.cu" not in plain["compiled"] and "probe_stream.cu" not in plain["compiled"]
     for gone in ("attention_choice", "gemv_choice", "l2_keep"):
         assert gone not in plain
-    again = benchmark(**args)
+    again = benchmark(RunContext("tiny", tiny_model, "test"), **args)
     assert again["forms"] == {"forms": f["forms"], "origin": "saved", "path": f["path"]}
     assert again["generated"]["token_ids"] == plain["generated"]["token_ids"]
     monkeypatch.setenv("ATOMFLOW_KERNEL_DEFINES", " ".join(INSTRUMENTED))
-    inst = benchmark(**args, forms=Forms.parse(f["forms"]))
+    inst = benchmark(RunContext("tiny", tiny_model, "test"), **args, forms=Forms.parse(f["forms"]))
     assert inst["forms"] == {"forms": f["forms"], "origin": "given"}
     assert inst["instrument"] == ["AF_NO_WAIT=15", "AF_NO_SCALES=1"] == list(INSTRUMENTED)
     assert {"AF_NO_WAIT=15", "AF_NO_SCALES=1"} <= set(inst["kernel_defines"])
@@ -755,11 +755,12 @@ def test_run_record_energy(tiny_model, tuning_home):
     not installed (then skipped)."""
     import cupy as cp
 
-    from atomflow_bench.measure.bench import ENERGY_MIN_S, benchmark
+    from atomflow_bench.measure.context import RunContext
+    from atomflow_bench.measure.decode import ENERGY_MIN_S, benchmark
     from atomflow_bench.measure.power import COUNTER, SAMPLES, bus_key
 
     tokens, repeats = 1024, 3
-    rec = benchmark(model_dir=tiny_model, model_name="tiny", source="test", weights="fp16", context=16, tokens=tokens,
+    rec = benchmark(RunContext("tiny", tiny_model, "test"), weights="fp16", context=16, tokens=tokens,
                     repeats=repeats, eager_tokens=4, forms=forms_with("fp16", True))
     e = rec["energy"]
     if "unavailable" in e:

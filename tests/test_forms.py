@@ -130,7 +130,7 @@ def test_defaults_and_candidates():
 
 
 def test_run_table_explains_the_forms():
-    from atomflow_bench.measure.report import forms_text
+    from atomflow_bench.measure.run_record import forms_text
 
     t = forms_text("short:ws-pre2/l2=8;split:ring/l2=0")
     assert "warp-specialised" in t and "2 ring slots filled before the PDL wait" in t
@@ -193,7 +193,7 @@ def test_saved_choice_is_keyed_and_read_back(tmp_path, monkeypatch):
     longer = _Engine(max_seq=2176)
     assert tune.load(longer, nearest=True) == (forms, p)
     assert tune.resolve(longer, tune_missing=False)["origin"] == "saved"
-    monkeypatch.setattr("atomflow_bench.measure.report.source_sha256", lambda: "0" * 16)
+    monkeypatch.setattr("atomflow_bench.measure.run_record.source_sha256", lambda: "0" * 16)
     assert tune.load(_Engine()) is None
     # a given form wins, and validate/generate (tune_missing=False) get the defaults without timing
     given = Forms.parse("split:ring/l2=0")

@@ -289,7 +289,7 @@ def test_tp_allreduce_add_alone(kernel_lib, n, n_ranks, rank):
     same buffer (epochs per block)."""
     import cupy as cp
 
-    from atomflow_bench.gpu.ops.tp_comm import TP_SUM_BLOCKS, allreduce_launch, sum_blocks
+    from atomflow_bench.gpu.tp.sums import TP_SUM_BLOCKS, allreduce_launch, sum_blocks
 
     rng = rng_for("tp_sum", n, n_ranks, rank)
     bufs = [cp.zeros((n_ranks, n), dtype=cp.uint64) for _ in range(n_ranks)]

@@ -17,10 +17,11 @@ from helpers_runs import make_run
 from rich.console import Console
 from rich.text import Text
 
-from atomflow_bench import cli, output
+from atomflow_bench import output
 from atomflow_bench.config import CATALOG, ModelConfig, Preset
 from atomflow_bench.measure.baselines import DEFAULT_DIR, load_baselines
 from atomflow_bench.output import Tab, render, text
+from atomflow_bench.store import listing
 from helpers_cli import invoke
 
 FORMATS = ["json", "csv", None]  # None: no --format; stdout is not a terminal under pytest: markdown
@@ -233,12 +234,12 @@ def test_models_shows_what_is_in_the_store(home, tmp_path, monkeypatch, capsys, 
     parsed = parse(out, fmt)
     catalog = {r["name"]: r for r in rows_of(parsed, fmt, "catalog", "model catalog")}
     size = _bytes(fetched)
-    assert size > 0 and catalog["tiny-test"]["in store"] == f"synthetic {cli._size(size)}"
-    assert cli._size(size).split()[0] != "0" and cli._size(size) != "0 B"
+    assert size > 0 and catalog["tiny-test"]["in store"] == f"synthetic {listing.size_text(size)}"
+    assert listing.size_text(size).split()[0] != "0" and listing.size_text(size) != "0 B"
     assert all(r["in store"] == "not fetched" for n, r in catalog.items() if n != "tiny-test")
     [other] = rows_of(parsed, fmt, "store", "not in the catalog")
     assert other["name"] == local.name == "local--mine" and other["source"] == "local"
-    assert other["model"] == str((tmp_path / "src" / "mine").resolve()) and other["size"] == cli._size(_bytes(local))
+    assert other["model"] == str((tmp_path / "src" / "mine").resolve()) and other["size"] == listing.size_text(_bytes(local))
 
 
 def test_models_reads_the_store_layout_of_fetch(home):
@@ -246,11 +247,11 @@ def test_models_reads_the_store_layout_of_fetch(home):
 
     for p in CATALOG.values():
         for src in dict.fromkeys([*p.sources, "synthetic", "hf"]):
-            assert cli._catalog_dir(p, src) == _plan(p.name, src).directory
+            assert listing.catalog_dir(p, src) == _plan(p.name, src).directory
 
 
 def test_size_units():
-    assert [cli._size(n) for n in (0, 1023, 1024, 5 << 20, 3 << 30)] == ["0 B", "1023 B", "1.00 KiB", "5.00 MiB",
+    assert [listing.size_text(n) for n in (0, 1023, 1024, 5 << 20, 3 << 30)] == ["0 B", "1023 B", "1.00 KiB", "5.00 MiB",
                                                                          "3.00 GiB"]
 
 
@@ -368,21 +369,29 @@ class FakeEngine:
 
 @pytest.fixture
 def no_gpu_needed(monkeypatch, tmp_path):
-    """require_gpu passes, MODEL resolves to an empty directory, the engine is a stand-in."""
+    """require_gpu passes, MODEL resolves to an empty directory, the run context's engine is a stand-in (its forms:
+    the `forms` attribute a test may set on the fixture's answer)."""
     import atomflow_bench.gpu.device as device
-    import atomflow_bench.gpu.engine as engine
-    import atomflow_bench.store.fetch as fetch
+    import atomflow_bench.gpu.tp.context as tp_context
+    from atomflow_bench.measure.context import RunContext
+
+    chosen = {"forms": {"forms": "short:ring/l2=8;split:ring/l2=0", "origin": "default"}}
+
+    def engine(self, *a, **k):
+        self.forms = chosen["forms"]
+        return FakeEngine()
 
     monkeypatch.setattr(device, "require_gpu", lambda: None)
-    monkeypatch.setattr(fetch, "resolve_model", lambda spec, console=None, **k: tmp_path)
-    monkeypatch.setattr(engine, "Engine", FakeEngine)
+    monkeypatch.setattr(tp_context, "resolve_model", lambda spec, console=None, **k: tmp_path)
+    monkeypatch.setattr(RunContext, "engine", engine)
+    return chosen
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_run(no_gpu_needed, monkeypatch, capsys, fmt):
-    import atomflow_bench.measure.bench as bench
+    import atomflow_bench.measure.decode as decode
 
-    monkeypatch.setattr(bench, "benchmark", lambda *a, **k: run_record())
+    monkeypatch.setattr(decode, "benchmark", lambda *a, **k: run_record())
     code, out, err = invoke(capsys, "run", "--no-json", *fmt_args(fmt))
     assert code == 0
     parsed = parse(out, fmt)
@@ -395,7 +404,7 @@ def test_run(no_gpu_needed, monkeypatch, capsys, fmt):
     assert {r["GPU"] for r in comparison[1:]} == {"NVIDIA GeForce RTX 5060 Ti"}  # the shipped baselines
     assert all(r["speedup (same GPU)"] == "— (different GPU)" for r in comparison[1:])
     if fmt is None:  # a wide row on one line: the whole forms explanation
-        from atomflow_bench.measure.report import forms_text
+        from atomflow_bench.measure.run_record import forms_text
 
         assert (f"| forms | short:ring/l2=8;split:ring/l2=0 — a saved tune: "
                 f"{forms_text('short:ring/l2=8;split:ring/l2=0')} |") in out.splitlines()
@@ -403,9 +412,9 @@ def test_run(no_gpu_needed, monkeypatch, capsys, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_run_writes_its_results_path_beside_the_tables(no_gpu_needed, monkeypatch, tmp_path, capsys, fmt):
-    import atomflow_bench.measure.bench as bench
+    import atomflow_bench.measure.decode as decode
 
-    monkeypatch.setattr(bench, "benchmark", lambda *a, **k: run_record())
+    monkeypatch.setattr(decode, "benchmark", lambda *a, **k: run_record())
     js = tmp_path / "r.json"
     code, out, err = invoke(capsys, "run", "--json", js, *fmt_args(fmt))
     assert code == 0 and js.is_file()
@@ -432,11 +441,9 @@ def profile_record() -> dict:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_profile(no_gpu_needed, monkeypatch, capsys, fmt):
-    import atomflow_bench.measure.profile as profile
-    import atomflow_bench.measure.tune as tune
+    import atomflow_bench.measure.context as context
 
-    monkeypatch.setattr(tune, "resolve", lambda *a, **k: {"origin": "default"})
-    monkeypatch.setattr(profile, "profile_step", lambda *a, **k: profile_record())
+    monkeypatch.setattr(context, "profile_step", lambda *a, **k: profile_record())
     code, out, err = invoke(capsys, "profile", *fmt_args(fmt))
     assert code == 0 and err == ""
     parsed = parse(out, fmt)
@@ -486,12 +493,9 @@ def test_gemv(monkeypatch, capsys, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tune(no_gpu_needed, monkeypatch, capsys, fmt):
-    import atomflow_bench.measure.tune as tune
-
-    chosen = {"forms": "short:ring/l2=8;split:ring/l2=0", "origin": "tuned now", "path": "/tuning/x.json",
+    no_gpu_needed["forms"] = {"forms": "short:ring/l2=8;split:ring/l2=0", "origin": "tuned now", "path": "/tuning/x.json",
               "timed": {"lengths": [192, 384], "step_us": {"short:ws/l2=8": 1530.0, "short:ring/l2=8": 1455.5},
                         "split": {"step_us": {"split:ring/l2=0": 1490.25}}}}
-    monkeypatch.setattr(tune, "resolve", lambda *a, **k: chosen)
     code, out, err = invoke(capsys, "tune", *fmt_args(fmt))
     assert code == 0
     rows = parse(out, fmt)

@@ -48,7 +48,7 @@ def test_static_cache_decodes_the_same_tokens_as_hf_generate(cpu_records, tiny_l
     import torch
     from transformers import LlamaForCausalLM
 
-    from atomflow_bench.measure.bench import synthetic_prompt
+    from atomflow_bench.measure.decode import synthetic_prompt
 
     model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float16).eval()
     prompt = synthetic_prompt(model.config.vocab_size, CTX)

@@ -11,7 +11,7 @@ import pytest
 from atomflow_bench.measure.baselines import load_baselines
 from atomflow_bench.cli import main
 from atomflow_bench.errors import AtomflowError
-from atomflow_bench.measure.record import completions_url, record_baseline
+from atomflow_bench.measure.server_baseline import completions_url, record_baseline
 
 DELAY = 0.005   # seconds between tokens: the TPOT the recorder must find
 TTFT = 0.03     # seconds before the first token
@@ -165,7 +165,7 @@ def test_completions_url(base):
 
 def _table(rec: dict) -> str:
     """The `run` table as markdown (one line per row: what a pipe or a CI log gets)."""
-    from atomflow_bench.measure.report import run_table
+    from atomflow_bench.measure.run_record import run_table
     from atomflow_bench.output import text
 
     return text(run_table(rec), "md")
@@ -240,7 +240,7 @@ def test_profile_table_names_the_profiled_step():
 def test_tool_info_names_the_code(tmp_path):
     """Every record's `tool` names its code three ways: the git commit, whether tracked files differ from it, and a hash
     of the package and kernel sources that changes with any byte or name of them (and with nothing else)."""
-    from atomflow_bench.measure.report import source_sha256, tool_info
+    from atomflow_bench.measure.run_record import source_sha256, tool_info
 
     info = tool_info()
     assert set(info) >= {"git_commit", "git_dirty", "source_sha256"} and len(info["source_sha256"]) == 16

@@ -430,10 +430,11 @@ def test_a_tp_cell_runs_run_tp_and_reports_its_error_line(monkeypatch, tmp_path)
     """A cell of tp > 1 is `atomflow-bench run --tp N` in a process of its own; its one-line error becomes the cell's
     (here the CPU's: no GPU, exit 3, nothing written)."""
     from atomflow_bench.gpu import device
+    from atomflow_bench.gpu.tp.context import RanksRun
 
     if device.gpu_problem() is None:
         pytest.skip("a GPU is here: the run would measure")
     monkeypatch.setenv("ATOMFLOW_HOME", str(tmp_path))
     with pytest.raises(AtomflowError) as e:
-        sw._tp_cell({"model": "llama-3.1-8b", "weights": "fp16", "context": 128, "tp": 2}, 8, 1)
+        RanksRun("llama-3.1-8b", 2).measure("fp16", 128, 8, 1)
     assert str(e.value).startswith("run --tp 2: error:") and "\n" not in str(e.value)

@@ -11,8 +11,8 @@ import pytest
 
 from atomflow_bench.cli import main
 from atomflow_bench.errors import AtomflowError
-from atomflow_bench.gpu import comm
-from atomflow_bench.gpu.ops import tp_comm
+from atomflow_bench.gpu.tp import group as comm
+from atomflow_bench.gpu.tp import sums as tp_comm
 
 
 @pytest.mark.parametrize("argv, word", [
@@ -87,8 +87,8 @@ def test_compare_refuses_another_tp(tmp_path, capsys):
                                            ("fp16", 90, "short:ws/l2=8;split:ws/l2=8"),
                                            ("fp8", 89, "short:ring/l2=8;split:ring/l2=8")])
 def test_tp_default_forms(fmt, cc, want):
-    """W8A16 under tensor parallel takes the measured ws/l2=8/wo-pre=2 form on sm_90+ (PERF_NOTES v40.1, v42.2,
-    v45, v46.3); fp16 and sm_89 keep the engine's defaults."""
+    """W8A16 under tensor parallel takes the measured ws/l2=8/wo-pre=2 form on sm_90+; fp16 and sm_89 keep the
+    engine's defaults."""
     from atomflow_bench.gpu.forms import Forms, tp_defaults
 
     base = "short:ws/l2=8;split:ws/l2=8" if fmt == "fp16" else "short:ring/l2=8;split:ring/l2=8"
@@ -100,7 +100,7 @@ def test_hold_position_sets_advance_to_zero_on_the_lm_head_and_the_combine_only(
     collectives pass unchanged; the original launches are not modified."""
     import numpy as np
 
-    from atomflow_bench.gpu.comm import HostOp
+    from atomflow_bench.gpu.tp.group import HostOp
     from atomflow_bench.gpu.launch import Launch, i32
     from atomflow_bench.gpu.step import hold_position
 

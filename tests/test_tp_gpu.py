@@ -44,7 +44,7 @@ need2 = pytest.mark.skipif(n_gpus() < 2, reason="tensor parallel needs 2 or more
 
 
 def start_ranks(n: int, argv: list[str], timeout: int = 300) -> list[subprocess.CompletedProcess]:
-    from atomflow_bench.gpu.comm import free_port
+    from atomflow_bench.gpu.tp.group import free_port
 
     port = free_port()
     procs = [subprocess.Popen(argv, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),

@@ -1,4 +1,4 @@
-"""The tensor-parallel sharding plan (CPU, NumPy): atomflow_bench/gpu/tp.py.
+"""The tensor-parallel sharding plan (CPU, NumPy): atomflow_bench/gpu/tp/plan.py.
 
 Coverage (every row / column / head / vocab row held by exactly one rank), the per-rank shapes against the tiled GEMV
 rules, the byte accounting against ModelConfig.weight_bytes and arena.plan_arena, refusals, and the math: the

@@ -232,7 +232,7 @@ def test_sigterm_to_a_launcher_stops_its_ranks(home, tmp_path):
     env.pop("WORLD_SIZE", None)
     launcher = ("import signal, sys\n"
                 "from atomflow_bench.errors import Terminated\n"
-                "from atomflow_bench.gpu.comm import launch\n"
+                "from atomflow_bench.gpu.tp.group import launch\n"
                 "def stop(s, f): raise Terminated()\n"
                 "signal.signal(signal.SIGTERM, stop)\n"
                 "try:\n"

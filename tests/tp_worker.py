@@ -17,7 +17,7 @@ def kernels(group, out: Path) -> dict:
 
     from atomflow_bench.gpu import tp
     from atomflow_bench.gpu.nvrtc import KernelLib
-    from atomflow_bench.gpu.ops.tp_comm import TpComm
+    from atomflow_bench.gpu.tp.sums import TpComm
 
     n, r, H = group.size, group.rank, 4096
     lib = KernelLib()
@@ -124,7 +124,7 @@ def engine(group, out: Path, model_dir: str) -> dict:
 
 def main() -> None:
     task, out = sys.argv[1], Path(sys.argv[2])
-    from atomflow_bench.gpu.comm import Group
+    from atomflow_bench.gpu.tp.group import Group
 
     group = Group()
     try:

@@ -1,20 +1,22 @@
 """The GPU engine: load, build, capture, replay (used by run, validate, generate, profile, tune).
 
-    eng = Engine(model_dir, weights="fp8", max_seq=512)             # load: arena + weights; build: the steps
+    eng = Engine(model_dir, weights="fp8", max_seq=512, forms=f)    # load: arena + weights; build: f's steps, once
     ids = eng.generate(prompt_ids, 32)                             # capture once per bucket, then graph replays
     eng.reset(prompt_ids); taps = eng.step_eager(taps=True)        # probes from the same launches
 
 The step exists in one form per attention bucket: with `forms.short_attention` the short kernel serves the lengths
 up to its capacity and the split kernel those beyond, each bucket with its own layer-GEMV form (forms.Forms). The
 step advances the position by exactly one, so the engine keeps a host copy of it and runs every step with the
-bucket of its context length. The forms come in resolved (given, saved by `tune`, or forms.default_forms): the
-engine never times anything itself.
+bucket of its context length. The forms come in resolved (given, saved by `tune`: measure/tune.py choose, or
+forms.default_forms when none are passed) and the steps are built once from them; the engine never times anything
+itself (`use` rebuilds for other forms: tuning's candidates, tests).
 
-Tensor parallel (`group`: gpu/comm.py Group, one process per GPU): the engine holds the rank's shard (gpu/tp.py plan;
-loaded sliced from the checkpoint, or generated on the GPU by gpu/synthetic.py) and its step sums o_proj and down
-across the ranks and combines the greedy token (ops/tp_comm.py; `allreduce` = "peer", "nccl", or "auto" / None:
-peer where the ranks can map each other's memory). Every rank must make the same calls in the same order (the collectives are
-inside the step), so nothing here depends on a rank's own timings.
+Tensor parallel plugs in through `group` (gpu/tp/group.py Group, one process per GPU), the engine's only seam: the
+group hands the engine the rank's shard (`shard_plan`; the weights are loaded sliced from the checkpoint, or generated
+on the GPU by gpu/synthetic.py) and its sums across ranks (`sums`: what the step runs after o_proj and down and after
+the lm_head; `allreduce` = "peer", "nccl", or "auto" / None: peer where the ranks can map each other's memory).
+Every rank must make the same calls in the same order (the collectives are inside the step), so nothing here depends
+on a rank's own timings.
 """
 from __future__ import annotations
 
@@ -31,14 +33,21 @@ from .forms import Forms, GemvForm, default_forms, tp_defaults
 from .graph import StepGraph
 from .nvrtc import KernelLib
 from .ops.attention import short_capacity
+from .ops.lm_head import partial_blocks
 from .step import build_step, run_eager
 from .upload import upload_weights
+
+
+def pdl_default(cc: int) -> bool:
+    """Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it requests
+    weights and waits (griddepcontrol.wait) before touching the predecessor's outputs. ATOMFLOW_PDL=0: off (A/B)."""
+    return cc >= 90 and envs.ATOMFLOW_PDL
 
 
 class Engine:
     def __init__(self, model_dir: str | Path | None, weights: str = "fp8", max_seq: int = 2048,
                  forms: Forms | None = None, progress=None, pdl: bool | None = None, kernel_defines: tuple = (),
-                 group=None, allreduce: str | None = None, source=None):
+                 group=None, allreduce: str | None = None, source=None, lib: KernelLib | None = None):
         cupy = require_gpu()
         # load
         self.ckpt = source if source is not None else Checkpoint(model_dir)  # source: e.g. synthetic.GpuSynthetic
@@ -51,34 +60,25 @@ class Engine:
         self.layer_cfg = self.cfg  # the shapes the layer kernels see (a rank's share under tensor parallel)
         lm_rows = None
         if group is not None:
-            from . import tp
-
-            tp.check_kernels(self.cfg, group.size)
-            self.shards = tp.plan(self.cfg, group.size)
+            self.shards = group.shard_plan(self.cfg)
             self.shard = self.shards[group.rank]
-            self.layer_cfg = tp.local_config(self.cfg, group.size)
+            self.layer_cfg = self.shard.config
             lm_rows = self.shard.vocab_rows[1] - self.shard.vocab_rows[0]
         self.plan = plan_arena(self.layer_cfg, weights, max_seq, self.gpu["sms"],
                                lm_head_rows=None if self.cfg.tie_word_embeddings else lm_rows)
         self.max_seq = max_seq
-        self.lib = KernelLib(extra_defines=kernel_defines)  # kernel_defines: e.g. the timeline instrument
+        # kernel_defines: e.g. the timeline instrument; `lib`: one made already (its defines keyed a saved tune)
+        self.lib = lib if lib is not None else KernelLib(extra_defines=kernel_defines)
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress, shard=self.shard)
         self.tp = None
         if group is not None:
-            from .ops.lm_head import partial_blocks
-            from .ops.tp_comm import TpComm
-
             rows = max(s.vocab_rows[1] - s.vocab_rows[0] for s in self.shards)
             offsets = [s.vocab_rows[0] for s in self.shards]
-            self.tp = TpComm(group, self.lib, self.cfg.hidden_size, partial_blocks(rows, self.gpu["sms"]), offsets,
-                             allreduce or "auto", gpu_key=(self.cc, self.gpu["sms"], *smem_limits()))
+            self.tp = group.sums(self.lib, self.cfg.hidden_size, partial_blocks(rows, self.gpu["sms"]), offsets,
+                                 allreduce, gpu_key=(self.cc, self.gpu["sms"], *smem_limits()))
         self.short_capacity = short_capacity(self.cfg.head_dim, smem_limits())
-        # Programmatic dependent launch (Hopper+): each kernel may start while its predecessor drains; it requests
-        # weights and waits (griddepcontrol.wait) before touching the predecessor's outputs. ATOMFLOW_PDL=0: off (A/B).
-        if pdl is None:
-            pdl = self.cc >= 90 and envs.ATOMFLOW_PDL
-        self.pdl = bool(pdl)
+        self.pdl = bool(pdl_default(self.cc) if pdl is None else pdl)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._prompt_len = 0
         self.position = 0  # host copy of the device's pos (the next step attends over position + 1 rows)
@@ -92,7 +92,7 @@ class Engine:
     # ---- build ---------------------------------------------------------------------------------------------------
     def bucket_launches(self, cap: int | None, form: GemvForm, tp_path: str | None = None) -> list:
         """One bucket's step: the short attention kernel at capacity `cap`, or (None) the split kernel. `tp_path`:
-        the exchanges' path if not the run's (ops/tp_comm.py; "local": none at all, for timing)."""
+        the exchanges' path if not the run's (gpu/tp/sums.py; "local": none at all, for timing)."""
         launches = build_step(self.layer_cfg, self.fmt, self.arena, self.lib, self.gpu["sms"], cap, form, tp=self.tp,
                               vocab_rows=self.shard.vocab_rows if self.shard else None, tp_path=tp_path)
         if self.pdl:
@@ -192,12 +192,6 @@ class Engine:
     def streamed_bytes(self, context: float) -> dict:
         """Bytes one decode step must read at a given context length (weights in full + K and V rows); tensor
         parallel: this rank's."""
-        if self.group is not None:
-            from . import tp
-
-            w = tp.shard_bytes(self.cfg, self.fmt, self.group.size)[self.group.rank]
-            kv = int(round(context * tp.kv_bytes_per_token(self.cfg, self.group.size)))
-            return {"weights": w, "kv": kv, "total": w + kv}
-        w = self.plan.streamed_weight_bytes()
-        kv = int(round(context * self.cfg.kv_bytes_per_token()))
+        w = self.plan.streamed_weight_bytes() if self.shard is None else self.shard.streamed_bytes(self.cfg, self.fmt)
+        kv = int(round(context * self.layer_cfg.kv_bytes_per_token()))
         return {"weights": w, "kv": kv, "total": w + kv}

@@ -9,7 +9,7 @@ runs eagerly (`run_eager`, optionally copying probes out after each launch) or i
     attention      GQA over cache[0..pos] -> attn_out (fp16): the short kernel (whole K/V range in shared memory)
                    in the short bucket, the split kernel beyond it
     gemv  o_proj   residual epilogue                                           h += Wo . attn_out
-                   (tensor parallel: + the sum across ranks, ops/tp_comm.py; while the ranks meet, the next
+                   (tensor parallel: + the sum across ranks, gpu/tp/sums.py; while the ranks meet, the next
                    GEMV's head is asked into L2, as QKV asks o_proj's: ops/gemv.py head_l2)
     gemv  gate/up  RMSNorm prologue (post_attention_layernorm), SwiGLU epilogue -> act (fp16)
     gemv  down     residual epilogue                                           h += Wd . act
@@ -26,9 +26,9 @@ from ..config import ModelConfig
 from ..errors import AtomflowError
 from .arena import Arena
 from .forms import GemvForm
-from .launch import Launch
+from .launch import Launch, i32, with_last_arg
 from .nvrtc import KernelLib
-from .ops import lm_head, tp_comm
+from .ops import lm_head
 from .ops.attention import attention_launch, attention_short_launch
 from .ops.gemv import ROLE_VARIANT, gemv_launch, head_l2, linear_regions, next_l2
 from .ops.small import embed_launch
@@ -41,11 +41,11 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
     short attention kernel holding that many positions (lengths up to it), else (None) the split kernel. `form`: the
     layer GEMVs' form.
 
-    Tensor parallel (`tp`: ops/tp_comm.TpComm; `cfg` is then the rank's local_config and `vocab_rows` its lm_head
+    Tensor parallel (`tp`: gpu/tp/sums.py TpComm; `cfg` is then the rank's local_config and `vocab_rows` its lm_head
     rows): o_proj and down run the variant tp.gemv_target says (peer: resid_tp, which sums across ranks itself),
     followed by tp.sum_launches (nccl: the all-reduce; the last launch carries the h probe); the lm_head finds the
     rank's best over its rows and tp's combine picks the token and advances the position. `tp_path` overrides the
-    run's path (ops/tp_comm.py; "local": no exchange, for timing)."""
+    run's path (gpu/tp/sums.py; "local": no exchange, for timing)."""
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_norm_eps
     h, qkv, attn_out, act = (a[n] for n in ("h", "qkv", "attn_out", "act"))
@@ -69,7 +69,7 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
         if tp is None:
             return [gemv(i, role, x, h, H, k, taps={probe: h})]
         variant, y, tp_args = tp.gemv_target(role, h, tp_path)
-        slots = tp_comm.WAIT_HEAD_SLOTS  # while it waits for the other ranks: the next GEMV's head
+        slots = tp.WAIT_HEAD_SLOTS  # while it waits for the other ranks: the next GEMV's head
         nxt = None if tp_args is None else head(i, "wgu", slots) if role == "wo" else head(i + 1, "wqkv", slots)
         out = [gemv(i, role, x, y, H, k, variant=variant, tp=tp_args, head=nxt)] + tp.sum_launches(role, h, tp_path)
         out[-1].taps = {probe: h}
@@ -82,7 +82,7 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
             gemv(i, "wqkv", h, qkv, rows["wqkv"][0] // 2, H, norm_w=a[f"L{i}.attn_norm"],
                  rope=(a["rope_cs"], a["pos"], a["k_cache"][i], a["v_cache"][i], cfg.num_attention_heads,
                        cfg.num_key_value_heads, hd, next_l2(a[f"L{i}.wgu"], form.l2_tail_mb)),
-                 head=None if tp is None else head(i, "wo", tp_comm.QKV_HEAD_SLOTS),
+                 head=None if tp is None else head(i, "wo", tp.QKV_HEAD_SLOTS),
                  taps={p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]}),
             attention_short_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], a["pos"], attn_out,
                                    cfg.num_key_value_heads, cfg.group_size, hd, att_cap, taps={p + "attn_out": attn_out})
@@ -107,7 +107,10 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
 def hold_position(launches: list[Launch]) -> list[Launch]:
     """The step without advancing the position, for timing runs that replay it many times at one length: the
     lm_head launched with advance = 0 (it still finds the token, so the time includes the argmax)."""
-    return [tp_comm.hold_position(lm_head.hold_position(ln)) for ln in launches]
+    return [with_last_arg(ln, i32(0)) if ln.name == TP_COMBINE else lm_head.hold_position(ln) for ln in launches]
+
+
+TP_COMBINE = "tp_argmax_combine"  # tensor parallel: the combine advances the position (its last argument), not the lm_head
 
 
 def check_residual_order(names: list[str]) -> None:

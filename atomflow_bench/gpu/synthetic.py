@@ -14,7 +14,6 @@ import hashlib
 import numpy as np
 
 from ..config import ModelConfig
-from . import tp
 
 CHUNK = 1 << 26  # values generated per call (256 MB of fp32 scratch)
 
@@ -33,7 +32,7 @@ class GpuSynthetic:
         key = f"{self.seed}|{name}|{rs.start}:{rs.stop}|{cs.start}:{cs.stop}".encode()
         return int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
 
-    def get_shard(self, name: str, shard: tp.RankShard | None):
+    def get_shard(self, name: str, shard=None):
         import cupy
 
         full = self._shapes[name]
@@ -41,8 +40,8 @@ class GpuSynthetic:
             rs, cs = slice(0, full[0]), slice(0, full[1] if len(full) > 1 else 1)
             shape = tuple(full)
         else:
-            rs, cs = tp.slice_index(name, shard)
-            shape = tp.slice_shape(name, full, shard)
+            rs, cs = shard.slice_index(name)  # shard: gpu/tp/plan.py RankShard
+            shape = shard.slice_shape(name, full)
         if len(shape) == 1:  # RMSNorm weight
             return cupy.ones(shape, dtype=cupy.float16)
         out = cupy.empty(shape, dtype=cupy.float16)

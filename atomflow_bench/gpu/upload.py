@@ -65,19 +65,17 @@ class _PinnedUploader:
 
 def upload_weights(ckpt: Checkpoint, arena, fmt: str, lib, progress=None, shard=None) -> dict:
     """Fill the arena's weight pool from the checkpoint (see the module docstring), or with a tensor-parallel rank's
-    `shard` (gpu/tp.py RankShard) of it: each tensor sliced at load (tp.slice_weight), or generated on the device by
+    `shard` (gpu/tp/plan.py RankShard) of it: each tensor sliced at load (shard.slice_weight), or generated on the device by
     a source with `get_shard` (gpu/synthetic.py). Returns {"bytes": bytes copied, "fp8_source": "gpu-quantized" |
     "file" | None}."""
     import cupy
-
-    from . import tp
 
     cfg = ckpt.config
     up = _PinnedUploader()
     if hasattr(ckpt, "get_shard"):
         get = lambda n: ckpt.get_shard(n, shard)  # noqa: E731
     elif shard is not None:
-        get = lambda n: tp.slice_weight(n, ckpt.get(n), shard)  # noqa: E731
+        get = lambda n: shard.slice_weight(n, ckpt.get(n))  # noqa: E731
     else:
         get = ckpt.get
     fp8_file = ckpt.dir / "model-fp8.safetensors" if ckpt.dir is not None else None

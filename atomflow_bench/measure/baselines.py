@@ -75,6 +75,7 @@ from typing import Any, Callable
 
 from ..config import CATALOG
 from ..errors import AtomflowError
+from ..output import Tab
 
 SCHEMA = "atomflow-bench/baseline/1"
 # The checkout's baselines/ in a source tree or an editable install (where `baseline record` writes and the files are
@@ -345,8 +346,6 @@ def _fmt(v, spec: str, none: str = "n/a") -> str:
 
 def comparison_table(rows: list[dict]):
     """The comparison (rows from `comparison_rows`) as an output.Tab."""
-    from ..output import Tab
-
     cols = ["engine", "GPU", "precision", "ctx", "TPOT ms", "speedup (same GPU)", "achieved / spec GB/s",
             "roofline-normalised (different GPU)", "source"]
     t = Tab("comparison — speedup = their TPOT / ours (same GPU only); roofline-normalised = "
@@ -382,3 +381,21 @@ def attach_comparisons(rec: dict, baselines: list[dict], peers: list[dict] | Non
         rec["peers"] = peers
     rec["comparisons"] = comparison_rows(rec, baselines, peers)
     return rec["comparisons"]
+
+
+def baselines_table(baselines: list[dict]):
+    """`baseline list`: one row per recorded baseline (output.Tab)."""
+    t = Tab("recorded baselines", ["model", "engine", "GPU", "GB/s", "precision", "ctx", "tokens", "TPOT ms", "tok/s",
+                                   "source"], key="baselines", right=("GB/s", "ctx", "tokens", "TPOT ms", "tok/s"))
+    for b in baselines:
+        e, m = b["engine"], b["metrics"]
+        fit = m.get("tpot_fit_ms")
+        tpot = (f"{fit['intercept']:g} + {fit['per_input_token']:g} x {fit['input']} (fitted)" if fit
+                else f"{m['tpot_ms']:.3f}")
+        tok_s = "—" if fit else f"{m['tok_per_s']:.1f}"
+        bw = b["gpu"]["memory_bandwidth_gbs"]
+        t.add(b["model"], " ".join(x for x in (e["name"], e["version"]) if x), b["gpu"]["name"],
+              "—" if bw is None else str(bw), b["precision"], *(str(b[k]) if b[k] is not None else "—"
+                                                                for k in ("context", "tokens")),
+              tpot, tok_s, b["source"])
+    return t

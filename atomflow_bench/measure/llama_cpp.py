@@ -52,8 +52,10 @@ import re
 import sys
 from pathlib import Path
 
-from .baselines import SCHEMA, catalog_name, spec_bandwidth, validate
+from ..config import CATALOG
 from ..errors import AtomflowError
+from .baselines import SCHEMA, catalog_name, spec_bandwidth, validate
+from .run_record import now_iso, slug
 
 ENGINE = "llama.cpp"
 PROVENANCE_PREFIX = "provenance: "
@@ -155,8 +157,6 @@ def streamed_weight_bytes(model: str, ft: str | None, gguf_bytes: int | None,
     `model` and file type `ft`: the file's size, less token_embd when the model is untied (see the module docstring).
     (None, why) when the size, the model's shape or token_embd's storage type is unknown. `model_size` (llama-bench's
     tensor bytes) only lets the basis say how much of the file is metadata."""
-    from ..config import CATALOG
-
     if not gguf_bytes:
         return None, "no weight_bytes: the GGUF's size was not given"
     preset = CATALOG.get(catalog_name(model))
@@ -201,8 +201,6 @@ def records_from_bench(tests: list[dict], *, model: str | None = None, gguf: Pat
                        extra: dict | None = None, created: str | None = None) -> list[dict]:
     """One validated baseline record per decode test in `tests` (llama-bench JSON objects). `created` (ISO 8601,
     default now) is the records' creation time, `date` (default: created's) the measurement's day in `source`."""
-    from .report import now_iso
-
     if not tests:
         raise AtomflowError("llama-bench output holds no tests")
     created = created or now_iso()
@@ -305,8 +303,6 @@ def provenance_of(rec: dict) -> dict | None:
 
 
 def record_path(rec: dict, directory: Path) -> Path:
-    from .report import slug
-
     prov = provenance_of(rec) or {}
     ft = (prov.get("file_type") or "unknown").lower()
     ctx = rec["context"] if rec["context"] is not None else "na"

@@ -21,7 +21,7 @@ allocated length, masked; those extra bytes are not counted).
 Energy (power.py, on CUDA only): after the timed repeats, untimed passes of the same decode (at least
 ENERGY_MIN_S of steps) are the regions of an NVML meter on torch's current GPU, found by PCI bus id; the device is
 synchronised before the meter starts and the last step's event completed before it stops (the timed repeats have no
-such synchronisation, as before). Each mode's record gets
+such synchronisation). Each mode's record gets
 `energy` (or `{"unavailable": reason}`); the peers table does not show it.
 """
 from __future__ import annotations
@@ -32,9 +32,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import ENERGY_MIN_S, synthetic_prompt
-from .timing import summarize
+from ..config import ModelConfig
 from ..errors import AtomflowError, GpuUnavailable
+from ..output import Tab
+from .baselines import spec_bandwidth
+from .decode import ENERGY_MIN_S, synthetic_prompt
+from .power import Unavailable, open_meter
+from .timing import summarize
 
 MODES = ("eager", "static", "compiled")
 SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")  # cuDNN left out: see the module docstring
@@ -44,8 +48,8 @@ HINT = "HF peers need torch and transformers: pip install 'atomflow-bench[truth]
 
 def require_torch(device: str):
     try:
-        import torch
-        import transformers
+        import torch  # optional extra: imported where it is used
+        import transformers  # optional extra: imported where it is used
     except ImportError:
         raise AtomflowError(HINT) from None
     if device == "cuda" and not torch.cuda.is_available():
@@ -109,8 +113,6 @@ def _decode(torch, model, cache, prompt, tokens: int, device: str, step=None,
 
 def _meter(torch, device: str):
     """An energy meter on torch's current GPU (by PCI bus id), or an Unavailable one saying why."""
-    from .power import Unavailable, open_meter
-
     if device != "cuda":
         return Unavailable(f"device {device}: no GPU power to read")
     try:
@@ -125,10 +127,8 @@ def measure_peers(model_dir, context: int = 128, tokens: int = 64, modes=("eager
                   weights: str = "fp16", device: str = "cuda", repeats: int = 3, warmup_steps: int = 3) -> list[dict]:
     """One record per mode: engine, gpu, precision, context, tokens, tpot_ms{...}, tok/s, bytes, bandwidth."""
     torch, transformers = require_torch(device)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from transformers import DynamicCache, LlamaForCausalLM, StaticCache
-
-    from ..config import ModelConfig
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # optional extra: imported where it is used
+    from transformers import DynamicCache, LlamaForCausalLM, StaticCache  # optional extra: imported where it is used
 
     unknown = [m for m in modes if m not in MODES]
     if unknown or weights not in DTYPES:
@@ -186,9 +186,6 @@ def measure_peers(model_dir, context: int = 128, tokens: int = 64, modes=("eager
 
 def peers_table(records: list[dict]):
     """The peers as an output.Tab."""
-    from ..output import Tab
-    from .baselines import spec_bandwidth
-
     cols = ["engine", "device", "ctx", "tokens", "TPOT median ms", "p10", "p90", "tok/s", "GB/s", "% of spec GB/s",
             "same tokens"]
     t = Tab("HF transformers peers (same weights, same shape, this process)", cols, key="peers",

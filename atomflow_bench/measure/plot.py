@@ -22,8 +22,11 @@ import textwrap
 from pathlib import Path
 
 from ..errors import AtomflowError
-from . import report
-from .comparison import weight_width
+from ..output import Tab
+from . import run_record
+from .baselines import SCHEMA as BASELINE_SCHEMA, catalog_name, same_gpu, validate
+from .peer_table import weight_width
+from .sweep import SCHEMA as SWEEP_SCHEMA
 
 PROFILE_SCHEMA = "atomflow-bench/profile/1"
 MISSING = "plot needs matplotlib, which is not installed: pip install 'atomflow-bench[plot]'"
@@ -36,8 +39,8 @@ def require_matplotlib():
     """The Agg canvas and Figure classes, or AtomflowError naming the extra."""
     try:
         import matplotlib  # noqa: F401
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # optional extra: imported where it is used
+        from matplotlib.figure import Figure  # optional extra: imported where it is used
     except ImportError:
         raise AtomflowError(MISSING) from None
     return FigureCanvasAgg, Figure
@@ -49,9 +52,6 @@ def load_records(paths) -> dict:
 
     Returns {"runs": [(path, rec)], "profiles": [...], "baselines": [...], "ignored": [(path, why)]}. A file named
     explicitly must be one of those (or a sweep summary, ignored); in a directory, other files are ignored."""
-    from .baselines import SCHEMA as BASELINE_SCHEMA, validate
-    from .sweep import SCHEMA as SWEEP_SCHEMA
-
     out = {"runs": [], "profiles": [], "baselines": [], "ignored": []}
     files = []
     for p in map(Path, paths):
@@ -72,8 +72,8 @@ def load_records(paths) -> dict:
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise AtomflowError(f"{f}: not valid JSON ({e})") from None
             schema = rec.get("schema") if isinstance(rec, dict) else None
-            if schema == report.SCHEMA:
-                out["runs"].append((f, report.load(f)))
+            if schema == run_record.SCHEMA:
+                out["runs"].append((f, run_record.load(f)))
             elif schema == PROFILE_SCHEMA:
                 if not isinstance(rec.get("role_marginals"), dict) or not rec["role_marginals"].get("rows"):
                     raise AtomflowError(f"{f}: profile record without role_marginals.rows")
@@ -200,7 +200,7 @@ def plot_context(runs, out_dir: Path, written: set | None = None) -> list[dict]:
         ax2.axhline(100, color="#999999", linestyle="--", linewidth=1)
         ax2.set_ylim(0, max(105, max(r["roofline"]["pct"] for _, r in items) * 1.08))
         fig.suptitle(f"{model} on {gpu}: single-stream decode against context", fontsize=12)
-        path = _save(fig, bottom, Path(out_dir) / f"context-{report.slug(model)}-{report.slug(gpu)}.png", written)
+        path = _save(fig, bottom, Path(out_dir) / f"context-{run_record.slug(model)}-{run_record.slug(gpu)}.png", written)
         out.append({"kind": "context", "path": path, "sources": [p for p, _ in items]})
     return out
 
@@ -208,8 +208,6 @@ def plot_context(runs, out_dir: Path, written: set | None = None) -> list[dict]:
 # ---- (b) ours against the engines on the same GPU ------------------------------------------------------
 def _comparators(rec: dict, baselines) -> tuple[list[dict], int, list]:
     """(bars other than ours on the same GPU, how many other-GPU rows were left out, baseline files used)."""
-    from .baselines import catalog_name, same_gpu
-
     gpu, bars, other, used = _gpu(rec), [], 0, []
     if isinstance(rec.get("comparisons"), list):
         for row in rec["comparisons"]:
@@ -310,7 +308,7 @@ def plot_compare(runs, baselines, out_dir: Path, written: set | None = None) -> 
         ax.set_title("\n".join(textwrap.wrap(f"{_model(rec)} on {_gpu(rec)}: ours ({rec['weights']}, ctx "
                                               f"{rec['context']}) against the engines on the same GPU", width=80)),
                      fontsize=11)
-        name = f"compare-{report.slug(_model(rec))}-{rec['weights']}-ctx{rec['context']}-{report.slug(_gpu(rec))}.png"
+        name = f"compare-{run_record.slug(_model(rec))}-{rec['weights']}-ctx{rec['context']}-{run_record.slug(_gpu(rec))}.png"
         out.append({"kind": "compare", "path": _save(fig, bottom, Path(out_dir) / name, written),
                     "sources": [path, *used]})
     return out
@@ -354,7 +352,7 @@ def plot_roles(profiles, out_dir: Path, written: set | None = None) -> list[dict
         ctx = rec.get("context")
         ax.set_title(f"{_model(rec)} {rec.get('weights', '')} on {_gpu(rec)}: what each role adds to the graph step "
                      f"(length {m.get('length', '?')}, ctx {ctx})", fontsize=11)
-        name = f"roles-{report.slug(_model(rec))}-{rec.get('weights', 'x')}-ctx{ctx}-{report.slug(_gpu(rec))}.png"
+        name = f"roles-{run_record.slug(_model(rec))}-{rec.get('weights', 'x')}-ctx{ctx}-{run_record.slug(_gpu(rec))}.png"
         out.append({"kind": "roles", "path": _save(fig, bottom, Path(out_dir) / name, written), "sources": [path]})
     return out
 
@@ -379,3 +377,13 @@ def plot_all(paths, out_dir) -> dict:
         notes.append(f"{len(instr)} timing-instrument record(s) not plotted (a bound, not a result): "
                      + ", ".join(str(p) for p in instr[:3]))
     return {"plots": plots, "ignored": recs["ignored"], "notes": notes}
+
+
+def plots_table(res: dict):
+    """`plot`: the PNGs plot_all wrote and the records each came from (output.Tab)."""
+    t = Tab("plots written", ["plot", "png", "from"], key="plots")
+    for p in res["plots"]:
+        src = [str(s) for s in p["sources"]]
+        t.add(p["kind"], str(p["path"]), ", ".join(src) if len(src) <= 3 else f"{len(src)} records: "
+              + ", ".join(src[:3]) + ", ...")
+    return t

@@ -297,7 +297,7 @@ def open_meter(pci_bus_id: str | None = None, **kw):
         return Unavailable(f"pynvml is not importable ({_one_line(e)}): pip install 'atomflow-bench[energy]'")
     try:
         if pci_bus_id is None:
-            import cupy as cp
+            import cupy as cp  # optional extra: imported where it is used
 
             pci_bus_id = cp.cuda.Device().pci_bus_id
         return EnergyMeter(open_nvml(pci_bus_id), **kw)

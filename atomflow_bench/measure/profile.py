@@ -27,10 +27,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..gpu.ops.gemv import linear_regions
 from ..config import GROUP, ModelConfig
+from ..gpu.device import compute_capability
+from ..gpu.forms import default_forms
+from ..gpu.ops.gemv import linear_regions
+from ..gpu.ops.gemv import gemv_launch
+from ..gpu.ops.lm_head import rows_launch
+from ..gpu.ops.small import spin_launch
 from ..gpu.step import hold_position
-from .bench import synthetic_prompt, time_decode
+from ..output import Tab
+from .decode import synthetic_prompt, time_decode
 from .timing import copy_bandwidth, graph_replay_us, queued_event_us, summarize
 
 
@@ -144,13 +150,7 @@ def gemv_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, str]]:
 def gemv_bench(cfg: ModelConfig, lib, n_sm: int, formats=("fp16", "fp8"), reps: int = 50, l2_bytes: int = L2_BYTES,
                copy: dict | None = None) -> dict:
     """Each GEMV shape alone, L2-cold (rotating >= 4x L2 of weights), events per launch; median µs."""
-    import cupy as cp
-
-    from ..gpu.device import compute_capability
-    from ..gpu.forms import default_forms
-    from ..gpu.ops.gemv import gemv_launch
-    from ..gpu.ops.lm_head import rows_launch
-    from ..gpu.ops.small import spin_launch
+    import cupy as cp  # optional extra: imported where it is used
 
     copy = copy or copy_bandwidth()
     cc = compute_capability()
@@ -204,7 +204,7 @@ def gemv_bench(cfg: ModelConfig, lib, n_sm: int, formats=("fp16", "fp8"), reps: 
 def chained_us(launches, pdl: bool, reps: int) -> dict:
     """µs per launch of `launches` run back to back as one CUDA graph (programmatic dependent launch between
     them when `pdl`), replayed `reps` times after 2 warm-up replays; events between replays."""
-    import cupy as cp
+    import cupy as cp  # optional extra: imported where it is used
 
     if pdl:
         for ln in launches[1:]:
@@ -216,8 +216,6 @@ def chained_us(launches, pdl: bool, reps: int) -> dict:
 
 def profile_table(p: dict):
     """The eager per-kernel breakdown of profile_step (output.Tab)."""
-    from ..output import Tab
-
     cols = ["kernel", "% of step", "count/step", "mean µs", "µs/step", "GB/s", "% copy BW"]
     t = Tab(f"decode step profile (eager, events per launch; ctx {p['context']}, {p['steps']} steps)", cols,
             key="profile", right=tuple(cols[1:]))
@@ -237,8 +235,6 @@ def profile_table(p: dict):
 
 def attention_table(p: dict):
     """The attention launches alone in a graph (profile_step's `attention_graph`) as a one-row output.Tab."""
-    from ..output import Tab
-
     a = p["attention_graph"]
     u = a["us_per_launch"]
     cols = ["length", "µs per layer", "p10-p90 µs", "KV floor µs", "x the floor", "DRAM"]
@@ -251,8 +247,6 @@ def attention_table(p: dict):
 
 def gemv_table(g: dict):
     """gemv_bench's rows (output.Tab)."""
-    from ..output import Tab
-
     cols = ["GEMV", "format", "rows x K", "MB", "isolated µs", "p10-p90 µs", "GB/s", "% copy BW",
             "isolated ceiling %", "chained µs", "chained GB/s", "chained % copy BW"]
     t = Tab(f"GEMV microbenchmark (L2-cold: weights rotate over {g['l2_rotation_bytes'] >> 20} MiB+)", cols,
@@ -273,8 +267,6 @@ def gemv_table(g: dict):
 
 def marginal_table(p: dict):
     """The graph-mode breakdown of profile_step's `role_marginals` (output.Tab)."""
-    from ..output import Tab
-
     m = p["role_marginals"]
     cols = ["role", "launches", "step without (µs)", "role adds (µs)", "per launch", "bytes floor (µs)", "excess (µs)"]
     whose = f"; {m['step']}" if m.get("step") else ""

@@ -24,9 +24,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
 from ..errors import AtomflowError, GpuUnavailable
+from ..output import Tab, text
 from ..store.store import write_json_atomic
-from . import report
+from . import run_record
+from .baselines import attach_comparisons, same_gpu
 
 SCHEMA = "atomflow-bench/sweep/1"
 AXES = ("model", "weights", "context", "tp")  # the cell key's fields, in file-name and table order
@@ -92,8 +96,8 @@ def grid(models, weights, contexts, tps=(1,)) -> list[dict]:
 
 def cell_filename(key: dict) -> str:
     """The record file of a cell: its key's values in AXES order (`llama-3.2-3b-fp8-ctx128-tp1.json`)."""
-    return (f"{report.slug(str(key['model']))}-{key['weights']}-ctx{key['context']}-tp{key.get('tp', 1)}"
-            + "".join(f"-{report.slug(k)}{report.slug(str(v))}" for k, v in key.items() if k not in AXES) + ".json")
+    return (f"{run_record.slug(str(key['model']))}-{key['weights']}-ctx{key['context']}-tp{key.get('tp', 1)}"
+            + "".join(f"-{run_record.slug(k)}{run_record.slug(str(v))}" for k, v in key.items() if k not in AXES) + ".json")
 
 
 def key_text(key: dict) -> str:
@@ -128,13 +132,12 @@ def figures(rec: dict) -> dict:
 
 def check_record(path: Path, key: dict, tokens: int, repeats: int, gpu: str | None = None) -> tuple[dict | None, str]:
     """(record, "") when `path` holds a valid record of this cell, else (None, why not)."""
-    from .baselines import same_gpu
 
     path = Path(path)
     if not path.is_file():
         return None, "no record"
     try:
-        rec = report.load(path)
+        rec = run_record.load(path)
         figures(rec)
     except AtomflowError as e:
         return None, " ".join(str(e).replace(str(path), path.name).split())
@@ -153,55 +156,19 @@ def check_record(path: Path, key: dict, tokens: int, repeats: int, gpu: str | No
 
 
 # ---- the sweep -----------------------------------------------------------------------------------------
-def benchmark_cell(key: dict, tokens: int, repeats: int, *, baselines=(), peers: bool = False, forms=None,
-                   retune: bool = False, source: str | None = None, console=None, baselines_dir=None) -> dict:
-    """One cell on the GPU: the model resolved (fetched if missing), `bench.benchmark`, the comparisons of `run`
-    (recorded baselines, and the HF peers with `peers`) attached; returns the run record. A cell of tp > 1 is
-    `atomflow-bench run --tp N` in processes of its own (_tp_cell)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from ..store.fetch import fetch_model, resolve_model
-    from .baselines import attach_comparisons
-    from .bench import benchmark
-
-    model, weights, context = key["model"], key["weights"], key["context"]
-    if key.get("tp", 1) != 1:
-        if peers:
-            raise AtomflowError("--peers runs on one GPU: not with tp > 1")
-        return _tp_cell(key, tokens, repeats, forms=forms, source=source, baselines_dir=baselines_dir)
-    path = fetch_model(model, source=source, console=console) if source else resolve_model(model, console=console)
-    src = _source_of(path)
+def benchmark_cell(key: dict, tokens: int, repeats: int, *, open_cell, baselines=(), peers: bool = False,
+                   forms=None, retune: bool = False, source: str | None = None, console=None,
+                   baselines_dir=None) -> dict:
+    """One cell on the GPU(s): its run context (`open_cell`: gpu/tp/context.py open_cell; one GPU, or the ranks of
+    `run --tp N`), the measurement, the comparisons of `run` (recorded baselines, and the HF peers with `peers`)
+    attached; returns the run record."""
+    ctx = open_cell(key["model"], key.get("tp", 1), source=source, notes=console)
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
                   transient=True, disable=console is None) as progress:
-        rec = benchmark(path, model, src, weights, context, tokens, repeats, progress=progress, forms=forms,
-                        retune=retune)
-    peer_recs = None
-    if peers:
-        from .peers import measure_peers
-
-        peer_recs = measure_peers(path, context=context, tokens=tokens, repeats=min(repeats, 3), weights="fp16")
+        rec, peer_recs = ctx.measure(key["weights"], key["context"], tokens, repeats, forms=forms, retune=retune,
+                                     progress=progress, peers=peers, baselines_dir=baselines_dir)
     attach_comparisons(rec, list(baselines), peer_recs)
     return rec
-
-
-def _tp_cell(key: dict, tokens: int, repeats: int, *, forms=None, source=None, baselines_dir=None) -> dict:
-    """`run --tp N` of one cell (its ranks are processes of their own, started by that command); its record."""
-    import subprocess
-    import sys
-
-    with tempfile.TemporaryDirectory(prefix="atomflow-sweep-") as d:
-        out = Path(d) / "run.json"
-        argv = [sys.executable, "-m", "atomflow_bench.cli", "run", str(key["model"]), "--weights", key["weights"],
-                "--ctx", str(key["context"]), "--tokens", str(tokens), "--repeats", str(repeats),
-                "--tp", str(key["tp"]), "--json", str(out), "--format", "json"]
-        argv += ["--forms", forms.text] if forms is not None else []
-        argv += ["--source", source] if source else []
-        argv += ["--baselines", str(baselines_dir)] if baselines_dir else []
-        p = subprocess.run(argv, capture_output=True, text=True)
-        if p.returncode != 0 or not out.is_file():
-            last = [ln for ln in p.stderr.splitlines() if ln.strip()][-1:] or [f"exit {p.returncode}"]
-            raise AtomflowError(f"run --tp {key['tp']}: {last[0]}")
-        return report.load(out)
 
 
 def tp_scaling(summary: dict) -> dict[int, tuple[float, float]]:
@@ -222,15 +189,6 @@ def tp_scaling(summary: dict) -> dict[int, tuple[float, float]]:
     return out
 
 
-def _source_of(path) -> str:
-    import json
-
-    m = Path(path) / "manifest.json"
-    if m.is_file():
-        return json.loads(m.read_text()).get("source", {}).get("kind", "unknown")
-    return "local"
-
-
 def _entry(key: dict, status: str, file: str | None = None, rec: dict | None = None, error: str | None = None,
            note: str | None = None, seconds: float | None = None) -> dict:
     f = figures(rec) if rec is not None else {"gpu": None, "tpot_ms": None, "tok_per_s": None, "roofline_pct": None,
@@ -239,7 +197,7 @@ def _entry(key: dict, status: str, file: str | None = None, rec: dict | None = N
     return {"key": dict(key), "status": status, "file": file, **f, "error": error, "note": note, "seconds": seconds}
 
 
-def run_sweep(cells: list[dict], out_dir, run_cell: Callable[..., dict] = benchmark_cell, *, tokens: int = 256,
+def run_sweep(cells: list[dict], out_dir, run_cell: Callable[..., dict], *, tokens: int = 256,
               repeats: int = 5, gpu: str | None = None, console=None, command: str | None = None) -> dict:
     """Measure every cell not already measured in `out_dir` (see the module's doc); returns the summary.
 
@@ -250,8 +208,8 @@ def run_sweep(cells: list[dict], out_dir, run_cell: Callable[..., dict] = benchm
     out.mkdir(parents=True, exist_ok=True)
     say = (lambda text: console.print(text, soft_wrap=True, highlight=False, markup=False)) if console else (
         lambda text: None)
-    summary = {"schema": SCHEMA, "tool": report.tool_info(), "created": report.now_iso(), "updated": None,
-               "command": command if command is not None else report.command_line(), "gpu": gpu,
+    summary = {"schema": SCHEMA, "tool": run_record.tool_info(), "created": run_record.now_iso(), "updated": None,
+               "command": command if command is not None else run_record.command_line(), "gpu": gpu,
                "tokens": tokens, "repeats": repeats, "directory": str(out), "complete": False,
                "cells": [_entry(k, "pending") for k in cells]}
     names = [cell_filename(k) for k in cells]
@@ -276,7 +234,7 @@ def run_sweep(cells: list[dict], out_dir, run_cell: Callable[..., dict] = benchm
         try:
             rec = run_cell(key, tokens, repeats)
             figures(rec)  # a record the summary cannot read fails its cell and is not written
-            report.write(rec, path)
+            run_record.write(rec, path)
         except GpuUnavailable as e:
             summary["cells"][i] = _entry(key, "failed", error=_line(e), note=note)
             write_summary(summary, out)
@@ -314,7 +272,6 @@ def _f(v, spec: str) -> str:
 
 def sweep_table(summary: dict):
     """The summary as an output.Tab (one row per cell)."""
-    from ..output import Tab
 
     cols = ["model", "weights", "ctx", "tp", "status", "TPOT ms", "p10-p90 ms", "tok/s", "% roofline", "GB/token",
             "vs TP1", "forms", "file / error"]
@@ -362,7 +319,6 @@ def csv_text(summary: dict) -> str:
 
 
 def md_text(summary: dict) -> str:
-    from ..output import text
 
     head = (f"# atomflow-bench sweep\n\n`{summary['command']}` — started {summary['created']}, updated "
             f"{summary['updated']}{'' if summary['complete'] else ' (not complete: cells not reached are pending)'}"
@@ -387,7 +343,7 @@ def _write_text_atomic(path: Path, data: str) -> None:
 def write_summary(summary: dict, out_dir) -> list[Path]:
     """summary.json (atomically), summary.csv and summary.md (each written to a temporary file, then renamed)."""
     out = Path(out_dir)
-    summary["updated"] = report.now_iso()
+    summary["updated"] = run_record.now_iso()
     write_json_atomic(out / "summary.json", summary)
     _write_text_atomic(out / "summary.csv", csv_text(summary))
     _write_text_atomic(out / "summary.md", md_text(summary))

@@ -17,6 +17,8 @@ import time
 import numpy as np
 
 from ..errors import AtomflowError
+from ..gpu.graph import StepGraph
+from ..gpu.ops.small import spin_launch
 
 
 def summarize(samples_ms) -> dict:
@@ -37,7 +39,7 @@ class Marks:
         elif torch is not None:
             self.events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
         else:
-            import cupy as cp
+            import cupy as cp  # optional extra: imported where it is used
 
             self.events = [cp.cuda.Event() for _ in range(n + 1)]
         self._torch = torch
@@ -59,14 +61,14 @@ class Marks:
         self.t[-1].synchronize()
         if self._torch is not None:
             return [a.elapsed_time(b) for a, b in zip(self.t, self.t[1:])]
-        import cupy as cp
+        import cupy as cp  # optional extra: imported where it is used
 
         return [cp.cuda.get_elapsed_time(a, b) for a, b in zip(self.t, self.t[1:])]
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 30, warmup: int = 5) -> dict:
     """GB/s of a D2D copy (2 * nbytes moved per copy), events around each copy."""
-    import cupy as cp
+    import cupy as cp  # optional extra: imported where it is used
 
     src = cp.empty(nbytes, dtype=cp.uint8)
     dst = cp.empty(nbytes, dtype=cp.uint8)
@@ -105,9 +107,7 @@ def queued_event_us(lib, calls, stream, per_call_ns: int = 100_000) -> list[floa
 
 
 def _queued_batch(lib, calls, stream, per_call_ns: int) -> list[float]:
-    import cupy as cp
-
-    from ..gpu.ops.small import spin_launch
+    import cupy as cp  # optional extra: imported where it is used
 
     for attempt in range(3):
         budget_ns = 200_000 + len(calls) * per_call_ns * 4 ** attempt
@@ -141,8 +141,6 @@ def replay_us(graph, stream, replays: int, warmup: int = 2) -> list[float]:
 
 def graph_replay_us(launches, stream, replays: int = 30) -> dict:
     """µs per replay of `launches` captured as one CUDA graph (2 warm-up replays)."""
-    from ..gpu.graph import StepGraph
-
     return summarize(replay_us(StepGraph(launches, stream), stream, replays))
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import ConfigError, VerifyError
 from ..gpu.nvrtc import instrument_defines
-from ..measure.report import now_iso, tool_info
+from ..measure.run_record import now_iso, tool_info
 from ..store.checkpoint import Checkpoint
 from ..store.tokenizer import load_tokenizer
 from .metrics import PROBE_RULE, THRESHOLDS, judge_probes, text_metrics, worst_positions

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import ConfigError, GpuUnavailable
 from ..gpu.device import gpu_info, require_gpu
 from ..gpu.engine import Engine
-from ..measure.tp_bench import tp_forms
+from ..gpu.tp.figures import tp_forms
 from ..measure.tune import resolve
 from ..reference import ReferenceDecoder
 from ..store.checkpoint import Checkpoint

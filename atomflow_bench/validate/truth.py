@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ..errors import AtomflowError, ConfigError, VerifyError
-from ..measure.report import now_iso, tool_info
+from ..measure.run_record import now_iso, tool_info
 from ..quant import dequantize_fp8, quantize_fp8
 from ..store import store
 from ..store.checkpoint import Checkpoint

@@ -44,7 +44,7 @@ def child(model: str, weights: str, context: int, replays: int) -> None:
     import cupy
 
     from lab.local import lab_engine
-    from atomflow_bench.measure.bench import synthetic_prompt
+    from atomflow_bench.measure.decode import synthetic_prompt
 
     eng = lab_engine(model, weights, context + 16 + replays)  # forms: ATOMFLOW_FORMS, else the engine's defaults
     eng.reset(synthetic_prompt(eng.cfg.vocab_size, context))

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from atomflow_bench.errors import AtomflowError
     from atomflow_bench.gpu.forms import Forms
     from lab.local import lab_engine
-    from atomflow_bench.measure.bench import by_bucket, time_decode
+    from atomflow_bench.measure.decode import by_bucket, time_decode
     from atomflow_bench.measure.timing import copy_bandwidth
 
     configs = [(f, Forms.parse(f)) for f in a.forms]

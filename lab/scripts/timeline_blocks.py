@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 def main() -> None:
     from lab import timeline
     from lab.local import lab_engine
-    from atomflow_bench.measure.bench import synthetic_prompt
+    from atomflow_bench.measure.decode import synthetic_prompt
     from atomflow_bench.measure.profile import step_role
 
     args = [a for a in sys.argv[1:] if not a.startswith("--")]

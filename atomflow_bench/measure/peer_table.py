@@ -38,8 +38,10 @@ import numbers
 import re
 from pathlib import Path
 
-from . import baselines as bl
 from ..errors import AtomflowError
+from ..output import Tab
+from . import baselines as bl
+from .gate import check_record
 
 RUN_SCHEMA = "atomflow-bench/run/1"
 
@@ -75,8 +77,6 @@ def _check_peers(rec: dict, where: str) -> None:
 
 def load_result(path) -> tuple[str, dict]:
     """("run", record) or ("baseline", record) for a file; AtomflowError (one line naming the file) otherwise."""
-    from .compare import check_record
-
     path = Path(path)
     try:
         rec = json.loads(path.read_text())
@@ -255,8 +255,6 @@ def compare_peers(results, ours: str | None = None, baselines_dir=None) -> tuple
 
 def compare_peers_table(rows: list[dict]):
     """The rows of `compare_peers` as an output.Tab."""
-    from ..output import Tab
-
     cols = ["engine", "format", "GPU", "ctx", "TPOT ms", "tok/s", "bytes/token GB", "% of copy roofline",
             "speedup vs ours (same GPU)", "roofline-normalised vs ours (other GPU)", "note", "source"]
     t = Tab("compare-peers — speedup = their TPOT / ours (same GPU only); roofline-normalised = (our achieved GB/s / "

@@ -1,6 +1,6 @@
-"""What tensor-parallel ranks exchange inside the step: everything the host knows about kernels_cu/tp_comm.cu, the
-LL slots of tp_ll.cuh (also the GEMV's EPI_TPSUM epilogue, ops/gemv.py variant resid_tp), and the NCCL reference
-path beside them (gpu/comm.py's collectives).
+"""The sums across ranks inside the step: everything the host knows about kernels_cu/tp_comm.cu, the LL slots of
+tp_ll.cuh (also the GEMV's EPI_TPSUM epilogue, ops/gemv.py variant resid_tp), and the NCCL reference path beside
+them (group.py's collectives).
 
 Two places per layer need a sum across ranks (o_proj's and down's partial products), and the step's tail needs the
 greedy token over the vocabulary shards. Two paths, chosen per run (the record says which ran):
@@ -17,7 +17,7 @@ greedy token over the vocabulary shards. Two paths, chosen per run (the record s
         memory, where tp_argmax_combine (no barrier) reads them.
 
 A third, `local`, only for timing: the partial GEMVs into a scratch vector and no exchange at all (values wrong),
-the step the exchanges' cost is measured against (measure/tp_bench.py). The standalone sum tp_allreduce_add uses
+the step the exchanges' cost is measured against (figures.py). The standalone sum tp_allreduce_add uses
 the same slots (its own two buffers): the "one sum alone" figure and the GPU tests. Both real paths are built at
 setup where they can be (peer needs every rank on this host and peer access), so a run times both.
 """
@@ -26,14 +26,15 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import AtomflowError
-from ..launch import NULL, Launch, i32, with_last_arg
+from ..launch import NULL, Launch, i32
 
 TP_MAX_RANKS = 8        # tp_comm.cu TP_MAX_RANKS
 TP_AR_THREADS = 256     # tp_comm.cu TP_AR_THREADS: one value per thread
 TP_SUM_BLOCKS = 64      # tp_comm.cu TP_SUM_BLOCKS: the most blocks a standalone sum may have (hidden <= 16384)
 GEMV_TP_MAX_BLOCKS = 1024  # the most blocks a resid_tp GEMV may have (its epochs: one per block and buffer)
-# Ring slots of each first-round tile of a later GEMV (ops/gemv.py head_l2) asked into L2 (docs/PERF_NOTES.md v42):
-WAIT_HEAD_SLOTS = 1  # by resid_tp while it waits for the other ranks: the next GEMV's (2: the same, 4: slower)
+# Ring slots of each first-round tile of a later GEMV (ops/gemv.py head_l2) asked into L2 while a GEMV has nothing
+# else to do; one slot, because more gain nothing while the ranks meet and four slow the step (they evict more):
+WAIT_HEAD_SLOTS = 1  # by resid_tp while it waits for the other ranks: the next GEMV's
 QKV_HEAD_SLOTS = 1   # by QKV after its epilogue: o_proj's
 CU_FILES = ("tp_comm.cu", "tp_ll.cuh", "argmax_common.cuh", "common.cuh")
 CU_DEFINES = {"TP_MAX_RANKS": TP_MAX_RANKS, "TP_AR_THREADS": TP_AR_THREADS, "TP_SUM_BLOCKS": TP_SUM_BLOCKS}
@@ -88,20 +89,19 @@ def argmax_combine_launch(lib, vals_ptrs, idxs_ptrs, offsets, flags, peer_flags,
                    i32(1 if advance else 0)), 0, {}, 8 * n_ranks, f"tp argmax combine x {n_ranks}")
 
 
-def hold_position(ln):
-    """The combine launch with advance = 0 (see lm_head.hold_position)."""
-    return with_last_arg(ln, i32(0)) if ln.name == "tp_argmax_combine" else ln
-
-
 class TpComm:
-    """One rank's side of the exchanges: buffers, peer addresses, and the launches the step inserts."""
+    """One rank's side of the exchanges: buffers, peer addresses, and the launches the step inserts (the engine's
+    sums hook: gpu/step.py reads only this object's methods and the two constants below)."""
+
+    WAIT_HEAD_SLOTS = WAIT_HEAD_SLOTS
+    QKV_HEAD_SLOTS = QKV_HEAD_SLOTS
 
     def __init__(self, group, lib, hidden: int, am_blocks: int, vocab_offsets: list[int], path: str = "auto",
                  gpu_key: tuple = ()):
         """`path`: peer, nccl, or auto (peer where every rank can map the others' memory and the ranks' GPUs agree
         (`gpu_key`: integers that fix the GEMV plans, e.g. compute capability, SMs, shared memory per block: the
         resid_tp GEMVs' grids must be the same on every rank), else nccl)."""
-        import cupy
+        import cupy  # optional extra: imported where a GPU is used
 
         if path not in PATHS + ("auto",):
             raise AtomflowError(f"--allreduce {path!r}: one of {', '.join(PATHS)}, auto")

@@ -20,9 +20,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .baselines import SCHEMA, catalog_name, spec_bandwidth, validate
-from .timing import summarize
 from ..errors import AtomflowError
+from ..store.store import write_json_atomic
+from .baselines import SCHEMA, catalog_name, spec_bandwidth, validate
+from .run_record import now_iso, slug
+from .timing import summarize
 
 FIXED_LENGTH = "fixed"
 # Request variants, tried in this order on the warm-up request until the server accepts one.
@@ -145,8 +147,6 @@ def record_baseline(openai_url: str, model: str, gpu: str, *, catalog_model: str
     """Measure the server and return an `atomflow-bench/baseline/1` record (validated). `weight_bytes`: the server's
     own weight bytes read per token when known (e.g. a GGUF's, measure/llama_cpp.py streamed_weight_bytes), with how
     it was computed; else the comparison counts the catalog model at the record's precision."""
-    from .report import now_iso
-
     m = measure(openai_url, model, prompt_tokens, max_tokens, requests, timeout)
     runs = m["runs"]
     counted = [r["usage_tokens"] or r["chunks"] for r in runs]
@@ -184,15 +184,11 @@ def record_baseline(openai_url: str, model: str, gpu: str, *, catalog_model: str
 
 
 def default_path(rec: dict, directory: Path = Path("baselines")) -> Path:
-    from .report import slug
-
     stamp = rec["created"].replace(":", "").replace("-", "")
     return directory / f"{slug(rec['engine']['name'])}-{slug(rec['gpu']['name'])}-{slug(rec['model'])}-{stamp}.json"
 
 
 def write_baseline(rec: dict, path: Path | None = None) -> Path:
-    from ..store.store import write_json_atomic
-
     path = Path(path) if path else default_path(rec)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, rec)

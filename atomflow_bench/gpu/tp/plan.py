@@ -1,4 +1,4 @@
-"""Tensor parallelism over N ranks: the sharding PLAN only (groundwork for "Tensor parallel over NCCL").
+"""Tensor parallelism over N ranks: the sharding plan.
 
 No GPU code, no NCCL here: which rows and columns of every weight each rank holds, the per-rank shapes (which must
 still take the tiled GEMV layout, ops/gemv.py check_tiled), the bytes each rank streams per token, the bytes the
@@ -45,10 +45,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import GROUP, ModelConfig
-from ..errors import AtomflowError
-from .ops import attention
-from .ops.gemv import ROLE_PAIRING, check_tiled, linear_regions
+from ...config import GROUP, ModelConfig
+from ...errors import AtomflowError
+from ..ops import attention
+from ..ops.gemv import ROLE_PAIRING, check_tiled, linear_regions
 
 NO_INDEX = 0x7FFFFFFF  # argmax_common.cuh: the index of a reduction that saw no (non-NaN) value
 
@@ -70,6 +70,7 @@ class RankShard:
     wd_cols: tuple[int, int]       # input columns of down_proj (the rank's intermediate slice)
     vocab_rows: tuple[int, int]    # rows of lm_head (of the embedding when tied)
     shapes: dict                   # per-rank fused projections role -> (rows, K), ops/gemv.py linear_regions roles
+    config: ModelConfig            # the shape the rank's layer kernels see (local_config)
 
     @property
     def inter(self) -> tuple[int, int]:
@@ -100,6 +101,20 @@ class RankShard:
         """The rank's [rows, K] of a full fused projection (row-major, before tiling)."""
         c0, c1 = self.cols(role)
         return np.ascontiguousarray(np.concatenate([w[a:b, c0:c1] for a, b in self.rows(role)], axis=0))
+
+    # the loaders' seam (gpu/upload.py, gpu/synthetic.py): they slice through the shard they are given
+    def slice_index(self, name: str) -> tuple[slice, slice]:
+        return slice_index(name, self)
+
+    def slice_shape(self, name: str, full_shape: tuple) -> tuple:
+        return slice_shape(name, full_shape, self)
+
+    def slice_weight(self, name: str, w: np.ndarray) -> np.ndarray:
+        return slice_weight(name, w, self)
+
+    def streamed_bytes(self, cfg: ModelConfig, fmt: str) -> int:
+        """The weight bytes this rank streams per token (shard_bytes)."""
+        return _bytes_of(cfg, self, fmt, held=False)
 
 
 def _split(total: int, n: int, r: int) -> tuple[int, int]:
@@ -167,7 +182,7 @@ def plan(cfg: ModelConfig, n: int) -> list[RankShard]:
             q_rows=(q0 * hd, q1 * hd), k_rows=(qd + kv0 * hd, qd + kv1 * hd),
             v_rows=(qd + kvd + kv0 * hd, qd + kvd + kv1 * hd),
             gate_rows=(i0, i1), up_rows=(I + i0, I + i1), wo_cols=(q0 * hd, q1 * hd), wd_cols=(i0, i1),
-            vocab_rows=(r * c, min(V, (r + 1) * c)), shapes=dict(shapes)))
+            vocab_rows=(r * c, min(V, (r + 1) * c)), shapes=dict(shapes), config=loc))
     return out
 
 
@@ -201,15 +216,16 @@ def shard_bytes(cfg: ModelConfig, fmt: str, n: int, held: bool = False) -> list[
     lm_head rows are a view of it, not counted twice). At n = 1 `held` equals cfg.weight_bytes(fmt).
     So sum(held) = weight_bytes + (n-1)*(norms + embedding) and sum(streamed) = weight_bytes - (untied: embedding)
     + (n-1)*norms, exactly where every split's K is a multiple of 128 (fp8 scale groups; fp16 always)."""
-    out = []
-    for s in plan(cfg, n):
-        b = cfg.num_hidden_layers * sum(_proj_bytes(rows, k, fmt) for rows, k in s.shapes.values())
-        b += norm_bytes(cfg) + 2 * (s.vocab_rows[1] - s.vocab_rows[0]) * cfg.hidden_size
-        if held:
-            b += embed_bytes(cfg) - (2 * (s.vocab_rows[1] - s.vocab_rows[0]) * cfg.hidden_size
-                                     if cfg.tie_word_embeddings else 0)
-        out.append(b)
-    return out
+    return [_bytes_of(cfg, s, fmt, held) for s in plan(cfg, n)]
+
+
+def _bytes_of(cfg: ModelConfig, s: RankShard, fmt: str, held: bool) -> int:
+    b = cfg.num_hidden_layers * sum(_proj_bytes(rows, k, fmt) for rows, k in s.shapes.values())
+    b += norm_bytes(cfg) + 2 * (s.vocab_rows[1] - s.vocab_rows[0]) * cfg.hidden_size
+    if held:
+        b += embed_bytes(cfg) - (2 * (s.vocab_rows[1] - s.vocab_rows[0]) * cfg.hidden_size
+                                 if cfg.tie_word_embeddings else 0)
+    return b
 
 
 def kv_bytes_per_token(cfg: ModelConfig, n: int) -> int:

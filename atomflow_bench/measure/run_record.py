@@ -5,6 +5,7 @@ measured in the run that wrote it, except `model`, `weights`, `context`, ... whi
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -13,7 +14,12 @@ import time
 from pathlib import Path
 
 from .. import __version__
+from ..errors import AtomflowError
+from ..gpu.forms import Forms
+from ..gpu.nvrtc import KERNELS_DIR
+from ..output import Tab
 from ..store.store import write_json_atomic
+from .power import energy_text
 
 SCHEMA = "atomflow-bench/run/1"
 REQUIRED = ("schema", "gpu", "model", "weights", "context", "tokens", "tpot_ms", "copy_bandwidth_gbs",
@@ -22,8 +28,6 @@ REQUIRED = ("schema", "gpu", "model", "weights", "context", "tokens", "tpot_ms",
 
 def forms_text(text: str) -> str:
     """What a forms text (gpu/forms.py) means, for the run table."""
-    from ..gpu.forms import Forms
-
     f = Forms.parse(text)
 
     def gemv(g) -> str:
@@ -61,10 +65,6 @@ def git_dirty() -> bool | None:
 def source_sha256(package: Path | None = None, kernels: Path | None = None) -> str:
     """sha256 (16 hex digits) over the package's Python files and the kernel sources it compiles (kernels.KERNELS_DIR):
     each file's name relative to its directory and its bytes, in that order: the code that ran, named without git."""
-    import hashlib
-
-    from ..gpu.nvrtc import KERNELS_DIR
-
     h = hashlib.sha256()
     for base, suffixes in ((package or Path(__file__).resolve().parents[1], (".py",)),
                            (kernels or KERNELS_DIR, (".cu", ".cuh"))):
@@ -102,8 +102,6 @@ def write(rec: dict, path: Path) -> Path:
 
 
 def load(path: Path) -> dict:
-    from ..errors import AtomflowError
-
     try:
         rec = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -122,14 +120,17 @@ def command_line() -> str:
     return " ".join(["atomflow-bench"] + [a if " " not in a else repr(a) for a in sys.argv[1:]])
 
 
+def head(schema: str) -> dict:
+    """The fields every record of the tool starts with (profile, gemv and the run record itself)."""
+    return {"schema": schema, "tool": tool_info(), "created": now_iso(), "command": command_line()}
+
+
 def _gib(n) -> str:
     return f"{n / 2**30:.3f} GiB"
 
 
 def run_table(rec: dict):
     """The `run` table: metric / value rows (output.Tab)."""
-    from ..output import Tab
-
     t = Tab(f"atomflow-bench run — {rec['model']['name']} {rec['weights']}", ["metric", "value"], key="run",
             header=False, styles={(None, "metric"): "bold"})
     g = rec["gpu"]
@@ -172,7 +173,6 @@ def run_table(rec: dict):
     v = rec["vram_bytes"]
     t.add("VRAM by pool", f"weights {_gib(v['weights'])}, KV {_gib(v['kv'])}, activations "
                           f"{v['activations'] / 2**20:.2f} MiB, scratch {v['scratch'] / 2**20:.2f} MiB; total {_gib(v['total'])}")
-    from .power import energy_text
 
     energy = energy_text(rec.get("energy"))
     if energy:

@@ -1,4 +1,4 @@
-"""`run`: the decode benchmark (timing.py's helpers, one record).
+"""Decode timing and `run`'s measurement (timing.py's helpers, one record).
 
 * `time_decode`: the prompt (context) is fed through the graph, then every generated token is one graph
   replay bracketed by CUDA events (no host sync in between); TPOT samples from all repeats -> median and
@@ -6,12 +6,17 @@
 * `energy_passes` (`power.py`): after the timed repeats, passes of their own over the same graph replays (at least
   ENERGY_MIN_S of them) are the regions of an NVML meter: the stream is synchronised after each pass's prefill, the
   meter started, and stopped once the last token's event has completed. The timed repeats keep their own method (no
-  synchronisation between prefill and decode), so TPOT is measured exactly as before energy existed.
+  synchronisation between prefill and decode), so the energy passes do not change how TPOT is measured.
+* `benchmark`: the whole `run` on a run context (measure/context.py: one GPU, or a rank of a group), one record.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ..gpu.nvrtc import instrument_defines
+from ..store.tokenizer import load_tokenizer
+from . import run_record
+from .power import open_meter
 from .timing import Marks, copy_bandwidth, summarize
 
 
@@ -88,43 +93,18 @@ def by_bucket(engine, context: int, per_token_ms: list[float]) -> list[dict]:
             for g in groups.values()]
 
 
-def benchmark(model_dir, model_name: str, source: str, weights: str, context: int, tokens: int, repeats: int,
-              eager_tokens: int = 32, progress=None, forms=None, retune: bool = False, group=None,
-              allreduce: str | None = None, weight_source=None) -> dict:
-    """The `run` measurement on the GPU: forms (given, saved or tuned now: tune.resolve), copy roofline, graph
-    decode, eager decode; returns the record. Tensor parallel (`group`): every rank runs this in lockstep, the forms
-    are given or the defaults (a tune times candidates per rank and could pick differently), energy passes and the
-    figures are agreed through the group, and the record gains `tp` (tp_measure)."""
-    import time
-
-    from . import report
-    from ..gpu.engine import Engine
-    from ..gpu.nvrtc import instrument_defines
-    from ..store.tokenizer import load_tokenizer
-    from .power import open_meter
-    from .tune import resolve
-
-    t0 = time.perf_counter()
-    eng = Engine(model_dir, weights=weights, max_seq=context + tokens, progress=progress, group=group,
-                 allreduce=allreduce, source=weight_source)
-    load_s = time.perf_counter() - t0
-    if group is None:
-        chosen = resolve(eng, forms, retune=retune, progress=progress)
-    else:
-        from .tp_bench import tp_forms
-
-        chosen = tp_forms(eng, forms)
+def benchmark(ctx, weights: str, context: int, tokens: int, repeats: int, eager_tokens: int = 32, progress=None,
+              forms=None, retune: bool = False) -> dict:
+    """The `run` measurement on the GPU(s) of run context `ctx`: the engine (forms given, saved or tuned now: the
+    context resolves them), copy roofline, graph decode, energy, eager decode; returns the record. Under tensor
+    parallel every rank runs this in lockstep and the context adds what the ranks agree on (gpu/tp/figures.py)."""
+    eng = ctx.engine(weights, context + tokens, given=forms, retune=retune, progress=progress)
     copy = copy_bandwidth()
     prompt = synthetic_prompt(eng.cfg.vocab_size, context)
     g = time_decode(eng, context, tokens, repeats, graph=True, prompt=prompt)
     meter = open_meter()  # the GPU CuPy runs on, by PCI bus id; Unavailable (a reason, no exception) without NVML
     try:
-        if group is None:
-            energy = energy_passes(eng, prompt, tokens, meter)
-        else:
-            from .tp_bench import tp_energy
-
-            energy = tp_energy(eng, prompt, tokens, meter, g["tpot_ms"]["median"])
+        energy = ctx.energy(eng, prompt, tokens, meter, g["tpot_ms"]["median"])
     finally:
         meter.close()
     n_e = min(eager_tokens, tokens)
@@ -138,14 +118,14 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
     tok = load_tokenizer(eng.ckpt.dir) if eng.ckpt.dir is not None else None
     text = tok.decode(g["token_ids"]) if tok is not None else None
     rec = {
-        "schema": report.SCHEMA, "tool": report.tool_info(), "created": report.now_iso(),
-        "command": report.command_line(), "gpu": eng.gpu, "copy_bandwidth_gbs": copy,
-        "model": {"name": model_name, "source": source, "params": eng.cfg.param_count(),
+        "schema": run_record.SCHEMA, "tool": run_record.tool_info(), "created": run_record.now_iso(),
+        "command": run_record.command_line(), "gpu": eng.gpu, "copy_bandwidth_gbs": copy,
+        "model": {"name": ctx.model, "source": ctx.source, "params": eng.cfg.param_count(),
                   "config": eng.cfg.to_hf_dict()},
         "weights": weights, "context": context, "tokens": tokens, "repeats": repeats,
         "tpot_ms": tpot, "tok_per_s": 1e3 / tpot["median"],
         "attention_buckets": by_bucket(eng, context, g["per_token_ms"]),
-        "forms": chosen,
+        "forms": ctx.forms,
         "bytes_per_token": nbytes, "bandwidth_gbs": bw,
         "roofline": {"tpot_floor_ms": floor_ms, "pct": 100.0 * floor_ms / tpot["median"]},
         "vram_bytes": eng.vram(),
@@ -153,16 +133,12 @@ def benchmark(model_dir, model_name: str, source: str, weights: str, context: in
         "eager": {"tpot_ms": e["tpot_ms"], "tokens": n_e, "graph_speedup": e["tpot_ms"]["median"] / tpot["median"],
                   "same_tokens": bool(same)},
         "generated": {"token_ids": g["token_ids"], "text": text},
-        "load": {"seconds": load_s, **eng.load_info},
+        "load": {"seconds": ctx.load_seconds, **eng.load_info},
         "launches_per_step": len(eng.launches),
         "pdl": eng.pdl,
         "kernel_defines": list(eng.lib.defines),
         "compiled": eng.lib.compiled_files(),
         "instrument": instrument_defines(eng.lib.defines),  # non-empty: a timing bound with wrong outputs
     }
-    if group is not None:
-        from .tp_bench import tp_measure
-
-        rec["tp"] = tp_measure(eng, copy, tpot, nbytes, context)
-        rec["roofline"] = rec["tp"]["roofline"]
+    rec.update(ctx.figures(eng, copy, tpot, nbytes, context))
     return rec

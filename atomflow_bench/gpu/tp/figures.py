@@ -1,7 +1,8 @@
 """What a tensor-parallel `run` / `profile` adds to the record (every rank calls these in lockstep; rank 0 records).
 
-* `tp_forms`: the launch forms: given (--forms / ATOMFLOW_FORMS) or the engine's defaults (gpu/forms.py
-  tp_defaults) — never tuned here (a tune times candidates on each rank and could choose differently per rank).
+* `choose_forms`: the launch forms, before the rank's engine is made: given (--forms / ATOMFLOW_FORMS) or the
+  engine's defaults (gpu/forms.py tp_defaults); never tuned (a tune times candidates on each rank and could choose
+  differently per rank). `tp_forms` does the same for an engine already built.
 * `tp_energy`: energy passes of the same count on every rank (rank 0's count from its TPOT), each rank metering its
   own GPU; the record's joules per token are the sum over the GPUs.
 * `tp_measure`: every rank's copy bandwidth, bytes per token and TPOT; the roofline per GPU (the slowest rank's
@@ -21,21 +22,38 @@ import math
 
 import numpy as np
 
-from ..gpu.step import hold_position
-from .timing import replay_us, summarize
+from ...measure.decode import ENERGY_MIN_S, energy_passes
+from ...measure.profile import role_marginals
+from ...measure.timing import copy_bandwidth, replay_us, summarize
+from ...output import Tab
+from ..forms import Forms, from_env
+from ..graph import StepGraph
+from ..step import hold_position
+from .plan import comm_bytes_per_token
 
 COMM_REPLAYS = 50
 COMM_WARMUP = 10
 
 
-def tp_forms(engine, given=None) -> dict:
-    from ..gpu.forms import from_env
-
+def choose_forms(given: Forms | None = None) -> tuple[Forms | None, dict | None]:
+    """The forms a rank's engine is built with, before it is made: given (--forms, else ATOMFLOW_FORMS), else None
+    (the engine's tensor-parallel defaults; `default_origin` then names them)."""
     given = given or from_env()
     if given is not None:
-        engine.use(given)
-        return {"forms": given.text, "origin": "given"}
+        return given, {"forms": given.text, "origin": "given"}
+    return None, None
+
+
+def default_origin(engine) -> dict:
     return {"forms": engine.forms.text, "origin": "default (tensor parallel: not tuned)"}
+
+
+def tp_forms(engine, given: Forms | None = None) -> dict:
+    """choose_forms for an engine already built (validate's probes): the given forms put on it, else its defaults."""
+    forms, chosen = choose_forms(given)
+    if forms is not None:
+        engine.use(forms)
+    return chosen or default_origin(engine)
 
 
 def _gather(group, values) -> np.ndarray:
@@ -43,7 +61,6 @@ def _gather(group, values) -> np.ndarray:
 
 
 def tp_energy(engine, prompt, tokens: int, meter, tpot_ms: float) -> dict:
-    from .bench import ENERGY_MIN_S, energy_passes
 
     group = engine.group
     ok = _gather(group, [1.0 if meter.measures else 0.0])[:, 0]
@@ -65,8 +82,6 @@ def tp_energy(engine, prompt, tokens: int, meter, tpot_ms: float) -> dict:
 
 
 def _graph_us(launches, stream, replays: int = COMM_REPLAYS) -> dict:
-    from ..gpu.graph import StepGraph
-
     return summarize(replay_us(StepGraph(launches, stream), stream, replays, warmup=COMM_WARMUP))
 
 
@@ -79,7 +94,7 @@ def local_step(engine) -> list:
 def comm_times(engine, local: list | None = None) -> dict:
     """The exchanges timed on their own and inside the step (see the module docstring); every rank in lockstep.
     `local`: local_step(engine), if already built."""
-    import cupy
+    import cupy  # optional extra: imported where a GPU is used
 
     tpc, L, stream = engine.tp, engine.cfg.num_hidden_layers, engine.stream
     scratch = cupy.zeros(engine.cfg.hidden_size, dtype=cupy.float32)
@@ -111,8 +126,6 @@ def tp_measure(engine, copy: dict, tpot: dict, nbytes: dict, context: int) -> di
     floors = rows[:, 1] / (rows[:, 0] * 1e9) * 1e3  # ms: each rank's bytes at its own copy bandwidth
     floor = float(floors.max())
     comm = comm_times(engine)
-    from ..gpu import tp
-
     return {
         "n": group.size, "allreduce": engine.tp.path,
         "peer_available": bool(engine.tp.peer), "peer_reason": engine.tp.peer_reason,
@@ -122,7 +135,7 @@ def tp_measure(engine, copy: dict, tpot: dict, nbytes: dict, context: int) -> di
                      for r, ((c, b, w, t), f) in enumerate(zip(rows, floors))],
         "roofline": {"tpot_floor_ms": floor, "pct": 100.0 * floor / tpot["median"],
                      "basis": "per GPU: the slowest rank's bytes per token / its copy bandwidth, same run"},
-        "comm_bytes_per_token": tp.comm_bytes_per_token(engine.cfg, group.size),
+        "comm_bytes_per_token": comm_bytes_per_token(engine.cfg, group.size),
         "comm": comm,
         "weights_source": "generated on the GPUs (gpu/synthetic.py)" if engine.ckpt.dir is None else "checkpoint",
     }
@@ -131,9 +144,6 @@ def tp_measure(engine, copy: dict, tpot: dict, nbytes: dict, context: int) -> di
 def tp_profile(engine) -> dict:
     """`profile --tp`'s figures at the engine's position: comm_times, and what each role adds to the rank's step
     without exchanges (every rank takes its own apart, so none waits for another; rank 0's is reported)."""
-    from .profile import role_marginals
-    from .timing import copy_bandwidth
-
     local = local_step(engine)
     comm = comm_times(engine, local)  # the ranks in lockstep first
     roles = role_marginals(engine, copy_bandwidth(), launches=local)
@@ -144,8 +154,6 @@ def tp_profile(engine) -> dict:
 
 def tp_profile_table(p: dict, engine):
     """`profile --tp`: the step's graph time and the exchanges' time (comm_times)."""
-    from ..output import Tab
-
     c = p["comm"]
     t = Tab(f"profile --tp {p['tp']} — ctx {p['context']}, forms {p['forms']['forms']} ({p['forms']['origin']})",
             ["what", "us", "note"], key="tp_profile", right=("us",))

@@ -32,7 +32,11 @@ from __future__ import annotations
 import math
 import numbers
 
+from rich.markup import escape
+
 from ..errors import AtomflowError
+from ..output import Tab, is_machine, render
+from .run_record import load
 
 EXIT_OK, EXIT_REGRESSION, EXIT_REFUSED = 0, 1, 2
 MAX_THRESHOLD = 1.0  # 100%: a gate that lets a run twice as slow pass is a mistake, not a threshold
@@ -190,8 +194,6 @@ def compare_runs(base: dict, new: dict, max_regression: float = 0.05,
 
 
 def _load(path) -> dict:
-    from .report import load
-
     try:
         return load(path)
     except CompareRefused:
@@ -213,8 +215,6 @@ def load_pair(base_path, new_path) -> tuple[dict, dict]:
 
 def diff_table(result: dict, base_name: str, new_name: str):
     """The diff as an output.Tab: metric, baseline, new, delta, delta %; the verdict in the title."""
-    from ..output import Tab
-
     verdict, style = {"regression": ("REGRESSION", "red"), "inconclusive": ("inconclusive", "yellow"),
                       "improved": ("improved", "green"), "ok": ("ok", "green")}[result["status"]]
     cols = ["metric", "baseline", "new", "delta", "delta %"]
@@ -239,11 +239,7 @@ def gate(base_path, new_path, max_regression_text, console, err, fmt=None) -> in
     line each, with --format csv or json), and the exit code (EXIT_OK, EXIT_REGRESSION, EXIT_REFUSED). A refusal —
     and any unexpected exception, so that nothing but a regression exits 1 — is one line on stderr through
     `err(line)`, `atomflow-bench: <file>: <field> ...`, and EXIT_REFUSED."""
-    from rich.markup import escape
-
     try:
-        from ..output import is_machine, render
-
         threshold = parse_fraction(max_regression_text)
         base, new = load_pair(base_path, new_path)
         result = compare_runs(base, new, threshold, names=(str(base_path), str(new_path)))

@@ -1,4 +1,4 @@
-"""The ranks of a tensor-parallel run: one process per GPU, NCCL between them (cupy.cuda.nccl), bootstrapped through
+"""The process group of a tensor-parallel run: one process per GPU, NCCL between them (cupy.cuda.nccl), bootstrapped through
 CuPy's own distributed support (`cupyx.distributed.init_process_group`: rank 0 serves a TCP store that hands the NCCL
 unique id to the others).
 
@@ -10,6 +10,8 @@ left as they are; NVLink multicast (NVLS) is off unless the user set NCCL_NVLS_E
 `Group` holds the communicator and the collectives the decode step captures (`allreduce_op`, `allgather_op`: host
 ops queued on the current stream, so a CUDA graph records them), plus the host-side exchanges the engine needs
 once (`allgather_host`: IPC handles, copy bandwidths) and the peer-memory mapping of the fast path (`peer_buffer`).
+It is also what the engine plugs in (`shard_plan`, `sums`): the engine asks the group for the rank's shard and its
+sums and knows nothing else of tensor parallel.
 """
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import envs
-from ..errors import AtomflowError
+from ... import envs
+from ...errors import AtomflowError
+from .plan import RankShard, check_kernels, plan
+from .sums import TpComm
 
 
 def joined() -> bool:
@@ -97,8 +101,8 @@ class Group:
     """This process's rank in a group of `size` ranks, one GPU each."""
 
     def __init__(self, size: int | None = None):
-        import cupy
-        from cupy.cuda import nccl
+        import cupy  # optional extra: imported where a GPU is used
+        from cupy.cuda import nccl  # optional extra, as cupy above
 
         self.rank, self.size = envs.RANK, envs.WORLD_SIZE
         if self.rank is None or self.size is None:
@@ -114,7 +118,7 @@ class Group:
             raise AtomflowError(f"LOCAL_RANK={self.local_rank} but this host has {n_dev} GPUs")
         envs.set_default("NCCL_NVLS_ENABLE")
         cupy.cuda.Device(self.local_rank).use()
-        from cupyx.distributed import init_process_group
+        from cupyx.distributed import init_process_group  # optional extra, as cupy above
 
         self.backend = init_process_group(self.size, self.rank, host=host, port=port)
         # The store served the NCCL id; the communicator's creation returned only once every rank had joined, so no
@@ -131,10 +135,21 @@ class Group:
         self.same_host = bool((seen[:, 0] == seen[0, 0]).all())
         self.devices = [int(d) for d in seen[:, 1]]  # every rank's GPU index on its host
 
+    # ---- the engine's seams ----------------------------------------------------------------------------------------
+    def shard_plan(self, cfg) -> list[RankShard]:
+        """Every rank's shard of `cfg` (plan.py), refused in one line where a rank's shapes don't run."""
+        check_kernels(cfg, self.size)
+        return plan(cfg, self.size)
+
+    def sums(self, lib, hidden: int, am_blocks: int, vocab_offsets: list[int], allreduce: str | None,
+             gpu_key: tuple) -> TpComm:
+        """This rank's side of the sums across ranks (sums.py), on the path `allreduce` (None: auto)."""
+        return TpComm(self, lib, hidden, am_blocks, vocab_offsets, allreduce or "auto", gpu_key=gpu_key)
+
     # ---- collectives queued on the current stream (capturable) ---------------------------------------------------
     def allreduce_op(self, buf) -> HostOp:
         """In-place sum of the fp32 device array `buf` over the ranks."""
-        import cupy
+        import cupy  # optional extra: imported where a GPU is used
 
         nccl, comm, n = self._nccl, self.comm, buf.size
         if buf.dtype != np.float32:
@@ -147,7 +162,7 @@ class Group:
 
     def allgather_op(self, send, recv) -> HostOp:
         """recv[r * send.size:(r + 1) * send.size] = rank r's send (4-byte elements)."""
-        import cupy
+        import cupy  # optional extra: imported where a GPU is used
 
         nccl, comm, n = self._nccl, self.comm, send.size
         if send.itemsize != 4 or recv.size != n * self.size:
@@ -160,7 +175,7 @@ class Group:
     # ---- host-side exchanges (once, at setup) ---------------------------------------------------------------------
     def allgather_host(self, values) -> np.ndarray:
         """Every rank's `values` (a small array of 4- or 8-byte numbers or bytes), stacked [size, ...], through NCCL."""
-        import cupy
+        import cupy  # optional extra: imported where a GPU is used
 
         a = np.ascontiguousarray(values)
         raw = np.frombuffer(a.tobytes() + b"\0" * (-a.nbytes % 4), dtype=np.int32)
@@ -187,7 +202,7 @@ class Group:
         of every rank's buffer of the same size in this process (this rank's own at index rank), through CUDA IPC.
         AtomflowError on every rank when any rank cannot map its peers' memory (other hosts, no peer access): the
         fast path is then off."""
-        import cupy
+        import cupy  # optional extra: imported where a GPU is used
 
         rt = cupy.cuda.runtime
         reason = ""
@@ -220,7 +235,7 @@ class Group:
         return local, addrs
 
     def close(self) -> None:
-        import cupy
+        import cupy  # optional extra: imported where a GPU is used
 
         rt = cupy.cuda.runtime
         try:

