@@ -266,7 +266,7 @@ def gemv(model, formats, reps, json_path, fmt):
 
     from .config import ModelConfig, get_preset
     from .gpu.device import gpu_info, require_gpu
-    from .gpu.nvrtc import KernelLib
+    from .gpu.ops import kernel_lib
     from .measure import run_record
     from .measure.profile import gemv_bench, gemv_table
 
@@ -276,7 +276,7 @@ def gemv(model, formats, reps, json_path, fmt):
     require_gpu()
     cfg = get_preset(model).config if model in CATALOG else ModelConfig.from_file(Path(model) / "config.json")
     info = gpu_info()
-    lib = KernelLib()
+    lib = kernel_lib()
     g = gemv_bench(cfg, lib, info["sms"], fmts, reps=reps, l2_bytes=info["l2_bytes"])
     render(gemv_table(g), fmt, console)
     if json_path:
@@ -333,7 +333,7 @@ def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, 
         with ctx:
             res = v.validate(ctx.model_dir, weights=weights, truth_dir=truth_dir, steps=steps, prompt=prompt,
                              backend=backend, allow_mismatch=allow_mismatch, console=notes, forms=_forms(forms),
-                             group=ctx.group, allreduce=ctx.allreduce)
+                             context=ctx)
         v.print_result(res, console, fmt)
         ok = res["summary"]["pass"]
     if json_path and ctx.writes:

@@ -103,11 +103,11 @@ def run_checks(bandwidth: bool = True) -> list[Check]:
 
 
 def _nvrtc_check() -> Check:
-    from .gpu.nvrtc import KernelLib
+    from .gpu.ops import kernel_lib
 
     try:
         t0 = time.perf_counter()
-        KernelLib()["embed_lookup"]
+        kernel_lib()["embed_lookup"]
         return Check("NVRTC", OK, f"compiled embedding.cu in {time.perf_counter() - t0:.1f} s", gpu=True)
     except Exception as e:  # noqa: BLE001
         return Check("NVRTC", FAIL, f"cannot compile the kernels: {_first(e)}", gpu=True)

@@ -1,7 +1,7 @@
 """The engine the lab's one-GPU diagnostics run on (lab/scripts/: local_step_ab, dram_timeline, timeline_blocks).
 
 MODEL is a model in the store (by name or path) or `name/tpN`: a tensor-parallel rank's local config of a catalog
-model (gpu/tp.py local_config: the rank's heads and MLP share; the embedding and lm_head whole) as a one-GPU model,
+model (gpu/tp/plan.py local_config: the rank's heads and MLP share; the embedding and lm_head whole) as a one-GPU model,
 with synthetic weights generated on the GPU (gpu/synthetic.py). Its layer kernels are a rank's step without the
 exchanges, timed without N GPUs (lab/PERF_NOTES.md v43)."""
 from __future__ import annotations

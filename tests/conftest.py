@@ -94,11 +94,12 @@ _KERNEL_LIBS: dict = {}
 
 def shared_kernel_lib(defines: tuple = (), kernels_dir=None):
     """The session's KernelLib of `kernels_dir` (default: kernels_cu/) built with the extra -D's `defines`."""
-    from atomflow_bench.gpu.nvrtc import KERNELS_DIR, KernelLib
+    from atomflow_bench.gpu.nvrtc import KERNELS_DIR
+    from atomflow_bench.gpu.ops import kernel_lib
 
     key = (str(kernels_dir or KERNELS_DIR), tuple(defines))
     if key not in _KERNEL_LIBS:
-        _KERNEL_LIBS[key] = KernelLib(Path(key[0]), extra_defines=key[1])
+        _KERNEL_LIBS[key] = kernel_lib(Path(key[0]), extra_defines=key[1])
     return _KERNEL_LIBS[key]
 
 

@@ -726,11 +726,11 @@ def test_run_record_forms_and_instruments(tiny_model, tuning_home, monkeypatch):
 def test_gemv_bench_isolated_and_chained():
     """`atomflow-bench gemv`: every GEMV shape of a (tiny) model in both formats, lm_head once, each timed as
     isolated launches and as a PDL chain captured in one graph; bytes per launch from the operands."""
-    from atomflow_bench.gpu.nvrtc import KernelLib
+    from atomflow_bench.gpu.ops import kernel_lib
     from atomflow_bench.measure.profile import gemv_bench, gemv_shapes
 
     cfg = tiny_config(tied=False)
-    lib = KernelLib()
+    lib = kernel_lib()
     g = gemv_bench(cfg, lib, 132, ("fp16", "fp8"), reps=10, l2_bytes=1 << 20, copy={"median": 3000.0})
     shapes = gemv_shapes(cfg)
     assert [(r["role"], r["format"]) for r in g["rows"]] == (

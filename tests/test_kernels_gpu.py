@@ -183,7 +183,7 @@ def test_gemv(kernel_lib, n_sm, fmt, model, region, rows, k):
 
 
 RING_CASES = [("resid", 3072, 8192), ("store", 5120, 3072), ("norm_swiglu", 4608, 576)]
-# tensor parallel: o_proj and down per rank (gpu/tp.py local_config): 70B over 2 (o_proj; down, the only K above 11k,
+# tensor parallel: o_proj and down per rank (gpu/tp/plan.py local_config): 70B over 2 (o_proj; down, the only K above 11k,
 # where the fp8 ring is 4 deep) and 8B over 2 (o_proj). (70B's down over 4 and 8B's down over 2, K 7168, run the plans
 # of the first shape.)
 PARTIAL_CASES = [(8192, 4096), (8192, 14336), (4096, 2048)]
@@ -743,7 +743,7 @@ def test_lm_head_argmax(kernel_lib_lmhead, n_sm, rows, k):
 @pytest.fixture(scope="module")
 def lab_lib():
     """The lab kernels (lab/kernels/probe_stream.cu), as lab/scripts/probe_stream.py builds them."""
-    return KernelLib(LAB_KERNELS_DIR, kernels={"probe_stream.cu": ("probe_stream",)})
+    return KernelLib({"probe_stream.cu": ("probe_stream",)}, LAB_KERNELS_DIR)
 
 
 def test_probe_stream(lab_lib, n_sm):

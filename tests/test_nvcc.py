@@ -9,12 +9,14 @@ import subprocess
 
 import pytest
 
-from atomflow_bench.gpu.nvrtc import KERNELS_DIR, declared_kernels
+from atomflow_bench.gpu.nvrtc import KERNELS_DIR
+from atomflow_bench.gpu.ops import declared_kernels
+from atomflow_bench.gpu.tp import sums
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 SOURCES = sorted(KERNELS_DIR.glob("*.cu"))
-DECLARED = declared_kernels()
+DECLARED = {**declared_kernels(), **sums.KERNELS}  # the one-GPU ops' and the tensor-parallel wing's
 
 
 def compile_report(src, arch: str, tmp_path, defines=()) -> str:

@@ -473,12 +473,12 @@ def gemv_record() -> dict:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gemv(monkeypatch, capsys, fmt):
     import atomflow_bench.gpu.device as device
-    import atomflow_bench.gpu.nvrtc as nvrtc
+    import atomflow_bench.gpu.ops as ops
     import atomflow_bench.measure.profile as profile
 
     monkeypatch.setattr(device, "require_gpu", lambda: None)
     monkeypatch.setattr(device, "gpu_info", lambda: dict(FakeEngine.gpu))
-    monkeypatch.setattr(nvrtc, "KernelLib", lambda *a, **k: None)
+    monkeypatch.setattr(ops, "kernel_lib", lambda *a, **k: None)
     monkeypatch.setattr(profile, "gemv_bench", lambda *a, **k: gemv_record())
     code, out, err = invoke(capsys, "gemv", *fmt_args(fmt))
     assert code == 0 and err == ""

@@ -7,7 +7,8 @@ import subprocess
 import pytest
 from helpers_scripts import SCRIPTS, load_script
 
-from atomflow_bench.gpu.nvrtc import KERNELS_DIR, declared_kernels
+from atomflow_bench.gpu.nvrtc import KERNELS_DIR
+from atomflow_bench.gpu.ops import declared_kernels
 
 
 @pytest.fixture(scope="module")

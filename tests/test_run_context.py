@@ -40,7 +40,7 @@ def ctx(monkeypatch, tmp_path):
     monkeypatch.delenv("ATOMFLOW_FORMS", raising=False)
     monkeypatch.setattr(context_mod, "Engine", _Engine)
     monkeypatch.setattr(context_mod, "Checkpoint", lambda d: type("Ckpt", (), {"config": CFG, "dir": d})())
-    monkeypatch.setattr(context_mod, "KernelLib", lambda: type("Lib", (), {"defines": ("ATT_TMA=1",)})())
+    monkeypatch.setattr(context_mod, "kernel_lib", lambda: type("Lib", (), {"defines": ("ATT_TMA=1",)})())
     monkeypatch.setattr(context_mod, "gpu_info", lambda: {"name": GPU})
     monkeypatch.setattr(context_mod, "compute_capability", lambda: 90)
     monkeypatch.setattr("atomflow_bench.measure.run_record.source_sha256", lambda: "0" * 16)

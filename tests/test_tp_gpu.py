@@ -8,7 +8,7 @@ they wrote:
 * the argmax combine (both paths): ties across ranks go to the smaller global index, NaN never wins, a rank that saw
   nothing is skipped, nobody: token 0; the step state advanced as argmax_finish does;
 * the TP2 engine on a tiny random checkpoint (fp16 and fp8, both paths; peer: the sums fused into o_proj / down,
-  gemv_common.cuh EPI_TPSUM) against the one-GPU engine on the same
+  gemv_epilogue.cuh EPI_TPSUM) against the one-GPU engine on the same
   weights: every probe's cosine, the residual stream bit-identical on every rank, graph replays giving the eager
   tokens;
 * `atomflow-bench run --tp 2` end to end: the launcher, the record's tp block, the exchanges timed.

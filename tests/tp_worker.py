@@ -16,11 +16,11 @@ def kernels(group, out: Path) -> dict:
     import cupy
 
     from atomflow_bench.gpu import tp
-    from atomflow_bench.gpu.nvrtc import KernelLib
+    from atomflow_bench.gpu.ops import kernel_lib
     from atomflow_bench.gpu.tp.sums import TpComm
 
     n, r, H = group.size, group.rank, 4096
-    lib = KernelLib()
+    lib = kernel_lib()
     tpc = TpComm(group, lib, H, 4, [s * 100 for s in range(n)], "nccl")  # the peer path is set up where it can be
     res = {"peer": tpc.peer, "peer_reason": tpc.peer_reason, "sum_exact": [], "sum_ranks_equal": [],
            "nccl_sum_ok": [], "argmax": []}

@@ -32,6 +32,7 @@ from .device import compute_capability, gpu_info, require_gpu, smem_limits
 from .forms import Forms, GemvForm, default_forms, tp_defaults
 from .graph import StepGraph
 from .nvrtc import KernelLib
+from .ops import kernel_lib
 from .ops.attention import short_capacity
 from .ops.lm_head import partial_blocks
 from .step import build_step, run_eager
@@ -68,7 +69,7 @@ class Engine:
                                lm_head_rows=None if self.cfg.tie_word_embeddings else lm_rows)
         self.max_seq = max_seq
         # kernel_defines: e.g. the timeline instrument; `lib`: one made already (its defines keyed a saved tune)
-        self.lib = lib if lib is not None else KernelLib(extra_defines=kernel_defines)
+        self.lib = lib if lib is not None else kernel_lib(extra_defines=kernel_defines)
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress, shard=self.shard)
         self.tp = None

@@ -55,18 +55,6 @@ def expand_source(path: Path, seen: set | None = None) -> str:
     return _INCLUDE.sub(repl, text)
 
 
-def declared_kernels() -> dict[str, tuple[str, ...]]:
-    """{.cu file: its kernels} over every op module's KERNELS: what the product launches and where it is defined."""
-    # Imported here, not at the top: every op module imports this one (KernelLib, knob).
-    from .ops import attention, gemv, lm_head, small, tp_comm
-
-    out: dict[str, tuple[str, ...]] = {}
-    for mod in (attention, gemv, lm_head, small, tp_comm):
-        for cu, names in mod.KERNELS.items():
-            out[cu] = out.get(cu, ()) + tuple(names)
-    return out
-
-
 def cuda_include_dirs() -> list[str]:
     """Directories holding cuda_fp16.h / cuda_fp8.h for NVRTC (toolkit, or the nvidia-* pip wheels)."""
     cands = []
@@ -129,12 +117,13 @@ def arch_defines(cc: int, defines: tuple) -> tuple:
 
 class KernelLib:
     """Compiled kernels by name, one cupy.RawModule per .cu file, compiled on first use. `kernels`: {.cu file: its
-    kernels} of `kernels_dir` (default: the product's, declared_kernels; the lab passes its own)."""
+    kernels} of `kernels_dir`, as the modules that launch them declare them (the product's: gpu/ops kernel_lib;
+    the lab passes its own)."""
 
     OPTIONS = ("-std=c++17",)
 
-    def __init__(self, kernels_dir: Path = KERNELS_DIR, extra_defines: tuple = (),
-                 kernels: dict[str, tuple[str, ...]] | None = None):
+    def __init__(self, kernels: dict[str, tuple[str, ...]], kernels_dir: Path = KERNELS_DIR,
+                 extra_defines: tuple = ()):
         import cupy  # noqa: F401  (fail here, clearly, when CuPy is missing)
 
         from .device import compute_capability
@@ -142,8 +131,7 @@ class KernelLib:
         self.dir = Path(kernels_dir)
         if not self.dir.is_dir():
             raise AtomflowError(f"kernel sources not found: {self.dir} (set ATOMFLOW_KERNELS_DIR)")
-        files = declared_kernels() if kernels is None else kernels
-        self._file_of = {name: self.dir / cu for cu, names in files.items() for name in names}
+        self._file_of = {name: self.dir / cu for cu, names in kernels.items() for name in names}
         self._modules: dict[Path, object] = {}
         self._kernels: dict[str, object] = {}
         given = parse_defines(envs.ATOMFLOW_KERNEL_DEFINES) + parse_defines(extra_defines)
@@ -167,6 +155,10 @@ class KernelLib:
                 raise KeyError(f"no kernel {name!r} in {self.dir}") from None
             self._kernels[name] = self.module(f).get_function(name)
         return self._kernels[name]
+
+    def declare(self, kernels: dict[str, tuple[str, ...]]) -> None:
+        """Add kernels by the .cu that defines them (a wing that plugs its own kernels into the step)."""
+        self._file_of.update({name: self.dir / cu for cu, names in kernels.items() for name in names})
 
     def compiled_files(self) -> list[str]:
         """The .cu files compiled so far (a step build compiles only those whose kernels it launches)."""

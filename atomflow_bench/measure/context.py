@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..gpu.device import compute_capability, gpu_info
 from ..gpu.engine import Engine, pdl_default
-from ..gpu.nvrtc import KernelLib
+from ..gpu.ops import kernel_lib
 from ..store.checkpoint import Checkpoint
 from . import tune
 from .decode import benchmark, energy_passes
@@ -54,7 +54,7 @@ class RunContext:
         else a saved tune of this GPU, shape, format, max_seq and source); with no saved tune, `tune_missing` tunes
         now (the engine built with the defaults, then the winner), else the defaults. `self.forms` says which."""
         ckpt = self.weight_source if self.weight_source is not None else Checkpoint(self.model_dir)
-        lib = KernelLib()
+        lib = kernel_lib()
         key = tune.key_of(gpu_info()["name"], ckpt.config, weights, lib.defines, pdl_default(compute_capability()))
         forms, self.forms = tune.choose(key, max_seq, given, retune=retune, nearest=not tune_missing)
         t0 = time.perf_counter()
@@ -64,6 +64,13 @@ class RunContext:
             self.forms = (tune.tune_and_save(eng, progress=progress) if tune_missing
                           else {"forms": eng.forms.text, "origin": "default"})
         return eng
+
+    def describe(self, eng, info: dict) -> None:
+        """What `validate` adds to its backend's description: nothing on one GPU."""
+
+    def whole_logits(self, eng, logits):
+        """The logits over the whole vocabulary from this process's share: all of them on one GPU."""
+        return logits
 
     def measure(self, weights: str, context: int, tokens: int, repeats: int, *, forms=None, retune: bool = False,
                 progress=None, peers: bool = False, baselines_dir=None) -> tuple[dict, list | None]:

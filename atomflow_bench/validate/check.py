@@ -34,10 +34,10 @@ def prepare_truth(model_dir: str | Path, truth_dir=None, steps: int | None = Non
 
 def validate(model_dir: str | Path, weights: str = "fp8", truth_dir: str | Path | None = None,
              steps: int | None = None, prompt: str | None = None, backend: str = "auto",
-             allow_mismatch: bool = False, console=None, forms=None, group=None, allreduce: str | None = None) -> dict:
+             allow_mismatch: bool = False, console=None, forms=None, context=None) -> dict:
     """Compare the engine's probes with the ground truth; returns the result record (schema validate/1). `forms`:
-    the launch forms to check (gpu/forms.py; default: a saved tune, else the defaults). `group`: tensor parallel
-    (probes.engine_probes)."""
+    the launch forms to check (gpu/forms.py; default: a saved tune, else the defaults). `context`: the run context the
+    engine is made in (one GPU by default, or a tensor-parallel rank's; probes.engine_probes)."""
     if weights not in THRESHOLDS:
         raise ConfigError(f"unknown weight format {weights!r} (expected fp16 or fp8)")
     inst = instrument_defines()
@@ -71,7 +71,7 @@ def validate(model_dir: str | Path, weights: str = "fp8", truth_dir: str | Path 
     names = probe_names(cfg.num_hidden_layers)
     seq, P, N = truth.sequence, len(m["prompt_ids"]), int(m["steps"])
     n_pos = P + N - 1  # the last new token is predicted, never fed
-    info, positions = engine_probes(model_dir, weights, seq, n_pos, names, backend, forms, group, allreduce)
+    info, positions = engine_probes(model_dir, weights, seq, n_pos, names, backend, forms, context)
     if console is not None:
         console.print(f"engine: {info['label']}")
     th = THRESHOLDS[weights]

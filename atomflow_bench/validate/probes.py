@@ -14,8 +14,7 @@ import numpy as np
 from ..errors import ConfigError, GpuUnavailable
 from ..gpu.device import gpu_info, require_gpu
 from ..gpu.engine import Engine
-from ..gpu.tp.figures import tp_forms
-from ..measure.tune import resolve
+from ..measure.context import RunContext
 from ..reference import ReferenceDecoder
 from ..store.checkpoint import Checkpoint
 
@@ -68,19 +67,19 @@ def free_gpu() -> None:
 
 
 def engine_probes(model_dir: str | Path, weights: str, sequence: list[int], n_positions: int, names: list[str],
-                  backend: str = "auto", forms=None, group=None,
-                  allreduce: str | None = None) -> tuple[dict, list[dict[str, np.ndarray]]]:
+                  backend: str = "auto", forms=None, context: RunContext | None = None
+                  ) -> tuple[dict, list[dict[str, np.ndarray]]]:
     """Teacher-force `sequence` through the engine for `n_positions` positions; per position the probes `names`.
 
     GPU: `Engine.reset(sequence)` makes the step's argmax kernel feed the sequence's next token, and
     `step_eager(taps=True)` per position gives the real kernels' buffers. `forms`: the launch forms to check (given,
-    else a saved tune, else the defaults; never timed here).
+    else a saved tune, else the defaults; never timed here). `context`: the run context the engine is made in (one
+    GPU by default; a tensor-parallel rank's compares the replicated probes and the logits gathered from the
+    vocabulary shards: every rank runs this).
     No GPU (or backend="numpy"): `ReferenceDecoder(record_taps=True)`, labelled as such.
-    Tensor parallel (`group`, GPU only): every rank runs this; the probes compared are the replicated ones (the
-    residual stream after each sum across ranks, the final norm) and the logits, gathered from the vocabulary shards.
     Returns ({"kind", "label", ...info}, [probes per position]).
     """
-    kind, label = pick_backend("gpu" if group is not None else backend)
+    kind, label = pick_backend(backend)
     info = {"kind": kind, "label": label, **backend_info(kind)}
     out: list[dict[str, np.ndarray]] = []
     if kind == "numpy":
@@ -90,18 +89,14 @@ def engine_probes(model_dir: str | Path, weights: str, sequence: list[int], n_po
             out.append({n: dec.taps[n] for n in names})
         return info, out
 
-    eng = Engine(model_dir, weights=weights, max_seq=len(sequence), group=group, allreduce=allreduce)
-    if group is None:
-        info["forms"] = resolve(eng, forms, tune_missing=False)
-    else:
-        info["forms"] = tp_forms(eng, forms)
-        info["tp"] = {"n": group.size, "allreduce": eng.tp.path, "peer_reason": eng.tp.peer_reason}
-        info["label"] += f", tensor parallel over {group.size} GPUs (sums: {eng.tp.path})"
+    ctx = context if context is not None else RunContext(Path(model_dir).name, Path(model_dir), "validate")
+    eng = ctx.engine(weights, len(sequence), given=forms, tune_missing=False)
+    info["forms"] = ctx.forms
+    ctx.describe(eng, info)
     eng.reset(sequence)
     for _ in range(n_positions):
         taps = eng.step_eager(taps=True)
-        if group is not None:  # the logits of every rank's vocabulary rows, in rank order
-            taps["logits"] = eng.tp.gather_vocab(taps["logits"], eng.cfg.vocab_size)
+        taps["logits"] = ctx.whole_logits(eng, taps["logits"])
         out.append({n: np.asarray(taps[n], np.float32).reshape(-1) for n in names})
     info["fp8_source"] = eng.load_info.get("fp8_source")
     del eng

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
                 raise AtomflowError(f"no probe variant {unknown[0]!r}; known: {', '.join(by_name)}")
             variants = [by_name[n] for n in a.only.split(",")]
         gpu = gpu_info()
-        lib = KernelLib(KERNELS_DIR, kernels={"probe_stream.cu": ("probe_stream",)})
+        lib = KernelLib({"probe_stream.cu": ("probe_stream",)}, KERNELS_DIR)
         res = stream_probe(lib, ops, gpu["sms"], variants, reps=a.reps)
         if a.sweep:  # the same number of waits with 16 bytes per block and op
             sync = stream_probe(lib, sync_ops(len(ops), gpu["sms"]), gpu["sms"],

@@ -12,7 +12,7 @@ Variants (the epilogue, gemv_epilogue.cuh): qkv_rope (RMSNorm prologue; RoPE + K
 for later weights: next_l2), norm_swiglu (RMSNorm prologue, SwiGLU), resid (h += W.x), store (plain fp16: the
 `gemv` microbenchmark's QKV), partial (plain fp32: a tensor-parallel rank's share of o_proj / down for the NCCL path),
 resid_tp (tensor parallel with peer memory: h += the sum over ranks of their shares, summed in the epilogue through
-the LL slots of tp_ll.cuh; ops/tp_comm.py holds the buffers).
+the LL slots of tp_ll.cuh; gpu/tp/sums.py holds the buffers).
 """
 from __future__ import annotations
 
@@ -269,7 +269,7 @@ def gemv_launch(lib: KernelLib, fmt: str, variant: str, w, scales, x, y, n_out: 
     L2 after its epilogue (next_l2), or None. `ws`: the warp-specialised form (sm_90+), else the ring form;
     `ws_pre`: the slots it fills before its wait (None: GEMV_WS_PRE). `ring_depth`: forces a ring depth (tests).
     resid_tp: y = h (fp32) and `tp` = (slots, seq, rank, ranks): the device array of the ranks' LL buffer addresses
-    for this role, this buffer's epochs (one uint32 per block; ops/tp_comm.py TpComm.gemv_target).
+    for this role, this buffer's epochs (one uint32 per block; gpu/tp/sums.py TpComm.gemv_target).
     `head` (qkv_rope, resid_tp): a later GEMV's head (head_l2) asked into L2: by qkv_rope after its epilogue (before
     `next`), by resid_tp while it waits for the other ranks; None: nothing."""
     fp8 = fmt == "fp8"

@@ -62,7 +62,7 @@ def lm_head_launch(lib: KernelLib, a, cfg, n_sm: int, shard: tuple[int, int] | N
                    partials: tuple | None = None) -> Launch:
     """The step's tail over the arena `a`: xnorm = RMSNorm(h) * final_norm, logits, the greedy token, pos += 1.
     Tensor parallel: `shard` = the rank's vocabulary rows (start, stop), `partials` = where its argmax partials go
-    (tp_comm.TpComm.argmax_arrays); the rank's best is left in partials[0] and the position is not advanced (the
+    (gpu/tp/sums.py TpComm.argmax_arrays); the rank's best is left in partials[0] and the position is not advanced (the
     combine across ranks does that)."""
     r0, r1 = shard or (0, cfg.vocab_size)
     if cfg.tie_word_embeddings:

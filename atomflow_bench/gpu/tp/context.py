@@ -51,6 +51,14 @@ class TpContext(RunContext):
         self.forms = self.forms or default_origin(eng)
         return eng
 
+    def describe(self, eng, info: dict) -> None:
+        info["tp"] = {"n": self.group.size, "allreduce": eng.tp.path, "peer_reason": eng.tp.peer_reason}
+        info["label"] += f", tensor parallel over {self.group.size} GPUs (sums: {eng.tp.path})"
+
+    def whole_logits(self, eng, logits):
+        """Every rank's vocabulary rows, in rank order (a collective: every rank calls it)."""
+        return eng.tp.gather_vocab(logits, eng.cfg.vocab_size)
+
     def energy(self, eng, prompt, tokens: int, meter, tpot_ms: float) -> dict:
         return tp_energy(eng, prompt, tokens, meter, tpot_ms)
 

@@ -108,6 +108,7 @@ class TpComm:
         if group.size > TP_MAX_RANKS:
             raise AtomflowError(f"tensor parallel over {group.size} ranks: at most {TP_MAX_RANKS}")
         self.group, self.lib, self.rank, self.n = group, lib, group.rank, group.size
+        lib.declare(KERNELS)
         self.hidden = hidden
         sum_blocks(hidden)
         lay = exported_layout(hidden, am_blocks, self.n)
