@@ -6,3 +6,4 @@ the path); the wheel ships none of it. lab/README.md is the index."""
 from pathlib import Path
 
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"  # the lab's .cu files, compiled by the product's KernelLib
+KERNELS = {"probe_stream.cu": ("probe_stream",)}  # the lab's kernels by the .cu that defines them (a KernelLib's list)

@@ -37,7 +37,7 @@ from atomflow_bench.gpu.ops.small import embed_launch, quantize_launch, spin_lau
 from atomflow_bench.gpu.nvrtc import KernelLib
 from atomflow_bench.gpu.step import hold_position
 from atomflow_bench.quant import dequantize_fp8, quantize_fp8
-from lab import KERNELS_DIR as LAB_KERNELS_DIR
+from lab import KERNELS as LAB_KERNELS, KERNELS_DIR as LAB_KERNELS_DIR
 
 pytestmark = pytest.mark.gpu
 
@@ -743,7 +743,7 @@ def test_lm_head_argmax(kernel_lib_lmhead, n_sm, rows, k):
 @pytest.fixture(scope="module")
 def lab_lib():
     """The lab kernels (lab/kernels/probe_stream.cu), as lab/scripts/probe_stream.py builds them."""
-    return KernelLib({"probe_stream.cu": ("probe_stream",)}, LAB_KERNELS_DIR)
+    return KernelLib(LAB_KERNELS, LAB_KERNELS_DIR)
 
 
 def test_probe_stream(lab_lib, n_sm):

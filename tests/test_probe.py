@@ -12,8 +12,7 @@ import pytest
 from atomflow_bench.gpu.arena import plan_arena
 from atomflow_bench.config import CATALOG
 from atomflow_bench.errors import AtomflowError
-from atomflow_bench.gpu.nvrtc import kernel_names
-from lab import KERNELS_DIR
+from lab import KERNELS, KERNELS_DIR
 from lab.probe import dynamic, expected_counters, op_groups, probe_table, probe_variants, step_ops
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,4 +107,4 @@ def test_the_probe_kernel_compiles_beside_the_product():
                           "/dev/null"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     entries = re.findall(r"Compiling entry function '(\w+)'", out.stderr)
-    assert entries and sorted(entries) == sorted(kernel_names(src)) and "probe_stream" in entries
+    assert entries and sorted(entries) == sorted(KERNELS[src.name]) and "probe_stream" in entries

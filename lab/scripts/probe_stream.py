@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     from atomflow_bench.config import get_preset
     from atomflow_bench.errors import AtomflowError
     from atomflow_bench.gpu.nvrtc import KernelLib
-    from lab import KERNELS_DIR
+    from lab import KERNELS, KERNELS_DIR
     from lab.probe import probe_table, probe_variants, step_ops, stream_probe, sync_ops
     from atomflow_bench.gpu.device import gpu_info
 
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
                 raise AtomflowError(f"no probe variant {unknown[0]!r}; known: {', '.join(by_name)}")
             variants = [by_name[n] for n in a.only.split(",")]
         gpu = gpu_info()
-        lib = KernelLib({"probe_stream.cu": ("probe_stream",)}, KERNELS_DIR)
+        lib = KernelLib(KERNELS, KERNELS_DIR)
         res = stream_probe(lib, ops, gpu["sms"], variants, reps=a.reps)
         if a.sweep:  # the same number of waits with 16 bytes per block and op
             sync = stream_probe(lib, sync_ops(len(ops), gpu["sms"]), gpu["sms"],
