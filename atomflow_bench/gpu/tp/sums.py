@@ -74,6 +74,7 @@ def allreduce_launch(lib, h, x, slots_ptrs, seq, rank: int, n_ranks: int, taps=N
     of the ranks' LL buffers for this sum, `seq`: this buffer's epochs [TP_SUM_BLOCKS] uint32)."""
     n = h.size
     g = sum_blocks(n)
+    lib.declare(KERNELS)  # the wing's kernels are not the one-GPU ops' (gpu/ops declared_kernels)
     return Launch(lib["tp_allreduce_add"], "tp_allreduce_add", (g,), (TP_AR_THREADS,),
                   (h, x, slots_ptrs, seq, i32(n), i32(rank), i32(n_ranks)), 0, taps or {},
                   n * 4 * 3 + n * 8 * 2 * n_ranks, f"tp sum peer {n * 4} B x {n_ranks}")
@@ -83,6 +84,7 @@ def argmax_combine_launch(lib, vals_ptrs, idxs_ptrs, offsets, flags, peer_flags,
                           state: tuple, advance: bool = True) -> Launch:
     """The greedy token over the ranks' (value, local index) pairs (+ offsets) and the step's bookkeeping; `state` =
     (pos, cur_token, prompt, prompt_len, out_tokens). peer_flags None: no barrier (the pairs are local)."""
+    lib.declare(KERNELS)
     return Launch(lib["tp_argmax_combine"], "tp_argmax_combine", (1,), (32,),
                   (vals_ptrs, idxs_ptrs, offsets, NULL if flags is None else flags,
                    NULL if peer_flags is None else peer_flags, seq, i32(rank), i32(n_ranks), *state,
@@ -108,7 +110,6 @@ class TpComm:
         if group.size > TP_MAX_RANKS:
             raise AtomflowError(f"tensor parallel over {group.size} ranks: at most {TP_MAX_RANKS}")
         self.group, self.lib, self.rank, self.n = group, lib, group.rank, group.size
-        lib.declare(KERNELS)
         self.hidden = hidden
         sum_blocks(hidden)
         lay = exported_layout(hidden, am_blocks, self.n)

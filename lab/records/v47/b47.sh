@@ -54,7 +54,10 @@ if [ "$PH" = C ]; then  # one H100, warm: 8B W8A16 and fp16 interleaved; 1B W8A1
   runf ab-old-1-1b-fp8 old llama-3.2-1b fp8 --forms "short:ring/l2=4;split:ring/l2=4"
   runf ab-new-1-1b-fp8 new llama-3.2-1b fp8 --forms "short:ring/l2=4;split:ring/l2=4"
 fi
-if [ "$PH" = D ]; then  # 2 GPUs: TP GPU tests; 70B W8A16 TP2 old/new twice (the TP default); validate 8B W8A16 TP2
+if [ "$PH" = D ]; then  # 2 GPUs: the kernel suite again (A's 12 failures: the TP sum's kernels undeclared), the TP GPU
+  # tests; 70B W8A16 TP2 old/new twice (the TP default); validate 8B W8A16 TP2
+  timeout 200 python3 -m pytest -q tests/test_kernels_gpu.py -p no:cacheprovider >$W/kernels.log 2>&1
+  note "kernels: rc=$? $(tail -1 $W/kernels.log)"
   timeout 300 python3 -m pytest -q tests/test_tp_gpu.py -p no:cacheprovider -x >$W/tptest.log 2>&1
   note "tptest: rc=$? $(tail -1 $W/tptest.log)"
   for r in 1 2; do
