@@ -16,7 +16,7 @@ from rich.markup import escape
 
 from . import __version__, envs
 from .cli_compare import baseline, compare, compare_peers, peers, plot
-from .cli_setup import doctor, fetch, generate, models
+from .cli_setup import doctor, fetch, generate, models, rm
 from .config import CATALOG, DEFAULT_MODEL
 from .errors import AtomflowError, GpuUnavailable, Terminated
 from .output import format_option, is_machine, notes_console, render
@@ -89,7 +89,8 @@ def cli():
     --debug (anywhere on the line) shows the traceback of an error."""
 
 
-for command in (baseline, compare, compare_peers, doctor, fetch, generate, models, peers, plot):  # cli_compare, cli_setup
+# cli_compare, cli_setup
+for command in (baseline, compare, compare_peers, doctor, fetch, generate, models, peers, plot, rm):
     cli.add_command(command)
 
 

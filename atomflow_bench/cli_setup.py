@@ -1,4 +1,4 @@
-"""The commands that set a machine up: doctor, models, fetch and generate. They parse and print; cli.py registers
+"""The commands that set a machine up: doctor, models, fetch, rm and generate. They parse and print; cli.py registers
 them (the module docstring there says why the imports are inside the commands)."""
 from __future__ import annotations
 
@@ -36,9 +36,11 @@ def doctor(no_bandwidth, fmt):
 def models(fmt):
     """The catalog (name, shape, parameters, bytes per format, what is in the store and its size on disk), its
     sources, and the other models in the store (local imports, hub ids)."""
-    from .store.listing import models_tables
+    from .store.listing import models_tables, stale_notes
 
     render(models_tables(), fmt, console)
+    for note in stale_notes():
+        print(f"note: {note}", file=sys.stderr)
 
 
 @click.command()
@@ -61,6 +63,29 @@ def fetch(model, source, fmt, verify, revision, seed, force):
         path = fetch_model(model, source=source, fmt=fmt, revision=revision, seed=seed, force=force,
                            console=console)
     console.print(f"[green]ok[/green] {path}")
+
+
+@click.command("rm")
+@click.argument("name")
+@click.option("--yes", is_flag=True, help="Remove without asking (needed when stdin is not a terminal).")
+def rm(name, yes):
+    """Remove a model from the store and reclaim its space (NAME as `models` lists it; a catalog name removes every
+    source of it that was fetched)."""
+    from .errors import AtomflowError
+    from .store.listing import dir_bytes, removable, size_text
+    from .store.store import remove_entry
+
+    dirs = removable(name)
+    sizes = [dir_bytes(d) for d in dirs]
+    what = ", ".join(f"{d} ({size_text(n)})" for d, n in zip(dirs, sizes))
+    if not yes:
+        if not sys.stdin.isatty():
+            raise AtomflowError(f"{name}: not removed: stdin is not a terminal to confirm in (pass --yes)")
+        if not click.confirm(f"remove {what}?", default=False):
+            raise AtomflowError(f"{name}: not removed")
+    for d in dirs:
+        remove_entry(d)
+    console.print(f"removed {what}")
 
 
 @click.command()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from atomflow_bench import output
 from atomflow_bench.config import CATALOG, ModelConfig, Preset
 from atomflow_bench.measure.baselines import DEFAULT_DIR, load_baselines
 from atomflow_bench.output import Tab, render, text
-from atomflow_bench.store import listing
+from atomflow_bench.store import listing, store
 from helpers_cli import invoke
 
 FORMATS = ["json", "csv", None]  # None: no --format; stdout is not a terminal under pytest: markdown
@@ -228,7 +229,8 @@ def test_models_shows_what_is_in_the_store(home, tmp_path, monkeypatch, capsys, 
     fetched = fetch_model("tiny-test")
     make_synthetic(TINY, tmp_path / "src" / "mine", seed=3)
     local = fetch_model(str(tmp_path / "src" / "mine"))
-    (home / "models" / ".half-written.partial-x").mkdir()  # a staging directory is not listed
+    # a staging directory whose writer runs (this process) is neither listed nor reported
+    (home / "models" / f".half-written.partial-{store._HOST}-{os.getpid()}-x").mkdir()
     code, out, err = invoke(capsys, "models", *fmt_args(fmt))
     assert code == 0 and err == ""
     parsed = parse(out, fmt)

@@ -379,6 +379,10 @@ def fetch_model(spec: str, source: str | None = None, fmt: str = "fp16", revisio
     """Make sure `spec` is in the store (with the fp8 weights when fmt='fp8'); returns its directory."""
     if fmt not in ("fp16", "fp8"):
         raise ConfigError(f"unknown weight format {fmt!r} (expected fp16 or fp8)")
+    for left in store.remove_stale():
+        if console is not None:
+            print(f"note: removed {left.path.name}, left by a fetch that was killed (pid {left.pid})",
+                  file=sys.stderr, flush=True)
     try:
         plan = _plan(spec, source)
     except AtomflowError:

@@ -2,7 +2,8 @@
 
 `manifest_source` reads where a store directory came from (its manifest's source kind and model); `source_label` is
 that kind as a run record names it ("local" for a directory with no manifest). `models_tables` builds the tables of
-`atomflow-bench models`: the catalog with what of it is in the store, its sources, and the other store directories.
+`atomflow-bench models`: the catalog with what of it is in the store, its sources, and the other store directories;
+`stale_notes` says which staging directories were left by a killed fetch. `removable` is what `rm NAME` removes.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 from pathlib import Path
 
 from ..config import CATALOG
+from ..errors import AtomflowError
 from ..output import Tab
 from . import store
 
@@ -119,3 +121,32 @@ def models_tables() -> list[Tab]:
         kind, model = manifest_source(d)
         other.add(d.name, kind, model, size_text(dir_bytes(d)))
     return [cat, srcs, other]
+
+
+def stale_notes() -> list[str]:
+    """One line per staging or replaced directory whose writer is not running here: what it is, its size, and what
+    removes it."""
+    notes = []
+    for left in store.leftovers():
+        if left.writer == "running":
+            continue
+        why = (f"left by a fetch that was killed (pid {left.pid}); the next `fetch` removes it" if left.writer == "gone"
+               else "its writer cannot be checked from this host; `rm` it once no fetch is running")
+        notes.append(f"{left.path.name} ({size_text(dir_bytes(left.path))}): {why}")
+    return notes
+
+
+def removable(name: str) -> list[Path]:
+    """The store directories `rm NAME` removes: every source fetched of a catalog name; else the store directory
+    of that name (a hub id 'org/name' as 'org--name'); else a leftover staging directory whose writer is not running.
+    AtomflowError when NAME is none of these."""
+    if name in CATALOG:
+        dirs = [d for _, d in store_entries()[0][name]]
+    elif name and not name.startswith(".") and "\0" not in name:
+        d = store.model_dir(name)
+        dirs = [d] if d.parent == store.models_dir() and d.is_dir() and not d.is_symlink() else []
+    else:
+        dirs = [left.path for left in store.leftovers() if left.path.name == name and left.writer != "running"]
+    if not dirs:
+        raise AtomflowError(f"{name}: not in the store {store.models_dir()} (`atomflow-bench models` lists it)")
+    return dirs

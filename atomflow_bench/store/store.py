@@ -8,7 +8,10 @@ Every source (synthetic, hf, pypi-gguf, local) ends in the same layout inside on
     manifest.json               {"files": {name: {"sha256", "size"}}, "source": {...}, ...}
 
 A directory is built under a temporary name next to its final place and renamed only when complete, so
-an interrupted or failed fetch never leaves a half-written model behind.
+an interrupted or failed fetch never leaves a half-written model behind. That name carries its writer's host and pid
+(`.NAME.partial-HOST-PID-XXXX`, and `.NAME.old-HOST-PID-XXXX` for a version being replaced), so a directory left by a
+writer that was killed (SIGKILL, a crash, a power cut) is told from one still being written: `leftovers` finds them,
+`remove_stale` removes those whose writer is gone.
 """
 from __future__ import annotations
 
@@ -16,9 +19,12 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -127,19 +133,83 @@ def verify_dir(directory: Path, full: bool = True) -> list[str]:
     return problems
 
 
+_HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "host"
+_LEFTOVER = re.compile(r"^\.(?P<model>.+)\.(?P<what>partial|old)-(?:(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-)?")
+
+
+def _writer_tag(what: str, name: str) -> str:
+    return f".{name}.{what}-{_HOST}-{os.getpid()}-"
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A staging or replaced directory in models/: `writer` is "running", "gone" (its pid no longer exists on this
+    host) or "unknown" (another host wrote it, or its name carries no pid)."""
+    path: Path
+    model: str
+    pid: int | None
+    writer: str
+
+
+def _writer_state(host: str | None, pid: str | None) -> str:
+    if host != _HOST or pid is None:
+        return "unknown"
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return "gone"
+    except OSError:  # EPERM: the pid exists under another user
+        return "running"
+    return "running"
+
+
+def leftovers() -> list[Leftover]:
+    """Every staging (`.NAME.partial-*`) and replaced (`.NAME.old-*`) directory in models/, with its writer's state."""
+    found = []
+    try:
+        entries = sorted(models_dir().iterdir())
+    except OSError:  # no store yet
+        return []
+    for d in entries:
+        m = _LEFTOVER.match(d.name)
+        if m and d.is_dir() and not d.is_symlink():
+            found.append(Leftover(d, m["model"], int(m["pid"]) if m["pid"] else None,
+                                  _writer_state(m["host"], m["pid"])))
+    return found
+
+
+def remove_stale() -> list[Leftover]:
+    """Remove the leftovers whose writer is gone; returns them. A running writer's directory is never touched."""
+    removed = []
+    for left in leftovers():
+        if left.writer == "gone":
+            shutil.rmtree(left.path, ignore_errors=True)
+            if not left.path.exists():
+                removed.append(left)
+    return removed
+
+
+def remove_entry(directory: Path) -> None:
+    """Remove a store directory: renamed out of the way first, so no reader ever sees it half-removed."""
+    directory = Path(directory)
+    gone = Path(tempfile.mkdtemp(prefix=_writer_tag("old", directory.name), dir=directory.parent))
+    os.replace(directory, gone)
+    shutil.rmtree(gone)
+
+
 @contextlib.contextmanager
 def staging_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory beside `final`; on success it replaces `final`, on any error it is removed."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_writer_tag("partial", final.name), dir=final.parent))
     tmp.chmod(0o755)  # mkdtemp makes it 0700; a model directory is ordinary, readable data
     try:
         yield tmp
         if final.exists():
             if not overwrite:
                 raise FileExistsError(f"{final} already exists")
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            old = Path(tempfile.mkdtemp(prefix=_writer_tag("old", final.name), dir=final.parent))
             os.replace(final, old)
             try:
                 os.replace(tmp, final)
