@@ -138,3 +138,23 @@ def test_rm_asks_in_a_terminal(home, tmp_path):
         os.close(fd)
         assert (os.waitstatus_to_exitcode(status) != 0) == kept, with_rest
         assert entry.is_dir() == kept, with_rest
+
+
+# ---- two sources, one base name ------------------------------------------------------------------------
+def test_two_local_directories_of_one_name_do_not_share_an_entry(home, tmp_path):
+    """`fetch /a/tiny; fetch /b/tiny`: the second is refused in one line and the first stays; --force replaces it."""
+    from atomflow_bench.store.listing import manifest_source
+
+    a, b = _model(tmp_path / "a" / "tiny"), _model(tmp_path / "b" / "tiny")
+    (b / "config.json").write_text((b / "config.json").read_text().replace("\n", " \n"))  # other bytes
+    assert _cli(home, "fetch", str(a)).returncode == 0
+    entry = home / "models" / "local--tiny"
+    r = _cli(home, "fetch", str(b))
+    _one_line_error(r.returncode, r.stdout, r.stderr, "local--tiny", str(a.resolve()), "--force")
+    assert manifest_source(entry) == ("local", str(a.resolve()))
+    assert store.verify_dir(entry) == [] and (entry / "config.json").read_bytes() == (a / "config.json").read_bytes()
+    _no_partial(home)
+    assert _cli(home, "fetch", str(a)).returncode == 0  # the same directory again: already there
+    r = _cli(home, "fetch", str(b), "--force")
+    assert r.returncode == 0, r.stderr
+    assert manifest_source(entry) == ("local", str(b.resolve()))

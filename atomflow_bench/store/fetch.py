@@ -9,8 +9,9 @@ file. Where each lands in the store (`store.model_dir`):
     hub repo id                           models/<org>--<repo>
     local directory / .gguf file          models/local--<dir name> / models/gguf--<file stem>
 
-A store directory holds one version; asking for a different one (another seed, revision or path)
-replaces it. Everything is built in a staging directory and renamed into place with its manifest, so a
+A store directory holds one version; asking for a different one (another seed or revision) replaces it. A local
+directory or file whose base name is already held by another path is refused (`--force` replaces it), so two
+sources never silently share a name. Everything is built in a staging directory and renamed into place with its manifest, so a
 failed or interrupted fetch leaves the store as it was.
 """
 from __future__ import annotations
@@ -150,6 +151,10 @@ def _reusable(plan: _Plan, revision: str | None, seed: int, console) -> dict | N
         _say(console, f"[yellow]{plan.directory} is damaged ({problems[0]}); fetching it again[/yellow]")
         return None
     if not _same_version(plan, manifest.get("source", {}), revision, seed):
+        held = manifest.get("source", {}).get("path")
+        if plan.kind in ("local", "gguf") and held:  # two sources of one base name, not two versions of one
+            raise FetchError(f"{plan.name}: the store name {plan.directory.name} already holds {held}; "
+                             f"`atomflow-bench rm {plan.directory.name}` it or pass --force to replace it")
         _say(console, f"{plan.directory} holds another version of {plan.name}; replacing it")
         return None
     return manifest
