@@ -158,3 +158,87 @@ def test_two_local_directories_of_one_name_do_not_share_an_entry(home, tmp_path)
     r = _cli(home, "fetch", str(b), "--force")
     assert r.returncode == 0, r.stderr
     assert manifest_source(entry) == ("local", str(b.resolve()))
+
+
+# ---- weights the store cannot hold as they are ---------------------------------------------------------
+def _rewrite(directory: Path, dtype: str, convert) -> dict:
+    """Rewrite model.safetensors with every 2-D tensor as `dtype` (raw bits from `convert(fp16 array)`); returns
+    the fp16 tensors it started from."""
+    import json
+    import struct
+
+    from safetensors.numpy import load_file
+
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    header, blobs, offset = {}, [], 0
+    for name, t in tensors.items():
+        data = convert(t).tobytes() if t.ndim == 2 else t.tobytes()
+        header[name] = {"dtype": dtype if t.ndim == 2 else "F16", "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+    return tensors
+
+
+def _bf16_bits(t):
+    import numpy as np
+
+    return (t.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def test_integer_weights_are_refused(home, tmp_path):
+    import numpy as np
+
+    src = _model(tmp_path / "src" / "ints")
+    _rewrite(src, "I16", lambda t: np.round(t.astype(np.float32) * 100).astype(np.int16))
+    r = _cli(home, "fetch", str(src))
+    _one_line_error(r.returncode, r.stdout, r.stderr, "I16", "not floating point")
+    _no_partial(home, "local--ints")
+
+
+def test_bf16_is_stored_as_fp16(home, tmp_path):
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    src = _model(tmp_path / "src" / "bf")
+    before = _rewrite(src, "BF16", _bf16_bits)
+    r = _cli(home, "fetch", str(src))
+    assert r.returncode == 0, r.stderr
+    entry = home / "models" / "local--bf"
+    after = load_file(str(entry / "model.safetensors"))
+    for name, t in before.items():
+        want = (_bf16_bits(t).astype(np.uint32) << 16).view(np.float32) if t.ndim == 2 else t
+        assert after[name].dtype == np.float16 and np.array_equal(after[name], want.astype(np.float16)), name
+    assert _cli(home, "fetch", "local--bf", "--verify").returncode == 0
+
+
+def test_bf16_beyond_fp16_range_is_refused(home, tmp_path):
+    import numpy as np
+
+    src = _model(tmp_path / "src" / "big")
+
+    def with_a_big_value(t):
+        bits = _bf16_bits(t)
+        bits.flat[5] = _bf16_bits(np.array([1e5], np.float32))[0]
+        return bits
+
+    _rewrite(src, "BF16", with_a_big_value)
+    r = _cli(home, "fetch", str(src))
+    _one_line_error(r.returncode, r.stdout, r.stderr, "bf16", "fp16", "[0, 5]")
+    _no_partial(home, "local--big")
+
+
+def test_bf16_conversion_leaves_a_linked_file_alone(tmp_path):
+    """A file hard-linked from the HF cache is replaced in the store, not changed in the cache."""
+    from atomflow_bench.store.dtypes import to_fp16
+
+    src = _model(tmp_path / "m")
+    _rewrite(src, "BF16", _bf16_bits)
+    (tmp_path / "cache").mkdir()
+    os.link(src / "model.safetensors", tmp_path / "cache" / "blob")
+    cached = (tmp_path / "cache" / "blob").read_bytes()
+    assert to_fp16(src) == ["model.safetensors"]
+    assert (tmp_path / "cache" / "blob").read_bytes() == cached != (src / "model.safetensors").read_bytes()

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import math
 import os
 import re
 import shutil
-import struct
 import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from . import store
+from .dtypes import check_dtypes, to_fp16
+from .dtypes import safetensors_header as _safetensors_header
 from ..config import CATALOG, GROUP, ModelConfig, Preset, get_preset
 from ..errors import AtomflowError, ConfigError, FetchError, VerifyError
 from .sources import SafetensorsStream, byte_progress, link_or_copy
@@ -194,22 +194,6 @@ _FLOAT_BITS = {
 CHECK_CHUNK_BYTES = 16 << 20  # per memory-mapped chunk; a few chunks in flight bound the memory used
 
 
-def _safetensors_header(path: Path) -> tuple[dict, int]:
-    """(tensor name -> {dtype, shape, data_offsets}, byte offset of the data) of a safetensors file."""
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        for info in header.values():
-            if not (isinstance(info["shape"], list) and isinstance(info["dtype"], str)
-                    and len(info["data_offsets"]) == 2):
-                raise ValueError("malformed tensor entry")
-    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise VerifyError(f"{path.name}: not a readable safetensors header ({type(e).__name__})") from None
-    return header, 8 + n
-
-
 def _first_nonfinite(path: Path, offset: int, count: int, bits) -> tuple[int, str] | None:
     """(index, 'NaN' | 'inf') of the first non-finite of `count` values at byte `offset`, or None."""
     udt, exp, mant = bits
@@ -229,6 +213,7 @@ def check_weights(directory: Path, cfg: ModelConfig, workers: int | None = None)
     jobs = []  # (file, tensor, shape, element offset in the tensor, byte offset in the file, count, bits)
     for f in sorted(Path(directory).glob("*.safetensors")):
         header, data_start = _safetensors_header(f)
+        check_dtypes(f, header, want)
         for name, info in header.items():
             shape = tuple(info["shape"])
             if name in want and shape != want[name]:
@@ -421,6 +406,8 @@ def fetch_model(spec: str, source: str | None = None, fmt: str = "fp16", revisio
     _say(console, f"fetching {plan.name} ({plan.kind}) into {plan.directory}")
     with _os_errors(plan.name), store.staging_dir(plan.directory, overwrite=True) as tmp:
         source_info = _build(plan, tmp, revision, seed, console)
+        for name in to_fp16(tmp):
+            _say(console, f"{name}: bf16 tensors converted to fp16")
         _check_model(tmp, plan.name)
         if fmt == "fp8":
             write_fp8(tmp, console)
