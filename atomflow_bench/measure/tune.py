@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -108,8 +109,9 @@ def load_key(k: dict, max_seq: int, nearest: bool = False) -> tuple[Forms, Path]
     for p in cands:
         try:
             return Forms.parse(json.loads(p.read_text())["forms"]), p
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # unreadable or from an older schema: not used
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a truncated or corrupt file: `run` tunes anew
+            why = f"{type(e).__name__}: {e}".splitlines()[0]
+            print(f"warning: {p}: saved tune unreadable ({why}); ignored", file=sys.stderr, flush=True)
     return None
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import re
+import sys
 import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -308,13 +309,26 @@ class Truth:
             self.manifest = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{self.dir}: no {TRUTH_JSON} (generate it with scripts/gen_ground_truth.py)") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e.msg})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({getattr(e, 'msg', None) or e.reason})") from None
         if not isinstance(self.manifest, dict) or self.manifest.get("schema") != TRUTH_SCHEMA:
             raise ConfigError(f"{path}: not an {TRUTH_SCHEMA} manifest")
+        missing = [k for k in ("prompt_ids", "generated_ids", "steps", "variants", "transformers", "torch", "device")
+                   if k not in self.manifest]
+        if missing:
+            raise ConfigError(f"{path}: lacks {missing[0]!r}")
         if not (self.dir / TRUTH_TENSORS).is_file():
             raise ConfigError(f"{self.dir}: {TRUTH_TENSORS} is missing")
-        self._st = safe_open(str(self.dir / TRUTH_TENSORS), framework="numpy")
+        try:
+            self._st = safe_open(str(self.dir / TRUTH_TENSORS), framework="numpy")
+        except Exception as e:  # SafetensorError: truncated or garbage
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"{self.dir / TRUTH_TENSORS}: not readable ({why})") from None
+        want = self.manifest["positions"] * len(self.manifest["variants"]) * len(self.manifest.get("probes", [])) \
+            if isinstance(self.manifest.get("positions"), int) else None
+        if want is not None and len(list(self._st.keys())) != want:
+            raise ConfigError(f"{self.dir / TRUTH_TENSORS}: holds {len(list(self._st.keys()))} tensors, "
+                              f"{TRUTH_JSON} says {want}")
 
     @property
     def sequence(self) -> list[int]:
@@ -360,9 +374,15 @@ def find_or_make_truth(model_dir: Path, vocab_size: int, whash: str, truth_dir=N
     if truth_dir is None:
         truth_dir = default_truth_dir(model_dir, whash, prompt_ids, steps)
         if (truth_dir / TRUTH_JSON).is_file():
-            if console is not None:
-                console.print(f"ground truth: reusing {truth_dir}")
-            return Truth(truth_dir)
+            try:
+                cached = Truth(truth_dir)
+            except (ConfigError, OSError, UnicodeDecodeError) as e:  # corrupt or truncated: made again below
+                print(f"warning: cached ground truth unreadable ({str(e).splitlines()[0]}); making it again",
+                      file=sys.stderr, flush=True)
+            else:
+                if console is not None:
+                    console.print(f"ground truth: reusing {truth_dir}")
+                return cached
     try:
         require_truth_deps()
     except TruthUnavailable as e:
