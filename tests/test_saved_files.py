@@ -109,11 +109,46 @@ def test_two_validates_make_one_truth_at_once(tiny_llama_dir, tmp_path):
     env = {**os.environ, "ATOMFLOW_HOME": str(home), "COLUMNS": "200", "PYTHONPATH": str(ROOT)}
     args = [sys.executable, "-m", "atomflow_bench.cli", "validate", str(tiny_llama_dir), "--weights", "fp16",
             "--backend", "numpy", "--prompt", "w9 w10", "--steps", "3"]
-    procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: os.umask(0o022)) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     [made] = list((home / "truth").iterdir())
     assert sorted(os.listdir(made)) == ["truth.json", "truth.safetensors"]
+    assert [oct(p.stat().st_mode & 0o777) for p in sorted(made.iterdir())] == ["0o644", "0o644"]  # the umask
     t = truth.Truth(made)
     assert t.get("fp16", 0, "embed").size > 0
+
+
+# ---- the umask -------------------------------------------------------------------------------------------
+UMASK_WRITER = """
+import sys
+from pathlib import Path
+from atomflow_bench.measure import sweep
+from atomflow_bench.store.store import write_json_atomic
+out = Path(sys.argv[1])
+write_json_atomic(out / "record.json", {"a": 1})
+sweep._write_text_atomic(out / "sweep.md", "# x\\n")
+"""
+
+
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
+def test_store_and_result_files_follow_the_umask(tmp_path, umask, file_mode, dir_mode):
+    """A fetched model (every file and its directory, the manifest included) and a record follow the umask, as
+    files that `open` makes do; nothing is forced to 0600 or to 0644."""
+    from test_user_errors import _model
+
+    src = _model(tmp_path / "src" / "tiny", tokenizer=True)
+    home, out = tmp_path / "home", tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "ATOMFLOW_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    for args in (["-m", "atomflow_bench.cli", "fetch", str(src)], ["-c", UMASK_WRITER, str(out)]):
+        r = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=120,
+                           preexec_fn=lambda: os.umask(umask))
+        assert r.returncode == 0, r.stderr
+    entry = home / "models" / "local--tiny"
+    files = sorted(entry.iterdir()) + sorted(out.iterdir())
+    assert {p.name for p in files} >= {"manifest.json", "tokenizer.json", "model.safetensors", "record.json",
+                                       "sweep.md"}
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: oct(file_mode) for p in files}
+    assert oct(entry.stat().st_mode & 0o777) == oct(dir_mode)

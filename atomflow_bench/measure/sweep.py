@@ -28,7 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import AtomflowError, GpuUnavailable
 from ..output import Tab, text
-from ..store.store import write_json_atomic
+from ..store.store import umasked, write_json_atomic
 from . import run_record
 from .baselines import attach_comparisons, same_gpu
 
@@ -329,6 +329,7 @@ def md_text(summary: dict) -> str:
 def _write_text_atomic(path: Path, data: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, umasked())
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(data)
         os.replace(tmp, path)

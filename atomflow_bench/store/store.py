@@ -57,10 +57,23 @@ def sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def umasked(mode: int = 0o666) -> int:
+    """`mode` as the process's umask leaves it: what open() or mkdir() would give, for files that mkstemp and mkdtemp
+    make 0600 / 0700 (a store, a record or a tune is ordinary data others on the machine may read)."""
+    try:
+        with open("/proc/self/status") as f:
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):  # not Linux: read it by setting it (and back)
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mode & ~mask
+
+
 def write_json_atomic(path: Path, obj) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, umasked())
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=False)
             f.write("\n")
@@ -203,7 +216,7 @@ def staging_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=_writer_tag("partial", final.name), dir=final.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it 0700; a model directory is ordinary, readable data
+    tmp.chmod(umasked(0o777))  # mkdtemp makes it 0700
     try:
         yield tmp
         if final.exists():

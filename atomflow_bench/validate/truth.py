@@ -267,6 +267,7 @@ def generate_truth(model_dir: str | Path, out_dir: str | Path, prompt: str | Non
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata={"schema": TRUTH_SCHEMA})
+        os.chmod(tmp, store.umasked())  # mkstemp's 0600 otherwise
         os.replace(tmp, out_dir / TRUTH_TENSORS)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
