@@ -89,10 +89,11 @@ def run_checks(bandwidth: bool = True) -> list[Check]:
     h = home()
     probe = h if h.exists() else next((p for p in h.parents if p.exists()), h)
     free = shutil.disk_usage(probe).free
-    writable = os.access(probe, os.W_OK)
+    writable = os.access(probe, os.W_OK) and probe.is_dir()  # a file where the store would be: nothing can be made
+    why = "" if writable else f" ({probe} is not a directory)" if not probe.is_dir() else " (not writable)"
     out.append(Check("disk", OK if free > 1.2 * need and writable else FAIL,
-                     f"{free / 2**30:.1f} GiB free under {h}" + ("" if writable else " (not writable)")
-                     + f"; the default model ({DEFAULT_MODEL}) needs {need / 2**30:.1f} GiB"))
+                     f"{free / 2**30:.1f} GiB free under {h}{why}"
+                     f"; the default model ({DEFAULT_MODEL}) needs {need / 2**30:.1f} GiB"))
     if bandwidth and not problem:
         from .measure.timing import copy_bandwidth
 

@@ -152,3 +152,36 @@ def test_store_and_result_files_follow_the_umask(tmp_path, umask, file_mode, dir
                                        "sweep.md"}
     assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: oct(file_mode) for p in files}
     assert oct(entry.stat().st_mode & 0o777) == oct(dir_mode)
+
+
+# ---- where ATOMFLOW_HOME points -------------------------------------------------------------------------------
+def _doctor_disk(env: dict) -> dict:
+    r = subprocess.run([sys.executable, "-m", "atomflow_bench.cli", "doctor", "--no-bandwidth", "--format", "json"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    return {row["check"]: row for row in json.loads(r.stdout)}["disk"]
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_doctor_fails_the_disk_when_atomflow_home_is_a_file(tmp_path, where):
+    f = tmp_path / "home"
+    f.write_text("not a directory\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "ATOMFLOW_HOME": str(f if where == "a file" else f / "sub")}
+    disk = _doctor_disk(env)
+    assert disk["status"] == "FAIL" and f"{f} is not a directory" in disk["detail"], disk
+
+
+def test_a_tilde_in_atomflow_home_is_the_home_directory(tmp_path):
+    """`ATOMFLOW_HOME="~/x"` (quoted, so no shell expands it) is $HOME/x: doctor checks it, fetch stores there."""
+    from test_user_errors import _model
+
+    user = tmp_path / "user"
+    user.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(user), "ATOMFLOW_HOME": "~/x"}
+    disk = _doctor_disk(env)
+    assert f"under {user / 'x'}" in disk["detail"] and "not a directory" not in disk["detail"], disk
+    r = subprocess.run([sys.executable, "-m", "atomflow_bench.cli", "fetch", str(_model(tmp_path / "tiny"))],
+                       env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (user / "x" / "models" / "local--tiny" / "manifest.json").is_file()
+    assert not (tmp_path / "~").exists()
