@@ -18,7 +18,7 @@ import pytest
 
 from atomflow_bench.store import store
 from atomflow_bench.store.listing import dir_bytes
-from test_user_errors import TINY, _cli, _listdir, _model, _no_partial, _one_line_error, _wait_for
+from test_user_errors import _cli, _listdir, _model, _no_partial, _one_line_error, _wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
