@@ -72,8 +72,11 @@ def fetch(model, source, fmt, verify, revision, seed, force):
 def generate(model, prompt, tokens, backend, weights):
     """Greedy continuation of PROMPT."""
     from .generate import generate_text
-    from .store.fetch import resolve_model
+    from .store.fetch import model_config, resolve_model
 
+    cfg = model_config(model)  # an unknown name, a bad config, too many tokens: before the GPU check
+    if cfg is not None:
+        cfg.check_positions(tokens + 1, f"--tokens {tokens} + a prompt token")
     if backend == "gpu":
         from .gpu.device import require_gpu
 
