@@ -150,6 +150,11 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
     with ctx, Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=notes,
                        transient=True) as progress:
         rec = benchmark(ctx, weights, context, tokens, repeats, progress=progress, forms=forms, retune=retune)
+    if (rec.get("other_gpu_processes") or {}).get("processes"):  # the table says it too; this line reaches stderr
+        from .measure.power import sharing_text
+
+        notes.print(f"warning: {sharing_text(rec['other_gpu_processes'])}", soft_wrap=True, highlight=False,
+                    markup=False)
     run_tab = run_record.run_table(rec)
     if not is_machine(fmt, console):  # people see it before the peers run; csv/json get one document at the end
         render(run_tab, fmt, console)
