@@ -1,6 +1,7 @@
 """Other processes on the GPU (CPU): `run` looks at NVML's running compute processes before and after its timings and
 says in its record and its table when another process held the GPU (its timings are then not clean), or that it could
-not look (no pynvml, NVML refusing). NVML here is a fake with the calls pynvml makes; our own ranks are real processes."""
+not look (no pynvml, NVML refusing). NVML here is a fake with the calls pynvml makes; our own ranks are real
+processes."""
 from __future__ import annotations
 
 import json

@@ -335,8 +335,8 @@ def other_gpu_processes(pci_bus_id: str | None = None, own=(), seen: dict | None
     try:
         nvml = nvml or import_pynvml()
     except ImportError as e:
-        return seen if seen and seen.get("checked") else {
-            "checked": False, "reason": f"pynvml is not importable ({_one_line(e)}): pip install 'atomflow-bench[energy]'"}
+        why = f"pynvml is not importable ({_one_line(e)}): pip install 'atomflow-bench[energy]'"
+        return seen if seen and seen.get("checked") else {"checked": False, "reason": why}
     try:
         if pci_bus_id is None:
             import cupy as cp  # optional extra: imported where it is used
