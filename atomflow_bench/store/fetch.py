@@ -463,6 +463,14 @@ def model_config(spec: str, source: str | None = None):
     return CATALOG[spec].config if spec in CATALOG else None
 
 
+def pending_fetch(spec: str) -> tuple[str, int | None] | None:
+    """What `resolve_model(spec)` would fetch first: None when nothing (a local directory, or in the store), else (its
+    source kind, the bytes it writes where the catalog knows them: the fp16 weights)."""
+    if Path(spec).expanduser().is_dir() or any((d / store.MANIFEST).is_file() for d in _candidates(spec)):
+        return None
+    return _plan(spec).kind, (CATALOG[spec].config.weight_bytes("fp16") if spec in CATALOG else None)
+
+
 def resolve_model(spec: str, console=None, fetch_if_missing: bool = True) -> Path:
     """The directory to load `spec` from: a local directory as-is, else its store directory (fetched if
     missing and allowed). Checks presence and sizes against the manifest, not hashes."""
