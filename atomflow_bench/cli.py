@@ -150,8 +150,9 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
     with ctx, Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=notes,
                        transient=True) as progress:
         rec = benchmark(ctx, weights, context, tokens, repeats, progress=progress, forms=forms, retune=retune)
-    if (rec.get("other_gpu_processes") or {}).get("processes"):  # the table says it too; this line reaches stderr
-        from .measure.power import sharing_text
+    from .measure.power import others_count, sharing_text
+
+    if others_count(rec.get("other_gpu_processes")):  # the table says it too; this line reaches stderr
 
         notes.print(f"warning: {sharing_text(rec['other_gpu_processes'])}", soft_wrap=True, highlight=False,
                     markup=False)

@@ -59,11 +59,23 @@ def test_other_processes_are_found_and_ours_are_not():
 
 
 def test_a_look_before_and_one_after_are_merged():
-    before = power.other_gpu_processes(BUS, nvml=FakeNvml([(12345, GIB, "vllm")]))
-    after = power.other_gpu_processes(BUS, seen=before, nvml=FakeNvml([(555, GIB, "trainer")]))
+    me = (os.getpid(), GIB, "python")
+    before = power.other_gpu_processes(BUS, nvml=FakeNvml([me, (12345, GIB, "vllm")]))
+    after = power.other_gpu_processes(BUS, seen=before, nvml=FakeNvml([me, (555, GIB, "trainer")]))
     assert [p["pid"] for p in after["processes"]] == [555, 12345]
     clean = power.other_gpu_processes(BUS, nvml=FakeNvml([(os.getpid(), GIB, "python")]))
     assert clean == {"checked": True, "processes": []}
+    assert power.others_count(after) == 2 and power.others_count(clean) == 0
+
+
+def test_host_pids_in_a_container():
+    """NVML lists host pids: this process is not there by its own pid, so one of the entries is this run."""
+    alone = power.other_gpu_processes(BUS, nvml=FakeNvml([(900001, GIB, None)]))
+    assert alone["foreign_pids"] and power.others_count(alone) == 0
+    assert power.sharing_text(alone).startswith("none")
+    shared = power.other_gpu_processes(BUS, nvml=FakeNvml([(900001, GIB, None), (900002, 3 * GIB, None)]))
+    assert power.others_count(shared) == 1
+    assert "1 other process(es)" in power.sharing_text(shared) and "one of them this run" in power.sharing_text(shared)
 
 
 def test_not_checked_says_why(monkeypatch):
@@ -88,7 +100,8 @@ def test_the_record_and_the_table_say_it(capsys):
     rec = make_run(1.0)
     rec.update({"vram_bytes": {"weights": GIB, "kv": 1 << 20, "activations": 1 << 20, "scratch": 1 << 20,
                                "total": GIB + (3 << 20)}, "load": {"seconds": 1.0}, "launches_per_step": 5})
-    rec["other_gpu_processes"] = power.other_gpu_processes(BUS, nvml=FakeNvml([(12345, 2 * GIB, "vllm")]))
+    rec["other_gpu_processes"] = power.other_gpu_processes(BUS, nvml=FakeNvml([(os.getpid(), GIB, "python"),
+                                                                              (12345, 2 * GIB, "vllm")]))
     text = _row(rec, "other GPU processes")
     assert "1 other process(es)" in text and "pid 12345 vllm 2.00 GiB" in text and "not clean" in text
     render(run_record.run_table(rec), "json", None)

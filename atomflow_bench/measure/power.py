@@ -330,8 +330,11 @@ def other_gpu_processes(pci_bus_id: str | None = None, own=(), seen: dict | None
     device), from NVML's running compute processes: {"checked": True, "processes": [{"pid", "name", "used_bytes"}]}
     (merged with an earlier answer `seen`, so a look before and one after the timings report both), or
     {"checked": False, "reason"} where NVML cannot say. Timings taken while another process runs kernels on the same
-    GPU are not this engine's alone, so `run` says so. Never raises."""
+    GPU are not this engine's alone, so `run` says so. NVML names host pids: in a container (another pid namespace)
+    this process is not among them by its own pid, so every entry is kept, `foreign_pids` is set, and one of them is
+    this run (`others_count`). Never raises."""
     procs = {p["pid"]: p for p in (seen or {}).get("processes", [])}
+    foreign = bool((seen or {}).get("foreign_pids"))
     try:
         nvml = nvml or import_pynvml()
     except ImportError as e:
@@ -346,9 +349,11 @@ def other_gpu_processes(pci_bus_id: str | None = None, own=(), seen: dict | None
         try:
             bus = pci_bus_id.encode("ascii") if isinstance(pci_bus_id, str) else pci_bus_id
             running = nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByPciBusId(bus))
+            foreign = foreign or (bool(running) and os.getpid() not in {int(p.pid) for p in running})
+            ours = set() if foreign else set(own) | {os.getpid()}
             for p in running:
                 pid = int(p.pid)
-                if pid in set(own) | {os.getpid()} or pid in procs:
+                if pid in ours or pid in procs:
                     continue
                 try:
                     name = nvml.nvmlSystemGetProcessName(pid)
@@ -361,7 +366,14 @@ def other_gpu_processes(pci_bus_id: str | None = None, own=(), seen: dict | None
             nvml.nvmlShutdown()
     except Exception as e:  # noqa: BLE001 — NVMLError, a missing driver library, no permission, ...
         return seen if seen and seen.get("checked") else {"checked": False, "reason": f"NVML refused: {_one_line(e)}"}
-    return {"checked": True, "processes": sorted(procs.values(), key=lambda p: p["pid"])}
+    out = {"checked": True, "processes": sorted(procs.values(), key=lambda p: p["pid"])}
+    return {**out, "foreign_pids": True} if foreign else out
+
+
+def others_count(s: dict | None) -> int:
+    """How many processes other than this run held the GPU (0 when not checked)."""
+    procs = (s or {}).get("processes") or []
+    return max(0, len(procs) - (1 if (s or {}).get("foreign_pids") else 0))
 
 
 def sharing_text(s: dict | None) -> str | None:
@@ -370,13 +382,15 @@ def sharing_text(s: dict | None) -> str | None:
         return None
     if not s.get("checked"):
         return f"not checked: {s.get('reason')}"
-    procs = s["processes"]
-    if not procs:
+    procs, n = s["processes"], others_count(s)
+    if not n:
         return "none (NVML's running compute processes)"
     each = ", ".join(f"pid {p['pid']}" + (f" {p['name']}" if p.get("name") else "")
                      + (f" {p['used_bytes'] / 2**30:.2f} GiB" if p.get("used_bytes") is not None else "")
                      for p in procs)
-    return f"{len(procs)} other process(es) held this GPU during the run ({each}): the timings are not clean"
+    if s.get("foreign_pids"):
+        each += "; host pids, one of them this run"
+    return f"{n} other process(es) held this GPU during the run ({each}): the timings are not clean"
 
 
 def energy_text(e: dict | None) -> str | None:
