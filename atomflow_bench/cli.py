@@ -133,6 +133,7 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
     from .measure.baselines import attach_comparisons, comparison_table, load_baselines
     from .measure.decode import benchmark
     from .measure.peers import measure_peers, require_torch
+    from .measure.power import others_count, sharing_text
     from .store.fetch import fetch_model
 
     forms = _forms(forms)
@@ -150,10 +151,7 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
     with ctx, Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=notes,
                        transient=True) as progress:
         rec = benchmark(ctx, weights, context, tokens, repeats, progress=progress, forms=forms, retune=retune)
-    from .measure.power import others_count, sharing_text
-
     if others_count(rec.get("other_gpu_processes")):  # the table says it too; this line reaches stderr
-
         notes.print(f"warning: {sharing_text(rec['other_gpu_processes'])}", soft_wrap=True, highlight=False,
                     markup=False)
     run_tab = run_record.run_table(rec)
