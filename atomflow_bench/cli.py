@@ -79,6 +79,22 @@ def _check_tp_options(tp: int, allreduce: str, with_peers: bool = False, retune:
                                  "give --forms instead", param_hint="--retune")
 
 
+def _check_model(model: str, tp: int = 1, positions: tuple[int, str] | None = None, source: str | None = None) -> None:
+    """The model's errors, after the usage errors and before the GPU check (so a CPU machine names them too): an
+    unknown name, a bad config, a split over `tp` ranks it cannot take, a sequence of `positions` (count, what makes
+    it) past its max_position_embeddings. A hub id not in the store is known only once downloaded, after the check."""
+    from .gpu.tp.plan import check_model
+    from .store.fetch import model_config
+
+    cfg = model_config(model, source)
+    if cfg is None:
+        return
+    if tp > 1:
+        check_model(cfg, tp)
+    if positions is not None:
+        cfg.check_positions(*positions)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="atomflow-bench")
 def cli():
@@ -118,12 +134,14 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
     from .measure.baselines import attach_comparisons, comparison_table, load_baselines
     from .measure.decode import benchmark
     from .measure.peers import measure_peers, require_torch
+    from .measure.power import others_count, sharing_text
     from .store.fetch import fetch_model
 
     forms = _forms(forms)
     _check_tp_options(tp, allreduce, with_peers=with_peers, retune=retune)
     notes = notes_console(fmt, console)  # stderr with --format csv/json: stdout holds the tables alone
     baselines = load_baselines(baselines_dir)  # a malformed file stops here, before the measurement
+    _check_model(model, tp, (context + tokens, f"--ctx {context} + --tokens {tokens}"), source)
     require_gpu()  # before anything is fetched or written: no GPU, no figure (exit 3)
     if with_peers:  # torch and transformers before the measurement, not after it
         require_torch("cuda")
@@ -134,6 +152,9 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
     with ctx, Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=notes,
                        transient=True) as progress:
         rec = benchmark(ctx, weights, context, tokens, repeats, progress=progress, forms=forms, retune=retune)
+    if others_count(rec.get("other_gpu_processes")):  # the table says it too; this line reaches stderr
+        notes.print(f"warning: {sharing_text(rec['other_gpu_processes'])}", soft_wrap=True, highlight=False,
+                    markup=False)
     run_tab = run_record.run_table(rec)
     if not is_machine(fmt, console):  # people see it before the peers run; csv/json get one document at the end
         render(run_tab, fmt, console)
@@ -168,8 +189,9 @@ def profile(model, weights, context, steps, forms, json_path, tp, allreduce, fmt
     from .measure import run_record
 
     _check_tp_options(tp, allreduce)
-    require_gpu()
     forms = _forms(forms)
+    _check_model(model, tp, (context + steps, f"--ctx {context} + --steps {steps}"))
+    require_gpu()
     with open_context(model, tp, allreduce, notes=notes_console(fmt, console), argv=_ARGV) as ctx:
         eng = ctx.engine(weights, context + steps + 64, given=forms, tune_missing=False)
         p, tables = ctx.profile(eng, context, steps)
@@ -193,6 +215,7 @@ def tune(model, weights, context, tokens, fmt):
     from .gpu.tp.context import open_context
     from .measure.tune import tune_notes, tune_table
 
+    _check_model(model, 1, (context + tokens, f"--ctx {context} + --tokens {tokens}"))
     require_gpu()
     notes = notes_console(fmt, console)
     ctx = open_context(model, notes=notes)
@@ -238,6 +261,9 @@ def sweep(models, weights_list, contexts, tps, tokens, repeats, out_dir, source,
     forms = _forms(forms)
     notes = notes_console(fmt, console)
     baselines = load_baselines(baselines_dir)
+    for model, tp in dict.fromkeys((c["model"], c["tp"]) for c in cells):  # every cell's model error, up front
+        longest = max(c["context"] for c in cells if c["model"] == model)
+        _check_model(model, tp, (longest + tokens, f"--ctx {longest} + --tokens {tokens}"), source)
     device.require_gpu()  # no GPU: the whole sweep fails here, before anything is fetched or written (exit 3)
     if with_peers:
         from .measure.peers import require_torch
@@ -274,8 +300,8 @@ def gemv(model, formats, reps, json_path, fmt):
     fmts = tuple(f.strip() for f in formats.split(","))
     if not fmts or any(f not in ("fp16", "fp8") for f in fmts):
         raise click.BadParameter(f"formats must be fp16 and/or fp8, got {formats!r}")
-    require_gpu()
     cfg = get_preset(model).config if model in CATALOG else ModelConfig.from_file(Path(model) / "config.json")
+    require_gpu()
     info = gpu_info()
     lib = kernel_lib()
     g = gemv_bench(cfg, lib, info["sms"], fmts, reps=reps, l2_bytes=info["l2_bytes"])
@@ -321,6 +347,7 @@ def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, 
     if tp > 1 and (quality or backend != "gpu"):
         raise click.BadParameter("--tp validates the GPU engine's probes (not --quality, not --backend numpy)",
                                  param_hint="--tp")
+    _check_model(model, tp, None if quality or steps is None else (steps + 1, f"--steps {steps} + a prompt token"))
     if backend == "gpu":  # before the model is fetched or the ground truth made
         require_gpu()
     ctx = open_context(model, tp, allreduce, notes=notes, argv=_ARGV,  # the model and its truth once, before ranks

@@ -88,21 +88,55 @@ def rm(name, yes):
     console.print(f"removed {what}")
 
 
+LARGE_FETCH = 1 << 30  # bytes: a fetch `generate` makes first without asking stays below this
+
+
+def _agree_to_fetch(model: str, kind: str, size: int | None, yes: bool) -> None:
+    """A fetch `generate` would make before its text: a large one (or one of unknown size) is asked for in a
+    terminal and refused in one line elsewhere, unless --yes."""
+    from .errors import AtomflowError
+    from .store.listing import size_text
+
+    if yes or (size is not None and size < LARGE_FETCH):
+        return
+    what = (f"{model} is not in the store; fetching it ({kind}) writes "
+            + (f"about {size_text(size)}" if size is not None else "an unknown size"))
+    if not sys.stdin.isatty():
+        raise AtomflowError(f"{what}: pass --yes, or run `atomflow-bench fetch {model}` first")
+    if not click.confirm(f"{what}. Fetch it now?", default=False, err=True):
+        raise AtomflowError(f"{model}: not fetched")
+
+
 @click.command()
 @click.argument("model")
 @click.option("--prompt", default="The capital of France is", show_default=True)
 @click.option("--tokens", default=16, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--backend", type=click.Choice(["numpy", "gpu"]), default="numpy", show_default=True)
 @click.option("--weights", type=click.Choice(["fp16", "fp8"]), default="fp16", show_default=True)
-def generate(model, prompt, tokens, backend, weights):
+@click.option("--yes", is_flag=True, help="Fetch MODEL without asking when it is not in the store (for scripts).")
+def generate(model, prompt, tokens, backend, weights, yes):
     """Greedy continuation of PROMPT."""
+    from .config import CATALOG
     from .generate import generate_text
-    from .store.fetch import resolve_model
+    from .store.fetch import model_config, pending_fetch, resolve_model
+    from .store.listing import source_label
 
+    cfg = model_config(model)  # an unknown name, a bad config, too many tokens: before the GPU check
+    if cfg is not None:
+        cfg.check_positions(tokens + 1, f"--tokens {tokens} + a prompt token")
     if backend == "gpu":
         from .gpu.device import require_gpu
 
         require_gpu()
+    pending = pending_fetch(model)
+    if pending is not None:
+        _agree_to_fetch(model, *pending, yes)
     path = resolve_model(model, console=console)
+    if source_label(path) == "synthetic":  # the text is then noise of a real shape: say so before it
+        real = (f"; `atomflow-bench fetch {model} --source hf` gets the real ones"
+                if model in CATALOG and "hf" in CATALOG[model].sources else "")
+        Console(stderr=True).print(f"note: {model} has synthetic weights (seeded random, the model's shape only): the "
+                                   f"text is not a language model's{real}", soft_wrap=True, highlight=False,
+                                   markup=False)
     text = generate_text(path, prompt, tokens, backend=backend, weights=weights, console=console)
     console.print(text)

@@ -54,6 +54,14 @@ class ModelConfig:
     def group_size(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def check_positions(self, positions: int, what: str) -> None:
+        """Refuse in one line a sequence of `positions` (prompt + tokens, as `what` names them) longer than the model
+        was made for: its RoPE and attention past max_position_embeddings are not the model's, so every figure and
+        token there would be about another model."""
+        if positions > self.max_position_embeddings:
+            raise ConfigError(f"{what} = {positions} positions, past the model's max_position_embeddings = "
+                              f"{self.max_position_embeddings}")
+
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """Per-layer projection shapes as HF stores them: [out_features, in_features]."""
         H, I = self.hidden_size, self.intermediate_size

@@ -33,6 +33,8 @@ def generate_text(path: str | Path, prompt: str, n_tokens: int, backend: str = "
     prompt_ids = tok.encode(prompt).ids
     if not prompt_ids:
         raise ConfigError("the prompt encodes to no tokens")
+    n_prompt = len(prompt_ids)
+    ckpt.config.check_positions(n_prompt + n_tokens, f"a prompt of {n_prompt} tokens + --tokens {n_tokens}")
     stop_ids = _stop_ids(ckpt.config.eos_token_id)
 
     t0 = time.perf_counter()

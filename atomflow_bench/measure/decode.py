@@ -16,7 +16,7 @@ import numpy as np
 from ..gpu.nvrtc import instrument_defines
 from ..store.tokenizer import load_tokenizer
 from . import run_record
-from .power import open_meter
+from .power import open_meter, other_gpu_processes, our_pids
 from .timing import Marks, copy_bandwidth, summarize
 
 
@@ -99,6 +99,7 @@ def benchmark(ctx, weights: str, context: int, tokens: int, repeats: int, eager_
     context resolves them), copy roofline, graph decode, energy, eager decode; returns the record. Under tensor
     parallel every rank runs this in lockstep and the context adds what the ranks agree on (gpu/tp/figures.py)."""
     eng = ctx.engine(weights, context + tokens, given=forms, retune=retune, progress=progress)
+    others = other_gpu_processes(own=our_pids())  # looked at before and after the timings: either taints them
     copy = copy_bandwidth()
     prompt = synthetic_prompt(eng.cfg.vocab_size, context)
     g = time_decode(eng, context, tokens, repeats, graph=True, prompt=prompt)
@@ -109,6 +110,7 @@ def benchmark(ctx, weights: str, context: int, tokens: int, repeats: int, eager_
         meter.close()
     n_e = min(eager_tokens, tokens)
     e = time_decode(eng, context, n_e, 1, graph=False, prompt=prompt)
+    others = other_gpu_processes(own=our_pids(), seen=others)
     same = e["token_ids"] == g["token_ids"][:n_e]
     tpot = g["tpot_ms"]
     # bytes per token: all streamed weights + the K/V rows attended, averaged over the generated positions
@@ -130,6 +132,7 @@ def benchmark(ctx, weights: str, context: int, tokens: int, repeats: int, eager_
         "roofline": {"tpot_floor_ms": floor_ms, "pct": 100.0 * floor_ms / tpot["median"]},
         "vram_bytes": eng.vram(),
         "energy": energy,
+        "other_gpu_processes": others,
         "eager": {"tpot_ms": e["tpot_ms"], "tokens": n_e, "graph_speedup": e["tpot_ms"]["median"] / tpot["median"],
                   "same_tokens": bool(same)},
         "generated": {"token_ids": g["token_ids"], "text": text},

@@ -35,6 +35,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import AtomflowError, GpuUnavailable
 from ..output import Tab
+from ..progress import progress
 from .baselines import spec_bandwidth
 from .decode import ENERGY_MIN_S, synthetic_prompt
 from .power import Unavailable, open_meter
@@ -152,7 +153,8 @@ def measure_peers(model_dir, context: int = 128, tokens: int = 64, modes=("eager
                      StaticCache(config=model.config, max_cache_len=context + max(tokens, warmup_steps)))
             if mode == "compiled":
                 step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-                _decode(torch, model, cache, prompt, warmup_steps, device, step)  # compile + capture
+                with progress(f"torch.compile of HF's decode step ({device})"):  # half a minute on a 1B model
+                    _decode(torch, model, cache, prompt, warmup_steps, device, step)  # compile + capture
             samples, per_repeat, ids = [], [], []
             for r in range(repeats + 1):  # the first repeat is a warm-up
                 ms, ids = _decode(torch, model, cache, prompt, tokens, device, step)

@@ -24,11 +24,15 @@ numbers all GPUs of the host, CUDA only those CUDA_VISIBLE_DEVICES lets it see, 
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+
+from .. import envs
 
 MIN_COUNTER_S = 1.0  # below this (the segments' total) the counter's update granularity can dominate
 SAMPLE_S = 0.02      # the power sampler's period
@@ -303,6 +307,90 @@ def open_meter(pci_bus_id: str | None = None, **kw):
         return EnergyMeter(open_nvml(pci_bus_id), **kw)
     except Exception as e:  # noqa: BLE001 — NVMLError, a missing driver library, no permission, ...
         return Unavailable(f"NVML refused: {_one_line(e)}")
+
+
+# ---- who else is on the GPU ---------------------------------------------------------------------------------
+def our_pids() -> set[int]:
+    """This process, its parent, and under a group its sibling ranks (the children of the same launcher): they may
+    hold contexts on this GPU (a launcher's device query, a rank's peer memory) without sharing its time."""
+    pids = {os.getpid(), os.getppid()}
+    if (envs.WORLD_SIZE or 1) > 1:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # a process that ended while we looked
+            if int(fields[1]) == os.getppid():
+                pids.add(int(stat.parent.name))
+    return pids
+
+
+def other_gpu_processes(pci_bus_id: str | None = None, own=(), seen: dict | None = None, nvml=None) -> dict:
+    """The processes other than `own` holding a compute context on the GPU at `pci_bus_id` (default: CuPy's current
+    device), from NVML's running compute processes: {"checked": True, "processes": [{"pid", "name", "used_bytes"}]}
+    (merged with an earlier answer `seen`, so a look before and one after the timings report both), or
+    {"checked": False, "reason"} where NVML cannot say. Timings taken while another process runs kernels on the same
+    GPU are not this engine's alone, so `run` says so. NVML names host pids: in a container (another pid namespace)
+    this process is not among them by its own pid, so every entry is kept, `foreign_pids` is set, and one of them is
+    this run (`others_count`). Never raises."""
+    procs = {p["pid"]: p for p in (seen or {}).get("processes", [])}
+    foreign = bool((seen or {}).get("foreign_pids"))
+    try:
+        nvml = nvml or import_pynvml()
+    except ImportError as e:
+        why = f"pynvml is not importable ({_one_line(e)}): pip install 'atomflow-bench[energy]'"
+        return seen if seen and seen.get("checked") else {"checked": False, "reason": why}
+    try:
+        if pci_bus_id is None:
+            import cupy as cp  # optional extra: imported where it is used
+
+            pci_bus_id = cp.cuda.Device().pci_bus_id
+        nvml.nvmlInit()
+        try:
+            bus = pci_bus_id.encode("ascii") if isinstance(pci_bus_id, str) else pci_bus_id
+            running = nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByPciBusId(bus))
+            foreign = foreign or (bool(running) and os.getpid() not in {int(p.pid) for p in running})
+            ours = set() if foreign else set(own) | {os.getpid()}
+            for p in running:
+                pid = int(p.pid)
+                if pid in ours or pid in procs:
+                    continue
+                try:
+                    name = nvml.nvmlSystemGetProcessName(pid)
+                    name = name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
+                except Exception:  # noqa: BLE001 — another user's process: NVML may not name it
+                    name = None
+                used = getattr(p, "usedGpuMemory", None)
+                procs[pid] = {"pid": pid, "name": name, "used_bytes": int(used) if isinstance(used, int) else None}
+        finally:
+            nvml.nvmlShutdown()
+    except Exception as e:  # noqa: BLE001 — NVMLError, a missing driver library, no permission, ...
+        return seen if seen and seen.get("checked") else {"checked": False, "reason": f"NVML refused: {_one_line(e)}"}
+    out = {"checked": True, "processes": sorted(procs.values(), key=lambda p: p["pid"])}
+    return {**out, "foreign_pids": True} if foreign else out
+
+
+def others_count(s: dict | None) -> int:
+    """How many processes other than this run held the GPU (0 when not checked)."""
+    procs = (s or {}).get("processes") or []
+    return max(0, len(procs) - (1 if (s or {}).get("foreign_pids") else 0))
+
+
+def sharing_text(s: dict | None) -> str | None:
+    """The run table's "other GPU processes" value; None when the record has no such field (older records)."""
+    if not s:
+        return None
+    if not s.get("checked"):
+        return f"not checked: {s.get('reason')}"
+    procs, n = s["processes"], others_count(s)
+    if not n:
+        return "none (NVML's running compute processes)"
+    each = ", ".join(f"pid {p['pid']}" + (f" {p['name']}" if p.get("name") else "")
+                     + (f" {p['used_bytes'] / 2**30:.2f} GiB" if p.get("used_bytes") is not None else "")
+                     for p in procs)
+    if s.get("foreign_pids"):
+        each += "; host pids, one of them this run"
+    return f"{n} other process(es) held this GPU during the run ({each}): the timings are not clean"
 
 
 def energy_text(e: dict | None) -> str | None:

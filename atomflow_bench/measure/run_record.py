@@ -19,7 +19,7 @@ from ..gpu.forms import Forms
 from ..gpu.nvrtc import KERNELS_DIR
 from ..output import Tab
 from ..store.store import write_json_atomic
-from .power import energy_text
+from .power import energy_text, others_count, sharing_text
 
 SCHEMA = "atomflow-bench/run/1"
 REQUIRED = ("schema", "gpu", "model", "weights", "context", "tokens", "tpot_ms", "copy_bandwidth_gbs",
@@ -142,6 +142,9 @@ def run_table(rec: dict):
     t.add("weights", rec["weights"] + (" (FP8-E4M3 layers, group 128; fp16 embedding/lm_head)"
                                        if rec["weights"] == "fp8" else ""))
     t.add("context / generated", f"{rec['context']} prompt tokens, {rec['tokens']} generated x {rec['repeats']} repeats")
+    sharing = rec.get("other_gpu_processes")
+    if sharing is not None:
+        t.add("other GPU processes", sharing_text(sharing), style="red" if others_count(sharing) else "")
     if rec.get("instrument"):
         t.add("INSTRUMENT", f"{' '.join(rec['instrument'])}: a timing instrument — the outputs are wrong on purpose; "
                             "this TPOT is a bound, not a result", style="red")

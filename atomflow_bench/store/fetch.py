@@ -437,6 +437,36 @@ def verify_model(spec: str, console=None) -> Path:
     return directory
 
 
+def model_config(spec: str, source: str | None = None):
+    """The ModelConfig of `spec` without fetching anything or touching a GPU, so that a command refuses a model it
+    cannot run before it asks for a GPU: a local directory's (checked as `resolve_model` checks it), the store's
+    copy, else the catalog's shape; None where only a download tells (a hub id not in the store, a .gguf file).
+    An unknown name or a --source that does not apply raises here."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return ModelConfig.from_file(resolve_model(spec, fetch_if_missing=False) / "config.json")
+    if source is not None:
+        try:
+            _plan(spec, source)
+        except AtomflowError:
+            if _store_entry(spec) is None:
+                raise
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return None
+    directory = next((d for d in _candidates(spec) if (d / store.MANIFEST).is_file()), None)
+    if directory is not None:
+        return ModelConfig.from_file(directory / "config.json")
+    return CATALOG[spec].config if spec in CATALOG else None
+
+
+def pending_fetch(spec: str) -> tuple[str, int | None] | None:
+    """What `resolve_model(spec)` would fetch first: None when nothing (a local directory, or in the store), else (its
+    source kind, the bytes it writes where the catalog knows them: the fp16 weights)."""
+    if Path(spec).expanduser().is_dir() or any((d / store.MANIFEST).is_file() for d in _candidates(spec)):
+        return None
+    return _plan(spec).kind, (CATALOG[spec].config.weight_bytes("fp16") if spec in CATALOG else None)
+
+
 def resolve_model(spec: str, console=None, fetch_if_missing: bool = True) -> Path:
     """The directory to load `spec` from: a local directory as-is, else its store directory (fetched if
     missing and allowed). Checks presence and sizes against the manifest, not hashes."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from . import store
 from .. import envs
 from ..errors import FetchError
+from ..progress import progress
 
 
 def cache_dir() -> Path:
@@ -62,7 +63,8 @@ def _pip_download(requirement: str, dest: Path) -> Path:
            "--disable-pip-version-check", "--no-input", "--retries", "1", "--timeout", "20",
            "-d", str(dest), requirement]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        with progress(f"pip download {requirement}"):  # tens of MB: pip prints nothing while it captures
+            proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
         raise FetchError(f"could not run pip to download {requirement}: {e}") from None
     wheels = sorted(dest.glob("*.whl"))

@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import ConfigError, GpuUnavailable
 from ..gpu.device import gpu_info, require_gpu
 from ..gpu.engine import Engine
+from ..progress import progress
 from ..measure.context import RunContext
 from ..reference import ReferenceDecoder
 from ..store.checkpoint import Checkpoint
@@ -83,10 +84,12 @@ def engine_probes(model_dir: str | Path, weights: str, sequence: list[int], n_po
     info = {"kind": kind, "label": label, **backend_info(kind)}
     out: list[dict[str, np.ndarray]] = []
     if kind == "numpy":
-        dec = _reference(Path(model_dir), weights, len(sequence), record_taps=True)
-        for s in range(n_positions):
-            dec.step(int(sequence[s]))
-            out.append({n: dec.taps[n] for n in names})
+        with progress("NumPy reference: positions", n_positions) as advance:  # about 1 s a position on a 1B model
+            dec = _reference(Path(model_dir), weights, len(sequence), record_taps=True)
+            for s in range(n_positions):
+                dec.step(int(sequence[s]))
+                out.append({n: dec.taps[n] for n in names})
+                advance()
         return info, out
 
     ctx = context if context is not None else RunContext(Path(model_dir).name, Path(model_dir), "validate")
@@ -109,8 +112,13 @@ def engine_logits(model_dir: Path, weights: str, ids: list[int], kind: str) -> n
     through the GPU engine (`kind` "gpu") or the NumPy reference ("numpy")."""
     n = len(ids) - 1
     if kind == "numpy":
-        dec = _reference(model_dir, weights, len(ids))
-        return np.stack([dec.step(int(t)) for t in ids[:-1]])
+        with progress(f"NumPy reference {weights}: positions", n) as advance:
+            dec = _reference(model_dir, weights, len(ids))
+            rows = []
+            for t in ids[:-1]:
+                rows.append(dec.step(int(t)))
+                advance()
+        return np.stack(rows)
     eng = Engine(model_dir, weights=weights, max_seq=len(ids))
     eng.reset(ids)
     out = np.empty((n, eng.cfg.vocab_size), np.float32)

@@ -366,12 +366,16 @@ def find_or_make_truth(model_dir: Path, vocab_size: int, whash: str, truth_dir=N
                               "(omit --steps, or point --truth at a new directory)")
         if prompt is not None and prompt != m.get("prompt"):
             raise ConfigError(f"{truth_dir}: the ground truth was made for prompt {m.get('prompt')!r}, not {prompt!r}")
+        Checkpoint(model_dir).config.check_positions(len(m["prompt_ids"]) + int(m["steps"]),
+                                                     f"the ground truth's prompt + steps ({truth_dir})")
         if console is not None:
             console.print(f"ground truth: {truth_dir} (transformers {m['transformers']}, torch {m['torch']}, "
                           f"{m['device']})")
         return t
     steps = DEFAULT_STEPS if steps is None else steps
     prompt_ids, text = choose_prompt(model_dir, vocab_size, prompt)
+    Checkpoint(model_dir).config.check_positions(len(prompt_ids) + steps,
+                                                 f"a prompt of {len(prompt_ids)} tokens + --steps {steps}")
     if truth_dir is None:
         truth_dir = default_truth_dir(model_dir, whash, prompt_ids, steps)
         if (truth_dir / TRUTH_JSON).is_file():

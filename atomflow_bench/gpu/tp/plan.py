@@ -157,6 +157,13 @@ def check_kernels(cfg: ModelConfig, n: int) -> None:
     attention.check_shape(loc.head_dim, loc.group_size)
 
 
+def check_model(cfg: ModelConfig, n: int) -> None:
+    """Every rule a split of `cfg` over `n` ranks must meet (the kv heads, the tiled shapes, the attention kernel),
+    from the config alone: the commands ask it before they look for a GPU."""
+    plan(cfg, n)
+    check_kernels(cfg, n)
+
+
 def plan(cfg: ModelConfig, n: int) -> list[RankShard]:
     """The shards of `cfg` over `n` ranks (see the module docstring for the rules); refused in one line where a
     split is impossible or a rank's shapes would not take the tiled GEMV layout. (The attention kernel's own limits
@@ -347,6 +354,6 @@ def ranks_table(cfg: ModelConfig, ns=(1, 2, 4, 8)) -> list[dict]:
     return rows
 
 
-__all__ = ["RankShard", "plan", "check", "check_kernels", "local_config", "shard_bytes", "norm_bytes", "embed_bytes",
-           "kv_bytes_per_token", "comm_bytes_per_token", "slice_weight", "slice_index", "slice_shape", "local_argmax", "combine_argmax",
-           "ranks_table", "NO_INDEX"]
+__all__ = ["RankShard", "plan", "check", "check_kernels", "check_model", "local_config", "shard_bytes", "norm_bytes",
+           "embed_bytes", "kv_bytes_per_token", "comm_bytes_per_token", "slice_weight", "slice_index", "slice_shape",
+           "local_argmax", "combine_argmax", "ranks_table", "NO_INDEX"]
