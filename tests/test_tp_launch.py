@@ -38,7 +38,7 @@ def start(argv, env) -> subprocess.Popen:
 
 
 def finish(p: subprocess.Popen, within: float) -> tuple[int, str, float]:
-    """(exit code, stderr, seconds) of `p`, which must end within `within` seconds (else it is killed, the test fails)."""
+    """(exit code, stderr, seconds) of `p`, which must end within `within` seconds (else it is killed: a hang)."""
     t0 = time.monotonic()
     try:
         _, err = p.communicate(timeout=within)
@@ -119,7 +119,8 @@ def test_under_torchrun_the_ranks_meet_beside_its_store(tmp_path):
     (none here: exit 3, one line each), none waits on the rendezvous."""
     pytest.importorskip("torch")
     port = group.free_port()
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port), *JOIN[1:]]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+            *JOIN[1:]]
     code, err, secs = finish(start(argv, clean_env(tmp_path, ATOMFLOW_TP_TIMEOUT=30)), 120)
     mine = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert code != 0 and sorted(ln.split(":")[1] for ln in mine) == [" rank 0", " rank 1"], err
@@ -131,7 +132,8 @@ def test_under_torchrun_a_rendezvous_on_its_store_ends_at_once(tmp_path):
     """ATOMFLOW_TP_PORT pointed at torchrun's own store: each rank says so in one line, torchrun ends, non-zero."""
     pytest.importorskip("torch")
     port = group.free_port()
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port), *JOIN[1:]]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+            *JOIN[1:]]
     code, err, secs = finish(start(argv, clean_env(tmp_path, ATOMFLOW_TP_PORT=port, ATOMFLOW_TP_TIMEOUT=60)), 120)
     assert code != 0, err
     assert f"error: rank 0: cannot serve the ranks' rendezvous on 127.0.0.1:{port}: port in use" in err
@@ -242,9 +244,9 @@ def test_under_an_external_launcher_the_peers_of_a_killed_rank_end(tmp_path, vic
         if r == victim:
             assert code == -signal.SIGKILL
             continue
+        seen = "; rank 0 saw it" if r and victim else ""
         assert code == 1 and error_lines(err) == [f"error: rank {r}: rank {victim} left the group before the run ended "
-                                                  f"(it exited or was killed{'; rank 0 saw it' if r and victim else ''})"
-                                                  f"; this rank stops too"], err
+                                                  f"(it exited or was killed{seen}); this rank stops too"], err
 
 
 def test_ranks_that_say_bye_exit_cleanly(tmp_path):

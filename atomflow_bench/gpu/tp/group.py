@@ -6,8 +6,8 @@ others and ends when one is gone).
 Conventions (torchrun's; mpirun's and srun's names are read where those are unset, envs.py): RANK, WORLD_SIZE,
 LOCAL_RANK (the GPU of this host; default RANK), MASTER_ADDR. `launch` starts the N processes of one host itself and
 stops them all when one fails; under a launcher that already set RANK / WORLD_SIZE every process joins instead, so
-two hosts need no code change. NCCL variables the user set are
-left as they are; NVLink multicast (NVLS) is off unless the user set NCCL_NVLS_ENABLE (the lent machines need it off).
+two hosts need no code change. NCCL variables the user set are left as they are; NVLink multicast (NVLS) is off
+unless the user set NCCL_NVLS_ENABLE (the lent machines need it off).
 
 `Group` holds the communicator and the collectives the decode step captures (`allreduce_op`, `allgather_op`: host
 ops queued on the current stream, so a CUDA graph records them), plus the host-side exchanges the engine needs
@@ -50,18 +50,16 @@ def free_port() -> int:
 
 
 def rendezvous_port() -> int:
-    """ATOMFLOW_TP_PORT, else MASTER_PORT + 1: MASTER_PORT itself is the launcher's (torchrun's agent store holds it)."""
+    """ATOMFLOW_TP_PORT, else MASTER_PORT + 1: MASTER_PORT itself is the launcher's (torchrun's store holds it)."""
     port = envs.ATOMFLOW_TP_PORT
     return envs.MASTER_PORT + 1 if port is None else port
 
 
-def _ended(rc: int) -> str:
-    if rc < 0:
-        try:
-            return f"was killed by {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"was killed by signal {-rc}"
-    return f"exited with code {rc}"
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def launch(n: int, argv: list[str], gpus: int, command: list[str] | None = None) -> int:
@@ -89,8 +87,10 @@ def launch(n: int, argv: list[str], gpus: int, command: list[str] | None = None)
                 rc = ended[r]
                 _stop(procs)
                 if rc < 0:
-                    others = f"; ranks {', '.join(map(str, sorted(procs)))} were stopped" if procs else ""
-                    print(f"error: rank {r} {_ended(rc)}{others}", file=sys.stderr, flush=True)
+                    rest = sorted(procs)
+                    others = (f"; rank{'s' * (len(rest) > 1)} {', '.join(map(str, rest))} "
+                              f"{'were' if len(rest) > 1 else 'was'} stopped") if rest else ""
+                    print(f"error: rank {r} was killed by {_signal_name(-rc)}{others}", file=sys.stderr, flush=True)
                     return 128 - rc
                 return rc
             time.sleep(0.05)

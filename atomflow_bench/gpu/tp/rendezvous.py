@@ -13,6 +13,7 @@ stops the others itself). `bye()` tells the peers this rank is done with the gro
 """
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
@@ -91,7 +92,7 @@ class Rendezvous:
             srv.bind((self.host, self.port))
         except OSError as e:
             srv.close()
-            why = "port in use" if e.errno == 98 else (e.strerror or str(e))
+            why = "port in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
             raise AtomflowError(f"cannot serve the ranks' rendezvous on {self.where}: {why} (set ATOMFLOW_TP_PORT "
                                 "to a free port on every rank)") from None
         with srv:
