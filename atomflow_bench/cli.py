@@ -64,8 +64,8 @@ def tp_options(f):
                           "others' memory).")(f)
     return click.option("--tp", "tp", default=1, show_default=True, type=click.IntRange(1, 8),
                         help="Tensor parallel over N GPUs of this host, one process each (started by this command; "
-                             "under a launcher that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT each process "
-                             "joins instead).")(f)
+                             "under a launcher that sets RANK / WORLD_SIZE, e.g. torchrun, mpirun or srun, each "
+                             "process joins instead; $ATOMFLOW_TP_TIMEOUT bounds the rendezvous).")(f)
 
 
 def _check_tp_options(tp: int, allreduce: str, with_peers: bool = False, retune: bool = False) -> None:
@@ -390,7 +390,7 @@ def main(argv=None):
     debug = "--debug" in args
     if debug:
         args.remove("--debug")
-    if envs.WORLD_SIZE is None:  # a rank keeps the default: its launcher stops it, and a dead peer can't wait on it
+    if (envs.WORLD_SIZE or 1) == 1:  # a rank keeps the default: its launcher stops it, and a dead peer can't wait on it
         def terminated(signum, frame):
             raise Terminated()
 

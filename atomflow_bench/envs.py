@@ -49,6 +49,13 @@ def _int(text: str) -> int:
     return int(text)
 
 
+def _seconds(text: str) -> float:
+    v = float(text)
+    if not v > 0 or v == float("inf"):
+        raise ValueError("not a positive number of seconds")
+    return v
+
+
 @dataclass(frozen=True)
 class EnvVar:
     """One variable: `default` is the text used when it is unset or empty (None: no value, `envs.NAME` is None);
@@ -57,6 +64,7 @@ class EnvVar:
     parse: Callable[[str], Any]
     doc: str
     shown: str | None = None
+    also: tuple[str, ...] = ()  # other launchers' names for it (mpirun's, srun's), read in order when it is unset
 
     @property
     def default_text(self) -> str:
@@ -96,21 +104,34 @@ VARIABLES: dict[str, EnvVar] = {
         "as CUDA_PATH, tried after it"),
     "RANK": EnvVar(
         None, _int,
-        "this process's rank in a tensor-parallel group; with WORLD_SIZE set the process joins a group (a launcher "
-        "started it) instead of starting one; `--tp N` sets it for each rank it starts"),
+        "this process's rank in a tensor-parallel group; with WORLD_SIZE > 1 the process joins a group (a launcher "
+        "started it) instead of starting one; `--tp N` sets it for each rank it starts; unset, mpirun's "
+        "`OMPI_COMM_WORLD_RANK` or srun's `SLURM_PROCID` is read",
+        also=("OMPI_COMM_WORLD_RANK", "SLURM_PROCID")),
     "WORLD_SIZE": EnvVar(
         None, _int,
-        "the number of ranks of the group (set with RANK by a launcher, or by `--tp N` for its ranks)"),
+        "the number of ranks of the group (set with RANK by a launcher, or by `--tp N` for its ranks); unset, "
+        "`OMPI_COMM_WORLD_SIZE` or `SLURM_NTASKS`",
+        also=("OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")),
     "LOCAL_RANK": EnvVar(
         None, _int,
-        "the GPU of this host the rank runs on (set by `--tp N` for its ranks)",
-        shown="RANK's value"),
+        "the GPU of this host the rank runs on (set by `--tp N` for its ranks); unset, `OMPI_COMM_WORLD_LOCAL_RANK` "
+        "or `SLURM_LOCALID`",
+        shown="RANK's value", also=("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")),
     "MASTER_ADDR": EnvVar(
         "127.0.0.1", str,
-        "the host of rank 0, whose TCP store hands the NCCL id to the other ranks (set by `--tp N` for its ranks)"),
+        "the host of rank 0, which serves the ranks' rendezvous (hands the NCCL id to the other ranks)"),
     "MASTER_PORT": EnvVar(
         "29500", _int,
-        "the port of that store (`--tp N` sets a free port for its ranks)"),
+        "the launcher's port (torchrun's own store holds it); the rendezvous takes the next one"),
+    "ATOMFLOW_TP_PORT": EnvVar(
+        None, _int,
+        "the port of rank 0's rendezvous (`--tp N` sets a free port for its ranks)",
+        shown="MASTER_PORT + 1"),
+    "ATOMFLOW_TP_TIMEOUT": EnvVar(
+        "120", _seconds,
+        "seconds a rank waits for the rendezvous (every rank joined, the NCCL id, NCCL's communicator) before it "
+        "ends with one line naming the cause"),
 }
 
 
@@ -131,13 +152,14 @@ SETS: dict[str, EnvSet] = {
     "WORLD_SIZE": EnvSet(None, "N"),
     "LOCAL_RANK": EnvSet(None, "the rank's index: rank r runs on GPU r"),
     "MASTER_ADDR": EnvSet("127.0.0.1", "the ranks share this host"),
-    "MASTER_PORT": EnvSet(None, "a free port of this host"),
+    "ATOMFLOW_TP_PORT": EnvSet(None, "a free port of this host"),
 }
 
 
 def value(name: str) -> Any:
     """The parsed value of `name` in the environment now (the declared default when unset or empty)."""
     var = VARIABLES[name]
+    name = next((n for n in (name, *var.also) if os.environ.get(n)), name)
     text = os.environ.get(name) or var.default
     if not text:
         return None if var.default is None else var.parse(text)
@@ -155,7 +177,7 @@ def set_default(name: str) -> None:
 def rank_environment(rank: int, size: int, port: int) -> dict[str, str]:
     """This process's environment plus the launcher's variables for rank `rank` of `size` on this host."""
     return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
-                MASTER_ADDR=SETS["MASTER_ADDR"].value, MASTER_PORT=str(port))
+                MASTER_ADDR=SETS["MASTER_ADDR"].value, ATOMFLOW_TP_PORT=str(port))
 
 
 def markdown_table() -> str:

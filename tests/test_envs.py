@@ -156,14 +156,14 @@ def test_what_the_package_sets(monkeypatch):
     envs.set_default("NCCL_NVLS_ENABLE")
     assert os.environ["NCCL_NVLS_ENABLE"] == "1"
     env = envs.rank_environment(1, 2, 4321)
-    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")} == \
-        {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4321"}
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "ATOMFLOW_TP_PORT")} == \
+        {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "ATOMFLOW_TP_PORT": "4321"}
     assert env["NCCL_NVLS_ENABLE"] == "1" and "RANK" not in os.environ
     assert set(envs.SETS) - set(envs.VARIABLES) == {"NCCL_NVLS_ENABLE"}
     # what a rank reads back is what its launcher set
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "ATOMFLOW_TP_PORT"):
         monkeypatch.setenv(k, env[k])
-    assert (envs.RANK, envs.WORLD_SIZE, envs.LOCAL_RANK, envs.MASTER_ADDR, envs.MASTER_PORT) == \
+    assert (envs.RANK, envs.WORLD_SIZE, envs.LOCAL_RANK, envs.MASTER_ADDR, envs.ATOMFLOW_TP_PORT) == \
         (1, 2, 1, "127.0.0.1", 4321)
 
 

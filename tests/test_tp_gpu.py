@@ -48,7 +48,7 @@ def start_ranks(n: int, argv: list[str], timeout: int = 300) -> list[subprocess.
 
     port = free_port()
     procs = [subprocess.Popen(argv, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
-                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                                             MASTER_ADDR="127.0.0.1", ATOMFLOW_TP_PORT=str(port)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(n)]
     outs = []
     for p in procs:

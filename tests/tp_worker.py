@@ -1,5 +1,5 @@
 """One rank of the tensor-parallel GPU tests (tests/test_tp_gpu.py starts N of these with RANK / WORLD_SIZE /
-LOCAL_RANK / MASTER_ADDR / MASTER_PORT set). Each task writes what it saw to OUT/<task>-rank<r>.json; the test
+LOCAL_RANK / MASTER_ADDR / ATOMFLOW_TP_PORT set). Each task writes what it saw to OUT/<task>-rank<r>.json; the test
 asserts. Usage: python tests/tp_worker.py TASK OUT [MODEL_DIR]"""
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
     plan.py     which rows and columns of every weight each rank holds, the per-rank shapes and bytes
     group.py    the process group: launch the ranks or join under a launcher, the collectives, teardown; the
                 engine's seam (`shard_plan`, `sums`)
+    rendezvous.py  the ranks' rendezvous (bounded in time) and their watch on each other once it is done
     sums.py     the sums across ranks inside the step (peer memory or NCCL) and the greedy token's combine
     figures.py  what a tensor-parallel run adds to its record: forms, energy over the GPUs, the exchanges timed
     context.py  the run context of `run`, `profile`, `validate` and `sweep`: one GPU or a group of ranks

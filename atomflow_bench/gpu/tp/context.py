@@ -39,6 +39,9 @@ class TpContext(RunContext):
     def close(self) -> None:
         self.group.close()
 
+    def __exit__(self, exc_type, *exc):
+        self.group.close(ok=exc_type is None)  # a failing rank does not wait in a barrier its peers never reach
+
     def engine(self, weights: str, max_seq: int, given=None, retune: bool = False, tune_missing: bool = True,
                progress=None) -> Engine:
         """The rank's engine, built once: with the given forms, else the tensor-parallel defaults (never tuned: each
@@ -106,7 +109,7 @@ def open_context(model: str, tp: int = 1, allreduce: str = "auto", *, notes=None
     try:
         path, weight_source, label = rank_weights(model, notes)
     except BaseException:
-        group.close()
+        group.close(ok=False)
         raise
     return TpContext(model, path, label, weight_source=weight_source, group=group, allreduce=allreduce)
 

@@ -1,11 +1,13 @@
 """The process group of a tensor-parallel run: one process per GPU, NCCL between them (cupy.cuda.nccl), bootstrapped through
-CuPy's own distributed support (`cupyx.distributed.init_process_group`: rank 0 serves a TCP store that hands the NCCL
-unique id to the others).
+our own rendezvous (rendezvous.py: rank 0 serves it on MASTER_ADDR:ATOMFLOW_TP_PORT, by default MASTER_PORT + 1, and
+hands the NCCL unique id to the others; every wait is bounded by ATOMFLOW_TP_TIMEOUT; then each rank watches the
+others and ends when one is gone).
 
-Conventions (torchrun's and mpirun's): RANK, WORLD_SIZE, LOCAL_RANK (the GPU of this host; default RANK),
-MASTER_ADDR, MASTER_PORT. `launch` starts the N processes of one host itself; under a launcher that already set
-RANK / WORLD_SIZE every process joins instead, so two hosts need no code change. NCCL variables the user set are
-left as they are; NVLink multicast (NVLS) is off unless the user set NCCL_NVLS_ENABLE (the lent machines need it off).
+Conventions (torchrun's; mpirun's and srun's names are read where those are unset, envs.py): RANK, WORLD_SIZE,
+LOCAL_RANK (the GPU of this host; default RANK), MASTER_ADDR. `launch` starts the N processes of one host itself and
+stops them all when one fails; under a launcher that already set RANK / WORLD_SIZE every process joins instead, so
+two hosts need no code change. NCCL variables the user set are left as they are; NVLink multicast (NVLS) is off
+unless the user set NCCL_NVLS_ENABLE (the lent machines need it off).
 
 `Group` holds the communicator and the collectives the decode step captures (`allreduce_op`, `allgather_op`: host
 ops queued on the current stream, so a CUDA graph records them), plus the host-side exchanges the engine needs
@@ -16,9 +18,12 @@ sums and knows nothing else of tensor parallel.
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -26,13 +31,16 @@ import numpy as np
 
 from ... import envs
 from ...errors import AtomflowError
+from ..device import require_gpu
 from .plan import RankShard, check_kernels, plan
+from .rendezvous import Rendezvous
 from .sums import TpComm
 
 
 def joined() -> bool:
-    """True in a process a launcher started as one rank (RANK and WORLD_SIZE set)."""
-    return envs.RANK is not None and envs.WORLD_SIZE is not None
+    """True in a process a launcher started as one rank of several (RANK and WORLD_SIZE > 1 set; a launcher's single
+    task, e.g. `srun -n 1`, starts its ranks itself)."""
+    return envs.RANK is not None and (envs.WORLD_SIZE or 0) > 1
 
 
 def free_port() -> int:
@@ -41,37 +49,72 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(n: int, argv: list[str], gpus: int) -> int:
-    """Run `python -m atomflow_bench.cli ARGV` as `n` ranks on this host (GPU r for rank r) and return the exit code:
-    0 when every rank succeeded, else the first failing rank's code (the others are stopped: a rank waiting in a
-    collective for a dead peer would wait forever). Rank 0 keeps stdout; the others' stdout is dropped (they print
-    nothing but errors, which go to stderr)."""
+def rendezvous_port() -> int:
+    """ATOMFLOW_TP_PORT, else MASTER_PORT + 1: MASTER_PORT itself is the launcher's (torchrun's store holds it)."""
+    port = envs.ATOMFLOW_TP_PORT
+    return envs.MASTER_PORT + 1 if port is None else port
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def launch(n: int, argv: list[str], gpus: int, command: list[str] | None = None) -> int:
+    """Run `python -m atomflow_bench.cli ARGV` (or `command` + ARGV) as `n` ranks on this host (GPU r for rank r) and
+    return the exit code: 0 when every rank succeeded, else the failing rank's code (128 + the signal when one was
+    killed, with one line naming it; a rank that exits with a code printed its own line). The others are stopped at
+    once (SIGTERM, then SIGKILL after KILL_AFTER seconds): a rank waiting in a collective for a dead peer would wait
+    forever. Rank 0 keeps stdout; the others' stdout is dropped (they print nothing but errors, which go to stderr)."""
     if n > gpus:
         raise AtomflowError(f"--tp {n} needs {n} GPUs on this host, {gpus} visible")
+    command = [sys.executable, "-m", "atomflow_bench.cli"] if command is None else list(command)
     port = free_port()
-    procs = []
+    procs = {}
     for r in range(n):
         env = envs.rank_environment(r, n, port)
-        procs.append(subprocess.Popen([sys.executable, "-m", "atomflow_bench.cli", *argv], env=env,
-                                      stdout=None if r == 0 else subprocess.DEVNULL))
-    code = 0
+        procs[r] = subprocess.Popen([*command, *argv], env=env, stdout=None if r == 0 else subprocess.DEVNULL)
     try:
         while procs:
-            for p in list(procs):
-                rc = p.poll()
-                if rc is None:
-                    continue
-                procs.remove(p)
-                if rc != 0 and code == 0:
-                    code = rc
-                    for q in procs:
-                        q.terminate()
+            ended = {r: p.returncode for r, p in procs.items() if p.poll() is not None}
+            for r in ended:
+                del procs[r]
+            failed = sorted((rc >= 0, r) for r, rc in ended.items() if rc != 0)  # a signal death first: the cause
+            if failed:
+                r = failed[0][1]
+                rc = ended[r]
+                _stop(procs)
+                if rc < 0:
+                    rest = sorted(procs)
+                    others = (f"; rank{'s' * (len(rest) > 1)} {', '.join(map(str, rest))} "
+                              f"{'were' if len(rest) > 1 else 'was'} stopped") if rest else ""
+                    print(f"error: rank {r} was killed by {_signal_name(-rc)}{others}", file=sys.stderr, flush=True)
+                    return 128 - rc
+                return rc
             time.sleep(0.05)
     except BaseException:  # Ctrl-C, SIGTERM (errors.Terminated), a bug: no rank is left running on a GPU
-        for p in procs:
-            p.terminate()
+        _stop(procs)
         raise
-    return code
+    return 0
+
+
+KILL_AFTER = 3.0  # seconds a stopped rank gets to exit on SIGTERM before SIGKILL
+
+
+def _stop(procs: dict) -> None:
+    """End every rank in `procs` within KILL_AFTER seconds (SIGTERM, then SIGKILL for any still running)."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + KILL_AFTER
+    for p in procs.values():
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 @dataclass
@@ -101,31 +144,31 @@ class Group:
     """This process's rank in a group of `size` ranks, one GPU each."""
 
     def __init__(self, size: int | None = None):
-        import cupy  # optional extra: imported where a GPU is used
-        from cupy.cuda import nccl  # optional extra, as cupy above
-
         self.rank, self.size = envs.RANK, envs.WORLD_SIZE
         if self.rank is None or self.size is None:
             raise AtomflowError("tensor parallel: RANK and WORLD_SIZE are not set")
         self.local_rank = self.rank if envs.LOCAL_RANK is None else envs.LOCAL_RANK
-        host, port = envs.MASTER_ADDR, envs.MASTER_PORT
         if size is not None and size != self.size:
             raise AtomflowError(f"--tp {size} but the launcher started WORLD_SIZE={self.size} processes")
         if not 0 <= self.rank < self.size:
             raise AtomflowError(f"RANK={self.rank} is not in 0..{self.size - 1}")
+        timeout = envs.ATOMFLOW_TP_TIMEOUT
+        # Every rank is there before any touches a GPU, within the timeout; from here on each rank watches the others
+        # (rendezvous.py), so a rank that fails below ends its peers too.
+        self.rendezvous = Rendezvous(self.rank, self.size, envs.MASTER_ADDR, rendezvous_port(), timeout)
+        cupy = require_gpu()
+        from cupy.cuda import nccl  # optional extra, as cupy above
+
         n_dev = cupy.cuda.runtime.getDeviceCount()
         if self.local_rank >= n_dev:
             raise AtomflowError(f"LOCAL_RANK={self.local_rank} but this host has {n_dev} GPUs")
         envs.set_default("NCCL_NVLS_ENABLE")
         cupy.cuda.Device(self.local_rank).use()
-        from cupyx.distributed import init_process_group  # optional extra, as cupy above
-
-        self.backend = init_process_group(self.size, self.rank, host=host, port=port)
-        # The store served the NCCL id; the communicator's creation returned only once every rank had joined, so no
-        # rank needs it any more. Rank 0 stops its server process now (left running, it would keep rank 0 from
-        # exiting: multiprocessing joins its children at exit).
-        self.backend.stop()
-        self.comm = self.backend._comm  # cupy.cuda.nccl.NcclCommunicator
+        uid = self.rendezvous.share(nccl.get_unique_id() if self.rank == 0 else None)
+        done = threading.Event()
+        threading.Thread(target=self._nccl_deadline, args=(done, timeout), daemon=True).start()
+        self.comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+        done.set()
         self._nccl = nccl
         self.nccl_version = nccl.get_version()
         self._peer_handles: list = []
@@ -134,6 +177,15 @@ class Group:
         seen = self.allgather_host(me)
         self.same_host = bool((seen[:, 0] == seen[0, 0]).all())
         self.devices = [int(d) for d in seen[:, 1]]  # every rank's GPU index on its host
+
+    def _nccl_deadline(self, done: threading.Event, timeout: float) -> None:
+        """NCCL's communicator is made within the timeout, or this rank ends with one line (its creation blocks in C,
+        where no exception reaches it)."""
+        if not done.wait(timeout):
+            sys.stderr.write(f"error: rank {self.rank}: NCCL did not make its communicator within {timeout:g} s "
+                             "(ATOMFLOW_TP_TIMEOUT)\n")
+            sys.stderr.flush()
+            os._exit(1)
 
     # ---- the engine's seams ----------------------------------------------------------------------------------------
     def shard_plan(self, cfg) -> list[RankShard]:
@@ -234,13 +286,19 @@ class Group:
         self._agree(not reason, reason)
         return local, addrs
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """Release the peer memory once every rank is done (a barrier), and tell the peers this rank's exit is no
+        failure. Not `ok` (this rank is failing): nothing waits on the peers, which may be inside another collective;
+        the exit ends them (rendezvous.py)."""
         import cupy  # optional extra: imported where a GPU is used
 
+        if not ok:
+            return
         rt = cupy.cuda.runtime
         try:
             cupy.cuda.Device().synchronize()
             self.barrier()  # no rank unmaps while a peer may still read its memory
+            self.rendezvous.bye()  # every rank is past its last collective: its exit is no failure now
             for p in self._peer_handles:
                 rt.ipcCloseMemHandle(p)
             self._peer_handles = []
