@@ -1,13 +1,16 @@
 """Tables for people and for machines: one way every command prints a table.
 
 `--format table` draws a rich table sized to the terminal; `md` a GitHub markdown table (one row per line, never
-wrapped); `csv`; `json` (a list of objects, one per row, keyed by the column names; an object of such lists, keyed
-by each table's `key`, when a command prints several). Without --format: `table` on a terminal, `md` when stdout is
-not one (a pipe, a file, a CI log), so a table never wraps into narrow cells there.
+wrapped); `csv` (one header line; when a command prints several tables, one CSV whose first column `table` names
+each row's table and whose columns are the union of theirs); `json` (a list of objects, one per row, keyed by the
+column names; an object of such lists, keyed by each table's `key`, when a command prints several). Without --format:
+`table` on a terminal, `md` when stdout is not one (a pipe, a file, a CI log), so a table never wraps there.
 
-Cells are plain text (never rich markup); styles (colour, bold) are kept beside them and drawn only on a terminal.
-With csv and json, stdout holds the data alone: a command's other lines (notes, warnings, "results: <path>") go to
-stderr (`notes_console`).
+Cells are plain text (never rich markup) or a `Num`: a number (or None) with the text people see ("2.30G", "86.0%",
+"— (ours)"); csv and json print its number (json null, csv empty for None), tables and markdown its text. Styles
+(colour, bold) are kept beside the cells and drawn only on a terminal. With csv and json, stdout holds the data
+alone: a command's other lines (notes, warnings, the tables' captions, "results: <path>") go to stderr
+(`notes_console`).
 """
 from __future__ import annotations
 
@@ -20,6 +23,22 @@ import click
 
 FORMATS = ("table", "md", "csv", "json")
 MACHINE = ("csv", "json")
+
+
+@dataclass(frozen=True)
+class Num:
+    """A numeric cell: `value` (int, float or None) for csv and json, `text` for people."""
+
+    value: float | int | None
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def num(v, spec: str = "", suffix: str = "", none: str = "—", prefix: str = "") -> Num:
+    """Num(v, prefix + format(v, spec) + suffix), or Num(None, none) when v is None."""
+    return Num(None, none) if v is None else Num(v, f"{prefix}{format(v, spec)}{suffix}")
 
 
 @dataclass
@@ -52,8 +71,8 @@ class Tab:
                 self.styles[(i, col)] = s
 
     def records(self) -> list[dict]:
-        """The rows as objects keyed by the column names (what --format json prints)."""
-        return [dict(zip(self.columns, r)) for r in self.rows]
+        """The rows as objects keyed by the column names (what --format json prints; a Num as its number)."""
+        return [dict(zip(self.columns, map(_value, r))) for r in self.rows]
 
 
 def format_option(f):
@@ -85,6 +104,20 @@ def _cell(v) -> str:
     return "" if v is None else str(v)
 
 
+def _value(v):
+    """A cell as data: a Num's number, anything else as it is."""
+    return v.value if isinstance(v, Num) else v
+
+
+def _csv_cell(v) -> str:
+    return _cell(_value(v))
+
+
+def machine_notes(tabs) -> list[str]:
+    """The lines of `tabs` that csv and json leave out of stdout: each table's caption."""
+    return [" ".join(t.caption.split()) for t in _as_list(tabs) if t.caption]
+
+
 def _md(v) -> str:
     return " ".join(_cell(v).replace("\\", "\\\\").replace("|", "\\|").splitlines())
 
@@ -101,16 +134,22 @@ def text(tabs, fmt: str) -> str:
         return json.dumps(data[0] if len(data) == 1 else {(t.key or t.title): d for t, d in zip(tabs, data)},
                           indent=1, default=str, ensure_ascii=False) + "\n"
     out = io.StringIO()
+    if fmt == "csv":
+        w = csv.writer(out, lineterminator="\n")
+        if len(tabs) == 1:
+            w.writerow(tabs[0].columns)
+            w.writerows([[_csv_cell(c) for c in r] for r in tabs[0].rows])
+            return out.getvalue()
+        cols = list(dict.fromkeys(c for t in tabs for c in t.columns))  # one header: every table's columns
+        w.writerow(["table", *cols])
+        for t in tabs:
+            for rec in t.records():
+                w.writerow([t.key or t.title, *(_cell(rec.get(c)) for c in cols)])
+        return out.getvalue()
     for i, t in enumerate(tabs):
         if i:
             out.write("\n")
-        if fmt == "csv":
-            if len(tabs) > 1:
-                out.write(f"# {t.title}\n")
-            w = csv.writer(out, lineterminator="\n")
-            w.writerow(t.columns)
-            w.writerows([[_cell(c) for c in r] for r in t.rows])
-        elif fmt == "md":
+        if fmt == "md":
             if t.title:
                 out.write(f"**{_md(t.title)}**\n\n")
             out.write("| " + " | ".join(map(_md, t.columns)) + " |\n")
@@ -147,6 +186,9 @@ def render(tabs, fmt: str | None, console) -> None:
     fmt = chosen(fmt, console)
     if fmt != "table":
         click.echo(text(tabs, fmt), nl=False)
+        if fmt in MACHINE:  # the captions are notes: beside the data, on stderr
+            for line in machine_notes(tabs):
+                click.echo(f"note: {line}", err=True)
         return
     for i, t in enumerate(tabs):
         if i:

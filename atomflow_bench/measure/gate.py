@@ -35,7 +35,7 @@ import numbers
 from rich.markup import escape
 
 from ..errors import AtomflowError
-from ..output import Tab, is_machine, render
+from ..output import Tab, is_machine, num, render
 from .run_record import load
 
 EXIT_OK, EXIT_REGRESSION, EXIT_REFUSED = 0, 1, 2
@@ -213,18 +213,25 @@ def load_pair(base_path, new_path) -> tuple[dict, dict]:
     return _load(base_path), _load(new_path)
 
 
+VERDICTS = {"regression": ("REGRESSION", "red"), "inconclusive": ("inconclusive", "yellow"),
+            "improved": ("improved", "green"), "ok": ("ok", "green")}
+
+
+def verdict_text(result: dict) -> str:
+    """The verdict in words, e.g. "ok (TPOT +1.00%, allowed +5% beyond the p10-p90 bands)"."""
+    return (f"{VERDICTS[result['status']][0]} (TPOT {result['delta_pct']:+.2f}%, "
+            f"allowed +{100 * result['max_regression']:g}% beyond the p10-p90 bands)")
+
+
 def diff_table(result: dict, base_name: str, new_name: str):
     """The diff as an output.Tab: metric, baseline, new, delta, delta %; the verdict in the title."""
-    verdict, style = {"regression": ("REGRESSION", "red"), "inconclusive": ("inconclusive", "yellow"),
-                      "improved": ("improved", "green"), "ok": ("ok", "green")}[result["status"]]
     cols = ["metric", "baseline", "new", "delta", "delta %"]
-    t = Tab(f"compare {base_name} -> {new_name}: {verdict} (TPOT {result['delta_pct']:+.2f}%, "
-            f"allowed +{100 * result['max_regression']:g}% beyond the p10-p90 bands)", cols, key="compare",
-            right=tuple(cols[1:]), title_style=style)
+    t = Tab(f"compare {base_name} -> {new_name}: {verdict_text(result)}", cols, key="compare",
+            right=tuple(cols[1:]), title_style=VERDICTS[result["status"]][1])
     for r in result["rows"]:
         worse = r["worse"] and abs(r["delta_pct"] or 0) > 100 * result["max_regression"]
-        pct = "n/a" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f}%"
-        t.add(r["metric"], f"{r['baseline']:.4g}", f"{r['new']:.4g}", f"{r['delta']:+.4g}", pct,
+        t.add(r["metric"], num(r["baseline"], ".4g"), num(r["new"], ".4g"), num(r["delta"], "+.4g"),
+              num(r["delta_pct"], "+.2f", "%", none="n/a"),
               cell_styles={"delta %": "red" if worse else ""})
     return t
 
@@ -254,6 +261,8 @@ def gate(base_path, new_path, max_regression_text, console, err, fmt=None) -> in
             err(one_line(f"regression: TPOT median {result['delta_pct']:+.2f}% "
                          f"(> {100 * result['max_regression']:g}%, outside the p10-p90 bands)"))
             return EXIT_REGRESSION
+        if is_machine(fmt, console):  # the table's title, which holds the verdict, is not in csv or json
+            err(one_line(f"verdict: {verdict_text(result)}"))
         return EXIT_OK
     except AtomflowError as e:  # refused, unreadable, invalid, bad option: no verdict
         err(one_line(f"atomflow-bench: {e}"))

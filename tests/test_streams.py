@@ -1,0 +1,68 @@
+"""What the real CLI writes to its two streams, run as a user runs it (a subprocess, stdout a pipe): with
+--format csv|json stdout is one document of data (numbers as numbers) and every other line is on stderr."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers_runs import make_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args, env=None, **kw) -> subprocess.CompletedProcess:
+    """`atomflow-bench ARGS` in a fresh process, stdout and stderr captured (neither a terminal)."""
+    e = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "atomflow_bench.cli", *map(str, args)], capture_output=True,
+                          text=True, env=e, timeout=120, **kw)
+
+
+def test_models_csv_is_one_csv_document(tmp_path):
+    p = cli("models", "--format", "csv", env={"ATOMFLOW_HOME": str(tmp_path)})
+    assert p.returncode == 0, p.stderr
+    assert not any(line.startswith("#") for line in p.stdout.splitlines())
+    rows = list(csv.reader(io.StringIO(p.stdout)))
+    assert all(len(r) == len(rows[0]) for r in rows) and rows[0][:2] == ["table", "name"]
+    assert {r[0] for r in rows[1:]} == {"catalog", "sources"}  # the store table is empty here
+    assert "" not in [line for line in p.stdout.splitlines()]  # no blank line between tables
+    # the captions are notes: on stderr, never dropped
+    assert "note: fp8 = W8A16" in p.stderr and all(line.startswith("note: ") for line in p.stderr.splitlines())
+
+
+def test_models_json_values_are_numbers(tmp_path):
+    p = cli("models", "--format", "json", env={"ATOMFLOW_HOME": str(tmp_path)})
+    assert p.returncode == 0, p.stderr
+    row = {r["name"]: r for r in json.loads(p.stdout)["catalog"]}["llama-3.2-1b"]
+    assert row["layers"] == 16 and row["vocab"] == 128256 and isinstance(row["params"], int)
+    assert isinstance(row["fp16 GiB"], float) and isinstance(row["fp8 GiB"], float)
+
+
+def _pair(tmp_path, base, new):
+    (tmp_path / "a.json").write_text(json.dumps(base))
+    (tmp_path / "b.json").write_text(json.dumps(new))
+    return tmp_path / "a.json", tmp_path / "b.json"
+
+
+def test_compare_json_says_its_verdict_on_stderr(tmp_path):
+    a, b = _pair(tmp_path, make_run(2.0, seed=1), make_run(2.02, seed=3))
+    p = cli("compare", a, b, "--format", "json")
+    assert p.returncode == 0
+    rows = json.loads(p.stdout)
+    assert all(isinstance(r[k], float) for r in rows for k in ("baseline", "new", "delta", "delta %"))
+    assert p.stderr.startswith("verdict: ok (TPOT +") and len(p.stderr.splitlines()) == 1
+
+
+def test_compare_peers_json_has_no_unit_strings(tmp_path):
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(make_run(2.0)))
+    p = cli("compare-peers", run, "--format", "json")
+    assert p.returncode == 0, p.stderr
+    for r in json.loads(p.stdout):
+        for k, v in r.items():
+            if k not in ("engine", "format", "GPU", "note", "source"):
+                assert v is None or isinstance(v, (int, float)), (k, v)
