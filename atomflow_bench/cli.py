@@ -7,11 +7,11 @@ Every error is `error: <one line>` on stderr with the exit codes of `main` (no t
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
 import click
-from rich.console import Console
 from rich.markup import escape
 
 from . import __version__, envs
@@ -19,10 +19,10 @@ from .cli_compare import baseline, compare, compare_peers, peers, plot
 from .cli_setup import doctor, fetch, generate, models
 from .config import CATALOG, DEFAULT_MODEL
 from .errors import AtomflowError, GpuUnavailable, Terminated
-from .output import format_option, is_machine, notes_console, render
+from .output import Out, PipeClosed, format_option, is_machine, notes_console, render
 
-console = Console()
-err_console = Console(stderr=True)
+console = Out()
+err_console = Out(stderr=True)
 FORMS_HELP = ("Launch forms, e.g. 'short:ws-pre2/l2=8;split:ring/l2=0' (see docs/ARCHITECTURE.md); also "
               "$ATOMFLOW_FORMS.")
 
@@ -79,7 +79,29 @@ def _check_tp_options(tp: int, allreduce: str, with_peers: bool = False, retune:
                                  "give --forms instead", param_hint="--retune")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Cli(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:  # before click's own catch, which exits 1
+            raise PipeClosed() from None
+
+
+def _pipe_closed() -> None:
+    """End as standard tools do when their reader has gone (`| head`): killed by SIGPIPE, without a word (the
+    handler is the default only now: a socket's closed peer stays an error, not a silent death)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            os.dup2(devnull, stream.fileno())  # nothing left to flush at exit into the closed pipe
+    except (OSError, ValueError):
+        pass
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGPIPE)
+    sys.exit(128 + signal.SIGPIPE)  # where the signal cannot end the process
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="atomflow-bench")
 def cli():
     """Single-stream (M=1) Llama decode on NVIDIA GPUs through CuPy RawKernels, measured honestly.
@@ -348,8 +370,8 @@ EXIT_ERROR, EXIT_NO_GPU, EXIT_INTERNAL = 1, 3, 70  # 2: click's usage errors and
 def main(argv=None):
     """Exit codes: 0 ok; 1 an error the user can fix (one line on stderr); 2 usage (click) or `compare` refused;
     3 no usable GPU (the line names the cause); 70 an internal error (a bug: one line, --debug shows the traceback);
-    130 interrupted, 143 terminated (SIGTERM; what was being written is removed). `compare` also exits 1 for a
-    regression."""
+    130 interrupted, 143 terminated (SIGTERM; what was being written is removed); a reader that has gone (`| head`)
+    ends it as SIGPIPE ends standard tools (141 in a shell), silently. `compare` also exits 1 for a regression."""
     args = list(sys.argv[1:] if argv is None else argv)
     _ARGV[:] = args
     try:
@@ -369,6 +391,8 @@ def main(argv=None):
         signal.signal(signal.SIGTERM, terminated)
     try:
         cli.main(args=args, prog_name="atomflow-bench", standalone_mode=False)
+    except (PipeClosed, BrokenPipeError):
+        _pipe_closed()
     except click.exceptions.Abort:
         err_console.print("aborted")
         sys.exit(130)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import sys
 
 import click
-from rich.console import Console
 
 from .config import DEFAULT_MODEL
-from .output import format_option, notes_console, render
+from .output import Out, format_option, notes_console, render
 
-console = Console()
+console = Out()
 
 
 @click.group()

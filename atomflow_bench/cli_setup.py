@@ -5,11 +5,10 @@ from __future__ import annotations
 import sys
 
 import click
-from rich.console import Console
 
-from .output import format_option, render
+from .output import Out, format_option, render
 
-console = Console()
+console = Out()
 
 
 @click.command()

@@ -20,9 +20,23 @@ import json
 from dataclasses import dataclass, field
 
 import click
+from rich.console import Console
 
 FORMATS = ("table", "md", "csv", "json")
 MACHINE = ("csv", "json")
+
+
+class PipeClosed(Exception):
+    """The reader of stdout or stderr has gone (`atomflow-bench models | head -0`): the CLI ends as a tool killed by
+    SIGPIPE does (cli.main), not through click's or rich's own "exit 1"."""
+
+
+class Out(Console):
+    """The CLI's rich console: a closed pipe raises PipeClosed instead of rich's silent exit 1."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise PipeClosed()
 
 
 @dataclass(frozen=True)
@@ -95,9 +109,7 @@ def notes_console(fmt: str | None, console):
     and json (stdout then holds only the data)."""
     if not is_machine(fmt, console):
         return console
-    from rich.console import Console
-
-    return Console(stderr=True, soft_wrap=True)
+    return Out(stderr=True, soft_wrap=True)
 
 
 def _cell(v) -> str:

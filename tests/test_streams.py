@@ -6,10 +6,12 @@ import csv
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers_runs import make_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,3 +68,22 @@ def test_compare_peers_json_has_no_unit_strings(tmp_path):
         for k, v in r.items():
             if k not in ("engine", "format", "GPU", "note", "source"):
                 assert v is None or isinstance(v, (int, float)), (k, v)
+
+
+@pytest.mark.parametrize("args", [["models"], ["models", "--format", "json"], ["baseline", "list", "--format", "table"],
+                                  ["baseline", "list", "--format", "csv"]])
+def test_a_closed_pipe_ends_as_with_sigpipe(tmp_path, args):
+    """`atomflow-bench ARGS | head -0`: the reader is gone before the first write; the command ends as `cat` does
+    there, killed by SIGPIPE (the shell's 141), without a word on stderr."""
+    r, w = os.pipe()
+    reader = subprocess.Popen(["head", "-c", "0"], stdin=r)
+    os.close(r)
+    assert reader.wait(timeout=30) == 0  # the read end is closed now: every write gets EPIPE
+    e = {**os.environ, "PYTHONPATH": str(ROOT), "ATOMFLOW_HOME": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-m", "atomflow_bench.cli", *args], stdout=w, stderr=subprocess.PIPE,
+                       env=e, timeout=120)
+    os.close(w)
+    assert p.returncode == -signal.SIGPIPE and p.stderr == b""
+    sh = subprocess.run(["bash", "-c", f"{sys.executable} -m atomflow_bench.cli {' '.join(args)} | head -0; "
+                         "echo ${PIPESTATUS[0]}"], capture_output=True, text=True, env=e, timeout=120)
+    assert sh.stdout == "141\n" and sh.stderr == ""
