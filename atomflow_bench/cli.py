@@ -50,7 +50,10 @@ def measure_options(f):
 def _forms(text):
     from .gpu.forms import Forms
 
-    return Forms.parse(text) if text else None
+    try:
+        return Forms.parse(text) if text else None
+    except AtomflowError as e:  # a usage error: exit 2, before anything runs
+        raise click.BadParameter(str(e), param_hint="--forms") from None
 
 
 _ARGV: list[str] = []  # the command line main() runs (a tensor-parallel launch starts its ranks with it)
@@ -396,8 +399,10 @@ def main(argv=None):
     except click.exceptions.Abort:
         err_console.print("aborted")
         sys.exit(130)
-    except click.ClickException as e:
-        e.show()
+    except click.ClickException as e:  # one line, as every error: usage errors exit 2
+        hint = f" (see '{e.ctx.command_path} --help')" if isinstance(e, click.UsageError) and e.ctx else ""
+        err_console.print(f"[red]error:[/red] {escape(' '.join(e.format_message().split()) + hint)}",
+                          highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         err_console.print("interrupted")

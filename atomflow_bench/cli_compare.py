@@ -54,8 +54,15 @@ def baseline_list(directory, fmt):
 def baseline_record(openai_url, served_model, catalog_model, gpu, gpu_bandwidth, precision, engine, engine_version,
                     flags, prompt_tokens, max_tokens, requests, timeout, weight_bytes, weight_bytes_basis, out):
     """Measure TTFT and TPOT of any OpenAI-compatible server (streamed /v1/completions) into a baseline JSON."""
+    from urllib.parse import urlparse
+
     from .measure.server_baseline import record_baseline, write_baseline
     from .measure.run_record import command_line
+
+    url = urlparse(openai_url)
+    if url.scheme not in ("http", "https") or not url.netloc:
+        raise click.BadParameter(f"{openai_url!r} is not an http(s) URL such as http://127.0.0.1:8000",
+                                 param_hint="--openai-url")
 
     rec = record_baseline(openai_url, served_model, gpu, catalog_model=catalog_model, gpu_bandwidth=gpu_bandwidth,
                           precision=precision, engine=engine, engine_version=engine_version, flags=flags,
@@ -103,6 +110,8 @@ def compare_peers(results, ours_path, baselines_dir, fmt):
     ratio (other GPUs). Rows of other models are left out with a note; fitted baselines are evaluated at our context."""
     from .measure.peer_table import compare_peers as rows_of, compare_peers_table
 
+    if not results and not ours_path:
+        raise click.UsageError("no files given (RESULTS... or --ours FILE)")
     rows, left_out = rows_of(results, ours=ours_path, baselines_dir=baselines_dir)
     render(compare_peers_table(rows), fmt, console)
     notes = notes_console(fmt, console)
@@ -135,7 +144,7 @@ def compare(baseline_json, new_json, max_regression, fmt):
         code = gate(baseline_json, new_json, max_regression, console,
                     lambda line: click.echo(line, err=True), fmt=fmt)
     except Exception as e:  # not even the gate ran (an import failed): no verdict, and never 1
-        click.echo(" ".join(f"atomflow-bench: compare failed, no verdict ({type(e).__name__}: {e})".splitlines()),
+        click.echo(" ".join(f"error: compare failed, no verdict ({type(e).__name__}: {e})".splitlines()),
                    err=True)
         code = 2
     if code:

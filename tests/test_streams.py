@@ -87,3 +87,21 @@ def test_a_closed_pipe_ends_as_with_sigpipe(tmp_path, args):
     sh = subprocess.run(["bash", "-c", f"{sys.executable} -m atomflow_bench.cli {' '.join(args)} | head -0; "
                          "echo ${PIPESTATUS[0]}"], capture_output=True, text=True, env=e, timeout=120)
     assert sh.stdout == "141\n" and sh.stderr == ""
+
+
+@pytest.mark.parametrize("args, code, says", [
+    (["run", "--forms", "garbage"], 2, "--forms"),
+    (["compare-peers"], 2, "no files given"),
+    (["run", "--tokens", "0"], 2, "'--tokens': 0 is not in the range"),
+    (["nosuch"], 2, "No such command 'nosuch'"),
+    (["plot"], 2, "Missing argument"),
+    (["baseline", "record", "--openai-url", "not-a-url", "--model", "m", "--gpu", "g"], 2, "not an http(s) URL"),
+    (["compare", "absent-a.json", "absent-b.json"], 2, "absent-a.json: not found"),
+    (["fetch", "d/config.json"], 1, "d/config.json: is a file, not a model directory"),
+])
+def test_every_error_is_one_line_starting_error(tmp_path, args, code, says):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text("{}")
+    p = cli(*args, env={"ATOMFLOW_HOME": str(tmp_path / "home")}, cwd=tmp_path)
+    assert p.returncode == code and p.stdout == ""
+    assert p.stderr.startswith("error: ") and p.stderr.count("\n") == 1 and says in p.stderr, p.stderr

@@ -8,7 +8,7 @@ Exit codes of `atomflow-bench compare` (the contract CI scripts rely on; `gate()
        `context` or tensor-parallel degree `tp.n`; a timing-instrument record), a figure the verdict or the table uses is missing or is not a
        positive finite number (NaN, inf, <= 0, a string, a bool, null), a file is missing, unreadable, not
        valid JSON or not a results file, `--max-regression` is not a percentage in [0%, 100%], or anything
-       unexpected went wrong. Exactly one line on stderr, `atomflow-bench: <file>: <field> ...`.
+       unexpected went wrong. Exactly one line on stderr, `error: <file>: <field> ...`.
 
 Refusal: the two files must describe the same measurement — same `gpu.name`, `model.name`, `weights`,
 `context` and `tp.n` (1 when a record has no `tp`); otherwise `CompareRefused` names the first field that differs. Every figure used is checked
@@ -245,7 +245,7 @@ def gate(base_path, new_path, max_regression_text, console, err, fmt=None) -> in
     """The `compare` command: the diff table (in `fmt`, output.render) and warnings on `console` (on stderr, one
     line each, with --format csv or json), and the exit code (EXIT_OK, EXIT_REGRESSION, EXIT_REFUSED). A refusal —
     and any unexpected exception, so that nothing but a regression exits 1 — is one line on stderr through
-    `err(line)`, `atomflow-bench: <file>: <field> ...`, and EXIT_REFUSED."""
+    `err(line)`, `error: <file>: <field> ...`, and EXIT_REFUSED."""
     try:
         threshold = parse_fraction(max_regression_text)
         base, new = load_pair(base_path, new_path)
@@ -265,7 +265,7 @@ def gate(base_path, new_path, max_regression_text, console, err, fmt=None) -> in
             err(one_line(f"verdict: {verdict_text(result)}"))
         return EXIT_OK
     except AtomflowError as e:  # refused, unreadable, invalid, bad option: no verdict
-        err(one_line(f"atomflow-bench: {e}"))
+        err(one_line(f"error: {e}"))
     except Exception as e:  # a bug or a record no check foresaw: still no verdict, never exit 1
-        err(one_line(f"atomflow-bench: compare failed, no verdict ({type(e).__name__}: {e})"))
+        err(one_line(f"error: compare failed, no verdict ({type(e).__name__}: {e})"))
     return EXIT_REFUSED
