@@ -175,20 +175,67 @@ def text(tabs, fmt: str) -> str:
     return out.getvalue()
 
 
-def rich_table(t: Tab):
-    """`t` as a rich Table (cells as plain Text: brackets in them are never markup)."""
+def _longest_word(s: str) -> int:
+    from rich.cells import cell_len
+
+    return max((cell_len(w) for w in s.split()), default=0)
+
+
+def word_widths(t: Tab) -> list[int]:
+    """Each column's narrowest width that breaks no word (its longest word, the name's included)."""
+    return [max([_longest_word(c) if t.header else 0] + [_longest_word(_cell(r[i])) for r in t.rows])
+            for i, c in enumerate(t.columns)]
+
+
+def fits(t: Tab, width: int) -> bool:
+    """Whether `t` fits `width` columns wrapping its cells only between words (rich's box: a border and a space
+    either side of every column)."""
+    return sum(word_widths(t)) + 3 * len(t.columns) + 1 <= width
+
+
+def rich_table(t: Tab, width: int | None = None):
+    """`t` as a rich Table (cells as plain Text: brackets in them are never markup). Given the terminal's `width`:
+    columns never narrower than their longest word, and, where that cannot fit, one block of "column value" lines
+    per row (`vertical`)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    if width is not None and not fits(t, width):
+        return vertical(t, width)
+    rt = Table(title=Text(t.title, style=t.title_style) if t.title else None,
+               caption=Text(t.caption) if t.caption else None, title_justify="left", caption_justify="left",
+               show_header=t.header)
+    mins = word_widths(t) if width is not None else [None] * len(t.columns)
+    for c, m in zip(t.columns, mins):
+        rt.add_column(c, justify="right" if c in t.right else "left", overflow="fold",
+                      style=t.styles.get((None, c), ""), min_width=m)
+    for i, r in enumerate(t.rows):
+        rt.add_row(*(Text(_cell(v), style=t.styles.get((i, c), "")) for c, v in zip(t.columns, r)),
+                   style=t.styles.get((i, None)))
+    return rt
+
+
+def vertical(t: Tab, width: int):
+    """`t` for a terminal `width` columns wide, too narrow for its columns: each row a block of lines, the column's
+    name, then its value (wrapped between words; the names give way first), a rule between rows."""
     from rich.table import Table
     from rich.text import Text
 
     rt = Table(title=Text(t.title, style=t.title_style) if t.title else None,
                caption=Text(t.caption) if t.caption else None, title_justify="left", caption_justify="left",
-               show_header=t.header)
-    for c in t.columns:
-        rt.add_column(c, justify="right" if c in t.right else "left", overflow="fold",
-                      style=t.styles.get((None, c), ""))
+               show_header=False)
+    from rich.cells import cell_len
+
+    # the names take their whole width where the longest word of the values still fits beside them
+    names = max(map(_longest_word, t.columns), default=1)
+    values = max((_longest_word(_cell(v)) for r in t.rows for v in r), default=1)
+    key = max(names, min(max(map(cell_len, t.columns), default=1), width - 7 - values))
+    rt.add_column(style="bold", overflow="fold", width=key)
+    rt.add_column(overflow="fold", width=max(1, width - 7 - key))
     for i, r in enumerate(t.rows):
-        rt.add_row(*(Text(_cell(v), style=t.styles.get((i, c), "")) for c, v in zip(t.columns, r)),
-                   style=t.styles.get((i, None)))
+        for j, (c, v) in enumerate(zip(t.columns, r)):
+            rt.add_row(Text(c), Text(_cell(v), style=t.styles.get((i, c), "") or t.styles.get((None, c), "")),
+                       style=t.styles.get((i, None)), end_section=j == len(r) - 1)
     return rt
 
 
@@ -205,12 +252,12 @@ def render(tabs, fmt: str | None, console) -> None:
     for i, t in enumerate(tabs):
         if i:
             console.print()
-        rt = rich_table(t)
-        # a terminal table fits the terminal; asked for where there is none (a pipe, a file), it is drawn at its
-        # natural width, never squeezed into the 80 columns rich assumes there
+        # a terminal table fits the terminal, breaking no word (vertical where its columns cannot fit); asked for
+        # where there is none (a pipe, a file), it is drawn at its natural width, never squeezed into 80 columns
         if console.is_terminal:
-            console.print(rt)
+            console.print(rich_table(t, console.width))
             continue
+        rt = rich_table(t)
         width = console.width
         try:
             console.width = max(width, console.measure(rt, options=console.options.update(width=10_000)).maximum)

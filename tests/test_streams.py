@@ -122,3 +122,56 @@ def test_a_baselines_directory_that_does_not_exist_is_refused(tmp_path, args):
 def test_baseline_list_takes_baselines(tmp_path):
     p = cli("baseline", "list", "--baselines", ROOT / "baselines", "--format", "json")
     assert p.returncode == 0 and len(json.loads(p.stdout)) > 0 and p.stderr == ""
+
+
+def on_a_terminal(*args, columns: int, cwd, env=None) -> str:
+    """What `atomflow-bench ARGS` draws on a terminal COLUMNS wide (a real pseudo-terminal), as plain text."""
+    import pty
+
+    from rich.text import Text
+
+    master, slave = pty.openpty()
+    e = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": str(columns), "LINES": "50", "TERM": "xterm",
+         **(env or {})}
+    p = subprocess.Popen([sys.executable, "-m", "atomflow_bench.cli", *map(str, args)], stdout=slave,
+                         stderr=subprocess.PIPE, env=e, cwd=cwd)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert p.wait(timeout=120) == 0, p.stderr.read()
+    return Text.from_ansi(out.decode().replace("\r\n", "\n")).plain
+
+
+def _words_whole(cells, shown: str) -> None:
+    """Every word of every cell is on one line of what was drawn: no word is broken across lines."""
+    for cell in cells:
+        for word in str(cell).split():
+            assert word in shown, f"{word!r} is broken:\n{shown}"
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_models_fits_the_terminal_breaking_no_name(tmp_path, columns):
+    shown = on_a_terminal("models", columns=columns, cwd=tmp_path, env={"ATOMFLOW_HOME": str(tmp_path / "h")})
+    assert max(map(len, shown.splitlines())) <= columns
+    data = json.loads(cli("models", "--format", "json", env={"ATOMFLOW_HOME": str(tmp_path / "h")}).stdout)
+    _words_whole([r["name"] for r in data["catalog"]] + [r["hub"] for r in data["sources"]], shown)
+    _words_whole(["llama-3.2-1b", "llam"], shown)
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_compare_peers_rows_fit_the_terminal(tmp_path, columns):
+    (tmp_path / "run.json").write_text(json.dumps(make_run(2.0, model="llama-3.1-8b")))
+    shown = on_a_terminal("compare-peers", "run.json", columns=columns, cwd=tmp_path)
+    lines = [line for line in shown.splitlines() if not line.startswith("left out: ")]  # notes: prose, one line
+    assert max(map(len, lines)) <= columns
+    rows = json.loads(cli("compare-peers", "run.json", "--format", "json", cwd=tmp_path).stdout)
+    _words_whole([v for r in rows for v in r.values() if isinstance(v, str)], shown)
+    assert len(lines) <= 6 + 20 * len(rows)  # a block of at most 20 lines per row, not ~40
