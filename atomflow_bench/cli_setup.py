@@ -69,7 +69,8 @@ def fetch(model, source, fmt, verify, revision, seed, force):
 @click.option("--backend", type=click.Choice(["numpy", "gpu"]), default="numpy", show_default=True)
 @click.option("--weights", type=click.Choice(["fp16", "fp8"]), default="fp16", show_default=True)
 def generate(model, prompt, tokens, backend, weights):
-    """Greedy continuation of PROMPT."""
+    """Greedy continuation of PROMPT: the text alone on stdout, as the model wrote it (never wrapped); every other
+    line on stderr."""
     from .generate import generate_text
     from .store.fetch import resolve_model
 
@@ -77,6 +78,7 @@ def generate(model, prompt, tokens, backend, weights):
         from .gpu.device import require_gpu
 
         require_gpu()
-    path = resolve_model(model, console=console)
-    text = generate_text(path, prompt, tokens, backend=backend, weights=weights, console=console)
-    console.print(text)
+    notes = Out(stderr=True, soft_wrap=True)
+    path = resolve_model(model, console=notes)
+    text = generate_text(path, prompt, tokens, backend=backend, weights=weights, console=notes)
+    click.echo(text)

@@ -175,3 +175,18 @@ def test_compare_peers_rows_fit_the_terminal(tmp_path, columns):
     rows = json.loads(cli("compare-peers", "run.json", "--format", "json", cwd=tmp_path).stdout)
     _words_whole([v for r in rows for v in r.values() if isinstance(v, str)], shown)
     assert len(lines) <= 6 + 20 * len(rows)  # a block of at most 20 lines per row, not ~40
+
+
+def test_generate_prints_the_text_alone_and_unwrapped(tmp_path):
+    """Piped, `generate` writes the text as it is, one line however long (COLUMNS=80), and its status line on
+    stderr."""
+    from test_user_errors import _model
+
+    src = _model(tmp_path / "m", tokenizer=True)
+    prompt = " ".join(f"w{i}" for i in range(5, 45))  # 150 characters
+    p = cli("generate", src, "--prompt", prompt, "--tokens", "3", env={"COLUMNS": "80",
+                                                                      "ATOMFLOW_HOME": str(tmp_path / "h")})
+    assert p.returncode == 0, p.stderr
+    [line] = p.stdout.splitlines()
+    assert line.startswith(prompt) and len(line) > 80
+    assert "numpy fp16: " in p.stderr and "prompt +" in p.stderr
