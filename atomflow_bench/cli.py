@@ -16,7 +16,7 @@ from rich.markup import escape
 
 from . import __version__, envs
 from .cli_compare import baseline, compare, compare_peers, peers, plot
-from .cli_setup import doctor, fetch, generate, models
+from .cli_setup import complete_model, doctor, fetch, generate, models
 from .config import CATALOG, DEFAULT_MODEL
 from .errors import AtomflowError, GpuUnavailable, Terminated
 from .output import Out, PipeClosed, format_option, is_machine, notes_console, render
@@ -110,8 +110,11 @@ def cli():
     """Single-stream (M=1) Llama decode on NVIDIA GPUs through CuPy RawKernels, measured honestly.
 
     \b
-    Exit codes: 0 ok, 1 error (one line on stderr), 2 usage / compare refused, 3 no usable GPU, 70 internal error.
-    --debug (anywhere on the line) shows the traceback of an error."""
+    Exit codes: 0 ok, 1 error (one line on stderr), 2 usage / compare refused, 3 no usable GPU, 70 internal error,
+    130 interrupted (Ctrl-C), 143 terminated (SIGTERM); a closed pipe (| head) ends it as SIGPIPE does (141).
+    --debug (anywhere on the line) shows the traceback of an error.
+    Shell completion (commands, options, model names), e.g. in ~/.bashrc:
+      eval "$(_ATOMFLOW_BENCH_COMPLETE=bash_source atomflow-bench)"   (zsh_source, fish_source)"""
 
 
 for command in (baseline, compare, compare_peers, doctor, fetch, generate, models, peers, plot):  # cli_compare, cli_setup
@@ -119,7 +122,7 @@ for command in (baseline, compare, compare_peers, doctor, fetch, generate, model
 
 
 @cli.command()
-@click.argument("model", default=DEFAULT_MODEL)
+@click.argument("model", default=DEFAULT_MODEL, shell_complete=complete_model)
 @click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000),
               help="Prompt tokens fed before timing (the context the decode runs at).")
@@ -173,7 +176,7 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
 
 
 @cli.command()
-@click.argument("model", default=DEFAULT_MODEL)
+@click.argument("model", default=DEFAULT_MODEL, shell_complete=complete_model)
 @click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000))
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(1, 1000))
@@ -204,7 +207,7 @@ def profile(model, weights, context, steps, forms, json_path, tp, allreduce, fmt
 
 
 @cli.command()
-@click.argument("model", default=DEFAULT_MODEL)
+@click.argument("model", default=DEFAULT_MODEL, shell_complete=complete_model)
 @click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000),
               help="The context `run` will use (the tune is kept per context + tokens).")
@@ -280,7 +283,7 @@ def sweep(models, weights_list, contexts, tps, tokens, repeats, out_dir, source,
 
 
 @cli.command()
-@click.argument("model", default=DEFAULT_MODEL)
+@click.argument("model", default=DEFAULT_MODEL, shell_complete=complete_model)
 @click.option("--weights", "formats", default="fp16,fp8", show_default=True, help="Comma-separated formats.")
 @click.option("--reps", default=50, show_default=True, type=click.IntRange(5, 10000))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
@@ -310,7 +313,7 @@ def gemv(model, formats, reps, json_path, fmt):
 
 
 @cli.command()
-@click.argument("model", default=DEFAULT_MODEL)
+@click.argument("model", default=DEFAULT_MODEL, shell_complete=complete_model)
 @click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
 @click.option("--truth", "truth_dir", type=click.Path(file_okay=False), default=None,
               help="Ground-truth directory (scripts/gen_ground_truth.py); made there if empty. Default: generated "

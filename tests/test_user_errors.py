@@ -198,7 +198,7 @@ def test_too_little_space_simulated(home, monkeypatch, capsys):
     monkeypatch.setattr(fetch.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 10**9, 10**9))
     rc, out, err = _main(capsys, "fetch", "llama-3.1-405b", "--source", "synthetic")
     _one_line_error(rc, out, err, "llama-3.1-405b: needs 811.7 GB", "1.0 GB free", "ATOMFLOW_HOME")
-    rc, out, err = _main(capsys, "fetch", "llama-3.1-8b", "--source", "synthetic", "--format", "fp8")
+    rc, out, err = _main(capsys, "fetch", "llama-3.1-8b", "--source", "synthetic", "--weights", "fp8")
     _one_line_error(rc, out, err, "llama-3.1-8b: needs 23.3 GB")  # 16.06 GB fp16 + 7.20 GB fp8 codes and scales
     _no_partial(home)
 

@@ -267,7 +267,7 @@ def _warn_no_tokenizer(directory: Path, name: str, console) -> None:
     """One warning line on stderr (CLI use only: `console` given) when the model has no tokenizer.json."""
     if console is not None and not (Path(directory) / "tokenizer.json").is_file():
         print(f"warning: {name}: no tokenizer (tokenizer.json), so `generate` cannot encode a prompt; "
-              "run/profile/bench work on token ids", file=sys.stderr, flush=True)
+              "run, profile, tune and gemv work on token ids", file=sys.stderr, flush=True)
 
 
 def _first_line(e: BaseException) -> str:
