@@ -26,9 +26,10 @@ FORMATS = ("table", "md", "csv", "json")
 MACHINE = ("csv", "json")
 
 
-class PipeClosed(Exception):
+class PipeClosed(BaseException):
     """The reader of stdout or stderr has gone (`atomflow-bench models | head -0`): the CLI ends as a tool killed by
-    SIGPIPE does (cli.main), not through click's or rich's own "exit 1"."""
+    SIGPIPE does (cli.main), not through click's or rich's own "exit 1". A BaseException, as KeyboardInterrupt is:
+    the handlers that turn any failure into a line (compare's gate, a sweep's cell) have no reader to tell."""
 
 
 class Out(Console):

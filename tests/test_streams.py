@@ -71,7 +71,8 @@ def test_compare_peers_json_has_no_unit_strings(tmp_path):
 
 
 @pytest.mark.parametrize("args", [["models"], ["models", "--format", "json"], ["baseline", "list", "--format", "table"],
-                                  ["baseline", "list", "--format", "csv"]])
+                                  ["baseline", "list", "--format", "csv"], ["compare", "a.json", "b.json"],
+                                  ["compare", "a.json", "b.json", "--format", "table"]])
 def test_a_closed_pipe_ends_as_with_sigpipe(tmp_path, args):
     """`atomflow-bench ARGS | head -0`: the reader is gone before the first write; the command ends as `cat` does
     there, killed by SIGPIPE (the shell's 141), without a word on stderr."""
@@ -80,12 +81,13 @@ def test_a_closed_pipe_ends_as_with_sigpipe(tmp_path, args):
     os.close(r)
     assert reader.wait(timeout=30) == 0  # the read end is closed now: every write gets EPIPE
     e = {**os.environ, "PYTHONPATH": str(ROOT), "ATOMFLOW_HOME": str(tmp_path)}
+    _pair(tmp_path, make_run(2.0, seed=1), make_run(2.02, seed=3))
     p = subprocess.run([sys.executable, "-m", "atomflow_bench.cli", *args], stdout=w, stderr=subprocess.PIPE,
-                       env=e, timeout=120)
+                       env=e, timeout=120, cwd=tmp_path)
     os.close(w)
     assert p.returncode == -signal.SIGPIPE and p.stderr == b""
     sh = subprocess.run(["bash", "-c", f"{sys.executable} -m atomflow_bench.cli {' '.join(args)} | head -0; "
-                         "echo ${PIPESTATUS[0]}"], capture_output=True, text=True, env=e, timeout=120)
+                         "echo ${PIPESTATUS[0]}"], capture_output=True, text=True, env=e, timeout=120, cwd=tmp_path)
     assert sh.stdout == "141\n" and sh.stderr == ""
 
 

@@ -35,7 +35,7 @@ import numbers
 from rich.markup import escape
 
 from ..errors import AtomflowError
-from ..output import Tab, is_machine, num, render
+from ..output import PipeClosed, Tab, is_machine, num, render
 from .run_record import load
 
 EXIT_OK, EXIT_REGRESSION, EXIT_REFUSED = 0, 1, 2
@@ -266,6 +266,8 @@ def gate(base_path, new_path, max_regression_text, console, err, fmt=None) -> in
         return EXIT_OK
     except AtomflowError as e:  # refused, unreadable, invalid, bad option: no verdict
         err(one_line(f"error: {e}"))
+    except BrokenPipeError:  # the reader has gone: no one to tell, the CLI ends as SIGPIPE ends tools
+        raise PipeClosed() from None
     except Exception as e:  # a bug or a record no check foresaw: still no verdict, never exit 1
         err(one_line(f"error: compare failed, no verdict ({type(e).__name__}: {e})"))
     return EXIT_REFUSED
