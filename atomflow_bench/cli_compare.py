@@ -6,12 +6,12 @@ from __future__ import annotations
 import sys
 
 import click
-from rich.console import Console
 
+from .cli_setup import complete_model
 from .config import DEFAULT_MODEL
-from .output import format_option, notes_console, render
+from .output import Out, format_option, notes_console, render
 
-console = Console()
+console = Out()
 
 
 @click.group()
@@ -20,13 +20,17 @@ def baseline():
 
 
 @baseline.command("list")
-@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+@click.option("--baselines", "directory", type=click.Path(exists=True, file_okay=False), default=None,
               help="Baselines directory  [default: the recorded baselines shipped with atomflow-bench (baselines/)]")
+@click.option("--dir", "old_directory", type=click.Path(exists=True, file_okay=False), default=None, hidden=True)
 @format_option
-def baseline_list(directory, fmt):
+def baseline_list(directory, old_directory, fmt):
     """Validate and list the recorded baselines."""
     from .measure.baselines import baselines_table, load_baselines
 
+    if old_directory:  # the option's former name, still taken: every other command calls it --baselines
+        notes_console(fmt, console).print("warning: --dir is now --baselines", highlight=False)
+        directory = directory or old_directory
     render(baselines_table(load_baselines(directory)), fmt, console)
 
 
@@ -55,8 +59,15 @@ def baseline_list(directory, fmt):
 def baseline_record(openai_url, served_model, catalog_model, gpu, gpu_bandwidth, precision, engine, engine_version,
                     flags, prompt_tokens, max_tokens, requests, timeout, weight_bytes, weight_bytes_basis, out):
     """Measure TTFT and TPOT of any OpenAI-compatible server (streamed /v1/completions) into a baseline JSON."""
+    from urllib.parse import urlparse
+
     from .measure.server_baseline import record_baseline, write_baseline
     from .measure.run_record import command_line
+
+    url = urlparse(openai_url)
+    if url.scheme not in ("http", "https") or not url.netloc:
+        raise click.BadParameter(f"{openai_url!r} is not an http(s) URL such as http://127.0.0.1:8000",
+                                 param_hint="--openai-url")
 
     rec = record_baseline(openai_url, served_model, gpu, catalog_model=catalog_model, gpu_bandwidth=gpu_bandwidth,
                           precision=precision, engine=engine, engine_version=engine_version, flags=flags,
@@ -69,7 +80,7 @@ def baseline_record(openai_url, served_model, catalog_model, gpu, gpu_bandwidth,
 
 
 @click.command()
-@click.argument("model", default=DEFAULT_MODEL)
+@click.argument("model", default=DEFAULT_MODEL, shell_complete=complete_model)
 @click.option("--weights", type=click.Choice(["fp16", "bf16"]), default="fp16", show_default=True)
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000))
 @click.option("--tokens", default=64, show_default=True, type=click.IntRange(1, 32000))
@@ -94,7 +105,7 @@ def peers(model, weights, context, tokens, repeats, modes, device, fmt):
 @click.argument("results", nargs=-1, type=click.Path())
 @click.option("--ours", "ours_path", type=click.Path(), default=None,
               help="The run record the others are compared with  [default: the first run record among RESULTS]")
-@click.option("--baselines", "baselines_dir", type=click.Path(file_okay=False), default=None,
+@click.option("--baselines", "baselines_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="Recorded baselines to add  [default: the recorded baselines shipped with atomflow-bench (baselines/)]")
 @format_option
 def compare_peers(results, ours_path, baselines_dir, fmt):
@@ -104,6 +115,8 @@ def compare_peers(results, ours_path, baselines_dir, fmt):
     ratio (other GPUs). Rows of other models are left out with a note; fitted baselines are evaluated at our context."""
     from .measure.peer_table import compare_peers as rows_of, compare_peers_table
 
+    if not results and not ours_path:
+        raise click.UsageError("no files given (RESULTS... or --ours FILE)")
     rows, left_out = rows_of(results, ours=ours_path, baselines_dir=baselines_dir)
     render(compare_peers_table(rows), fmt, console)
     notes = notes_console(fmt, console)
@@ -136,7 +149,7 @@ def compare(baseline_json, new_json, max_regression, fmt):
         code = gate(baseline_json, new_json, max_regression, console,
                     lambda line: click.echo(line, err=True), fmt=fmt)
     except Exception as e:  # not even the gate ran (an import failed): no verdict, and never 1
-        click.echo(" ".join(f"atomflow-bench: compare failed, no verdict ({type(e).__name__}: {e})".splitlines()),
+        click.echo(" ".join(f"error: compare failed, no verdict ({type(e).__name__}: {e})".splitlines()),
                    err=True)
         code = 2
     if code:

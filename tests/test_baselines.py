@@ -78,8 +78,13 @@ def test_not_json_and_not_an_object(tmp_path):
         load_baselines(tmp_path)
 
 
-def test_absent_directory_means_no_baselines(tmp_path):
-    assert load_baselines(tmp_path / "none") == []
+def test_an_absent_directory_given_is_an_error_the_default_absent_none(tmp_path, monkeypatch):
+    import atomflow_bench.measure.baselines as bl
+
+    with pytest.raises(AtomflowError, match="--baselines .*none: not a directory"):
+        load_baselines(tmp_path / "none")
+    monkeypatch.setattr(bl, "DEFAULT_DIR", tmp_path / "none")  # a wheel built without them
+    assert load_baselines() == []
 
 
 def test_run_refuses_a_malformed_baseline_before_measuring(tmp_path, capsys):
@@ -232,7 +237,9 @@ def test_unstated_variant_is_an_absolute_ratio_never_a_same_gpu_speedup(vllm_h10
     assert not row["same_gpu"] and row["gpu_match"] == "variant not stated"
     assert row["speedup"] == pytest.approx(6.445594 / run["tpot_ms"]["median"])
     assert row["gpu_bandwidth_gbs"] is None and row["normalised_ratio"] is None  # no SXM bandwidth assumed silently
-    cell = comparison_table([row]).records()[0]["speedup (same GPU)"]
+    t = comparison_table([row])
+    assert t.records()[0]["speedup (same GPU)"] == pytest.approx(row["speedup"], abs=0.005)  # data: the number
+    cell = str(t.rows[0][t.columns.index("speedup (same GPU)")])  # people: the number and what it is
     assert cell.startswith(f"x{row['speedup']:.2f} (absolute ratio; GPU variant not stated")
     other = comparison_rows(make_run(20.0, model="llama-3.1-8b", gpu=RTX), [vllm_h100])[1]
     assert other["gpu_match"] == "different" and other["speedup"] is None

@@ -66,7 +66,7 @@ def assert_refused(code, err: str, side: str, *needles: str) -> str:
     lines = err.splitlines()
     assert len(lines) == 1, lines
     line = lines[0]
-    assert line.startswith("atomflow-bench: "), line
+    assert line.startswith("error: "), line
     if side:
         assert NAMES[side] in line, line
         other = NAMES["new" if side == "base" else "base"]

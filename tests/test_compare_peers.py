@@ -9,6 +9,7 @@ from helpers_runs import H100, make_run
 
 from atomflow_bench.config import CATALOG
 from helpers_cli import invoke
+from test_output import md_tables
 
 RTX = "NVIDIA GeForce RTX 5060 Ti"
 CFG = CATALOG["llama-3.1-8b"].config
@@ -55,17 +56,29 @@ def files(tmp_path):
             "q8": write(tmp_path, "lcpp-q8.json", llama_cpp("Q8_0", 4.1, 8_540_775_712, context=1024))}
 
 
-def rows_by_engine_format(out: str) -> dict[tuple[str, str], dict]:
-    rows = json.loads(out)
+def shown(capsys, *args) -> list[dict]:
+    """The rows of `compare-peers ARGS` as people see them (the markdown table's text; an empty cell None)."""
+    code, out, _ = invoke(capsys, "compare-peers", *args, "--format", "md")
+    assert code == 0
+    [rows] = md_tables(out).values()
+    return [{k: (v if v != "" else None) for k, v in r.items()} for r in rows]
+
+
+def rows_by_engine_format(rows: list[dict]) -> dict[tuple[str, str], dict]:
     return {(r["engine"].split(" (")[0], r["format"]): r for r in rows}
 
 
 def test_one_table_of_ours_peers_runs_and_baselines(files, capsys):
-    code, out, err = invoke(capsys, "compare-peers", files["ours"], files["rtx"], files["f16"], files["q8"],
-                            files["other_model"], "--format", "json")
+    args = (files["ours"], files["rtx"], files["f16"], files["q8"], files["other_model"])
+    code, out, err = invoke(capsys, "compare-peers", *args, "--format", "json")
     assert code == 0
-    rows = json.loads(out)
-    by = rows_by_engine_format(out)
+    data = json.loads(out)  # the data: numbers and nulls, never text with units
+    assert data[0][SPEED] is None and data[0]["% of copy roofline"] == files["ours_rec"]["roofline"]["pct"]
+    assert all(isinstance(r["TPOT ms"], float) and isinstance(r["tok/s"], float) for r in data)
+    assert all(r[k] is None or isinstance(r[k], (int, float)) for r in data
+               for k in ("ctx", "bytes/token GB", "% of copy roofline", SPEED, NORM))
+    rows = shown(capsys, *args)
+    by = rows_by_engine_format(rows)
     ours_tpot = files["ours_rec"]["tpot_ms"]["median"]
     assert rows[0]["engine"] == "atomflow-bench 0.1.0" and rows[0]["source"] == files["ours"]
     assert rows[0][SPEED] == "— (ours)" and rows[0]["% of copy roofline"] == f"{files['ours_rec']['roofline']['pct']:.1f}%"
@@ -134,10 +147,7 @@ def test_each_row_is_compared_with_ours_of_its_weight_width(files, tmp_path, cap
     old16 = write(tmp_path, "old16.json", make_run(5.5, model="llama-3.1-8b", weights="fp16", seed=1))
     rtx8 = write(tmp_path, "rtx8.json", make_run(30.0, model="llama-3.1-8b", gpu=RTX, copy_gbs=420.0))
     at2048 = write(tmp_path, "fp8-2048.json", make_run(3.3, model="llama-3.1-8b", weights="fp8", context=2048))
-    code, out, _ = invoke(capsys, "compare-peers", files["ours"], ours8, old16, rtx8, at2048, files["f16"],
-                          files["q8"], "--format", "json")
-    assert code == 0
-    rows = json.loads(out)
+    rows = shown(capsys, files["ours"], ours8, old16, rtx8, at2048, files["f16"], files["q8"])
     t16, t8 = files["ours_rec"]["tpot_ms"]["median"], fp8["tpot_ms"]["median"]
     assert [(r["source"], r[SPEED]) for r in rows if r[SPEED] == "— (ours)"] == \
         [(files["ours"], "— (ours)"), (ours8, "— (ours)")]  # the reference first, then ours of the other width
@@ -168,10 +178,7 @@ def test_weight_width_reads_the_formats_leading_word(fmt, width):
 def test_ours_chooses_the_reference(files, tmp_path, capsys):
     empty = tmp_path / "none"
     empty.mkdir()
-    code, out, _ = invoke(capsys, "compare-peers", files["ours"], files["rtx"], "--ours", files["rtx"],
-                          "--baselines", empty, "--format", "json")
-    assert code == 0
-    rows = json.loads(out)
+    rows = shown(capsys, files["ours"], files["rtx"], "--ours", files["rtx"], "--baselines", empty)
     assert rows[0]["source"] == files["rtx"] and rows[0]["GPU"] == RTX and rows[0][SPEED] == "— (ours)"
     assert len(rows) == 5 and not any(r["engine"].startswith("vLLM") for r in rows)  # --baselines: none recorded
     assert all(r[SPEED] == "— (other GPU)" for r in rows[1:])  # the H100 rows, seen from the RTX
@@ -227,9 +234,7 @@ def test_llama_cpp_rows_carry_their_own_bytes_per_token(capsys):
              *sorted((v39 / "llama-cpp").glob("llama.cpp-*-llama-3.1-8b-*-ctx128.json"))]
     if not all(f.is_file() for f in files) or len(files) != 4:
         pytest.skip("no results/engines-h100 records")
-    code, out, _ = invoke(capsys, "compare-peers", *map(str, files), "--format", "json")
-    assert code == 0
-    rows = {r["format"].split(" ")[0]: r for r in json.loads(out)}
+    rows = {r["format"].split(" ")[0]: r for r in shown(capsys, *map(str, files))}
     kv = round((128 + 127 / 2 + 1) * CFG.kv_bytes_per_token())
     embd_f16, embd_q8 = 128256 * 4096 * 2, 128256 * 4096 // 32 * 34
     assert rows["F16"]["bytes/token GB"] == f"{(16_068_891_040 - embd_f16 + kv) / 1e9:.3f}" == "15.043"

@@ -109,9 +109,9 @@ def test_an_internal_error_is_one_line_and_debug_shows_the_traceback(tmp_path, m
         main(["run", "--forms", "x", "--debug"])
 
 
-def test_bad_forms_are_one_line_exit_1(tmp_path, capsys):
+def test_bad_forms_are_one_line_exit_2(tmp_path, capsys):
     code, out, err = cli(["run", "--forms", "short:fast"], tmp_path / "home", capsys)
-    assert code == 1 and len(err.strip().splitlines()) == 1 and "GEMV form 'fast'" in err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "GEMV form 'fast'" in err
 
 
 def test_os_errors_are_one_line(tmp_path, capsys):
@@ -126,4 +126,4 @@ def test_console_script_exit_code_and_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "atomflow_bench.cli", "run", "--forms", "split:nope"],
                        capture_output=True, text=True, env={"ATOMFLOW_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
                        timeout=120)
-    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr

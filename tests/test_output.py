@@ -79,17 +79,21 @@ def parse(out: str, fmt: str | None):
     md as {title: rows}."""
     if fmt == "json":
         return json.loads(out)
-    if fmt == "csv":
-        chunks = [c for c in out.split("\n\n") if c.strip()]
+    if fmt == "csv":  # one CSV document; several tables: its first column names each row's table
+        rows = list(csv.reader(io.StringIO(out)))
+        assert rows and all(len(r) == len(rows[0]) for r in rows), out  # one header, every row as wide
+        if rows[0][0] != "table":
+            return [dict(zip(rows[0], r)) for r in rows[1:]]
         parsed = {}
-        for c in chunks:
-            title = None
-            if c.startswith("# "):
-                title, c = c.split("\n", 1)
-                title = title[2:]
-            parsed[title] = list(csv.DictReader(io.StringIO(c)))
-        return parsed[None] if list(parsed) == [None] else parsed
+        for r in rows[1:]:  # a row keeps the cells of its table's columns (the others are empty)
+            parsed.setdefault(r[0], []).append({c: v for c, v in zip(rows[0][1:], r[1:]) if v != ""})
+        return parsed
     return md_tables(out)
+
+
+def quiet(err: str, fmt) -> bool:
+    """stderr holds nothing but the tables' captions as notes (csv and json leave them out of stdout)."""
+    return err == "" if fmt is None else all(line.startswith("note: ") for line in err.splitlines())
 
 
 def fmt_args(fmt):
@@ -98,8 +102,8 @@ def fmt_args(fmt):
 
 def rows_of(parsed, fmt, key: str, title_part: str | None = None):
     """The rows of one table of a command that prints several: by key in json, by (part of) the title otherwise."""
-    if fmt == "json":
-        return parsed[key]
+    if fmt in ("json", "csv"):
+        return parsed.get(key, [])
     title_part = title_part or key
     [title] = [t for t in parsed if t and title_part in t]
     return parsed[title]
@@ -142,8 +146,8 @@ def test_several_tables():
     a, b = sample(), Tab("other", ["x"], key="second")
     b.add(None)  # None: an empty cell
     assert json.loads(text([a, b], "json")) == {"sample — a title": a.records(), "second": [{"x": None}]}
-    assert parse(text([a, b], "csv"), "csv") == {
-        "sample — a title": [dict(zip(a.columns, r)) for r in a.rows], "other": [{"x": ""}]}
+    assert list(csv.reader(io.StringIO(text([a, b], "csv")))) == [
+        ["table", "name", "value", "note", "x"], *(["sample — a title", *r, ""] for r in a.rows), ["second", "", "", "", ""]]
     assert md_tables(text([a, b], "md"))["other"] == [{"x": ""}]
 
 
@@ -198,13 +202,17 @@ def home(tmp_path, monkeypatch):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_models(home, capsys, fmt):
     code, out, err = invoke(capsys, "models", *fmt_args(fmt))
-    assert code == 0 and err == ""
+    assert code == 0 and quiet(err, fmt)
     parsed = parse(out, fmt)
     catalog = rows_of(parsed, fmt, "catalog", "model catalog")
     assert [r["name"] for r in catalog] == list(CATALOG)
     assert all(r["in store"] == "not fetched" for r in catalog)
     row = {r["name"]: r for r in catalog}["llama-3.2-3b"]
-    assert row["layers"] == "28" and row["params"] == "3.213B" and row["fp8"] == "3.44G"
+    if fmt == "json":  # the data: numbers, no units
+        assert row["layers"] == 28 and row["params"] == 3_212_749_824 and row["fp8 GiB"] == 3.44
+    else:
+        assert row["layers"] == "28" and row["params"] == ("3212749824" if fmt else "3.213B")
+        assert row["fp8 GiB"] == ("3.44" if fmt else "3.44G")
     assert {r["name"]: r["hub"] for r in rows_of(parsed, fmt, "sources")}["llama-3.2-3b"] == \
         "meta-llama/Llama-3.2-3B-Instruct"
     assert rows_of(parsed, fmt, "store", "not in the catalog") == []
@@ -232,7 +240,7 @@ def test_models_shows_what_is_in_the_store(home, tmp_path, monkeypatch, capsys, 
     # a staging directory whose writer runs (this process) is neither listed nor reported
     (home / "models" / f".half-written.partial-{store._HOST}-{os.getpid()}-x").mkdir()
     code, out, err = invoke(capsys, "models", *fmt_args(fmt))
-    assert code == 0 and err == ""
+    assert code == 0 and quiet(err, fmt)
     parsed = parse(out, fmt)
     catalog = {r["name"]: r for r in rows_of(parsed, fmt, "catalog", "model catalog")}
     size = _bytes(fetched)
@@ -241,7 +249,8 @@ def test_models_shows_what_is_in_the_store(home, tmp_path, monkeypatch, capsys, 
     assert all(r["in store"] == "not fetched" for n, r in catalog.items() if n != "tiny-test")
     [other] = rows_of(parsed, fmt, "store", "not in the catalog")
     assert other["name"] == local.name == "local--mine" and other["source"] == "local"
-    assert other["model"] == str((tmp_path / "src" / "mine").resolve()) and other["size"] == listing.size_text(_bytes(local))
+    assert other["model"] == str((tmp_path / "src" / "mine").resolve())
+    assert other["bytes"] == {"json": _bytes(local), "csv": str(_bytes(local)), None: listing.size_text(_bytes(local))}[fmt]
 
 
 def test_models_reads_the_store_layout_of_fetch(home):
@@ -272,7 +281,12 @@ def test_baseline_list(capsys, fmt):
         return (f"{fit['intercept']:g} + {fit['per_input_token']:g} x {fit['input']} (fitted)" if fit
                 else f"{m['tpot_ms']:.3f}")
 
-    assert [r["TPOT ms"] for r in rows] == [shown(b["metrics"]) for b in shipped]
+    if fmt is None:
+        assert [r["TPOT ms"] for r in rows] == [shown(b["metrics"]) for b in shipped]
+    else:  # the data: the median TPOT, null (json) or empty (csv) for a fitted line
+        assert [r["TPOT ms"] for r in rows] == [
+            ("" if fmt == "csv" else None) if "tpot_fit_ms" in b["metrics"] else (b["metrics"]["tpot_ms"] if fmt == "json"
+                                                        else str(b["metrics"]["tpot_ms"])) for b in shipped]
     if fmt is None:
         assert len([line for line in out.splitlines() if line.startswith("| ")]) == 1 + len(shipped)
 
@@ -295,16 +309,22 @@ METRICS = ["TPOT median (ms)", "TPOT p10 (ms)", "TPOT p90 (ms)", "tok/s", "achie
 def test_compare_ok(tmp_path, capsys, fmt):
     base, new = _pair(tmp_path, make_run(2.0, seed=1), make_run(2.02, seed=3))
     code, out, err = invoke(capsys, "compare", base, new, *fmt_args(fmt))
-    assert code == 0 and err == ""
+    assert code == 0
     parsed = parse(out, fmt)
     if fmt is None:
+        assert err == ""
         [(title, rows)] = parsed.items()
         assert title.startswith(f"compare {base} -> {new}: ok (TPOT +")
-    else:
+    else:  # the verdict, which the table's title holds, is on stderr: one line
+        assert err.splitlines() == [err.strip()] and err.startswith("verdict: ok (TPOT +")
         rows = parsed
     assert [r["metric"] for r in rows] == METRICS
     assert set(rows[0]) == {"metric", "baseline", "new", "delta", "delta %"}
-    assert rows[-1]["baseline"] == "3000" and rows[0]["delta %"].startswith("+")
+    if fmt == "json":
+        assert rows[-1]["baseline"] == 3000.0 and rows[0]["delta %"] > 0
+    else:
+        assert rows[-1]["baseline"] == ("3000" if fmt is None else "3000.0")
+        assert float(rows[0]["delta %"].rstrip("%")) > 0
 
 
 @pytest.mark.parametrize("fmt", ["json", "csv"])
@@ -404,7 +424,8 @@ def test_run(no_gpu_needed, monkeypatch, capsys, fmt):
     comparison = rows_of(parsed, fmt, "comparison", "comparison")
     assert comparison[0]["engine"] == "atomflow-bench 0.1.0" and comparison[0]["source"] == "this run"
     assert {r["GPU"] for r in comparison[1:]} == {"NVIDIA GeForce RTX 5060 Ti"}  # the shipped baselines
-    assert all(r["speedup (same GPU)"] == "— (different GPU)" for r in comparison[1:])
+    assert all(r.get("speedup (same GPU)") == {"json": None, "csv": None, None: "— (different GPU)"}[fmt]
+               for r in comparison[1:])
     if fmt is None:  # a wide row on one line: the whole forms explanation
         from atomflow_bench.measure.run_record import forms_text
 
@@ -447,7 +468,7 @@ def test_profile(no_gpu_needed, monkeypatch, capsys, fmt):
 
     monkeypatch.setattr(context, "profile_step", lambda *a, **k: profile_record())
     code, out, err = invoke(capsys, "profile", *fmt_args(fmt))
-    assert code == 0 and err == ""
+    assert code == 0 and quiet(err, fmt)
     parsed = parse(out, fmt)
     kernels = rows_of(parsed, fmt, "profile", "decode step profile")
     assert kernels[0] == {"kernel": "gemv fp8 wgu 16384x3072", "% of step": "25.2", "count/step": "28",
@@ -483,7 +504,7 @@ def test_gemv(monkeypatch, capsys, fmt):
     monkeypatch.setattr(ops, "kernel_lib", lambda *a, **k: None)
     monkeypatch.setattr(profile, "gemv_bench", lambda *a, **k: gemv_record())
     code, out, err = invoke(capsys, "gemv", *fmt_args(fmt))
-    assert code == 0 and err == ""
+    assert code == 0 and quiet(err, fmt)
     rows = parse(out, fmt)
     if fmt is None:
         [(title, rows)] = rows.items()

@@ -198,7 +198,7 @@ def test_too_little_space_simulated(home, monkeypatch, capsys):
     monkeypatch.setattr(fetch.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 10**9, 10**9))
     rc, out, err = _main(capsys, "fetch", "llama-3.1-405b", "--source", "synthetic")
     _one_line_error(rc, out, err, "llama-3.1-405b: needs 811.7 GB", "1.0 GB free", "ATOMFLOW_HOME")
-    rc, out, err = _main(capsys, "fetch", "llama-3.1-8b", "--source", "synthetic", "--format", "fp8")
+    rc, out, err = _main(capsys, "fetch", "llama-3.1-8b", "--source", "synthetic", "--weights", "fp8")
     _one_line_error(rc, out, err, "llama-3.1-8b: needs 23.3 GB")  # 16.06 GB fp16 + 7.20 GB fp8 codes and scales
     _no_partial(home)
 
@@ -383,8 +383,8 @@ def test_reported_name_works_in_every_command(home, tmp_path):
     assert path == home / "models" / "local--good"
     name = path.name
     r = _cli(home, "generate", name, "--prompt", "w5 w6", "--tokens", "2")
-    assert r.returncode == 0 and r.stderr == "", r.stderr
-    assert "w5 w6" in r.stdout
+    assert r.returncode == 0 and r.stderr.count("\n") == 1 and " new tokens in " in r.stderr, r.stderr  # its status
+    assert r.stdout.startswith("w5 w6")
     r = _cli(home, "fetch", name, "--verify")
     assert r.returncode == 0 and r.stderr == "", r.stderr
     r = _cli(home, "fetch", name)
@@ -392,6 +392,6 @@ def test_reported_name_works_in_every_command(home, tmp_path):
     # and once its source is gone, the stored copy still serves
     shutil.rmtree(src)
     r = _cli(home, "generate", name, "--prompt", "w7", "--tokens", "1")
-    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.returncode == 0 and r.stderr.count("\n") == 1 and r.stdout.startswith("w7"), r.stderr
     r = _cli(home, "generate", "local--nosuch")
     _one_line_error(r.returncode, r.stdout, r.stderr, "unknown model 'local--nosuch'")

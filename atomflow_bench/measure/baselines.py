@@ -75,7 +75,7 @@ from typing import Any, Callable
 
 from ..config import CATALOG
 from ..errors import AtomflowError
-from ..output import Tab
+from ..output import Num, Tab, num
 
 SCHEMA = "atomflow-bench/baseline/1"
 # The checkout's baselines/ in a source tree or an editable install (where `baseline record` writes and the files are
@@ -220,7 +220,10 @@ def load_baseline(path: Path) -> dict:
 
 
 def load_baselines(directory: Path | None = None) -> list[dict]:
-    """Every `*.json` in `directory` (default: the repository's baselines/), validated; [] if it is absent."""
+    """Every `*.json` in `directory` (default: the repository's baselines/), validated; [] when the default is absent
+    (a wheel built without them); a directory the user named that is not one is an error, never an empty list."""
+    if directory is not None and not Path(directory).is_dir():
+        raise AtomflowError(f"--baselines {directory}: not a directory")
     directory = Path(directory) if directory is not None else DEFAULT_DIR
     if not directory.is_dir():
         return []
@@ -359,17 +362,18 @@ def comparison_table(rows: list[dict]):
             frac = f"{r['bandwidth_gbs']:.0f} / {r['gpu_bandwidth_gbs']:.0f} = {100 * r['roofline_frac']:.0f}%"
         match = r.get("gpu_match", "same" if r["same_gpu"] else "different")
         if r["kind"] == "ours":
-            speed, norm = "—", "—"
+            speed, norm = Num(None, "—"), Num(None, "—")
         elif match == "same":
-            speed, norm = f"x{r['speedup']:.2f}", "— (same GPU)"
+            speed, norm = num(r["speedup"], ".2f", prefix="x"), Num(None, "— (same GPU)")
         elif match == VARIANT_NOT_STATED:
-            speed = f"x{r['speedup']:.2f} (absolute ratio; GPU variant not stated, not a same-GPU speedup)"
-            norm = "— (GPU variant not stated)"
+            speed = num(r["speedup"], ".2f", " (absolute ratio; GPU variant not stated, not a same-GPU speedup)",
+                        prefix="x")
+            norm = Num(None, "— (GPU variant not stated)")
         else:
-            ratio = r["normalised_ratio"]
-            speed, norm = "— (different GPU)", "n/a (bandwidth unknown)" if ratio is None else f"x{ratio:.2f}"
-        ctx = _fmt(r["context"], "d", "?") + (f" ({r['label']})" if r.get("label") else "")
-        t.add(r["engine"], r["gpu"], r["precision"], ctx, f"{r['tpot_ms']:.3f}", speed,
+            speed = Num(None, "— (different GPU)")
+            norm = num(r["normalised_ratio"], ".2f", prefix="x", none="n/a (bandwidth unknown)")
+        ctx = num(r["context"], "d", f" ({r['label']})" if r.get("label") else "", none="?")
+        t.add(r["engine"], r["gpu"], r["precision"], ctx, num(r["tpot_ms"], ".3f"), speed,
               frac, norm, r["source"], cell_styles={"engine": "bold" if r["kind"] == "ours" else "",
                                                     "TPOT ms": "" if r["same_gpu"] else "dim"})
     return t
@@ -390,12 +394,10 @@ def baselines_table(baselines: list[dict]):
     for b in baselines:
         e, m = b["engine"], b["metrics"]
         fit = m.get("tpot_fit_ms")
-        tpot = (f"{fit['intercept']:g} + {fit['per_input_token']:g} x {fit['input']} (fitted)" if fit
-                else f"{m['tpot_ms']:.3f}")
-        tok_s = "—" if fit else f"{m['tok_per_s']:.1f}"
-        bw = b["gpu"]["memory_bandwidth_gbs"]
+        tpot = (Num(None, f"{fit['intercept']:g} + {fit['per_input_token']:g} x {fit['input']} (fitted)") if fit
+                else num(m["tpot_ms"], ".3f"))
+        tok_s = Num(None, "—") if fit else num(m["tok_per_s"], ".1f")
         t.add(b["model"], " ".join(x for x in (e["name"], e["version"]) if x), b["gpu"]["name"],
-              "—" if bw is None else str(bw), b["precision"], *(str(b[k]) if b[k] is not None else "—"
-                                                                for k in ("context", "tokens")),
+              num(b["gpu"]["memory_bandwidth_gbs"]), b["precision"], *(num(b[k]) for k in ("context", "tokens")),
               tpot, tok_s, b["source"])
     return t

@@ -8,7 +8,7 @@ Exit codes of `atomflow-bench compare` (the contract CI scripts rely on; `gate()
        `context` or tensor-parallel degree `tp.n`; a timing-instrument record), a figure the verdict or the table uses is missing or is not a
        positive finite number (NaN, inf, <= 0, a string, a bool, null), a file is missing, unreadable, not
        valid JSON or not a results file, `--max-regression` is not a percentage in [0%, 100%], or anything
-       unexpected went wrong. Exactly one line on stderr, `atomflow-bench: <file>: <field> ...`.
+       unexpected went wrong. Exactly one line on stderr, `error: <file>: <field> ...`.
 
 Refusal: the two files must describe the same measurement — same `gpu.name`, `model.name`, `weights`,
 `context` and `tp.n` (1 when a record has no `tp`); otherwise `CompareRefused` names the first field that differs. Every figure used is checked
@@ -35,7 +35,7 @@ import numbers
 from rich.markup import escape
 
 from ..errors import AtomflowError
-from ..output import Tab, is_machine, render
+from ..output import PipeClosed, Tab, is_machine, num, render
 from .run_record import load
 
 EXIT_OK, EXIT_REGRESSION, EXIT_REFUSED = 0, 1, 2
@@ -213,18 +213,25 @@ def load_pair(base_path, new_path) -> tuple[dict, dict]:
     return _load(base_path), _load(new_path)
 
 
+VERDICTS = {"regression": ("REGRESSION", "red"), "inconclusive": ("inconclusive", "yellow"),
+            "improved": ("improved", "green"), "ok": ("ok", "green")}
+
+
+def verdict_text(result: dict) -> str:
+    """The verdict in words, e.g. "ok (TPOT +1.00%, allowed +5% beyond the p10-p90 bands)"."""
+    return (f"{VERDICTS[result['status']][0]} (TPOT {result['delta_pct']:+.2f}%, "
+            f"allowed +{100 * result['max_regression']:g}% beyond the p10-p90 bands)")
+
+
 def diff_table(result: dict, base_name: str, new_name: str):
     """The diff as an output.Tab: metric, baseline, new, delta, delta %; the verdict in the title."""
-    verdict, style = {"regression": ("REGRESSION", "red"), "inconclusive": ("inconclusive", "yellow"),
-                      "improved": ("improved", "green"), "ok": ("ok", "green")}[result["status"]]
     cols = ["metric", "baseline", "new", "delta", "delta %"]
-    t = Tab(f"compare {base_name} -> {new_name}: {verdict} (TPOT {result['delta_pct']:+.2f}%, "
-            f"allowed +{100 * result['max_regression']:g}% beyond the p10-p90 bands)", cols, key="compare",
-            right=tuple(cols[1:]), title_style=style)
+    t = Tab(f"compare {base_name} -> {new_name}: {verdict_text(result)}", cols, key="compare",
+            right=tuple(cols[1:]), title_style=VERDICTS[result["status"]][1])
     for r in result["rows"]:
         worse = r["worse"] and abs(r["delta_pct"] or 0) > 100 * result["max_regression"]
-        pct = "n/a" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f}%"
-        t.add(r["metric"], f"{r['baseline']:.4g}", f"{r['new']:.4g}", f"{r['delta']:+.4g}", pct,
+        t.add(r["metric"], num(r["baseline"], ".4g"), num(r["new"], ".4g"), num(r["delta"], "+.4g"),
+              num(r["delta_pct"], "+.2f", "%", none="n/a"),
               cell_styles={"delta %": "red" if worse else ""})
     return t
 
@@ -238,7 +245,7 @@ def gate(base_path, new_path, max_regression_text, console, err, fmt=None) -> in
     """The `compare` command: the diff table (in `fmt`, output.render) and warnings on `console` (on stderr, one
     line each, with --format csv or json), and the exit code (EXIT_OK, EXIT_REGRESSION, EXIT_REFUSED). A refusal —
     and any unexpected exception, so that nothing but a regression exits 1 — is one line on stderr through
-    `err(line)`, `atomflow-bench: <file>: <field> ...`, and EXIT_REFUSED."""
+    `err(line)`, `error: <file>: <field> ...`, and EXIT_REFUSED."""
     try:
         threshold = parse_fraction(max_regression_text)
         base, new = load_pair(base_path, new_path)
@@ -254,9 +261,13 @@ def gate(base_path, new_path, max_regression_text, console, err, fmt=None) -> in
             err(one_line(f"regression: TPOT median {result['delta_pct']:+.2f}% "
                          f"(> {100 * result['max_regression']:g}%, outside the p10-p90 bands)"))
             return EXIT_REGRESSION
+        if is_machine(fmt, console):  # the table's title, which holds the verdict, is not in csv or json
+            err(one_line(f"verdict: {verdict_text(result)}"))
         return EXIT_OK
     except AtomflowError as e:  # refused, unreadable, invalid, bad option: no verdict
-        err(one_line(f"atomflow-bench: {e}"))
+        err(one_line(f"error: {e}"))
+    except BrokenPipeError:  # the reader has gone: no one to tell, the CLI ends as SIGPIPE ends tools
+        raise PipeClosed() from None
     except Exception as e:  # a bug or a record no check foresaw: still no verdict, never exit 1
-        err(one_line(f"atomflow-bench: compare failed, no verdict ({type(e).__name__}: {e})"))
+        err(one_line(f"error: compare failed, no verdict ({type(e).__name__}: {e})"))
     return EXIT_REFUSED

@@ -39,7 +39,7 @@ import re
 from pathlib import Path
 
 from ..errors import AtomflowError
-from ..output import Tab
+from ..output import Num, Tab, num
 from . import baselines as bl
 from .gate import check_record
 
@@ -266,22 +266,21 @@ def compare_peers_table(rows: list[dict]):
     for r in rows:
         match = r["gpu_match"]
         if r["kind"] == "ours":
-            speed, norm = "— (ours)", "— (ours)"
+            speed, norm = Num(None, "— (ours)"), Num(None, "— (ours)")
         else:
             vs = f" vs ours {r['ours_format']}" if r["ours_named"] else ""
             if match == "same":
-                speed, norm = f"x{r['speedup']:.2f}{vs}", "— (same GPU)"
+                speed, norm = num(r["speedup"], ".2f", vs, prefix="x"), Num(None, "— (same GPU)")
             elif match == bl.VARIANT_NOT_STATED:
-                speed = f"x{r['speedup']:.2f}{vs} (absolute; GPU variant not stated)"
-                norm = "— (GPU variant not stated)"
+                speed = num(r["speedup"], ".2f", f"{vs} (absolute; GPU variant not stated)", prefix="x")
+                norm = Num(None, "— (GPU variant not stated)")
             else:
-                ratio = r["normalised_ratio"]
-                speed = "— (other GPU)"
-                norm = "n/a (bytes or spec bandwidth unknown)" if ratio is None else f"x{ratio:.2f}{vs}"
-        t.add(r["engine"], r["format"], r["gpu"], None if r["context"] is None else str(r["context"]),
-              f"{r['tpot_ms']:.3f}", f"{r['tok_per_s']:.1f}",
-              None if r["bytes_per_token"] is None else f"{r['bytes_per_token'] / 1e9:.3f}",
-              None if r["copy_roofline_pct"] is None else f"{r['copy_roofline_pct']:.1f}%",
+                speed = Num(None, "— (other GPU)")
+                norm = num(r["normalised_ratio"], ".2f", vs, prefix="x", none="n/a (bytes or spec bandwidth unknown)")
+        t.add(r["engine"], r["format"], r["gpu"], num(r["context"], "d", none=""),
+              num(r["tpot_ms"], ".3f"), num(r["tok_per_s"], ".1f"),
+              num(None if r["bytes_per_token"] is None else r["bytes_per_token"] / 1e9, ".3f", none=""),
+              num(r["copy_roofline_pct"], ".1f", "%", none=""),
               speed, norm, r["note"] or None, r["source"],
               cell_styles={"engine": "bold" if r["kind"] == "ours" else "",
                            "TPOT ms": "" if match == "same" else "dim"})

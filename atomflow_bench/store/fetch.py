@@ -77,6 +77,9 @@ def _plan(spec: str, source: str | None = None) -> _Plan:
             return _Plan(preset.hub_repo, "hf", store.model_dir(preset.hub_repo), preset.hub_repo)
         return _Plan(spec, src, store.model_dir(spec if src == preset.sources[0] else f"{spec}--{src}"), preset)
     looks_like_path = path.suffix.lower() == ".gguf" or spec.startswith((".", "~", "/")) or spec.count("/") > 1
+    if path.is_file():  # it exists: say what it is not, never "no such file"
+        raise FetchError(f"{spec}: is a file, not a model directory or a .gguf file"
+                         + (f" (its directory: {path.parent})" if path.name == "config.json" else ""))
     if looks_like_path or source == "local":
         raise FetchError(f"{spec}: no such file or directory")
     if not _REPO_ID.fullmatch(spec):
@@ -254,7 +257,7 @@ def _warn_no_tokenizer(directory: Path, name: str, console) -> None:
     """One warning line on stderr (CLI use only: `console` given) when the model has no tokenizer.json."""
     if console is not None and not (Path(directory) / "tokenizer.json").is_file():
         print(f"warning: {name}: no tokenizer (tokenizer.json), so `generate` cannot encode a prompt; "
-              "run/profile/bench work on token ids", file=sys.stderr, flush=True)
+              "run, profile, tune and gemv work on token ids", file=sys.stderr, flush=True)
 
 
 def _first_line(e: BaseException) -> str:

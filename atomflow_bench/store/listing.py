@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..config import CATALOG
 from ..errors import AtomflowError
-from ..output import Tab
+from ..output import Num, Tab
 from . import store
 
 
@@ -35,8 +35,9 @@ def source_label(directory) -> str:
     return "local" if kind == "no manifest" else kind
 
 
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f}G"
+def gib(n: int) -> Num:
+    """Bytes as GiB: 2.30 for csv and json, "2.30G" for people."""
+    return Num(round(n / 2**30, 2), f"{n / 2**30:.2f}G")
 
 
 def size_text(n: int) -> str:
@@ -97,29 +98,31 @@ def models_tables() -> list[Tab]:
     """`models`: the catalog (shape, parameters, bytes per format, what is in the store and its size on disk), its
     sources, and the other models in the store."""
     by_model, others = store_entries()
-    cols = ["name", "layers", "d_model", "ffn", "q/kv", "hd", "vocab", "params", "fp16", "fp8", "in store"]
+    cols = ["name", "layers", "d_model", "ffn", "q/kv", "hd", "vocab", "params", "fp16 GiB", "fp8 GiB", "in store"]
     cat = Tab("atomflow-bench model catalog", cols, key="catalog", right=tuple(cols[1:10]),
               caption="fp8 = W8A16: FP8-E4M3 layer projections with one fp32 scale per 128 inputs; embedding, norms "
-                      "and lm_head stay fp16. fp16/fp8 columns: weight bytes on the GPU (GiB). in store: each source "
+                      "and lm_head stay fp16. fp16/fp8 GiB: weight bytes on the GPU. in store: each source "
                       f"fetched and its size on disk, under {store.models_dir()}.")
     for p in CATALOG.values():
         c = p.config
         held = "; ".join(f"{src} {size_text(dir_bytes(d))}" + ("" if (d / store.MANIFEST).is_file()
                                                                 else " (no manifest)")
                          for src, d in by_model[p.name]) or "not fetched"
-        cat.add(p.name, str(c.num_hidden_layers), str(c.hidden_size), str(c.intermediate_size),
-                f"{c.num_attention_heads}/{c.num_key_value_heads}", str(c.head_dim), str(c.vocab_size),
-                f"{c.param_count() / 1e9:.3f}B", gib(c.weight_bytes("fp16")), gib(c.weight_bytes("fp8")), held,
+        cat.add(p.name, c.num_hidden_layers, c.hidden_size, c.intermediate_size,
+                f"{c.num_attention_heads}/{c.num_key_value_heads}", c.head_dim, c.vocab_size,
+                Num(c.param_count(), f"{c.param_count() / 1e9:.3f}B"), gib(c.weight_bytes("fp16")),
+                gib(c.weight_bytes("fp8")), held,
                 cell_styles={"in store": "" if by_model[p.name] else "dim"})
     srcs = Tab("sources", ["name", "sources", "hub", "note"], key="sources")
     for p in CATALOG.values():
         srcs.add(p.name, ", ".join(p.sources), p.hub_repo, p.note or "")
-    other = Tab("in the store, not in the catalog", ["name", "source", "model", "size"], key="store", right=("size",),
+    other = Tab("in the store, not in the catalog", ["name", "source", "model", "bytes"], key="store", right=("bytes",),
                 caption=f"under {store.models_dir()}" + ("; a name works as MODEL in every command" if others
                                                           else ": none"))
     for d in others:
         kind, model = manifest_source(d)
-        other.add(d.name, kind, model, size_text(dir_bytes(d)))
+        n = dir_bytes(d)
+        other.add(d.name, kind, model, Num(n, size_text(n)))
     return [cat, srcs, other]
 
 
