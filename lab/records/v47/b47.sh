@@ -68,4 +68,30 @@ if [ "$PH" = D ]; then  # 2 GPUs: the kernel suite again (A's 12 failures: the T
   timeout 300 atomflow-bench validate llama-3.1-8b --weights fp8 --tp 2 --steps 8 --json $W/validate-8b-fp8-tp2.json >$W/validate-8b-fp8-tp2.log 2>&1
   note "validate 8b fp8 tp2: rc=$? $(grep -E 'probes PASS|greedy|KL' $W/validate-8b-fp8-tp2.log | tr -s ' ' | head -3 | tr '\n' ' ') $(tail -1 $W/validate-8b-fp8-tp2.log)"
 fi
+if [ "$PH" = E ]; then  # 2 GPUs (issue 46): TP GPU tests on the new rendezvous; torchrun; a killed rank under our
+  # launcher, under torchrun and with no launcher; a rendezvous that cannot complete; run --tp 2 --format json
+  M="llama-3.2-1b --weights fp16 --tp 2"
+  timeout 200 atomflow-bench fetch llama-3.2-1b >$W/fetch-1b.log 2>&1
+  timeout 200 python3 -m pytest -q tests/test_tp_gpu.py -p no:cacheprovider -x >$W/tptest.log 2>&1
+  note "tptest: rc=$? $(tail -1 $W/tptest.log)"
+  timeout 150 torchrun --nproc-per-node 2 --master-port 29544 -m atomflow_bench.cli run $M --tokens 64 --repeats 2 \
+    --json $W/torchrun.json >$W/torchrun.log 2>&1
+  note "torchrun run: rc=$? $(show $W/torchrun.json torchrun) | others: $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("other_gpu_processes"))' $W/torchrun.json 2>&1 | tail -1)"
+  kill_one() {  # kill_one TAG LAUNCHER_PID: SIGKILL the launcher's second child after 25 s, time the launcher's end
+    sleep 25; local c; c=$(ps -o pid= --ppid $2 | sed -n 2p); kill -KILL $c; local t0=$(date +%s)
+    timeout 60 tail --pid=$2 -f /dev/null; wait $2; local rc=$?
+    note "$1: killed pid $c; rc=$rc in $(( $(date +%s) - t0 )) s | $(tail -3 $W/$1.err | tr '\n' ' ')"
+  }
+  atomflow-bench run $M --tokens 4000 --repeats 50 --no-json >$W/kill-ours.out 2>$W/kill-ours.err & kill_one kill-ours $!
+  torchrun --nproc-per-node 2 --master-port 29545 -m atomflow_bench.cli run $M --tokens 4000 --repeats 50 --no-json \
+    >$W/kill-torchrun.out 2>$W/kill-torchrun.err & kill_one kill-torchrun $!
+  for r in 0 1; do RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r MASTER_PORT=29600 atomflow-bench run $M --tokens 4000 --repeats 50 \
+    --no-json >$W/bare$r.out 2>$W/bare$r.err & eval P$r=\$!; done
+  sleep 25; kill -KILL $P1; t0=$(date +%s); timeout 60 tail --pid=$P0 -f /dev/null; wait $P0
+  note "no launcher, rank 1 killed: rank 0 rc=$? in $(( $(date +%s) - t0 )) s | $(tail -2 $W/bare0.err | tr '\n' ' ')"
+  RANK=1 WORLD_SIZE=2 ATOMFLOW_TP_TIMEOUT=5 timeout 60 atomflow-bench run llama-3.2-1b --tp 2 >$W/rdv.out 2>$W/rdv.err
+  note "rendezvous timeout: rc=$? $(cat $W/rdv.err | tr '\n' ' ')"
+  timeout 150 atomflow-bench run $M --tokens 64 --repeats 2 --format json --no-json >$W/json.out 2>$W/json.err
+  note "run --tp 2 --format json: rc=$? $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("one JSON document:", type(d).__name__, list(d)[:4] if isinstance(d, dict) else len(d))' $W/json.out 2>&1 | tail -1)"
+fi
 pack
