@@ -100,7 +100,7 @@ def test_an_internal_error_is_one_line_and_debug_shows_the_traceback(tmp_path, m
     def boom(*a, **k):
         raise ZeroDivisionError("division by zero\nsecond line")
 
-    monkeypatch.setattr(cli_mod, "_forms", boom)  # `run --forms x` parses its forms first
+    monkeypatch.setattr(cli_mod, "parse_forms", boom)  # `run --forms x` parses its forms first
     code, out, err = cli(["run", "--forms", "x"], tmp_path / "home", capsys)
     assert code == EXIT_INTERNAL
     assert err.strip().splitlines() == ["error: internal error (ZeroDivisionError: division by zero second line); "
