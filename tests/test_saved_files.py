@@ -128,7 +128,7 @@ from atomflow_bench.measure import sweep
 from atomflow_bench.store.store import write_json_atomic
 out = Path(sys.argv[1])
 write_json_atomic(out / "record.json", {"a": 1})
-sweep._write_text_atomic(out / "sweep.md", "# x\\n")
+sweep.write_text_atomic(out / "sweep.md", "# x\\n")
 """
 
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import csv
 import io
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -28,7 +26,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import AtomflowError, GpuUnavailable
 from ..output import Tab, text
-from ..store.store import umasked, write_json_atomic
+from ..store.store import write_json_atomic, write_text_atomic
 from . import run_record
 from .baselines import attach_comparisons, same_gpu
 
@@ -326,26 +324,11 @@ def md_text(summary: dict) -> str:
     return head + text(sweep_table(summary), "md")
 
 
-def _write_text_atomic(path: Path, data: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, umasked())
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def write_summary(summary: dict, out_dir) -> list[Path]:
     """summary.json (atomically), summary.csv and summary.md (each written to a temporary file, then renamed)."""
     out = Path(out_dir)
     summary["updated"] = run_record.now_iso()
     write_json_atomic(out / "summary.json", summary)
-    _write_text_atomic(out / "summary.csv", csv_text(summary))
-    _write_text_atomic(out / "summary.md", md_text(summary))
+    write_text_atomic(out / "summary.csv", csv_text(summary))
+    write_text_atomic(out / "summary.md", md_text(summary))
     return [out / f for f in SUMMARY_FILES]

@@ -69,19 +69,24 @@ def umasked(mode: int = 0o666) -> int:
     return mode & ~mask
 
 
-def write_json_atomic(path: Path, obj) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """`text` to `path` through a temporary file renamed over it (a reader sees the old file or the new one, never a
+    part), with the mode the umask gives."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, umasked())
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False)
-            f.write("\n")
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 def _hash_all(paths: list[Path]) -> list[str]:
