@@ -30,208 +30,15 @@
 //            dyn. smem = all a block may have (ops/attention.py attention_short_launch; short_smem(hd, cap) is what
 //            cap needs), so that no other kernel's block shares the SM: the next GEMV's early blocks' weight loads
 //            would stall this block's shared-memory traffic; <= 128 registers per thread.
-#include "common.cuh"
+#include "attention_short.cuh"
 
-#define ATS_THREADS 256
-#define ATS_HEADS 8        // the mma's N: q heads of one kv head, padded to 8 (G <= 8)
-#define ATS_GROUPS 4       // 16-position score groups per warp per chunk
-#define ATS_CHUNK_MAX (16 * (ATS_THREADS / AF_WARP) * ATS_GROUPS)  // 512 positions per chunk (ops/attention.py)
-#define ATS_MIN_BLOCKS 2  // <= 128 registers: the block has its SM to itself (see Launch above)
-#define ATS_BATCH 4       // ldmatrix loads issued before their mmas (scores: k-steps; P.V: 16-position steps)
-
-// byte offset of 16-byte piece c of row t in a staged [rows][HD] fp16 array (pieces XOR-swizzled by the row)
-template <int HD>
-__device__ __forceinline__ int ats_swz(int t, int c) {
-  return t * HD * 2 + ((c ^ (t & 7)) << 4);
-}
-
-// rows [t0, t1) of kv head j's K and V -> ks/vs rows [t0 - base, t1 - base), one cp.async group, committed
-template <int HD, int T>
-__device__ __forceinline__ void ats_stage(const __half* k_cache, const __half* v_cache, size_t kv_dim, int j, int t0,
-                                          int t1, int base, char* ks, char* vs) {
-  constexpr int DG = HD / 8;
-  for (int i = t0 * DG + (int)threadIdx.x; i < t1 * DG; i += T) {
-    const int t = i / DG, c = i % DG;
-    const size_t src = (size_t)t * kv_dim + (size_t)j * HD + c * 8;
-    cp_async16(ks + ats_swz<HD>(t - base, c), k_cache + src);
-    cp_async16(vs + ats_swz<HD>(t - base, c), v_cache + src);
+// The kernels' wait: for the QKV kernel (programmatic dependent launch), then the next kernel may launch.
+struct AtsPdlWait {
+  __device__ __forceinline__ void operator()() const {
+    pdl_wait_unless_instrument<2>();  // AF_NO_WAIT (common.cuh)
+    pdl_launch_dependents();
   }
-  cp_async_commit();
-}
-
-// V rows [n, n rounded up to 16) -> 0: the last 16-position P.V step reads them (with P = 0 there)
-template <int HD, int T>
-__device__ __forceinline__ void ats_zero_tail(char* vs, int n) {
-  constexpr int DG = HD / 8;
-  for (int i = n * DG + (int)threadIdx.x; i < ((n + 15) & ~15) * DG; i += T)
-    *reinterpret_cast<uint4*>(vs + ats_swz<HD>(i / DG, i % DG)) = make_uint4(0, 0, 0, 0);
-}
-
-// Block j = head group j: kv head j / V, its q heads [j * G, (j + 1) * G) (V blocks share a kv head when it has more
-// q heads than the mma's N: ATTENTION_SHORT_INSTANCE).
-template <int HD, int G, int T, int V = 1>
-__device__ __forceinline__ void attention_short_item(const __half* q, const __half* k_cache, const __half* v_cache,
-                                                     int len, int j, __half* out, int n_kv, int cap, float scale,
-                                                     char* smem) {
-  constexpr int DG = HD / 8;          // 16-byte pieces per row
-  constexpr int NW = T / AF_WARP;
-  constexpr int DT = HD / 16;         // P.V: 16-dim tiles; NW / DT warps (phases) per tile
-  constexpr int WPT = NW / DT;
-  static_assert(G <= ATS_HEADS && NW % DT == 0 && DT % ATS_BATCH == 0, "shape");
-  const size_t kv_dim = (size_t)n_kv * HD;
-  const int kvh = j / V;  // the kv head whose K/V this block reads
-  const int tid = threadIdx.x, lane = tid % AF_WARP, warp = tid / AF_WARP;
-  const int gid = lane >> 2, tig = lane & 3;  // mma fragment coordinates
-  const int cap16 = (cap + 15) & ~15;
-  const int psb = (cap16 + 8) * 2;            // bytes per head row of P (padded: ldmatrix without bank conflicts)
-  const int kbytes = max(cap16 * HD * 2, NW * 16 * ATS_HEADS * 4);  // K, or the final reduction scratch
-  char* ks = smem;
-  char* vs = smem + kbytes;
-  char* pt = vs + cap16 * HD * 2;             // P fp16 [ATS_HEADS][cap16 (+8)]: head-major (the P.V B operand)
-
-  // ---- before the wait: rows 0 .. min(L - 1, cap) - 1 (row L-1 is the previous kernel's) ----
-  ats_stage<HD, T>(k_cache, v_cache, kv_dim, kvh, 0, min(len - 1, cap), 0, ks, vs);
-  pdl_wait_unless_instrument<2>();  // AF_NO_WAIT (common.cuh)
-  pdl_launch_dependents();
-
-  __shared__ __align__(16) __half q_h[ATS_HEADS * HD];  // q fp16 [8][HD] (rows >= G zero), rows swizzled
-  __shared__ float w_red[NW][ATS_HEADS];               // per-warp max (each chunk), then per-warp sums (end)
-  for (int i = tid; i < ATS_HEADS * DG; i += T) {
-    const int r = i / DG, c = i % DG;
-    const uint4 u = r < G ? ld_cg16(q + ((size_t)j * G + r) * HD + c * 8) : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(reinterpret_cast<char*>(q_h) + ats_swz<HD>(r, c)) = u;
-  }
-  if (len - 1 < cap && tid < 2 * DG) {  // row L-1, appended by the QKV kernel: after the wait, through L2
-    const int c = tid % DG;
-    const size_t src = (size_t)(len - 1) * kv_dim + (size_t)kvh * HD + c * 8;
-    const uint4 u = ld_cg16((tid < DG ? k_cache : v_cache) + src);
-    *reinterpret_cast<uint4*>((tid < DG ? ks : vs) + ats_swz<HD>(len - 1, c)) = u;
-  }
-  ats_zero_tail<HD, T>(vs, min(cap, len));
-  cp_async_wait<0>();
-  __syncthreads();
-  AF_TL_MARK(0);  // timeline: q and the first chunk in shared memory
-
-  unsigned qb[DT][2];  // q as the scores' B operand ([n = head][k = dim]), all HD/16 k-steps
-#pragma unroll
-  for (int kk = 0; kk < DT; ++kk)
-    ldmatrix_x2(qb[kk], reinterpret_cast<char*>(q_h) + ats_swz<HD>(lane & 7, 2 * kk + ((lane >> 3) & 1)));
-
-  // this thread's heads: 2 tig and 2 tig + 1 (score fragments and P.V accumulator columns alike)
-  float m_run[2] = {-AF_INF, -AF_INF}, lsum[2] = {0.f, 0.f}, o[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int c0 = 0; c0 < len; c0 += min(cap, ATS_CHUNK_MAX)) {
-    const int n = min(min(cap, ATS_CHUNK_MAX), len - c0);
-    if (c0 > 0) {  // a later chunk (L > cap: tests only): everyone is done with the previous one, then load it
-      __syncthreads();
-      ats_stage<HD, T>(k_cache, v_cache, kv_dim, kvh, c0, c0 + n, c0, ks, vs);
-      ats_zero_tail<HD, T>(vs, n);
-      cp_async_wait<0>();
-      __syncthreads();
-    }
-    // ---- scores S[pos][head] = K q^T on the tensor cores: warp w takes 16-position groups w, w + NW, ... ----
-    float s[ATS_GROUPS][4], mx[2] = {-AF_INF, -AF_INF};
-#pragma unroll
-    for (int i = 0; i < ATS_GROUPS; ++i) {
-      const int p0 = (warp + NW * i) * 16;
-      float d[4] = {0.f, 0.f, 0.f, 0.f};
-      if (p0 < n) {  // warp-uniform; ATS_BATCH ldmatrix issued back to back, then their mmas (the asm is volatile:
-                     // program order is issue order, so one load per mma would wait out every load's latency)
-#pragma unroll
-        for (int k0 = 0; k0 < DT; k0 += ATS_BATCH) {
-          unsigned a[ATS_BATCH][4];
-#pragma unroll
-          for (int u = 0; u < ATS_BATCH; ++u)
-            ldmatrix_x4(a[u], ks + ats_swz<HD>(p0 + (lane & 15), 2 * (k0 + u) + (lane >> 4)));
-#pragma unroll
-          for (int u = 0; u < ATS_BATCH; ++u)
-            mma_16816(d, a[u][0], a[u][1], a[u][2], a[u][3], qb[k0 + u][0], qb[k0 + u][1]);
-        }
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {  // d[e]: position p0 + gid (+8 for e >= 2), head 2 tig + (e & 1)
-        const bool ok = p0 + gid + (e >> 1) * 8 < n && 2 * tig + (e & 1) < G;
-        s[i][e] = ok ? d[e] * scale : -AF_INF;
-        mx[e & 1] = fmaxf(mx[e & 1], s[i][e]);
-      }
-    }
-    // ---- the chunk's max per head (block-wide), the running max, the rescale of what came before ----
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int x = 4; x < AF_WARP; x <<= 1) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
-    }
-    if (gid == 0) { w_red[warp][2 * tig] = mx[0]; w_red[warp][2 * tig + 1] = mx[1]; }
-    __syncthreads();
-    AF_TL_MARK(1);  // timeline: every warp's scores and maxima done
-    float alpha[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float m = m_run[h];
-#pragma unroll
-      for (int w = 0; w < NW; ++w) m = fmaxf(m, w_red[w][2 * tig + h]);
-      alpha[h] = m == -AF_INF ? 1.f : __expf(m_run[h] - m);  // 0 on the first chunk; heads >= G stay -inf
-      m_run[h] = m;
-      lsum[h] *= alpha[h];
-    }
-    o[0] *= alpha[0]; o[1] *= alpha[1]; o[2] *= alpha[0]; o[3] *= alpha[1];
-    // ---- P = exp(S - max) as fp16, head-major; the sums of the rounded values ----
-#pragma unroll
-    for (int i = 0; i < ATS_GROUPS; ++i) {
-      const int p0 = (warp + NW * i) * 16;
-      if (p0 < n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const __half ph = __float2half(s[i][e] == -AF_INF ? 0.f : __expf(s[i][e] - m_run[e & 1]));
-          lsum[e & 1] += __half2float(ph);
-          *reinterpret_cast<__half*>(pt + (2 * tig + (e & 1)) * psb + (p0 + gid + (e >> 1) * 8) * 2) = ph;
-        }
-      }
-    }
-    __syncthreads();  // P complete; w_red free again
-    AF_TL_MARK(2);  // timeline: probabilities stored
-    // ---- O^T[dim][head] += V^T P^T on the tensor cores: warp w takes dim tile w % DT, positions phase w / DT ----
-    // (ATS_BATCH steps' ldmatrix back to back, then their mmas; V rows and P past n up to the 16-boundary are 0)
-    for (int p0 = (warp / DT) * 16; p0 < n; p0 += ATS_BATCH * WPT * 16) {
-      unsigned a[ATS_BATCH][4], b[ATS_BATCH][2];
-#pragma unroll
-      for (int u = 0; u < ATS_BATCH; ++u) {
-        const int pu = p0 + u * WPT * 16;
-        if (pu < n) {  // warp-uniform
-          ldmatrix_x4_trans(a[u], vs + ats_swz<HD>(pu + (lane & 7) + ((lane >> 4) << 3), 2 * (warp % DT) + ((lane >> 3) & 1)));
-          ldmatrix_x2(b[u], pt + (lane & 7) * psb + (pu + ((lane >> 3) & 1) * 8) * 2);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < ATS_BATCH; ++u)
-        if (p0 + u * WPT * 16 < n) mma_16816(o, a[u][0], a[u][1], a[u][2], a[u][3], b[u][0], b[u][1]);
-    }
-  }
-  AF_TL_MARK(3);  // timeline: P.V done
-
-  // ---- the phases' O summed through shared memory, the sums per head, out = O / sum ----
-  float* red = reinterpret_cast<float*>(ks);  // [NW][16 dims][8 heads]: K is dead (its last reads preceded barriers)
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-#pragma unroll
-    for (int x = 4; x < AF_WARP; x <<= 1) lsum[h] += __shfl_xor_sync(0xffffffffu, lsum[h], x);
-  }
-  if (gid == 0) { w_red[warp][2 * tig] = lsum[0]; w_red[warp][2 * tig + 1] = lsum[1]; }
-  float* rw = red + warp * 16 * ATS_HEADS;
-  rw[gid * ATS_HEADS + 2 * tig] = o[0];
-  rw[gid * ATS_HEADS + 2 * tig + 1] = o[1];
-  rw[(gid + 8) * ATS_HEADS + 2 * tig] = o[2];
-  rw[(gid + 8) * ATS_HEADS + 2 * tig + 1] = o[3];
-  __syncthreads();
-  for (int i = tid; i < G * HD; i += T) {
-    const int g = i / HD, d = i % HD;
-    float acc = 0.f, l = 0.f;
-#pragma unroll
-    for (int ph = 0; ph < WPT; ++ph) acc += red[((ph * DT + d / 16) * 16 + d % 16) * ATS_HEADS + g];
-#pragma unroll
-    for (int w = 0; w < NW; ++w) l += w_red[w][g];
-    out[(size_t)j * G * HD + i] = __float2half(acc / l);
-  }
-}
+};
 
 // One kernel per (head_dim, q heads per kv head), like attention.cu. Block j = kv head j; with G > ATS_HEADS (16:
 // Llama-3.1-405B over 8 GPUs) G / ATS_HEADS blocks per kv head, each taking ATS_HEADS of its q heads.
@@ -246,7 +53,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
     extern __shared__ __align__(16) char ats_smem[];                                                      \
     /* pos was written by the previous step's argmax, complete before this step's first kernel */        \
     attention_short_item<HD, ATS_BG(G), ATS_THREADS, ATS_BV(G)>(q, k_cache, v_cache, *pos_ptr + 1, blockIdx.x, out, \
-                                                                n_kv, cap, scale, ats_smem);                \
+                                                                n_kv, cap, scale, ats_smem, AtsPdlWait{});  \
   }
 
 ATTENTION_SHORT_INSTANCE(attention_short_hd64_g1, 64, 1)

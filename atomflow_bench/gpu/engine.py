@@ -35,7 +35,8 @@ from .nvrtc import KernelLib
 from .ops import kernel_lib
 from .ops.attention import short_capacity
 from .ops.lm_head import partial_blocks
-from .step import build_step, run_eager
+from .ops.persist import layer_table
+from .step import build_step, persist_ops, run_eager
 from .upload import upload_weights
 
 
@@ -98,13 +99,17 @@ class Engine:
                               vocab_rows=self.shard.vocab_rows if self.shard else None, tp_path=tp_path)
         if self.pdl:
             for ln in launches[1:]:
-                ln.enable_pdl()
+                if not ln.cooperative:  # a persistent kernel starts after its predecessor has finished
+                    ln.enable_pdl()
         return launches
 
     def use(self, forms: Forms) -> None:
         """Build the steps of `forms` (its kernels compiled now, before anything is timed); graphs are captured on
         first replay."""
         self.forms = forms.check(self.cc)
+        if forms.short_attention and forms.gemv.persist:
+            self.arena["ps_layers"].set(layer_table(self.arena, self.layer_cfg, self.fmt))
+        self._probe_steps: dict = {}
         cap = self.short_capacity if forms.short_attention else 0
         self.att_caps = [cap] if cap else []
         self.variants = {cap: self.bucket_launches(cap, forms.gemv)} if cap else {}
@@ -151,9 +156,17 @@ class Engine:
         return self._graphs[key]
 
     def step_eager(self, taps: bool = False) -> dict | None:
+        """One step launch by launch; with `taps`, every probe copied out (the persistent form then runs one op per
+        launch: step.persist_ops)."""
         out = {} if taps else None
+        launches = self.launches
+        key = self.bucket(self.position + 1)
+        if taps and key is not None and self.forms.gemv.persist:
+            if key not in self._probe_steps:
+                self._probe_steps[key] = persist_ops(self.layer_cfg, self.fmt, self.arena, self.lib, self.gpu["sms"])
+            launches = self._probe_steps[key]
         with self.stream:
-            run_eager(self.launches, out)
+            run_eager(launches, out)
         self.position += 1
         return out
 

@@ -27,7 +27,7 @@ ATT_RING_BYTES = 24 * 1024  # attention.cu ATT_RING_BYTES: each warp's K/V ring 
 ATS_THREADS = 256           # attention_short.cu ATS_THREADS
 ATS_HEADS = 8               # attention_short.cu ATS_HEADS: q heads per kv head padded to the mma's N
 ATS_CHUNK_MAX = 512         # attention_short.cu ATS_CHUNK_MAX: positions its scores cover per chunk (largest capacity)
-CU_FILES = ("attention.cu", "attention_short.cu")
+CU_FILES = ("attention.cu", "attention_short.cuh", "attention_short.cu")
 CU_DEFINES = {"ATT_CHUNK": ATT_CHUNK, "ATT_THREADS": ATT_THREADS, "ATT_GROUP": ATT_GROUP,
               "ATT_RING_BYTES": ATT_RING_BYTES, "ATS_THREADS": ATS_THREADS, "ATS_HEADS": ATS_HEADS}
 
