@@ -23,9 +23,8 @@ from .gemv import GEMV_WARPS, GEMV_WS_MAX, GEMV_WS_SLOT, GEMV_WS_THREADS, TILE_R
 # = the kernel's #defines (tests/test_op_constants.py reads them from the .cu)
 PS_PTRS = 12                # decode_persist.cu PS_PTRS: device addresses per layer in the layer table
 PS_OPS_PER_LAYER = 5        # decode_persist.cu PS_OPS_PER_LAYER: QKV, attention, o_proj, gate/up, down
-PS_MAXNREG = 224            # decode_persist.cu PS_MAXNREG
 CU_FILES = ("decode_persist.cu",)
-CU_DEFINES = {"PS_PTRS": PS_PTRS, "PS_OPS_PER_LAYER": PS_OPS_PER_LAYER, "PS_MAXNREG": PS_MAXNREG}
+CU_DEFINES = {"PS_PTRS": PS_PTRS, "PS_OPS_PER_LAYER": PS_OPS_PER_LAYER}
 
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 3, 4, 8)
@@ -115,6 +114,9 @@ def persist_launch(lib: KernelLib, a, cfg, fmt: str, n_sm: int, ops: tuple[int, 
         raise AtomflowError(f"persistent step: ops [{lo}, {hi}) outside [0, {total})")
     p = plan(cfg, fmt, smem_limits())
     fn = lib[kernel_name(fmt, cfg.head_dim, cfg.group_size)]
+    if fn.max_threads_per_block < GEMV_WS_THREADS:
+        raise AtomflowError(f"persistent step: {fn.max_threads_per_block} threads per block at its "
+                            f"{fn.num_regs} registers, not {GEMV_WS_THREADS}")
     allow_dynamic_smem(fn, p["shmem"])
     if trace is not None and trace.size < 1 + 2 * total * n_sm:
         raise AtomflowError("persistent step: trace too small")

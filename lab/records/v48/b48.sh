@@ -30,7 +30,7 @@ val() {  # val MODEL FMT FORMS
   note "validate $1 $2 ($3): rc=$? $(grep -E 'probes PASS|probes FAIL|greedy|KL' $W/validate-$1-$2.log | tr -s ' ' | head -3 | tr '\n' ' ')"
 }
 P="short:persist;split:ws"
-if [ "$PH" = A ]; then  # one H100: the scheduler test first (a hang ends at its timeout), then the rest, then timings
+if [ "$PH" = A ] || [ "$PH" = C ]; then  # one H100: the scheduler test first (a hang ends at its timeout), then the rest, then timings
   pt persist-order 180 tests/test_persist_gpu.py -x -k "every_op_once"
   pt persist-all 300 tests/test_persist_gpu.py
   pt ws-short-kernels 240 tests/test_kernels_gpu.py -k "ws or short"
@@ -44,4 +44,9 @@ if [ "$PH" = A ]; then  # one H100: the scheduler test first (a hang ends at its
   runf ws-old-3b-fp16 old llama-3.2-3b fp16 --forms "short:ws/l2=24;split:ws/l2=24"
   runf ws-new-3b-fp16 new llama-3.2-3b fp16 --forms "short:ws/l2=24;split:ws/l2=24"
   runf g-1-3b-fp16 new llama-3.2-3b fp16 --forms "short:ws/l2=24;split:ws/l2=24"; runf p-1-3b-fp16 new llama-3.2-3b fp16 --forms "$P"
+  runf ws-old-2-3b-fp16 old llama-3.2-3b fp16 --forms "short:ws/l2=24;split:ws/l2=24"
+  runf ws-new-2-3b-fp16 new llama-3.2-3b fp16 --forms "short:ws/l2=24;split:ws/l2=24"
+fi
+if [ "$PH" = B ]; then  # why the cooperative launch is refused; then the GPU tests again
+  timeout 120 python3 lab/records/v48/occupancy.py >$W/occupancy.log 2>&1; note "occupancy rc=$?"; cat $W/occupancy.log | tee -a $S
 fi
