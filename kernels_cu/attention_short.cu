@@ -52,7 +52,7 @@ struct AtsPdlWait {
     AF_TIMELINE_BLOCK;                                                                                    \
     extern __shared__ __align__(16) char ats_smem[];                                                      \
     /* pos was written by the previous step's argmax, complete before this step's first kernel */        \
-    attention_short_item<HD, ATS_BG(G), ATS_THREADS, ATS_BV(G)>(q, k_cache, v_cache, *pos_ptr + 1, blockIdx.x, out, \
+    attention_short_item<HD, ATS_BG(G), ATS_THREADS, ATS_BV(G), 0>(q, k_cache, v_cache, *pos_ptr + 1, blockIdx.x, out, \
                                                                 n_kv, cap, scale, ats_smem, AtsPdlWait{});  \
   }
 

@@ -46,9 +46,10 @@ __device__ __forceinline__ void ats_zero_tail(char* vs, int n) {
 // Block j = head group j: kv head j / V, its q heads [j * G, (j + 1) * G) (V blocks share a kv head when it has more
 // q heads than the mma's N: ATTENTION_SHORT_INSTANCE).
 // `wait()` runs between the staging of the earlier rows and the first read of this step's q and row L-1: the PDL
-// wait in the kernel below, a wait for the QKV tiles in the persistent step. The block's first T threads run it and
-// meet at named barrier 1 (sync_n), so a producer warp beside them (decode_persist.cu) never joins.
-template <int HD, int G, int T, int V = 1, class Wait>
+// wait in attention_short.cu's kernels, a wait for the QKV tiles in the persistent step. The block's first T threads
+// run it and meet at barriers sync_n<BAR>: the whole block (0) in attention_short.cu, named barrier 1 of T threads in
+// the persistent step, whose producer warp never joins.
+template <int HD, int G, int T, int V, int BAR, class Wait>
 __device__ __forceinline__ void attention_short_item(const __half* q, const __half* k_cache, const __half* v_cache,
                                                      int len, int j, __half* out, int n_kv, int cap, float scale,
                                                      char* smem, const Wait& wait) {
@@ -87,7 +88,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   }
   ats_zero_tail<HD, T>(vs, min(cap, len));
   cp_async_wait<0>();
-  sync_n<T>();
+  sync_n<BAR>();
   AF_TL_MARK(0);  // timeline: q and the first chunk in shared memory
 
   unsigned qb[DT][2];  // q as the scores' B operand ([n = head][k = dim]), all HD/16 k-steps
@@ -100,11 +101,11 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   for (int c0 = 0; c0 < len; c0 += min(cap, ATS_CHUNK_MAX)) {
     const int n = min(min(cap, ATS_CHUNK_MAX), len - c0);
     if (c0 > 0) {  // a later chunk (L > cap: tests only): everyone is done with the previous one, then load it
-      sync_n<T>();
+      sync_n<BAR>();
       ats_stage<HD, T>(k_cache, v_cache, kv_dim, kvh, c0, c0 + n, c0, ks, vs);
       ats_zero_tail<HD, T>(vs, n);
       cp_async_wait<0>();
-      sync_n<T>();
+      sync_n<BAR>();
     }
     // ---- scores S[pos][head] = K q^T on the tensor cores: warp w takes 16-position groups w, w + NW, ... ----
     float s[ATS_GROUPS][4], mx[2] = {-AF_INF, -AF_INF};
@@ -139,7 +140,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
       for (int x = 4; x < AF_WARP; x <<= 1) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], x));
     }
     if (gid == 0) { w_red[warp][2 * tig] = mx[0]; w_red[warp][2 * tig + 1] = mx[1]; }
-    sync_n<T>();
+    sync_n<BAR>();
     AF_TL_MARK(1);  // timeline: every warp's scores and maxima done
     float alpha[2];
 #pragma unroll
@@ -165,7 +166,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
         }
       }
     }
-    sync_n<T>();  // P complete; w_red free again
+    sync_n<BAR>();  // P complete; w_red free again
     AF_TL_MARK(2);  // timeline: probabilities stored
     // ---- O^T[dim][head] += V^T P^T on the tensor cores: warp w takes dim tile w % DT, positions phase w / DT ----
     // (ATS_BATCH steps' ldmatrix back to back, then their mmas; V rows and P past n up to the 16-boundary are 0)
@@ -199,7 +200,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   rw[gid * ATS_HEADS + 2 * tig + 1] = o[1];
   rw[(gid + 8) * ATS_HEADS + 2 * tig] = o[2];
   rw[(gid + 8) * ATS_HEADS + 2 * tig + 1] = o[3];
-  sync_n<T>();
+  sync_n<BAR>();
   for (int i = tid; i < G * HD; i += T) {
     const int g = i / HD, d = i % HD;
     float acc = 0.f, l = 0.f;

@@ -131,7 +131,7 @@ __device__ __forceinline__ void decode_persist_body(PS_PARAMS) {
         if (waits) ps_wait(counters + o - 1, grid);
         ps_stamp(trace, o, 0);
       };
-      attention_short_item<HD, BG, GEMV_THREADS, BV>(qkv, k_cache, v_cache, *pos + 1,
+      attention_short_item<HD, BG, GEMV_THREADS, BV, GEMV_THREADS>(qkv, k_cache, v_cache, *pos + 1,
                                                       (int)blockIdx.x - ((int)gridDim.x - n_att), attn_out, n_kv,
                                                       att_cap, scale, reinterpret_cast<char*>(smem_raw), wait);
       ps_stamp(trace, o, 1);

@@ -50,3 +50,13 @@ fi
 if [ "$PH" = B ]; then  # why the cooperative launch is refused; then the GPU tests again
   timeout 120 python3 lab/records/v48/occupancy.py >$W/occupancy.log 2>&1; note "occupancy rc=$?"; cat $W/occupancy.log | tee -a $S
 fi
+if [ "$PH" = D ]; then  # the tests after the barrier change; the tune choosing among the forms with persist; 8B pairs
+  pt persist-all 300 tests/test_persist_gpu.py
+  pt engine-forms 300 tests/test_engine_gpu.py -k "every_gemv_form or tune_chooses or graph_bit or resolve_saves"
+  for m in llama-3.2-1b llama-3.1-8b; do timeout 200 atomflow-bench fetch $m >$W/fetch-$m.log 2>&1; done
+  runf g-1-8b-fp8 new llama-3.1-8b fp8 --forms "short:ws/l2=24/wo-pre=2;split:ws/l2=24/wo-pre=2"; runf p-1-8b-fp8 new llama-3.1-8b fp8 --forms "$P"
+  runf g-1-8b-fp16 new llama-3.1-8b fp16 --forms "short:ws/l2=4;split:ws/l2=4"; runf p-1-8b-fp16 new llama-3.1-8b fp16 --forms "$P"
+  timeout 300 atomflow-bench tune llama-3.2-1b --weights fp8 --ctx 128 --tokens 256 --format md >$W/tune-1b-fp8.md 2>$W/tune-1b-fp8.log
+  note "tune 1b fp8: rc=$? $(grep -i 'chosen\|forms' $W/tune-1b-fp8.md | head -3 | tr '\n' ' ')"
+  runf tuned-1b-fp8 new llama-3.2-1b fp8
+fi
