@@ -123,6 +123,17 @@ def test_same_bits_as_the_ws_form(tiny_model, fmt):
             np.testing.assert_array_equal(b[name], a[name], err_msg=f"step {i} {name}")
 
 
+def test_persist_after_other_forms(tiny_model):
+    """An engine built with other forms runs the persistent step once `use` (or `tune`) builds it: the layer table is
+    filled when the weights are loaded, whatever the forms."""
+    eng = Engine(tiny_model, weights="fp8", max_seq=64)
+    assert not eng.forms.gemv.persist
+    prompt = prompt_of(eng, 10, seed=4)
+    want = eng.generate(prompt, 12)
+    eng.use(PERSIST)
+    assert eng.generate(prompt, 12) == want
+
+
 def test_replays_are_deterministic(tiny_model):
     eng = Engine(tiny_model, weights="fp8", max_seq=64, forms=PERSIST)
     prompt = prompt_of(eng, 12, seed=2)

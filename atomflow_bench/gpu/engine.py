@@ -73,6 +73,8 @@ class Engine:
         self.lib = lib if lib is not None else kernel_lib(extra_defines=kernel_defines)
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress, shard=self.shard)
+        # where the persistent step finds each layer (a form `use` or `tune` may build at any time)
+        self.arena["ps_layers"].set(layer_table(self.arena, self.layer_cfg, weights))
         self.tp = None
         if group is not None:
             rows = max(s.vocab_rows[1] - s.vocab_rows[0] for s in self.shards)
@@ -107,8 +109,6 @@ class Engine:
         """Build the steps of `forms` (its kernels compiled now, before anything is timed); graphs are captured on
         first replay."""
         self.forms = forms.check(self.cc)
-        if forms.short_attention and forms.gemv.persist:
-            self.arena["ps_layers"].set(layer_table(self.arena, self.layer_cfg, self.fmt))
         self._probe_steps: dict = {}
         cap = self.short_capacity if forms.short_attention else 0
         self.att_caps = [cap] if cap else []

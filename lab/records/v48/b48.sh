@@ -60,3 +60,12 @@ if [ "$PH" = D ]; then  # the tests after the barrier change; the tune choosing 
   note "tune 1b fp8: rc=$? $(grep -i 'chosen\|forms' $W/tune-1b-fp8.md | head -3 | tr '\n' ' ')"
   runf tuned-1b-fp8 new llama-3.2-1b fp8
 fi
+if [ "$PH" = E ]; then  # after the layer table moved to load time: the tune tests, tune 1B W8A16 and a run on its choice
+  pt persist-all 300 tests/test_persist_gpu.py
+  pt engine-forms 300 tests/test_engine_gpu.py -k "every_gemv_form or tune_chooses or graph_bit or resolve_saves"
+  timeout 200 atomflow-bench fetch llama-3.2-1b >$W/fetch-1b.log 2>&1
+  timeout 300 atomflow-bench tune llama-3.2-1b --weights fp8 --ctx 128 --tokens 256 --format md >$W/tune-1b-fp8.md 2>$W/tune-1b-fp8.log
+  note "tune 1b fp8: rc=$? $(tail -3 $W/tune-1b-fp8.log | tr '\n' ' ')"; cat $W/tune-1b-fp8.md | tee -a $S
+  runf tuned-1b-fp8 new llama-3.2-1b fp8
+  runf g-3-1b-fp8 new llama-3.2-1b fp8 --forms "short:ring/l2=4;split:ring/l2=4"
+fi
