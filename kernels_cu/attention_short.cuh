@@ -1,5 +1,6 @@
-// attention_short.cuh — the short attention's device functions (attention_short.cu's kernels and the persistent
-// step, decode_persist.cu, run them): one block's GQA attention of one query token over a short contiguous KV cache.
+// attention_short.cuh — the short attention's device functions (attention_short.cu's kernels and the lab's persistent
+// step, lab/kernels/decode_persist.cu, run them): one block's GQA attention of one query token over a short
+// contiguous KV cache.
 //
 // Computes   what attention_short.cu's header says, for one head group j of the block.
 // Layouts    as attention_short.cu: K, V, P in the dynamic shared memory the caller hands over.

@@ -2,8 +2,7 @@
 # The one device command: install, GPU tests, benchmarks; a short table last, full logs and JSON under $OUT.
 #   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench validate gemv profile ab
 #                                       (default: info kernels engine bench)
-#   KERNELS_K / ENGINE_K="pytest -k expression" (kernels / engine stage: a subset; engine also runs the persistent
-#                                       step's tests, tests/test_persist_gpu.py); each test stage logs its 25
+#   KERNELS_K / ENGINE_K="pytest -k expression" (kernels / engine stage: a subset); each test stage logs its 25
 #                                       slowest tests (--durations) and adds a row (passed, failed, wall seconds) to
 #                                       the table printed last
 #   BENCH_SPECS="model:fmt ..."  CTX=128 (bench: `run` per spec, ctx CTX, 256 tokens, 5 repeats)
@@ -77,8 +76,7 @@ for st in $stages; do
     kernels)
       suite kernels tests/test_kernels_gpu.py "${KERNELS_TIMEOUT:-400}" "${KERNELS_K:-}" ;;
     engine)
-      suite engine tests/test_engine_gpu.py "${ENGINE_TIMEOUT:-560}" "${ENGINE_K:-}" -s
-      suite persist tests/test_persist_gpu.py "${PERSIST_TIMEOUT:-420}" "" -s ;;
+      suite engine tests/test_engine_gpu.py "${ENGINE_TIMEOUT:-560}" "${ENGINE_K:-}" -s ;;
     bench)
       for spec in ${BENCH_SPECS:-"llama-3.2-3b:fp8" "llama-3.2-3b:fp16" "llama-3.2-1b:fp16"}; do
         run_one "${spec%%:*}-${spec##*:}" "${spec%%:*}" "${spec##*:}"

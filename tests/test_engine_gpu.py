@@ -37,7 +37,6 @@ from lab.timeline import DEFINE as TIMELINE_DEFINE
 from atomflow_bench.store.checkpoint import Checkpoint
 from atomflow_bench.store.sources.synthetic import make_synthetic
 from atomflow_bench.store.store import write_json_atomic
-from atomflow_bench.gpu.ops.persist import supported as persist_supported
 from atomflow_bench.reference import ReferenceDecoder
 
 pytestmark = pytest.mark.gpu
@@ -354,27 +353,25 @@ def test_tune_chooses_among_candidates(tiny_model, fmt):
 
     eng = Engine(tiny_model, weights=fmt, max_seq=900)
     default, cap = eng.forms, eng.short_capacity
-    gemvs, shorts = candidates(fmt, eng.cc, cap, persist=persist_supported(eng.layer_cfg) is None)
-    kernel_forms = [g for g in gemvs if not g.persist]  # persist: timed in the short bucket only
+    gemvs, shorts = candidates(fmt, eng.cc, cap)
     forms, rep = tune(eng)
     assert isinstance(forms, Forms)
-    assert forms.short_attention in shorts and forms.gemv in gemvs and forms.gemv_split in kernel_forms
+    assert forms.short_attention in shorts and forms.gemv in gemvs and forms.gemv_split in gemvs
     length = min(cap or 900, 900)
     assert rep["lengths"] == sorted({length // 2, length})
-    pairs = {f"{'short' if s else 'split'}:{g.text}" for g in gemvs for s in shorts if s or not g.persist}
-    assert len(pairs) == len(kernel_forms) * len(shorts) + len(gemvs) - len(kernel_forms)
-    assert set(rep["step_us"]) == pairs
+    pairs = {f"{'short' if s else 'split'}:{g.text}" for g in gemvs for s in shorts}
+    assert len(pairs) == len(gemvs) * len(shorts) and set(rep["step_us"]) == pairs
     assert all(np.isfinite(v) and v > 0 for v in rep["step_us"].values())
     chosen = f"{'short' if forms.short_attention else 'split'}:{forms.gemv.text}"
     assert chosen == min(rep["step_us"], key=rep["step_us"].get)
     if forms.short_attention and len(gemvs) > 1:
         sp = rep["split"]
         assert sp["lengths"] == [(cap + 1 + 900) // 2, 900]
-        assert set(sp["step_us"]) == {g.text for g in kernel_forms}
+        assert set(sp["step_us"]) == {g.text for g in gemvs}
         assert all(np.isfinite(v) and v > 0 for v in sp["step_us"].values())
         assert forms.gemv_split.text == min(sp["step_us"], key=sp["step_us"].get)
     else:
-        assert "split" not in rep and (forms.gemv.persist or forms.gemv_split == forms.gemv)
+        assert "split" not in rep and forms.gemv_split == forms.gemv
     assert eng.forms == default  # tune only measures: resolve puts the forms on the engine
     assert eng.position == int(eng.arena["pos"].get()[0]) == 0
     prompt = crossing_prompt(eng)

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import GROUP, ModelConfig
 from ..errors import AtomflowError
-from .ops import attention, gemv, lm_head, persist
+from .ops import attention, gemv, lm_head
 
 ALIGN = 256
 POOLS = ("weights", "kv", "activations", "scratch")
@@ -121,8 +121,6 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132, lm_hea
     p.add("scratch", "prompt", (max_seq,), np.int32)
     p.add("scratch", "out_tokens", (max_seq,), np.int32)
     p.add("scratch", "rope_cs", (max_seq, cfg.head_dim // 2, 2), np.float32)
-    for name, shape, dtype in persist.arena_regions(cfg):  # the persistent step's layer table and counters
-        p.add("scratch", name, shape, dtype)
     return p
 
 

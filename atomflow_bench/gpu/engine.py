@@ -35,8 +35,7 @@ from .nvrtc import KernelLib
 from .ops import kernel_lib
 from .ops.attention import short_capacity
 from .ops.lm_head import partial_blocks
-from .ops.persist import layer_table
-from .step import build_step, persist_ops, run_eager
+from .step import build_step, run_eager
 from .upload import upload_weights
 
 
@@ -73,8 +72,6 @@ class Engine:
         self.lib = lib if lib is not None else kernel_lib(extra_defines=kernel_defines)
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress, shard=self.shard)
-        # where the persistent step finds each layer (a form `use` or `tune` may build at any time)
-        self.arena["ps_layers"].set(layer_table(self.arena, self.layer_cfg, weights))
         self.tp = None
         if group is not None:
             rows = max(s.vocab_rows[1] - s.vocab_rows[0] for s in self.shards)
@@ -101,15 +98,13 @@ class Engine:
                               vocab_rows=self.shard.vocab_rows if self.shard else None, tp_path=tp_path)
         if self.pdl:
             for ln in launches[1:]:
-                if not ln.cooperative:  # a persistent kernel starts after its predecessor has finished
-                    ln.enable_pdl()
+                ln.enable_pdl()
         return launches
 
     def use(self, forms: Forms) -> None:
         """Build the steps of `forms` (its kernels compiled now, before anything is timed); graphs are captured on
         first replay."""
         self.forms = forms.check(self.cc)
-        self._probe_steps: dict = {}
         cap = self.short_capacity if forms.short_attention else 0
         self.att_caps = [cap] if cap else []
         self.variants = {cap: self.bucket_launches(cap, forms.gemv)} if cap else {}
@@ -156,17 +151,9 @@ class Engine:
         return self._graphs[key]
 
     def step_eager(self, taps: bool = False) -> dict | None:
-        """One step launch by launch; with `taps`, every probe copied out (the persistent form then runs one op per
-        launch: step.persist_ops)."""
         out = {} if taps else None
-        launches = self.launches
-        key = self.bucket(self.position + 1)
-        if taps and key is not None and self.forms.gemv.persist:
-            if key not in self._probe_steps:
-                self._probe_steps[key] = persist_ops(self.layer_cfg, self.fmt, self.arena, self.lib, self.gpu["sms"])
-            launches = self._probe_steps[key]
         with self.stream:
-            run_eager(launches, out)
+            run_eager(self.launches, out)
         self.position += 1
         return out
 

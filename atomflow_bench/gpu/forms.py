@@ -8,10 +8,7 @@ CLI's --forms and ATOMFLOW_FORMS, is
 
     short:<gemv>;split:<gemv>      e.g.  short:ws-pre2/l2=8;split:ring/l2=0
     split:<gemv>                   the split kernel for every length
-    <gemv> = ring | ws | ws-pre<N>, then /l2=<MB>, then (ws) /wo-pre=<N>; or (the short bucket) persist
-
-`persist` is not a GEMV form but the whole layer stack as one persistent kernel (ops/persist.py): the ws form's GEMVs
-and the short attention walked by one block per SM, op after op, each op waiting on a counter for its input.
+    <gemv> = ring | ws | ws-pre<N>, then /l2=<MB>, then (ws) /wo-pre=<N>
 
 Forms are resolved once (given, saved by `tune`, or the defaults below) and handed to the step builder; nothing
 below that reads the environment.
@@ -39,11 +36,8 @@ class GemvForm:
     # ws: o_proj's slots before its wait (None: as ws_pre). Its blocks land while the attention runs, and what they
     # ask before the release queues in front of the attention's completion
     wo_pre: int | None = None
-    persist: bool = False       # the persistent step (ops/persist.py) instead of a kernel per op; nothing else set
 
     def __post_init__(self):
-        if self.persist and (self.ws or self.ws_pre is not None or self.l2_tail_mb or self.wo_pre is not None):
-            raise AtomflowError("persist takes no other GEMV field")
         for name, n in (("ws-pre<N>", self.ws_pre), ("wo-pre=<N>", self.wo_pre)):
             if n is not None and (not self.ws or not 0 <= n <= GEMV_WS_MAX):
                 raise AtomflowError(f"{name} needs the ws form and 0 <= N <= {GEMV_WS_MAX}")
@@ -52,8 +46,6 @@ class GemvForm:
 
     @property
     def text(self) -> str:
-        if self.persist:
-            return "persist"
         base = "ring" if not self.ws else "ws" if self.ws_pre is None else f"ws-pre{self.ws_pre}"
         wo = "" if self.wo_pre is None else f"/wo-pre={self.wo_pre}"
         return f"{base}/l2={self.l2_tail_mb}{wo}"
@@ -64,10 +56,7 @@ class GemvForm:
 
     @classmethod
     def parse(cls, text: str) -> "GemvForm":
-        usage = (f"GEMV form {text!r}: ring, ws or ws-pre<N>, then optionally /l2=<MB>, then (ws) /wo-pre=<N>; or "
-                 "persist")
-        if text.strip() == "persist":
-            return cls(persist=True)
+        usage = f"GEMV form {text!r}: ring, ws or ws-pre<N>, then optionally /l2=<MB>, then (ws) /wo-pre=<N>"
         rest, sep_wo, wo = text.strip().partition("/wo-pre=")
         base, sep, l2 = rest.partition("/l2=")
         if (sep and not l2.isdigit()) or (sep_wo and not wo.isdigit()):
@@ -100,17 +89,12 @@ class Forms:
             bucket, sep, form = seg.partition(":")
             if not sep or bucket not in ("short", "split") or bucket in parts:
                 raise AtomflowError(f"forms {text!r}: expected short:<gemv>;split:<gemv> or split:<gemv> "
-                                    "(<gemv> = ring | ws | ws-pre<N>, then /l2=<MB>, then (ws) /wo-pre=<N>; or, "
-                                    "in the short bucket, persist)")
+                                    "(<gemv> = ring | ws | ws-pre<N>, then /l2=<MB>, then (ws) /wo-pre=<N>)")
             parts[bucket] = GemvForm.parse(form)
         if not parts:
             raise AtomflowError("forms: empty")
         short = parts.get("short")
-        split = parts.get("split", short)
-        if split.persist:
-            raise AtomflowError(f"forms {text!r}: persist serves the short bucket only (its attention is the short "
-                                "kernel's); name the split bucket's form too, e.g. short:persist;split:ring/l2=8")
-        return cls(short is not None, short or parts["split"], split)
+        return cls(short is not None, short or parts["split"], parts.get("split", short))
 
     def bucket_form(self, short: bool) -> GemvForm:
         return self.gemv if short else self.gemv_split
@@ -118,11 +102,9 @@ class Forms:
     def check(self, cc: int) -> "Forms":
         """Refuse what this GPU cannot run (one line): ws and the L2 prefetch need sm_90+ (bulk copies)."""
         for g in {self.gemv, self.gemv_split}:
-            if cc < 90 and (g.ws or g.l2_tail_mb or g.persist):
-                raise AtomflowError(f"forms {self.text!r}: ws, persist and /l2=<MB> need sm_90+ (bulk copies); this "
-                                    f"GPU is sm_{cc}")
-        if self.gemv_split.persist or (self.gemv.persist and not self.short_attention):
-            raise AtomflowError(f"forms {self.text!r}: persist serves the short bucket only")
+            if cc < 90 and (g.ws or g.l2_tail_mb):
+                raise AtomflowError(f"forms {self.text!r}: ws and /l2=<MB> need sm_90+ (bulk copies); this GPU is "
+                                    f"sm_{cc}")
         return self
 
 
@@ -150,19 +132,15 @@ def tp_defaults(forms: Forms, fmt: str, cc: int) -> Forms:
     return forms
 
 
-def candidates(fmt: str, cc: int, short_capacity: int, persist: bool = False) -> tuple[list[GemvForm], list[bool]]:
+def candidates(fmt: str, cc: int, short_capacity: int) -> tuple[list[GemvForm], list[bool]]:
     """What `tune` times: every GEMV form (ws, ws-pre<N> of WS_PRE_TRY, ws with o_proj's count of WO_PRE_TRY, ring)
-    at every L2_TAILS size on sm_90+, the ring alone before; with and without the short bucket where it fits; and,
-    with `persist` (the model's shape has a persistent kernel: ops/persist.py supported) on sm_90+ with the short
-    bucket, the persistent step (timed in the short bucket only)."""
+    at every L2_TAILS size on sm_90+, the ring alone before; with and without the short bucket where it fits."""
     if cc < 90:
         gemv = [GemvForm()]
     else:
         bases = [GemvForm(True), *(GemvForm(True, n) for n in WS_PRE_TRY[fmt]),
                  *(GemvForm(True, wo_pre=n) for n in WO_PRE_TRY[fmt]), GemvForm(False)]
         gemv = [replace(b, l2_tail_mb=t) for b in bases for t in L2_TAILS]
-        if persist and short_capacity:
-            gemv.append(GemvForm(persist=True))
     return gemv, ([True, False] if short_capacity else [False])
 
 

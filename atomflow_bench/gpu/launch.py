@@ -37,7 +37,6 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_Attr)), ("numAttrs", ctypes.c_uint)]
 
 
-CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _libcuda = None
 
@@ -69,15 +68,14 @@ def _c_arg(a):
     raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
 
 
-class ExLauncher:
-    """A pre-built cuLaunchKernelEx call of one Launch with one launch attribute set to 1 (PDL, or cooperative:
-    every block resident at once, else the launch fails instead of hanging), argument storage kept alive with it."""
+class PdlLauncher:
+    """A pre-built cuLaunchKernelEx call of one Launch with the PDL attribute (argument storage kept alive with it)."""
 
-    def __init__(self, fn, grid, block, args, shmem, attribute: int):
+    def __init__(self, fn, grid, block, args, shmem):
         self._args = [_c_arg(a) for a in args]
         self._params = (ctypes.c_void_p * len(self._args))(*[ctypes.addressof(a) for a in self._args])
         self._attrs = (_Attr * 1)()
-        self._attrs[0].id = attribute
+        self._attrs[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         self._attrs[0].value.value = 1
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
@@ -112,36 +110,25 @@ class Launch:
     taps: dict = field(default_factory=dict)
     bytes_moved: int = 0
     label: str = ""
-    # a persistent kernel (ops/persist.py): launched cooperative, never with PDL (its blocks wait on each other,
-    # so all must be resident, and it reads the previous kernel's outputs from its first instruction)
-    cooperative: bool = False
     pdl: bool = False  # set by enable_pdl(): launched with programmatic stream serialization
-    _ex_launcher: ExLauncher | None = None
-
-    def __post_init__(self):
-        if self.cooperative:
-            self._ex_launcher = ExLauncher(self.fn, self.grid, self.block, self.args, self.shmem,
-                                           CU_LAUNCH_ATTRIBUTE_COOPERATIVE)
+    _pdl_launcher: PdlLauncher | None = None
 
     def __call__(self):
-        if self._ex_launcher is not None:
-            self._ex_launcher()
+        if self._pdl_launcher is not None:
+            self._pdl_launcher()
         else:
             self.fn(self.grid, self.block, self.args, shared_mem=self.shmem)
 
     def enable_pdl(self) -> None:
-        if self.cooperative:
-            raise AtomflowError(f"{self.name}: a cooperative launch takes no programmatic dependent launch")
         self.pdl = True
-        self._ex_launcher = ExLauncher(self.fn, self.grid, self.block, self.args, self.shmem,
-                                       CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self._pdl_launcher = PdlLauncher(self.fn, self.grid, self.block, self.args, self.shmem)
 
 
 def with_last_arg(ln: Launch, arg) -> Launch:
     """A copy of `ln` whose last kernel argument is `arg` (e.g. a step's `advance` flag), PDL as `ln` had it."""
     import dataclasses
 
-    out = dataclasses.replace(ln, args=ln.args[:-1] + (arg,), pdl=False, _ex_launcher=None)
+    out = dataclasses.replace(ln, args=ln.args[:-1] + (arg,), pdl=False, _pdl_launcher=None)
     if ln.pdl:
         out.enable_pdl()
     return out

@@ -17,9 +17,6 @@ runs eagerly (`run_eager`, optionally copying probes out after each launch) or i
 plus the embedding lookup before the layers and the lm_head after them (the final RMSNorm in its prologue, the
 greedy argmax and the step's bookkeeping in its epilogue). Each op's launch factory lives in ops/; the form each op
 runs comes in as a value (forms.GemvForm, the attention bucket), never from the environment.
-
-The persistent form (GemvForm persist, short bucket, one GPU) runs the embedding and the layers in one launch of
-ops/persist.py's kernel, then the same lm_head: 2 launches. For probes it runs one op per launch (persist_ops).
 """
 from __future__ import annotations
 
@@ -34,7 +31,6 @@ from .nvrtc import KernelLib
 from .ops import lm_head
 from .ops.attention import attention_launch, attention_short_launch
 from .ops.gemv import ROLE_VARIANT, gemv_launch, head_l2, linear_regions, next_l2
-from .ops.persist import n_ops, persist_launch
 from .ops.small import embed_launch
 
 
@@ -50,10 +46,6 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
     followed by tp.sum_launches (nccl: the all-reduce; the last launch carries the h probe); the lm_head finds the
     rank's best over its rows and tp's combine picks the token and advances the position. `tp_path` overrides the
     run's path (gpu/tp/sums.py; "local": no exchange, for timing)."""
-    if form.persist:
-        if tp is not None or not att_cap:
-            raise AtomflowError("the persistent step serves the short bucket of one GPU only")
-        return [persist_launch(lib, a, cfg, fmt, n_sm), lm_head.lm_head_launch(lib, a, cfg, n_sm)]
     H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_dim, kv_dim, eps = cfg.q_dim, cfg.kv_dim, cfg.rms_norm_eps
     h, qkv, attn_out, act = (a[n] for n in ("h", "qkv", "attn_out", "act"))
@@ -110,20 +102,6 @@ def build_step(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int, 
                                     tp_path)
     check_residual_order([ln.name for ln in steps])
     return steps
-
-
-def persist_ops(cfg: ModelConfig, fmt: str, a: Arena, lib: KernelLib, n_sm: int) -> list[Launch]:
-    """The persistent step one op per launch, each carrying the probes its op leaves (the graph step's probes: the
-    same kernel, the same blocks' work, only the hand-over between ops is a kernel boundary), then the lm_head."""
-    qkv, q_dim, kv_dim = a["qkv"], cfg.q_dim, cfg.kv_dim
-    steps = [persist_launch(lib, a, cfg, fmt, n_sm, (0, 1), taps={"embed": a["h"]})]
-    for i in range(cfg.num_hidden_layers):
-        p, o = f"layers.{i}.", 1 + 5 * i
-        taps = [{p + "q": qkv[:q_dim], p + "k": qkv[q_dim:q_dim + kv_dim], p + "v": qkv[q_dim + kv_dim:]},
-                {p + "attn_out": a["attn_out"]}, {p + "attn": a["h"]}, {p + "act": a["act"]}, {p + "mlp": a["h"]}]
-        steps += [persist_launch(lib, a, cfg, fmt, n_sm, (o + k, o + k + 1), taps=t) for k, t in enumerate(taps)]
-    assert 1 + 5 * cfg.num_hidden_layers == n_ops(cfg)
-    return steps + [lm_head.lm_head_launch(lib, a, cfg, n_sm)]
 
 
 def hold_position(launches: list[Launch]) -> list[Launch]:

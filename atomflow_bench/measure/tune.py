@@ -21,7 +21,6 @@ import numpy as np
 from rich.markup import escape
 
 from ..gpu.forms import Forms, candidates, from_env
-from ..gpu.ops.persist import supported as persist_supported
 from ..gpu.graph import StepGraph
 from ..gpu.step import hold_position
 from ..output import Tab
@@ -35,8 +34,7 @@ SCHEMA = "atomflow-bench/tuning/1"
 def tune(engine, replays: int = 12, rounds: int = 3, progress=None) -> tuple[Forms, dict]:
     """(the fastest forms, what was timed): every (GEMV form, attention bucket) pair of forms.candidates."""
     cap = engine.short_capacity
-    gemv_forms, shorts = candidates(engine.fmt, engine.cc, cap,
-                                    persist=engine.group is None and persist_supported(engine.layer_cfg) is None)
+    gemv_forms, shorts = candidates(engine.fmt, engine.cc, cap)
     a, stream = engine.arena, engine.stream
     a["cur_token"].set(np.zeros(1, np.int32))
     graphs: dict = {}
@@ -58,15 +56,13 @@ def tune(engine, replays: int = 12, rounds: int = 3, progress=None) -> tuple[For
 
     length = min(cap or engine.max_seq, engine.max_seq)
     lengths = sorted({max(1, length // 2), length})
-    pairs = [(g, s) for g in gemv_forms for s in shorts if s or not g.persist]  # persist: the short bucket only
+    pairs = [(g, s) for g in gemv_forms for s in shorts]
     (g, short), us = fastest(timer(lengths), pairs, rounds)
     report = {"lengths": lengths, "step_us": {f"{'short' if s else 'split'}:{f.text}": t for (f, s), t in us.items()}}
-    kernel_forms = [f for f in gemv_forms if not f.persist]
-    # the split bucket's form: the short one's when it is a kernel-per-op form, else the fastest of those
-    split = g if not g.persist else min((f for f, s in us if s and not f.persist), key=lambda f: us[f, True])
-    if short and engine.max_seq > cap and len(kernel_forms) > 1:
+    split = g
+    if short and engine.max_seq > cap and len(gemv_forms) > 1:
         split_lengths = sorted({(cap + 1 + engine.max_seq) // 2, engine.max_seq})
-        (split, _), us = fastest(timer(split_lengths), [(f, False) for f in kernel_forms], rounds)
+        (split, _), us = fastest(timer(split_lengths), [(f, False) for f in gemv_forms], rounds)
         report["split"] = {"lengths": split_lengths, "step_us": {f.text: t for (f, _), t in us.items()}}
     graphs.clear()  # the candidates' graphs go before the chosen forms are built
     a["pos"].set(np.zeros(1, np.int32))

@@ -1,6 +1,11 @@
-"""The persistent step's host side without a GPU: its form's text, where it may run, its shared-memory plan, the
-layer table's order, which shapes have a kernel, and what `tune` offers."""
+"""The lab's persistent step (lab/persist.py, lab/kernels/decode_persist.cu) without a GPU: its shared-memory plan,
+the layer table's order, which shapes have a kernel, the kernel's constants and its build (nvcc: the entries, and no
+more stack than the one allowance)."""
 from __future__ import annotations
+
+import re
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -8,34 +13,15 @@ import pytest
 from atomflow_bench.config import CATALOG, ModelConfig
 from atomflow_bench.errors import AtomflowError
 from atomflow_bench.gpu.device import SMEM_H100
-from atomflow_bench.gpu.forms import Forms, GemvForm, candidates
-from atomflow_bench.gpu.ops import persist
 from atomflow_bench.gpu.ops.attention import short_smem, short_static
+from lab import KERNELS_DIR
+from lab import persist
 
 SMEM_SM89 = (99 * 1024, 100 * 1024, 1024)
 
 
 def cfg_of(name: str) -> ModelConfig:
     return CATALOG[name].config
-
-
-def test_persist_form_text_and_refusals():
-    f = Forms.parse("short:persist;split:ring/l2=8")
-    assert f.gemv == GemvForm(persist=True) and f.gemv_split == GemvForm(False, None, 8)
-    assert f.text == "short:persist;split:ring/l2=8"
-    assert Forms.parse(f.text) == f
-    for bad in ("split:persist", "short:persist", "short:ring;split:persist"):
-        with pytest.raises(AtomflowError, match="short bucket"):
-            Forms.parse(bad)
-    with pytest.raises(AtomflowError, match="no other GEMV field"):
-        GemvForm(ws=True, persist=True)
-    with pytest.raises(AtomflowError):
-        GemvForm.parse("persist/l2=8")
-    with pytest.raises(AtomflowError, match="sm_90"):
-        f.check(89)
-    assert f.check(90) is f
-    with pytest.raises(AtomflowError, match="short bucket"):
-        Forms(False, GemvForm(persist=True), GemvForm()).check(90)
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "smollm2-135m"])
@@ -107,9 +93,26 @@ def test_layer_table_order():
     assert int(persist.layer_table(a, cfg, "fp16")[0][1]) == 0  # no scales in fp16
 
 
-def test_tune_offers_persist_only_where_it_can_run():
-    forms, shorts = candidates("fp8", 90, 416, persist=True)
-    assert forms.count(GemvForm(persist=True)) == 1 and shorts == [True, False]
-    assert GemvForm(persist=True) not in candidates("fp8", 90, 416)[0]
-    assert GemvForm(persist=True) not in candidates("fp8", 90, 0, persist=True)[0]  # no short bucket
-    assert GemvForm(persist=True) not in candidates("fp8", 89, 416, persist=True)[0]
+def test_constants_are_the_kernels_defines():
+    text = (KERNELS_DIR / "decode_persist.cu").read_text()
+    found = dict(re.findall(r"^#define (PS_\w+) (\d+)", text, re.M))
+    assert {k: int(v) for k, v in found.items()} == persist.CU_DEFINES
+
+
+# Nine warps per block cap a thread at 168 registers; the GEMVs and the attention together need a few more, so ptxas
+# keeps a little on the stack (decode_persist.cu, the instances' comment). More than this is a regression.
+STACK_ALLOWED = 32
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_the_kernel_builds_beside_the_product(tmp_path):
+    """It compiles from the lab against the product's headers, its entries are kernel_name's, and no instance keeps
+    more than STACK_ALLOWED bytes on the stack."""
+    src = KERNELS_DIR / "decode_persist.cu"
+    out = subprocess.run([shutil.which("nvcc"), "-arch=sm_90", "-std=c++17", "-Xptxas", "-v", "-c", str(src), "-o",
+                          str(tmp_path / "p.o")], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    entries = re.findall(r"Compiling entry function '(\w+)'", out.stderr)
+    assert sorted(entries) == sorted(persist.KERNELS["decode_persist.cu"])
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
+    assert len(frames) == len(entries) and max(int(v) for f in frames for v in f) <= STACK_ALLOWED

@@ -1,11 +1,11 @@
-// decode_persist.cu — the decode step's embedding and layers as one persistent kernel (forms.GemvForm "persist",
-// sm_90+): one block per SM walks the step's ops in order, each op waiting only on the op whose output it reads,
+// decode_persist.cu — the decode step's embedding and layers as one persistent kernel (the lab's persistent step,
+// lab/persist.py; measured slower than the product's graph on every shape: PERF_NOTES v48; sm_90+): one block per SM walks the step's ops in order, each op waiting only on the op whose output it reads,
 // through counters in global memory instead of a kernel boundary.
 //
 // Computes   what the step's graph form computes from the embedding to the last layer's residual (gpu/step.py): per
 //            layer QKV (RMSNorm prologue, RoPE + KV append), the short attention, o_proj (+ residual), gate/up
 //            (RMSNorm, SwiGLU), down (+ residual) — the same device functions as the warp-specialised GEMVs
-//            (gemv_ws.cuh ws_consume: the same tiles per block, the same mma order) and the short attention
+//            (ws_stream.cuh ws_consume: the same tiles per block, the same mma order) and the short attention
 //            (attention_short.cuh), so its results equal the graph's `ws` form bit for bit. The lm_head (final norm,
 //            argmax, bookkeeping) stays its own launch after this one.
 // Scheme     ops o = 0 (embedding), 1 + 5 i + k (layer i: k = 0 QKV, 1 attention, 2 o_proj, 3 gate/up, 4 down); a
@@ -18,7 +18,7 @@
 //            increment (fence, then atomicAdd). The attention runs on the last n_att blocks (those with the fewest
 //            tiles in the grid-stride order), which stage the K/V rows of earlier steps before they wait for QKV.
 //            The last block to finish resets the launch's counters (a ticket), so every launch starts from zero.
-// Layouts    layers: per layer PS_PTRS device addresses (gpu/ops/persist.py layer_table): the tiled weights and
+// Layouts    layers: per layer PS_PTRS device addresses (lab/persist.py layer_table): the tiled weights and
 //            fp8 scales of wqkv, wo, wgu, wd, the two norm weights, the layer's K and V cache. Activations as the
 //            step's: h fp32 [H], qkv fp16 [qkv_rows], attn_out fp16 [q_dim], act fp16 [I]. counters: u32 [n_ops + 1]
 //            (the last: the ticket). trace (tests, else null): u32, [0] a sequence, then per (op, block) the
@@ -29,10 +29,10 @@
 // Bytes      the step's weights once (+ fp8 scales), K/V rows, the activations through L2, n_ops * blocks counter adds.
 // Launch     grid = the SM count, block = GEMV_WS_THREADS (288), one block per SM (its shared memory takes the SM);
 //            cooperative (every block resident: the waits need it); never with programmatic dependent launch.
-#include "attention_short.cuh"
-#include "gemv_ws.cuh"
+#include "../../kernels_cu/attention_short.cuh"
+#include "ws_stream.cuh"
 
-#define PS_PTRS 12          // device addresses per layer in the layer table (gpu/ops/persist.py PS_PTRS)
+#define PS_PTRS 12          // device addresses per layer in the layer table (lab/persist.py PS_PTRS)
 #define PS_OPS_PER_LAYER 5  // QKV, attention, o_proj, gate/up, down
 enum { PS_QKV = 0, PS_ATT = 1, PS_WO = 2, PS_WGU = 3, PS_WD = 4 };
 
@@ -184,11 +184,11 @@ __device__ __forceinline__ void decode_persist_body(PS_PARAMS) {
 #define PS_BODY(FP8, HD, G)
 #endif
 
-// One kernel per (format, head_dim, q heads per kv head): gpu/ops/persist.py kernel_name. Declared for every
+// One kernel per (format, head_dim, q heads per kv head): lab/persist.py kernel_name. Declared for every
 // architecture, built for sm_90+ only (below, the body traps: the host refuses the form there). Nine warps per
 // block leave each thread 168 registers (an SM's four register files of 16384 hold three warps each at most); the
 // GEMVs and the attention in one kernel need a little more, so ptxas keeps up to 32 bytes on the stack
-// (tests/test_nvcc.py allows these kernels that much).
+// (tests/test_lab_persist.py checks that bound).
 #define PS_INSTANCE(NAME, FP8, HD, G) \
   extern "C" __global__ void __launch_bounds__(GEMV_WS_THREADS, 1) NAME(PS_PARAMS) { PS_BODY(FP8, HD, G) }
 

@@ -1,30 +1,30 @@
-"""The persistent decode step (gpu/ops/persist.py, kernels_cu/decode_persist.cu) on the GPU.
+"""The lab's persistent decode step (lab/persist.py, lab/kernels/decode_persist.cu) on the GPU.
 
 * the scheduler: every op runs once on the blocks it should (every block, the attention on the last n_att), each op
   starts only after every block it depends on has ended it (a global sequence stamped at each op's start and end),
   the counters are back at zero after every launch, graph replays included;
 * results: the same device functions as the warp-specialised form, so tokens, logits and every probe equal the `ws`
   form's bit for bit (graph and eager, buffers poisoned before each step), deterministic across replays;
-* against the NumPy reference (tiny tied/untied, both formats; the synthetic Llama-3.2-1B shape), as the graph form is.
+* against the NumPy reference (tiny tied/untied, both formats; the synthetic Llama-3.2-1B shape), as the graph is.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from atomflow_bench.errors import AtomflowError
 from atomflow_bench.gpu.device import smem_limits
 from atomflow_bench.gpu.engine import Engine
 from atomflow_bench.gpu.forms import Forms
 from atomflow_bench.gpu.graph import StepGraph
-from atomflow_bench.gpu.ops import persist
+from atomflow_bench.gpu.step import run_eager
+from lab import persist
+from lab.persist import PersistStep
 
-from test_engine_gpu import (LLAMA1B_LENGTHS, _references, assert_matches_reference, device_cc,  # noqa: F401
-                             llama1b_in_background, tiny_dir, tiny_model)  # noqa: F811
+from test_engine_gpu import (LLAMA1B_LENGTHS, _references, compare_probes, check_greedy,  # noqa: F401
+                             device_cc, llama1b_in_background, tiny_dir, tiny_model)  # noqa: F811
 
 pytestmark = pytest.mark.gpu
 
-PERSIST = Forms.parse("short:persist;split:ws")
 WS = Forms.parse("short:ws;split:ws")
 ACTIVATIONS = ("h", "qkv", "attn_out", "act", "xnorm", "logits")
 
@@ -33,6 +33,14 @@ ACTIVATIONS = ("h", "qkv", "attn_out", "act", "xnorm", "logits")
 def needs_sm90():
     if device_cc() < 90:
         pytest.skip("the persistent step needs sm_90+ (bulk copies)")
+
+
+def persistent(model_dir, fmt: str, max_seq: int) -> tuple[Engine, PersistStep]:
+    """An engine of the ws form whose short bucket replays the persistent step."""
+    eng = Engine(model_dir, weights=fmt, max_seq=max_seq, forms=WS)
+    step = PersistStep(eng)
+    step.install()
+    return eng, step
 
 
 def poison(eng) -> None:
@@ -45,64 +53,51 @@ def prompt_of(eng, n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, eng.cfg.vocab_size, n)]
 
 
-def test_forms_refuse_persist_outside_the_short_bucket():
-    with pytest.raises(AtomflowError, match="short bucket"):
-        Forms.parse("split:persist")
-    with pytest.raises(AtomflowError, match="short bucket"):
-        Forms.parse("short:persist")
-    assert PERSIST.text == "short:persist;split:ws/l2=0"
-
-
-def trace_of(eng, n_sm: int, replays: int = 1):
+def trace_of(step: PersistStep, replays: int = 1):
     """Run the whole persistent step `replays` times with a trace; (the trace of the last, the counters after)."""
     import cupy as cp
 
-    cfg, a = eng.layer_cfg, eng.arena
-    total = persist.n_ops(cfg)
+    total, n_sm = persist.n_ops(step.cfg), step.n_sm
     trace = cp.zeros(1 + 2 * total * n_sm, dtype=cp.uint32)
-    ln = persist.persist_launch(eng.lib, a, cfg, eng.fmt, n_sm, taps={}, trace=trace)
-    with eng.stream:
+    ln = step.launch(trace=trace)
+    with step.eng.stream:
         for _ in range(replays):
             trace.fill(0)
             ln()
-    eng.stream.synchronize()
-    return trace.get()[1:].reshape(total, n_sm, 2), a["ps_counters"].get()
+    step.eng.stream.synchronize()
+    return trace.get()[1:].reshape(total, n_sm, 2), step.counters.get()
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_every_op_once_in_dependency_order(tiny_model, fmt):
-    eng = Engine(tiny_model, weights=fmt, max_seq=64, forms=PERSIST)
+    eng, step = persistent(tiny_model, fmt, 64)
     eng.reset(prompt_of(eng, 9))
-    n_sm = eng.gpu["sms"]
-    cfg = eng.layer_cfg
-    n_att = cfg.num_key_value_heads
-    stamps, counters = trace_of(eng, n_sm, replays=3)
+    n_sm, cfg = step.n_sm, step.cfg
+    stamps, counters = trace_of(step, replays=3)
     assert not counters.any(), f"counters left after the launch: {counters}"
-    att_blocks = set(range(n_sm - n_att, n_sm))
-    for o, name in enumerate(persist.op_names(cfg)):
+    att_blocks = set(range(n_sm - cfg.num_key_value_heads, n_sm))
+    names = persist.op_names(cfg)
+    for o, name in enumerate(names):
         ran = {b for b in range(n_sm) if stamps[o, b, 0]}
         assert ran == (att_blocks if name.endswith("attention") else set(range(n_sm))), name
         assert all(stamps[o, b, 1] > stamps[o, b, 0] for b in ran), name
         if o == 0:
             continue
         dep = stamps[o - 1][[b for b in range(n_sm) if stamps[o - 1, b, 1]]]
-        start = min(stamps[o, b, 0] for b in ran)
-        assert start > dep[:, 1].max(), f"{name} started before {persist.op_names(cfg)[o - 1]} ended everywhere"
-    # the stamps are a permutation of 1..2 * runs: every op start and end counted once
-    s = stamps[stamps > 0]
+        assert min(stamps[o, b, 0] for b in ran) > dep[:, 1].max(), f"{name} started before {names[o - 1]} ended"
+    s = stamps[stamps > 0]  # every op start and end counted once
     assert sorted(s) == list(range(1, s.size + 1))
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_same_bits_as_the_ws_form(tiny_model, fmt):
-    """Tokens and logits of the persistent step equal the ws form's bit for bit (graph and eager, with poisoned
-    buffers), and every probe of the one-op-per-launch steps equals the ws form's probes."""
+    """Tokens and logits equal the ws form's bit for bit (graph and eager, poisoned buffers); every probe of the
+    one-op-per-launch step equals the ws form's."""
     ws = Engine(tiny_model, weights=fmt, max_seq=96, forms=WS)
-    ps = Engine(tiny_model, weights=fmt, max_seq=96, forms=PERSIST)
+    ps, step = persistent(tiny_model, fmt, 96)
     assert [ln.name for ln in ps.variants[ps.short_capacity]] == ["decode_persist", "gemv_fp16_f32_argmax"]
     prompt = prompt_of(ws, 30, seed=1)
-    for eng in (ws, ps):
-        poison(eng)
+    poison(ws)
     want = ws.generate(prompt, 40)
     want_logits = ws.arena["logits"].get()
     for graph in (True, False):
@@ -111,31 +106,23 @@ def test_same_bits_as_the_ws_form(tiny_model, fmt):
         np.testing.assert_array_equal(ps.arena["logits"].get(), want_logits)
         for name in ("h", "qkv", "attn_out", "act"):
             assert not np.isnan(ps.arena[name].get()).any(), f"{name} not overwritten"
-    # probes, teacher-forced over the same tokens
-    seq = prompt + want
+    seq = prompt + want  # probes, teacher-forced over the same tokens
+    probes = step.probe_launches()
     for eng in (ws, ps):
         eng.reset(seq)
         poison(eng)
     for i in range(12):
-        a, b = ws.step_eager(taps=True), ps.step_eager(taps=True)
+        a, b = ws.step_eager(taps=True), {}
+        with ps.stream:
+            run_eager(probes, b)
+        ps.position += 1
         assert set(a) == set(b)
         for name in a:
             np.testing.assert_array_equal(b[name], a[name], err_msg=f"step {i} {name}")
 
 
-def test_persist_after_other_forms(tiny_model):
-    """An engine built with other forms runs the persistent step once `use` (or `tune`) builds it: the layer table is
-    filled when the weights are loaded, whatever the forms."""
-    eng = Engine(tiny_model, weights="fp8", max_seq=64)
-    assert not eng.forms.gemv.persist
-    prompt = prompt_of(eng, 10, seed=4)
-    want = eng.generate(prompt, 12)
-    eng.use(PERSIST)
-    assert eng.generate(prompt, 12) == want
-
-
 def test_replays_are_deterministic(tiny_model):
-    eng = Engine(tiny_model, weights="fp8", max_seq=64, forms=PERSIST)
+    eng, step = persistent(tiny_model, "fp8", 64)
     prompt = prompt_of(eng, 12, seed=2)
     first = eng.generate(prompt, 20)
     logits = eng.arena["logits"].get()
@@ -146,19 +133,43 @@ def test_replays_are_deterministic(tiny_model):
     eng.reset(prompt)
     g.replay(5)
     eng.stream.synchronize()
-    assert not eng.arena["ps_counters"].get().any()
+    assert not step.counters.get().any()
+
+
+def assert_persist_matches_reference(model_dir, fmt: str, prompt_len: int, n_new: int, label: str):
+    """The probes of every op against the NumPy reference (test_engine_gpu's thresholds), then greedy."""
+    from test_engine_gpu import COS_MIN, cosine, reference_run
+
+    seq, ref_taps, margins = reference_run(model_dir, fmt, prompt_len, n_new)
+    eng, step = persistent(model_dir, fmt, prompt_len + n_new)
+    probes = step.probe_launches()
+    eng.reset(seq)
+    worst, where, err = 1.0, None, []
+    for i in range(len(seq) - 1):
+        taps = {}
+        with eng.stream:
+            run_eager(probes, taps)
+        eng.position += 1
+        for name, got in taps.items():
+            c = cosine(got, ref_taps[i][name])
+            if c < worst:
+                worst, where = c, f"step {i} {name}"
+        err.append(float(np.abs(taps["logits"] - ref_taps[i]["logits"]).max()))
+    print(f"{label} {fmt}: min probe cosine {worst:.6f} at {where}; max |logit diff| {max(err):.3e}")
+    assert worst >= COS_MIN[fmt], f"probe cosine {worst} < {COS_MIN[fmt]} at {where}"
+    check_greedy(eng, seq, prompt_len, margins, err)
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_tiny_persist_matches_reference(tiny_dir, fmt):
-    assert_matches_reference(tiny_dir, fmt, prompt_len=7, n_new=9, label="tiny persist", forms=PERSIST)
+    assert_persist_matches_reference(tiny_dir, fmt, 7, 9, "tiny persist")
 
 
 def test_beyond_the_attention_capacity(tiny_model):
-    """Lengths past the persistent kernel's own attention capacity (its K/V walked in chunks) stay close to the
-    short kernel's (another summation order: not bit for bit) and the tokens agree."""
-    ps = Engine(tiny_model, weights="fp16", max_seq=600, forms=PERSIST)
-    cap = persist.plan(ps.layer_cfg, "fp16", smem_limits())["att_cap"]
+    """Lengths past the kernel's own attention capacity (its K/V walked in chunks) stay close to the short kernel's
+    (another summation order: not bit for bit)."""
+    ps, step = persistent(tiny_model, "fp16", 600)
+    cap = persist.plan(step.cfg, "fp16", smem_limits())["att_cap"]
     if cap >= ps.short_capacity:
         pytest.skip(f"the persistent attention holds the whole short bucket here ({cap})")
     ws = Engine(tiny_model, weights="fp16", max_seq=600, forms=WS)
@@ -174,4 +185,4 @@ def test_beyond_the_attention_capacity(tiny_model):
 def test_llama1b_persist_matches_reference(llama1b_in_background, fmt):
     model_dir, refs = llama1b_in_background
     _references.update(refs.result())
-    assert_matches_reference(model_dir, fmt, *LLAMA1B_LENGTHS, label="llama-3.2-1b synthetic persist", forms=PERSIST)
+    assert_persist_matches_reference(model_dir, fmt, *LLAMA1B_LENGTHS, "llama-3.2-1b synthetic persist")

@@ -1,0 +1,115 @@
+// ws_stream.cuh — the warp-specialised GEMV's ring as functions a kernel can call op after op (the lab's persistent
+// step, decode_persist.cu): the producer's copies of one GEMV's tiles and the consumers' dot products and epilogues,
+// each continuing a running slot count. The same slots, barriers and sums as kernels_cu/gemv_ws.cuh.
+//
+// Computes   y = W . x per GEMV, as gemv_ws.cuh.
+// Layouts    as gemv_ws.cuh (tiled weights, 16 KB slots, full/empty mbarriers).
+// Bytes      as gemv_ws.cuh.
+// Launch     inside a kernel of GEMV_THREADS consumers + one producer warp (sm_90+).
+#pragma once
+#include "../../kernels_cu/gemv_ws.cuh"
+
+#if AF_HAS_BULK
+// The ring as the producer and the consumers of a block share it: NS slots of SLOTB bytes (weights, then fp8 scales),
+// each with a `full` mbarrier (the producer's bulk copies landed) and an `empty` one (the 8 consumer warps read it).
+// Both sides walk one running slot count `n` (slot n % NS, phase n / NS), so a kernel may stream several GEMVs through
+// one ring back to back: the persistent step (decode_persist.cu), each side continuing from the count the last one
+// returned. The product's gemv_tiled_ws (kernels_cu/gemv_ws.cuh) runs the same loops for one GEMV in its own body:
+// built on these functions its kernels measured 0.7% slower (3B fp16, H200, two interleaved rounds: PERF_NOTES v48).
+struct WsRing {
+  unsigned char* slots;
+  unsigned long long* full;
+  unsigned long long* empty;
+  int NS;
+};
+
+// The ws form's shape constants for a format.
+template <bool FP8>
+struct WsShape {
+  static constexpr int KU = FP8 ? 32 : 16, UPG = 128 / KU;             // inputs per 512-byte unit, units per group
+  static constexpr int GPS = GEMV_WS_SLOT / (UPG * 512);               // groups per slot: fp8 8, fp16 4
+  static constexpr int SLOTB = GEMV_WS_SLOT + (FP8 ? GPS * 64 : 0);    // a slot's bytes (fp8: + the groups' scales)
+};
+
+// Lane 0 of the producer warp: the block's tiles of one GEMV (tile blockIdx.x + i * gridDim.x, in order, each a
+// contiguous run of groups) into the ring from slot count n; returns the count after them. It never waits for the
+// data the GEMV reads, only for free slots, and (npre > 0) for `go` once it has filled npre slots of this GEMV.
+template <bool FP8>
+__device__ __forceinline__ int ws_produce(const WsRing& r, const unsigned char* W, const float* scales, int K,
+                                          int ntiles, int n, int npre, unsigned long long* go) {
+  using S = WsShape<FP8>;
+  const int nunits = K / S::KU, ngroups = (K + 127) >> 7, spt = (ngroups + S::GPS - 1) / S::GPS;
+  const int my_tiles = blockIdx.x < ntiles ? (ntiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const int tile_bytes = nunits * 512;
+  for (int i = 0; i < my_tiles * spt; ++i, ++n) {
+    const int slot = n % r.NS;
+    if (npre > 0 && i == npre) mbar_wait(go, 0u);  // the rest once the consumers passed their wait
+    if (n >= r.NS) mbar_wait(r.empty + slot, (unsigned)(n / r.NS - 1) & 1u);
+    const int T = blockIdx.x + (i / spt) * gridDim.x;  // slot i of the GEMV: tile T, groups [g0, g1)
+    const int g0 = (i % spt) * S::GPS, g1 = min(ngroups, g0 + S::GPS);
+    const int u0 = g0 * S::UPG, u1 = min(nunits, g1 * S::UPG);  // the last group of a tile may be short
+    const unsigned wbytes = (unsigned)(u1 - u0) * 512u;
+    const unsigned sbytes = FP8 && !AF_NO_SCALES ? (unsigned)(g1 - g0) * 64u : 0u;
+    unsigned char* dst = r.slots + (size_t)slot * S::SLOTB;
+    mbar_expect_tx(r.full + slot, wbytes + sbytes);
+    gemv_w_copy(dst, W + (size_t)T * tile_bytes + (size_t)u0 * 512, wbytes, r.full + slot);
+    if (FP8 && !AF_NO_SCALES)
+      gemv_w_copy(dst + GEMV_WS_SLOT, scales + ((size_t)T * ngroups + g0) * 16, sbytes, r.full + slot);
+  }
+  return n;
+}
+
+// The 8 consumer warps: the block's tiles of one GEMV from slot count n (x staged in xs, `pre` the first tile's
+// epilogue operand), each tile's epilogue run (red: [2][8][16] partial sums); returns the count after them. In every
+// slot a warp takes the group it owns (group g belongs to warp g % 8, as in the ring form), then releases the slot.
+template <bool FP8, int R, int EPI>
+__device__ __forceinline__ int ws_consume(const WsRing& r, const GemvArgs& a, const RopeArgs& rope, float* red,
+                                          const __half* xs, int n, const EpiOperand& pre, const TpArgs& tp) {
+  using S = WsShape<FP8>;
+  constexpr int NWC = GEMV_THREADS / AF_WARP;
+  static_assert(NWC == 8 && S::GPS <= NWC && NWC % S::GPS == 0, "a slot holds at most one group per consumer warp");
+  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, t = lane & 3;
+  const int nunits = a.K / S::KU, ngroups = (a.K + 127) >> 7, spt = (ngroups + S::GPS - 1) / S::GPS;
+  const int ntiles = a.n_out * R / GEMV_TILE;
+  for (int T = blockIdx.x, parity = 0; T < ntiles; T += gridDim.x, parity ^= 1) {
+    float acc[2] = {0.f, 0.f}, d[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int p = 0; p < spt; ++p, ++n) {
+      const int slot = n % r.NS;
+      const int g0 = p * S::GPS, off = (warp - g0) & (NWC - 1), G = g0 + off;  // this warp's group in the slot
+      mbar_wait(r.full + slot, (unsigned)(n / r.NS) & 1u);
+      if (off < S::GPS && G < ngroups)
+        ws_slot_mma<FP8, S::UPG>(d, acc, r.slots + (size_t)slot * S::SLOTB, off, G, xs, nunits, lane, t);
+      __syncwarp();  // every lane has read the slot
+      if (lane == 0) mbar_arrive(r.empty + slot);
+    }
+    gemv_tiled_finish<FP8>(d, acc);
+    AF_TL_MARK(1);  // timeline: the (last) tile's dot products done
+    tile_epilogue<R, EPI, GEMV_THREADS>(a, rope, red + parity * NWC * GEMV_TILE, T, acc, pre, tp);
+  }
+  return n;
+}
+
+// The fixed part of the ws form's shared memory: xs [K] fp16 | partial sums [2][8][16] f32 | block_sum scratch [32] f32
+// | full [GEMV_WS_MAX], empty [GEMV_WS_MAX], go [2] u64; then the ring, 128-byte aligned. From the barriers at
+// `bars` on: sets them up (thread 0; the caller's block-wide barrier publishes them) and returns the ring of as many
+// slots as fit before `smem_end` (the dynamic shared memory's size; at most GEMV_WS_MAX).
+template <bool FP8>
+__device__ __forceinline__ WsRing ws_ring_setup(unsigned char* bars, unsigned smem_end, unsigned char* smem_raw) {
+  unsigned long long* full = reinterpret_cast<unsigned long long*>(bars);
+  unsigned long long* empty = full + GEMV_WS_MAX;
+  unsigned char* ring = reinterpret_cast<unsigned char*>(empty + GEMV_WS_MAX + 2);
+  ring += (128u - ((unsigned)__cvta_generic_to_shared(ring) & 127u)) & 127u;  // slots 128-byte aligned (host: +128)
+  const int NS = min(GEMV_WS_MAX, (int)((smem_end - (unsigned)(ring - smem_raw)) / WsShape<FP8>::SLOTB));
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < NS; ++s) {
+      mbar_init(full + s, 1);
+      mbar_init(empty + s, GEMV_THREADS / AF_WARP);
+    }
+    mbar_init(empty + GEMV_WS_MAX, 1);  // `go` (gemv_tiled_ws)
+    mbar_init_fence();
+  }
+  return WsRing{ring, full, empty, NS};
+}
+
+#endif
+
