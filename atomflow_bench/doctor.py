@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from . import envs
+from .output import Num
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 # compute capability each weight format's kernels need: fp16 mma.m16n8k16 and cp.async (sm_80); the fp8 path's
@@ -27,7 +28,7 @@ FORMAT_CC = {"fp16": 80, "fp8": 89}
 class Check:
     name: str
     status: str
-    detail: str
+    detail: str | Num  # a Num where the check is a measurement: its figure is the data in csv and json
     gpu: bool = False  # a failure of the GPU stack (exit 3) rather than of something else (exit 1)
 
 
@@ -97,10 +98,14 @@ def run_checks(bandwidth: bool = True) -> list[Check]:
     if bandwidth and not problem:
         from .measure.timing import copy_bandwidth
 
-        bw = copy_bandwidth(nbytes=256 << 20, reps=10, warmup=3)
-        out.append(Check("copy bandwidth", OK, f"GPU 0: {bw['median']:.0f} GB/s (device-to-device, read + write, "
-                                               f"256 MiB x 10)"))
+        out.append(bandwidth_check(copy_bandwidth(nbytes=256 << 20, reps=10, warmup=3)))
     return out
+
+
+def bandwidth_check(bw: dict) -> Check:
+    """GPU 0's copy bandwidth (timing.copy_bandwidth of 256 MiB x 10): the median in GB/s."""
+    return Check("copy bandwidth", OK, Num(bw["median"], f"GPU 0: {bw['median']:.0f} GB/s (device-to-device, read + "
+                                                         "write, 256 MiB x 10)"))
 
 
 def _nvrtc_check() -> Check:

@@ -7,9 +7,10 @@ column names; an object of such lists, keyed by each table's `key`, when a comma
 `table` on a terminal, `md` when stdout is not one (a pipe, a file, a CI log), so a table never wraps there.
 
 Cells are plain text (never rich markup) or a `Num`: a number (or None) with the text people see ("2.30G", "86.0%",
-"— (ours)"); csv and json print its number (json null, csv empty for None), tables and markdown its text. Styles
-(colour, bold) are kept beside the cells and drawn only on a terminal. With csv and json, stdout holds the data
-alone: a command's other lines (notes, warnings, the tables' captions, "results: <path>") go to stderr
+"— (ours)"); csv and json print its number (json null, csv empty for None), tables and markdown its text. A cell
+showing two numbers ("20.1-21.0", "320 / 3350 = 10%") holds both: a list in json, that list as JSON text in csv.
+Styles (colour, bold) are kept beside the cells and drawn only on a terminal. With csv and json, stdout holds the
+data alone: a command's other lines (notes, warnings, the tables' captions, "results: <path>") go to stderr
 (`notes_console`).
 """
 from __future__ import annotations
@@ -45,9 +46,10 @@ class Out(Console):
 
 @dataclass(frozen=True)
 class Num:
-    """A numeric cell: `value` (int, float or None) for csv and json, `text` for people."""
+    """A numeric cell: `value` for csv and json (int, float or None; a tuple of them where the cell shows several),
+    `text` for people."""
 
-    value: float | int | None
+    value: float | int | tuple | None
     text: str
 
     def __str__(self) -> str:
@@ -57,6 +59,13 @@ class Num:
 def num(v, spec: str = "", suffix: str = "", none: str = "—", prefix: str = "") -> Num:
     """Num(v, prefix + format(v, spec) + suffix), or Num(None, none) when v is None."""
     return Num(None, none) if v is None else Num(v, f"{prefix}{format(v, spec)}{suffix}")
+
+
+def span(lo, hi, spec: str = "", sep: str = "-", none: str = "") -> Num:
+    """Two numbers in one cell (a p10-p90 range): Num((lo, hi), lo + sep + hi), or Num(None, none) without them."""
+    if lo is None or hi is None:
+        return Num(None, none)
+    return Num((lo, hi), f"{format(lo, spec)}{sep}{format(hi, spec)}")
 
 
 @dataclass
@@ -97,7 +106,8 @@ def format_option(f):
     """The --format option of a command that prints tables."""
     return click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
                         help="table (a terminal), md (markdown: the default when stdout is not a terminal), csv, "
-                             "json (one object per row); with csv and json every other line goes to stderr")(f)
+                             "json (one object per row); csv and json give numbers without units and send every "
+                             "other line to stderr")(f)
 
 
 def chosen(fmt: str | None, console) -> str:
@@ -125,8 +135,13 @@ def _value(v):
     return v.value if isinstance(v, Num) else v
 
 
+def _data_text(v) -> str:
+    """A cell's data as csv text: a tuple of numbers as its JSON list, None as nothing."""
+    return json.dumps(list(v)) if isinstance(v, tuple) else _cell(v)
+
+
 def _csv_cell(v) -> str:
-    return _cell(_value(v))
+    return _data_text(_value(v))
 
 
 def machine_notes(tabs) -> list[str]:
@@ -160,7 +175,7 @@ def text(tabs, fmt: str) -> str:
         w.writerow(["table", *cols])
         for t in tabs:
             for rec in t.records():
-                w.writerow([t.key or t.title, *(_cell(rec.get(c)) for c in cols)])
+                w.writerow([t.key or t.title, *(_data_text(rec.get(c)) for c in cols)])
         return out.getvalue()
     for i, t in enumerate(tabs):
         if i:

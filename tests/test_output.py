@@ -420,7 +420,10 @@ def test_run(no_gpu_needed, monkeypatch, capsys, fmt):
     run = {r["metric"]: r["value"] for r in rows_of(parsed, fmt, "run", "atomflow-bench run")}
     assert run["GPU"].startswith("NVIDIA H100 80GB HBM3 (sm_90, 132 SMs)")
     assert run["forms"].startswith("short:ring/l2=8;split:ring/l2=0 — a saved tune: short attention")
-    assert run["% of roofline"].endswith("ms = bytes / copy bandwidth)")
+    pct = run_record()["roofline"]["pct"]  # csv and json: the figure alone; md: with the floor beside it
+    assert {"json": lambda v: v == pct, "csv": lambda v: float(v) == pct,
+            None: lambda v: v.startswith(f"{pct:.1f}%") and v.endswith("ms = bytes / copy bandwidth)")}[fmt](
+        run["% of roofline"])
     comparison = rows_of(parsed, fmt, "comparison", "comparison")
     assert comparison[0]["engine"] == "atomflow-bench 0.1.0" and comparison[0]["source"] == "this run"
     assert {r["GPU"] for r in comparison[1:]} == {"NVIDIA GeForce RTX 5060 Ti"}  # the shipped baselines
@@ -471,13 +474,24 @@ def test_profile(no_gpu_needed, monkeypatch, capsys, fmt):
     assert code == 0 and quiet(err, fmt)
     parsed = parse(out, fmt)
     kernels = rows_of(parsed, fmt, "profile", "decode step profile")
-    assert kernels[0] == {"kernel": "gemv fp8 wgu 16384x3072", "% of step": "25.2", "count/step": "28",
-                          "mean µs": "23.97", "µs/step": "672.4", "GB/s": "2167", "% copy BW": "72"}
-    assert kernels[1]["GB/s"] == "-"
-    assert rows_of(parsed, fmt, "roles", "what each role adds")[0]["role adds (µs)"] == "690.0"
     [att] = rows_of(parsed, fmt, "attention", "attention alone")
-    assert att == {"length": "148", "µs per layer": "3.21", "p10-p90 µs": "3.10-3.40", "KV floor µs": "1.50",
-                   "x the floor": "2.14x", "DRAM": "caches fit in L2: not a DRAM figure"}
+    if fmt == "json":  # the data: numbers, no units
+        assert kernels[0] == {"kernel": "gemv fp8 wgu 16384x3072", "% of step": 25.2, "count/step": 28,
+                              "mean µs": 23.97, "µs/step": 672.4, "GB/s": 2167.0, "% copy BW": 72.4}
+        assert kernels[1]["GB/s"] is None
+        assert rows_of(parsed, fmt, "roles")[0]["role adds (µs)"] == 690.0
+        assert att == {"length": 148, "µs per layer": 3.21, "p10-p90 µs": [3.1, 3.4], "KV floor µs": 1.5,
+                       "x the floor": 2.14, "DRAM": "caches fit in L2: not a DRAM figure"}
+    elif fmt == "csv":  # several tables: a row keeps its table's cells, an empty one (None) left out
+        assert kernels[0]["% copy BW"] == "72.4" and "GB/s" not in kernels[1]
+        assert att["p10-p90 µs"] == "[3.1, 3.4]" and att["x the floor"] == "2.14"
+    else:
+        assert kernels[0] == {"kernel": "gemv fp8 wgu 16384x3072", "% of step": "25.2", "count/step": "28",
+                              "mean µs": "23.97", "µs/step": "672.4", "GB/s": "2167", "% copy BW": "72"}
+        assert kernels[1]["GB/s"] == "-"
+        assert rows_of(parsed, fmt, "roles", "what each role adds")[0]["role adds (µs)"] == "690.0"
+        assert att == {"length": "148", "µs per layer": "3.21", "p10-p90 µs": "3.10-3.40", "KV floor µs": "1.50",
+                       "x the floor": "2.14x", "DRAM": "caches fit in L2: not a DRAM figure"}
     if fmt is None:  # the captions, whole, on their line
         assert ("sum of kernels (each alone, launch latency included) 2672.6 µs; graph step 1786.1 µs; overlap: the "
                 "graph step is shorter than the kernels one by one by 886.5 µs; copy bandwidth 2994 GB/s; the step at "
@@ -509,9 +523,17 @@ def test_gemv(monkeypatch, capsys, fmt):
     if fmt is None:
         [(title, rows)] = rows.items()
         assert title == "GEMV microbenchmark (L2-cold: weights rotate over 200 MiB+)"
-    assert rows == [{"GEMV": "wgu", "format": "fp8", "rows x K": "16384x3072", "MB": "50.7", "isolated µs": "20.50",
-                     "p10-p90 µs": "20.1-21.0", "GB/s": "2474", "% copy BW": "82.6", "isolated ceiling %": "88",
-                     "chained µs": "18.20", "chained GB/s": "2787", "chained % copy BW": "93.1"}]
+    if fmt is None:
+        assert rows == [{"GEMV": "wgu", "format": "fp8", "rows x K": "16384x3072", "MB": "50.7",
+                         "isolated µs": "20.50", "p10-p90 µs": "20.1-21.0", "GB/s": "2474", "% copy BW": "82.6",
+                         "isolated ceiling %": "88", "chained µs": "18.20", "chained GB/s": "2787",
+                         "chained % copy BW": "93.1"}]
+        return
+    want = {"GEMV": "wgu", "format": "fp8", "rows x K": "16384x3072", "MB": 50.724864, "isolated µs": 20.5,
+            "p10-p90 µs": [20.1, 21.0], "GB/s": 2474.4, "% copy BW": 82.6, "isolated ceiling %": 88.0,
+            "chained µs": 18.2, "chained GB/s": 2787.1, "chained % copy BW": 93.1}
+    assert rows == [want if fmt == "json" else {k: json.dumps(v) if isinstance(v, list) else str(v)
+                                                for k, v in want.items()}]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -525,8 +547,9 @@ def test_tune(no_gpu_needed, monkeypatch, capsys, fmt):
     if fmt is None:
         [(title, rows)] = rows.items()
         assert title == "tune — llama-3.2-3b fp8, max_seq 384, NVIDIA H100 80GB HBM3"
-    assert rows == [{"forms": "short:ring/l2=8", "step µs (best round)": "1455.5"},
-                    {"forms": "short:ws/l2=8", "step µs (best round)": "1530.0"}]
+    step = {"json": [1455.5, 1530.0], "csv": ["1455.5", "1530.0"], None: ["1455.5", "1530.0"]}[fmt]
+    assert rows == [{"forms": "short:ring/l2=8", "step µs (best round)": step[0]},
+                    {"forms": "short:ws/l2=8", "step µs (best round)": step[1]}]
     notes = err if fmt else out  # csv/json: the other lines on stderr
     assert "chosen: short:ring/l2=8;split:ring/l2=0 (short attention" in notes
     assert "saved: /tuning/x.json" in notes and "split bucket: split:ring/l2=0 1490.2 µs" in notes
@@ -543,11 +566,14 @@ def test_peers_table():
              "tpot_ms": {"median": 2.0, "p10": 1.5, "p90": 2.5}, "tok_per_s": 500.0, "bandwidth_gbs": 1.0,
              "same_tokens_as_first_mode": False}]
     t = peers_table(recs)
-    assert t.records()[0] == {"engine": "HF transformers 5 eager fp16", "device": "NVIDIA H100 80GB HBM3", "ctx": "128",
-                              "tokens": "64", "TPOT median ms": "20.000", "p10": "19.500", "p90": "21.000",
-                              "tok/s": "50.0", "GB/s": "320", "% of spec GB/s": "10%", "same tokens": "True"}
-    assert t.records()[1]["% of spec GB/s"] == "n/a"
-    assert [r["device"] for r in md_tables(text(t, "md"))[t.title]] == ["NVIDIA H100 80GB HBM3", "cpu"]
+    assert t.records()[0] == {"engine": "HF transformers 5 eager fp16", "device": "NVIDIA H100 80GB HBM3", "ctx": 128,
+                              "tokens": 64, "TPOT median ms": 20.0, "p10 ms": 19.5, "p90 ms": 21.0,
+                              "tok/s": 50.0, "GB/s": 320.0, "% of spec GB/s": pytest.approx(320 / 33.5),
+                              "same tokens": "True"}
+    assert t.records()[1]["% of spec GB/s"] is None
+    md = md_tables(text(t, "md"))[t.title]
+    assert [r["device"] for r in md] == ["NVIDIA H100 80GB HBM3", "cpu"]
+    assert [r["% of spec GB/s"] for r in md] == ["10%", "n/a"] and md[0]["p10 ms"] == "19.500"
 
 
 def validate_result() -> dict:
@@ -578,8 +604,10 @@ def test_validate_print_result(capsys, fmt):
         rows = md_tables(out)["validate — tiny fp16 vs transformers fp32 (fp16 weight values)"]
         assert "engine: NumPy reference (CPU); worst position per probe" in out.splitlines()
     assert [r["result"] for r in rows] == ["PASS", "PASS", "FAIL"]
-    assert rows[0] == {"probe": "layer 0", "cos (min)": "0.9999991", "rel L2": "1.20e-03", "max|diff|": "3.40e-03",
-                       "pos": "5", "threshold": "≥0.9999/≤0.02", "result": "PASS"}
+    want = {"json": (0.9999991, 1.2e-3, 3.4e-3, 5), "csv": ("0.9999991", "0.0012", "0.0034", "5"),
+            None: ("0.9999991", "1.20e-03", "3.40e-03", "5")}[fmt]
+    assert rows[0] == {"probe": "layer 0", **dict(zip(["cos (min)", "rel L2", "max|diff|", "pos"], want)),
+                       "threshold": "≥0.9999/≤0.02", "result": "PASS"}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -597,7 +625,9 @@ def test_validate_print_quality(capsys, fmt):
     if fmt is None:
         [rows] = rows.values()
     assert [r["metric"] for r in rows][:2] == ["perplexity", "top-1 = next token"]
-    assert rows[0]["result"] == "PASS" and rows[1]["result"] == "" and rows[0]["fp8"] == "12.7000"
+    assert rows[0]["result"] == "PASS" and rows[1]["result"] == ""
+    assert rows[0]["fp8"] == {"json": 12.7, "csv": "12.7", None: "12.7000"}[fmt]
+    assert rows[2]["fp16"] == {"json": None, "csv": "", None: ""}[fmt]  # a figure of fp8 alone
     assert "PASS" in (err if fmt else out.splitlines()[-1])
 
 
@@ -612,7 +642,8 @@ def test_peers_cli_on_cpu(tiny_llama_dir, capsys, fmt):
     if fmt is None:
         [rows] = rows.values()
     [row] = rows
-    assert row["device"] == "cpu" and row["ctx"] == "4" and row["% of spec GB/s"] == "n/a"
+    assert row["device"] == "cpu" and row["ctx"] == {"json": 4, None: "4"}[fmt]
+    assert row["% of spec GB/s"] == {"json": None, None: "n/a"}[fmt]
 
 
 @pytest.fixture(scope="module")

@@ -360,6 +360,7 @@ def comparison_table(rows: list[dict]):
             frac = f"{_fmt(r['bandwidth_gbs'], '.0f')} / {_fmt(r['gpu_bandwidth_gbs'], '.0f', '?')}"
         else:
             frac = f"{r['bandwidth_gbs']:.0f} / {r['gpu_bandwidth_gbs']:.0f} = {100 * r['roofline_frac']:.0f}%"
+        frac = Num((r["bandwidth_gbs"], r["gpu_bandwidth_gbs"]), frac)  # the percentage follows from the two
         match = r.get("gpu_match", "same" if r["same_gpu"] else "different")
         if r["kind"] == "ours":
             speed, norm = Num(None, "—"), Num(None, "—")

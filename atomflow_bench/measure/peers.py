@@ -34,7 +34,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import AtomflowError, GpuUnavailable
-from ..output import Tab
+from ..output import Tab, num
 from ..progress import progress
 from .baselines import spec_bandwidth
 from .decode import ENERGY_MIN_S, synthetic_prompt
@@ -188,13 +188,14 @@ def measure_peers(model_dir, context: int = 128, tokens: int = 64, modes=("eager
 
 def peers_table(records: list[dict]):
     """The peers as an output.Tab."""
-    cols = ["engine", "device", "ctx", "tokens", "TPOT median ms", "p10", "p90", "tok/s", "GB/s", "% of spec GB/s",
-            "same tokens"]
+    cols = ["engine", "device", "ctx", "tokens", "TPOT median ms", "p10 ms", "p90 ms", "tok/s", "GB/s",
+            "% of spec GB/s", "same tokens"]
     t = Tab("HF transformers peers (same weights, same shape, this process)", cols, key="peers",
             right=tuple(cols[2:]))
     for r in records:
         tp, spec = r["tpot_ms"], spec_bandwidth(r["gpu"])
-        t.add(r["engine"], r["gpu"], str(r["context"]), str(r["tokens"]), f"{tp['median']:.3f}",
-              f"{tp['p10']:.3f}", f"{tp['p90']:.3f}", f"{r['tok_per_s']:.1f}", f"{r['bandwidth_gbs']:.0f}",
-              f"{100 * r['bandwidth_gbs'] / spec:.0f}%" if spec else "n/a", str(r["same_tokens_as_first_mode"]))
+        t.add(r["engine"], r["gpu"], num(r["context"]), num(r["tokens"]), num(tp["median"], ".3f"),
+              num(tp["p10"], ".3f"), num(tp["p90"], ".3f"), num(r["tok_per_s"], ".1f"), num(r["bandwidth_gbs"], ".0f"),
+              num(100 * r["bandwidth_gbs"] / spec if spec else None, ".0f", "%", none="n/a"),
+              str(r["same_tokens_as_first_mode"]))
     return t

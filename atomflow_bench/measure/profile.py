@@ -35,7 +35,7 @@ from ..gpu.ops.gemv import gemv_launch
 from ..gpu.ops.lm_head import rows_launch
 from ..gpu.ops.small import spin_launch
 from ..gpu.step import hold_position
-from ..output import Tab
+from ..output import Tab, num, span
 from .decode import synthetic_prompt, time_decode
 from .timing import copy_bandwidth, graph_replay_us, queued_event_us, summarize
 
@@ -219,9 +219,10 @@ def profile_table(p: dict):
     cols = ["kernel", "% of step", "count/step", "mean µs", "µs/step", "GB/s", "% copy BW"]
     t = Tab(f"decode step profile (eager, events per launch; ctx {p['context']}, {p['steps']} steps)", cols,
             key="profile", right=tuple(cols[1:]))
-    for r in p["rows"]:
-        t.add(r["kernel"], f"{r['pct']:.1f}", str(r["count"]), f"{r['mean_us']:.2f}", f"{r['us_per_step']:.1f}",
-              f"{r['gbs']:.0f}" if r["gbs"] else "-", f"{r['pct_of_copy']:.0f}" if r["pct_of_copy"] else "-")
+    for r in p["rows"]:  # a GB/s of None or 0 is no figure: "-" for people, null in json
+        t.add(r["kernel"], num(r["pct"], ".1f"), num(r["count"]), num(r["mean_us"], ".2f"),
+              num(r["us_per_step"], ".1f"), num(r["gbs"] or None, ".0f", none="-"),
+              num(r["pct_of_copy"] or None, ".0f", none="-"))
     gap = p["idle_gap_us"]
     what = "idle gap" if gap >= 0 else "overlap: the graph step is shorter than the kernels one by one by"
     t.caption = (f"sum of kernels (each alone, launch latency included) {p['kernel_sum_us']:.1f} µs; graph step "
@@ -240,8 +241,8 @@ def attention_table(p: dict):
     cols = ["length", "µs per layer", "p10-p90 µs", "KV floor µs", "x the floor", "DRAM"]
     t = Tab("attention alone in a graph (the step's attention launches, one per layer)", cols, key="attention",
             right=tuple(cols[:5]))
-    t.add(str(a["length"]), f"{u['median']:.2f}", f"{u['p10']:.2f}-{u['p90']:.2f}", f"{a['floor_us']:.2f}",
-          f"{a['x_floor']:.2f}x", "L2-cold" if a["l2_cold"] else "caches fit in L2: not a DRAM figure")
+    t.add(num(a["length"]), num(u["median"], ".2f"), span(u["p10"], u["p90"], ".2f"), num(a["floor_us"], ".2f"),
+          num(a["x_floor"], ".2f", "x"), "L2-cold" if a["l2_cold"] else "caches fit in L2: not a DRAM figure")
     return t
 
 
@@ -252,10 +253,10 @@ def gemv_table(g: dict):
     t = Tab(f"GEMV microbenchmark (L2-cold: weights rotate over {g['l2_rotation_bytes'] >> 20} MiB+)", cols,
             key="gemv", right=tuple(cols[2:]))
     for r in g["rows"]:
-        t.add(r["role"], r["format"], f"{r['rows']}x{r['k']}", f"{r['bytes'] / 1e6:.1f}", f"{r['us']['median']:.2f}",
-              f"{r['us']['p10']:.1f}-{r['us']['p90']:.1f}", f"{r['gbs']:.0f}", f"{r['pct_of_copy']:.1f}",
-              f"{r['isolated_ceiling_pct']:.0f}", f"{r['chained_us']['median']:.2f}", f"{r['chained_gbs']:.0f}",
-              f"{r['chained_pct_of_copy']:.1f}")
+        t.add(r["role"], r["format"], f"{r['rows']}x{r['k']}", num(r["bytes"] / 1e6, ".1f"),
+              num(r["us"]["median"], ".2f"), span(r["us"]["p10"], r["us"]["p90"], ".1f"), num(r["gbs"], ".0f"),
+              num(r["pct_of_copy"], ".1f"), num(r["isolated_ceiling_pct"], ".0f"),
+              num(r["chained_us"]["median"], ".2f"), num(r["chained_gbs"], ".0f"), num(r["chained_pct_of_copy"], ".1f"))
     chain = "with programmatic dependent launch" if g.get("chained_pdl") else "without PDL (pre-sm_90)"
     t.caption = (f"copy bandwidth (same run) {g['copy_bandwidth_gbs']['median']:.0f} GB/s; isolated = an event pair "
                  f"around every launch (queued behind a spin: no host time inside); an empty launch takes "
@@ -268,13 +269,14 @@ def gemv_table(g: dict):
 def marginal_table(p: dict):
     """The graph-mode breakdown of profile_step's `role_marginals` (output.Tab)."""
     m = p["role_marginals"]
-    cols = ["role", "launches", "step without (µs)", "role adds (µs)", "per launch", "bytes floor (µs)", "excess (µs)"]
+    cols = ["role", "launches", "step without (µs)", "role adds (µs)", "per launch (µs)", "bytes floor (µs)",
+            "excess (µs)"]
     whose = f"; {m['step']}" if m.get("step") else ""
     t = Tab(f"what each role adds to the graph step (left out of the graph; length {m['length']}{whose})", cols,
             key="roles", right=tuple(cols[1:]))
     for r in m["rows"]:
-        t.add(r["role"], str(r["count"]), f"{r['step_without_us']['median']:.1f}", f"{r['saved_us']:.1f}",
-              f"{r['saved_us_per_launch']:.2f}", f"{r['floor_us']:.1f}", f"{r['excess_us']:.1f}")
+        t.add(r["role"], num(r["count"]), num(r["step_without_us"]["median"], ".1f"), num(r["saved_us"], ".1f"),
+              num(r["saved_us_per_launch"], ".2f"), num(r["floor_us"], ".1f"), num(r["excess_us"], ".1f"))
     s = m["step_us"]
     t.caption = (f"step, position held {s['median']:.1f} µs ({s['p10']:.1f}-{s['p90']:.1f}); roles add up to "
                  f"{m['sum_saved_us']:.1f} µs; bytes floor {m['floor_us']:.1f} µs")

@@ -17,7 +17,7 @@ from .. import __version__
 from ..errors import AtomflowError
 from ..gpu.forms import Forms
 from ..gpu.nvrtc import KERNELS_DIR
-from ..output import Tab
+from ..output import Num, Tab
 from ..store.store import write_json_atomic
 from .power import energy_text, others_count, sharing_text
 
@@ -130,7 +130,10 @@ def _gib(n) -> str:
 
 
 def run_table(rec: dict):
-    """The `run` table: metric / value rows (output.Tab)."""
+    """The `run` table: metric / value rows (output.Tab). A row that gives one figure (with its spread or parts beside
+    it) holds that figure as a Num, in the unit its text names first: TPOT and its eager median in ms, tok/s, bytes
+    per token in GB, bandwidths in GB/s, % of roofline in percent, the sums across ranks and the exchanges in us,
+    energy in J/token, load in s; the other rows are text."""
     t = Tab(f"atomflow-bench run — {rec['model']['name']} {rec['weights']}", ["metric", "value"], key="run",
             header=False, styles={(None, "metric"): "bold"})
     g = rec["gpu"]
@@ -148,18 +151,22 @@ def run_table(rec: dict):
     if rec.get("instrument"):
         t.add("INSTRUMENT", f"{' '.join(rec['instrument'])}: a timing instrument — the outputs are wrong on purpose; "
                             "this TPOT is a bound, not a result", style="red")
-    t.add("TPOT (graph)", f"median {tp['median']:.4f} ms  (p10 {tp['p10']:.4f}, p90 {tp['p90']:.4f}, n={tp['n']})")
-    t.add("tok/s", f"{rec['tok_per_s']:.1f}")
+    t.add("TPOT (graph)", Num(tp["median"], f"median {tp['median']:.4f} ms  (p10 {tp['p10']:.4f}, p90 "
+                                             f"{tp['p90']:.4f}, n={tp['n']})"))
+    t.add("tok/s", Num(rec["tok_per_s"], f"{rec['tok_per_s']:.1f}"))
     b = rec["bytes_per_token"]
-    t.add("bytes read / token", f"{b['total'] / 1e9:.4f} GB (weights {b['weights'] / 1e9:.4f} + KV {b['kv'] / 1e6:.2f} MB)")
-    t.add("achieved bandwidth", f"{rec['bandwidth_gbs']:.0f} GB/s")
+    t.add("bytes read / token", Num(b["total"] / 1e9, f"{b['total'] / 1e9:.4f} GB (weights {b['weights'] / 1e9:.4f} "
+                                                      f"+ KV {b['kv'] / 1e6:.2f} MB)"))
+    t.add("achieved bandwidth", Num(rec["bandwidth_gbs"], f"{rec['bandwidth_gbs']:.0f} GB/s"))
     cb = rec["copy_bandwidth_gbs"]
-    t.add("copy bandwidth (same run)", f"{cb['median']:.0f} GB/s (p10 {cb['p10']:.0f}, p90 {cb['p90']:.0f}; "
-                                       f"D2D copy of {cb['bytes'] >> 20} MiB, read+write)")
+    t.add("copy bandwidth (same run)", Num(cb["median"], f"{cb['median']:.0f} GB/s (p10 {cb['p10']:.0f}, p90 "
+                                                         f"{cb['p90']:.0f}; D2D copy of {cb['bytes'] >> 20} MiB, "
+                                                         "read+write)"))
     r = rec["roofline"]
     tpr = rec.get("tp")
-    t.add("% of roofline", f"{r['pct']:.1f}%  (floor {r['tpot_floor_ms']:.4f} ms = bytes / copy bandwidth"
-                           + (", per GPU: the slowest rank's" if tpr else "") + ")", cell_styles={"value": "bold"})
+    t.add("% of roofline", Num(r["pct"], f"{r['pct']:.1f}%  (floor {r['tpot_floor_ms']:.4f} ms = bytes / copy "
+                                         "bandwidth" + (", per GPU: the slowest rank's" if tpr else "") + ")"),
+          cell_styles={"value": "bold"})
     if tpr:
         c = tpr["comm"]
         ranks = ", ".join(f"{x['copy_bandwidth_gbs']:.0f}" for x in tpr["per_rank"])
@@ -167,23 +174,27 @@ def run_table(rec: dict):
                                  + ("" if tpr["peer_available"] else f" (peer path off: {tpr['peer_reason']})")
                                  + f"; copy bandwidth per GPU {ranks} GB/s; bytes above are rank 0's")
         for path, v in c["paths"].items():
-            t.add(f"sum across ranks ({path})", f"{v['sum_us']:.2f} us per {c['sum_bytes'] // 1024} KB sum inside a "
-                                                f"graph; one token's {c['sums_per_token']} sums + argmax "
-                                                f"{v['per_token_us']:.1f} us" + ("  <- the step's" if path == c["path"]
-                                                                                   else ""))
-        t.add("exchanges inside the step", f"{c['in_step_us']:.1f} us per token (step {c['step_graph_us']['median']:.1f} "
-                                           f"us, without them {c['step_without_exchanges_us']['median']:.1f} us)")
+            t.add(f"sum across ranks ({path})", Num(v["sum_us"], f"{v['sum_us']:.2f} us per {c['sum_bytes'] // 1024} "
+                                                                 f"KB sum inside a graph; one token's "
+                                                                 f"{c['sums_per_token']} sums + argmax "
+                                                                 f"{v['per_token_us']:.1f} us"
+                                                                 + ("  <- the step's" if path == c["path"] else "")))
+        t.add("exchanges inside the step", Num(c["in_step_us"], f"{c['in_step_us']:.1f} us per token (step "
+                                                                f"{c['step_graph_us']['median']:.1f} us, without them "
+                                                                f"{c['step_without_exchanges_us']['median']:.1f} us)"))
     v = rec["vram_bytes"]
     t.add("VRAM by pool", f"weights {_gib(v['weights'])}, KV {_gib(v['kv'])}, activations "
                           f"{v['activations'] / 2**20:.2f} MiB, scratch {v['scratch'] / 2**20:.2f} MiB; total {_gib(v['total'])}")
 
     energy = energy_text(rec.get("energy"))
-    if energy:
-        t.add("energy", energy)
+    if energy:  # unavailable: the reason, as text
+        t.add("energy", Num(rec["energy"]["joules_per_token"], energy) if "joules_per_token" in rec["energy"]
+              else energy)
     e = rec.get("eager")
     if e:
-        t.add("eager (--no-graph)", f"median {e['tpot_ms']['median']:.4f} ms -> graph speedup "
-                                    f"x{e['graph_speedup']:.2f}; same tokens: {e['same_tokens']}")
+        t.add("eager (--no-graph)", Num(e["tpot_ms"]["median"], f"median {e['tpot_ms']['median']:.4f} ms -> graph "
+                                                                f"speedup x{e['graph_speedup']:.2f}; same tokens: "
+                                                                f"{e['same_tokens']}"))
     gen = rec.get("generated", {})
     if gen:
         text = gen.get("text")
@@ -205,6 +216,6 @@ def run_table(rec: dict):
                         f"{b['tpot_ms']:.4f} ms" for b in rec.get("attention_buckets", []))
     if buckets:
         t.add("by attention bucket", buckets)
-    t.add("load", f"{rec['load']['seconds']:.1f} s" + (f", fp8 from {rec['load']['fp8_source']}"
-                                                        if rec['load'].get('fp8_source') else ""))
+    t.add("load", Num(rec["load"]["seconds"], f"{rec['load']['seconds']:.1f} s"
+                      + (f", fp8 from {rec['load']['fp8_source']}" if rec["load"].get("fp8_source") else "")))
     return t

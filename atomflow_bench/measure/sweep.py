@@ -25,7 +25,7 @@ from typing import Callable
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import AtomflowError, GpuUnavailable
-from ..output import Tab, text
+from ..output import Num, Tab, num, span, text
 from ..store.store import write_json_atomic, write_text_atomic
 from . import run_record
 from .baselines import attach_comparisons, same_gpu
@@ -280,17 +280,19 @@ def sweep_table(summary: dict):
                                                            "GB/token"))
     for i, e in enumerate(summary["cells"]):
         k, tp = e["key"], e["tpot_ms"]
-        vs = f"{scale[i][0]:.3f} x ({100 * scale[i][1]:.0f}% eff.)" if i in scale else ""
+        # the ratio alone in csv/json: the efficiency follows from it and tp
+        vs = Num(scale[i][0], f"{scale[i][0]:.3f} x ({100 * scale[i][1]:.0f}% eff.)") if i in scale else Num(None, "")
         last = e["error"] if e["status"] == "failed" else (e["file"] or "")
         if e.get("note") and e["status"] != "skipped":
             last += f" ({e['note']})"
         forms = (e["forms"] or "") + (f" ({e['forms_origin']})" if e.get("forms_origin") else "")
         if e.get("instrument"):
             forms += f" INSTRUMENT {' '.join(e['instrument'])}: a bound, not a result"
-        t.add(str(k["model"]), str(k["weights"]), str(k["context"]), str(k.get("tp", 1)), e["status"],
-              _f(tp and tp["median"], ".4f"), f"{tp['p10']:.4f}-{tp['p90']:.4f}" if tp else "",
-              _f(e["tok_per_s"], ".1f"), _f(e["roofline_pct"], ".1f"),
-              _f(e["bytes_per_token"] and e["bytes_per_token"] / 1e9, ".4f"), vs, forms, last,
+        gb = None if e["bytes_per_token"] is None else e["bytes_per_token"] / 1e9
+        t.add(str(k["model"]), str(k["weights"]), num(k["context"]), num(k.get("tp", 1)), e["status"],
+              num(tp and tp["median"], ".4f", none=""), span(tp and tp["p10"], tp and tp["p90"], ".4f"),
+              num(e["tok_per_s"], ".1f", none=""), num(e["roofline_pct"], ".1f", none=""), num(gb, ".4f", none=""),
+              vs, forms, last,
               style={"failed": "red", "pending": "dim"}.get(e["status"], ""))
     t.caption = (f"{len(summary['cells'])} cells: {c['done']} measured, {c['skipped']} skipped (a valid record was "
                  f"there), {c['failed']} failed" + (f", {c['pending']} not reached" if c["pending"] else "")

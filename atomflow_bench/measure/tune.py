@@ -23,7 +23,7 @@ from rich.markup import escape
 from ..gpu.forms import Forms, candidates, from_env
 from ..gpu.graph import StepGraph
 from ..gpu.step import hold_position
-from ..output import Tab
+from ..output import Tab, num
 from ..store.store import home, write_json_atomic
 from . import run_record
 from .timing import fastest, replay_us
@@ -170,7 +170,7 @@ def tune_table(chosen: dict, title: str):
     """`tune`: every candidate's step time, fastest first (output.Tab)."""
     t = Tab(title, ["forms", "step µs (best round)"], key="tune", right=("step µs (best round)",))
     for k, v in sorted(chosen["timed"]["step_us"].items(), key=lambda kv: kv[1]):
-        t.add(k, f"{v:.1f}")
+        t.add(k, num(v, ".1f"))
     return t
 
 

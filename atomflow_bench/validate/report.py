@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from rich.markup import escape
 
-from ..output import Tab, notes_console, render
+from ..output import Num, Tab, notes_console, num, render
 
 
 def print_result(res: dict, console, fmt: str | None = None) -> None:
@@ -19,7 +19,7 @@ def print_result(res: dict, console, fmt: str | None = None) -> None:
             right=("cos (min)", "rel L2", "max|diff|", "pos"))
     thr = f"≥{th['cos_min']:g}/≤{th['rel_max']:g}"
     for p in res["probes"]:
-        t.add(p["name"], f"{p['cos']:.7f}", f"{p['rel_l2']:.2e}", f"{p['max_abs']:.2e}", str(p["worst_pos"]),
+        t.add(p["name"], num(p["cos"], ".7f"), num(p["rel_l2"], ".2e"), num(p["max_abs"], ".2e"), num(p["worst_pos"]),
               thr, "PASS" if p["pass"] else "FAIL", cell_styles={"result": "green" if p["pass"] else "red bold"})
     render(t, fmt, console)
     console = notes_console(fmt, console)
@@ -56,12 +56,14 @@ def print_quality(q: dict, console, fmt: str | None = None) -> None:
         verdict = "" if check is None else "—" if q["pass"] is None else "PASS" if c[check] else "FAIL"
         t.add(metric, fp16, fp8, bound, verdict, cell_styles={"result": {"PASS": "green", "FAIL": "red"}.get(verdict)})
 
-    row("perplexity", f"{q['fp16']['perplexity']:.4f}", f"{q['fp8']['perplexity']:.4f}",
+    none = Num(None, "")  # a figure the row has for fp8 alone
+    row("perplexity", num(q["fp16"]["perplexity"], ".4f"), num(q["fp8"]["perplexity"], ".4f"),
         f"fp8/fp16 ≤ {b['ppl_ratio_max']:g} (is {q['ppl_ratio']:.4f})", "ppl_ratio")
-    row("top-1 = next token", f"{q['fp16']['top1_next_token']:.3f}", f"{q['fp8']['top1_next_token']:.3f}", "")
-    row("top-1 agreement fp8 vs fp16", "", f"{q['top1_agreement']:.4f}", f"≥ {b['top1_min']:g}", "top1_agreement")
-    row("mean KL(fp16 || fp8) / token", "", f"{q['mean_kl_fp16_fp8']:.3e}", f"≤ {b['mean_kl_max']:g} nats", "mean_kl")
-    row("max KL(fp16 || fp8)", "", f"{q['max_kl_fp16_fp8']:.3e}", "")
+    row("top-1 = next token", num(q["fp16"]["top1_next_token"], ".3f"), num(q["fp8"]["top1_next_token"], ".3f"), "")
+    row("top-1 agreement fp8 vs fp16", none, num(q["top1_agreement"], ".4f"), f"≥ {b['top1_min']:g}", "top1_agreement")
+    row("mean KL(fp16 || fp8) / token", none, num(q["mean_kl_fp16_fp8"], ".3e"), f"≤ {b['mean_kl_max']:g} nats",
+        "mean_kl")
+    row("max KL(fp16 || fp8)", none, num(q["max_kl_fp16_fp8"], ".3e"), "")
     render(t, fmt, console)
     console = notes_console(fmt, console)
     if q["note"]:
