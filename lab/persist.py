@@ -117,10 +117,11 @@ class CoopLauncher(PdlLauncher):
 
 
 def persist_launch(lib: KernelLib, a, cfg, fmt: str, n_sm: int, layers, counters,
-                   ops: tuple[int, int] | None = None, taps=None, trace=None) -> Launch:
+                   ops: tuple[int, int] | None = None, taps=None, trace=None, dyn: bool = False) -> Launch:
     """The step's ops [ops[0], ops[1]) (default: all of them: the embedding and every layer) in one cooperative
-    launch over the arena `a`; `layers`: a device copy of layer_table, `counters`: n_ops + 1 zeroed u32 (the kernel
-    leaves them zero). `trace`: a device u32 array of 1 + 2 * n_ops * n_sm (tests: when each block ran each op)."""
+    launch over the arena `a`; `layers`: a device copy of layer_table, `counters`: 2 n_ops + 1 zeroed u32 (the kernel
+    leaves them zero). `trace`: a device u32 array of 1 + 2 * n_ops * n_sm (tests: when each block ran each op).
+    `dyn`: the GEMVs' tiles taken from a counter per op instead of grid-stride (decode_persist.cu)."""
     why = supported(cfg)
     if why:
         raise AtomflowError(why)
@@ -142,9 +143,10 @@ def persist_launch(lib: KernelLib, a, cfg, fmt: str, n_sm: int, layers, counters
             i32(cfg.intermediate_size), i32(cfg.num_attention_heads), i32(cfg.num_key_value_heads),
             np.float32(cfg.rms_norm_eps), np.float32(1.0 / math.sqrt(cfg.head_dim)), i32(p["att_cap"]),
             i32(p["a_bytes"]), a["embed"], a["cur_token"], a["pos"], a["rope_cs"], a["h"], a["qkv"], a["attn_out"],
-            a["act"], counters, NULL if trace is None else trace)
+            a["act"], counters, NULL if trace is None else trace, i32(1 if dyn else 0))
     names = op_names(cfg)
     label = "persistent step" if (lo, hi) == (0, total) else f"persistent {names[lo]}..{names[hi - 1]}"
+    label += " (dynamic tiles)" if dyn else ""
     grid, block = (n_sm,), (GEMV_WS_THREADS,)
     return Launch(fn, "decode_persist", grid, block, args, p["shmem"], taps or {}, bytes_moved, label,
                   _pdl_launcher=CoopLauncher(fn, grid, block, args, p["shmem"]))
@@ -154,7 +156,7 @@ class PersistStep:
     """The persistent step of a one-GPU engine (sm_90+, a shape with a kernel), with its own kernels, layer table
     and counters; the engine's arena, weights and lm_head."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, dyn: bool = False):
         import cupy as cp
 
         if engine.group is not None or engine.cc < 90:
@@ -165,11 +167,12 @@ class PersistStep:
         self.eng, self.cfg, self.fmt, self.n_sm = engine, engine.layer_cfg, engine.fmt, engine.gpu["sms"]
         self.lib = KernelLib(KERNELS, KERNELS_DIR)
         self.layers = cp.asarray(layer_table(engine.arena, self.cfg, self.fmt))
-        self.counters = cp.zeros(n_ops(self.cfg) + 1, dtype=cp.uint32)
+        self.counters = cp.zeros(2 * n_ops(self.cfg) + 1, dtype=cp.uint32)
+        self.dyn = dyn
 
     def launch(self, ops=None, taps=None, trace=None) -> Launch:
         return persist_launch(self.lib, self.eng.arena, self.cfg, self.fmt, self.n_sm, self.layers, self.counters,
-                              ops, taps, trace)
+                              ops, taps, trace, self.dyn)
 
     def lm_head(self) -> Launch:
         ln = lm_head.lm_head_launch(self.eng.lib, self.eng.arena, self.cfg, self.n_sm)

@@ -35,10 +35,10 @@ def needs_sm90():
         pytest.skip("the persistent step needs sm_90+ (bulk copies)")
 
 
-def persistent(model_dir, fmt: str, max_seq: int) -> tuple[Engine, PersistStep]:
-    """An engine of the ws form whose short bucket replays the persistent step."""
+def persistent(model_dir, fmt: str, max_seq: int, dyn: bool = False) -> tuple[Engine, PersistStep]:
+    """An engine of the ws form whose short bucket replays the persistent step (`dyn`: tiles from counters)."""
     eng = Engine(model_dir, weights=fmt, max_seq=max_seq, forms=WS)
-    step = PersistStep(eng)
+    step = PersistStep(eng, dyn=dyn)
     step.install()
     return eng, step
 
@@ -68,9 +68,10 @@ def trace_of(step: PersistStep, replays: int = 1):
     return trace.get()[1:].reshape(total, n_sm, 2), step.counters.get()
 
 
+@pytest.mark.parametrize("dyn", [False, True], ids=["static", "dyn"])
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_every_op_once_in_dependency_order(tiny_model, fmt):
-    eng, step = persistent(tiny_model, fmt, 64)
+def test_every_op_once_in_dependency_order(tiny_model, fmt, dyn):
+    eng, step = persistent(tiny_model, fmt, 64, dyn)
     eng.reset(prompt_of(eng, 9))
     n_sm, cfg = step.n_sm, step.cfg
     stamps, counters = trace_of(step, replays=3)
@@ -89,12 +90,13 @@ def test_every_op_once_in_dependency_order(tiny_model, fmt):
     assert sorted(s) == list(range(1, s.size + 1))
 
 
+@pytest.mark.parametrize("dyn", [False, True], ids=["static", "dyn"])
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-def test_same_bits_as_the_ws_form(tiny_model, fmt):
+def test_same_bits_as_the_ws_form(tiny_model, fmt, dyn):
     """Tokens and logits equal the ws form's bit for bit (graph and eager, poisoned buffers); every probe of the
-    one-op-per-launch step equals the ws form's."""
+    one-op-per-launch step equals the ws form's. With dynamic tiles too: a tile's sums are one block's whichever."""
     ws = Engine(tiny_model, weights=fmt, max_seq=96, forms=WS)
-    ps, step = persistent(tiny_model, fmt, 96)
+    ps, step = persistent(tiny_model, fmt, 96, dyn)
     assert [ln.name for ln in ps.variants[ps.short_capacity]] == ["decode_persist", "gemv_fp16_f32_argmax"]
     prompt = prompt_of(ws, 30, seed=1)
     poison(ws)
@@ -121,8 +123,9 @@ def test_same_bits_as_the_ws_form(tiny_model, fmt):
             np.testing.assert_array_equal(b[name], a[name], err_msg=f"step {i} {name}")
 
 
-def test_replays_are_deterministic(tiny_model):
-    eng, step = persistent(tiny_model, "fp8", 64)
+@pytest.mark.parametrize("dyn", [False, True], ids=["static", "dyn"])
+def test_replays_are_deterministic(tiny_model, dyn):
+    eng, step = persistent(tiny_model, "fp8", 64, dyn)
     prompt = prompt_of(eng, 12, seed=2)
     first = eng.generate(prompt, 20)
     logits = eng.arena["logits"].get()
@@ -136,12 +139,12 @@ def test_replays_are_deterministic(tiny_model):
     assert not step.counters.get().any()
 
 
-def assert_persist_matches_reference(model_dir, fmt: str, prompt_len: int, n_new: int, label: str):
+def assert_persist_matches_reference(model_dir, fmt: str, prompt_len: int, n_new: int, label: str, dyn=False):
     """The probes of every op against the NumPy reference (test_engine_gpu's thresholds), then greedy."""
     from test_engine_gpu import COS_MIN, cosine, reference_run
 
     seq, ref_taps, margins = reference_run(model_dir, fmt, prompt_len, n_new)
-    eng, step = persistent(model_dir, fmt, prompt_len + n_new)
+    eng, step = persistent(model_dir, fmt, prompt_len + n_new, dyn)
     probes = step.probe_launches()
     eng.reset(seq)
     worst, where, err = 1.0, None, []
@@ -185,4 +188,4 @@ def test_beyond_the_attention_capacity(tiny_model):
 def test_llama1b_persist_matches_reference(llama1b_in_background, fmt):
     model_dir, refs = llama1b_in_background
     _references.update(refs.result())
-    assert_persist_matches_reference(model_dir, fmt, *LLAMA1B_LENGTHS, "llama-3.2-1b synthetic persist")
+    assert_persist_matches_reference(model_dir, fmt, *LLAMA1B_LENGTHS, "llama-3.2-1b synthetic persist", dyn=True)

@@ -102,7 +102,7 @@ def test_probe_script_refuses_an_unknown_variant():
 def test_the_probe_kernel_compiles_beside_the_product():
     """lab/kernels/probe_stream.cu builds against the product's kernels_cu/common.cuh from its place in the lab (the
     wheel no longer carries it, so no packaging test compiles it), and nvcc's entries are the loader's names."""
-    (src,) = sorted(KERNELS_DIR.glob("*.cu"))
+    src = KERNELS_DIR / "probe_stream.cu"
     out = subprocess.run([shutil.which("nvcc"), "-arch=sm_90", "-std=c++17", "-Xptxas", "-v", "-c", str(src), "-o",
                           "/dev/null"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -18,10 +18,14 @@
 //            increment (fence, then atomicAdd). The attention runs on the last n_att blocks (those with the fewest
 //            tiles in the grid-stride order), which stage the K/V rows of earlier steps before they wait for QKV.
 //            The last block to finish resets the launch's counters (a ticket), so every launch starts from zero.
+// dyn        0: each block takes the tiles blockIdx.x + i * gridDim.x of every GEMV (static, as the graph's kernels);
+//            1: each block's producer takes tiles from the GEMV's counter (ws_stream.cuh ws_produce_dyn), so no block
+//            waits for one that got more of them. A tile's sums are one block's either way: the same bits.
 // Layouts    layers: per layer PS_PTRS device addresses (lab/persist.py layer_table): the tiled weights and
 //            fp8 scales of wqkv, wo, wgu, wd, the two norm weights, the layer's K and V cache. Activations as the
-//            step's: h fp32 [H], qkv fp16 [qkv_rows], attn_out fp16 [q_dim], act fp16 [I]. counters: u32 [n_ops + 1]
-//            (the last: the ticket). trace (tests, else null): u32, [0] a sequence, then per (op, block) the
+//            step's: h fp32 [H], qkv fp16 [qkv_rows], attn_out fp16 [q_dim], act fp16 [I]. counters: u32
+//            [2 n_ops + 1]: the ops' done counts, the ticket, the ops' tile counters (dyn). trace (tests, else
+//            null): u32, [0] a sequence, then per (op, block) the
 //            sequence numbers at the op's start (after its wait) and end (before its signal), 0 when not run.
 //            Dynamic shared memory: region A (xs [Kmax] fp16, or the attention's K/V/P: `a_bytes`) | partial sums
 //            [2][8][16] f32 | block_sum scratch [32] f32 | full, empty [GEMV_WS_MAX], go [2] u64 | ring (128-byte
@@ -68,7 +72,7 @@ __device__ __forceinline__ void ps_stamp(unsigned* trace, int o, int side) {
       int qkv_rows, int I, int n_q, int n_kv, float eps, float scale, int att_cap, int a_bytes,           \
       const __half* __restrict__ embed, const int* __restrict__ cur_token, const int* __restrict__ pos,   \
       const float2* __restrict__ cos_sin, float* h, __half* qkv, __half* attn_out, __half* act,            \
-      unsigned* counters, unsigned* trace
+      unsigned* counters, unsigned* trace, int dyn
 
 #if AF_HAS_BULK
 template <bool FP8, int HD, int G>
@@ -88,18 +92,20 @@ __device__ __forceinline__ void decode_persist_body(PS_PARAMS) {
   auto W = [&](const unsigned long long* L, int k) { return reinterpret_cast<const unsigned char*>(L[k]); };
   auto S = [&](const unsigned long long* L, int k) { return reinterpret_cast<const float*>(L[k]); };
 
+  __shared__ int meta[GEMV_WS_MAX];  // dyn: each ring slot's tile (ws_stream.cuh ws_produce_dyn)
+  unsigned* grabs = counters + n_ops + 1;  // dyn: each op's tile counter
   if (warp == NWC) {  // the producer: every GEMV's tiles of this block, op after op
     if (threadIdx.x % AF_WARP == 0) {
       int n = 0;
       for (int o = max(op_begin, 1); o < op_end; ++o) {
         const unsigned long long* L = layers + (size_t)((o - 1) / PS_OPS_PER_LAYER) * PS_PTRS;
-        switch ((o - 1) % PS_OPS_PER_LAYER) {
-          case PS_QKV: n = ws_produce<FP8>(ring, W(L, 0), S(L, 1), H, qkv_rows / GEMV_TILE, n, 0, nullptr); break;
-          case PS_WO: n = ws_produce<FP8>(ring, W(L, 3), S(L, 4), q_dim, H / GEMV_TILE, n, 0, nullptr); break;
-          case PS_WGU: n = ws_produce<FP8>(ring, W(L, 5), S(L, 6), H, 2 * I / GEMV_TILE, n, 0, nullptr); break;
-          case PS_WD: n = ws_produce<FP8>(ring, W(L, 8), S(L, 9), I, H / GEMV_TILE, n, 0, nullptr); break;
-          default: break;
-        }
+        const int k = (o - 1) % PS_OPS_PER_LAYER;
+        if (k == PS_ATT) continue;
+        const int w = k == PS_QKV ? 0 : k == PS_WO ? 3 : k == PS_WGU ? 5 : 8;  // the weight's place in the table
+        const int K = k == PS_WO ? q_dim : k == PS_WD ? I : H;
+        const int rows = k == PS_QKV ? qkv_rows : k == PS_WGU ? 2 * I : H;
+        n = dyn ? ws_produce_dyn<FP8>(ring, W(L, w), S(L, w + 1), K, rows / GEMV_TILE, n, grabs + o, meta)
+                : ws_produce<FP8>(ring, W(L, w), S(L, w + 1), K, rows / GEMV_TILE, n);
       }
     }
     return;
@@ -151,15 +157,18 @@ __device__ __forceinline__ void decode_persist_body(PS_PARAMS) {
     if (k == PS_QKV) {
       const EpiOperand pre = epilogue_operand<EPI_ROPE, 2>(a, rope, blockIdx.x);
       stage_x_tiled<PRO_NORM, STAGE_REGS, GEMV_THREADS>(a, xs, rs, nullptr, nullptr, nr);
-      n = ws_consume<FP8, 2, EPI_ROPE>(ring, a, rope, red, xs, n, pre, TpArgs{});
+      n = dyn ? ws_consume_dyn<FP8, 2, EPI_ROPE>(ring, a, rope, red, xs, n, pre, TpArgs{}, meta)
+              : ws_consume<FP8, 2, EPI_ROPE>(ring, a, rope, red, xs, n, pre, TpArgs{});
     } else if (k == PS_WGU) {
       const EpiOperand pre = epilogue_operand<EPI_SWIGLU, 2>(a, rope, blockIdx.x);
       stage_x_tiled<PRO_NORM, STAGE_REGS, GEMV_THREADS>(a, xs, rs, nullptr, nullptr, nr);
-      n = ws_consume<FP8, 2, EPI_SWIGLU>(ring, a, rope, red, xs, n, pre, TpArgs{});
+      n = dyn ? ws_consume_dyn<FP8, 2, EPI_SWIGLU>(ring, a, rope, red, xs, n, pre, TpArgs{}, meta)
+              : ws_consume<FP8, 2, EPI_SWIGLU>(ring, a, rope, red, xs, n, pre, TpArgs{});
     } else {  // o_proj, down: h += W.x
       const EpiOperand pre = epilogue_operand<EPI_RESID, 1>(a, rope, blockIdx.x);  // h, written by earlier ops
       stage_x_tiled<PRO_PLAIN, STAGE_REGS, GEMV_THREADS>(a, xs, rs, nullptr, nullptr, nr);
-      n = ws_consume<FP8, 1, EPI_RESID>(ring, a, rope, red, xs, n, pre, TpArgs{});
+      n = dyn ? ws_consume_dyn<FP8, 1, EPI_RESID>(ring, a, rope, red, xs, n, pre, TpArgs{}, meta)
+              : ws_consume<FP8, 1, EPI_RESID>(ring, a, rope, red, xs, n, pre, TpArgs{});
     }
     ps_stamp(trace, o, 1);
     ps_signal(counters + o);
@@ -168,7 +177,7 @@ __device__ __forceinline__ void decode_persist_body(PS_PARAMS) {
   if (threadIdx.x == 0) {
     __threadfence();
     if (atomicAdd(counters + n_ops, 1u) == grid - 1) {
-      for (int o = op_begin; o < op_end; ++o) counters[o] = 0u;
+      for (int o = op_begin; o < op_end; ++o) counters[o] = grabs[o] = 0u;
       counters[n_ops] = 0u;
       __threadfence();
     }
@@ -177,7 +186,7 @@ __device__ __forceinline__ void decode_persist_body(PS_PARAMS) {
 #define PS_BODY(FP8, HD, G)                                                                                \
   decode_persist_body<FP8, HD, G>(layers, op_begin, op_end, n_ops, H, q_dim, qkv_rows, I, n_q, n_kv, eps,    \
                                   scale, att_cap, a_bytes, embed, cur_token, pos, cos_sin, h, qkv, attn_out, \
-                                  act, counters, trace);
+                                  act, counters, trace, dyn);
 #elif defined(__CUDA_ARCH__)
 #define PS_BODY(FP8, HD, G) __trap();
 #else

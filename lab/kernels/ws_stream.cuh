@@ -31,62 +31,127 @@ struct WsShape {
   static constexpr int SLOTB = GEMV_WS_SLOT + (FP8 ? GPS * 64 : 0);    // a slot's bytes (fp8: + the groups' scales)
 };
 
+// Lane 0 of the producer: part `part` of tile T of a GEMV (its groups [g0, g1)) into ring slot n % NS, once the
+// consumers have released that slot's previous use.
+template <bool FP8>
+__device__ __forceinline__ void ws_fill(const WsRing& r, const unsigned char* W, const float* scales, int K, int T,
+                                        int part, int n) {
+  using S = WsShape<FP8>;
+  const int nunits = K / S::KU, ngroups = (K + 127) >> 7;
+  const int slot = n % r.NS;
+  if (n >= r.NS) mbar_wait(r.empty + slot, (unsigned)(n / r.NS - 1) & 1u);
+  const int g0 = part * S::GPS, g1 = min(ngroups, g0 + S::GPS);
+  const int u0 = g0 * S::UPG, u1 = min(nunits, g1 * S::UPG);  // the last group of a tile may be short
+  const unsigned wbytes = (unsigned)(u1 - u0) * 512u;
+  const unsigned sbytes = FP8 && !AF_NO_SCALES ? (unsigned)(g1 - g0) * 64u : 0u;
+  unsigned char* dst = r.slots + (size_t)slot * S::SLOTB;
+  mbar_expect_tx(r.full + slot, wbytes + sbytes);
+  gemv_w_copy(dst, W + (size_t)T * nunits * 512 + (size_t)u0 * 512, wbytes, r.full + slot);
+  if (FP8 && !AF_NO_SCALES)
+    gemv_w_copy(dst + GEMV_WS_SLOT, scales + ((size_t)T * ngroups + g0) * 16, sbytes, r.full + slot);
+}
+
 // Lane 0 of the producer warp: the block's tiles of one GEMV (tile blockIdx.x + i * gridDim.x, in order, each a
 // contiguous run of groups) into the ring from slot count n; returns the count after them. It never waits for the
-// data the GEMV reads, only for free slots, and (npre > 0) for `go` once it has filled npre slots of this GEMV.
+// data the GEMV reads, only for free slots.
 template <bool FP8>
 __device__ __forceinline__ int ws_produce(const WsRing& r, const unsigned char* W, const float* scales, int K,
-                                          int ntiles, int n, int npre, unsigned long long* go) {
+                                          int ntiles, int n) {
   using S = WsShape<FP8>;
-  const int nunits = K / S::KU, ngroups = (K + 127) >> 7, spt = (ngroups + S::GPS - 1) / S::GPS;
-  const int my_tiles = blockIdx.x < ntiles ? (ntiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-  const int tile_bytes = nunits * 512;
-  for (int i = 0; i < my_tiles * spt; ++i, ++n) {
-    const int slot = n % r.NS;
-    if (npre > 0 && i == npre) mbar_wait(go, 0u);  // the rest once the consumers passed their wait
-    if (n >= r.NS) mbar_wait(r.empty + slot, (unsigned)(n / r.NS - 1) & 1u);
-    const int T = blockIdx.x + (i / spt) * gridDim.x;  // slot i of the GEMV: tile T, groups [g0, g1)
-    const int g0 = (i % spt) * S::GPS, g1 = min(ngroups, g0 + S::GPS);
-    const int u0 = g0 * S::UPG, u1 = min(nunits, g1 * S::UPG);  // the last group of a tile may be short
-    const unsigned wbytes = (unsigned)(u1 - u0) * 512u;
-    const unsigned sbytes = FP8 && !AF_NO_SCALES ? (unsigned)(g1 - g0) * 64u : 0u;
-    unsigned char* dst = r.slots + (size_t)slot * S::SLOTB;
-    mbar_expect_tx(r.full + slot, wbytes + sbytes);
-    gemv_w_copy(dst, W + (size_t)T * tile_bytes + (size_t)u0 * 512, wbytes, r.full + slot);
-    if (FP8 && !AF_NO_SCALES)
-      gemv_w_copy(dst + GEMV_WS_SLOT, scales + ((size_t)T * ngroups + g0) * 16, sbytes, r.full + slot);
-  }
+  const int spt = (((K + 127) >> 7) + S::GPS - 1) / S::GPS;
+  for (int T = blockIdx.x; T < ntiles; T += gridDim.x)
+    for (int p = 0; p < spt; ++p) ws_fill<FP8>(r, W, scales, K, T, p, n++);
   return n;
 }
 
-// The 8 consumer warps: the block's tiles of one GEMV from slot count n (x staged in xs, `pre` the first tile's
-// epilogue operand), each tile's epilogue run (red: [2][8][16] partial sums); returns the count after them. In every
-// slot a warp takes the group it owns (group g belongs to warp g % 8, as in the ring form), then releases the slot.
-template <bool FP8, int R, int EPI>
-__device__ __forceinline__ int ws_consume(const WsRing& r, const GemvArgs& a, const RopeArgs& rope, float* red,
-                                          const __half* xs, int n, const EpiOperand& pre, const TpArgs& tp) {
+// The same with the tiles taken dynamically: each from the GEMV's counter `grab` (shared by the grid, zero before
+// the GEMV), so a block that is ahead takes more of them (the v32 probe: static shares end every op with its slowest
+// block). A slot's tile goes to the consumers in `meta` [slot]; after the last tile a marker slot (meta -1, no bytes)
+// ends the GEMV for them. The next tile is asked for while the current one's last part is issued.
+template <bool FP8>
+__device__ __forceinline__ int ws_produce_dyn(const WsRing& r, const unsigned char* W, const float* scales, int K,
+                                              int ntiles, int n, unsigned* grab, int* meta) {
+  using S = WsShape<FP8>;
+  const int spt = (((K + 127) >> 7) + S::GPS - 1) / S::GPS;
+  int T = (int)atomicAdd(grab, 1u);
+  while (T < ntiles) {
+    int next = ntiles;
+    for (int p = 0; p < spt; ++p) {
+      if (p == spt - 1) next = (int)atomicAdd(grab, 1u);
+      const int slot = n % r.NS;
+      if (n >= r.NS) mbar_wait(r.empty + slot, (unsigned)(n / r.NS - 1) & 1u);
+      meta[slot] = T;
+      ws_fill<FP8>(r, W, scales, K, T, p, n++);
+    }
+    T = next;
+  }
+  const int slot = n % r.NS;  // the marker
+  if (n >= r.NS) mbar_wait(r.empty + slot, (unsigned)(n / r.NS - 1) & 1u);
+  meta[slot] = -1;
+  mbar_arrive(r.full + slot);
+  return n + 1;
+}
+
+// The 8 consumer warps: tile T's slots from slot count n, its sums into acc (fp8: scaled per group). In every slot a
+// warp takes the group it owns (group g belongs to warp g % 8, as in the ring form), then releases the slot.
+template <bool FP8>
+__device__ __forceinline__ int ws_tile(const WsRing& r, const __half* xs, int K, int n, float (&acc)[2]) {
   using S = WsShape<FP8>;
   constexpr int NWC = GEMV_THREADS / AF_WARP;
   static_assert(NWC == 8 && S::GPS <= NWC && NWC % S::GPS == 0, "a slot holds at most one group per consumer warp");
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, t = lane & 3;
-  const int nunits = a.K / S::KU, ngroups = (a.K + 127) >> 7, spt = (ngroups + S::GPS - 1) / S::GPS;
+  const int nunits = K / S::KU, ngroups = (K + 127) >> 7, spt = (ngroups + S::GPS - 1) / S::GPS;
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  acc[0] = acc[1] = 0.f;
+  for (int p = 0; p < spt; ++p, ++n) {
+    const int slot = n % r.NS;
+    const int g0 = p * S::GPS, off = (warp - g0) & (NWC - 1), G = g0 + off;  // this warp's group in the slot
+    mbar_wait(r.full + slot, (unsigned)(n / r.NS) & 1u);
+    if (off < S::GPS && G < ngroups)
+      ws_slot_mma<FP8, S::UPG>(d, acc, r.slots + (size_t)slot * S::SLOTB, off, G, xs, nunits, lane, t);
+    __syncwarp();  // every lane has read the slot
+    if (lane == 0) mbar_arrive(r.empty + slot);
+  }
+  gemv_tiled_finish<FP8>(d, acc);
+  return n;
+}
+
+// The consumers' side of ws_produce: the block's tiles of one GEMV from slot count n (x staged in xs, `pre` tile
+// blockIdx.x's epilogue operand), each tile's epilogue run (red: [2][8][16] partial sums); returns the count after.
+template <bool FP8, int R, int EPI>
+__device__ __forceinline__ int ws_consume(const WsRing& r, const GemvArgs& a, const RopeArgs& rope, float* red,
+                                          const __half* xs, int n, const EpiOperand& pre, const TpArgs& tp) {
+  constexpr int NWC = GEMV_THREADS / AF_WARP;
   const int ntiles = a.n_out * R / GEMV_TILE;
   for (int T = blockIdx.x, parity = 0; T < ntiles; T += gridDim.x, parity ^= 1) {
-    float acc[2] = {0.f, 0.f}, d[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int p = 0; p < spt; ++p, ++n) {
-      const int slot = n % r.NS;
-      const int g0 = p * S::GPS, off = (warp - g0) & (NWC - 1), G = g0 + off;  // this warp's group in the slot
-      mbar_wait(r.full + slot, (unsigned)(n / r.NS) & 1u);
-      if (off < S::GPS && G < ngroups)
-        ws_slot_mma<FP8, S::UPG>(d, acc, r.slots + (size_t)slot * S::SLOTB, off, G, xs, nunits, lane, t);
-      __syncwarp();  // every lane has read the slot
-      if (lane == 0) mbar_arrive(r.empty + slot);
-    }
-    gemv_tiled_finish<FP8>(d, acc);
-    AF_TL_MARK(1);  // timeline: the (last) tile's dot products done
+    float acc[2];
+    n = ws_tile<FP8>(r, xs, a.K, n, acc);
     tile_epilogue<R, EPI, GEMV_THREADS>(a, rope, red + parity * NWC * GEMV_TILE, T, acc, pre, tp);
   }
   return n;
+}
+
+// The consumers' side of ws_produce_dyn: tiles as `meta` names them until the marker (`pre` is still tile
+// blockIdx.x's operand: tile_epilogue uses it for that tile only, whenever it comes).
+template <bool FP8, int R, int EPI>
+__device__ __forceinline__ int ws_consume_dyn(const WsRing& r, const GemvArgs& a, const RopeArgs& rope, float* red,
+                                              const __half* xs, int n, const EpiOperand& pre, const TpArgs& tp,
+                                              const int* meta) {
+  constexpr int NWC = GEMV_THREADS / AF_WARP;
+  const int lane = threadIdx.x % AF_WARP;
+  for (int parity = 0;; parity ^= 1) {
+    const int slot = n % r.NS;
+    mbar_wait(r.full + slot, (unsigned)(n / r.NS) & 1u);
+    const int T = meta[slot];
+    if (T < 0) {  // the marker: released like any slot
+      __syncwarp();
+      if (lane == 0) mbar_arrive(r.empty + slot);
+      return n + 1;
+    }
+    float acc[2];
+    n = ws_tile<FP8>(r, xs, a.K, n, acc);
+    tile_epilogue<R, EPI, GEMV_THREADS>(a, rope, red + parity * NWC * GEMV_TILE, T, acc, pre, tp);
+  }
 }
 
 // The fixed part of the ws form's shared memory: xs [K] fp16 | partial sums [2][8][16] f32 | block_sum scratch [32] f32

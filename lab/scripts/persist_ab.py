@@ -4,7 +4,8 @@
     lab/scripts/persist_ab.py MODEL FMT [FORMS ...] [--ctx 128] [--tokens 256] [--rounds 2] [--json FILE]
 
 MODEL is a model of the store (lab/local.py lab_engine). Each round times every FORMS (the graph step in those forms,
-`engine.use`) and then the persistent step (installed over the ws form's short bucket), with the timing of `run`
+`engine.use`) and then the persistent step with static and with dynamic tiles (installed over the ws form's short
+bucket), with the timing of `run`
 (time_decode: ctx, tokens, 3 repeats after a warm-up; median per token). The copy bandwidth is measured in the same
 call; the floor is the step's bytes at the run's mean length over it. PERF_NOTES v48 ran the same comparison with
 `run --forms short:persist;split:ws` while the form was in the product."""
@@ -19,7 +20,7 @@ from pathlib import Path
 # run as a file: the repository root onto the path, where the lab package lives beside the product
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-PERSIST = "persist"
+PERSIST = ("persist", "persist-dyn")
 
 
 def main(argv=None) -> int:
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
 
     ws = Forms.parse("short:ws;split:ws")
     try:
-        configs = [(f, Forms.parse(f)) for f in a.forms] + [(PERSIST, ws)]
+        configs = [(f, Forms.parse(f)) for f in a.forms] + [(p, ws) for p in PERSIST]
         eng = lab_engine(a.model, a.fmt, a.ctx + a.tokens + 8, forms=configs[0][1])
         if eng.short_capacity < a.ctx + a.tokens:
             raise AtomflowError(f"the run's lengths reach {a.ctx + a.tokens}, past the short bucket "
@@ -56,8 +57,8 @@ def main(argv=None) -> int:
     for r in range(a.rounds):
         for tag, forms in configs:
             eng.use(forms)
-            if tag == PERSIST:
-                PersistStep(eng).install()
+            if tag in PERSIST:
+                PersistStep(eng, dyn=tag.endswith("dyn")).install()
             m = time_decode(eng, a.ctx, a.tokens, repeats=3)["tpot_ms"]
             runs.append({"round": r, "form": tag, "tpot_ms": m, "pct_of_floor": 100 * floor_ms / m["median"]})
             print(f"round {r} {tag}: {m['median']:.4f} ms ({m['p10']:.4f}-{m['p90']:.4f}) "
