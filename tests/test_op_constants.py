@@ -14,7 +14,7 @@ import pytest
 from atomflow_bench.gpu.nvrtc import KERNELS_DIR
 from atomflow_bench.gpu.ops import declared_kernels
 
-OPS = ("ops.gemv", "ops.attention", "ops.lm_head", "ops.small", "tp.sums")
+OPS = ("ops.gemv", "ops.attention", "ops.attention_prefill", "ops.lm_head", "ops.small", "tp.sums")
 PKG = Path(__file__).resolve().parents[1] / "atomflow_bench"
 
 
@@ -46,7 +46,7 @@ def test_every_kernel_the_ops_build_is_declared():
     """The kernel names the launch factories build (variants, ring depths, forms, attention instances) are in their
     module's KERNELS, under the .cu that defines them; every .cu of kernels_cu/ is some module's, each kernel is
     declared once, and the lab's kernels are not the product's."""
-    from atomflow_bench.gpu.ops import attention, gemv
+    from atomflow_bench.gpu.ops import attention, attention_prefill, gemv
     from atomflow_bench.gpu.tp import sums
 
     files = {**declared_kernels(), **sums.KERNELS}
@@ -66,6 +66,9 @@ def test_every_kernel_the_ops_build_is_declared():
             assert attention.split_kernel(hd, g) in files["attention.cu"]
             assert attention.short_kernel(hd, g) in files["attention_short.cu"]
     assert attention.split_kernel(128, 4) == "attention_decode_hd128_g4"
+    assert set(files["attention_prefill.cu"]) == {attention_prefill.prefill_kernel(hd, g)
+                                                  for hd in attention_prefill.HEAD_DIMS for g in attention_prefill.GROUPS}
+    assert attention_prefill.prefill_kernel(128, 4) == "attention_prefill_hd128_g4"
     assert set(files["lm_head.cu"]) == {"gemv_f16_f32", "gemv_f16_f32_argmax"}
     assert {"embed_lookup", "quantize_fp8", "spin_ns", "tp_allreduce_add", "tp_argmax_combine"} <= set(names)
     assert "probe_stream" not in names

@@ -9,6 +9,7 @@ from ..errors import GpuUnavailable
 # Shared memory of an H100 (sm_90): (per block with opt-in, per SM, reserved per resident block). The plans take the
 # current device's figures (smem_limits); this triple is the default of the pure-Python plan functions and tests.
 SMEM_H100 = (227 * 1024, 228 * 1024, 1024)
+SMEM_SM89 = (99 * 1024, 100 * 1024, 1024)  # the same for sm_89 (L40S, RTX 4090): the plans must fit it too
 
 
 def driver_cuda_version() -> int | None:
