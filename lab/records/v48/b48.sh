@@ -69,3 +69,14 @@ if [ "$PH" = E ]; then  # after the layer table moved to load time: the tune tes
   runf tuned-1b-fp8 new llama-3.2-1b fp8
   runf g-3-1b-fp8 new llama-3.2-1b fp8 --forms "short:ring/l2=4;split:ring/l2=4"
 fi
+if [ "$PH" = F ]; then  # after the move to the lab: its GPU tests (static and dynamic tiles), the prefill attention's
+  # kernel tests, and the A/B of the graph against both persistent steps (lab/scripts/persist_ab.py), 1B and 3B W8A16
+  pt lab-persist 300 tests/test_lab_persist_gpu.py -x
+  pt prefill-attention 200 tests/test_prefill_attention.py
+  timeout 120 python3 lab/records/v48/prefill_att_time.py >$W/prefill-att-time.log 2>&1; note "prefill attention timing rc=$?"; cat $W/prefill-att-time.log | tee -a $S
+  for m in llama-3.2-1b llama-3.2-3b; do timeout 200 atomflow-bench fetch $m >$W/fetch-$m.log 2>&1; done
+  timeout 200 python3 lab/scripts/persist_ab.py llama-3.2-1b fp8 "short:ws/l2=0;split:ws/l2=0" --rounds 2 \
+    --json $W/persist-ab-1b-fp8.json >$W/persist-ab-1b-fp8.log 2>&1; note "persist_ab 1b fp8 rc=$?"; cat $W/persist-ab-1b-fp8.log | tee -a $S
+  timeout 200 python3 lab/scripts/persist_ab.py llama-3.2-3b fp8 "short:ring/l2=4;split:ring/l2=4" "short:ws/l2=0;split:ws/l2=0" \
+    --json $W/persist-ab-3b-fp8.json >$W/persist-ab-3b-fp8.log 2>&1; note "persist_ab 3b fp8 rc=$?"; cat $W/persist-ab-3b-fp8.log | tee -a $S
+fi
