@@ -249,8 +249,8 @@ def gemv(model, formats, reps, json_path, fmt):
 @click.argument("model", default=DEFAULT_MODEL, shell_complete=complete_model)
 @click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
 @click.option("--truth", "truth_dir", type=click.Path(file_okay=False), default=None,
-              help="Ground-truth directory (scripts/gen_ground_truth.py); made there if empty. Default: generated "
-                   "(needs torch + transformers) and cached under $ATOMFLOW_HOME/truth.")
+              help="Ground-truth directory: read, or made there when empty (needs torch + transformers; copy it to "
+                   "a machine without them). Default: made and cached under $ATOMFLOW_HOME/truth.")
 @click.option("--steps", type=click.IntRange(1, 4096), default=None, help="Greedy steps compared  [default: 32, "
               "or the truth's]")
 @click.option("--prompt", default=None, help="Prompt text  [default: 'The capital of France is', or the truth's]")

@@ -62,7 +62,7 @@ def validate(model_dir: str | Path, weights: str = "fp8", truth_dir: str | Path 
         raise VerifyError(f"the ground truth has {m['num_hidden_layers']} layers, the model {cfg.num_hidden_layers}")
     if weights not in truth.variants:
         raise ConfigError(f"{truth.dir}: the ground truth has no {weights} variant (it has "
-                          f"{', '.join(truth.variants)}); regenerate it with scripts/gen_ground_truth.py, which makes "
+                          f"{', '.join(truth.variants)}); point --truth at an empty directory and validate makes "
                           "both")
     if console is not None:
         for n in notes:
