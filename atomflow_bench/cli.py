@@ -134,7 +134,7 @@ def profile(model, weights, context, steps, forms, json_path, tp, allreduce, tp_
         p, tables = ctx.profile(eng, context, steps)
     render(tables, fmt, console)
     if json_path and ctx.writes:
-        rec = {**run_record.head("atomflow-bench/profile/1"), "gpu": eng.gpu, "model": model, "weights": weights, **p}
+        rec = {**run_record.head("profile"), "gpu": eng.gpu, "model": model, "weights": weights, **p}
         run_record.write(rec, Path(json_path))
 
 
@@ -247,7 +247,7 @@ def gemv(model, formats, reps, json_path, fmt):
     g = gemv_bench(cfg, lib, info["sms"], fmts, reps=reps, l2_bytes=info["l2_bytes"])
     render(gemv_table(g), fmt, console)
     if json_path:
-        run_record.write({**run_record.head("atomflow-bench/gemv/1"), "gpu": info, "model": model, **g},
+        run_record.write({**run_record.head("gemv"), "gpu": info, "model": model, **g},
                          Path(json_path))
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from .. import schemas
 from ..errors import AtomflowError, ConfigError, VerifyError
 from ..hf import cache_keyword, dtype_keyword, quiet
 from ..measure.run_record import now_iso, tool_info
@@ -32,7 +33,7 @@ from ..store.checkpoint import Checkpoint
 from ..store.tokenizer import load_tokenizer
 from .probes import probe_names
 
-TRUTH_SCHEMA = "atomflow-bench/truth/1"
+TRUTH_SCHEMA = schemas.current("truth")
 TRUTH_JSON = "truth.json"
 TRUTH_TENSORS = "truth.safetensors"
 FP8_FILE = "model-fp8.safetensors"  # derived from the fp16 weights: not part of the weights hash
@@ -312,7 +313,7 @@ class Truth:
             raise ConfigError(f"{self.dir}: no {TRUTH_JSON} (validate --truth DIR makes one in an empty DIR)") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({getattr(e, 'msg', None) or e.reason})") from None
-        if not isinstance(self.manifest, dict) or self.manifest.get("schema") != TRUTH_SCHEMA:
+        if schemas.check(self.manifest, ("truth",), path) is None:
             raise ConfigError(f"{path}: not an {TRUTH_SCHEMA} manifest")
         missing = [k for k in ("prompt_ids", "generated_ids", "steps", "variants", "transformers", "torch", "device")
                    if k not in self.manifest]
