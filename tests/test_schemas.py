@@ -12,7 +12,7 @@ import pytest
 from atomflow_bench import schemas
 from atomflow_bench.cli import main
 from atomflow_bench.errors import AtomflowError, ConfigError
-from atomflow_bench.measure import baselines, llama_cpp, peer_table, plot, run_record, tune
+from atomflow_bench.measure import baselines, llama_cpp, peer_table, plot, run_record, sweep, tune
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD_TP_PROFILE = ROOT / "lab" / "records" / "v41-tp" / "C" / "profile-8b-fp16-tp2.json"
@@ -53,7 +53,7 @@ def test_every_committed_record_loads_through_its_readers():
             got = plot.load_records([path])
             assert got["ignored"] == [] or kind == "sweep", (path, got["ignored"])
         if kind == "run":  # compare and sweep read through run_record.load; compare-peers takes a result
-            run_record.load(path)
+            sweep.figures(run_record.load(path))
             if rec.get("instrument"):
                 with pytest.raises(AtomflowError, match="timing-instrument run"):
                     peer_table.load_result(path)
