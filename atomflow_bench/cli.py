@@ -18,7 +18,8 @@ from .cli_compare import baseline, compare, compare_peers, peers, plot
 from .cli_setup import complete_model, doctor, fetch, generate, models, rm
 from .config import CATALOG, DEFAULT_MODEL
 from .errors import AtomflowError, GpuUnavailable, Terminated
-from .cli_options import FORMS_HELP, check_model_first, check_tp_options, measure_options, parse_forms, tp_options
+from .cli_options import (FORMS_HELP, check_model_first, check_tp_options, measure_options, parse_forms, tp_options,
+                          tp_timeout_option)
 from .output import Out, PipeAwareGroup, PipeClosed, format_option, is_machine, notes_console, pipe_closed, render
 
 console = Out()
@@ -56,7 +57,7 @@ for command in (baseline, compare, compare_peers, doctor, fetch, generate, model
 @tp_options
 @format_option
 def run(model, weights, context, tokens, repeats, json_path, no_json, source, baselines_dir, with_peers, forms, retune,
-        tp, allreduce, fmt):
+        tp, allreduce, tp_timeout, fmt):
     """Decode benchmark: TPOT, tok/s, bandwidth, % of the copy roofline, VRAM (default: synthetic Llama-3.2-3B)."""
     from pathlib import Path
 
@@ -72,7 +73,7 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
     from .store.fetch import fetch_model
 
     forms = parse_forms(forms)
-    check_tp_options(tp, allreduce, with_peers=with_peers, retune=retune)
+    check_tp_options(tp, allreduce, with_peers=with_peers, retune=retune, tp_timeout=tp_timeout)
     notes = notes_console(fmt, console)  # stderr with --format csv/json: stdout holds the tables alone
     baselines = load_baselines(baselines_dir)  # a malformed file stops here, before the measurement
     check_model_first(model, tp, (context + tokens, f"--ctx {context} + --tokens {tokens}"), source)
@@ -82,6 +83,7 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
     if json_path and not no_json and not Path(json_path).resolve().parent.is_dir():
         raise AtomflowError(f"--json {json_path}: the directory {Path(json_path).resolve().parent} does not exist")
     ctx = open_context(model, tp, allreduce, notes=notes, argv=_ARGV, source=source,  # the fetch: once, before ranks
+                       tp_timeout=tp_timeout,
                        before_launch=(lambda: fetch_model(model, source=source, console=notes)) if source else None)
     with ctx, Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=notes,
                        transient=True) as progress:
@@ -112,7 +114,7 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 @tp_options
 @format_option
-def profile(model, weights, context, steps, forms, json_path, tp, allreduce, fmt):
+def profile(model, weights, context, steps, forms, json_path, tp, allreduce, tp_timeout, fmt):
     """Per-kernel time breakdown of one decode step (events, eager) + graph step time and idle gap, and what
     each role adds inside the graph (the step replayed without it). With --tp: the step's graph time and the time of
     the sums across ranks (alone, per call and per token, for each path; and inside the step)."""
@@ -122,16 +124,17 @@ def profile(model, weights, context, steps, forms, json_path, tp, allreduce, fmt
     from .gpu.tp.context import open_context
     from .measure import run_record
 
-    check_tp_options(tp, allreduce)
+    check_tp_options(tp, allreduce, tp_timeout=tp_timeout)
     forms = parse_forms(forms)
     check_model_first(model, tp, (context + steps, f"--ctx {context} + --steps {steps}"))
     require_gpu()
-    with open_context(model, tp, allreduce, notes=notes_console(fmt, console), argv=_ARGV) as ctx:
+    with open_context(model, tp, allreduce, notes=notes_console(fmt, console), argv=_ARGV,
+                      tp_timeout=tp_timeout) as ctx:
         eng = ctx.engine(weights, context + steps + 64, given=forms, tune_missing=False)
         p, tables = ctx.profile(eng, context, steps)
     render(tables, fmt, console)
     if json_path and ctx.writes:
-        rec = {**run_record.head("atomflow-bench/profile/1"), "gpu": eng.gpu, "model": model, "weights": weights, **p}
+        rec = {**run_record.head("profile"), "gpu": eng.gpu, "model": model, "weights": weights, **p}
         run_record.write(rec, Path(json_path))
 
 
@@ -173,9 +176,10 @@ def tune(model, weights, context, tokens, fmt):
               help="The sweep's directory: one run record per cell + summary.json/.csv/.md; give an earlier sweep's "
                    "directory to resume it (its valid records are kept)  [default: results/sweep-<time>]")
 @measure_options
+@tp_timeout_option
 @format_option
 def sweep(models, weights_list, contexts, tps, tokens, repeats, out_dir, source, baselines_dir, with_peers, forms,
-          retune, fmt):
+          retune, tp_timeout, fmt):
     """`run` over a grid: --models x --weights x --ctx, one record per cell, resumable; a summary table (also
     summary.json/.csv/.md in --out, rewritten after every cell). A cell whose valid record is in --out is skipped; a
     failed cell is kept in the summary with its error and the sweep goes on (exit 1 at the end when a cell failed)."""
@@ -192,6 +196,7 @@ def sweep(models, weights_list, contexts, tps, tokens, repeats, out_dir, source,
                         sw.parse_tps(tps))
     except AtomflowError as e:
         raise click.BadParameter(str(e)) from None
+    check_tp_options(max(c["tp"] for c in cells), "auto", tp_timeout=tp_timeout)
     forms = parse_forms(forms)
     notes = notes_console(fmt, console)
     baselines = load_baselines(baselines_dir)
@@ -206,6 +211,7 @@ def sweep(models, weights_list, contexts, tps, tokens, repeats, out_dir, source,
     out = Path(out_dir) if out_dir else sw.default_out()
     gpu = device.gpu_info()["name"]
     notes.print(f"sweep: {len(cells)} cells on {gpu} into {out}", soft_wrap=True, highlight=False, markup=False)
+    open_cell = functools.partial(open_cell, tp_timeout=tp_timeout)  # the ranks of a cell of tp > 1 get it
     run_cell = functools.partial(sw.benchmark_cell, open_cell=open_cell, baselines=baselines, peers=with_peers,
                                  forms=forms, retune=retune, source=source, console=notes, baselines_dir=baselines_dir)
     summary = sw.run_sweep(cells, out, run_cell, tokens=tokens, repeats=repeats, gpu=gpu, console=notes)
@@ -241,7 +247,7 @@ def gemv(model, formats, reps, json_path, fmt):
     g = gemv_bench(cfg, lib, info["sms"], fmts, reps=reps, l2_bytes=info["l2_bytes"])
     render(gemv_table(g), fmt, console)
     if json_path:
-        run_record.write({**run_record.head("atomflow-bench/gemv/1"), "gpu": info, "model": model, **g},
+        run_record.write({**run_record.head("gemv"), "gpu": info, "model": model, **g},
                          Path(json_path))
 
 
@@ -249,8 +255,8 @@ def gemv(model, formats, reps, json_path, fmt):
 @click.argument("model", default=DEFAULT_MODEL, shell_complete=complete_model)
 @click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
 @click.option("--truth", "truth_dir", type=click.Path(file_okay=False), default=None,
-              help="Ground-truth directory (scripts/gen_ground_truth.py); made there if empty. Default: generated "
-                   "(needs torch + transformers) and cached under $ATOMFLOW_HOME/truth.")
+              help="Ground-truth directory: read, or made there when empty (needs torch + transformers; copy it to "
+                   "a machine without them). Default: made and cached under $ATOMFLOW_HOME/truth.")
 @click.option("--steps", type=click.IntRange(1, 4096), default=None, help="Greedy steps compared  [default: 32, "
               "or the truth's]")
 @click.option("--prompt", default=None, help="Prompt text  [default: 'The capital of France is', or the truth's]")
@@ -266,7 +272,7 @@ def gemv(model, formats, reps, json_path, fmt):
 @tp_options
 @format_option
 def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, quality, json_path, forms, tp, allreduce,
-             fmt):
+             tp_timeout, fmt):
     """Engine vs HF transformers fp32, probe by probe (exit 0 only if all pass); or --quality."""
     from pathlib import Path
 
@@ -277,7 +283,7 @@ def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, 
     from . import validate as v
 
     notes = notes_console(fmt, console)
-    check_tp_options(tp, allreduce)
+    check_tp_options(tp, allreduce, tp_timeout=tp_timeout)
     if tp > 1 and (quality or backend != "gpu"):
         raise click.BadParameter("--tp validates the GPU engine's probes (not --quality, not --backend numpy)",
                                  param_hint="--tp")
@@ -285,6 +291,7 @@ def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, 
     if backend == "gpu":  # before the model is fetched or the ground truth made
         require_gpu()
     ctx = open_context(model, tp, allreduce, notes=notes, argv=_ARGV,  # the model and its truth once, before ranks
+                       tp_timeout=tp_timeout,
                        before_launch=lambda: v.prepare_truth(resolve_model(model, console=notes), truth_dir, steps,
                                                              prompt, console=notes))
     if quality:

@@ -165,7 +165,8 @@ def plot(results, out_dir, fmt):
     """PNGs from records (RESULTS: files, or directories: every *.json in them, e.g. a sweep's): TPOT and % of
     roofline against context per model and format (run records); ours against the engines on the same GPU (a run
     record's peers and same-GPU baselines, and the baseline records given); a profile record's per-role time
-    against its bytes floor. Needs matplotlib: pip install 'atomflow-bench[plot]'."""
+    against its bytes floor, and a `profile --tp` record's step with and without its exchanges across ranks. Needs
+    matplotlib: pip install 'atomflow-bench[plot]'."""
     from .measure.plot import plot_all, plots_table
 
     notes = notes_console(fmt, console)

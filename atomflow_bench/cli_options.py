@@ -3,8 +3,11 @@ work: usage errors first, then the model's (an unknown name, a bad config, a spl
 positions than it has), then the GPU check in the command itself, so a CPU machine names every such error too."""
 from __future__ import annotations
 
+import math
+
 import click
 
+from .envs import VARIABLES
 from .errors import AtomflowError
 
 FORMS_HELP = ("Launch forms, e.g. 'short:ws-pre2/l2=8;split:ring/l2=0' (see docs/ARCHITECTURE.md); also "
@@ -41,8 +44,24 @@ def parse_forms(text):
 
 
 
+def _seconds(ctx, param, value):
+    if value is not None and not 0 < value < math.inf:
+        raise click.BadParameter(f"{value:g} is not a positive number of seconds")
+    return value
+
+
+def tp_timeout_option(f):
+    """--tp-timeout (the commands of tp_options, and sweep): every rank parses it from its own command line, which
+    `--tp N` passes on to the ranks it starts and a launcher gives every rank, so it needs no variable of its own."""
+    return click.option("--tp-timeout", "tp_timeout", type=float, default=None, metavar="SECONDS", callback=_seconds,
+                        help="Tensor parallel: seconds a rank waits for the rendezvous (every rank joined, the NCCL "
+                             "id, NCCL's communicator) before it ends with one line naming the cause  [default: "
+                             f"$ATOMFLOW_TP_TIMEOUT, else {VARIABLES['ATOMFLOW_TP_TIMEOUT'].default}]")(f)
+
+
 def tp_options(f):
-    """--tp and --allreduce (run, validate, profile)."""
+    """--tp, --allreduce and --tp-timeout (run, validate, profile)."""
+    f = tp_timeout_option(f)
     f = click.option("--allreduce", type=click.Choice(["auto", "peer", "nccl"]), default="auto", show_default=True,
                      help="Tensor parallel: how o_proj and down are summed across ranks: peer (a one-shot sum through "
                           "peer memory; one host), nccl (NCCL all-reduce), auto (peer where every GPU can map the "
@@ -50,13 +69,16 @@ def tp_options(f):
     return click.option("--tp", "tp", default=1, show_default=True, type=click.IntRange(1, 8),
                         help="Tensor parallel over N GPUs of this host, one process each (started by this command; "
                              "under a launcher that sets RANK / WORLD_SIZE, e.g. torchrun, mpirun or srun, each "
-                             "process joins instead; $ATOMFLOW_TP_TIMEOUT bounds the rendezvous).")(f)
+                             "process joins instead; --tp-timeout bounds the rendezvous).")(f)
 
 
-def check_tp_options(tp: int, allreduce: str, with_peers: bool = False, retune: bool = False) -> None:
-    """Usage errors of --tp / --allreduce, before anything needs a GPU."""
+def check_tp_options(tp: int, allreduce: str, with_peers: bool = False, retune: bool = False,
+                     tp_timeout: float | None = None) -> None:
+    """Usage errors of --tp / --allreduce / --tp-timeout, before anything needs a GPU."""
     if tp == 1 and allreduce != "auto":
         raise click.BadParameter("--allreduce needs --tp 2 or more", param_hint="--allreduce")
+    if tp == 1 and tp_timeout is not None:
+        raise click.BadParameter("--tp-timeout needs --tp 2 or more", param_hint="--tp-timeout")
     if tp > 1 and with_peers:
         raise click.BadParameter("--peers runs on one GPU; leave it out with --tp", param_hint="--peers")
     if tp > 1 and retune:

@@ -122,7 +122,7 @@ def _nvrtc_check() -> Check:
 def _nvcc_check() -> Check:
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
     if not nvcc:
-        return Check("nvcc", WARN, "not found (optional: the nvcc tests and scripts/ptx_compare.py need it)")
+        return Check("nvcc", WARN, "not found (optional: only the repository's nvcc tests and PTX comparison use it)")
     try:
         v = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
         rel = next((ln.split("release")[1].split(",")[0].strip() for ln in v.splitlines() if "release" in ln), "?")

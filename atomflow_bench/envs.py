@@ -131,7 +131,7 @@ VARIABLES: dict[str, EnvVar] = {
     "ATOMFLOW_TP_TIMEOUT": EnvVar(
         "120", _seconds,
         "seconds a rank waits for the rendezvous (every rank joined, the NCCL id, NCCL's communicator) before it "
-        "ends with one line naming the cause"),
+        "ends with one line naming the cause; a command's `--tp-timeout` overrides it"),
 }
 
 

@@ -139,16 +139,18 @@ def hf_decode(model, prompt_ids: list[int], n_new: int) -> tuple[list[int], list
     import torch
     from transformers import DynamicCache
 
+    from atomflow_bench.hf import cache_keyword
+
     taps = _Taps(model)
-    cache = DynamicCache(config=model.config)
+    cache, kw = DynamicCache(config=model.config), cache_keyword(model)
     steps, hidden, new = [], [], []
     seq = list(prompt_ids)
     try:
         with torch.no_grad():
             for s in range(len(prompt_ids) + n_new - 1):
-                out = model(input_ids=torch.tensor([[seq[s]]]), past_key_values=cache, use_cache=True,
+                out = model(input_ids=torch.tensor([[seq[s]]]), **{kw: cache}, use_cache=True,
                             output_hidden_states=True)
-                cache = out.past_key_values
+                cache = getattr(out, kw)
                 t = taps.finish()
                 t["logits"] = out.logits[0, -1].float().numpy().copy()
                 steps.append(t)

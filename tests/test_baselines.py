@@ -56,7 +56,7 @@ def test_shipped_baselines_hold_the_published_figures(shipped):
     (lambda b: b.update(context=True), "'context'"),                           # bool is not an integer
     (lambda b: b.update(context=12.5), "'context'"),
     (lambda b: b.update(bytes_format="int4"), "'bytes_format'"),
-    (lambda b: b.update(schema="atomflow-bench/baseline/2"), "'schema'"),
+    (lambda b: b.update(schema="atomflow-bench/baseline/2"), "schema 'atomflow-bench/baseline/2' is not one"),
     (lambda b: b.update(engine="vLLM"), "'engine'"),
 ])
 def test_malformed_baseline_names_file_and_field(tmp_path, shipped, mutate, field):

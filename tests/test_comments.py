@@ -3,6 +3,7 @@ microsecond histories, no tombstones. The history lives in lab/ and in git.
 
 Checked: the comments and string literals (docstrings, help texts) of atomflow_bench/**/*.py and the comments of
 kernels_cu/**/*.cu, *.cuh, outside any `lab` folder."""
+import ast
 import io
 import re
 import tokenize
@@ -105,3 +106,36 @@ def test_product_comments_carry_no_history():
     found = [o for p in files for o in offences(p)]
     assert not found, f"{len(found)} history fragments in the product's comments (say why, in the present tense):\n" \
                       + "\n".join(found)
+
+
+# ---- the wheel's text names only what a wheel user has ------------------------------------------------------------
+# scripts/ and lab/ hold the repository's programs; the wheel does not ship them (test_packaging._TOP: what it is
+# built from), so a message or help text of the package must not send its user there.
+REPO_PROGRAM = re.compile(r"(?<![\w/.-])(?:scripts|lab)/[\w.-]+(?:/[\w.-]+)*")
+
+
+def repo_programs(source: str) -> list[tuple[int, str]]:
+    """(line, path) of every scripts/ or lab/ path a string literal of a Python `source` names; its module docstring
+    aside (read in the source, never printed: the CLI's help comes from the commands' own docstrings)."""
+    tree = ast.parse(source)
+    first = tree.body[0] if tree.body else None
+    doc = first.value if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) else None
+    return [(node.lineno, m.group(0).rstrip(".")) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node is not doc
+            for m in REPO_PROGRAM.finditer(node.value)]
+
+
+def test_the_repository_program_check_can_fail():
+    src = ('"""Made by scripts/gen.py."""\nA = "run scripts/gen_ground_truth.py MODEL"\n'
+           'def f(x):\n    """See lab/timeline.py."""\n    return f"{x}: see lab/records/x.json; results/run-1.json"\n')
+    assert repo_programs(src) == [(2, "scripts/gen_ground_truth.py"), (4, "lab/timeline.py"),
+                                  (5, "lab/records/x.json")]
+
+
+def test_package_text_names_no_program_the_wheel_lacks():
+    from test_packaging import _TOP
+
+    assert not {"scripts", "lab"} & set(_TOP)
+    found = [f"{p.relative_to(ROOT)}:{line}: {path}" for p in sorted((ROOT / "atomflow_bench").rglob("*.py"))
+             for line, path in repo_programs(p.read_text())]
+    assert not found, "the package names repository programs its wheel does not ship:\n" + "\n".join(found)

@@ -143,7 +143,8 @@ def test_cli_writes_loadable_baselines(tmp_path, capsys):
     gguf = tmp_path / "llama-3.2-1b-f16.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 60)
     src = tmp_path / "SOURCE.json"
-    src.write_text(json.dumps({"sdist": "llama_cpp_python-0.3.36.tar.gz", "llama_cpp_commit": "0c1e57098"}))
+    src.write_text(json.dumps({"schema": "atomflow-bench/llama-cpp-source/1", "sdist": "llama_cpp_python-0.3.36.tar.gz",
+                               "llama_cpp_commit": "0c1e57098"}))
     out = tmp_path / "records"
     rc = lc.main([str(bench), "--gguf", str(gguf), "--model", "llama-3.2-1b", "--gpu", "NVIDIA H100 80GB HBM3",
                   "--driver", "580.159.04", "--commands", "convert; quantize; bench", "--source-json", str(src),

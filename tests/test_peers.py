@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -64,6 +65,38 @@ def test_compiled_mode_on_cpu(tiny_llama_dir, cpu_records):
     [rec] = measure_peers(tiny_llama_dir, context=CTX, tokens=TOKENS, modes=("compiled",), device="cpu", repeats=1,
                           warmup_steps=2)
     assert rec["mode"] == "compiled" and rec["token_ids"] == cpu_records[0]["token_ids"]
+
+
+def test_decode_raises_no_future_warning(tiny_llama_dir):
+    """The KV cache goes under the keyword this transformers declares: the other name warns on every step."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        recs = measure_peers(tiny_llama_dir, context=CTX, tokens=3, modes=("eager", "static"), device="cpu",
+                             repeats=1)
+    assert [len(r["token_ids"]) for r in recs] == [4, 4]
+
+
+def test_cache_and_dtype_keywords_follow_the_installed_api():
+    import inspect
+    from types import SimpleNamespace
+
+    from transformers import LlamaForCausalLM
+
+    from atomflow_bench.hf import cache_keyword, dtype_keyword
+
+    class Older:  # transformers 4.x's forward
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            pass
+
+    class Newer:
+        def forward(self, input_ids=None, cache=None, use_cache=None, **kwargs):
+            pass
+
+    assert cache_keyword(Older()) == "past_key_values" and cache_keyword(Newer()) == "cache"
+    declared = inspect.signature(LlamaForCausalLM.forward).parameters
+    assert cache_keyword(LlamaForCausalLM) == ("cache" if "cache" in declared else "past_key_values")
+    assert dtype_keyword(SimpleNamespace(__version__="4.45.2")) == "torch_dtype"
+    assert dtype_keyword(SimpleNamespace(__version__="5.0.0")) == "dtype"
 
 
 def test_cli_smoke(tiny_llama_dir, capsys):

@@ -23,6 +23,13 @@ from atomflow_bench.gpu.tp import sums as tp_comm
     (["validate", "--tp", "2", "--quality"], "--tp validates the GPU engine"),
     (["validate", "--tp", "2", "--backend", "numpy"], "--tp validates the GPU engine"),
     (["run", "--tp", "9"], "9 is not in the range"),
+    (["run", "--tp", "2", "--tp-timeout", "0"], "'--tp-timeout': 0 is not a positive number of seconds"),
+    (["profile", "--tp", "2", "--tp-timeout", "-5"], "'--tp-timeout': -5 is not a positive number of seconds"),
+    (["validate", "--tp", "2", "--tp-timeout", "nan"], "'--tp-timeout': nan is not a positive number of seconds"),
+    (["run", "--tp", "2", "--tp-timeout", "inf"], "'--tp-timeout': inf is not a positive number of seconds"),
+    (["run", "--tp", "2", "--tp-timeout", "soon"], "'soon' is not a valid float"),
+    (["run", "--tp-timeout", "30"], "--tp-timeout needs --tp 2 or more"),
+    (["sweep", "--tp", "1", "--tp-timeout", "30"], "--tp-timeout needs --tp 2 or more"),
 ])
 def test_usage_errors_before_the_gpu(argv, word, capsys):
     with pytest.raises(SystemExit) as e:
@@ -30,6 +37,46 @@ def test_usage_errors_before_the_gpu(argv, word, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert word in " ".join(err.split())
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+
+
+def test_tp_timeout_goes_to_the_ranks_this_command_starts(tmp_path, monkeypatch, capsys):
+    """`--tp N` starts its ranks with its own command line: --tp-timeout is on each rank's (parsed there, as under a
+    launcher; tests/test_tp_launch.py runs such a rank)."""
+    from types import SimpleNamespace
+
+    from atomflow_bench.gpu import device
+    from atomflow_bench.gpu.tp import context
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID",
+                 "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ATOMFLOW_HOME", str(tmp_path))
+    two_gpus = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(getDeviceCount=lambda: 2)))
+    monkeypatch.setattr(device, "require_gpu", lambda: two_gpus)
+    monkeypatch.setattr(context, "require_gpu", lambda: two_gpus)
+    started = []
+    monkeypatch.setattr(context, "launch", lambda n, argv, gpus: started.append((n, argv)) or 0)
+    argv = ["profile", "llama-3.2-1b", "--tp", "2", "--tp-timeout", "7.5"]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0 and started == [(2, argv)]
+
+
+def test_a_sweep_cell_of_tp_2_passes_tp_timeout_on(monkeypatch):
+    import subprocess
+
+    from atomflow_bench.gpu.tp.context import open_cell
+
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda argv, **kw: seen.append(argv) or subprocess.CompletedProcess(
+        argv, 1, "", "error: stopped here\n"))
+    with pytest.raises(AtomflowError, match="stopped here"):
+        open_cell("llama-3.1-8b", 2, tp_timeout=7.5).measure("fp16", 128, 8, 1)
+    assert seen[0][seen[0].index("--tp-timeout") + 1] == "7.5"
+    with pytest.raises(AtomflowError):
+        open_cell("llama-3.1-8b", 2).measure("fp16", 128, 8, 1)
+    assert "--tp-timeout" not in seen[1]
 
 
 def test_launcher_exit_codes(tmp_path, monkeypatch):

@@ -89,6 +89,25 @@ def test_rank_without_rank_0_ends_within_the_timeout(tmp_path):
     assert "connection refused" in lines[0] and 1.5 < secs < 20
 
 
+# a rank's command line as a launcher gives it (torchrun runs the same command once per rank), on a CPU machine: the
+# command's GPU check passes so that the rank reaches its rendezvous, where it ends
+RANK_CLI = [sys.executable, "-c", "import atomflow_bench.gpu.device as d; d.require_gpu = lambda: None; "
+                                  "from atomflow_bench.cli import main; main()"]
+
+
+@pytest.mark.parametrize("option, env, bound", [(["--tp-timeout", "1.5"], "60", "1.5"),  # the option, not the env
+                                                ([], "1", "1")])                              # no option: the env
+def test_tp_timeout_bounds_a_ranks_rendezvous(tmp_path, option, env, bound):
+    port = group.free_port()
+    argv = [*RANK_CLI, "profile", "llama-3.2-1b", "--tp", "2", *option]
+    code, err, secs = finish(start(argv, clean_env(tmp_path, RANK=1, WORLD_SIZE=2, ATOMFLOW_TP_PORT=port,
+                                                  ATOMFLOW_TP_TIMEOUT=env)), 30)
+    lines = error_lines(err)
+    assert code == 1 and len(lines) == 1, err
+    assert lines[0].startswith(f"error: rank 1: rendezvous: no rank 0 answered at 127.0.0.1:{port} within {bound} s")
+    assert "--tp-timeout or ATOMFLOW_TP_TIMEOUT sets the wait" in lines[0] and float(bound) <= secs < 20
+
+
 def test_rank_0_alone_names_the_missing_ranks(tmp_path):
     code, err, secs = finish(start(JOIN, clean_env(tmp_path, RANK=0, WORLD_SIZE=2, ATOMFLOW_TP_PORT=group.free_port(),
                                                   ATOMFLOW_TP_TIMEOUT=2)), 30)

@@ -11,8 +11,10 @@ import ast
 import graphlib
 import json
 import shutil
+import logging
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -207,6 +209,46 @@ def test_validate_makes_and_reuses_truth(tiny_llama_dir, tmp_path, monkeypatch, 
                        "--steps", "5"], capsys)
     assert rc == 1 and "3 steps" in out
 
+
+
+def test_making_the_truth_prints_our_lines_only(tiny_llama_dir, tmp_path, monkeypatch, capfd):
+    """validate makes the truth with transformers' warnings and log lines off: its output is its own."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("ATOMFLOW_HOME", str(tmp_path / "home"))
+    once = getattr(logging.Logger, "warning_once", None)  # transformers logs some lines once per process
+    if hasattr(once, "cache_clear"):
+        once.cache_clear()
+    level = transformers.utils.logging.get_verbosity()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            main(["validate", str(tiny_llama_dir), "--weights", "fp16", "--backend", "numpy", "--prompt", "w3 w4",
+                  "--steps", "2", "--truth", str(tmp_path / "truth")])
+        except SystemExit as e:
+            assert e.code in (0, None)
+    out, err = capfd.readouterr()
+    assert "ground truth written to" in out and "probes PASS" in out, out + err
+    theirs = [f"{w.category.__name__}: {w.message}" for w in seen if issubclass(w.category, (FutureWarning, UserWarning))]
+    assert theirs == [], theirs
+    assert "transformers" not in err and "Warning" not in err and "deprecated" not in err, err
+    assert transformers.utils.logging.get_verbosity() == level
+
+
+def test_quiet_silences_transformers_and_restores_it(capfd):
+    transformers = pytest.importorskip("transformers")
+    from atomflow_bench.hf import quiet
+
+    log = transformers.utils.logging
+    level = log.get_verbosity()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with quiet(transformers):
+            log.get_logger("transformers.modeling_utils").warning("their chatter")
+            warnings.warn("their old name", FutureWarning)
+            warnings.warn("their note", UserWarning)
+        warnings.warn("ours", UserWarning)
+    assert [str(w.message) for w in seen] == ["ours"]
+    assert "their chatter" not in capfd.readouterr().err and log.get_verbosity() == level
 
 # ---- negative: deliberately broken engines against the ORIGINAL model's truth ------------------------------
 def _broken_copy(src: Path, dst: Path, case: str) -> Path:

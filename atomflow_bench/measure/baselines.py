@@ -73,11 +73,12 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from .. import schemas
 from ..config import CATALOG
 from ..errors import AtomflowError
 from ..output import Num, Tab, num
 
-SCHEMA = "atomflow-bench/baseline/1"
+SCHEMA = schemas.current("baseline")
 # The checkout's baselines/ in a source tree or an editable install (where `baseline record` writes and the files are
 # committed); else the copy a wheel installs inside the package (pyproject maps baselines/ to the package
 # `atomflow_bench.baselines` as package data: a wheel carries nothing outside its packages).
@@ -134,7 +135,7 @@ def _one_of(*allowed) -> Callable[[Any], str | None]:
 
 _N = type(None)
 SPEC: Spec = {
-    "schema": ((str,), True, _one_of(SCHEMA)),
+    "schema": ((str,), True, _one_of(*schemas.ids("baseline"))),
     "engine": ((dict,), True, {"name": ((str,), True, None), "version": ((str, _N), True, None),
                                "flags": ((str, _N), True, None)}),
     "gpu": ((dict,), True, {"name": ((str,), True, None), "memory_bandwidth_gbs": (_NUM + (_N,), True, _positive)}),
@@ -192,6 +193,7 @@ def validate(rec: Any, where: str = "baseline") -> dict:
     """`rec` if it is a valid baseline, else AtomflowError naming `where` and the first bad field."""
     if not isinstance(rec, dict):
         raise AtomflowError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    schemas.check(rec, ("baseline",), where)  # another version's baseline: said so, before its fields
     _check(rec, SPEC, where)
     m = rec["metrics"]
     if "tpot_fit_ms" in m:

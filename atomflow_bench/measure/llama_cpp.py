@@ -52,6 +52,7 @@ import re
 import sys
 from pathlib import Path
 
+from .. import schemas
 from ..config import CATALOG
 from ..errors import AtomflowError
 from .baselines import SCHEMA, catalog_name, spec_bandwidth, validate
@@ -382,13 +383,22 @@ def trimmed_model_copy(src: Path | str, dst: Path | str) -> dict:
     return info
 
 
+def read_source(path) -> dict:
+    """A SOURCE.json (the llama.cpp tree's provenance, schemas.py's llama-cpp-source) for records_from_bench."""
+    src = json.loads(Path(path).read_text())
+    if schemas.check(src, ("llama-cpp-source",), path) is None:
+        raise AtomflowError(f"{path}: not a llama.cpp source record (schema="
+                            f"{src.get('schema') if isinstance(src, dict) else None!r})")
+    return src
+
+
 # ---- table ---------------------------------------------------------------------------------------
 def table_lines(paths: list[Path]) -> list[str]:
     rows = [f"{'model':<14} {'precision':<6} {'ctx':>5} {'tokens':>6} {'TPOT ms':>9} {'p10':>8} {'p90':>8} "
             f"{'tok/s':>8} {'GGUF GB':>8} {'W/tok GB':>8}  GPU"]
     for p in paths:
         r = json.loads(Path(p).read_text())
-        if r.get("schema") != SCHEMA:
+        if schemas.check(r, ("baseline",), p) is None:
             continue
         prov = provenance_of(r) or {}
         m = r["metrics"]
@@ -454,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="directory for the baseline JSON files")
     a = ap.parse_args(argv)
     try:
-        source = json.loads(a.source_json.read_text()) if a.source_json else None
+        source = read_source(a.source_json) if a.source_json else None
         extra = dict(kv.split("=", 1) for kv in a.extra)
         recs = records_from_bench(load_bench(a.bench), model=a.model, gguf=a.gguf, gguf_bytes=a.gguf_bytes,
                                   gpu=a.gpu, driver=a.driver, commands=a.commands, build_flags=a.build_flags,

@@ -38,12 +38,13 @@ import numbers
 import re
 from pathlib import Path
 
+from .. import schemas
 from ..errors import AtomflowError
 from ..output import Num, Tab, num
 from . import baselines as bl
 from .gate import check_record
 
-RUN_SCHEMA = "atomflow-bench/run/1"
+RUN_SCHEMA = schemas.current("run")
 
 
 def _positive_number(v) -> bool:
@@ -91,14 +92,15 @@ def load_result(path) -> tuple[str, dict]:
     except OSError as e:
         raise AtomflowError(f"{path}: unreadable ({e.strerror or e})") from None
     schema = rec.get("schema") if isinstance(rec, dict) else None
-    if schema == RUN_SCHEMA:
+    kind = schemas.check(rec, ("run", "baseline"), path)
+    if kind == "run":
         if rec.get("instrument"):
             raise AtomflowError(f"{path}: a timing-instrument run ({rec['instrument']}): wrong outputs on purpose, "
                                 "a bound, not a result")
         check_record(rec, str(path))  # every figure read here, as `compare` checks them
         _check_peers(rec, str(path))
         return "run", rec
-    if schema == bl.SCHEMA:
+    if kind == "baseline":
         return "baseline", bl.validate(rec, str(path))
     raise AtomflowError(f"{path}: not a {RUN_SCHEMA} run record nor a {bl.SCHEMA} baseline "
                         f"(schema={schema!r})")

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import AtomflowError, GpuUnavailable
+from ..hf import cache_keyword, dtype_keyword
 from ..output import Tab, num
 from ..progress import progress
 from .baselines import spec_bandwidth
@@ -88,8 +89,8 @@ def _decode(torch, model, cache, prompt, tokens: int, device: str, step=None,
     is reset and reused, so the compiled step keeps its graph (its tensors have fixed addresses). `meter`
     (power.EnergyMeter, CUDA): started after the prefill (device synchronised), stopped after the last step."""
     cache.reset()
-    out = model(input_ids=torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
+    kw = cache_keyword(model)
+    out = model(input_ids=torch.tensor([prompt], device=device), **{kw: cache}, use_cache=True, logits_to_keep=1)
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     pos = torch.full((1, 1), len(prompt), dtype=torch.long, device=device)
     step = step or model.forward
@@ -101,7 +102,7 @@ def _decode(torch, model, cache, prompt, tokens: int, device: str, step=None,
     timer.mark()
     for _ in range(tokens):
         torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be overwritten
-        logits = step(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True).logits
+        logits = step(input_ids=nxt, position_ids=pos, **{kw: cache}, use_cache=True).logits
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         pos = pos + 1
         gen.append(nxt)
@@ -138,8 +139,8 @@ def measure_peers(model_dir, context: int = 128, tokens: int = 64, modes=("eager
     if device == "cuda" and "cupy" in sys.modules:  # our engine ran first in this process: give its cached blocks back
         sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
     cfg = ModelConfig.from_file(Path(model_dir) / "config.json")
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, DTYPES[weights]),
-                                             attn_implementation="sdpa").to(device).eval()
+    dtype = {dtype_keyword(transformers): getattr(torch, DTYPES[weights])}
+    model = LlamaForCausalLM.from_pretrained(model_dir, **dtype, attn_implementation="sdpa").to(device).eval()
     prompt = synthetic_prompt(cfg.vocab_size, context)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     nbytes = {"weights": cfg.weight_bytes("fp16"),

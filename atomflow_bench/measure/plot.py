@@ -9,8 +9,13 @@
   out: absolute times across GPUs compare nothing (the `run` table gives their roofline-normalised ratio). Each bar
   says how much faster ours is; where its weight width differs from ours (an F16 bar beside our fp8 run,
   `comparison.weight_width`) the ratio is labelled with both widths.
-* `roles`: from a `profile` record (`atomflow-bench/profile/1`), what each role adds to the graph step
-  (`role_marginals.rows[].saved_us`) against its bytes floor (`floor_us`: the role's bytes at the copy bandwidth).
+* `roles`: from a `profile` record, what each role adds to the graph step (`role_marginals.rows[].saved_us`) against
+  its bytes floor (`floor_us`: the role's bytes at the copy bandwidth).
+* `exchanges`: from a `profile --tp` record, rank 0's step (graph, position held) with and without its exchanges
+  across ranks, and each path's exchanges of one token alone (`comm`).
+
+Records are read under every id schemas.py lists for their kind; a profile/1 record may lack `role_marginals` (it then
+gives no `roles` figure).
 
 Every figure names the GPU and the model in its title and the records it came from in a footnote.
 """
@@ -21,14 +26,13 @@ import math
 import textwrap
 from pathlib import Path
 
+from .. import schemas
 from ..errors import AtomflowError
 from ..output import Tab
 from . import run_record
-from .baselines import SCHEMA as BASELINE_SCHEMA, catalog_name, same_gpu, validate
+from .baselines import catalog_name, same_gpu, validate
 from .peer_table import weight_width
-from .sweep import SCHEMA as SWEEP_SCHEMA
 
-PROFILE_SCHEMA = "atomflow-bench/profile/1"
 MISSING = "plot needs matplotlib, which is not installed: pip install 'atomflow-bench[plot]'"
 ROLE_NAMES = {"wqkv": "QKV projection (wqkv)", "wo": "o_proj (wo)", "wgu": "gate/up (wgu)", "wd": "down (wd)",
               "lm_head": "lm_head", "attention_decode": "attention", "embed_lookup": "embedding lookup"}
@@ -71,24 +75,41 @@ def load_records(paths) -> dict:
                 rec = json.loads(f.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise AtomflowError(f"{f}: not valid JSON ({e})") from None
-            schema = rec.get("schema") if isinstance(rec, dict) else None
-            if schema == run_record.SCHEMA:
+            kind = schemas.check(rec, ("run", "profile", "baseline", "sweep"), f)
+            if kind == "run":
                 out["runs"].append((f, run_record.load(f)))
-            elif schema == PROFILE_SCHEMA:
-                if not isinstance(rec.get("role_marginals"), dict) or not rec["role_marginals"].get("rows"):
-                    raise AtomflowError(f"{f}: profile record without role_marginals.rows")
-                out["profiles"].append((f, rec))
-            elif schema == BASELINE_SCHEMA:
+            elif kind == "profile":
+                out["profiles"].append((f, read_profile(rec, f)))
+            elif kind == "baseline":
                 out["baselines"].append((f, validate(rec, str(f))))
-            elif schema == SWEEP_SCHEMA:
+            elif kind == "sweep":
                 out["ignored"].append((f, "a sweep summary (its cells' records are read from their own files)"))
             else:
+                schema = rec.get("schema") if isinstance(rec, dict) else None
                 raise AtomflowError(f"{f}: not a run, profile or baseline record (schema={schema!r})")
         except AtomflowError as e:
             if named:
                 raise
             out["ignored"].append((f, str(e).replace(f"{f}: ", "", 1)))
     return out
+
+
+def read_profile(rec: dict, where) -> dict:
+    """A profile record as the figures read it: `role_marginals` with its rows, or None where a profile/1 record has
+    none; `comm` (with --tp) with the step's graph times. AtomflowError (one line) for a record that has neither."""
+    roles, comm = rec.get("role_marginals"), rec.get("comm")
+    optional = rec["schema"] == "atomflow-bench/profile/1"  # some records of this id have no role_marginals
+    if not (roles is None and optional) and not (isinstance(roles, dict) and roles.get("rows")):
+        raise AtomflowError(f"{where}: profile record without role_marginals.rows")
+    if comm is not None and not (isinstance(comm, dict) and isinstance(comm.get("paths"), dict)
+                                 and all(isinstance(comm.get(k), dict) for k in ("step_graph_us",
+                                                                                  "step_without_exchanges_us"))):
+        raise AtomflowError(f"{where}: profile record whose comm lacks paths, step_graph_us or "
+                            "step_without_exchanges_us")
+    if roles is None and comm is None:
+        raise AtomflowError(f"{where}: a profile record of the kernel table alone (neither role_marginals nor comm): "
+                            "nothing of it to plot")
+    return {**rec, "role_marginals": roles}
 
 
 # ---- figure helpers ------------------------------------------------------------------------------------
@@ -320,6 +341,8 @@ def plot_roles(profiles, out_dir: Path, written: set | None = None) -> list[dict
     out = []
     for path, rec in profiles:
         m = rec["role_marginals"]
+        if m is None:
+            continue
         rows = m["rows"]
         step = (m.get("step_us") or {}).get("median")
         cb = (rec.get("copy_bandwidth_gbs") or {}).get("median")
@@ -357,6 +380,48 @@ def plot_roles(profiles, out_dir: Path, written: set | None = None) -> list[dict
     return out
 
 
+# ---- (d) a tensor-parallel profile's step and its exchanges ----------------------------------------------
+def plot_exchanges(profiles, out_dir: Path, written: set | None = None) -> list[dict]:
+    written = set() if written is None else written
+    out = []
+    for path, rec in profiles:
+        c = rec.get("comm")
+        if c is None:
+            continue
+        bars = [("step (graph, position held)", c["step_graph_us"], OURS),
+                ("the step without its exchanges", c["step_without_exchanges_us"], FLOOR),
+                ("exchanges inside the step (the difference)", c.get("in_step_us"), PEER)]
+        bars += [(f"{name}: one token's exchanges alone", p.get("token_graph_us") or p.get("per_token_us"), BASELINE)
+                 for name, p in c["paths"].items()]
+        bars = [(label, v if isinstance(v, dict) else {"median": v}, color) for label, v, color in bars
+                if isinstance(v, (dict, int, float))]
+        note = (f"Rank 0's graph replays at the profiled length, position held; the step's sums took the "
+                f"{c.get('path')} path. Without its exchanges o_proj and down keep their partial sums (wrong values: a bound). Alone: "
+                f"{c.get('sums_per_token', '?')} sums of {c.get('sum_bytes', '?')} B and the argmax combine in one "
+                "graph. Bars: medians, whiskers p10-p90.")
+        fig, bottom = _figure(11, 1.6 + 0.55 * len(bars), _from([path], note))
+        ax = fig.subplots()
+        ys = list(range(len(bars)))[::-1]
+        ax.barh(ys, [v["median"] for _, v, _ in bars], color=[color for _, _, color in bars], height=0.6)
+        for y, (_, v, _) in zip(ys, bars):
+            if v.get("p10") is not None and v.get("p90") is not None:
+                ax.errorbar(v["median"], y, xerr=[[v["median"] - v["p10"]], [v["p90"] - v["median"]]],
+                            color="black", capsize=3, linewidth=1)
+            ax.annotate(f" {v['median']:.1f} µs", (max(v["median"], v.get("p90") or 0), y), va="center", fontsize=8.5)
+        ax.set_yticks(ys, [label for label, _, _ in bars], fontsize=8.5)
+        ax.set_xlim(0, max(v.get("p90") or v["median"] for _, v, _ in bars) * 1.25)
+        ax.set_xlabel("µs per decode step")
+        ax.grid(True, axis="x", alpha=0.3)
+        tp, ctx = rec.get("tp", "?"), rec.get("context")
+        ax.set_title("\n".join(textwrap.wrap(f"{_model(rec)} {rec.get('weights', '')} on {_gpu(rec)}, tensor parallel "
+                                              f"over {tp} GPUs: the step and its exchanges (ctx {ctx})", width=80)),
+                     fontsize=11)
+        name = (f"exchanges-{run_record.slug(_model(rec))}-{rec.get('weights', 'x')}-tp{tp}-ctx{ctx}-"
+                f"{run_record.slug(_gpu(rec))}.png")
+        out.append({"kind": "exchanges", "path": _save(fig, bottom, Path(out_dir) / name, written), "sources": [path]})
+    return out
+
+
 def plot_all(paths, out_dir) -> dict:
     """Every plot the records allow; {"plots": [{"kind", "path", "sources"}], "ignored": [...], "notes": [...]}."""
     require_matplotlib()  # before anything is read or written
@@ -368,6 +433,7 @@ def plot_all(paths, out_dir) -> dict:
     plots = plot_context(recs["runs"], out_dir, written)
     plots += plot_compare(recs["runs"], recs["baselines"], out_dir, written)
     plots += plot_roles(recs["profiles"], out_dir, written)
+    plots += plot_exchanges(recs["profiles"], out_dir, written)
     notes = []
     if recs["runs"] and not any(p["kind"] == "compare" for p in plots):
         notes.append("no comparison plot: no run record has a peer or a baseline on its own GPU (run --peers, or "

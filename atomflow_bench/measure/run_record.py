@@ -1,7 +1,7 @@
 """The results record (versioned JSON) and its table.
 
-Schema `atomflow-bench/run/1` (documented in README.md, section "Results JSON"). Every number in it is
-measured in the run that wrote it, except `model`, `weights`, `context`, ... which describe the run.
+Schema `atomflow-bench/run/1` (documented in docs/RESULTS.md; schemas.py lists the ids a reader takes). Every number
+in it is measured in the run that wrote it, except `model`, `weights`, `context`, ... which describe the run.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from .. import __version__
+from .. import __version__, schemas
 from ..errors import AtomflowError
 from ..gpu.forms import Forms
 from ..gpu.nvrtc import KERNELS_DIR
@@ -21,7 +21,7 @@ from ..output import Num, Tab
 from ..store.store import write_json_atomic
 from .power import energy_text, others_count, sharing_text
 
-SCHEMA = "atomflow-bench/run/1"
+SCHEMA = schemas.current("run")
 REQUIRED = ("schema", "gpu", "model", "weights", "context", "tokens", "tpot_ms", "copy_bandwidth_gbs",
             "bytes_per_token", "roofline")
 
@@ -108,7 +108,7 @@ def load(path: Path) -> dict:
         raise AtomflowError(f"{path}: not found") from None
     except json.JSONDecodeError as e:
         raise AtomflowError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(rec, dict) or rec.get("schema") != SCHEMA:
+    if schemas.check(rec, ("run",), path) is None:
         raise AtomflowError(f"{path}: not an {SCHEMA} results file (schema={rec.get('schema') if isinstance(rec, dict) else None!r})")
     missing = [k for k in REQUIRED if k not in rec]
     if missing:
@@ -120,9 +120,10 @@ def command_line() -> str:
     return " ".join(["atomflow-bench"] + [a if " " not in a else repr(a) for a in sys.argv[1:]])
 
 
-def head(schema: str) -> dict:
-    """The fields every record of the tool starts with (profile, gemv and the run record itself)."""
-    return {"schema": schema, "tool": tool_info(), "created": now_iso(), "command": command_line()}
+def head(kind: str) -> dict:
+    """The fields every record of the tool starts with (profile, gemv and the run record itself); `kind` as in
+    schemas.py."""
+    return {"schema": schemas.current(kind), "tool": tool_info(), "created": now_iso(), "command": command_line()}
 
 
 def _gib(n) -> str:

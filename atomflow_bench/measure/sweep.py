@@ -24,13 +24,14 @@ from typing import Callable
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from .. import schemas
 from ..errors import AtomflowError, GpuUnavailable
 from ..output import Num, Tab, num, span, text
 from ..store.store import write_json_atomic, write_text_atomic
 from . import run_record
 from .baselines import attach_comparisons, same_gpu
 
-SCHEMA = "atomflow-bench/sweep/1"
+SCHEMA = schemas.current("sweep")
 AXES = ("model", "weights", "context", "tp")  # the cell key's fields, in file-name and table order
 WEIGHTS = ("fp8", "fp16")
 STATUSES = ("done", "skipped", "failed", "pending")

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 from rich.markup import escape
 
+from .. import schemas
+from ..errors import AtomflowError
 from ..gpu.forms import Forms, candidates, from_env
 from ..gpu.graph import StepGraph
 from ..gpu.step import hold_position
@@ -28,7 +30,7 @@ from ..store.store import home, write_json_atomic
 from . import run_record
 from .timing import fastest, replay_us
 
-SCHEMA = "atomflow-bench/tuning/1"
+SCHEMA = schemas.current("tuning")
 
 
 def tune(engine, replays: int = 12, rounds: int = 3, progress=None) -> tuple[Forms, dict]:
@@ -108,8 +110,11 @@ def load_key(k: dict, max_seq: int, nearest: bool = False) -> tuple[Forms, Path]
         cands = [p for _, p in sorted(saved, key=lambda sp: (abs(sp[0] - max_seq), sp[0]))]
     for p in cands:
         try:
-            return Forms.parse(json.loads(p.read_text())["forms"]), p
-        except (OSError, ValueError, KeyError, TypeError) as e:  # a truncated or corrupt file: `run` tunes anew
+            rec = json.loads(p.read_text())
+            if schemas.check(rec, ("tuning",), "the file") is None:
+                raise ValueError(f"not a saved tune (schema={rec.get('schema') if isinstance(rec, dict) else None!r})")
+            return Forms.parse(rec["forms"]), p
+        except (OSError, ValueError, KeyError, TypeError, AtomflowError) as e:  # corrupt or another version's: tune anew
             why = f"{type(e).__name__}: {e}".splitlines()[0]
             print(f"warning: {p}: saved tune unreadable ({why}); ignored", file=sys.stderr, flush=True)
     return None

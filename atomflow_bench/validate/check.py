@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import schemas
 from ..errors import ConfigError, VerifyError
 from ..gpu.nvrtc import instrument_defines
 from ..measure.run_record import now_iso, tool_info
@@ -17,8 +18,8 @@ from .metrics import PROBE_RULE, THRESHOLDS, judge_probes, text_metrics, worst_p
 from .probes import backend_info, engine_logits, engine_probes, pick_backend, probe_names
 from .truth import config_sha256, find_or_make_truth, model_name, model_source, weights_sha256
 
-RESULT_SCHEMA = "atomflow-bench/validate/1"
-QUALITY_SCHEMA = "atomflow-bench/quality/1"
+RESULT_SCHEMA = schemas.current("validate")
+QUALITY_SCHEMA = schemas.current("quality")
 PARAGRAPH = Path(__file__).resolve().parents[1] / "data" / "english_paragraph.txt"
 
 
@@ -62,7 +63,7 @@ def validate(model_dir: str | Path, weights: str = "fp8", truth_dir: str | Path 
         raise VerifyError(f"the ground truth has {m['num_hidden_layers']} layers, the model {cfg.num_hidden_layers}")
     if weights not in truth.variants:
         raise ConfigError(f"{truth.dir}: the ground truth has no {weights} variant (it has "
-                          f"{', '.join(truth.variants)}); regenerate it with scripts/gen_ground_truth.py, which makes "
+                          f"{', '.join(truth.variants)}); point --truth at an empty directory and validate makes "
                           "both")
     if console is not None:
         for n in notes:

@@ -23,7 +23,9 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from .. import schemas
 from ..errors import AtomflowError, ConfigError, VerifyError
+from ..hf import cache_keyword, dtype_keyword, quiet
 from ..measure.run_record import now_iso, tool_info
 from ..quant import dequantize_fp8, quantize_fp8
 from ..store import store
@@ -31,7 +33,7 @@ from ..store.checkpoint import Checkpoint
 from ..store.tokenizer import load_tokenizer
 from .probes import probe_names
 
-TRUTH_SCHEMA = "atomflow-bench/truth/1"
+TRUTH_SCHEMA = schemas.current("truth")
 TRUTH_JSON = "truth.json"
 TRUTH_TENSORS = "truth.safetensors"
 FP8_FILE = "model-fp8.safetensors"  # derived from the fp16 weights: not part of the weights hash
@@ -140,10 +142,8 @@ def _load_hf(model_dir: Path, device: str):
         torch.backends.cudnn.allow_tf32 = False
         torch.set_float32_matmul_precision("highest")
     transformers.utils.logging.disable_progress_bar()
-    major = int(transformers.__version__.split(".")[0])
-    dtype_kw = "dtype" if major >= 5 else "torch_dtype"
-    model = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), **{dtype_kw: torch.float32},
-                                                          attn_implementation="eager")
+    dtype = {dtype_keyword(transformers): torch.float32}
+    model = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), **dtype, attn_implementation="eager")
     return model.to(device=device, dtype=torch.float32).eval()
 
 
@@ -190,14 +190,14 @@ def _hf_run(model, prompt_ids: list[int], steps: int, device: str, forced: list[
     seq = list(forced) if forced is not None else list(prompt_ids)
     predicted: list[int] = []
     positions: list[dict[str, np.ndarray]] = []
-    past = None
+    past, kw = None, cache_keyword(model)
     names = probe_names(model.config.num_hidden_layers)
     try:
         with torch.inference_mode():
             for s in range(P + steps - 1):
                 cur.clear()
-                out = model(input_ids=torch.tensor([[seq[s]]], device=device), past_key_values=past, use_cache=True)
-                past = out.past_key_values
+                out = model(input_ids=torch.tensor([[seq[s]]], device=device), **{kw: past}, use_cache=True)
+                past = getattr(out, kw)
                 cur["logits"] = out.logits[0, -1].to(torch.float32).cpu().numpy().copy()
                 missing = [n for n in names if n not in cur]
                 if missing:
@@ -248,13 +248,14 @@ def generate_truth(model_dir: str | Path, out_dir: str | Path, prompt: str | Non
                       f"eager) on {device} ({dev_name}): {len(prompt_ids)} prompt tokens + {steps} steps, "
                       f"weights {' and '.join(variants)}")
     whash = weights_sha256(model_dir)
-    model = _load_hf(model_dir, device)
-    new, runs = _hf_run(model, prompt_ids, steps, device)
-    runs = {"fp16": runs}
-    predicted = {"fp16": new}
-    if "fp8" in variants:
-        _to_fp8_values(model, ckpt)
-        predicted["fp8"], runs["fp8"] = _hf_run(model, prompt_ids, steps, device, forced=prompt_ids + new)
+    with quiet(transformers):  # transformers' warnings and log lines are not ours to print
+        model = _load_hf(model_dir, device)
+        new, runs = _hf_run(model, prompt_ids, steps, device)
+        runs = {"fp16": runs}
+        predicted = {"fp16": new}
+        if "fp8" in variants:
+            _to_fp8_values(model, ckpt)
+            predicted["fp8"], runs["fp8"] = _hf_run(model, prompt_ids, steps, device, forced=prompt_ids + new)
     del model
     gc.collect()
     if device == "cuda":
@@ -309,10 +310,10 @@ class Truth:
         try:
             self.manifest = json.loads(path.read_text())
         except FileNotFoundError:
-            raise ConfigError(f"{self.dir}: no {TRUTH_JSON} (generate it with scripts/gen_ground_truth.py)") from None
+            raise ConfigError(f"{self.dir}: no {TRUTH_JSON} (validate --truth DIR makes one in an empty DIR)") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({getattr(e, 'msg', None) or e.reason})") from None
-        if not isinstance(self.manifest, dict) or self.manifest.get("schema") != TRUTH_SCHEMA:
+        if schemas.check(self.manifest, ("truth",), path) is None:
             raise ConfigError(f"{path}: not an {TRUTH_SCHEMA} manifest")
         missing = [k for k in ("prompt_ids", "generated_ids", "steps", "variants", "transformers", "torch", "device")
                    if k not in self.manifest]
@@ -391,9 +392,9 @@ def find_or_make_truth(model_dir: Path, vocab_size: int, whash: str, truth_dir=N
     try:
         require_truth_deps()
     except TruthUnavailable as e:
-        raise TruthUnavailable(f"no ground truth given and none can be made here: {e}; or make it on another "
-                               "machine with `python scripts/gen_ground_truth.py MODEL --out DIR` and pass "
-                               "--truth DIR") from None
+        raise TruthUnavailable(f"no ground truth given and none can be made here: {e}; or make it where they "
+                               "are installed (`atomflow-bench validate MODEL --truth DIR` fills an empty DIR; add "
+                               "--backend numpy where there is no GPU), copy DIR here and pass --truth DIR") from None
     generate_truth(model_dir, truth_dir, prompt=text, steps=steps, prompt_ids=prompt_ids, console=console)
     if console is not None:
         console.print(f"ground truth written to {truth_dir}")

@@ -93,10 +93,11 @@ def rank_weights(model: str, notes) -> tuple:
 
 
 def open_context(model: str, tp: int = 1, allreduce: str = "auto", *, notes=None, argv: list[str] = (),
-                 source: str | None = None, before_launch=None) -> RunContext:
+                 source: str | None = None, before_launch=None, tp_timeout: float | None = None) -> RunContext:
     """The run context of a command on `model`: one GPU (the model resolved, fetched from `source` if given or
     missing), or a rank of `tp` (see the module docstring; `before_launch` runs once in the launching process before
-    the ranks start, e.g. the fetch or the ground truth every rank reads)."""
+    the ranks start, e.g. the fetch or the ground truth every rank reads). `tp_timeout`: a rank's bound on the
+    rendezvous (None: ATOMFLOW_TP_TIMEOUT); the ranks this process starts get it in `argv`, their command line."""
     if tp == 1:
         path = fetch_model(model, source=source, console=notes) if source else resolve_model(model, console=notes)
         return RunContext(model, path, source_label(path))
@@ -105,7 +106,7 @@ def open_context(model: str, tp: int = 1, allreduce: str = "auto", *, notes=None
         if before_launch is not None:
             before_launch()
         sys.exit(launch(tp, list(argv), cupy.cuda.runtime.getDeviceCount()))
-    group = Group(tp)
+    group = Group(tp, timeout=tp_timeout)
     try:
         path, weight_source, label = rank_weights(model, notes)
     except BaseException:
@@ -118,8 +119,8 @@ class RanksRun:
     """A sweep cell of tp > 1 seen from the sweep's process: `atomflow-bench run --tp N` as a command of its own (it
     starts its ranks), its record read back; the same `measure` as a RunContext."""
 
-    def __init__(self, model: str, tp: int, source: str | None = None):
-        self.model, self.tp, self.source = model, tp, source
+    def __init__(self, model: str, tp: int, source: str | None = None, tp_timeout: float | None = None):
+        self.model, self.tp, self.source, self.tp_timeout = model, tp, source, tp_timeout
 
     def measure(self, weights: str, context: int, tokens: int, repeats: int, *, forms=None, retune: bool = False,
                 progress=None, peers: bool = False, baselines_dir=None) -> tuple[dict, None]:
@@ -133,6 +134,7 @@ class RanksRun:
             argv += ["--forms", forms.text] if forms is not None else []
             argv += ["--source", self.source] if self.source else []
             argv += ["--baselines", str(baselines_dir)] if baselines_dir else []
+            argv += ["--tp-timeout", repr(self.tp_timeout)] if self.tp_timeout is not None else []
             p = subprocess.run(argv, capture_output=True, text=True)
             if p.returncode != 0 or not out.is_file():
                 last = [ln for ln in p.stderr.splitlines() if ln.strip()][-1:] or [f"exit {p.returncode}"]
@@ -140,6 +142,6 @@ class RanksRun:
             return load(out), None
 
 
-def open_cell(model: str, tp: int = 1, *, source: str | None = None, notes=None):
-    """A sweep cell's run context: one GPU (as open_context), or for tp > 1 a RanksRun."""
-    return open_context(model, source=source, notes=notes) if tp == 1 else RanksRun(model, tp, source)
+def open_cell(model: str, tp: int = 1, *, source: str | None = None, notes=None, tp_timeout: float | None = None):
+    """A sweep cell's run context: one GPU (as open_context), or for tp > 1 a RanksRun (its ranks get `tp_timeout`)."""
+    return open_context(model, source=source, notes=notes) if tp == 1 else RanksRun(model, tp, source, tp_timeout)

@@ -1,7 +1,7 @@
 """The process group of a tensor-parallel run: one process per GPU, NCCL between them (cupy.cuda.nccl), bootstrapped through
 our own rendezvous (rendezvous.py: rank 0 serves it on MASTER_ADDR:ATOMFLOW_TP_PORT, by default MASTER_PORT + 1, and
-hands the NCCL unique id to the others; every wait is bounded by ATOMFLOW_TP_TIMEOUT; then each rank watches the
-others and ends when one is gone).
+hands the NCCL unique id to the others; every wait is bounded by the command's --tp-timeout, else
+ATOMFLOW_TP_TIMEOUT; then each rank watches the others and ends when one is gone).
 
 Conventions (torchrun's; mpirun's and srun's names are read where those are unset, envs.py): RANK, WORLD_SIZE,
 LOCAL_RANK (the GPU of this host; default RANK), MASTER_ADDR. `launch` starts the N processes of one host itself and
@@ -33,7 +33,7 @@ from ... import envs
 from ...errors import AtomflowError
 from ..device import require_gpu
 from .plan import RankShard, check_kernels, plan
-from .rendezvous import Rendezvous
+from .rendezvous import SETS_THE_WAIT, Rendezvous
 from .sums import TpComm
 
 
@@ -141,9 +141,10 @@ class HostOp:
 
 
 class Group:
-    """This process's rank in a group of `size` ranks, one GPU each."""
+    """This process's rank in a group of `size` ranks, one GPU each; `timeout` (seconds) bounds every wait of the
+    rendezvous and NCCL's set-up (None: ATOMFLOW_TP_TIMEOUT)."""
 
-    def __init__(self, size: int | None = None):
+    def __init__(self, size: int | None = None, timeout: float | None = None):
         self.rank, self.size = envs.RANK, envs.WORLD_SIZE
         if self.rank is None or self.size is None:
             raise AtomflowError("tensor parallel: RANK and WORLD_SIZE are not set")
@@ -152,7 +153,7 @@ class Group:
             raise AtomflowError(f"--tp {size} but the launcher started WORLD_SIZE={self.size} processes")
         if not 0 <= self.rank < self.size:
             raise AtomflowError(f"RANK={self.rank} is not in 0..{self.size - 1}")
-        timeout = envs.ATOMFLOW_TP_TIMEOUT
+        timeout = envs.ATOMFLOW_TP_TIMEOUT if timeout is None else timeout
         # Every rank is there before any touches a GPU, within the timeout; from here on each rank watches the others
         # (rendezvous.py), so a rank that fails below ends its peers too.
         self.rendezvous = Rendezvous(self.rank, self.size, envs.MASTER_ADDR, rendezvous_port(), timeout)
@@ -183,7 +184,7 @@ class Group:
         where no exception reaches it)."""
         if not done.wait(timeout):
             sys.stderr.write(f"error: rank {self.rank}: NCCL did not make its communicator within {timeout:g} s "
-                             "(ATOMFLOW_TP_TIMEOUT)\n")
+                             f"({SETS_THE_WAIT})\n")
             sys.stderr.flush()
             os._exit(1)
 

@@ -28,6 +28,7 @@ MAGIC = b"AFTP1"
 GRACE = 1.0        # seconds a rank waits, once a peer is gone, before it ends itself (see the module docstring)
 ACK_WAIT = 5.0     # seconds a connected rank waits for rank 0's acknowledgement before it calls the port foreign
 EXIT_PEER_GONE = 1
+SETS_THE_WAIT = "--tp-timeout or ATOMFLOW_TP_TIMEOUT"  # what the timeout messages name
 
 
 def _send(sock, kind: bytes, payload: bytes = b"") -> None:
@@ -103,7 +104,7 @@ class Rendezvous:
                     missing = sorted(set(range(1, self.size)) - set(self._peers))
                     raise AtomflowError(f"rendezvous on {self.where}: rank{'s' * (len(missing) > 1)} "
                                         f"{', '.join(map(str, missing))} did not join within {self.timeout:g} s "
-                                        "(ATOMFLOW_TP_TIMEOUT)")
+                                        f"({SETS_THE_WAIT})")
                 srv.settimeout(left)
                 try:
                     conn, _ = srv.accept()
@@ -132,7 +133,7 @@ class Rendezvous:
         while True:
             if time.monotonic() >= deadline:
                 raise AtomflowError(f"rendezvous: no rank 0 answered at {self.where} within {self.timeout:g} s "
-                                    f"({refused}; is rank 0 running? ATOMFLOW_TP_TIMEOUT sets the wait)")
+                                    f"({refused}; is rank 0 running? {SETS_THE_WAIT} sets the wait)")
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.settimeout(max(0.1, min(2.0, deadline - time.monotonic())))
             try:
@@ -162,7 +163,7 @@ class Rendezvous:
             except TimeoutError:
                 sock.close()
                 raise AtomflowError(f"rendezvous on {self.where}: rank 0 is there but not every rank joined within "
-                                    f"{self.timeout:g} s (ATOMFLOW_TP_TIMEOUT)") from None
+                                    f"{self.timeout:g} s ({SETS_THE_WAIT})") from None
             except OSError:
                 go = None
             if go is None or go[0] != b"G":
@@ -186,7 +187,7 @@ class Rendezvous:
                     raise AtomflowError(f"rank {r} left the group before it got the NCCL id") from None
             return value
         if not self._got.wait(self.timeout):
-            raise AtomflowError(f"rank 0 sent no NCCL id within {self.timeout:g} s (ATOMFLOW_TP_TIMEOUT)")
+            raise AtomflowError(f"rank 0 sent no NCCL id within {self.timeout:g} s ({SETS_THE_WAIT})")
         return self._shared
 
     def bye(self) -> None:
