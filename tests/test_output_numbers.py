@@ -17,6 +17,7 @@ from rich.console import Console
 
 from atomflow_bench.output import Num, Tab, text
 from helpers_cli import invoke
+from test_output import profile_record, validate_result
 
 # a number with a unit, a range or ratio of numbers, or a placeholder for a missing number: never a JSON value
 UNIT = re.compile(r"^[-+x]?[\d.]+(e[-+]?\d+)?\s*(%|ms|us|µs|s|G|M|K|B|GB/s|TB/s|x)?$")
@@ -78,24 +79,7 @@ def peer_rec(gpu: str = H100) -> dict:
             "bandwidth_gbs": 320.0, "same_tokens_as_first_mode": True}
 
 
-def profile_rec() -> dict:
-    return {"context": 128, "steps": 20, "kernel_sum_us": 2672.6, "graph_step_us": 1786.1, "idle_gap_us": -886.5,
-            "copy_bandwidth_gbs": {"median": 2994.0},
-            "rows": [{"kernel": "gemv fp8 wgu 16384x3072", "pct": 25.2, "count": 28, "mean_us": 23.97,
-                      "us_per_step": 672.4, "gbs": 2167.0, "pct_of_copy": 72.4},
-                     {"kernel": "embed_lookup", "pct": 0.1, "count": 1, "mean_us": 2.0, "us_per_step": 2.0,
-                      "gbs": None, "pct_of_copy": None}],
-            "forms": {"length": 129, "attention": "short", "gemv": "ring/l2=8"},
-            "attention_graph": {"length": 148, "us_per_launch": {"median": 3.21, "p10": 3.1, "p90": 3.4, "n": 30},
-                                "floor_us": 1.5, "x_floor": 2.14, "l2_cold": False},
-            "role_marginals": {"length": 148, "step_us": {"median": 1790.0, "p10": 1785.0, "p90": 1795.0},
-                               "rows": [{"role": "wgu", "count": 28, "step_without_us": {"median": 1100.0},
-                                         "saved_us": 690.0, "saved_us_per_launch": 24.64, "floor_us": 560.0,
-                                         "excess_us": 130.0}],
-                               "sum_saved_us": 1700.0, "floor_us": 1100.0}}
-
-
-def tp_profile_rec() -> dict:
+def tp_profile_record() -> dict:
     return {"tp": 2, "context": 128, "forms": {"forms": "short:ring/l2=8;split:ring/l2=0", "origin": "default"},
             "comm": run_rec()["tp"]["comm"]}
 
@@ -132,17 +116,6 @@ def sweep_summary(tmp_path) -> dict:
 
     cells = sw.grid(["llama-3.2-3b"], ["fp8"], [128, 2048], [1, 2])
     return sw.run_sweep(cells, tmp_path / "sweep", run_cell, tokens=64, repeats=5, gpu=H100)
-
-
-def validate_res() -> dict:
-    probes = [{"name": f"layer {i}", "cos": 0.9999991, "rel_l2": 1.2e-3, "max_abs": 3.4e-3, "worst_pos": 5,
-               "pass": i != 2} for i in range(3)]
-    return {"model": {"name": "tiny"}, "weights": "fp16", "backend": {"label": "NumPy reference (CPU)"},
-            "thresholds": {"cos_min": 0.9999, "rel_max": 0.02, "kl_max": 1e-3}, "probes": probes,
-            "truth": {"prompt_ids": [1, 2, 3], "positions": 8},
-            "summary": {"probes_pass": 2, "probes_total": 3, "first_fail": "layer 2", "greedy_agree": 4,
-                        "greedy_total": 4, "kl_last": 1e-5, "kl_pass": True, "kl_max_over_positions": 2e-5,
-                        "pass": False}}
 
 
 def quality_res() -> dict:
@@ -261,7 +234,7 @@ def test_run_cli_json_is_numbers(monkeypatch, capsys, tmp_path):
 def test_profile_tables():
     from atomflow_bench.measure.profile import attention_table, marginal_table, profile_table
 
-    p = profile_rec()
+    p = profile_record()
     tabs = [profile_table(p), marginal_table(p), attention_table(p)]
     data = as_json(tabs)
     assert data["profile"][0] == {"kernel": "gemv fp8 wgu 16384x3072", "% of step": 25.2, "count/step": 28,
@@ -282,8 +255,8 @@ def test_tp_profile_tables():
     from atomflow_bench.gpu.tp.figures import tp_profile_table
     from atomflow_bench.measure.profile import marginal_table
 
-    t = tp_profile_table(tp_profile_rec(), None)
-    data = as_json([t, marginal_table(profile_rec())])
+    t = tp_profile_table(tp_profile_record(), None)
+    data = as_json([t, marginal_table(profile_record())])
     assert [r["us"] for r in data["tp_profile"]] == [1500.0, 1424.5, 75.5, 1.25, 72.5, 9.5, 540.0]
     assert data["roles"][0]["role adds (µs)"] == 690.0
     assert "| peer: one sum of 6144 B | 1.25 | the standalone one-shot sum; 56 sums replayed back to back in one " \
@@ -368,12 +341,12 @@ def printed(capsys, fn, res, fmt):
 def test_validate_tables(capsys):
     from atomflow_bench.validate import print_quality, print_result
 
-    rows = json.loads(printed(capsys, print_result, validate_res(), "json"))
+    rows = json.loads(printed(capsys, print_result, validate_result(), "json"))
     assert numbers_as_text(rows) == []
     assert rows[0] == {"probe": "layer 0", "cos (min)": 0.9999991, "rel L2": 1.2e-3, "max|diff|": 3.4e-3, "pos": 5,
                        "threshold": "≥0.9999/≤0.02", "result": "PASS"}
     assert "| layer 2 | 0.9999991 | 1.20e-03 | 3.40e-03 | 5 | ≥0.9999/≤0.02 | FAIL |" in \
-        printed(capsys, print_result, validate_res(), "md").splitlines()
+        printed(capsys, print_result, validate_result(), "md").splitlines()
     rows = json.loads(printed(capsys, print_quality, quality_res(), "json"))
     assert numbers_as_text(rows) == []
     assert [(r["fp16"], r["fp8"]) for r in rows] == [(12.5, 12.7), (0.41, 0.4), (None, 0.95), (None, 2e-3),
