@@ -83,6 +83,7 @@ class Engine:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._prompt_len = 0
         self.position = 0  # host copy of the device's pos (the next step attends over position + 1 rows)
+        self._prefill = None  # gpu/prefill.py Prefill, made on first use
         # build
         if forms is None:
             forms = default_forms(weights, self.cc, self.short_capacity)
@@ -176,12 +177,26 @@ class Engine:
         self.stream.synchronize()
         return [int(t) for t in self.arena["out_tokens"][start:start + n].get()]
 
-    def generate(self, prompt_ids, n_new: int, graph: bool = True) -> list[int]:
-        """Greedy: the prompt is fed token by token through the same step; returns the n_new new ids."""
-        self.reset(prompt_ids)
-        if self._prompt_len + n_new - 1 > self.max_seq:
+    def prefill(self, prompt_ids) -> None:
+        """The prompt's K/V by the batched prefill (gpu/prefill.py); the next step reads its last token."""
+        from .prefill import Prefill  # its weights' copies and buffers only when a prefill is asked for
+
+        if self._prefill is None:
+            self._prefill = Prefill(self)
+        self._prefill.run(prompt_ids)
+
+    def generate(self, prompt_ids, n_new: int, graph: bool = True, prefill: bool = False) -> list[int]:
+        """Greedy: the prompt is fed token by token through the same step (or, `prefill`, batched: gpu/prefill.py);
+        returns the n_new new ids."""
+        n = np.asarray(prompt_ids).size
+        if n + n_new - 1 > self.max_seq:
             raise AtomflowError(f"prompt + {n_new} tokens exceed max_seq {self.max_seq}")
-        self.run(self._prompt_len - 1 + n_new, graph)
+        if prefill:
+            self.prefill(prompt_ids)
+            self.run(n_new, graph)
+        else:
+            self.reset(prompt_ids)
+            self.run(self._prompt_len - 1 + n_new, graph)
         return self.tokens(self._prompt_len - 1, n_new)
 
     # ---- what it holds and reads ---------------------------------------------------------------------------------

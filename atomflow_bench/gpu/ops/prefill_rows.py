@@ -1,0 +1,72 @@
+"""The prefill's row-wise ops (kernels_cu/prefill_rows.cu) and its GEMMs (cuBLAS through CuPy): launch factories.
+
+The GEMMs run on row-major fp16 copies of the layer weights (gpu/prefill.py makes them once): Y[M][N] = X[M][K] W^T
+by cublasGemmEx with fp32 accumulation, fp16 out, or (o_proj, down) fp32 out added into the residual (beta = 1), so
+the residual is summed in fp32 as the decode step's epilogue does.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..launch import Launch, i32
+from ..nvrtc import KernelLib
+
+PREFILL_THREADS = 256  # prefill_rows.cu PREFILL_THREADS
+CU_FILES = ("prefill_rows.cu",)
+CU_DEFINES = {"PREFILL_THREADS": PREFILL_THREADS}
+KERNELS = {"prefill_rows.cu": ("embed_rows", "rmsnorm_rows", "rope_kv_rows", "swiglu_rows")}
+
+# cublas_api.h / library_types.h
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUDA_R_32F, CUDA_R_16F = 0, 2
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_GEMM_DEFAULT = -1
+
+
+def embed_rows_launch(lib: KernelLib, tokens, emb, h, m: int) -> Launch:
+    H = emb.shape[1]
+    return Launch(lib["embed_rows"], "embed_rows", (m,), (PREFILL_THREADS,), (tokens, emb, h, i32(H)), 0, {},
+                  m * H * 6, f"prefill embed {m} rows")
+
+
+def rmsnorm_rows_launch(lib: KernelLib, h, w, x, m: int, eps: float) -> Launch:
+    H = w.shape[0]
+    return Launch(lib["rmsnorm_rows"], "rmsnorm_rows", (m,), (PREFILL_THREADS,), (h, w, x, i32(H), np.float32(eps)),
+                  0, {}, m * H * 6, f"prefill rmsnorm {m} rows")
+
+
+def rope_kv_rows_launch(lib: KernelLib, qkv, cos_sin, k_cache, v_cache, n_q: int, n_kv: int, hd: int, start: int,
+                        m: int) -> Launch:
+    return Launch(lib["rope_kv_rows"], "rope_kv_rows", (m,), (PREFILL_THREADS,),
+                  (qkv, cos_sin, k_cache, v_cache, i32(n_q), i32(n_kv), i32(hd), i32(start)), 0, {},
+                  m * (n_q + 2 * n_kv) * hd * 2 * 2, f"prefill rope + kv {m} rows")
+
+
+def swiglu_rows_launch(lib: KernelLib, gu, act, m: int) -> Launch:
+    inter = act.shape[-1]
+    return Launch(lib["swiglu_rows"], "swiglu_rows", (-(-inter // PREFILL_THREADS), m), (PREFILL_THREADS,),
+                  (gu, act, i32(inter)), 0, {}, m * inter * 6, f"prefill swiglu {m} rows")
+
+
+class Gemm:
+    """Y[M][N] (+)= X[M][K] W[N][K]^T on cuBLAS (gemmEx: fp16 inputs, fp32 accumulation), on CuPy's current
+    stream. `accumulate`: Y is fp32 and the product is added to it (beta = 1), else Y is fp16 and overwritten."""
+
+    def __init__(self):
+        import cupy
+        from cupy_backends.cuda.libs import cublas  # noqa: F401  (CuPy's cuBLAS binding: present with CuPy)
+
+        self._cublas = cublas
+        self._cupy = cupy
+        self._one = np.ones(1, np.float32)
+        self._zero = np.zeros(1, np.float32)
+
+    def __call__(self, x, w, y, m: int, accumulate: bool = False) -> None:
+        n, k = w.shape
+        cublas = self._cublas
+        handle = self._cupy.cuda.device.get_cublas_handle()
+        cublas.setStream(handle, self._cupy.cuda.get_current_stream().ptr)
+        # row-major Y = X W^T is column-major Y^T = W X^T: A = W (row-major [N][K] read transposed), B = X
+        cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, self._one.ctypes.data, w.data.ptr, CUDA_R_16F, k,
+                      x.data.ptr, CUDA_R_16F, k, (self._one if accumulate else self._zero).ctypes.data, y.data.ptr,
+                      CUDA_R_32F if accumulate else CUDA_R_16F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)

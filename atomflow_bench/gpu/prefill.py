@@ -1,0 +1,133 @@
+"""Prefill: the prompt's K/V rows computed as batched work (M tokens a chunk) instead of one decode step per token.
+
+    pf = Prefill(engine)              # row-major fp16 copies of the layer weights, chunk buffers: made once
+    pf.run(prompt_ids)                # K/V of positions 0 .. n-2 in the cache; the decode step continues at n-1
+    engine.run(n_new)                 # the first decode step reads the last prompt token and yields the first token
+
+Per chunk of up to `chunk` tokens (positions start .. start+m-1), per layer, as the decode step does for one token:
+RMSNorm rows -> QKV GEMM -> RoPE + K/V into the cache -> causal attention over the cache before the chunk and the
+chunk (ops/attention_prefill.py) -> o_proj GEMM added into the fp32 residual -> RMSNorm rows -> gate/up GEMM ->
+SwiGLU rows -> down GEMM added into the residual. The GEMMs run on cuBLAS (ops/prefill_rows.py Gemm) over row-major
+fp16 copies of the layer weights made once from the arena's tiled ones (fp8: dequantised, each weight times its
+group's scale, rounded to fp16); those copies cost the fp16 model's layer bytes of device memory. The last prompt
+token goes through the decode step, whose lm_head gives the first new token: that step is part of the time to first
+token. One GPU only (the tensor-parallel prefill is not built).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import GROUP
+from ..errors import AtomflowError
+from .ops.attention_prefill import attention_prefill_launch
+from .ops.gemv import ROLE_PAIRING, linear_regions, tile_scale_view, tile_view
+from .ops.prefill_rows import (Gemm, embed_rows_launch, rmsnorm_rows_launch, rope_kv_rows_launch,
+                               swiglu_rows_launch)
+
+PREFILL_CHUNK = 512  # tokens per chunk: the buffers' rows (3B: ~45 MB), and where cuBLAS is near its peak
+
+
+def e4m3_table():
+    """The 256 FP8-E4M3 codes' values as fp32 (NaN codes as 0: the quantiser never writes them)."""
+    from ..quant import e4m3_decode
+
+    v = e4m3_decode(np.arange(256, dtype=np.uint8)).astype(np.float32)
+    return np.where(np.isfinite(v), v, 0.0).astype(np.float32)
+
+
+def row_major(a, name: str, fmt: str, half: int):
+    """The arena's tiled weight `name` as a row-major fp16 device array (fp8: dequantised)."""
+    import cupy as cp
+
+    tiled = a[name]
+    rows, k = tiled.shape
+    pairing = ROLE_PAIRING[name.split(".", 1)[1]]
+    if fmt == "fp16":
+        out = cp.empty((rows, k), dtype=cp.float16)
+        v = tile_view(out, fmt, pairing, half)
+        v[...] = tiled.reshape(v.shape)
+        return out
+    codes = cp.empty((rows, k), dtype=cp.uint8)
+    v = tile_view(codes, fmt, pairing, half)
+    v[...] = tiled.reshape(v.shape)
+    scales = cp.empty(a[name + ".scale"].shape, dtype=cp.float32)
+    sv = tile_scale_view(scales, pairing, half)
+    sv[...] = a[name + ".scale"].reshape(sv.shape)
+    table = cp.asarray(e4m3_table())
+    out = cp.empty((rows, k), dtype=cp.float16)
+    for g in range(scales.shape[1]):  # a group of GROUP inputs at a time: no fp32 copy of the whole matrix
+        sl = slice(g * GROUP, min(k, (g + 1) * GROUP))
+        out[:, sl] = (table[codes[:, sl]] * scales[:, g:g + 1]).astype(cp.float16)
+    return out
+
+
+class Prefill:
+    """The batched prefill of a one-GPU engine (see the module docstring)."""
+
+    def __init__(self, engine, chunk: int = PREFILL_CHUNK):
+        import cupy as cp
+
+        if engine.group is not None:
+            raise AtomflowError("prefill under tensor parallel is not built; run without --tp")
+        cfg = engine.layer_cfg
+        self.eng, self.cfg, self.chunk = engine, cfg, max(1, min(chunk, engine.max_seq))
+        a = engine.arena
+        need = sum(r * k * 2 for r, k in linear_regions(cfg).values()) * cfg.num_hidden_layers
+        c, H, inter = self.chunk, cfg.hidden_size, cfg.intermediate_size
+        need += c * (H * 6 + cfg.qkv_dim * 2 + cfg.q_dim * 2 + inter * 6 + 4)
+        free = cp.cuda.runtime.memGetInfo()[0]
+        if need > free:
+            raise AtomflowError(f"prefill needs {need / 2**30:.2f} GiB for its fp16 weights and buffers, "
+                                f"{free / 2**30:.2f} GiB are free")
+        half = cfg.head_dim // 2
+        self.w = {f"L{i}.{r}": row_major(a, f"L{i}.{r}", engine.fmt, half)
+                  for i in range(cfg.num_hidden_layers) for r in ("wqkv", "wo", "wgu", "wd")}
+        self.tokens = cp.zeros(c, dtype=cp.int32)
+        self.h = cp.zeros((c, H), dtype=cp.float32)
+        self.x = cp.zeros((c, H), dtype=cp.float16)
+        self.qkv = cp.zeros((c, cfg.qkv_dim), dtype=cp.float16)
+        self.att = cp.zeros((c, cfg.q_dim), dtype=cp.float16)
+        self.gu = cp.zeros((c, 2 * inter), dtype=cp.float16)
+        self.act = cp.zeros((c, inter), dtype=cp.float16)
+        self.gemm = Gemm()
+
+    def chunk_launches(self, start: int, m: int) -> list:
+        """Chunk [start, start + m)'s work in order: launches and cuBLAS calls (callables), tokens already in place."""
+        cfg, a, lib = self.cfg, self.eng.arena, self.eng.lib
+        eps, hd = cfg.rms_norm_eps, cfg.head_dim
+        n_q, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        h, x, qkv, att, gu, act = self.h, self.x, self.qkv, self.att, self.gu, self.act
+        out = [embed_rows_launch(lib, self.tokens, a["embed"], h, m)]
+        for i in range(cfg.num_hidden_layers):
+            w = {r: self.w[f"L{i}.{r}"] for r in ("wqkv", "wo", "wgu", "wd")}
+            out += [
+                rmsnorm_rows_launch(lib, h, a[f"L{i}.attn_norm"], x, m, eps),
+                lambda w=w: self.gemm(x, w["wqkv"], qkv, m),
+                rope_kv_rows_launch(lib, qkv, a["rope_cs"], a["k_cache"][i], a["v_cache"][i], n_q, n_kv, hd, start, m),
+                attention_prefill_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], start, m, att, n_kv,
+                                         cfg.group_size, hd, cfg.qkv_dim, cfg.q_dim),
+                lambda w=w: self.gemm(att, w["wo"], h, m, accumulate=True),
+                rmsnorm_rows_launch(lib, h, a[f"L{i}.mlp_norm"], x, m, eps),
+                lambda w=w: self.gemm(x, w["wgu"], gu, m),
+                swiglu_rows_launch(lib, gu, act, m),
+                lambda w=w: self.gemm(act, w["wd"], h, m, accumulate=True),
+            ]
+        return out
+
+    def run(self, prompt_ids) -> None:
+        """Reset the engine to `prompt_ids` and fill the cache for positions 0 .. n-2 by chunks; the engine's next
+        decode step is the one at position n-1 (it reads the last prompt token)."""
+        e = self.eng
+        ids = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)
+        e.reset(ids)
+        n = ids.size - 1
+        with e.stream:
+            for start in range(0, n, self.chunk):
+                m = min(self.chunk, n - start)
+                self.tokens[:m].set(ids[start:start + m], stream=e.stream)
+                for op in self.chunk_launches(start, m):
+                    op()
+            a = e.arena
+            a["pos"].set(np.array([n], np.int32), stream=e.stream)
+            a["cur_token"].set(ids[n:n + 1], stream=e.stream)
+        e.position = n

@@ -1,0 +1,68 @@
+// prefill_rows.cu — the prefill's row-wise ops over a chunk of M prompt tokens (gpu/prefill.py): what the decode
+// step's fused prologues and epilogues do for one token, done for M rows between the chunk's GEMMs.
+//
+// Computes   embed_rows    h[r][k] = float(emb[tokens[r]][k])
+//            rmsnorm_rows  x[r][k] = fp16(fp16(h[r][k] * rsqrt(mean_k(h[r]^2) + eps)) * w[k]) (rmsnorm_elem, as the
+//                          GEMVs' prologue)
+//            rope_kv_rows  row r is position start + r: q and k heads rotated in place (HF rotate_half: pairs i,
+//                          i + hd/2, cos/sin of the host table), then k and v appended to the layer's cache at that
+//                          position (as the QKV GEMV's epilogue, from fp16 projections)
+//            swiglu_rows   act[r][j] = fp16(fp16(silu(g)) * u) with g = gu[r][j], u = gu[r][I + j] (gate | up
+//                          stacked, as the gate/up GEMV's epilogue)
+// Layouts    h fp32 [M][H]; x fp16 [M][H]; qkv fp16 [M][qkv_dim] = q heads | k heads | v heads per row; caches
+//            fp16 [max_seq][n_kv * hd]; cos_sin [max_seq][hd / 2] float2; gu fp16 [M][2 I]; act fp16 [M][I].
+// Bytes      each reads and writes its rows once (rope_kv_rows: + 2 * M * n_kv * hd * 2 into the cache).
+// Launch     a block of 256 threads per row (embed_rows, rmsnorm_rows, rope_kv_rows), grid (ceil(I / 256), M)
+//            for swiglu_rows; no programmatic dependent launch (the prefill runs eagerly, one chunk at a time).
+#include "common.cuh"
+
+#define PREFILL_THREADS 256
+
+extern "C" __global__ void embed_rows(const int* __restrict__ tokens, const __half* __restrict__ emb,
+                                      float* __restrict__ h, int H) {
+  const size_t r = blockIdx.x, base = (size_t)tokens[r] * H;
+  for (int k = threadIdx.x; k < H; k += blockDim.x) h[r * H + k] = __half2float(emb[base + k]);
+}
+
+extern "C" __global__ void rmsnorm_rows(const float* __restrict__ h, const __half* __restrict__ w,
+                                        __half* __restrict__ x, int H, float eps) {
+  __shared__ float red[PREFILL_THREADS / AF_WARP];
+  const float* hr = h + (size_t)blockIdx.x * H;
+  const float inv = rms_inv<PREFILL_THREADS>(hr, eps, H, red);
+  for (int k = threadIdx.x; k < H; k += blockDim.x)
+    x[(size_t)blockIdx.x * H + k] = __float2half(rmsnorm_elem(hr[k], inv, w[k]));
+}
+
+extern "C" __global__ void rope_kv_rows(__half* __restrict__ qkv, const float2* __restrict__ cos_sin,
+                                        __half* __restrict__ k_cache, __half* __restrict__ v_cache, int n_q,
+                                        int n_kv, int hd, int start) {
+  const int half_d = hd / 2, pos = start + blockIdx.x;
+  const int qkv_dim = (n_q + 2 * n_kv) * hd, kv_dim = n_kv * hd;
+  __half* row = qkv + (size_t)blockIdx.x * qkv_dim;
+  // pairs of the q and k heads: rotated in place; the k heads' also into the cache
+  for (int p = threadIdx.x; p < (n_q + n_kv) * half_d; p += blockDim.x) {
+    const int head = p / half_d, i = p % half_d;
+    __half* x = row + (size_t)head * hd + i;
+    const float x0 = __half2float(x[0]), x1 = __half2float(x[half_d]);
+    const float2 cs = cos_sin[(size_t)pos * half_d + i];
+    const __half h0 = __float2half(x0 * cs.x - x1 * cs.y), h1 = __float2half(x1 * cs.x + x0 * cs.y);
+    x[0] = h0;
+    x[half_d] = h1;
+    if (head >= n_q) {
+      __half* dst = k_cache + (size_t)pos * kv_dim + (size_t)(head - n_q) * hd + i;
+      dst[0] = h0;
+      dst[half_d] = h1;
+    }
+  }
+  for (int e = threadIdx.x; e < kv_dim; e += blockDim.x)  // v as projected
+    v_cache[(size_t)pos * kv_dim + e] = row[(size_t)(n_q + n_kv) * hd + e];
+}
+
+extern "C" __global__ void swiglu_rows(const __half* __restrict__ gu, __half* __restrict__ act, int I) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= I) return;
+  const size_t r = blockIdx.y;
+  const float g = __half2float(gu[r * 2 * I + j]), u = __half2float(gu[r * 2 * I + I + j]);
+  const float s = __half2float(__float2half(g / (1.f + __expf(-g))));
+  act[r * I + j] = __float2half(s * u);
+}
