@@ -44,6 +44,18 @@ def gemm_kernel(fmt: str, epilogue: str) -> str:
 KERNELS = {"prefill_gemm.cu": tuple(gemm_kernel(f, e) for f in FORMATS for e in EPILOGUES)}
 
 
+def original_row(tile: int, r: int, pairing: str, n: int, half: int = 0) -> int:
+    """The row-major weight row that row r (0..15) of tile `tile` holds under `pairing` (ops/gemv.py _tile_rows): where
+    the kernel's epilogue stores that row's outputs (prefill_gemm.cu pg_row, the same arithmetic)."""
+    g, rh = r & 7, r >> 3
+    if pairing == "halves":
+        return rh * (n >> 1) + 8 * tile + g
+    if pairing == "rope":
+        head, i8 = divmod(tile, half >> 3)
+        return head * 2 * half + rh * half + 8 * i8 + g
+    return 16 * tile + r
+
+
 def pg_stages(fmt: str) -> int:
     return PG_STAGES_F8 if fmt == "fp8" else PG_STAGES_F16
 
