@@ -220,8 +220,7 @@ def check_gemm(kernel_lib, fmt: str, n: int, k: int, m: int, epilogue: str, pair
 
     w_dev, s_dev, w_eff = gemv_weights(fmt, n, k, pairing, half)
     key = (fmt, n, k, pairing, half)
-    if key not in _abs_w:
-        _abs_w.clear()  # one at a time: the shapes run grouped
+    if key not in _abs_w:  # the catalog shapes' |w| take ~1.4 GB of host memory in all
         _abs_w[key] = np.abs(w_eff)
     rng = rng_for("prefill_gemm", fmt, n, k, m, epilogue, pairing)
     x_stride, y_stride = k + x_pad, n + y_pad
@@ -267,9 +266,9 @@ MS = [1, 7, 64, 100, 512]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
-@pytest.mark.parametrize("n, k, pairing", LAYERS, ids=["o_proj", "gate_up", "down"])
 @pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("n, k, pairing", LAYERS, ids=["o_proj", "gate_up", "down"])
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_prefill_gemm_layers(kernel_lib, fmt, n, k, pairing, m):
     epilogue = EPILOGUES[(MS.index(m) + [lay[0:2] for lay in LAYERS].index((n, k))) % 3]
     check_gemm(kernel_lib, fmt, n, k, m, epilogue, pairing)
