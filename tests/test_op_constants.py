@@ -14,7 +14,8 @@ import pytest
 from atomflow_bench.gpu.nvrtc import KERNELS_DIR
 from atomflow_bench.gpu.ops import declared_kernels
 
-OPS = ("ops.gemv", "ops.attention", "ops.attention_prefill", "ops.lm_head", "ops.small", "tp.sums")
+OPS = ("ops.gemv", "ops.attention", "ops.attention_prefill", "ops.lm_head", "ops.prefill_gemm", "ops.small",
+       "tp.sums")
 PKG = Path(__file__).resolve().parents[1] / "atomflow_bench"
 
 
@@ -46,7 +47,7 @@ def test_every_kernel_the_ops_build_is_declared():
     """The kernel names the launch factories build (variants, ring depths, forms, attention instances) are in their
     module's KERNELS, under the .cu that defines them; every .cu of kernels_cu/ is some module's, each kernel is
     declared once, and the lab's kernels are not the product's."""
-    from atomflow_bench.gpu.ops import attention, attention_prefill, gemv
+    from atomflow_bench.gpu.ops import attention, attention_prefill, gemv, prefill_gemm
     from atomflow_bench.gpu.tp import sums
 
     files = {**declared_kernels(), **sums.KERNELS}
@@ -69,6 +70,9 @@ def test_every_kernel_the_ops_build_is_declared():
     assert set(files["attention_prefill.cu"]) == {attention_prefill.prefill_kernel(hd, g)
                                                   for hd in attention_prefill.HEAD_DIMS for g in attention_prefill.GROUPS}
     assert attention_prefill.prefill_kernel(128, 4) == "attention_prefill_hd128_g4"
+    assert set(files["prefill_gemm.cu"]) == {prefill_gemm.gemm_kernel(f, e) for f in prefill_gemm.FORMATS
+                                             for e in prefill_gemm.EPILOGUES}
+    assert prefill_gemm.gemm_kernel("fp8", "resid") == "prefill_gemm_f8_resid"
     assert set(files["lm_head.cu"]) == {"gemv_f16_f32", "gemv_f16_f32_argmax"}
     assert {"embed_lookup", "quantize_fp8", "spin_ns", "tp_allreduce_add", "tp_argmax_combine"} <= set(names)
     assert "probe_stream" not in names
