@@ -80,3 +80,10 @@ if [ "$PH" = F ]; then  # after the move to the lab: its GPU tests (static and d
   timeout 200 python3 lab/scripts/persist_ab.py llama-3.2-3b fp8 "short:ring/l2=4;split:ring/l2=4" "short:ws/l2=0;split:ws/l2=0" \
     --json $W/persist-ab-3b-fp8.json >$W/persist-ab-3b-fp8.log 2>&1; note "persist_ab 3b fp8 rc=$?"; cat $W/persist-ab-3b-fp8.log | tee -a $S
 fi
+if [ "$PH" = G ]; then  # prefill: the path's tests, the tiled GEMM's tests, first TTFT and GEMM timings
+  pt prefill-path 150 tests/test_prefill_gpu.py
+  timeout 200 atomflow-bench fetch llama-3.2-3b >$W/fetch-3b.log 2>&1
+  timeout 120 python3 lab/records/v48/prefill_time.py llama-3.2-3b >$W/prefill-time.log 2>&1; note "prefill timing rc=$?"; cat $W/prefill-time.log | tail -8 | tee -a $S
+  pt prefill-gemm 100 tests/test_prefill_gemm.py -x
+  timeout 90 python3 lab/records/v48/prefill_gemm_time.py >$W/prefill-gemm-time.log 2>&1; note "gemm timing rc=$?"; cat $W/prefill-gemm-time.log | tail -20 | tee -a $S
+fi

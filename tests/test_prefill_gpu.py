@@ -1,0 +1,184 @@
+"""The batched prefill (gpu/prefill.py, kernels_cu/prefill_rows.cu, cuBLAS) on the GPU.
+
+* the row kernels against NumPy (outputs poisoned before the launch): the embedding rows, RMSNorm rows (the decode
+  prologue's rounding), RoPE + the K/V rows into the cache at the chunk's positions, SwiGLU rows;
+* the GEMM wrapper against NumPy: fp16 out, and fp32 accumulated into the residual;
+* the row-major weights it makes equal the checkpoint's (fp16 exactly; fp8 the dequantised codes);
+* prefill then decode against the prompt walked by the decode step (chunks smaller than the prompt, so chunk
+  boundaries are crossed): the cache rows and the first step's logits close (fp16 / fp8 bounds below), the greedy
+  tokens the same wherever the walked run's margin exceeds the measured logit error.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atomflow_bench.gpu.engine import Engine
+from atomflow_bench.gpu.prefill import Prefill, e4m3_table
+from atomflow_bench.gpu.ops.prefill_rows import (Gemm, embed_rows_launch, rmsnorm_rows_launch,
+                                                 rope_kv_rows_launch, swiglu_rows_launch)
+from atomflow_bench.store.checkpoint import Checkpoint
+
+from test_engine_gpu import tiny_model  # noqa: F401
+
+pytestmark = pytest.mark.gpu
+
+# cosine of the first decode step's logits, prefill against the walked prompt (the same weights; fp16 GEMMs on
+# cuBLAS against the decode GEMV's mma order: rounding only; fp8: the weights dequantised to fp16 before the GEMM
+# against the decode's per-group scaling)
+COS_MIN = {"fp16": 0.9999, "fp8": 0.999}
+
+
+@pytest.fixture(scope="module")
+def lib():
+    from atomflow_bench.gpu.ops import kernel_lib
+
+    return kernel_lib()
+
+
+def rng():
+    return np.random.default_rng()
+
+
+def test_embed_and_rmsnorm_rows(lib):
+    import cupy as cp
+
+    m, H, V = 37, 512, 300
+    emb = (rng().standard_normal((V, H)) * 0.5).astype(np.float16)
+    toks = rng().integers(0, V, m).astype(np.int32)
+    h = cp.full((m, H), np.nan, dtype=cp.float32)
+    embed_rows_launch(lib, cp.asarray(toks), cp.asarray(emb), h, m)()
+    np.testing.assert_array_equal(h.get(), emb[toks].astype(np.float32))
+    w = (1 + 0.2 * rng().standard_normal(H)).astype(np.float16)
+    x = cp.full((m, H), np.nan, dtype=cp.float16)
+    rmsnorm_rows_launch(lib, h, cp.asarray(w), x, m, 1e-5)()
+    hh = emb[toks].astype(np.float32)
+    inv = 1 / np.sqrt((hh.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)
+    want = ((hh * inv).astype(np.float16).astype(np.float32) * w.astype(np.float32)).astype(np.float16)
+    got = x.get()
+    assert not np.isnan(got).any()
+    # the block's sum order differs from NumPy's: at most one fp16 unit in the last place, on few elements
+    diff = np.abs(got.astype(np.float32) - want.astype(np.float32))
+    assert diff.max() <= 2 * np.abs(want.astype(np.float32)).max() * 2 ** -10
+    assert (diff > 0).mean() < 0.01
+
+
+@pytest.mark.parametrize("hd,n_q,n_kv", [(64, 8, 2), (128, 24, 8)])
+def test_rope_kv_rows(lib, hd, n_q, n_kv):
+    import cupy as cp
+
+    m, start, max_seq = 29, 40, 128
+    qkv_dim, kv_dim, half = (n_q + 2 * n_kv) * hd, n_kv * hd, hd // 2
+    qkv = (rng().standard_normal((m, qkv_dim))).astype(np.float16)
+    ang = rng().uniform(0, 2 * np.pi, (max_seq, half))
+    cs = np.stack([np.cos(ang), np.sin(ang)], axis=-1).astype(np.float32)
+    d_qkv = cp.asarray(qkv)
+    kc = cp.full((max_seq, kv_dim), np.nan, dtype=cp.float16)
+    vc = cp.full((max_seq, kv_dim), np.nan, dtype=cp.float16)
+    rope_kv_rows_launch(lib, d_qkv, cp.asarray(cs), kc, vc, n_q, n_kv, hd, start, m)()
+    x = qkv.astype(np.float32).reshape(m, n_q + 2 * n_kv, hd)
+    c, s = cs[start:start + m, None, :, 0], cs[start:start + m, None, :, 1]
+    x0, x1 = x[..., :half], x[..., half:]
+    rot = np.concatenate([x0 * c - x1 * s, x1 * c + x0 * s], axis=-1).astype(np.float16)
+    want = qkv.reshape(m, n_q + 2 * n_kv, hd).copy()
+    want[:, :n_q + n_kv] = rot[:, :n_q + n_kv]
+
+    def close(got, ref):  # the kernel may fuse a multiply-add that NumPy rounds twice: one fp16 unit, or 1e-5
+        g, r = got.astype(np.float32), ref.astype(np.float32)
+        assert not np.isnan(g).any() and np.all(np.abs(g - r) <= 2 ** -10 * np.abs(r) + 1e-5)
+
+    close(d_qkv.get().reshape(want.shape), want)
+    got_k, got_v = kc.get(), vc.get()
+    close(got_k[start:start + m], want[:, n_q:n_q + n_kv].reshape(m, kv_dim))
+    np.testing.assert_array_equal(got_v[start:start + m], want[:, n_q + n_kv:].reshape(m, kv_dim))
+    assert np.isnan(got_k[:start]).all() and np.isnan(got_k[start + m:]).all()  # no other row touched
+    assert np.isnan(got_v[:start]).all() and np.isnan(got_v[start + m:]).all()
+
+
+def test_swiglu_rows(lib):
+    import cupy as cp
+
+    m, inter = 19, 704
+    gu = (rng().standard_normal((m, 2 * inter)) * 2).astype(np.float16)
+    act = cp.full((m, inter), np.nan, dtype=cp.float16)
+    swiglu_rows_launch(lib, cp.asarray(gu), act, m)()
+    g, u = gu[:, :inter].astype(np.float32), gu[:, inter:].astype(np.float32)
+    s = (g / (1 + np.exp(-g))).astype(np.float16).astype(np.float32)
+    want = (s * u).astype(np.float16)
+    got = act.get().astype(np.float32)
+    assert np.abs(got - want.astype(np.float32)).max() <= 2 ** -9 * np.abs(want.astype(np.float32)).max()
+
+
+def test_gemm_store_and_accumulate():
+    import cupy as cp
+
+    m, n, k = 77, 384, 1024
+    x = (rng().standard_normal((m, k)) * 0.5).astype(np.float16)
+    w = (rng().standard_normal((n, k)) * 0.05).astype(np.float16)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    bound = 2 ** -20 * k * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
+    y16 = cp.full((m, n), np.nan, dtype=cp.float16)
+    gemm = Gemm()
+    gemm(cp.asarray(x), cp.asarray(w), y16, m)
+    got = y16.get().astype(np.float64)
+    assert np.all(np.abs(got - want) <= bound + 2 ** -10 * np.abs(want))
+    h0 = rng().standard_normal((m, n)).astype(np.float32)
+    h = cp.asarray(h0)
+    gemm(cp.asarray(x), cp.asarray(w), h, m, accumulate=True)
+    assert np.all(np.abs(h.get() - (h0 + want)) <= bound + 2 ** -22 * np.abs(h0 + want))
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_row_major_weights(tiny_model, fmt):
+    from atomflow_bench.quant import dequantize_fp8, quantize_fp8
+
+    eng = Engine(tiny_model, weights=fmt, max_seq=64)
+    pf = Prefill(eng, chunk=16)
+    ck = Checkpoint(tiny_model)
+    p = "model.layers.1."
+    parts = {"wqkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "wgu": ["mlp.gate_proj", "mlp.up_proj"],
+             "wo": ["self_attn.o_proj"], "wd": ["mlp.down_proj"]}
+    for role, names in parts.items():
+        src = np.concatenate([ck.get(p + n + ".weight") for n in names]).astype(np.float16)
+        got = pf.w[f"L1.{role}"].get()
+        if fmt == "fp16":
+            np.testing.assert_array_equal(got, src, err_msg=role)
+        else:
+            q, s = quantize_fp8(src)
+            want = dequantize_fp8(q, s, src.shape[1]).astype(np.float32)
+            assert np.abs(got.astype(np.float32) - want).max() <= 2 ** -10 * np.abs(want).max(), role
+    assert e4m3_table()[0x7f] == 0.0 and e4m3_table()[0x7e] == 448.0
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_prefill_then_decode_as_the_walked_prompt(tiny_model, fmt):
+    n, n_new, chunk = 45, 6, 16  # three chunks: 16 + 16 + 12 positions
+    walked = Engine(tiny_model, weights=fmt, max_seq=64)
+    pre = Engine(tiny_model, weights=fmt, max_seq=64)
+    pre._prefill = Prefill(pre, chunk=chunk)
+    prompt = [int(t) for t in rng().integers(0, walked.cfg.vocab_size, n)]
+    # the first new token's logits: after the cache of positions 0 .. n-2, the step at n-1
+    walked.reset(prompt)
+    walked.run(n - 1)
+    walked.stream.synchronize()
+    pre.prefill(prompt)
+    pre.stream.synchronize()
+    assert pre.position == walked.position == n - 1
+    for name in ("k_cache", "v_cache"):
+        a = walked.arena[name][:, :n - 1].get().astype(np.float32)
+        b = pre.arena[name][:, :n - 1].get().astype(np.float32)
+        rel = np.linalg.norm(a - b) / np.linalg.norm(a)
+        assert rel < (5e-3 if fmt == "fp16" else 2e-2), f"{name}: relative difference {rel:.3g}"
+    walked.run(1)
+    pre.run(1)
+    la, lb = walked.arena["logits"].get().astype(np.float64), pre.arena["logits"].get().astype(np.float64)
+    cos = la @ lb / (np.linalg.norm(la) * np.linalg.norm(lb))
+    assert cos >= COS_MIN[fmt], f"first step's logits: cosine {cos:.6f}"
+    err = np.abs(la - lb).max()
+    want = walked.generate(prompt, n_new)
+    got = pre.generate(prompt, n_new, prefill=True)
+    top = np.sort(la)[-2:]
+    for j in range(n_new):
+        if got[j] != want[j]:
+            assert j > 0 or top[1] - top[0] <= 2 * err, f"first token differs at a margin {top[1] - top[0]:.4g}"
+            break
