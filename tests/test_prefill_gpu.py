@@ -182,3 +182,27 @@ def test_prefill_then_decode_as_the_walked_prompt(tiny_model, fmt):
         if got[j] != want[j]:
             assert j > 0 or top[1] - top[0] <= 2 * err, f"first token differs at a margin {top[1] - top[0]:.4g}"
             break
+
+
+def test_graph_replay_as_the_launches(tiny_model):
+    """A chunk replayed from its captured graph writes what its launches write one by one (caches and residual), and
+    a second prompt of the same chunk shapes reuses the graphs."""
+    eng = Engine(tiny_model, weights="fp16", max_seq=64)
+    eng._prefill = Prefill(eng, chunk=16)
+    prompt = [int(t) for t in rng().integers(0, eng.cfg.vocab_size, 40)]
+    eng.prefill(prompt, graph=False)
+    eng.stream.synchronize()
+    k0, v0 = eng.arena["k_cache"].get()[:, :39], eng.arena["v_cache"].get()[:, :39]
+    eng.arena["k_cache"].fill(np.nan)
+    eng.prefill(prompt)
+    eng.stream.synchronize()
+    assert sorted(eng._prefill.graphs) == [(0, 16), (16, 16), (32, 7)]
+    np.testing.assert_allclose(eng.arena["k_cache"].get()[:, :39].astype(np.float32), k0.astype(np.float32),
+                               rtol=2e-3, atol=1e-3)
+    np.testing.assert_allclose(eng.arena["v_cache"].get()[:, :39].astype(np.float32), v0.astype(np.float32),
+                               rtol=2e-3, atol=1e-3)
+    other = [int(t) for t in rng().integers(0, eng.cfg.vocab_size, 40)]
+    eng.prefill(other)
+    assert len(eng._prefill.graphs) == 3
+    want = eng.generate(other, 4)
+    assert eng.generate(other, 4, prefill=True)[:1] == want[:1]

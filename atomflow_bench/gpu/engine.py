@@ -177,13 +177,14 @@ class Engine:
         self.stream.synchronize()
         return [int(t) for t in self.arena["out_tokens"][start:start + n].get()]
 
-    def prefill(self, prompt_ids) -> None:
-        """The prompt's K/V by the batched prefill (gpu/prefill.py); the next step reads its last token."""
+    def prefill(self, prompt_ids, graph: bool = True) -> None:
+        """The prompt's K/V by the batched prefill (gpu/prefill.py; each chunk a graph replay, or launch by launch);
+        the next step reads its last token."""
         from .prefill import Prefill  # its weights' copies and buffers only when a prefill is asked for
 
         if self._prefill is None:
             self._prefill = Prefill(self)
-        self._prefill.run(prompt_ids)
+        self._prefill.run(prompt_ids, graph)
 
     def generate(self, prompt_ids, n_new: int, graph: bool = True, prefill: bool = False) -> list[int]:
         """Greedy: the prompt is fed token by token through the same step (or, `prefill`, batched: gpu/prefill.py);

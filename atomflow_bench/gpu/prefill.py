@@ -19,6 +19,7 @@ import numpy as np
 
 from ..config import GROUP
 from ..errors import AtomflowError
+from .graph import StepGraph
 from .ops.attention_prefill import attention_prefill_launch
 from .ops.gemv import ROLE_PAIRING, linear_regions, tile_scale_view, tile_view
 from .ops.prefill_rows import (Gemm, embed_rows_launch, rmsnorm_rows_launch, rope_kv_rows_launch,
@@ -90,6 +91,7 @@ class Prefill:
         self.gu = cp.zeros((c, 2 * inter), dtype=cp.float16)
         self.act = cp.zeros((c, inter), dtype=cp.float16)
         self.gemm = Gemm()
+        self.graphs: dict = {}  # (start, m): the chunk's work captured once (its ~9 calls per layer replay at once)
 
     def chunk_launches(self, start: int, m: int) -> list:
         """Chunk [start, start + m)'s work in order: launches and cuBLAS calls (callables), tokens already in place."""
@@ -114,9 +116,23 @@ class Prefill:
             ]
         return out
 
-    def run(self, prompt_ids) -> None:
-        """Reset the engine to `prompt_ids` and fill the cache for positions 0 .. n-2 by chunks; the engine's next
-        decode step is the one at position n-1 (it reads the last prompt token)."""
+    def chunk_graph(self, start: int, m: int) -> StepGraph:
+        """The chunk's work as a CUDA graph, captured on first use after one eager run (which loads the kernels and
+        cuBLAS's workspace; running a chunk again writes the same values). Replaying it costs one launch where the
+        eager chunk costs a Python call per op: 3B's 28 layers x 9 take ~6 ms of host time per chunk."""
+        key = (start, m)
+        if key not in self.graphs:
+            ops = self.chunk_launches(start, m)
+            with self.eng.stream:
+                for op in ops:
+                    op()
+            self.graphs[key] = StepGraph(ops, self.eng.stream)
+        return self.graphs[key]
+
+    def run(self, prompt_ids, graph: bool = True) -> None:
+        """Reset the engine to `prompt_ids` and fill the cache for positions 0 .. n-2 by chunks (each a graph replay,
+        or `graph` False: launch by launch); the engine's next decode step is the one at position n-1 (it reads the
+        last prompt token)."""
         e = self.eng
         ids = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)
         e.reset(ids)
@@ -125,8 +141,11 @@ class Prefill:
             for start in range(0, n, self.chunk):
                 m = min(self.chunk, n - start)
                 self.tokens[:m].set(ids[start:start + m], stream=e.stream)
-                for op in self.chunk_launches(start, m):
-                    op()
+                if graph:
+                    self.chunk_graph(start, m).replay()
+                else:
+                    for op in self.chunk_launches(start, m):
+                        op()
             a = e.arena
             a["pos"].set(np.array([n], np.int32), stream=e.stream)
             a["cur_token"].set(ids[n:n + 1], stream=e.stream)

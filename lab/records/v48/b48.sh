@@ -87,3 +87,8 @@ if [ "$PH" = G ]; then  # prefill: the path's tests, the tiled GEMM's tests, fir
   pt prefill-gemm 100 tests/test_prefill_gemm.py -x
   timeout 90 python3 lab/records/v48/prefill_gemm_time.py >$W/prefill-gemm-time.log 2>&1; note "gemm timing rc=$?"; cat $W/prefill-gemm-time.log | tail -20 | tee -a $S
 fi
+if [ "$PH" = H ]; then  # the prefill's chunks as graph replays: its tests, then the TTFT again
+  pt prefill-path 150 tests/test_prefill_gpu.py
+  timeout 200 atomflow-bench fetch llama-3.2-3b >$W/fetch-3b.log 2>&1
+  timeout 120 python3 lab/records/v48/prefill_time.py llama-3.2-3b >$W/prefill-time.log 2>&1; note "prefill timing rc=$?"; cat $W/prefill-time.log | tail -8 | tee -a $S
+fi
