@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...errors import AtomflowError
 from ..launch import Launch, i32
 from ..nvrtc import KernelLib
 
@@ -48,25 +49,49 @@ def swiglu_rows_launch(lib: KernelLib, gu, act, m: int) -> Launch:
                   (gu, act, i32(inter)), 0, {}, m * inter * 6, f"prefill swiglu {m} rows")
 
 
+def libcublas():
+    """The cuBLAS library CuPy loaded, through ctypes: CuPy's own binding refuses every call while a stream is being
+    captured, and the prefill captures its chunks into graphs (cuBLAS itself supports capture)."""
+    import ctypes
+
+    from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads the library into the process first)
+
+    for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        raise AtomflowError("cuBLAS not found (libcublas.so.13 / .12)")
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.cublasSetStream_v2.argtypes = [p, p]
+    lib.cublasGemmEx.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i]
+    return lib
+
+
 class Gemm:
     """Y[M][N] (+)= X[M][K] W[N][K]^T on cuBLAS (gemmEx: fp16 inputs, fp32 accumulation), on CuPy's current
     stream. `accumulate`: Y is fp32 and the product is added to it (beta = 1), else Y is fp16 and overwritten."""
 
     def __init__(self):
         import cupy
-        from cupy_backends.cuda.libs import cublas  # noqa: F401  (CuPy's cuBLAS binding: present with CuPy)
 
-        self._cublas = cublas
+        self._lib = libcublas()
         self._cupy = cupy
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
 
     def __call__(self, x, w, y, m: int, accumulate: bool = False) -> None:
         n, k = w.shape
-        cublas = self._cublas
+        lib = self._lib
         handle = self._cupy.cuda.device.get_cublas_handle()
-        cublas.setStream(handle, self._cupy.cuda.get_current_stream().ptr)
+        rc = lib.cublasSetStream_v2(handle, self._cupy.cuda.get_current_stream().ptr)
         # row-major Y = X W^T is column-major Y^T = W X^T: A = W (row-major [N][K] read transposed), B = X
-        cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, self._one.ctypes.data, w.data.ptr, CUDA_R_16F, k,
-                      x.data.ptr, CUDA_R_16F, k, (self._one if accumulate else self._zero).ctypes.data, y.data.ptr,
-                      CUDA_R_32F if accumulate else CUDA_R_16F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        rc = rc or lib.cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, self._one.ctypes.data, w.data.ptr,
+                                    CUDA_R_16F, k, x.data.ptr, CUDA_R_16F, k,
+                                    (self._one if accumulate else self._zero).ctypes.data, y.data.ptr,
+                                    CUDA_R_32F if accumulate else CUDA_R_16F, n, CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT)
+        if rc:
+            raise AtomflowError(f"cublasGemmEx failed (cublasStatus {rc}) for [{m}, {k}] x [{n}, {k}]^T")
