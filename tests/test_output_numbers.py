@@ -17,7 +17,7 @@ from rich.console import Console
 
 from atomflow_bench.output import Num, Tab, text
 from helpers_cli import invoke
-from test_output import profile_record, validate_result
+from test_output import gemv_record, profile_record, validate_result
 
 # a number with a unit, a range or ratio of numbers, or a placeholder for a missing number: never a JSON value
 UNIT = re.compile(r"^[-+x]?[\d.]+(e[-+]?\d+)?\s*(%|ms|us|µs|s|G|M|K|B|GB/s|TB/s|x)?$")
@@ -82,15 +82,6 @@ def peer_rec(gpu: str = H100) -> dict:
 def tp_profile_record() -> dict:
     return {"tp": 2, "context": 128, "forms": {"forms": "short:ring/l2=8;split:ring/l2=0", "origin": "default"},
             "comm": run_rec()["tp"]["comm"]}
-
-
-def gemv_rec() -> dict:
-    return {"rows": [{"role": "wgu", "format": "fp8", "rows": 16384, "k": 3072, "bytes": 50_724_864,
-                      "us": {"median": 20.5, "p10": 20.1, "p90": 21.0}, "gbs": 2474.4, "pct_of_copy": 82.6,
-                      "isolated_ceiling_pct": 88.0, "chained_us": {"median": 18.2}, "chained_gbs": 2787.1,
-                      "chained_pct_of_copy": 93.1}],
-            "copy_bandwidth_gbs": {"median": 2994.0}, "l2_rotation_bytes": 200 << 20, "chained_pdl": True,
-            "empty_launch_us": {"median": 2.31}}
 
 
 def tune_chosen() -> dict:
@@ -266,7 +257,7 @@ def test_tp_profile_tables():
 def test_gemv_table():
     from atomflow_bench.measure.profile import gemv_table
 
-    t = gemv_table(gemv_rec())
+    t = gemv_table(gemv_record())
     assert as_json(t) == [{"GEMV": "wgu", "format": "fp8", "rows x K": "16384x3072", "MB": 50.724864,
                            "isolated µs": 20.5, "p10-p90 µs": [20.1, 21.0], "GB/s": 2474.4, "% copy BW": 82.6,
                            "isolated ceiling %": 88.0, "chained µs": 18.2, "chained GB/s": 2787.1,
