@@ -98,7 +98,7 @@ __device__ __forceinline__ int att_split_start(int s, int n_sub, int n) {
 template <int HD>
 __device__ __forceinline__ int att_swz(int t, int c) {
   return ATT_TMA ? (c >> 3) * (ATT_GROUP * 128) + t * 128 + (((c & 7) ^ (t & 7)) << 4)
-                 : t * HD * 2 + ((c ^ (t & 7)) << 4);
+                 : swz16<HD>(t, c);
 }
 
 // The last block of kv head j: out = sum_s coef[g][s] * part_o[g][s] with coef = exp2(m_s - M) / sum_s l_s

@@ -58,12 +58,6 @@ __device__ __forceinline__ unsigned atp_h2(float a, float b) {
   return *reinterpret_cast<unsigned*>(&h);
 }
 
-// byte offset of 16-byte piece c of row t in a staged [rows][HD] fp16 tile (pieces XOR-swizzled by the row)
-template <int HD>
-__device__ __forceinline__ int atp_swz(int t, int c) {
-  return t * HD * 2 + ((c ^ (t & 7)) << 4);
-}
-
 // The block's 64 stacked q rows (row0 ..) -> qs; rows past the chunk (query row >= m) zero-filled.
 template <int HD, int G>
 __device__ __forceinline__ void atp_stage_q(const __half* q, size_t q_stride, int row0, int m, int j, char* qs) {
@@ -72,9 +66,9 @@ __device__ __forceinline__ void atp_stage_q(const __half* q, size_t q_stride, in
   for (int i = threadIdx.x; i < ATP_ROWS * DG; i += ATP_THREADS) {
     const int t = i / DG, c = i % DG, r = (row0 + t) / G, g = (row0 + t) % G;
     if (r < m)
-      cp_async16(qs + atp_swz<HD>(t, c), q + (size_t)r * q_stride + (size_t)(j * G + g) * HD + c * 8);
+      cp_async16(qs + swz16<HD>(t, c), q + (size_t)r * q_stride + (size_t)(j * G + g) * HD + c * 8);
     else
-      *reinterpret_cast<uint4*>(qs + atp_swz<HD>(t, c)) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(qs + swz16<HD>(t, c)) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -85,7 +79,7 @@ __device__ __forceinline__ void atp_stage_kv(const __half* k_cache, const __half
   constexpr int DG = HD / 8;
 #pragma unroll
   for (int i = threadIdx.x; i < ATP_KV * DG; i += ATP_THREADS) {
-    const int t = i / DG, c = i % DG, off = atp_swz<HD>(t, c);
+    const int t = i / DG, c = i % DG, off = swz16<HD>(t, c);
     if (p0 + t < n_pos) {
       const size_t src = (size_t)(p0 + t) * kv_dim + (size_t)j * HD + c * 8;
       cp_async16(ks + off, k_cache + src);
@@ -153,7 +147,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
       AF_TL_MARK(0);  // timeline: q and the first K/V tile in shared memory
 #pragma unroll
       for (int kk = 0; kk < KS; ++kk)
-        ldmatrix_x4(qa[kk], qs + atp_swz<HD>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+        ldmatrix_x4(qa[kk], qs + swz16<HD>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
     }
     const int p0 = kt * ATP_KV;
     if (active && p0 <= w_hi) {  // warp-uniform: a tile above all of the warp's rows adds nothing
@@ -168,7 +162,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
         unsigned b[ATP_BATCH][4];  // 16 positions each: n-tile 2u (b[u][0..1]) and 2u + 1 (b[u][2..3])
 #pragma unroll
         for (int u = 0; u < ATP_BATCH; ++u)
-          ldmatrix_x4(b[u], ks + atp_swz<HD>(16 * u + ((lane >> 4) << 3) + (lane & 7), 2 * kk + ((lane >> 3) & 1)));
+          ldmatrix_x4(b[u], ks + swz16<HD>(16 * u + ((lane >> 4) << 3) + (lane & 7), 2 * kk + ((lane >> 3) & 1)));
 #pragma unroll
         for (int u = 0; u < ATP_BATCH; ++u) {
           mma_16816(s[2 * u], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[u][0], b[u][1]);
@@ -227,7 +221,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
           unsigned b[ATP_BATCH][4];
 #pragma unroll
           for (int u = 0; u < ATP_BATCH; ++u)
-            ldmatrix_x4_trans(b[u], vs + atp_swz<HD>(16 * kk + ((lane >> 3) & 1) * 8 + (lane & 7), c0 + 2 * u + (lane >> 4)));
+            ldmatrix_x4_trans(b[u], vs + swz16<HD>(16 * kk + ((lane >> 3) & 1) * 8 + (lane & 7), c0 + 2 * u + (lane >> 4)));
 #pragma unroll
           for (int u = 0; u < ATP_BATCH; ++u) {
             mma_16816(o[c0 + 2 * u], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[u][0], b[u][1]);
@@ -252,8 +246,8 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
   }
 #pragma unroll
   for (int n = 0; n < DG; ++n) {
-    *reinterpret_cast<unsigned*>(qs + atp_swz<HD>(warp * 16 + gid, n) + 4 * tig) = atp_h2(o[n][0] * inv[0], o[n][1] * inv[0]);
-    *reinterpret_cast<unsigned*>(qs + atp_swz<HD>(warp * 16 + gid + 8, n) + 4 * tig) =
+    *reinterpret_cast<unsigned*>(qs + swz16<HD>(warp * 16 + gid, n) + 4 * tig) = atp_h2(o[n][0] * inv[0], o[n][1] * inv[0]);
+    *reinterpret_cast<unsigned*>(qs + swz16<HD>(warp * 16 + gid + 8, n) + 4 * tig) =
         atp_h2(o[n][2] * inv[1], o[n][3] * inv[1]);
   }
   __syncwarp();
@@ -262,7 +256,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
     const int t = i / DG, c = i % DG, r = (wr0 + t) / G, g = (wr0 + t) % G;
     if (r < m)
       *reinterpret_cast<uint4*>(out + (size_t)r * out_stride + (size_t)(j * G + g) * HD + c * 8) =
-          *reinterpret_cast<const uint4*>(qs + atp_swz<HD>(warp * 16 + t, c));
+          *reinterpret_cast<const uint4*>(qs + swz16<HD>(warp * 16 + t, c));
   }
 }
 

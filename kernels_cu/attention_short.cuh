@@ -16,12 +16,6 @@
 #define ATS_MIN_BLOCKS 2  // <= 128 registers: the block has its SM to itself (attention_short.cu, Launch)
 #define ATS_BATCH 4       // ldmatrix loads issued before their mmas (scores: k-steps; P.V: 16-position steps)
 
-// byte offset of 16-byte piece c of row t in a staged [rows][HD] fp16 array (pieces XOR-swizzled by the row)
-template <int HD>
-__device__ __forceinline__ int ats_swz(int t, int c) {
-  return t * HD * 2 + ((c ^ (t & 7)) << 4);
-}
-
 // rows [t0, t1) of kv head j's K and V -> ks/vs rows [t0 - base, t1 - base), one cp.async group, committed
 template <int HD, int T>
 __device__ __forceinline__ void ats_stage(const __half* k_cache, const __half* v_cache, size_t kv_dim, int j, int t0,
@@ -30,8 +24,8 @@ __device__ __forceinline__ void ats_stage(const __half* k_cache, const __half* v
   for (int i = t0 * DG + (int)threadIdx.x; i < t1 * DG; i += T) {
     const int t = i / DG, c = i % DG;
     const size_t src = (size_t)t * kv_dim + (size_t)j * HD + c * 8;
-    cp_async16(ks + ats_swz<HD>(t - base, c), k_cache + src);
-    cp_async16(vs + ats_swz<HD>(t - base, c), v_cache + src);
+    cp_async16(ks + swz16<HD>(t - base, c), k_cache + src);
+    cp_async16(vs + swz16<HD>(t - base, c), v_cache + src);
   }
   cp_async_commit();
 }
@@ -41,7 +35,7 @@ template <int HD, int T>
 __device__ __forceinline__ void ats_zero_tail(char* vs, int n) {
   constexpr int DG = HD / 8;
   for (int i = n * DG + (int)threadIdx.x; i < ((n + 15) & ~15) * DG; i += T)
-    *reinterpret_cast<uint4*>(vs + ats_swz<HD>(i / DG, i % DG)) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(vs + swz16<HD>(i / DG, i % DG)) = make_uint4(0, 0, 0, 0);
 }
 
 // Block j = head group j: kv head j / V, its q heads [j * G, (j + 1) * G) (V blocks share a kv head when it has more
@@ -79,13 +73,13 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   for (int i = tid; i < ATS_HEADS * DG; i += T) {
     const int r = i / DG, c = i % DG;
     const uint4 u = r < G ? ld_cg16(q + ((size_t)j * G + r) * HD + c * 8) : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(reinterpret_cast<char*>(q_h) + ats_swz<HD>(r, c)) = u;
+    *reinterpret_cast<uint4*>(reinterpret_cast<char*>(q_h) + swz16<HD>(r, c)) = u;
   }
   if (len - 1 < cap && tid < 2 * DG) {  // row L-1, appended by the QKV kernel: after the wait, through L2
     const int c = tid % DG;
     const size_t src = (size_t)(len - 1) * kv_dim + (size_t)kvh * HD + c * 8;
     const uint4 u = ld_cg16((tid < DG ? k_cache : v_cache) + src);
-    *reinterpret_cast<uint4*>((tid < DG ? ks : vs) + ats_swz<HD>(len - 1, c)) = u;
+    *reinterpret_cast<uint4*>((tid < DG ? ks : vs) + swz16<HD>(len - 1, c)) = u;
   }
   ats_zero_tail<HD, T>(vs, min(cap, len));
   cp_async_wait<0>();
@@ -95,7 +89,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
   unsigned qb[DT][2];  // q as the scores' B operand ([n = head][k = dim]), all HD/16 k-steps
 #pragma unroll
   for (int kk = 0; kk < DT; ++kk)
-    ldmatrix_x2(qb[kk], reinterpret_cast<char*>(q_h) + ats_swz<HD>(lane & 7, 2 * kk + ((lane >> 3) & 1)));
+    ldmatrix_x2(qb[kk], reinterpret_cast<char*>(q_h) + swz16<HD>(lane & 7, 2 * kk + ((lane >> 3) & 1)));
 
   // this thread's heads: 2 tig and 2 tig + 1 (score fragments and P.V accumulator columns alike)
   float m_run[2] = {-AF_INF, -AF_INF}, lsum[2] = {0.f, 0.f}, o[4] = {0.f, 0.f, 0.f, 0.f};
@@ -121,7 +115,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
           unsigned a[ATS_BATCH][4];
 #pragma unroll
           for (int u = 0; u < ATS_BATCH; ++u)
-            ldmatrix_x4(a[u], ks + ats_swz<HD>(p0 + (lane & 15), 2 * (k0 + u) + (lane >> 4)));
+            ldmatrix_x4(a[u], ks + swz16<HD>(p0 + (lane & 15), 2 * (k0 + u) + (lane >> 4)));
 #pragma unroll
           for (int u = 0; u < ATS_BATCH; ++u)
             mma_16816(d, a[u][0], a[u][1], a[u][2], a[u][3], qb[k0 + u][0], qb[k0 + u][1]);
@@ -177,7 +171,7 @@ __device__ __forceinline__ void attention_short_item(const __half* q, const __ha
       for (int u = 0; u < ATS_BATCH; ++u) {
         const int pu = p0 + u * WPT * 16;
         if (pu < n) {  // warp-uniform
-          ldmatrix_x4_trans(a[u], vs + ats_swz<HD>(pu + (lane & 7) + ((lane >> 4) << 3), 2 * (warp % DT) + ((lane >> 3) & 1)));
+          ldmatrix_x4_trans(a[u], vs + swz16<HD>(pu + (lane & 7) + ((lane >> 4) << 3), 2 * (warp % DT) + ((lane >> 3) & 1)));
           ldmatrix_x2(b[u], pt + (lane & 7) * psb + (pu + ((lane >> 3) & 1) * 8) * 2);
         }
       }

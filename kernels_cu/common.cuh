@@ -260,6 +260,19 @@ __device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* p) {
                : "=r"(r[0]), "=r"(r[1]) : "r"((unsigned)__cvta_generic_to_shared(p)));
 }
 
+// Two packed FP8-E4M3 values -> half2 bits (hardware cvt on sm_89+; exact: every E4M3 value is an fp16).
+__device__ __forceinline__ unsigned e4m3x2_to_h2(unsigned int u16) {
+  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(u16), __NV_E4M3);
+  return (unsigned)r.x | ((unsigned)r.y << 16);
+}
+
+// Byte offset of 16-byte piece c of row t in a shared-memory [rows][COLS] fp16 array whose pieces are XOR-swizzled by
+// the row (piece c of row t at c ^ (t & 7)): ldmatrix reads 8 rows of one piece without bank conflicts.
+template <int COLS>
+__device__ __forceinline__ int swz16(int t, int c) {
+  return t * COLS * 2 + ((c ^ (t & 7)) << 4);
+}
+
 // 16-byte load of data written during the same kernel (activations, the KV row just appended): L2 only
 // (.cg), never through L1 or the read-only path, which are not coherent across SMs.
 __device__ __forceinline__ uint4 ld_cg16(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }

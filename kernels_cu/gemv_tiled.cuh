@@ -40,12 +40,6 @@
 // 8 (a 128-input group is 8 loads), and its 96 registers fit the 128-register budget.
 #define GEMV_LOADS_F16 24
 
-// Two packed FP8-E4M3 values -> half2 bits (hardware cvt on sm_89+; exact: every E4M3 value is an fp16).
-__device__ __forceinline__ unsigned e4m3x2_to_h2(unsigned int u16) {
-  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(u16), __NV_E4M3);
-  return (unsigned)r.x | ((unsigned)r.y << 16);
-}
-
 // The tiled GEMVs' bulk weight and scale copies (the fp8 ring on sm_90+, the warp-specialised form) carry an L2
 // evict-first policy: the weights stream through L2 once per step, so they are evicted before anything that is read
 // again: what next_weights_l2 asked in, the KV cache and the activations. Without it the L2 prefetch of later weights

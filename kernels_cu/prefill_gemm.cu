@@ -60,15 +60,6 @@ struct PgStage {
   static constexpr int STAGES = FP8 ? PG_STAGES_F8 : PG_STAGES_F16;
 };
 
-// Two packed FP8-E4M3 values -> half2 bits (hardware cvt on sm_89+; exact: every E4M3 value is an fp16).
-__device__ __forceinline__ unsigned pg_e4m3x2(unsigned int u16) {
-  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(u16), __NV_E4M3);
-  return (unsigned)r.x | ((unsigned)r.y << 16);
-}
-
-// byte offset of 16-byte piece c of token row t in a stage's X step (pieces XOR-swizzled by the row)
-__device__ __forceinline__ int pg_swz(int t, int c) { return t * (PG_BK * 2) + ((c ^ (t & 7)) << 4); }
-
 // The original (row-major) weight row of row r (0..15) of tile T under the tile pairing (ops/gemv.py _tile_rows):
 // 0 none: 16 T + r; 1 halves: gate rows 8T + g (r < 8) and up rows N/2 + 8T + g (r >= 8); 2 rope: tile T = (head,
 // i8) holds rows i8*8 + g (r < 8) and half + i8*8 + g (r >= 8) of the head's 2 half rows.
@@ -110,7 +101,7 @@ __device__ __forceinline__ void pg_load_x(char* xs, const __half* x, int kb, int
   for (int i = 0; i < PG_BN * (PG_BK / 8) / PG_THREADS; ++i) {
     const int c = threadIdx.x + i * PG_THREADS, t = c / (PG_BK / 8), p = c % (PG_BK / 8);
     const int r = min(m0 + t, m - 1);
-    cp_async16(xs + pg_swz(t, p), x + (size_t)r * x_stride + kb * PG_BK + p * 8);
+    cp_async16(xs + swz16<PG_BK>(t, p), x + (size_t)r * x_stride + kb * PG_BK + p * 8);
   }
 }
 
@@ -129,10 +120,10 @@ __device__ __forceinline__ void pg_kstep(float (&c)[2][8][4], const char* xs, co
       if (FP8) {
         if ((ks & 1) == 0) raw[i] = *reinterpret_cast<const uint4*>(tile + (ks >> 1) * 512);
         const unsigned lo = (ks & 1) ? raw[i].z : raw[i].x, hi = (ks & 1) ? raw[i].w : raw[i].y;
-        a[i][0] = pg_e4m3x2(lo & 0xffffu);
-        a[i][1] = pg_e4m3x2(lo >> 16);
-        a[i][2] = pg_e4m3x2(hi & 0xffffu);
-        a[i][3] = pg_e4m3x2(hi >> 16);
+        a[i][0] = e4m3x2_to_h2(lo & 0xffffu);
+        a[i][1] = e4m3x2_to_h2(lo >> 16);
+        a[i][2] = e4m3x2_to_h2(hi & 0xffffu);
+        a[i][3] = e4m3x2_to_h2(hi >> 16);
       } else {
         const uint4 v = *reinterpret_cast<const uint4*>(tile + ks * 512);
         a[i][0] = v.x;
@@ -144,7 +135,7 @@ __device__ __forceinline__ void pg_kstep(float (&c)[2][8][4], const char* xs, co
 #pragma unroll
     for (int p = 0; p < 4; ++p) {  // tokens 64 wc + 16 p ..: n-tiles 2p (b[0], b[1]) and 2p + 1 (b[2], b[3])
       unsigned b[4];
-      ldmatrix_x4(b, xs + pg_swz(64 * wc + 16 * p + ((lane >> 4) << 3) + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
+      ldmatrix_x4(b, xs + swz16<PG_BK>(64 * wc + 16 * p + ((lane >> 4) << 3) + (lane & 7), 2 * ks + ((lane >> 3) & 1)));
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         mma_16816(c[i][2 * p], a[i][0], a[i][1], a[i][2], a[i][3], b[0], b[1]);

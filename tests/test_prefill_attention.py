@@ -28,21 +28,15 @@ import pytest
 
 from atomflow_bench.errors import AtomflowError
 from atomflow_bench.gpu.device import SMEM_H100, SMEM_SM89, blocks_fit
-from atomflow_bench.gpu.ops.attention_prefill import (ATP_KV, ATP_ROWS, ATP_THREADS, GROUPS, HEAD_DIMS, KERNELS,
+from atomflow_bench.gpu.ops.attention_prefill import (ATP_KV, ATP_ROWS, ATP_THREADS, HEAD_DIMS, KERNELS,
                                                       SMEM_HEADROOM, attention_prefill_launch, check_prefill,
                                                       prefill_bytes, prefill_grid, prefill_kernel, prefill_smem)
+from test_kernels_gpu import rng_for
 
 # conftest.compiled_kernels compiles these before the first GPU test
 KERNEL_BUILDS = [(None, (), ("attention_prefill.cu",))]
 ERR_BOUND = 2e-3  # x max|V|, per element (the derivation above)
 REL_TOL = 2e-3    # relative L2 error (tests/test_kernels_gpu.py FP16_TOL)
-
-
-def rng_for(*key) -> np.random.Generator:
-    """Fresh random inputs every run; the seed is printed so a failure can be replayed."""
-    seed = np.random.SeedSequence().entropy
-    print(f"rng seed for {key}: {seed}")
-    return np.random.default_rng(seed)
 
 
 def prefill_reference(q, kc, vc, start: int, m: int, n_kv: int, group: int, hd: int, scale: float) -> np.ndarray:

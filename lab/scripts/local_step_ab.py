@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -45,6 +44,7 @@ def main(argv=None) -> int:
     from lab.local import lab_engine
     from atomflow_bench.measure.decode import by_bucket, time_decode
     from atomflow_bench.measure.timing import copy_bandwidth
+    from atomflow_bench.store.store import write_text_atomic
 
     configs = [(f, Forms.parse(f)) for f in a.forms]
     try:
@@ -74,10 +74,7 @@ def main(argv=None) -> int:
            "tokens": a.tokens, "copy_bandwidth_gbs": copy, "floor_ms": floor_ms, "runs": runs,
            "gpu": eng.gpu}
     if a.json:
-        tmp = a.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(out, f, indent=1, default=str)
-        os.replace(tmp, a.json)
+        write_text_atomic(Path(a.json), json.dumps(out, indent=1, default=str))
     return 0
 
 

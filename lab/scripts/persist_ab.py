@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -38,6 +37,7 @@ def main(argv=None) -> int:
     from atomflow_bench.gpu.forms import Forms
     from atomflow_bench.measure.decode import time_decode
     from atomflow_bench.measure.timing import copy_bandwidth
+    from atomflow_bench.store.store import write_text_atomic
     from lab.local import lab_engine
     from lab.persist import PersistStep
 
@@ -66,10 +66,7 @@ def main(argv=None) -> int:
     out = {"model": a.model, "fmt": a.fmt, "ctx": a.ctx, "tokens": a.tokens, "copy_bandwidth_gbs": copy,
            "floor_ms": floor_ms, "runs": runs, "gpu": eng.gpu}
     if a.json:
-        tmp = a.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(out, f, indent=1, default=str)
-        os.replace(tmp, a.json)
+        write_text_atomic(Path(a.json), json.dumps(out, indent=1, default=str))
     return 0
 
 
