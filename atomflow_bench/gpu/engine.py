@@ -82,6 +82,7 @@ class Engine:
         self.pdl = bool(pdl_default(self.cc) if pdl is None else pdl)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._prompt_len = 0
+        self._prompt_ids = np.zeros(0, np.int32)
         self.position = 0  # host copy of the device's pos (the next step attends over position + 1 rows)
         self._prefill = None  # gpu/prefill.py Prefill, made on first use
         # build
@@ -130,6 +131,7 @@ class Engine:
         a["pos"].set(np.zeros(1, np.int32))
         a["cur_token"].set(ids[:1])
         self._prompt_len = int(ids.size)
+        self._prompt_ids = ids
         self.position = 0
 
     def bucket(self, length: int):
@@ -177,14 +179,37 @@ class Engine:
         self.stream.synchronize()
         return [int(t) for t in self.arena["out_tokens"][start:start + n].get()]
 
+    @property
+    def prefills(self) -> bool:
+        """Whether the batched prefill is built for this engine (one GPU; not yet under tensor parallel)."""
+        return self.group is None
+
     def prefill(self, prompt_ids, graph: bool = True) -> None:
         """The prompt's K/V by the batched prefill (gpu/prefill.py; each chunk a graph replay, or launch by launch);
         the next step reads its last token."""
-        from .prefill import Prefill  # its weights' copies and buffers only when a prefill is asked for
+        self.prefiller().run(prompt_ids, graph)
+
+    def prefiller(self):
+        """The engine's gpu/prefill.py Prefill, made on first use (its weight copies and buffers only then)."""
+        from .prefill import Prefill
 
         if self._prefill is None:
             self._prefill = Prefill(self)
-        self._prefill.run(prompt_ids, graph)
+        return self._prefill
+
+    def start(self, prompt_ids, graph: bool = True) -> None:
+        """Reset to the prompt and put its first n-1 tokens' K/V in the cache (`fill`)."""
+        self.reset(prompt_ids)
+        self.fill(graph)
+
+    def fill(self, graph: bool = True) -> None:
+        """After `reset`: the K/V of the prompt's first n-1 tokens into the cache, by the batched prefill where it is
+        built (`prefills`), else walked through the decode step; the next step reads the last prompt token. Queued on
+        the engine's stream (no host synchronisation), so CUDA events around it time it."""
+        if self.prefills:
+            self.prefiller().fill(self._prompt_ids, graph)
+        else:
+            self.run(self._prompt_len - 1, graph)
 
     def generate(self, prompt_ids, n_new: int, graph: bool = True, prefill: bool = False) -> list[int]:
         """Greedy: the prompt is fed token by token through the same step (or, `prefill`, batched: gpu/prefill.py);

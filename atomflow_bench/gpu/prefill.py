@@ -25,6 +25,8 @@ from .ops.gemv import ROLE_PAIRING, linear_regions, tile_scale_view, tile_view
 from .ops.prefill_rows import (Gemm, embed_rows_launch, rmsnorm_rows_launch, rope_kv_rows_launch,
                                swiglu_rows_launch)
 
+# What each layer runs, in order (chunk_ops' names).
+ROLES = ("attn_norm", "qkv", "rope_kv", "attention", "o_proj", "mlp_norm", "gate_up", "swiglu", "down")
 PREFILL_CHUNK = 512  # tokens per chunk: the buffers' rows (3B: ~45 MB), and where cuBLAS is near its peak
 
 
@@ -93,16 +95,19 @@ class Prefill:
         self.gemm = Gemm()
         self.graphs: dict = {}  # (start, m): the chunk's work captured once (its ~9 calls per layer replay at once)
 
-    def chunk_launches(self, start: int, m: int) -> list:
-        """Chunk [start, start + m)'s work in order: launches and cuBLAS calls (callables), tokens already in place."""
+    def chunk_ops(self, start: int, m: int) -> list[tuple[str, object]]:
+        """Chunk [start, start + m)'s work in order, tokens already in place: (name, op) pairs, each op a launch or a
+        cuBLAS call (callable). Names are "embed" and "layers.{i}.{role}" with role one of ROLES; after
+        "layers.{i}.o_proj" h[:m] holds the decode step's probe "layers.{i}.attn", after "layers.{i}.down" its
+        "layers.{i}.mlp"."""
         cfg, a, lib = self.cfg, self.eng.arena, self.eng.lib
         eps, hd = cfg.rms_norm_eps, cfg.head_dim
         n_q, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         h, x, qkv, att, gu, act = self.h, self.x, self.qkv, self.att, self.gu, self.act
-        out = [embed_rows_launch(lib, self.tokens, a["embed"], h, m)]
+        out = [("embed", embed_rows_launch(lib, self.tokens, a["embed"], h, m))]
         for i in range(cfg.num_hidden_layers):
             w = {r: self.w[f"L{i}.{r}"] for r in ("wqkv", "wo", "wgu", "wd")}
-            out += [
+            ops = [
                 rmsnorm_rows_launch(lib, h, a[f"L{i}.attn_norm"], x, m, eps),
                 lambda w=w: self.gemm(x, w["wqkv"], qkv, m),
                 rope_kv_rows_launch(lib, qkv, a["rope_cs"], a["k_cache"][i], a["v_cache"][i], n_q, n_kv, hd, start, m),
@@ -114,7 +119,12 @@ class Prefill:
                 swiglu_rows_launch(lib, gu, act, m),
                 lambda w=w: self.gemm(act, w["wd"], h, m, accumulate=True),
             ]
+            out += [(f"layers.{i}.{r}", op) for r, op in zip(ROLES, ops)]
         return out
+
+    def chunk_launches(self, start: int, m: int) -> list:
+        """chunk_ops without the names."""
+        return [op for _, op in self.chunk_ops(start, m)]
 
     def chunk_graph(self, start: int, m: int) -> StepGraph:
         """The chunk's work as a CUDA graph, captured on first use after one eager run (which loads the kernels and
@@ -130,18 +140,31 @@ class Prefill:
         return self.graphs[key]
 
     def run(self, prompt_ids, graph: bool = True) -> None:
-        """Reset the engine to `prompt_ids` and fill the cache for positions 0 .. n-2 by chunks (each a graph replay,
-        or `graph` False: launch by launch); the engine's next decode step is the one at position n-1 (it reads the
-        last prompt token)."""
+        """Reset the engine to `prompt_ids` and fill the cache (`fill`)."""
+        self.eng.reset(prompt_ids)
+        self.fill(prompt_ids, graph)
+
+    def fill(self, prompt_ids, graph: bool = True, upto: int | None = None, taps=None) -> None:
+        """Fill the cache for positions 0 .. upto-1 (default n-1) of an engine reset to `prompt_ids` (or to a longer
+        sequence that starts with them) by chunks, each a graph replay (or, `graph` False or `taps` given, launch by
+        launch); the engine's next decode step is the one at position `upto`. Queued on the engine's stream, no host
+        synchronisation. `taps(name, rows)`: called after each op with its name and h[:m] (the fp32 residual rows of
+        the chunk's positions), in order; the stream is synchronised before each call."""
         e = self.eng
         ids = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)
-        e.reset(ids)
-        n = ids.size - 1
+        n = ids.size - 1 if upto is None else upto
+        if not 0 <= n < ids.size:
+            raise AtomflowError(f"prefill of {n} positions from a prompt of {ids.size} tokens")
         with e.stream:
             for start in range(0, n, self.chunk):
                 m = min(self.chunk, n - start)
                 self.tokens[:m].set(ids[start:start + m], stream=e.stream)
-                if graph:
+                if taps is not None:
+                    for name, op in self.chunk_ops(start, m):
+                        op()
+                        e.stream.synchronize()
+                        taps(name, self.h[:m])
+                elif graph:
                     self.chunk_graph(start, m).replay()
                 else:
                     for op in self.chunk_launches(start, m):
