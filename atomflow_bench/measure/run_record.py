@@ -155,6 +155,19 @@ def run_table(rec: dict):
     t.add("TPOT (graph)", Num(tp["median"], f"median {tp['median']:.4f} ms  (p10 {tp['p10']:.4f}, p90 "
                                              f"{tp['p90']:.4f}, n={tp['n']})"))
     t.add("tok/s", Num(rec["tok_per_s"], f"{rec['tok_per_s']:.1f}"))
+    ft, pf, tc = rec.get("ttft_ms"), rec.get("prefill"), rec.get("tensor_core_tflops")
+    if ft and pf:
+        how = (f"batched prefill, chunks of {pf['chunk']}" if pf["path"] == "batched"
+               else "prompt walked through the decode step")
+        t.add("TTFT", Num(ft["median"], f"median {ft['median']:.3f} ms  (p10 {ft['p10']:.3f}, p90 {ft['p90']:.3f}, "
+                                        f"n={ft['n']}; {pf['prompt_tokens']} prompt tokens, {how}, + the first step)"))
+        t.add("prompt tok/s", Num(pf["tok_per_s"], f"{pf['tok_per_s']:.0f}"))
+        if tc:
+            t.add("% of tensor-core peak", Num(pf["pct_of_peak"], f"{pf['pct_of_peak']:.1f}%  ({pf['tflops']:.0f} "
+                                                                  f"TFLOPS of the prompt's {pf['flops'] / 1e12:.2f} "
+                                                                  f"TFLOP in the TTFT; peak {tc['median']:.0f} TFLOPS "
+                                                                  f"= cuBLAS fp16 GEMM {'x'.join(map(str, tc['shape']))}"
+                                                                  ", same run)"))
     b = rec["bytes_per_token"]
     t.add("bytes read / token", Num(b["total"] / 1e9, f"{b['total'] / 1e9:.4f} GB (weights {b['weights'] / 1e9:.4f} "
                                                       f"+ KV {b['kv'] / 1e6:.2f} MB)"))

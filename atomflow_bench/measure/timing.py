@@ -91,6 +91,39 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 30, warmup: int = 5) -> di
     return {"median": gbs["median"], "p10": gbs["p90"], "p90": gbs["p10"], "bytes": nbytes, "reps": reps}
 
 
+PEAK_GEMM = 8192  # M = N = K of the tensor-core roofline's GEMM: 1.1 TFLOP a call, large enough that cuBLAS runs
+# its best tile at full occupancy on every GPU we target (a 4096-cube reaches ~10% less on an H100)
+
+
+def tensor_core_tflops(size: int = PEAK_GEMM, reps: int = 20, warmup: int = 5) -> dict:
+    """TFLOPS of a cuBLAS fp16 GEMM (fp32 accumulation, fp16 output) of size^3 on random inputs, events around each
+    call: the compute roofline a prefill is divided by, as copy_bandwidth is the memory one."""
+    import cupy as cp  # optional extra: imported where it is used
+
+    from ..gpu.ops.prefill_rows import Gemm
+
+    rng = cp.random.default_rng(0)
+    x = rng.standard_normal((size, size), dtype=cp.float32).astype(cp.float16)
+    w = rng.standard_normal((size, size), dtype=cp.float32).astype(cp.float16)
+    y = cp.empty((size, size), dtype=cp.float16)
+    gemm, stream = Gemm(), cp.cuda.Stream(non_blocking=True)
+    ms = []
+    with stream:
+        for i in range(warmup + reps):
+            m = Marks(1, stream)
+            m.mark()
+            gemm(x, w, y, size)
+            m.mark()
+            if i >= warmup:
+                ms += m.intervals_ms()
+    del x, w, y
+    s = summarize(ms)
+    tf = {k: 2.0 * size ** 3 / (s[k] * 1e-3) / 1e12 for k in ("median", "p10", "p90", "mean", "min", "max")}
+    # as in copy_bandwidth: p10 / p90 name the throughput's percentiles (the time's p90 / p10)
+    return {"median": tf["median"], "p10": tf["p90"], "p90": tf["p10"], "mean": 2.0 * size ** 3 / (s["mean"] * 1e-3)
+            / 1e12, "min": tf["max"], "max": tf["min"], "n": s["n"], "shape": [size, size, size], "dtype": "fp16"}
+
+
 QUEUE_BATCH = 64  # calls queued behind one spin: (event, launch, event) x 64 stays well inside a stream's queue
 
 
