@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# v50 (issue 48, prefill in run): GPU tests of the prefill and the run record, the chunk-length A/B, run's TTFT.
+# `bash lab/records/v50/b50.sh PHASE`; each phase one device call; logs and records under $OUT.
+export ATOMFLOW_HOME=/tmp/atomflow-home PYTHONUNBUFFERED=1
+PH=$1; W=$OUT/v50$PH; mkdir -p $W; S=$W/summary.txt
+note() { echo "$(date +%T) $*" | tee -a $S; }
+nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm --format=csv,noheader | tee -a $S
+python3 -m pip install -q --no-deps --no-build-isolation -e . >$W/install.log 2>&1 || { note "install failed"; cat $W/install.log; exit 1; }
+pt() {  # pt NAME TIMEOUT pytest-args
+  local name=$1 t=$2; shift 2
+  timeout $t python3 -m pytest -q -p no:cacheprovider --durations=10 "$@" >$W/$name.log 2>&1
+  note "$name: rc=$? $(tail -1 $W/$name.log)"
+}
+runr() {  # runr TAG TIMEOUT MODEL FMT [args]: one `run`, its wall time and its TTFT/TPOT line
+  local tag=$1 t=$2 m=$3 w=$4; shift 4; local t0=$(date +%s.%N)
+  timeout $t atomflow-bench run $m --weights $w --json $W/$tag.json "$@" >$W/$tag.log 2>&1; local rc=$?
+  note "run $tag: rc=$rc wall $(echo "$(date +%s.%N) - $t0" | bc) s | $(grep -E 'TTFT|TPOT \(graph\)|prompt tok/s|tensor-core' $W/$tag.log | tr -s ' ' | tr '\n' ' ')"
+  [ $rc -ne 0 ] && tail -5 $W/$tag.log | tee -a $S
+}
+if [ "$PH" = A ]; then
+  pt prefill 300 tests/test_prefill_gpu.py
+  pt run-record 300 tests/test_engine_gpu.py -k "run_record_forms or run_record_energy"
+  for m in llama-3.2-3b llama-3.1-8b; do timeout 200 atomflow-bench fetch $m >$W/fetch-$m.log 2>&1; note "fetch $m rc=$?"; done
+  timeout 240 python3 lab/scripts/prefill_chunk_ab.py llama-3.2-3b fp16 --prompts 512,2048,8192 --chunks 512,1024,2048,4096 \
+    --rounds 2 --json $W/chunk-3b-fp16.json >$W/chunk-3b-fp16.log 2>&1; note "chunk 3b fp16 rc=$?"; tail -4 $W/chunk-3b-fp16.log | tee -a $S
+  timeout 120 python3 lab/scripts/prefill_chunk_ab.py llama-3.2-3b fp8 --prompts 512,2048 --chunks 512,2048 \
+    --rounds 2 --json $W/chunk-3b-fp8.json >$W/chunk-3b-fp8.log 2>&1; note "chunk 3b fp8 rc=$?"; tail -2 $W/chunk-3b-fp8.log | tee -a $S
+  timeout 150 python3 lab/scripts/prefill_chunk_ab.py llama-3.1-8b fp16 --prompts 2048 --chunks 512,2048 \
+    --rounds 2 --json $W/chunk-8b-fp16.json >$W/chunk-8b-fp16.log 2>&1; note "chunk 8b fp16 rc=$?"; tail -1 $W/chunk-8b-fp16.log | tee -a $S
+  runr 3b-fp16-ctx512 200 llama-3.2-3b fp16 --ctx 512 --tokens 256 --repeats 5
+  runr 3b-fp8-ctx8192-tune 300 llama-3.2-3b fp8 --ctx 8192 --tokens 64 --repeats 3
+  runr 3b-fp8-ctx8192 120 llama-3.2-3b fp8 --ctx 8192 --tokens 64 --repeats 3
+fi
