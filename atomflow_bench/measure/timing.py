@@ -100,7 +100,7 @@ def tensor_core_tflops(size: int = PEAK_GEMM, reps: int = 20, warmup: int = 5) -
     call: the compute roofline a prefill is divided by, as copy_bandwidth is the memory one."""
     import cupy as cp  # optional extra: imported where it is used
 
-    from ..gpu.ops.prefill_rows import Gemm
+    from ..gpu.ops.prefill_rows import Gemm  # imports CuPy: where it is used
 
     rng = cp.random.default_rng(0)
     x = rng.standard_normal((size, size), dtype=cp.float32).astype(cp.float16)
