@@ -161,7 +161,7 @@ def test_prefill_then_decode_as_the_walked_prompt(tiny_model, fmt):
     walked.reset(prompt)
     walked.run(n - 1)
     walked.stream.synchronize()
-    pre.prefill(prompt)
+    pre.start(prompt, upto=n - 1)
     pre.stream.synchronize()
     assert pre.position == walked.position == n - 1
     for name in ("k_cache", "v_cache"):
@@ -175,6 +175,14 @@ def test_prefill_then_decode_as_the_walked_prompt(tiny_model, fmt):
     cos = la @ lb / (np.linalg.norm(la) * np.linalg.norm(lb))
     assert cos >= COS_MIN[fmt], f"first step's logits: cosine {cos:.6f}"
     err = np.abs(la - lb).max()
+    # the whole prompt through the prefill, its last row through the lm_head alone: the same first token's logits
+    pre.arena["logits"].fill(np.nan)
+    pre.prefill(prompt)
+    lc = pre.arena["logits"].get().astype(np.float64)
+    assert pre.position == n and int(pre.arena["pos"].get()[0]) == n
+    cos = la @ lc / (np.linalg.norm(la) * np.linalg.norm(lc))
+    assert cos >= COS_MIN[fmt], f"the prefill's lm_head logits: cosine {cos:.6f}"
+    assert int(pre.arena["cur_token"].get()[0]) == int(pre.arena["out_tokens"].get()[n - 1]) == int(np.argmax(lc))
     want = walked.generate(prompt, n_new)
     got = pre.generate(prompt, n_new, prefill=True)
     top = np.sort(la)[-2:]
@@ -192,15 +200,18 @@ def test_graph_replay_as_the_launches(tiny_model):
     prompt = [int(t) for t in rng().integers(0, eng.cfg.vocab_size, 40)]
     eng.prefill(prompt, graph=False)
     eng.stream.synchronize()
-    k0, v0 = eng.arena["k_cache"].get()[:, :39], eng.arena["v_cache"].get()[:, :39]
+    k0, v0 = eng.arena["k_cache"].get()[:, :40], eng.arena["v_cache"].get()[:, :40]
+    first = eng.tokens(39, 1)
     eng.arena["k_cache"].fill(np.nan)
+    eng.arena["out_tokens"].fill(-1)
     eng.prefill(prompt)
     eng.stream.synchronize()
-    assert sorted(eng._prefill.graphs) == [(0, 16), (16, 16), (32, 7)]
-    np.testing.assert_allclose(eng.arena["k_cache"].get()[:, :39].astype(np.float32), k0.astype(np.float32),
+    assert sorted(eng._prefill.graphs) == [(0, 16, False), (16, 16, False), (32, 8, True)]
+    np.testing.assert_allclose(eng.arena["k_cache"].get()[:, :40].astype(np.float32), k0.astype(np.float32),
                                rtol=2e-3, atol=1e-3)
-    np.testing.assert_allclose(eng.arena["v_cache"].get()[:, :39].astype(np.float32), v0.astype(np.float32),
+    np.testing.assert_allclose(eng.arena["v_cache"].get()[:, :40].astype(np.float32), v0.astype(np.float32),
                                rtol=2e-3, atol=1e-3)
+    assert eng.tokens(39, 1) == first and eng.position == 40
     other = [int(t) for t in rng().integers(0, eng.cfg.vocab_size, 40)]
     eng.prefill(other)
     assert len(eng._prefill.graphs) == 3

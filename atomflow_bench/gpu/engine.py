@@ -185,9 +185,10 @@ class Engine:
         return self.group is None
 
     def prefill(self, prompt_ids, graph: bool = True) -> None:
-        """The prompt's K/V by the batched prefill (gpu/prefill.py; each chunk a graph replay, or launch by launch);
-        the next step reads its last token."""
-        self.prefiller().run(prompt_ids, graph)
+        """Reset to the prompt and run it through the batched prefill (gpu/prefill.py; each chunk a graph replay, or
+        launch by launch), which makes the first new token; the next step reads it."""
+        self.reset(prompt_ids)
+        self.prefiller().fill(prompt_ids, graph)
 
     def prefiller(self):
         """The engine's gpu/prefill.py Prefill, made on first use (its weight copies and buffers only then)."""
@@ -197,19 +198,22 @@ class Engine:
             self._prefill = Prefill(self)
         return self._prefill
 
-    def start(self, prompt_ids, graph: bool = True) -> None:
-        """Reset to the prompt and put its first n-1 tokens' K/V in the cache (`fill`)."""
+    def start(self, prompt_ids, graph: bool = True, upto: int | None = None) -> None:
+        """Reset to the prompt and process it (`fill`)."""
         self.reset(prompt_ids)
-        self.fill(graph)
+        self.fill(graph, upto)
 
-    def fill(self, graph: bool = True) -> None:
-        """After `reset`: the K/V of the prompt's first n-1 tokens into the cache, by the batched prefill where it is
-        built (`prefills`), else walked through the decode step; the next step reads the last prompt token. Queued on
-        the engine's stream (no host synchronisation), so CUDA events around it time it."""
+    def fill(self, graph: bool = True, upto: int | None = None) -> None:
+        """After `reset`: the prompt's n tokens through the model and the first new token made, the next step at
+        position n; by the batched prefill where it is built (`prefills`), else walked through the decode step.
+        `upto`: only positions 0 .. upto-1 into the cache; the next step is the one at `upto` (it reads prompt token
+        `upto`). Queued on the engine's stream (no host synchronisation), so CUDA events around it time it: with
+        `upto` None, the time to first token."""
+        n = self._prompt_len if upto is None else upto
         if self.prefills:
-            self.prefiller().fill(self._prompt_ids, graph)
+            self.prefiller().fill(self._prompt_ids, graph, upto)
         else:
-            self.run(self._prompt_len - 1, graph)
+            self.run(n, graph)
 
     def generate(self, prompt_ids, n_new: int, graph: bool = True, prefill: bool = False) -> list[int]:
         """Greedy: the prompt is fed token by token through the same step (or, `prefill`, batched: gpu/prefill.py);
@@ -219,7 +223,7 @@ class Engine:
             raise AtomflowError(f"prompt + {n_new} tokens exceed max_seq {self.max_seq}")
         if prefill:
             self.prefill(prompt_ids)
-            self.run(n_new, graph)
+            self.run(n_new - 1, graph)
         else:
             self.reset(prompt_ids)
             self.run(self._prompt_len - 1 + n_new, graph)

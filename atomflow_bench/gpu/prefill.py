@@ -1,17 +1,18 @@
 """Prefill: the prompt's K/V rows computed as batched work (M tokens a chunk) instead of one decode step per token.
 
     pf = Prefill(engine)              # row-major fp16 copies of the layer weights, chunk buffers: made once
-    pf.run(prompt_ids)                # K/V of positions 0 .. n-2 in the cache; the decode step continues at n-1
-    engine.run(n_new)                 # the first decode step reads the last prompt token and yields the first token
+    pf.run(prompt_ids)                # K/V of positions 0 .. n-1 in the cache, the first new token made
+    engine.run(n_new - 1)             # the decode step continues at position n, reading that token
 
 Per chunk of up to `chunk` tokens (positions start .. start+m-1), per layer, as the decode step does for one token:
 RMSNorm rows -> QKV GEMM -> RoPE + K/V into the cache -> causal attention over the cache before the chunk and the
 chunk (ops/attention_prefill.py) -> o_proj GEMM added into the fp32 residual -> RMSNorm rows -> gate/up GEMM ->
 SwiGLU rows -> down GEMM added into the residual. The GEMMs run on cuBLAS (ops/prefill_rows.py Gemm) over row-major
 fp16 copies of the layer weights made once from the arena's tiled ones (fp8: dequantised, each weight times its
-group's scale, rounded to fp16); those copies cost the fp16 model's layer bytes of device memory. The last prompt
-token goes through the decode step, whose lm_head gives the first new token: that step is part of the time to first
-token. One GPU only (the tensor-parallel prefill is not built).
+group's scale, rounded to fp16); those copies cost the fp16 model's layer bytes of device memory. After the last
+chunk its last row goes through the decode step's lm_head kernel alone (final norm, logits, argmax, position + 1),
+which makes the first new token without a decode step's weight reads. One GPU only (the tensor-parallel prefill is not
+built).
 """
 from __future__ import annotations
 
@@ -22,12 +23,16 @@ from ..errors import AtomflowError
 from .graph import StepGraph
 from .ops.attention_prefill import attention_prefill_launch
 from .ops.gemv import ROLE_PAIRING, linear_regions, tile_scale_view, tile_view
+from .ops.lm_head import lm_head_launch
 from .ops.prefill_rows import (Gemm, embed_rows_launch, rmsnorm_rows_launch, rope_kv_rows_launch,
                                swiglu_rows_launch)
 
 # What each layer runs, in order (chunk_ops' names).
 ROLES = ("attn_norm", "qkv", "rope_kv", "attention", "o_proj", "mlp_norm", "gate_up", "swiglu", "down")
-PREFILL_CHUNK = 512  # tokens per chunk: the buffers' rows (3B: ~45 MB), and where cuBLAS is near its peak
+D2D = 3  # cudaMemcpyDeviceToDevice
+PREFILL_CHUNK = 4096  # tokens per chunk: cuBLAS runs the layer GEMMs at M = 4096 near its 8192-cube rate (M = 512:
+# 0.4-0.75x of it); an 8192-token 3B prompt takes 143 ms in chunks of 4096, 147 in 2048, 166 in 512 (one H200). The
+# buffers' rows cost ~85 KB a token for 3B, ~130 KB for 8B.
 
 
 def prefill_flops(cfg, n: int) -> float:
@@ -102,13 +107,19 @@ class Prefill:
         self.gu = cp.zeros((c, 2 * inter), dtype=cp.float16)
         self.act = cp.zeros((c, inter), dtype=cp.float16)
         self.gemm = Gemm()
+        # the first new token: the decode step's lm_head (final norm, logits, argmax, position + 1) on the last row;
+        # tensor parallel runs its vocabulary shards and their combine in the decode step instead
+        self.lm_head = lm_head_launch(engine.lib, a, cfg, engine.gpu["sms"]) if engine.group is None else None
         self.graphs: dict = {}  # (start, m): the chunk's work captured once (its ~9 calls per layer replay at once)
 
-    def chunk_ops(self, start: int, m: int) -> list[tuple[str, object]]:
+    def chunk_ops(self, start: int, m: int, last: bool = False) -> list[tuple[str, object]]:
         """Chunk [start, start + m)'s work in order, tokens already in place: (name, op) pairs, each op a launch or a
         cuBLAS call (callable). Names are "embed" and "layers.{i}.{role}" with role one of ROLES; after
         "layers.{i}.o_proj" h[:m] holds the decode step's probe "layers.{i}.attn", after "layers.{i}.down" its
-        "layers.{i}.mlp"."""
+        "layers.{i}.mlp". `last`: the prompt's last chunk, followed by "last_row" (its last row into the step's
+        residual) and "lm_head" (the first new token; the device's position must be the last row's)."""
+        import cupy as cp
+
         cfg, a, lib = self.cfg, self.eng.arena, self.eng.lib
         eps, hd = cfg.rms_norm_eps, cfg.head_dim
         n_q, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -129,19 +140,24 @@ class Prefill:
                 lambda w=w: self.gemm(act, w["wd"], h, m, accumulate=True),
             ]
             out += [(f"layers.{i}.{r}", op) for r, op in zip(ROLES, ops)]
+        if last:
+            src, dst, nbytes = h[m - 1].data.ptr, a["h"].data.ptr, a["h"].nbytes
+            out += [("last_row", lambda: cp.cuda.runtime.memcpyAsync(dst, src, nbytes, D2D,
+                                                                     cp.cuda.get_current_stream().ptr)),
+                    ("lm_head", self.lm_head)]
         return out
 
-    def chunk_launches(self, start: int, m: int) -> list:
+    def chunk_launches(self, start: int, m: int, last: bool = False) -> list:
         """chunk_ops without the names."""
-        return [op for _, op in self.chunk_ops(start, m)]
+        return [op for _, op in self.chunk_ops(start, m, last)]
 
-    def chunk_graph(self, start: int, m: int) -> StepGraph:
+    def chunk_graph(self, start: int, m: int, last: bool = False) -> StepGraph:
         """The chunk's work as a CUDA graph, captured on first use after one eager run (which loads the kernels and
         cuBLAS's workspace; running a chunk again writes the same values). Replaying it costs one launch where the
         eager chunk costs a Python call per op: 3B's 28 layers x 9 take ~6 ms of host time per chunk."""
-        key = (start, m)
+        key = (start, m, last)
         if key not in self.graphs:
-            ops = self.chunk_launches(start, m)
+            ops = self.chunk_launches(start, m, last)
             with self.eng.stream:
                 for op in ops:
                     op()
@@ -149,36 +165,46 @@ class Prefill:
         return self.graphs[key]
 
     def run(self, prompt_ids, graph: bool = True) -> None:
-        """Reset the engine to `prompt_ids` and fill the cache (`fill`)."""
+        """Reset the engine to `prompt_ids`, fill the cache and make the first new token (`fill`)."""
         self.eng.reset(prompt_ids)
         self.fill(prompt_ids, graph)
 
     def fill(self, prompt_ids, graph: bool = True, upto: int | None = None, taps=None) -> None:
-        """Fill the cache for positions 0 .. upto-1 (default n-1) of an engine reset to `prompt_ids` (or to a longer
-        sequence that starts with them) by chunks, each a graph replay (or, `graph` False or `taps` given, launch by
-        launch); the engine's next decode step is the one at position `upto`. Queued on the engine's stream, no host
-        synchronisation. `taps(name, rows)`: called after each op with its name and h[:m] (the fp32 residual rows of
-        the chunk's positions), in order; the stream is synchronised before each call."""
+        """After the engine's reset to `prompt_ids` (or to a longer sequence that starts with them): every prompt
+        position through the layers by chunks, each a graph replay (or, `graph` False or `taps` given, launch by
+        launch), then the lm_head on the last one: the first new token is made and the engine's next decode step is
+        the one at position n. `upto`: positions 0 .. upto-1 only, no lm_head; the next step is the one at `upto`
+        (it reads token `upto`). Queued on the engine's stream, no host synchronisation. `taps(name, rows)`: called
+        after each op with its name and h[:m] (the fp32 residual rows of the chunk's positions), in order; the stream
+        is synchronised before each call."""
         e = self.eng
         ids = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)
-        n = ids.size - 1 if upto is None else upto
-        if not 0 <= n < ids.size:
+        if upto is None and self.lm_head is None:  # tensor parallel: the last position is the decode step's
+            self.fill(ids, graph, ids.size - 1, taps)
+            e.run(1, graph)
+            return
+        n = ids.size if upto is None else upto
+        if not 0 <= n <= ids.size:
             raise AtomflowError(f"prefill of {n} positions from a prompt of {ids.size} tokens")
+        a = e.arena
         with e.stream:
             for start in range(0, n, self.chunk):
                 m = min(self.chunk, n - start)
+                last = upto is None and start + m == n
                 self.tokens[:m].set(ids[start:start + m], stream=e.stream)
+                if last:
+                    a["pos"].set(np.array([n - 1], np.int32), stream=e.stream)
                 if taps is not None:
-                    for name, op in self.chunk_ops(start, m):
+                    for name, op in self.chunk_ops(start, m, last):
                         op()
                         e.stream.synchronize()
                         taps(name, self.h[:m])
                 elif graph:
-                    self.chunk_graph(start, m).replay()
+                    self.chunk_graph(start, m, last).replay()
                 else:
-                    for op in self.chunk_launches(start, m):
+                    for op in self.chunk_launches(start, m, last):
                         op()
-            a = e.arena
-            a["pos"].set(np.array([n], np.int32), stream=e.stream)
-            a["cur_token"].set(ids[n:n + 1], stream=e.stream)
+            if upto is not None:
+                a["pos"].set(np.array([n], np.int32), stream=e.stream)
+                a["cur_token"].set(ids[n:n + 1], stream=e.stream)
         e.position = n

@@ -28,10 +28,10 @@ def synthetic_prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
 
 
 def time_decode(engine, context: int, tokens: int, repeats: int, graph: bool = True, prompt=None) -> dict:
-    """Per-token decode times (ms) after a `context`-token prompt, and each repeat's time to first token: events from
-    the start of the prompt's processing (`Engine.fill`: the batched prefill, or the prompt walked through the step) to
-    the end of the first decode step, whose lm_head yields the first new token; the `tokens` - 1 decode steps after it
-    are the TPOT samples. Also returns the last repeat's tokens."""
+    """Per-token decode times (ms) after a `context`-token prompt, and each repeat's time to first token: events around
+    `Engine.fill` (the batched prefill and its lm_head, or the prompt walked through the decode step), which ends with
+    the first new token made; the `tokens` - 1 decode steps after it are the TPOT samples. Also returns the last
+    repeat's tokens."""
     prompt = prompt if prompt is not None else synthetic_prompt(engine.cfg.vocab_size, context)
     if len(prompt) + tokens > engine.max_seq:
         raise ValueError(f"context {len(prompt)} + tokens {tokens} exceed max_seq {engine.max_seq}")
@@ -45,8 +45,7 @@ def time_decode(engine, context: int, tokens: int, repeats: int, graph: bool = T
         marks = Marks(tokens - 1, stream)
         with stream:
             first.mark()
-            engine.fill(graph=graph)
-            engine.run(1, graph=graph)
+            engine.fill(graph=graph)  # the prompt and the first new token
             first.mark()
             marks.mark()
             for _ in range(tokens - 1):

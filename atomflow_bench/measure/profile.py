@@ -52,7 +52,7 @@ def profile_step(engine, context: int = 128, steps: int = 20, copy: dict | None 
     copy = copy or copy_bandwidth()
     prompt = synthetic_prompt(cfg.vocab_size, context)
     graph = time_decode(engine, context, steps, repeats=1, graph=True, prompt=prompt)["tpot_ms"]
-    engine.start(prompt)
+    engine.start(prompt, upto=len(prompt) - 1)
     launches = engine.launches
     length = engine.position + 1  # the first profiled step's length: its bucket's forms
     forms = {"length": length, "attention": "short" if engine.bucket(length) else "split",

@@ -71,7 +71,7 @@ class TpContext(RunContext):
 
     def profile(self, eng, context: int, steps: int) -> tuple[dict, list]:
         """The step's graph time and its exchanges at `context` (figures.tp_profile), and what each role adds."""
-        eng.start(synthetic_prompt(eng.cfg.vocab_size, context))
+        eng.start(synthetic_prompt(eng.cfg.vocab_size, context), upto=context - 1)
         p = {"tp": self.group.size, "context": context, "forms": self.forms, "source": self.source,
              **tp_profile(eng)}
         return p, [tp_profile_table(p, eng), marginal_table(p)]
