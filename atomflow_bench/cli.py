@@ -110,14 +110,17 @@ def run(model, weights, context, tokens, repeats, json_path, no_json, source, ba
 @click.option("--weights", type=click.Choice(["fp8", "fp16"]), default="fp8", show_default=True)
 @click.option("--ctx", "context", default=128, show_default=True, type=click.IntRange(1, 32000))
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(2, 1000))
+@click.option("--prompt-tokens", type=click.IntRange(1, 32000), default=None,
+              help="The prompt whose last prefill chunk is taken apart. Default: --ctx.")
 @click.option("--forms", default=None, help=FORMS_HELP + " Default: a saved tune, else the defaults.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 @tp_options
 @format_option
-def profile(model, weights, context, steps, forms, json_path, tp, allreduce, tp_timeout, fmt):
-    """Per-kernel time breakdown of one decode step (events, eager) + graph step time and idle gap, and what
-    each role adds inside the graph (the step replayed without it). With --tp: the step's graph time and the time of
-    the sums across ranks (alone, per call and per token, for each path; and inside the step)."""
+def profile(model, weights, context, steps, prompt_tokens, forms, json_path, tp, allreduce, tp_timeout, fmt):
+    """Per-kernel time breakdown of one decode step (events, eager) + graph step time and idle gap, what each role
+    adds inside the graph (the step replayed without it), and the last prefill chunk of a prompt op by op. With --tp:
+    the step's graph time and the time of the sums across ranks (alone, per call and per token, for each path; and
+    inside the step)."""
     from pathlib import Path
 
     from .gpu.device import require_gpu
@@ -126,12 +129,14 @@ def profile(model, weights, context, steps, forms, json_path, tp, allreduce, tp_
 
     check_tp_options(tp, allreduce, tp_timeout=tp_timeout)
     forms = parse_forms(forms)
-    check_model_first(model, tp, (context + steps, f"--ctx {context} + --steps {steps}"))
+    prompt_tokens = prompt_tokens or context
+    check_model_first(model, tp, max((context + steps, f"--ctx {context} + --steps {steps}"),
+                                     (prompt_tokens, f"--prompt-tokens {prompt_tokens}")))
     require_gpu()
     with open_context(model, tp, allreduce, notes=notes_console(fmt, console), argv=_ARGV,
                       tp_timeout=tp_timeout) as ctx:
-        eng = ctx.engine(weights, context + steps + 64, given=forms, tune_missing=False)
-        p, tables = ctx.profile(eng, context, steps)
+        eng = ctx.engine(weights, max(context + steps, prompt_tokens) + 64, given=forms, tune_missing=False)
+        p, tables = ctx.profile(eng, context, steps, prompt_tokens)
     render(tables, fmt, console)
     if json_path and ctx.writes:
         rec = {**run_record.head("profile"), "gpu": eng.gpu, "model": model, "weights": weights, **p}

@@ -29,7 +29,9 @@ SCHEMAS: dict[str, dict[str, str]] = {
             "reader finds role_marginals missing from some records of this id.",
         "atomflow-bench/profile/2":
             "profile/1's fields, and role_marginals in every record (with --tp: of rank 0's step without its "
-            "exchanges).",
+            "exchanges); prefill (the last prefill chunk of a prompt, op by op: measure/prefill_profile.py; null "
+            "with prefill_note where the engine does not prefill) is optional to readers: the earlier records lack "
+            "it.",
     },
     "baseline": {
         "atomflow-bench/baseline/1":

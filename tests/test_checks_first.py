@@ -65,6 +65,7 @@ def test_model_errors_come_before_the_gpu_check(args, word, home, bad_dir, tmp_p
 @pytest.mark.parametrize("args, word", [
     (["run", "TINY", "--ctx", "200", "--tokens", "100"], "--ctx 200 + --tokens 100 = 300 positions"),
     (["profile", "TINY", "--ctx", "250", "--steps", "20"], "--ctx 250 + --steps 20 = 270 positions"),
+    (["profile", "TINY", "--ctx", "8", "--prompt-tokens", "300"], "--prompt-tokens 300 = 300 positions"),
     (["tune", "TINY", "--ctx", "250", "--tokens", "20"], "--ctx 250 + --tokens 20 = 270 positions"),
     (["sweep", "--models", "TINY", "--ctx", "8,250", "--tokens", "20", "--out", "OUT"], "--ctx 250 + --tokens 20"),
     (["validate", "TINY", "--steps", "300", "--backend", "numpy"], "--steps 300 + a prompt token = 301 positions"),
@@ -72,7 +73,7 @@ def test_model_errors_come_before_the_gpu_check(args, word, home, bad_dir, tmp_p
     (["generate", "TINY", "--tokens", "300", "--backend", "gpu"], "--tokens 300 + a prompt token = 301 positions"),
     (["generate", "TINY", "--tokens", "250", "--prompt", " ".join(f"w{i}" for i in range(2, 12))],
      "a prompt of 11 tokens + --tokens 250 = 261 positions"),
-], ids=["run", "profile", "tune", "sweep", "validate-steps-numpy", "validate-steps-gpu", "generate-gpu",
+], ids=["run", "profile", "profile-prompt", "tune", "sweep", "validate-steps-numpy", "validate-steps-gpu", "generate-gpu",
         "generate-prompt"])
 def test_positions_past_the_model_are_refused_up_front(args, word, tiny_llama_dir, home, tmp_path, capsys):
     args = [str(tiny_llama_dir) if a == "TINY" else str(tmp_path / "out") if a == "OUT" else a for a in args]

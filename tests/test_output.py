@@ -469,12 +469,20 @@ def profile_record() -> dict:
 def test_profile(no_gpu_needed, monkeypatch, capsys, fmt):
     import atomflow_bench.measure.context as context
 
+    asked = []
     monkeypatch.setattr(context, "profile_step", lambda *a, **k: profile_record())
-    code, out, err = invoke(capsys, "profile", *fmt_args(fmt))
+    monkeypatch.setattr(context, "prefill_fields", lambda eng, n, copy: asked.append((n, copy)) or
+                        {"prefill": prefill_breakdown_record()})
+    code, out, err = invoke(capsys, "profile", "--prompt-tokens", "613", *fmt_args(fmt))
     assert code == 0 and quiet(err, fmt)
+    assert asked == [(613, 2994.0)]  # the prompt asked for, the copy bandwidth of the decode profile
     parsed = parse(out, fmt)
     kernels = rows_of(parsed, fmt, "profile", "decode step profile")
     [att] = rows_of(parsed, fmt, "attention", "attention alone")
+    prefill = rows_of(parsed, fmt, "prefill", "prefill chunk profile")
+    assert [r["role"] for r in prefill] == ["embed", "attn_norm", "qkv", "rope_kv", "attention", "o_proj", "mlp_norm",
+                                            "gate_up", "swiglu", "down", "lm_head"]
+    assert prefill[2]["µs"] == {"json": 12.0, "csv": "12.0", None: "12.0"}[fmt]
     if fmt == "json":  # the data: numbers, no units
         assert kernels[0] == {"kernel": "gemv fp8 wgu 16384x3072", "% of step": 25.2, "count/step": 28,
                               "mean µs": 23.97, "µs/step": 672.4, "GB/s": 2167.0, "% copy BW": 72.4}
@@ -496,6 +504,24 @@ def test_profile(no_gpu_needed, monkeypatch, capsys, fmt):
         assert ("sum of kernels (each alone, launch latency included) 2672.6 µs; graph step 1786.1 µs; overlap: the "
                 "graph step is shorter than the kernels one by one by 886.5 µs; copy bandwidth 2994 GB/s; the step at "
                 "length 129: short attention, layer GEMVs ring/l2=8") in out.splitlines()
+
+
+def prefill_breakdown_record() -> dict:
+    from test_prefill_profile import breakdown
+
+    return breakdown()
+
+
+def test_profile_prompt_defaults_to_the_context(no_gpu_needed, monkeypatch, capsys):
+    import atomflow_bench.measure.context as context
+
+    asked = []
+    monkeypatch.setattr(context, "profile_step", lambda *a, **k: profile_record())
+    monkeypatch.setattr(context, "prefill_fields", lambda eng, n, copy: asked.append(n) or
+                        {"prefill": None, "prefill_note": "no prefill breakdown: a reason"})
+    code, out, err = invoke(capsys, "profile", "--ctx", "96", "--format", "json")
+    assert code == 0 and asked == [96]
+    assert json.loads(out)["prefill"] == [] and "note: no prefill breakdown: a reason" in err
 
 
 def gemv_record() -> dict:

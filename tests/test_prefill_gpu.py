@@ -6,7 +6,8 @@
 * the row-major weights it makes equal the checkpoint's (fp16 exactly; fp8 the dequantised codes);
 * prefill then decode against the prompt walked by the decode step (chunks smaller than the prompt, so chunk
   boundaries are crossed): the cache rows and the first step's logits close (fp16 / fp8 bounds below), the greedy
-  tokens the same wherever the walked run's margin exceeds the measured logit error.
+  tokens the same wherever the walked run's margin exceeds the measured logit error;
+* `profile`'s prefill breakdown (measure/prefill_profile.py) of the last chunk of a prompt.
 """
 from __future__ import annotations
 
@@ -217,3 +218,51 @@ def test_graph_replay_as_the_launches(tiny_model):
     assert len(eng._prefill.graphs) == 3
     want = eng.generate(other, 4)
     assert eng.generate(other, 4, prefill=True)[:1] == want[:1]
+
+
+def test_profile_prefill_chunk(tiny_model, tmp_path):
+    """`profile`'s prefill breakdown through the run context: the last chunk of the prompt (positions 96..129 of a
+    130-token prompt in chunks of 48, then the lm_head), every role timed, positive, shares adding up to 1, the row ops' bytes those
+    their launches count; profiling leaves the cache as a plain prefill does; the record passes its reader."""
+    from atomflow_bench.gpu.launch import Launch
+    from atomflow_bench.gpu.prefill import ROLES
+    from atomflow_bench.measure import plot, run_record
+    from atomflow_bench.measure.context import RunContext
+    from atomflow_bench.measure.decode import synthetic_prompt
+    from atomflow_bench.measure.prefill_profile import role_bytes
+
+    eng = Engine(tiny_model, weights="fp16", max_seq=256)
+    eng._prefill = Prefill(eng, chunk=48)
+    ctx = RunContext("tiny", tiny_model, "local", forms={"forms": eng.forms.text, "origin": "default"})
+    p, tables = ctx.profile(eng, 40, 4, prompt_tokens=130)
+    pre = p["prefill"]
+    L = eng.cfg.num_hidden_layers
+    assert (pre["start"], pre["m"], pre["chunk"], pre["prompt_tokens"], pre["layers"]) == (96, 34, 48, 130, L)
+    assert [r["role"] for r in pre["rows"]] == ["embed", *ROLES, "lm_head"]
+    for r in pre["rows"]:
+        assert r["us"] > 0 and r["count"] == {"embed": 1, "lm_head": 2}.get(r["role"], L), r
+        assert (r["tflops"] is not None) == (r["role"] in ("qkv", "attention", "o_proj", "gate_up", "down")), r
+        assert (r["gbs"] is not None) != (r["tflops"] is not None) and (r["tflops"] or r["gbs"]) > 0, r
+    assert abs(sum(r["share"] for r in pre["rows"]) - 1) < 1e-9
+    assert pre["op_sum_us"] > 0 and pre["chunk_graph_us"]["median"] > 0 and pre["reps"] >= 3
+    assert abs(pre["gap_us"] - (pre["chunk_graph_us"]["median"] - pre["op_sum_us"])) < 1e-6
+    row_ops = set()
+    for name, op in eng._prefill.chunk_ops(96, 34):
+        role = name.rpartition(".")[2]
+        if role_bytes(eng.cfg, role, 34) is not None:
+            assert isinstance(op, Launch) and op.bytes_moved == role_bytes(eng.cfg, role, 34), name
+            row_ops.add(role)
+    assert row_ops == {"embed", "attn_norm", "rope_kv", "mlp_norm", "swiglu"}
+    assert tables[-1].key == "prefill" and len(tables[-1].rows) == 2 + len(ROLES)
+    # the chunk run again and again rewrites what one prefill writes
+    eng.stream.synchronize()
+    k0, v0 = eng.arena["k_cache"].get()[:, :130], eng.arena["v_cache"].get()[:, :130]
+    eng.prefill(synthetic_prompt(eng.cfg.vocab_size, 130))  # the profiled prompt
+    eng.stream.synchronize()
+    for got, name in ((k0, "k_cache"), (v0, "v_cache")):
+        np.testing.assert_allclose(got.astype(np.float32), eng.arena[name].get()[:, :130].astype(np.float32),
+                                   rtol=2e-3, atol=1e-3, err_msg=name)
+    rec = {**run_record.head("profile"), "gpu": eng.gpu, "model": "tiny", "weights": "fp16", **p}
+    f = run_record.write(rec, tmp_path / "profile.json")
+    [(_, got)] = plot.load_records([f])["profiles"]
+    assert got["prefill"]["rows"] == pre["rows"] and got["prefill"]["chunk_graph_us"] == pre["chunk_graph_us"]

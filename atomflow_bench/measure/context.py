@@ -19,6 +19,7 @@ from ..store.checkpoint import Checkpoint
 from . import tune
 from .decode import benchmark, energy_passes
 from .peers import measure_peers
+from .prefill_profile import prefill_fields, prefill_table
 from .profile import attention_table, marginal_table, profile_step, profile_table
 
 
@@ -89,8 +90,10 @@ class RunContext:
         """What the run record adds beyond decode.benchmark's fields: nothing on one GPU."""
         return {}
 
-    def profile(self, eng, context: int, steps: int) -> tuple[dict, list]:
-        """`profile`: (the record's figures, the tables): the step taken apart kernel by kernel and role by role."""
+    def profile(self, eng, context: int, steps: int, prompt_tokens: int | None = None) -> tuple[dict, list]:
+        """`profile`: (the record's figures, the tables): the step taken apart kernel by kernel and role by role, and
+        the last prefill chunk of a prompt of `prompt_tokens` (default `context`) op by op (prefill_profile.py)."""
         p = profile_step(eng, context, steps)
         p["forms_origin"] = self.forms["origin"]
-        return p, [profile_table(p), marginal_table(p), attention_table(p)]
+        p.update(prefill_fields(eng, prompt_tokens or context, p["copy_bandwidth_gbs"]["median"]))
+        return p, [profile_table(p), marginal_table(p), attention_table(p), prefill_table(p)]

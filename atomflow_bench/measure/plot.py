@@ -96,7 +96,8 @@ def load_records(paths) -> dict:
 
 def read_profile(rec: dict, where) -> dict:
     """A profile record as the figures read it: `role_marginals` with its rows, or None where a profile/1 record has
-    none; `comm` (with --tp) with the step's graph times. AtomflowError (one line) for a record that has neither."""
+    none; `comm` (with --tp) with the step's graph times; `prefill`, where present and not null, with its rows and
+    the chunk graph's times. AtomflowError (one line) for a record that has neither roles nor comm, or a broken one."""
     roles, comm = rec.get("role_marginals"), rec.get("comm")
     optional = rec["schema"] == "atomflow-bench/profile/1"  # some records of this id have no role_marginals
     if not (roles is None and optional) and not (isinstance(roles, dict) and roles.get("rows")):
@@ -106,6 +107,10 @@ def read_profile(rec: dict, where) -> dict:
                                                                                   "step_without_exchanges_us"))):
         raise AtomflowError(f"{where}: profile record whose comm lacks paths, step_graph_us or "
                             "step_without_exchanges_us")
+    pre = rec.get("prefill")  # optional: the earlier profile/2 records lack it
+    if pre is not None and not (isinstance(pre, dict) and isinstance(pre.get("rows"), list)
+                                and isinstance(pre.get("chunk_graph_us"), dict)):
+        raise AtomflowError(f"{where}: profile record whose prefill lacks rows or chunk_graph_us")
     if roles is None and comm is None:
         raise AtomflowError(f"{where}: a profile record of the kernel table alone (neither role_marginals nor comm): "
                             "nothing of it to plot")

@@ -18,6 +18,7 @@ from ...config import CATALOG
 from ...errors import AtomflowError, FetchError
 from ...measure.context import RunContext
 from ...measure.decode import synthetic_prompt
+from ...measure.prefill_profile import prefill_fields, prefill_table
 from ...measure.profile import marginal_table
 from ...measure.run_record import load
 from ...store.fetch import fetch_model, resolve_model
@@ -69,12 +70,14 @@ class TpContext(RunContext):
         tp = tp_measure(eng, copy, tpot, nbytes, context)
         return {"tp": tp, "roofline": tp["roofline"]}
 
-    def profile(self, eng, context: int, steps: int) -> tuple[dict, list]:
-        """The step's graph time and its exchanges at `context` (figures.tp_profile), and what each role adds."""
+    def profile(self, eng, context: int, steps: int, prompt_tokens: int | None = None) -> tuple[dict, list]:
+        """The step's graph time and its exchanges at `context` (figures.tp_profile), what each role adds, and the
+        prefill's breakdown where the engine prefills (else `prefill` None and the note why)."""
         eng.start(synthetic_prompt(eng.cfg.vocab_size, context), upto=context - 1)
         p = {"tp": self.group.size, "context": context, "forms": self.forms, "source": self.source,
              **tp_profile(eng)}
-        return p, [tp_profile_table(p, eng), marginal_table(p)]
+        p.update(prefill_fields(eng, prompt_tokens or context))
+        return p, [tp_profile_table(p, eng), marginal_table(p), prefill_table(p)]
 
 
 def rank_weights(model: str, notes) -> tuple:
