@@ -12,9 +12,9 @@ pt() {  # pt NAME TIMEOUT pytest-args
   note "$name: rc=$? $(tail -1 $W/$name.log)"
 }
 runr() {  # runr TAG TIMEOUT MODEL FMT [args]: one `run`, its wall time and its TTFT/TPOT line
-  local tag=$1 t=$2 m=$3 w=$4; shift 4; local t0=$(date +%s.%N)
+  local tag=$1 t=$2 m=$3 w=$4; shift 4; local t0=$(date +%s)
   timeout $t atomflow-bench run $m --weights $w --json $W/$tag.json "$@" >$W/$tag.log 2>&1; local rc=$?
-  note "run $tag: rc=$rc wall $(echo "$(date +%s.%N) - $t0" | bc) s | $(grep -E 'TTFT|TPOT \(graph\)|prompt tok/s|tensor-core' $W/$tag.log | tr -s ' ' | tr '\n' ' ')"
+  note "run $tag: rc=$rc wall $(python3 -c "import time; print(round(time.time() - $t0, 1))") s | $(grep -E 'TTFT|TPOT \(graph\)|prompt tok/s|tensor-core' $W/$tag.log | tr -s ' ' | tr '\n' ' ')"
   [ $rc -ne 0 ] && tail -5 $W/$tag.log | tee -a $S
 }
 if [ "$PH" = A ]; then
@@ -31,3 +31,18 @@ if [ "$PH" = A ]; then
   runr 3b-fp8-ctx8192-tune 300 llama-3.2-3b fp8 --ctx 8192 --tokens 64 --repeats 3
   runr 3b-fp8-ctx8192 120 llama-3.2-3b fp8 --ctx 8192 --tokens 64 --repeats 3
 fi
+if [ "$PH" = B ]; then  # the prefill to the last position + the lm_head alone: tests, TTFT grid, profile, runs
+  pt prefill 400 tests/test_prefill_gpu.py
+  pt run-record 300 tests/test_engine_gpu.py -k "run_record_forms"
+  for m in llama-3.2-1b llama-3.2-3b llama-3.1-8b; do timeout 200 atomflow-bench fetch $m >$W/fetch-$m.log 2>&1; done
+  for m in llama-3.2-1b llama-3.2-3b llama-3.1-8b; do for w in fp16 fp8; do
+    timeout 150 python3 lab/scripts/prefill_chunk_ab.py $m $w --prompts 128,512,2048,8192 --chunks 4096 --rounds 2 \
+      --json $W/ttft-$m-$w.json >$W/ttft-$m-$w.log 2>&1; note "ttft $m $w rc=$?"; tail -4 $W/ttft-$m-$w.log | tee -a $S
+  done; done
+  timeout 200 atomflow-bench profile llama-3.2-3b --weights fp16 --ctx 128 --prompt-tokens 2048 --json $W/profile-3b-fp16.json \
+    >$W/profile-3b-fp16.md 2>$W/profile-3b-fp16.log; note "profile 3b fp16 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16.md | tee -a $S
+  runr 3b-fp16-ctx512 200 llama-3.2-3b fp16 --ctx 512 --tokens 256 --repeats 5
+  runr 3b-fp8-ctx512 200 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
+  runr 3b-fp16-ctx2048 200 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
+fi
+tar -czf $OUT/v50$PH.tar.gz -C $OUT v50$PH
