@@ -2,7 +2,7 @@
 # v50 (issue 48, prefill in run): GPU tests of the prefill and the run record, the chunk-length A/B, run's TTFT.
 # `bash lab/records/v50/b50.sh PHASE`; each phase one device call; logs and records under $OUT.
 export ATOMFLOW_HOME=/tmp/atomflow-home PYTHONUNBUFFERED=1
-PH=$1; W=$OUT/v50$PH; mkdir -p $W; S=$W/summary.txt
+PH=$1; W=/tmp/v50$PH; mkdir -p $W; S=$W/summary.txt  # bundled into $OUT/v50$PH.tar.gz at the end
 note() { echo "$(date +%T) $*" | tee -a $S; }
 nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm --format=csv,noheader | tee -a $S
 python3 -m pip install -q --no-deps --no-build-isolation -e . >$W/install.log 2>&1 || { note "install failed"; cat $W/install.log; exit 1; }
@@ -45,4 +45,4 @@ if [ "$PH" = B ]; then  # the prefill to the last position + the lm_head alone: 
   runr 3b-fp8-ctx512 200 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
   runr 3b-fp16-ctx2048 200 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
 fi
-tar -czf $OUT/v50$PH.tar.gz -C $OUT v50$PH
+tar -czf $OUT/v50$PH.tar.gz -C /tmp v50$PH
