@@ -173,6 +173,7 @@ def test_prefill_then_decode_as_the_walked_prompt(tiny_model, fmt):
     walked.run(1)
     pre.run(1)
     la, lb = walked.arena["logits"].get().astype(np.float64), pre.arena["logits"].get().astype(np.float64)
+    assert np.linalg.norm(la) > 0 and np.linalg.norm(lb) > 0, (np.abs(la).max(), np.abs(lb).max())
     cos = la @ lb / (np.linalg.norm(la) * np.linalg.norm(lb))
     assert cos >= COS_MIN[fmt], f"first step's logits: cosine {cos:.6f}"
     err = np.abs(la - lb).max()

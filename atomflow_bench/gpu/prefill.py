@@ -192,15 +192,16 @@ class Prefill:
                 m = min(self.chunk, n - start)
                 last = upto is None and start + m == n
                 self.tokens[:m].set(ids[start:start + m], stream=e.stream)
-                if last:
+                g = self.chunk_graph(start, m, last) if graph and taps is None else None  # first use: eager + capture
+                if last:  # after that first use, whose lm_head advanced the position
                     a["pos"].set(np.array([n - 1], np.int32), stream=e.stream)
                 if taps is not None:
                     for name, op in self.chunk_ops(start, m, last):
                         op()
                         e.stream.synchronize()
                         taps(name, self.h[:m])
-                elif graph:
-                    self.chunk_graph(start, m, last).replay()
+                elif g is not None:
+                    g.replay()
                 else:
                     for op in self.chunk_launches(start, m, last):
                         op()
