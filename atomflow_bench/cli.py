@@ -274,10 +274,12 @@ def gemv(model, formats, reps, json_path, fmt):
               "mean KL, both perplexities).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the full result here.")
 @click.option("--forms", default=None, help=FORMS_HELP + " Default: a saved tune, else the defaults (never timed).")
+@click.option("--prefill-chunk", type=click.IntRange(1, 4096), default=None, help="Tokens per chunk of the prefill "
+              "path checked (a small one crosses chunk boundaries on a short prompt)  [default: the product's chunk]")
 @tp_options
 @format_option
-def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, quality, json_path, forms, tp, allreduce,
-             tp_timeout, fmt):
+def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, quality, json_path, forms,
+             prefill_chunk, tp, allreduce, tp_timeout, fmt):
     """Engine vs HF transformers fp32, probe by probe (exit 0 only if all pass); or --quality."""
     from pathlib import Path
 
@@ -307,7 +309,7 @@ def validate(model, weights, truth_dir, steps, prompt, backend, allow_mismatch, 
         with ctx:
             res = v.validate(ctx.model_dir, weights=weights, truth_dir=truth_dir, steps=steps, prompt=prompt,
                              backend=backend, allow_mismatch=allow_mismatch, console=notes, forms=parse_forms(forms),
-                             context=ctx)
+                             context=ctx, prefill_chunk=prefill_chunk)
         v.print_result(res, console, fmt)
         ok = res["summary"]["pass"]
     if json_path and ctx.writes:

@@ -52,7 +52,9 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "atomflow-bench/truth/1": "validate's ground truth: truth.json beside truth.safetensors (docs/VALIDATION.md).",
     },
     "validate": {
-        "atomflow-bench/validate/1": "`validate --json`: the probes, their summary, the engine and the truth used.",
+        "atomflow-bench/validate/1":
+            "`validate --json`: the probes, their summary, the engine and the truth used; in the later records "
+            "prefill (the prefill path's probes and summary, null where it is not checked), optional to readers.",
     },
     "quality": {
         "atomflow-bench/quality/1": "`validate --quality --json`: fp8 against fp16 on a paragraph of English.",

@@ -33,12 +33,45 @@ def prepare_truth(model_dir: str | Path, truth_dir=None, steps: int | None = Non
                               console).dir
 
 
+def judge_path(positions: list[dict], truth, weights: str, names: list[str], prompt_len: int) -> tuple[list, dict]:
+    """One path's probe rows and summary (`validate`'s record): each probe judged over the positions that have it,
+    greedy agreement and KL over the positions from the last prompt token on."""
+    th = THRESHOLDS[weights]
+    worst, kls = worst_positions(positions, truth, weights, names)
+    own = [int(np.argmax(positions[s]["logits"])) for s in range(prompt_len - 1, len(positions))]
+    probes = judge_probes(worst, names, th)
+    n_pass = sum(p["pass"] for p in probes)
+    kl_ok = kls[-1] <= th.kl_max
+    return probes, {
+        "probes_pass": n_pass, "probes_total": len(probes),
+        "first_fail": next((p["name"] for p in probes if not p["pass"]), None),
+        "greedy_agree": sum(a == b for a, b in zip(own, truth.predicted(weights))), "greedy_total": len(own),
+        "engine_ids": own, "kl_last": kls[-1], "kl_max_over_positions": max(kls), "kl_pass": bool(kl_ok),
+        "min_cos": min(p["cos"] for p in probes), "max_rel_l2": max(p["rel_l2"] for p in probes),
+        "pass": bool(n_pass == len(probes) and kl_ok),
+    }
+
+
+def prefill_section(pre: dict, truth, weights: str, names: list[str], prompt_len: int) -> dict:
+    """The record's "prefill": the batched prefill's probes at positions 0 .. P-2 and the decode steps from its
+    cache at P-1 on (probes.prefill_probes), judged as the decode path is."""
+    probes, summary = judge_path(pre["positions"], truth, weights, names, prompt_len)
+    return {"chunk": pre["chunk"], "prompt_tokens": prompt_len, "batched_positions": prompt_len - 1,
+            "decode_positions": len(pre["positions"]) - (prompt_len - 1),
+            "not_computed": f"final_norm and logits at positions 0..{prompt_len - 2}: the prefill runs the lm_head "
+                            "on the last prompt token only, in the decode step",
+            "probes": probes, "summary": summary}
+
+
 def validate(model_dir: str | Path, weights: str = "fp8", truth_dir: str | Path | None = None,
              steps: int | None = None, prompt: str | None = None, backend: str = "auto",
-             allow_mismatch: bool = False, console=None, forms=None, context=None) -> dict:
-    """Compare the engine's probes with the ground truth; returns the result record (schema validate/1). `forms`:
-    the launch forms to check (gpu/forms.py; default: a saved tune, else the defaults). `context`: the run context the
-    engine is made in (one GPU by default, or a tensor-parallel rank's; probes.engine_probes)."""
+             allow_mismatch: bool = False, console=None, forms=None, context=None,
+             prefill_chunk: int | None = None) -> dict:
+    """Compare the engine's probes with the ground truth, on the decode path and (GPU, one GPU) the prefill path;
+    returns the result record (schema validate/1). `forms`: the launch forms to check (gpu/forms.py; default: a saved
+    tune, else the defaults). `context`: the run context the engine is made in (one GPU by default, or a
+    tensor-parallel rank's; probes.engine_probes). `prefill_chunk`: the prefill's tokens per chunk (default the
+    product's; a small one crosses chunk boundaries on a short prompt)."""
     if weights not in THRESHOLDS:
         raise ConfigError(f"unknown weight format {weights!r} (expected fp16 or fp8)")
     inst = instrument_defines()
@@ -72,18 +105,19 @@ def validate(model_dir: str | Path, weights: str = "fp8", truth_dir: str | Path 
     names = probe_names(cfg.num_hidden_layers)
     seq, P, N = truth.sequence, len(m["prompt_ids"]), int(m["steps"])
     n_pos = P + N - 1  # the last new token is predicted, never fed
-    info, positions = engine_probes(model_dir, weights, seq, n_pos, names, backend, forms, context)
+    info, positions, pre = engine_probes(model_dir, weights, seq, n_pos, names, backend, forms, context,
+                                         prompt_len=P, prefill_chunk=prefill_chunk)
     if console is not None:
         console.print(f"engine: {info['label']}")
     th = THRESHOLDS[weights]
-
-    worst, kls = worst_positions(positions, truth, weights, names)
-    own = [int(np.argmax(positions[s]["logits"])) for s in range(P - 1, n_pos)]
-    agree = sum(a == b for a, b in zip(own, truth.predicted(weights)))
-    probes = judge_probes(worst, names, th)
-    n_pass = sum(p["pass"] for p in probes)
-    kl_ok = kls[-1] <= th.kl_max
-    first_fail = next((p["name"] for p in probes if not p["pass"]), None)
+    probes, summary = judge_path(positions, truth, weights, names, P)
+    own = summary["engine_ids"]
+    prefill = None
+    if "skipped" in pre:
+        notes.append(f"the prefill path is not checked: {pre['skipped']}")
+    else:
+        prefill = prefill_section(pre, truth, weights, names, P)
+        summary["pass"] = summary["pass"] and prefill["summary"]["pass"]
 
     drift = None
     if weights != "fp16" and "fp16" in truth.variants:
@@ -110,14 +144,9 @@ def validate(model_dir: str | Path, weights: str = "fp8", truth_dir: str | Path 
         "notes": notes,
         "thresholds": {"format": weights, **asdict(th), "rule": PROBE_RULE},
         "probes": probes,
-        "summary": {
-            "probes_pass": n_pass, "probes_total": len(probes), "first_fail": first_fail,
-            "greedy_agree": agree, "greedy_total": N, "engine_ids": own,
-            "kl_last": kls[-1], "kl_max_over_positions": max(kls), "kl_pass": bool(kl_ok),
-            "min_cos": min(p["cos"] for p in probes), "max_rel_l2": max(p["rel_l2"] for p in probes),
-            "pass": bool(n_pass == len(probes) and kl_ok),
-        },
+        "summary": summary,
         "drift": drift,
+        "prefill": prefill,
     }
 
 

@@ -29,7 +29,8 @@ THRESHOLDS = {
 # fp8 against fp16 on real text: what the format may cost (real weights only).
 QUALITY_BOUNDS = {"top1_min": 0.90, "mean_kl_max": 0.05, "ppl_ratio_max": 1.10}
 PROBE_RULE = ("a probe PASSes when its min cosine >= cos_min and its max rel L2 <= rel_max over all positions; "
-              "KL(HF || engine) of the last position's logits <= kl_max; exit 0 only if all pass")
+              "KL(HF || engine) of the last position's logits <= kl_max; the prefill path (GPU) by the same rule, "
+              "each probe over the positions where it computes it; exit 0 only if all pass")
 
 
 def probe_metrics(engine: np.ndarray, truth: np.ndarray) -> tuple[float, float, float]:
@@ -62,26 +63,34 @@ def kl_div(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
 
 def worst_positions(positions: list[dict[str, np.ndarray]], truth, variant: str,
                     names: list[str]) -> tuple[dict[str, dict], list[float]]:
-    """Per probe the worst position ({cos, rel_l2, max_abs, worst_pos}), and KL(truth || engine) of the logits per
-    position. `truth.get(variant, position, probe)` gives the truth's vector (validate.truth.Truth)."""
-    worst = {n: {"cos": 1.0, "rel_l2": 0.0, "max_abs": 0.0, "worst_pos": 0} for n in names}
-    key = {n: (2.0, 0.0) for n in names}  # (cos, -rel) of the worst position so far
+    """Per probe the worst position ({cos, rel_l2, max_abs, worst_pos, positions}: positions counts those that have
+    the probe), and KL(truth || engine) of the logits per position that has them. A position may lack probes (the
+    prefill computes no logits before the last prompt token): each probe is judged where the engine computed it,
+    and a probe no position has is left out. `truth.get(variant, position, probe)` gives the truth's vector
+    (validate.truth.Truth)."""
+    worst: dict[str, dict] = {}
+    key: dict[str, tuple] = {}  # (cos, -rel) of each probe's worst position so far
     kls = []
     for s, probes in enumerate(positions):
         for n in names:
+            if n not in probes:
+                continue
             c, r, a = probe_metrics(probes[n], truth.get(variant, s, n))
-            w = worst[n]
-            if (c, -r) < key[n]:
+            w = worst.setdefault(n, {"cos": 1.0, "rel_l2": 0.0, "max_abs": 0.0, "worst_pos": s, "positions": 0})
+            if (c, -r) < key.get(n, (2.0, 0.0)):
                 key[n], w["worst_pos"] = (c, -r), s
             w["cos"], w["rel_l2"], w["max_abs"] = min(w["cos"], c), max(w["rel_l2"], r), max(w["max_abs"], a)
-        kls.append(kl_div(truth.get(variant, s, "logits"), probes["logits"]))
-    return worst, kls
+            w["positions"] += 1
+        if "logits" in probes:
+            kls.append(kl_div(truth.get(variant, s, "logits"), probes["logits"]))
+    return {n: worst[n] for n in names if n in worst}, kls
 
 
 def judge_probes(worst: dict[str, dict], names: list[str], th: Thresholds) -> list[dict]:
-    """The probe rows of the result record, in decode order, each with its PASS/FAIL under `th`."""
+    """The probe rows of the result record, in decode order, each with its PASS/FAIL under `th`; the names `worst`
+    lacks (no position computed them) get no row."""
     return [{"name": n, **worst[n], "pass": bool(worst[n]["cos"] >= th.cos_min and worst[n]["rel_l2"] <= th.rel_max)}
-            for n in names]
+            for n in names if n in worst]
 
 
 def text_metrics(logits: dict[str, np.ndarray], ids: list[int]) -> dict:

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, GpuUnavailable
+from ..errors import AtomflowError, ConfigError, GpuUnavailable
 from ..gpu.device import gpu_info, require_gpu
 from ..gpu.engine import Engine
+from ..gpu.prefill import Prefill
 from ..progress import progress
 from ..measure.context import RunContext
 from ..reference import ReferenceDecoder
@@ -68,17 +69,19 @@ def free_gpu() -> None:
 
 
 def engine_probes(model_dir: str | Path, weights: str, sequence: list[int], n_positions: int, names: list[str],
-                  backend: str = "auto", forms=None, context: RunContext | None = None
-                  ) -> tuple[dict, list[dict[str, np.ndarray]]]:
+                  backend: str = "auto", forms=None, context: RunContext | None = None, prompt_len: int | None = None,
+                  prefill_chunk: int | None = None) -> tuple[dict, list[dict[str, np.ndarray]], dict | None]:
     """Teacher-force `sequence` through the engine for `n_positions` positions; per position the probes `names`.
 
     GPU: `Engine.reset(sequence)` makes the step's argmax kernel feed the sequence's next token, and
     `step_eager(taps=True)` per position gives the real kernels' buffers. `forms`: the launch forms to check (given,
     else a saved tune, else the defaults; never timed here). `context`: the run context the engine is made in (one
     GPU by default; a tensor-parallel rank's compares the replicated probes and the logits gathered from the
-    vocabulary shards: every rank runs this).
+    vocabulary shards: every rank runs this). With `prompt_len` the same engine then takes the prefill path too
+    (`prefill_probes`, chunks of `prefill_chunk` tokens, default the product's).
     No GPU (or backend="numpy"): `ReferenceDecoder(record_taps=True)`, labelled as such.
-    Returns ({"kind", "label", ...info}, [probes per position]).
+    Returns ({"kind", "label", ...info}, [probes per position], the prefill path's: `prefill_probes`' answer, or
+    {"skipped": why} where it cannot be checked, or None without `prompt_len`).
     """
     kind, label = pick_backend(backend)
     info = {"kind": kind, "label": label, **backend_info(kind)}
@@ -90,7 +93,8 @@ def engine_probes(model_dir: str | Path, weights: str, sequence: list[int], n_po
                 dec.step(int(sequence[s]))
                 out.append({n: dec.taps[n] for n in names})
                 advance()
-        return info, out
+        why = "the NumPy reference has no batched prefill (the GPU engine's is checked on a GPU)"
+        return info, out, None if prompt_len is None else {"skipped": why}
 
     ctx = context if context is not None else RunContext(Path(model_dir).name, Path(model_dir), "validate")
     eng = ctx.engine(weights, len(sequence), given=forms, tune_missing=False)
@@ -102,9 +106,60 @@ def engine_probes(model_dir: str | Path, weights: str, sequence: list[int], n_po
         taps["logits"] = ctx.whole_logits(eng, taps["logits"])
         out.append({n: np.asarray(taps[n], np.float32).reshape(-1) for n in names})
     info["fp8_source"] = eng.load_info.get("fp8_source")
+    if prompt_len is None:
+        pre = None
+    elif not eng.prefills:
+        pre = {"skipped": "this engine has no batched prefill (tensor parallel): its prompt is walked through the "
+                          "decode step checked above"}
+    else:
+        pre = prefill_probes(eng, ctx, sequence, prompt_len, n_positions, names, prefill_chunk)
     del eng
     free_gpu()
-    return info, out
+    return info, out, pre
+
+
+def prefill_probes(eng: Engine, ctx: RunContext, sequence: list[int], prompt_len: int, n_positions: int,
+                   names: list[str], chunk: int | None = None) -> dict:
+    """The prefill path's probes, position by position: the batched prefill over the prompt, then the decode steps
+    that continue from its cache.
+
+    The prefill (gpu/prefill.py, chunks of `chunk` tokens, default the product's) fills positions 0 .. P-2 (P =
+    `prompt_len`); its taps give the fp32 residual rows of each chunk after "embed", after each layer's "o_proj"
+    (the probe layers.{i}.attn) and after its "down" (layers.{i}.mlp). It computes no final_norm or logits at those
+    positions (the lm_head runs on the last prompt token, in the decode step), so they lack those probes. The decode
+    steps at P-1 .. n_positions-1 read the prefill's K/V and give every probe. The K/V cache is zeroed first, so no
+    row left by an earlier run can stand in for one the prefill fails to write.
+    Returns {"chunk": the chunk used, "positions": [probes per position]}, or {"skipped": why} when the prefill
+    cannot be made here (its fp16 weight copies do not fit).
+    """
+    try:
+        pf = eng.prefiller() if chunk is None else Prefill(eng, chunk)
+    except AtomflowError as e:
+        return {"skipped": str(e)}
+    probe_of = {"embed": "embed"}
+    for i in range(eng.cfg.num_hidden_layers):
+        probe_of[f"layers.{i}.o_proj"], probe_of[f"layers.{i}.down"] = f"layers.{i}.attn", f"layers.{i}.mlp"
+    probe_of = {op: p for op, p in probe_of.items() if p in names}
+    out: list[dict[str, np.ndarray]] = [{} for _ in range(prompt_len - 1)]
+    starts = [0, 0]  # the first position of the chunk being tapped, and of the next
+
+    def tap(op: str, rows) -> None:
+        if op == "embed":  # each chunk's first op
+            starts[0], starts[1] = starts[1], starts[1] + rows.shape[0]
+        if op in probe_of:
+            for r, row in enumerate(np.asarray(rows.get(), np.float32)):
+                out[starts[0] + r][probe_of[op]] = row
+
+    eng.reset(sequence)
+    with eng.stream:
+        eng.arena["k_cache"].fill(0)
+        eng.arena["v_cache"].fill(0)
+    pf.fill(sequence, upto=prompt_len - 1, taps=tap)
+    for _ in range(prompt_len - 1, n_positions):
+        taps = eng.step_eager(taps=True)
+        taps["logits"] = ctx.whole_logits(eng, taps["logits"])
+        out.append({n: np.asarray(taps[n], np.float32).reshape(-1) for n in names})
+    return {"chunk": pf.chunk, "positions": out}
 
 
 def engine_logits(model_dir: Path, weights: str, ids: list[int], kind: str) -> np.ndarray:

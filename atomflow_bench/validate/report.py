@@ -39,10 +39,40 @@ def print_result(res: dict, console, fmt: str | None = None) -> None:
                       f"{d['hidden_min_cos']:.4f} (rel L2 ≤ {d['hidden_max_rel_l2']:.3f}), logits min cos "
                       f"{d['logits_min_cos']:.4f}, KL last {d['kl_last']:.2e} / mean {d['kl_mean']:.2e} nats, "
                       f"greedy = HF fp16 tokens {d['greedy_agree']}/{d['greedy_total']}", soft_wrap=True)
+    pre = res.get("prefill")  # optional: a record may lack it
+    if pre:
+        for line in prefill_lines(pre):
+            console.print(line, soft_wrap=True)
     for n in res.get("notes", []):
         console.print(f"[yellow]note: {escape(n)}[/yellow]", soft_wrap=True)
     console.print(("[green bold]PASS[/green bold]" if s["pass"] else "[red bold]FAIL[/red bold]")
-                  + f" — {res['weights']} on {escape(res['backend']['label'])}", soft_wrap=True)
+                  + f" — {res['weights']} on {escape(res['backend']['label'])}"
+                  + (" (decode and prefill paths)" if pre else ""), soft_wrap=True)
+
+
+FAILS_SHOWN = 4  # the prefill's failing probes named one by one; the record has them all
+
+
+def prefill_lines(pre: dict) -> list[str]:
+    """The prefill path's lines: what ran, its probes' count and verdict, greedy agreement and KL; its first failing
+    probes with their worst figures."""
+    s = pre["summary"]
+    b = pre["batched_positions"]
+    where = (f"positions 0-{b - 1} batched in chunks of {pre['chunk']}" if b else "no position batched")
+    col = "green" if s["probes_pass"] == s["probes_total"] else "red"
+    kl = "[green]PASS[/green]" if s["kl_pass"] else "[red]FAIL[/red]"
+    lines = [f"prefill path ({where}, then {pre['decode_positions']} decode steps from its cache): "
+             f"[{col}]{s['probes_pass']}/{s['probes_total']} probes PASS[/{col}]"
+             + (f"  (first FAIL: {s['first_fail']})" if s["first_fail"] else "")
+             + f"; greedy agreement {s['greedy_agree']}/{s['greedy_total']}; KL last {s['kl_last']:.3e} {kl}; "
+             + ("[green]PASS[/green]" if s["pass"] else "[red]FAIL[/red]")]
+    fails = [p for p in pre["probes"] if not p["pass"]]
+    for p in fails[:FAILS_SHOWN]:
+        lines.append(f"  prefill [red]FAIL[/red] {p['name']}: cos {p['cos']:.7f}, rel L2 {p['rel_l2']:.2e} "
+                     f"(worst at position {p['worst_pos']})")
+    if len(fails) > FAILS_SHOWN:
+        lines.append(f"  and {len(fails) - FAILS_SHOWN} more failing prefill probes (the --json record has them)")
+    return lines
 
 
 def print_quality(q: dict, console, fmt: str | None = None) -> None:
