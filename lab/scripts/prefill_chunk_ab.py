@@ -6,7 +6,7 @@
 
 MODEL is a model of the store (lab/local.py lab_engine). One Prefill per chunk length (each with its own weight
 copies), swapped into the engine in turn; per round, prompt and chunk: the TTFT as `run` times it (reset, events
-around Engine.fill + the first decode step), median of 3 after a warm-up pass (the graphs' capture). The tensor-core
+around Engine.fill), median of 3 after a warm-up pass (the graphs' capture). The tensor-core
 peak (cuBLAS fp16 8192^3) is measured in the same call."""
 from __future__ import annotations
 
@@ -50,8 +50,7 @@ def main(argv=None) -> int:
             m = Marks(1, eng.stream)
             with eng.stream:
                 m.mark()
-                eng.fill()
-                eng.run(1)
+                eng.fill()  # the prompt and the first new token
                 m.mark()
             out += m.intervals_ms()
         return out
