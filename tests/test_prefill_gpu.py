@@ -96,10 +96,11 @@ def test_rope_kv_rows(lib, hd, n_q, n_kv):
     assert np.isnan(got_v[:start]).all() and np.isnan(got_v[start + m:]).all()
 
 
-def test_swiglu_rows(lib):
+@pytest.mark.parametrize("inter", [704, 4104])  # 88 threads of 8 elements; 513: three blocks, the last with one
+def test_swiglu_rows(lib, inter):
     import cupy as cp
 
-    m, inter = 19, 704
+    m = 19
     gu = (rng().standard_normal((m, 2 * inter)) * 2).astype(np.float16)
     act = cp.full((m, inter), np.nan, dtype=cp.float16)
     swiglu_rows_launch(lib, cp.asarray(gu), act, m)()

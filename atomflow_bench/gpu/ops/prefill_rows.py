@@ -30,8 +30,13 @@ def embed_rows_launch(lib: KernelLib, tokens, emb, h, m: int) -> Launch:
                   m * H * 6, f"prefill embed {m} rows")
 
 
+SWIGLU_VEC = 8  # elements a thread of swiglu_rows: one 16-byte load of gate, of up, one store
+
+
 def rmsnorm_rows_launch(lib: KernelLib, h, w, x, m: int, eps: float) -> Launch:
     H = w.shape[0]
+    if H % 4:
+        raise AtomflowError(f"rmsnorm_rows reads 4 elements a thread: hidden size {H} is not a multiple of 4")
     return Launch(lib["rmsnorm_rows"], "rmsnorm_rows", (m,), (PREFILL_THREADS,), (h, w, x, i32(H), np.float32(eps)),
                   0, {}, m * H * 6, f"prefill rmsnorm {m} rows")
 
@@ -45,7 +50,10 @@ def rope_kv_rows_launch(lib: KernelLib, qkv, cos_sin, k_cache, v_cache, n_q: int
 
 def swiglu_rows_launch(lib: KernelLib, gu, act, m: int) -> Launch:
     inter = act.shape[-1]
-    return Launch(lib["swiglu_rows"], "swiglu_rows", (-(-inter // PREFILL_THREADS), m), (PREFILL_THREADS,),
+    if inter % SWIGLU_VEC:
+        raise AtomflowError(f"swiglu_rows reads {SWIGLU_VEC} elements a thread: intermediate size {inter} is not a "
+                            f"multiple of {SWIGLU_VEC}")
+    return Launch(lib["swiglu_rows"], "swiglu_rows", (-(-inter // (PREFILL_THREADS * SWIGLU_VEC)), m), (PREFILL_THREADS,),
                   (gu, act, i32(inter)), 0, {}, m * inter * 6, f"prefill swiglu {m} rows")
 
 

@@ -1,0 +1,33 @@
+"""The prefill row kernels' launch factories (gpu/ops/prefill_rows.py) refuse the shapes their vector loads cannot
+read, before any kernel is fetched (the kernels themselves are checked against NumPy in test_prefill_gpu.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atomflow_bench.errors import AtomflowError
+from atomflow_bench.gpu.ops.prefill_rows import SWIGLU_VEC, rmsnorm_rows_launch, swiglu_rows_launch
+
+
+class NoKernels:
+    def __getitem__(self, name):
+        raise AssertionError(f"kernel {name} fetched for a shape it cannot read")
+
+
+class Kernels:
+    def __getitem__(self, name):
+        return name
+
+
+def test_rmsnorm_rows_needs_a_multiple_of_4():
+    with pytest.raises(AtomflowError, match="hidden size 258 is not a multiple of 4"):
+        rmsnorm_rows_launch(NoKernels(), None, np.zeros(258, np.float16), None, 3, 1e-5)
+    ln = rmsnorm_rows_launch(Kernels(), None, np.zeros(256, np.float16), None, 3, 1e-5)
+    assert ln.grid == (3,) and ln.bytes_moved == 3 * 256 * 6
+
+
+def test_swiglu_rows_needs_a_multiple_of_the_vector():
+    with pytest.raises(AtomflowError, match=f"intermediate size 700 is not a multiple of {SWIGLU_VEC}"):
+        swiglu_rows_launch(NoKernels(), None, np.zeros((2, 700), np.float16), 2)
+    ln = swiglu_rows_launch(Kernels(), None, np.zeros((2, 4104), np.float16), 2)
+    assert ln.grid == (3, 2) and ln.bytes_moved == 2 * 4104 * 6  # 513 threads of 8: three blocks of 256
