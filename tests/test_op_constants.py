@@ -15,7 +15,7 @@ from atomflow_bench.gpu.nvrtc import KERNELS_DIR
 from atomflow_bench.gpu.ops import declared_kernels
 
 OPS = ("ops.gemv", "ops.attention", "ops.attention_prefill", "ops.lm_head", "ops.prefill_gemm", "ops.prefill_rows",
-       "ops.small",
+       "ops.small", "ops.untile",
        "tp.sums")
 PKG = Path(__file__).resolve().parents[1] / "atomflow_bench"
 

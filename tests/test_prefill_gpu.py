@@ -7,13 +7,16 @@
 * prefill then decode against the prompt walked by the decode step (chunks smaller than the prompt, so chunk
   boundaries are crossed): the cache rows and the first step's logits close (fp16 / fp8 bounds below), the greedy
   tokens the same wherever the walked run's margin exceeds the measured logit error;
-* `profile`'s prefill breakdown (measure/prefill_profile.py) of the last chunk of a prompt.
+* `profile`'s prefill breakdown (measure/prefill_profile.py) of the last chunk of a prompt;
+* the staged weights form: untile.cu against the tiled layout, every staged weight equal to its copy, the same K/V
+  and tokens as the copies form; an engine planned without the batched prefill walks its prompts.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from atomflow_bench.errors import AtomflowError
 from atomflow_bench.gpu.engine import Engine
 from atomflow_bench.gpu.prefill import Prefill, e4m3_table
 from atomflow_bench.gpu.ops.prefill_rows import (Gemm, embed_rows_launch, rmsnorm_rows_launch,
@@ -128,6 +131,9 @@ def test_gemm_store_and_accumulate():
     h = cp.asarray(h0)
     gemm(cp.asarray(x), cp.asarray(w), h, m, accumulate=True)
     assert np.all(np.abs(h.get() - (h0 + want)) <= bound + 2 ** -22 * np.abs(h0 + want))
+    y32 = cp.full((m, n), np.nan, dtype=cp.float32)  # a tensor-parallel rank's partial product: fp32, overwritten
+    gemm(cp.asarray(x), cp.asarray(w), y32, m)
+    assert np.all(np.abs(y32.get() - want) <= bound + 2 ** -22 * np.abs(want))
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
@@ -268,3 +274,66 @@ def test_profile_prefill_chunk(tiny_model, tmp_path):
     f = run_record.write(rec, tmp_path / "profile.json")
     [(_, got)] = plot.load_records([f])["profiles"]
     assert got["prefill"]["rows"] == pre["rows"] and got["prefill"]["chunk_graph_us"] == pre["chunk_graph_us"]
+
+
+@pytest.mark.parametrize("pairing,rows,k,half", [("none", 48, 416, 0), ("halves", 64, 160, 0), ("rope", 128, 224, 32),
+                                                  ("rope", 256, 384, 64)])
+def test_untile_against_the_tiled_layout(lib, pairing, rows, k, half):
+    """untile.cu inverts ops/gemv.py's tiled layout: fp16 bit for bit; fp8 codes (the NaN codes among them) times
+    their group's scale, as e4m3_table * scale rounded to fp16 (K not a multiple of 128: a short last group)."""
+    import cupy as cp
+
+    from atomflow_bench.gpu.ops.gemv import tiled, tiled_scales
+    from atomflow_bench.gpu.ops.untile import untile_launch
+
+    w = rng().standard_normal((rows, k)).astype(np.float16)
+    out = cp.full((rows, k), np.nan, dtype=cp.float16)
+    untile_launch(lib, "fp16", cp.asarray(tiled(w, "fp16", pairing, half)), None, out, pairing, half)()
+    np.testing.assert_array_equal(out.get(), w)
+    codes = rng().integers(0, 256, (rows, k)).astype(np.uint8)
+    scales = rng().uniform(1e-3, 0.1, (rows, -(-k // 128))).astype(np.float32)
+    want = (e4m3_table()[codes] * np.repeat(scales, 128, axis=1)[:, :k]).astype(np.float16)
+    out.fill(np.nan)
+    untile_launch(lib, "fp8", cp.asarray(tiled(codes, "fp8", pairing, half)),
+                  cp.asarray(tiled_scales(scales, pairing, half)), out, pairing, half)()
+    np.testing.assert_array_equal(out.get(), want)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_staged_form_as_the_copies(tiny_model, fmt):
+    """The staged form (one scratch, filled from the tiled weights before each GEMM) un-tiles every weight to its
+    copy bit for bit, and prefill + decode gives the copies form's K/V and tokens."""
+    eng = Engine(tiny_model, weights=fmt, max_seq=64)
+    assert eng.arena.prefill_form == "copies" and eng.prefills  # a tiny model: the copies fit
+    copies = Prefill(eng, chunk=16, weights_form="copies")
+    staged = Prefill(eng, chunk=16, weights_form="staged")
+    assert (copies.weights_form, staged.weights_form) == ("copies", "staged") and not staged.w
+    for name, want in copies.w.items():
+        with eng.stream:
+            got = staged.weight(name)
+        eng.stream.synchronize()
+        np.testing.assert_array_equal(got.get(), want.get(), err_msg=name)
+    assert len({v.data.ptr for _, v in staged.staged.values()}) == 1  # one scratch for every weight
+    prompt = [int(t) for t in rng().integers(0, eng.cfg.vocab_size, 45)]
+    out = {}
+    for pf in (copies, staged):
+        eng._prefill = pf
+        tokens = eng.generate(prompt, 6, prefill=True)
+        out[pf.weights_form] = (tokens, [eng.arena[c][:, :45].get() for c in ("k_cache", "v_cache")])
+    assert out["staged"][0] == out["copies"][0]
+    for a, b in zip(out["staged"][1], out["copies"][1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_engine_without_the_batched_prefill_walks(tiny_model):
+    """batched_prefill=False: no prefill memory planned, `prefills` False, and `start` walks the prompt through the
+    decode step (the same tokens as a reset and the walked steps)."""
+    eng = Engine(tiny_model, weights="fp16", max_seq=64, batched_prefill=False)
+    assert eng.plan.prefill == {} and eng.arena.prefill_form is None and not eng.prefills
+    prompt = [int(t) for t in rng().integers(0, eng.cfg.vocab_size, 20)]
+    eng.start(prompt)  # the prompt and the first new token
+    assert eng.position == 20 and eng._prefill is None
+    eng.run(3)
+    assert eng.tokens(19, 4) == eng.generate(prompt, 4)
+    with pytest.raises(AtomflowError, match="weights form 'tiled'"):
+        Prefill(eng, weights_form="tiled")

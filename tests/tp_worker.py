@@ -1,6 +1,6 @@
 """One rank of the tensor-parallel GPU tests (tests/test_tp_gpu.py starts N of these with RANK / WORLD_SIZE /
 LOCAL_RANK / MASTER_ADDR / ATOMFLOW_TP_PORT set). Each task writes what it saw to OUT/<task>-rank<r>.json; the test
-asserts. Usage: python tests/tp_worker.py TASK OUT [MODEL_DIR]"""
+asserts. Usage: python tests/tp_worker.py TASK OUT [MODEL_DIR] (TASK: kernels, engine, prefill)"""
 from __future__ import annotations
 
 import json
@@ -122,13 +122,83 @@ def engine(group, out: Path, model_dir: str) -> dict:
     return res
 
 
+def prefill(group, out: Path, model_dir: str) -> dict:
+    """The batched prefill under tensor parallel (chunks of 16 over a 45-token prompt: three chunks) against the
+    prompt walked by the same ranks' decode step and (rank 0) the one-GPU prefill on the same checkpoint: the first
+    decode step's logits (gathered over the vocabulary shards) and the greedy tokens, for both weights forms; the
+    residual rows after every op (launch by launch) bit-identical on every rank; the graph replays' K/V close to
+    the launches' K/V (test_prefill_gpu's bounds)."""
+    import cupy
+
+    from atomflow_bench.gpu.engine import Engine
+    from atomflow_bench.gpu.prefill import Prefill
+
+    prompt = [int(t) for t in np.random.default_rng(11).integers(0, 1000, 45)]
+    n_new, chunk = 6, 16
+
+    def first_logits(eng):  # the step at the last prompt token, after its K/V of positions 0 .. n-2
+        taps = eng.step_eager(taps=True)
+        logits = taps["logits"] if eng.tp is None else eng.tp.gather_vocab(taps["logits"], eng.cfg.vocab_size)
+        return np.asarray(logits, np.float32).reshape(-1).tolist()
+
+    def kv(eng):
+        n = len(prompt) - 1
+        eng.stream.synchronize()
+        return [eng.arena[k][:, :n].get() for k in ("k_cache", "v_cache")]
+
+    res = {}
+    for fmt in ("fp16", "fp8"):
+        eng = Engine(model_dir, weights=fmt, max_seq=64, group=group)
+        r = {"prefills": eng.prefills, "planned": eng.arena.prefill_form, "path": eng.tp.path}
+        eng.reset(prompt)
+        eng.run(len(prompt) - 1)
+        r["walked_logits"] = first_logits(eng)
+        r["walked"] = eng.generate(prompt, n_new)
+        for form in ("copies", "staged"):
+            eng._prefill = pf = Prefill(eng, chunk=chunk, weights_form=form)
+            h_equal = []
+
+            def tap(name, rows):
+                allh = group.allgather_host(rows.get())
+                h_equal.append(bool(all(np.array_equal(allh[0], allh[s]) for s in range(group.size))))
+
+            eng.reset(prompt)
+            pf.fill(prompt, upto=len(prompt) - 1, taps=tap)
+            eager_kv = kv(eng)
+            eng.reset(prompt)
+            pf.fill(prompt, upto=len(prompt) - 1)  # each chunk a graph replay
+            graph_kv = kv(eng)
+            r[form] = {"form": pf.weights_form, "h_equal": h_equal, "logits": first_logits(eng),
+                       "graph_kv_close": all(np.allclose(a.astype(np.float32), b.astype(np.float32), rtol=2e-3,
+                                                         atol=1e-3) for a, b in zip(eager_kv, graph_kv)),
+                       "tokens": eng.generate(prompt, n_new, prefill=True)}
+        res[fmt] = r
+        del eng, pf
+        cupy.get_default_memory_pool().free_all_blocks()
+    group.barrier()
+    if group.rank == 0:  # the one-GPU prefill on the same weights
+        for fmt in ("fp16", "fp8"):
+            eng = Engine(model_dir, weights=fmt, max_seq=64)
+            eng._prefill = Prefill(eng, chunk=chunk)
+            eng.reset(prompt)
+            eng.fill(upto=len(prompt) - 1)
+            res[fmt]["one_gpu_logits"] = first_logits(eng)
+            res[fmt]["one_gpu"] = eng.generate(prompt, n_new, prefill=True)
+            del eng
+    group.barrier()
+    return res
+
+
+TASKS = {"kernels": kernels, "engine": engine, "prefill": prefill}
+
+
 def main() -> None:
     task, out = sys.argv[1], Path(sys.argv[2])
     from atomflow_bench.gpu.tp.group import Group
 
     group = Group()
     try:
-        res = kernels(group, out) if task == "kernels" else engine(group, out, sys.argv[3])
+        res = TASKS[task](group, out, *sys.argv[3:])
     finally:
         group.close()
     (out / f"{task}-rank{group.rank}.json").write_text(json.dumps(res))

@@ -3,8 +3,12 @@
 Every byte the engine touches during decode is planned from the `ModelConfig` before the first token:
 four pools (weights, kv, activations, scratch), each ONE device allocation, carved into named regions at
 256-byte-aligned offsets. `plan_arena` is pure Python (testable without a GPU); `Arena` checks the plan
-against free VRAM *before allocating anything* and then allocates the four pools. Nothing is allocated
+against free VRAM *before allocating anything* (`fit`) and then allocates the four pools. Nothing is allocated
 during decode (tests install an allocator that raises to prove it).
+
+An engine that will prefill has the batched prefill's bytes planned too (gpu/prefill.py form_bytes, per weights
+form): `fit` takes the first form that fits beside the model (fp16 weight copies, else the staged scratch), and the
+Prefill allocates it on first use, after loading has freed its staging buffer.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import numpy as np
 from ..config import GROUP, ModelConfig
 from ..errors import AtomflowError
 from .ops import attention, gemv, lm_head
+from .prefill import form_bytes
 
 ALIGN = 256
 POOLS = ("weights", "kv", "activations", "scratch")
@@ -43,6 +48,7 @@ class ArenaPlan:
         self.sizes = {p: 0 for p in POOLS}
         self.streamed: set[str] = set()
         self.staging_bytes = 0  # temporary device buffer used only while loading (row-major -> tiled)
+        self.prefill: dict[str, int] = {}  # the batched prefill's bytes per weights form, in the order tried
 
     def add(self, pool: str, name: str, shape, dtype, streamed: bool = False) -> Region:
         assert pool in POOLS and name not in self.regions, (pool, name)
@@ -62,9 +68,10 @@ class ArenaPlan:
         return sum(self.regions[n].nbytes for n in self.streamed)
 
 
-def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132, lm_head_rows: int | None = None) -> ArenaPlan:
+def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132, lm_head_rows: int | None = None,
+               prefill_chunk: int | None = None) -> ArenaPlan:
     """The regions of `cfg` (tensor parallel: the rank's local_config, with `lm_head_rows` its vocabulary rows; the
-    embedding stays whole, replicated)."""
+    embedding stays whole, replicated), and with `prefill_chunk` the batched prefill's bytes at that chunk."""
     if fmt not in ("fp16", "fp8"):
         raise AtomflowError(f"unknown weight format {fmt!r} (expected fp16 or fp8)")
     if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or cfg.q_dim % 32:
@@ -121,7 +128,36 @@ def plan_arena(cfg: ModelConfig, fmt: str, max_seq: int, n_sm: int = 132, lm_hea
     p.add("scratch", "prompt", (max_seq,), np.int32)
     p.add("scratch", "out_tokens", (max_seq,), np.int32)
     p.add("scratch", "rope_cs", (max_seq, cfg.head_dim // 2, 2), np.float32)
+    if prefill_chunk is not None:
+        p.prefill = form_bytes(cfg, fmt, prefill_chunk)
     return p
+
+
+def fit(plan: ArenaPlan, free: int, total: int) -> str | None:
+    """The check before anything is allocated, against `free` of `total` device bytes: the model (its regions, the
+    load staging, RESERVE) must fit, and where the plan has a prefill, the first of its forms that fits beside the
+    model (in the room the load staging leaves when it is freed). Returns that form (None: no prefill planned);
+    what does not fit is refused in one line."""
+    gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
+    need = plan.total() + plan.staging_bytes + RESERVE
+    if need > free:
+        raise AtomflowError(
+            f"model does not fit: needs {gib(need)} GiB (weights {gib(plan.sizes['weights'])}, "
+            f"KV {gib(plan.sizes['kv'])}, activations+scratch "
+            f"{gib(plan.sizes['activations'] + plan.sizes['scratch'])}, load staging "
+            f"{gib(plan.staging_bytes)}, reserve {gib(RESERVE)}) but only {gib(free)} of {gib(total)} "
+            "GiB are free on the GPU; try --weights fp8 or a smaller --ctx")
+    if not plan.prefill:
+        return None
+    model = plan.total() + RESERVE
+    for form, nbytes in plan.prefill.items():
+        if model + max(plan.staging_bytes, nbytes) <= free:
+            return form
+    first, smallest = next(iter(plan.prefill)), list(plan.prefill)[-1]
+    raise AtomflowError(
+        f"the batched prefill does not fit beside the model: {gib(plan.prefill[smallest])} GiB in its smallest form "
+        f"({smallest}; {first}: {gib(plan.prefill[first])}) beyond the model's {gib(model)} GiB (reserve included), "
+        f"{gib(free)} of {gib(total)} GiB are free on the GPU; try a smaller --ctx, --weights fp8 or more GPUs (--tp)")
 
 
 class Arena:
@@ -130,16 +166,7 @@ class Arena:
     def __init__(self, plan: ArenaPlan):
         import cupy
 
-        free, total = cupy.cuda.runtime.memGetInfo()
-        need = plan.total() + plan.staging_bytes + RESERVE
-        if need > free:
-            gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
-            raise AtomflowError(
-                f"model does not fit: needs {gib(need)} GiB (weights {gib(plan.sizes['weights'])}, "
-                f"KV {gib(plan.sizes['kv'])}, activations+scratch "
-                f"{gib(plan.sizes['activations'] + plan.sizes['scratch'])}, load staging "
-                f"{gib(plan.staging_bytes)}, reserve {gib(RESERVE)}) but only {gib(free)} of {gib(total)} "
-                "GiB are free on the GPU; try --weights fp8 or a smaller --ctx")
+        self.prefill_form = fit(plan, *cupy.cuda.runtime.memGetInfo())  # the batched prefill's weights form, if any
         self.plan = plan
         self.pools = {p: cupy.zeros(max(plan.sizes[p], ALIGN), dtype=cupy.uint8) for p in POOLS}
         self._views = {}

@@ -17,6 +17,11 @@ on the GPU by gpu/synthetic.py) and its sums across ranks (`sums`: what the step
 the lm_head; `allreduce` = "peer", "nccl", or "auto" / None: peer where the ranks can map each other's memory).
 Every rank must make the same calls in the same order (the collectives are inside the step), so nothing here depends
 on a rank's own timings.
+
+The batched prefill (gpu/prefill.py, `fill`) has its memory planned with the arena's (`batched_prefill`, default on):
+the arena refuses in one line before allocating anything when not even its staged form fits beside the model, and
+chooses its weights form (`arena.prefill_form`; tensor parallel: the ranks agree on one); the Prefill allocates it
+on first use.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from .nvrtc import KernelLib
 from .ops import kernel_lib
 from .ops.attention import short_capacity
 from .ops.lm_head import partial_blocks
+from .prefill import FORMS, PREFILL_CHUNK, Prefill
 from .step import build_step, run_eager
 from .upload import upload_weights
 
@@ -48,7 +54,8 @@ def pdl_default(cc: int) -> bool:
 class Engine:
     def __init__(self, model_dir: str | Path | None, weights: str = "fp8", max_seq: int = 2048,
                  forms: Forms | None = None, progress=None, pdl: bool | None = None, kernel_defines: tuple = (),
-                 group=None, allreduce: str | None = None, source=None, lib: KernelLib | None = None):
+                 group=None, allreduce: str | None = None, source=None, lib: KernelLib | None = None,
+                 batched_prefill: bool = True):
         cupy = require_gpu()
         # load
         self.ckpt = source if source is not None else Checkpoint(model_dir)  # source: e.g. synthetic.GpuSynthetic
@@ -66,11 +73,14 @@ class Engine:
             self.layer_cfg = self.shard.config
             lm_rows = self.shard.vocab_rows[1] - self.shard.vocab_rows[0]
         self.plan = plan_arena(self.layer_cfg, weights, max_seq, self.gpu["sms"],
-                               lm_head_rows=None if self.cfg.tie_word_embeddings else lm_rows)
+                               lm_head_rows=None if self.cfg.tie_word_embeddings else lm_rows,
+                               prefill_chunk=min(PREFILL_CHUNK, max_seq) if batched_prefill else None)
         self.max_seq = max_seq
         # kernel_defines: e.g. the timeline instrument; `lib`: one made already (its defines keyed a saved tune)
         self.lib = lib if lib is not None else kernel_lib(extra_defines=kernel_defines)
         self.arena = Arena(self.plan)              # refuses before allocating when it does not fit
+        if group is not None and self.arena.prefill_form is not None:
+            self.arena.prefill_form = group.agree(self.arena.prefill_form, FORMS)
         self.load_info = upload_weights(self.ckpt, self.arena, weights, self.lib, progress, shard=self.shard)
         self.tp = None
         if group is not None:
@@ -181,8 +191,9 @@ class Engine:
 
     @property
     def prefills(self) -> bool:
-        """Whether the batched prefill is built for this engine (one GPU; not yet under tensor parallel)."""
-        return self.group is None
+        """Whether `fill` runs the batched prefill: its memory is planned (`batched_prefill`) and, under tensor
+        parallel, the group sums a chunk's rows across ranks."""
+        return self.arena.prefill_form is not None and (self.tp is None or self.tp.row_sums is not None)
 
     def prefill(self, prompt_ids, graph: bool = True) -> None:
         """Reset to the prompt and run it through the batched prefill (gpu/prefill.py; each chunk a graph replay, or
@@ -191,9 +202,7 @@ class Engine:
         self.prefiller().fill(prompt_ids, graph)
 
     def prefiller(self):
-        """The engine's gpu/prefill.py Prefill, made on first use (its weight copies and buffers only then)."""
-        from .prefill import Prefill
-
+        """The engine's gpu/prefill.py Prefill, made on first use (its weights and buffers only then)."""
         if self._prefill is None:
             self._prefill = Prefill(self)
         return self._prefill

@@ -1,6 +1,6 @@
 """Prefill: the prompt's K/V rows computed as batched work (M tokens a chunk) instead of one decode step per token.
 
-    pf = Prefill(engine)              # row-major fp16 copies of the layer weights, chunk buffers: made once
+    pf = Prefill(engine)              # row-major fp16 weights (copies, or one staged scratch), chunk buffers: made once
     pf.run(prompt_ids)                # K/V of positions 0 .. n-1 in the cache, the first new token made
     engine.run(n_new - 1)             # the decode step continues at position n, reading that token
 
@@ -8,13 +8,29 @@ Per chunk of up to `chunk` tokens (positions start .. start+m-1), per layer, as 
 RMSNorm rows -> QKV GEMM -> RoPE + K/V into the cache -> causal attention over the cache before the chunk and the
 chunk (ops/attention_prefill.py) -> o_proj GEMM added into the fp32 residual -> RMSNorm rows -> gate/up GEMM ->
 SwiGLU rows -> down GEMM added into the residual. The GEMMs run on cuBLAS (ops/prefill_rows.py Gemm) over row-major
-fp16 copies of the layer weights made once from the arena's tiled ones (fp8: dequantised, each weight times its
-group's scale, rounded to fp16); those copies cost the fp16 model's layer bytes of device memory. After the last
-chunk its last row goes through the decode step's lm_head kernel alone (final norm, logits, argmax, position + 1),
-which makes the first new token without a decode step's weight reads. One GPU only (the tensor-parallel prefill is not
-built).
+fp16 weights made from the arena's tiled ones (fp8: dequantised, each weight times its group's scale, rounded to
+fp16). After the last chunk its last row goes through the decode step's lm_head kernel alone (final norm, logits,
+argmax, position + 1), which makes the first new token without a decode step's weight reads (tensor parallel: the
+last prompt token goes through the decode step, whose lm_head shards and their combine give the first token).
+
+The weights' form (`weights_form`) is chosen by memory, before anything is allocated (gpu/arena.py fit: `form_bytes`
+counted beside the model): "copies" makes every layer's row-major weights once (the fp16 model's layer bytes);
+"staged", where those do not fit, keeps one scratch of the largest weight and fills it from the arena's tiled weight
+(kernels_cu/untile.cu: un-tiled, fp8 dequantised) right before each GEMM, every chunk. Staging costs a pass over the
+weights per chunk besides the GEMM's own: 4 bytes moved per fp16 weight, 3 per fp8 weight (read, written as fp16),
+while a chunk of m tokens does 2m flops per weight. At m = 512 on an H100 (3.35 TB/s, ~990 dense fp16 TFLOPS) a
+weight is staged in about the time the GEMM computes it at peak, so the GEMMs' time up to doubles; longer chunks
+pay the same pass for more work (figures from those peaks, not measured).
+
+Tensor parallel (the engine's `tp`, gpu/tp/sums.py RowSums): each rank runs its heads and its share of the MLP on
+its own shard (the arena's, `layer_cfg` shapes); after o_proj and after down the ranks' partial products are summed
+by an in-place NCCL all-reduce of the chunk's rows of h (rank 0's GEMM adds its product to the residual, the others'
+store theirs), queued on the stream like the GEMMs, so each chunk's CUDA graph captures it. Every rank makes the
+same calls in the same order: the chunks are the prompt's, the same on every rank.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -26,6 +42,7 @@ from .ops.gemv import ROLE_PAIRING, linear_regions, tile_scale_view, tile_view
 from .ops.lm_head import lm_head_launch
 from .ops.prefill_rows import (Gemm, embed_rows_launch, rmsnorm_rows_launch, rope_kv_rows_launch,
                                swiglu_rows_launch)
+from .ops.untile import untile_launch
 
 # What each layer runs, in order (chunk_ops' names).
 ROLES = ("attn_norm", "qkv", "rope_kv", "attention", "o_proj", "mlp_norm", "gate_up", "swiglu", "down")
@@ -33,6 +50,8 @@ D2D = 3  # cudaMemcpyDeviceToDevice
 PREFILL_CHUNK = 4096  # tokens per chunk: cuBLAS runs the layer GEMMs at M = 4096 near its 8192-cube rate (M = 512:
 # 0.4-0.75x of it); an 8192-token 3B prompt takes 143 ms in chunks of 4096, 147 in 2048, 166 in 512 (one H200). The
 # buffers' rows cost ~85 KB a token for 3B, ~130 KB for 8B.
+FORMS = ("copies", "staged")  # the weights' forms, in the order memory tries them (gpu/arena.py fit)
+WEIGHTS = ("wqkv", "wo", "wgu", "wd")  # each layer's GEMM weights (ops/gemv.py linear_regions)
 
 
 def prefill_flops(cfg, n: int) -> float:
@@ -42,6 +61,27 @@ def prefill_flops(cfg, n: int) -> float:
     gemms = 2.0 * n * cfg.layer_linear_params()
     attention = 4.0 * cfg.head_dim * cfg.num_attention_heads * (n * (n + 1) / 2) * cfg.num_hidden_layers
     return gemms + attention + 2.0 * cfg.vocab_size * cfg.hidden_size
+
+
+def buffer_shapes(cfg, chunk: int) -> dict[str, tuple[tuple, type]]:
+    """The chunk buffers of a layer config `cfg` (tensor parallel: the rank's): name -> (shape, dtype)."""
+    H, inter = cfg.hidden_size, cfg.intermediate_size
+    return {"tokens": ((chunk,), np.int32), "h": ((chunk, H), np.float32), "x": ((chunk, H), np.float16),
+            "qkv": ((chunk, cfg.qkv_dim), np.float16), "att": ((chunk, cfg.q_dim), np.float16),
+            "gu": ((chunk, 2 * inter), np.float16), "act": ((chunk, inter), np.float16)}
+
+
+def form_bytes(cfg, fmt: str, chunk: int) -> dict[str, int]:
+    """Device bytes of each weights form (FORMS order), chunk buffers included. copies: every layer's weights in
+    fp16 (the fp16 model's layer bytes; tensor parallel: the rank's shard, `cfg` its local config), and for fp8 what
+    making one takes besides (row_major: the codes, the scales and one group of fp32 products of the largest weight);
+    staged: one fp16 scratch of the largest weight."""
+    buffers = sum(math.prod(s) * np.dtype(d).itemsize for s, d in buffer_shapes(cfg, chunk).values())
+    shapes = linear_regions(cfg).values()
+    making = 0 if fmt == "fp16" else 4 * 256 + max(r * k + 4 * r * -(-k // GROUP) + 10 * r * min(k, GROUP)
+                                                    for r, k in shapes)
+    copies = 2 * sum(r * k for r, k in shapes) * cfg.num_hidden_layers + making
+    return {"copies": copies + buffers, "staged": 2 * max(r * k for r, k in shapes) + buffers}
 
 
 def e4m3_table():
@@ -79,42 +119,69 @@ def row_major(a, name: str, fmt: str, half: int):
 
 
 class Prefill:
-    """The batched prefill of a one-GPU engine (see the module docstring)."""
+    """The batched prefill of an engine (see the module docstring). `weights_form`: "copies" or "staged" (None: the
+    form the engine's arena planned, else the first that fits the memory free at construction)."""
 
-    def __init__(self, engine, chunk: int = PREFILL_CHUNK):
+    def __init__(self, engine, chunk: int = PREFILL_CHUNK, weights_form: str | None = None):
         import cupy as cp
 
-        if engine.group is not None:
-            raise AtomflowError("prefill under tensor parallel is not built; run without --tp")
         cfg = engine.layer_cfg
         self.eng, self.cfg, self.chunk = engine, cfg, max(1, min(chunk, engine.max_seq))
         a = engine.arena
-        need = sum(r * k * 2 for r, k in linear_regions(cfg).values()) * cfg.num_hidden_layers
-        c, H, inter = self.chunk, cfg.hidden_size, cfg.intermediate_size
-        need += c * (H * 6 + cfg.qkv_dim * 2 + cfg.q_dim * 2 + inter * 6 + 4)
-        free = cp.cuda.runtime.memGetInfo()[0]
-        if need > free:
-            raise AtomflowError(f"prefill needs {need / 2**30:.2f} GiB for its fp16 weights and buffers, "
-                                f"{free / 2**30:.2f} GiB are free")
+        need = form_bytes(cfg, engine.fmt, self.chunk)
+        free = cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
+        form = weights_form or a.prefill_form or next((f for f in FORMS if need[f] <= free), FORMS[-1])
+        if form not in FORMS:
+            raise AtomflowError(f"prefill weights form {form!r}: one of {', '.join(FORMS)}")
+        if need[form] > free:
+            raise AtomflowError(f"the batched prefill ({form} weights, chunks of {self.chunk} tokens) needs "
+                                f"{need[form] / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free; try a smaller --ctx "
+                                "or more GPUs (--tp)")
+        self.weights_form = form
+        self.sums = None if engine.tp is None else engine.tp.row_sums  # tensor parallel: the sums of the rows
         half = cfg.head_dim // 2
-        self.w = {f"L{i}.{r}": row_major(a, f"L{i}.{r}", engine.fmt, half)
-                  for i in range(cfg.num_hidden_layers) for r in ("wqkv", "wo", "wgu", "wd")}
-        self.tokens = cp.zeros(c, dtype=cp.int32)
-        self.h = cp.zeros((c, H), dtype=cp.float32)
-        self.x = cp.zeros((c, H), dtype=cp.float16)
-        self.qkv = cp.zeros((c, cfg.qkv_dim), dtype=cp.float16)
-        self.att = cp.zeros((c, cfg.q_dim), dtype=cp.float16)
-        self.gu = cp.zeros((c, 2 * inter), dtype=cp.float16)
-        self.act = cp.zeros((c, inter), dtype=cp.float16)
+        names = [f"L{i}.{r}" for i in range(cfg.num_hidden_layers) for r in WEIGHTS]
+        self.w, self.staged = {}, {}
+        if form == "copies":
+            self.w = {n: row_major(a, n, engine.fmt, half) for n in names}
+        else:  # one scratch; each weight's un-tiling into it, launched right before its GEMM
+            scratch = cp.empty(max(r * k for r, k in linear_regions(cfg).values()), dtype=cp.float16)
+            for n in names:
+                rows, k = a[n].shape
+                view = scratch[:rows * k].reshape(rows, k)
+                scales = a[n + ".scale"] if engine.fmt == "fp8" else None
+                self.staged[n] = (untile_launch(engine.lib, engine.fmt, a[n], scales, view,
+                                                ROLE_PAIRING[n.split(".", 1)[1]], half), view)
+        b = {name: cp.zeros(shape, dtype=dt) for name, (shape, dt) in buffer_shapes(cfg, self.chunk).items()}
+        self.tokens, self.h, self.x, self.qkv, self.att, self.gu, self.act = (
+            b[k] for k in ("tokens", "h", "x", "qkv", "att", "gu", "act"))
         self.gemm = Gemm()
         # the first new token: the decode step's lm_head (final norm, logits, argmax, position + 1) on the last row;
         # tensor parallel runs its vocabulary shards and their combine in the decode step instead
         self.lm_head = lm_head_launch(engine.lib, a, cfg, engine.gpu["sms"]) if engine.group is None else None
         self.graphs: dict = {}  # (start, m): the chunk's work captured once (its ~9 calls per layer replay at once)
 
+    def weight(self, name: str):
+        """Weight `name` (e.g. "L3.wo") row-major fp16 for the GEMM about to run: its copy, or (staged) the scratch,
+        its un-tiling queued on the current stream by this call."""
+        if self.weights_form == "copies":
+            return self.w[name]
+        fill, view = self.staged[name]
+        fill()
+        return view
+
+    def resid(self, x, w, m: int) -> None:
+        """h[:m] += x[:m] W^T; tensor parallel: + the other ranks' products (rank 0's GEMM adds its product to h,
+        the others' store theirs in h, and the sum of the rows across ranks leaves the total on every rank)."""
+        s = self.sums
+        self.gemm(x, w, self.h, m, accumulate=s is None or s.adds_residual)
+        if s is not None:
+            s(self.h, m)
+
     def chunk_ops(self, start: int, m: int, last: bool = False) -> list[tuple[str, object]]:
         """Chunk [start, start + m)'s work in order, tokens already in place: (name, op) pairs, each op a launch or a
-        cuBLAS call (callable). Names are "embed" and "layers.{i}.{role}" with role one of ROLES; after
+        cuBLAS call (callable; staged: the weight's un-tiling and the call; tensor parallel, o_proj and down: the call
+        and the sum across ranks). Names are "embed" and "layers.{i}.{role}" with role one of ROLES; after
         "layers.{i}.o_proj" h[:m] holds the decode step's probe "layers.{i}.attn", after "layers.{i}.down" its
         "layers.{i}.mlp". `last`: the prompt's last chunk, followed by "last_row" (its last row into the step's
         residual) and "lm_head" (the first new token; the device's position must be the last row's)."""
@@ -126,18 +193,18 @@ class Prefill:
         h, x, qkv, att, gu, act = self.h, self.x, self.qkv, self.att, self.gu, self.act
         out = [("embed", embed_rows_launch(lib, self.tokens, a["embed"], h, m))]
         for i in range(cfg.num_hidden_layers):
-            w = {r: self.w[f"L{i}.{r}"] for r in ("wqkv", "wo", "wgu", "wd")}
+            w = lambda r, i=i: self.weight(f"L{i}.{r}")  # noqa: E731 - staged: filled as its GEMM is queued
             ops = [
                 rmsnorm_rows_launch(lib, h, a[f"L{i}.attn_norm"], x, m, eps),
-                lambda w=w: self.gemm(x, w["wqkv"], qkv, m),
+                lambda w=w: self.gemm(x, w("wqkv"), qkv, m),
                 rope_kv_rows_launch(lib, qkv, a["rope_cs"], a["k_cache"][i], a["v_cache"][i], n_q, n_kv, hd, start, m),
                 attention_prefill_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], start, m, att, n_kv,
                                          cfg.group_size, hd, cfg.qkv_dim, cfg.q_dim),
-                lambda w=w: self.gemm(att, w["wo"], h, m, accumulate=True),
+                lambda w=w: self.resid(att, w("wo"), m),
                 rmsnorm_rows_launch(lib, h, a[f"L{i}.mlp_norm"], x, m, eps),
-                lambda w=w: self.gemm(x, w["wgu"], gu, m),
+                lambda w=w: self.gemm(x, w("wgu"), gu, m),
                 swiglu_rows_launch(lib, gu, act, m),
-                lambda w=w: self.gemm(act, w["wd"], h, m, accumulate=True),
+                lambda w=w: self.resid(act, w("wd"), m),
             ]
             out += [(f"layers.{i}.{r}", op) for r, op in zip(ROLES, ops)]
         if last:
@@ -154,7 +221,8 @@ class Prefill:
     def chunk_graph(self, start: int, m: int, last: bool = False) -> StepGraph:
         """The chunk's work as a CUDA graph, captured on first use after one eager run (which loads the kernels and
         cuBLAS's workspace; running a chunk again writes the same values). Replaying it costs one launch where the
-        eager chunk costs a Python call per op: 3B's 28 layers x 9 take ~6 ms of host time per chunk."""
+        eager chunk costs a Python call per op: 3B's 28 layers x 9 take ~6 ms of host time per chunk. Tensor
+        parallel: the sums across ranks are captured with the rest (NCCL takes part in stream capture)."""
         key = (start, m, last)
         if key not in self.graphs:
             ops = self.chunk_launches(start, m, last)

@@ -6,14 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..nvrtc import KERNELS_DIR, KernelLib
-from . import attention, attention_prefill, gemv, lm_head, prefill_gemm, prefill_rows, small
+from . import attention, attention_prefill, gemv, lm_head, prefill_gemm, prefill_rows, small, untile
 
 
 def declared_kernels() -> dict[str, tuple[str, ...]]:
     """{.cu file: its kernels} over every op module's KERNELS: what the one-GPU step launches and where it is defined.
     The tensor-parallel wing declares its own (`KernelLib.declare`)."""
     out: dict[str, tuple[str, ...]] = {}
-    for mod in (attention, attention_prefill, gemv, lm_head, prefill_gemm, prefill_rows, small):
+    for mod in (attention, attention_prefill, gemv, lm_head, prefill_gemm, prefill_rows, small, untile):
         for cu, names in mod.KERNELS.items():
             out[cu] = out.get(cu, ()) + tuple(names)
     return out

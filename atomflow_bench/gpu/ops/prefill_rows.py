@@ -1,8 +1,9 @@
 """The prefill's row-wise ops (kernels_cu/prefill_rows.cu) and its GEMMs (cuBLAS through CuPy): launch factories.
 
-The GEMMs run on row-major fp16 copies of the layer weights (gpu/prefill.py makes them once): Y[M][N] = X[M][K] W^T
-by cublasGemmEx with fp32 accumulation, fp16 out, or (o_proj, down) fp32 out added into the residual (beta = 1), so
-the residual is summed in fp32 as the decode step's epilogue does.
+The GEMMs run on row-major fp16 layer weights (gpu/prefill.py: copies made once, or a scratch staged before each
+GEMM): Y[M][N] = X[M][K] W^T by cublasGemmEx with fp32 accumulation, fp16 out, or (o_proj, down) fp32 out added into
+the residual (beta = 1), so the residual is summed in fp32 as the decode step's epilogue does (a tensor-parallel
+rank other than 0: stored, for the sum across ranks).
 """
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ def libcublas():
 
 class Gemm:
     """Y[M][N] (+)= X[M][K] W[N][K]^T on cuBLAS (gemmEx: fp16 inputs, fp32 accumulation), on CuPy's current
-    stream. `accumulate`: Y is fp32 and the product is added to it (beta = 1), else Y is fp16 and overwritten."""
+    stream; Y fp16 or fp32 (its dtype). `accumulate`: Y is fp32 and the product is added to it (beta = 1), else Y is
+    overwritten (fp32: a tensor-parallel rank's partial product of o_proj or down)."""
 
     def __init__(self):
         import cupy
@@ -92,6 +94,9 @@ class Gemm:
 
     def __call__(self, x, w, y, m: int, accumulate: bool = False) -> None:
         n, k = w.shape
+        out32 = y.dtype == np.float32
+        if accumulate and not out32:
+            raise AtomflowError(f"GEMM accumulating into {y.dtype}: fp32 only")
         lib = self._lib
         handle = self._cupy.cuda.device.get_cublas_handle()
         rc = lib.cublasSetStream_v2(handle, self._cupy.cuda.get_current_stream().ptr)
@@ -99,7 +104,7 @@ class Gemm:
         rc = rc or lib.cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, self._one.ctypes.data, w.data.ptr,
                                     CUDA_R_16F, k, x.data.ptr, CUDA_R_16F, k,
                                     (self._one if accumulate else self._zero).ctypes.data, y.data.ptr,
-                                    CUDA_R_32F if accumulate else CUDA_R_16F, n, CUBLAS_COMPUTE_32F,
+                                    CUDA_R_32F if out32 else CUDA_R_16F, n, CUBLAS_COMPUTE_32F,
                                     CUBLAS_GEMM_DEFAULT)
         if rc:
             raise AtomflowError(f"cublasGemmEx failed (cublasStatus {rc}) for [{m}, {k}] x [{n}, {k}]^T")

@@ -11,9 +11,10 @@ unless the user set NCCL_NVLS_ENABLE (the lent machines need it off).
 
 `Group` holds the communicator and the collectives the decode step captures (`allreduce_op`, `allgather_op`: host
 ops queued on the current stream, so a CUDA graph records them), plus the host-side exchanges the engine needs
-once (`allgather_host`: IPC handles, copy bandwidths) and the peer-memory mapping of the fast path (`peer_buffer`).
-It is also what the engine plugs in (`shard_plan`, `sums`): the engine asks the group for the rank's shard and its
-sums and knows nothing else of tensor parallel.
+once (`allgather_host`: IPC handles, copy bandwidths; `agree`: one choice for every rank) and the peer-memory
+mapping of the fast path (`peer_buffer`); the batched prefill's sums of rows (`allreduce_rows`, sums.py RowSums).
+It is also what the engine plugs in (`shard_plan`, `sums`, `agree`): the engine asks the group for the rank's shard,
+its sums and one prefill weights form for every rank, and knows nothing else of tensor parallel.
 """
 from __future__ import annotations
 
@@ -212,6 +213,23 @@ class Group:
             comm.allReduce(buf.data.ptr, buf.data.ptr, n, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
                            cupy.cuda.get_current_stream().ptr)
         return HostOp(call, "nccl_allreduce", f"nccl allreduce {buf.nbytes} B", 2 * buf.nbytes)
+
+    def allreduce_rows(self, rows, m: int) -> None:
+        """In-place sum over the ranks of rows[:m] of the C-contiguous fp32 device array `rows`, queued on the current
+        stream (capturable): the batched prefill's sums (sums.py RowSums)."""
+        import cupy  # optional extra: imported where a GPU is used
+
+        if rows.dtype != np.float32 or not rows.flags.c_contiguous:
+            raise AtomflowError(f"allreduce_rows: C-contiguous fp32 rows only, got {rows.dtype}")
+        part = rows[:m]
+        self.comm.allReduce(part.data.ptr, part.data.ptr, part.size, self._nccl.NCCL_FLOAT32, self._nccl.NCCL_SUM,
+                            cupy.cuda.get_current_stream().ptr)
+
+    def agree(self, choice: str, options: tuple) -> str:
+        """The option furthest along `options` that any rank chose (collective): one choice for every rank, the
+        most cautious where they differ (options ordered from the most demanding)."""
+        picks = self.allgather_host(np.array([options.index(choice)], np.int32))
+        return options[int(picks.max())]
 
     def allgather_op(self, send, recv) -> HostOp:
         """recv[r * send.size:(r + 1) * send.size] = rank r's send (4-byte elements)."""

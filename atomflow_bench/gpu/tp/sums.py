@@ -20,6 +20,9 @@ A third, `local`, only for timing: the partial GEMVs into a scratch vector and n
 the step the exchanges' cost is measured against (figures.py). The standalone sum tp_allreduce_add uses
 the same slots (its own two buffers): the "one sum alone" figure and the GPU tests. Both real paths are built at
 setup where they can be (peer needs every rank on this host and peer access), so a run times both.
+
+The batched prefill (gpu/prefill.py) sums a chunk's rows, up to 512 of them, after its o_proj and down GEMMs:
+`RowSums`, on NCCL whatever the step's path (the LL buffers hold one row).
 """
 from __future__ import annotations
 
@@ -91,6 +94,20 @@ def argmax_combine_launch(lib, vals_ptrs, idxs_ptrs, offsets, flags, peer_flags,
                    i32(1 if advance else 0)), 0, {}, 8 * n_ranks, f"tp argmax combine x {n_ranks}")
 
 
+class RowSums:
+    """The batched prefill's sums across ranks: rank 0's o_proj / down GEMM adds its product to the residual rows
+    (`adds_residual`), the other ranks' GEMMs store theirs in them, and the call on (rows, m), an in-place NCCL
+    all-reduce of rows[:m] (fp32), leaves h + the sum of the products on every rank, bit-identical, as the step's nccl
+    path does for its one row. Queued on the current stream, so a chunk's CUDA graph captures it."""
+
+    def __init__(self, group):
+        self.group = group
+        self.adds_residual = group.rank == 0
+
+    def __call__(self, rows, m: int) -> None:
+        self.group.allreduce_rows(rows, m)
+
+
 class TpComm:
     """One rank's side of the exchanges: buffers, peer addresses, and the launches the step inserts (the engine's
     sums hook: gpu/step.py reads only this object's methods and the two constants below)."""
@@ -154,6 +171,7 @@ class TpComm:
         self.g_idx = cupy.zeros(self.n, dtype=cupy.int32)
         self.g_val_ptrs = u64([self.g_val.data.ptr + 4 * s for s in range(self.n)])
         self.g_idx_ptrs = u64([self.g_idx.data.ptr + 4 * s for s in range(self.n)])
+        self.row_sums = RowSums(group)  # the batched prefill's sums (Engine.prefills asks for them)
 
     # ---- what the step asks ---------------------------------------------------------------------------------------
     def gemv_target(self, role: str, h, path: str | None = None) -> tuple[str, object, tuple | None]:
