@@ -280,7 +280,8 @@ def prefill_files(tmp_path):
     deep128 = with_prompt_tests(lcpp, [{"n_prompt": 128, "n_depth": 128, "avg_ts": 12000.0, "stddev_ts": 10.0}])
     server = committed("llama.cpp-server-nvidia-h100-80gb-hbm3-llama-3.2-3b-q8_0-prompt128.json")
     server128 = dict(server, context=128, metrics=dict(server["metrics"], ttft_ms=20.0))
-    (tmp_path / "no-baselines").mkdir()
+    tmp_path = tmp_path / "prefill"  # beside the `files` fixture's, when a test takes both
+    (tmp_path / "no-baselines").mkdir(parents=True)
     return {"ours": write(tmp_path, "ours.json", ours), "ours_rec": ours,
             "walked": write(tmp_path, "walked.json", walked),
             "lcpp": write(tmp_path, "lcpp.json", lcpp), "pp128": write(tmp_path, "pp128.json", pp128),
@@ -342,3 +343,14 @@ def test_prefill_ratio_only_on_the_same_gpu_and_never_for_records_without_it(pre
     lcpp = rows[1]
     assert lcpp["prefill_tok_per_s"] == 12800.0 and lcpp["prefill_ratio"] is None
     assert lcpp["prefill_basis"] == "ours has no prefill figure"
+
+
+def test_records_without_a_prefill_figure_keep_the_table_s_columns(files, prefill_files, tmp_path, capsys):
+    old = ["engine", "format", "GPU", "ctx", "TPOT ms", "tok/s", "bytes/token GB", "% of copy roofline", SPEED, NORM,
+           "note", "source"]
+    code, out, _ = invoke(capsys, "compare-peers", files["ours"], files["f16"], "--format", "json")
+    assert code == 0 and list(json.loads(out)[0]) == old
+    ours3b = write(tmp_path, "ours-3b.json", make_run(1.45, model="llama-3.2-3b"))  # no prefill figure of ours
+    code, out, _ = invoke(capsys, "compare-peers", ours3b, prefill_files["server"], "--format", "json")
+    cols = list(json.loads(out)[0])
+    assert cols == old[:10] + ["prompt tokens", "prefill tok/s", "TTFT ms", PREFILL_VS] + old[10:]

@@ -27,7 +27,8 @@ One row per record (and per peer in a run record). Columns and rules:
 * roofline-normalised vs ours — for rows on another GPU: (our achieved GB/s / our GPU's spec GB/s) / (theirs / their
   GPU's spec GB/s), ours of the row's width as above, >1: ours gets closer to its GPU's peak; "n/a" when bytes or a
   spec bandwidth are unknown.
-* prompt tokens, prefill tok/s, TTFT ms — the prefill, where a record has one: a run record's `prefill.prompt_tokens`,
+* prompt tokens, prefill tok/s, TTFT ms (these and the next column only when a row has a prefill figure: a table
+  of records written before them keeps its columns) — the prefill, where a record has one: a run record's `prefill.prompt_tokens`,
   `prefill.tok_per_s` (prompt tokens / median TTFT, labelled with its `prefill.path`, batched or walked) and
   `ttft_ms.median`; a llama.cpp record's llama-bench prompt-processing test (`pp512`: `prompt_tests[]` in the
   provenance line of its notes, measure/llama_cpp.py; llama-bench's mean tok/s over repetitions, labelled "pp<n>", and
@@ -328,6 +329,7 @@ def compare_peers(results, ours: str | None = None, baselines_dir=None) -> tuple
 
 
 PREFILL_VS = "prefill vs ours (same GPU, same prompt)"
+PREFILL_COLUMNS = ("prompt tokens", "prefill tok/s", "TTFT ms", PREFILL_VS)
 
 
 def _prefill_cells(r: dict) -> list:
@@ -346,18 +348,21 @@ def _prefill_cells(r: dict) -> list:
 
 
 def compare_peers_table(rows: list[dict]):
-    """The rows of `compare_peers` as an output.Tab."""
+    """The rows of `compare_peers` as an output.Tab; the prefill's columns only where a row has a prefill figure (none
+    of the records written before them has one: their table keeps its columns)."""
+    prefill = any(r["prompt_tokens"] is not None or r["ttft_ms"] is not None for r in rows)
+    extra = list(PREFILL_COLUMNS) if prefill else []
     cols = ["engine", "format", "GPU", "ctx", "TPOT ms", "tok/s", "bytes/token GB", "% of copy roofline",
-            "speedup vs ours (same GPU)", "roofline-normalised vs ours (other GPU)", "prompt tokens", "prefill tok/s",
-            "TTFT ms", PREFILL_VS, "note", "source"]
+            "speedup vs ours (same GPU)", "roofline-normalised vs ours (other GPU)", *extra, "note", "source"]
     t = Tab("compare-peers — speedup = their TPOT / ours (same GPU only); roofline-normalised = (our achieved GB/s / "
-            "our GPU's spec GB/s) / (theirs / their GPU's spec GB/s) (other GPU only); prefill vs ours = our prefill "
-            "tok/s / theirs (or their TTFT / ours) at the same prompt length from an empty cache (same GPU only); "
-            "ours = our run of the row's weight width (16-bit: fp16/F16/bf16, 8-bit: fp8/W8A16/Q8_0) when given, "
+            "our GPU's spec GB/s) / (theirs / their GPU's spec GB/s) (other GPU only); "
+            + ("prefill vs ours = our prefill tok/s / theirs (or their TTFT / ours) at the same prompt length from an "
+               "empty cache (same GPU only); " if prefill else "")
+            + "ours = our run of the row's weight width (16-bit: fp16/F16/bf16, 8-bit: fp8/W8A16/Q8_0) when given, "
             "else the first; >1: ours is ahead",
             cols, key="compare-peers", right=("ctx", "TPOT ms", "tok/s", "bytes/token GB", "% of copy roofline",
                                               "speedup vs ours (same GPU)", "roofline-normalised vs ours (other GPU)",
-                                              "prompt tokens", "prefill tok/s", "TTFT ms", PREFILL_VS))
+                                              *extra))
     for r in rows:
         match = r["gpu_match"]
         if r["kind"] == "ours":
@@ -376,7 +381,7 @@ def compare_peers_table(rows: list[dict]):
               num(r["tpot_ms"], ".3f"), num(r["tok_per_s"], ".1f"),
               num(None if r["bytes_per_token"] is None else r["bytes_per_token"] / 1e9, ".3f", none=""),
               num(r["copy_roofline_pct"], ".1f", "%", none=""),
-              speed, norm, *_prefill_cells(r), r["note"] or None, r["source"],
+              speed, norm, *(_prefill_cells(r) if prefill else []), r["note"] or None, r["source"],
               cell_styles={"engine": "bold" if r["kind"] == "ours" else "",
                            "TPOT ms": "" if match == "same" else "dim"})
     return t
