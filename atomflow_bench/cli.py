@@ -173,7 +173,8 @@ def tune(model, weights, context, tokens, fmt):
               help="Comma-separated models (catalog names, hub ids or local directories), e.g. llama-3.2-1b,llama-3.2-3b.")
 @click.option("--weights", "weights_list", default="fp8", show_default=True, help="Comma-separated: fp8, fp16.")
 @click.option("--ctx", "contexts", default="128", show_default=True,
-              help="Comma-separated contexts (prompt tokens before the timed decode), 1 to 32000 each.")
+              help="Comma-separated prompt lengths, 1 to 32000 each: each cell's prefill (TTFT) and the context "
+                   "its timed decode starts at.")
 @click.option("--tp", "tps", default="1", show_default=True,
               help="Comma-separated tensor-parallel degrees, e.g. 1,2,4 (a cell of tp > 1 is `run --tp N`; the "
                    "summary gives each its ratio and efficiency against tp 1).")

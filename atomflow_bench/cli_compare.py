@@ -128,7 +128,7 @@ def compare_peers(results, ours_path, baselines_dir, fmt):
 @click.argument("baseline_json", type=click.Path())
 @click.argument("new_json", type=click.Path())
 @click.option("--max-regression", default="5%", show_default=True,
-              help="Allowed TPOT slow-down, in percent (0% to 100%), beyond the runs' p10-p90 bands.")
+              help="Allowed TPOT (and TTFT) slow-down, in percent (0% to 100%), beyond the runs' p10-p90 bands.")
 @format_option
 def compare(baseline_json, new_json, max_regression, fmt):
     """CI gate: compare two `run` results files. Exit 0 ok, 1 regression, 2 refused.
@@ -136,7 +136,8 @@ def compare(baseline_json, new_json, max_regression, fmt):
     \b
     Exit codes:
       0  no regression: within the threshold, faster, or slower but within noise (a warning)
-      1  a regression beyond the threshold, outside the p10-p90 bands (and nothing else)
+      1  a regression beyond the threshold, outside the p10-p90 bands, in TPOT or in TTFT
+         (TTFT where both records hold it, prefill paths alike; and nothing else)
       2  refused, no verdict: the records are not comparable (another GPU, model, weights or
          context; a timing-instrument record), a figure is missing or not a positive finite
          number (NaN, inf, <= 0, a string, a bool, null), a file is missing, unreadable, not

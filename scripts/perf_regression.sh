@@ -5,7 +5,7 @@
 #   scripts/perf_regression.sh            exit 0: no regression; 1: a regression; 2: a run failed or a
 #                                         comparison was refused (another GPU, model, format or context)
 # Environment:
-#   MAX_REGRESSION    allowed TPOT slow-down beyond the runs' p10-p90 bands (default 5%)
+#   MAX_REGRESSION    allowed TPOT (and TTFT) slow-down beyond the runs' p10-p90 bands (default 5%)
 #   OUT               where the new results go (default results/ci)
 #   REFERENCE_DIR     the committed references (default results/reference)
 #   UPDATE_REFERENCE  1: copy the new results over the references instead of comparing (then commit them)

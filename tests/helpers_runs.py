@@ -34,3 +34,23 @@ def make_run(tpot_ms: float, jitter: float = 0.01, seed: int = 0, gpu: str = H10
         "bandwidth_gbs": nbytes["total"] / (tp["median"] * 1e-3) / 1e9,
         "roofline": {"tpot_floor_ms": floor_ms, "pct": 100 * floor_ms / tp["median"]},
     }
+
+
+def with_prefill(rec: dict, ttft_ms: float, jitter: float = 0.01, path: str = "batched",
+                 tensor_core_tflops: float | None = 700.0) -> dict:
+    """`rec` with the prefill's optional fields (`ttft_ms`, `prefill`, `tensor_core_tflops`) as `run` writes them:
+    a TTFT spread of +-`jitter` around `ttft_ms`, the prompt of `context` tokens, 2 x params FLOPs per token."""
+    n = rec["context"]
+    rec["ttft_ms"] = {"median": ttft_ms, "p10": ttft_ms * (1 - jitter), "p90": ttft_ms * (1 + jitter),
+                      "mean": ttft_ms, "min": ttft_ms * (1 - 2 * jitter), "max": ttft_ms * (1 + 2 * jitter),
+                      "n": rec.get("repeats", 5)}
+    flops = 2.0 * rec["model"]["params"] * n
+    tflops = flops / (ttft_ms * 1e-3) / 1e12
+    rec["prefill"] = {"path": path, "prompt_tokens": n, "chunk": 512 if path == "batched" else None,
+                      "tok_per_s": n / (ttft_ms * 1e-3), "flops": flops, "tflops": tflops, "pct_of_peak": None}
+    if tensor_core_tflops is not None:
+        tc = tensor_core_tflops
+        rec["tensor_core_tflops"] = {"median": tc, "p10": tc * 0.99, "p90": tc * 1.01, "mean": tc, "min": tc * 0.98,
+                                     "max": tc * 1.02, "n": 10, "shape": [8192, 8192, 8192], "dtype": "fp16"}
+        rec["prefill"]["pct_of_peak"] = 100 * tflops / tc
+    return rec

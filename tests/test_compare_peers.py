@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers_runs import H100, make_run
+from helpers_runs import H100, make_run, with_prefill
 
 from atomflow_bench.config import CATALOG
 from helpers_cli import invoke
 from test_output import md_tables
+from test_output_numbers import numbers_as_text
 
 RTX = "NVIDIA GeForce RTX 5060 Ti"
 CFG = CATALOG["llama-3.1-8b"].config
@@ -240,3 +241,116 @@ def test_llama_cpp_rows_carry_their_own_bytes_per_token(capsys):
     assert rows["F16"]["bytes/token GB"] == f"{(16_068_891_040 - embd_f16 + kv) / 1e9:.3f}" == "15.043"
     assert rows["Q8_0"]["bytes/token GB"] == f"{(8_540_770_720 - embd_q8 + kv) / 1e9:.3f}" == "8.008"
     assert float(rows["F16"]["bytes/token GB"]) < (CFG.weight_bytes("fp16") + kv) / 1e9 - 1.0   # not the catalog's
+
+
+# ---- the prefill columns ----------------------------------------------------------------------------------------
+LCPP_3B = "llama.cpp-nvidia-h100-80gb-hbm3-llama-3.2-3b-q8-0-ctx128.json"
+PREFILL_VS = "prefill vs ours (same GPU, same prompt)"
+
+
+def committed(name: str) -> dict:
+    from pathlib import Path
+
+    return json.loads((Path(__file__).resolve().parents[1] / "results" / "engines-h100" / "llama-cpp" / name)
+                      .read_text())
+
+
+def with_prompt_tests(rec: dict, tests: list[dict]) -> dict:
+    """A copy of a committed llama.cpp record whose provenance holds these llama-bench prompt-processing tests."""
+    from atomflow_bench.measure.llama_cpp import PROVENANCE_PREFIX, provenance_of
+
+    rec = json.loads(json.dumps(rec))
+    prov = provenance_of(rec)
+    prov["prompt_tests"] = tests
+    text, _ = rec["notes"].split("\n" + PROVENANCE_PREFIX)
+    rec["notes"] = f"{text}\n{PROVENANCE_PREFIX}{json.dumps(prov, sort_keys=True)}"
+    return rec
+
+
+@pytest.fixture
+def prefill_files(tmp_path):
+    """Ours (3B fp8, a 128-token prompt batched, TTFT 8 ms) with the fields; the committed llama-bench record (pp512
+    at depth 128) as it is, and as if llama-bench had also run pp128 from an empty cache; the committed server record
+    (TTFT at a 129-token prompt) as it is and at 128 tokens; our walked tp run."""
+    ours = with_prefill(make_run(1.45, model="llama-3.2-3b"), 8.0)
+    walked = with_prefill(make_run(1.6, model="llama-3.2-3b", weights="fp8", seed=4), 40.0, path="walked")
+    lcpp = committed(LCPP_3B)
+    pp128 = with_prompt_tests(lcpp, [{"n_prompt": 512, "n_depth": 0, "avg_ts": 30000.0, "stddev_ts": 10.0},
+                                     {"n_prompt": 128, "n_depth": 0, "avg_ts": 12800.0, "stddev_ts": 10.0}])
+    deep128 = with_prompt_tests(lcpp, [{"n_prompt": 128, "n_depth": 128, "avg_ts": 12000.0, "stddev_ts": 10.0}])
+    server = committed("llama.cpp-server-nvidia-h100-80gb-hbm3-llama-3.2-3b-q8_0-prompt128.json")
+    server128 = dict(server, context=128, metrics=dict(server["metrics"], ttft_ms=20.0))
+    tmp_path = tmp_path / "prefill"  # beside the `files` fixture's, when a test takes both
+    (tmp_path / "no-baselines").mkdir(parents=True)
+    return {"ours": write(tmp_path, "ours.json", ours), "ours_rec": ours,
+            "walked": write(tmp_path, "walked.json", walked),
+            "lcpp": write(tmp_path, "lcpp.json", lcpp), "pp128": write(tmp_path, "pp128.json", pp128),
+            "deep128": write(tmp_path, "deep128.json", deep128),
+            "server": write(tmp_path, "server.json", server), "server128": write(tmp_path, "server128.json", server128),
+            "none": tmp_path / "no-baselines"}
+
+
+def by_source(rows: list[dict]) -> dict[str, dict]:
+    return {r["source"].rsplit(" [", 1)[-1].rstrip("]") if r["source"].endswith(".json]") else r["source"]: r
+            for r in rows}
+
+
+def test_prefill_columns_and_ratios_at_matching_prompt_lengths(prefill_files, capsys):
+    f = prefill_files
+    args = (f["ours"], f["walked"], f["lcpp"], f["pp128"], f["deep128"], f["server"], f["server128"], "--baselines",
+            f["none"])
+    rows = by_source(shown(capsys, *args))
+    ours_tok = 128 / 0.008
+    assert rows[f["ours"]]["prompt tokens"] == "128" and rows[f["ours"]]["prefill tok/s"] == "16000 (batched)"
+    assert rows[f["ours"]]["TTFT ms"] == "8.00" and rows[f["ours"]][PREFILL_VS] == "— (ours)"
+    # llama-bench pp128 from an empty cache: the ratio; its pp512 at depth 128: shown with its length, not compared
+    assert rows["pp128.json"]["prompt tokens"] == "128" and rows["pp128.json"]["prefill tok/s"] == \
+        "12800 (llama-bench pp128, mean)"
+    assert rows["pp128.json"][PREFILL_VS] == f"x{ours_tok / 12800:.2f}" == "x1.25"
+    assert rows["lcpp.json"]["prompt tokens"] == "512 @ d128"
+    assert rows["lcpp.json"]["prefill tok/s"] == "21028 (llama-bench pp512 @ d128, mean)"
+    assert rows["lcpp.json"][PREFILL_VS] == "— (prompt 512 after 128, ours 128: not compared)"
+    assert rows["deep128.json"][PREFILL_VS] == "— (prompt 128 after 128, ours 128: not compared)"  # not from empty
+    # a server's TTFT: at 129 prompt tokens not compared with our 128; at 128 their TTFT / ours
+    assert rows["server.json"]["TTFT ms"] == "32.32" and rows["server.json"]["prompt tokens"] == "129"
+    assert rows["server.json"][PREFILL_VS] == "— (prompt 129, ours 128: not compared)"
+    assert rows["server128.json"][PREFILL_VS] == "x2.50 (TTFT)" and rows["server128.json"]["prefill tok/s"] is None
+    # another run of ours at the same prompt, walked: compared, its path named
+    assert rows[f["walked"]]["prefill tok/s"] == "3200 (walked)" and rows[f["walked"]][PREFILL_VS] == "x5.00"
+
+    code, out, _ = invoke(capsys, "compare-peers", *args, "--format", "json")
+    data = {r["source"].rsplit(" [", 1)[-1].rstrip("]"): r for r in json.loads(out)}
+    assert code == 0 and numbers_as_text(list(data.values())) == []
+    assert data["pp128.json"][PREFILL_VS] == pytest.approx(1.25) and data["lcpp.json"][PREFILL_VS] is None
+    assert data["lcpp.json"]["prompt tokens"] == 512 and data["lcpp.json"]["prefill tok/s"] == 21027.793802
+    assert data["server128.json"][PREFILL_VS] == pytest.approx(2.5) and data["server128.json"]["TTFT ms"] == 20.0
+    assert data[f["ours"]]["prefill tok/s"] == pytest.approx(ours_tok) and data[f["ours"]][PREFILL_VS] is None
+
+
+def test_prefill_ratio_only_on_the_same_gpu_and_never_for_records_without_it(prefill_files, tmp_path, capsys):
+    from atomflow_bench.measure.peer_table import compare_peers
+
+    f = prefill_files
+    rtx = write(tmp_path, "rtx.json", with_prefill(make_run(14.0, model="llama-3.2-3b", gpu=RTX, copy_gbs=420.0), 80.0))
+    old = write(tmp_path, "old.json", make_run(1.45, model="llama-3.2-3b"))  # written before the fields
+    rows, _ = compare_peers([f["ours"], rtx, old, f["pp128"]], baselines_dir=f["none"])
+    src = {r["source"].rsplit(" [", 1)[-1].rstrip("]"): r for r in rows}
+    assert src[rtx]["prefill_tok_per_s"] == pytest.approx(1600.0) and src[rtx]["prefill_ratio"] is None
+    assert src[rtx]["prefill_basis"] == "other GPU"
+    assert src[old]["prompt_tokens"] is None and src[old]["prefill_ratio"] is None and src[old]["prefill_basis"] == ""
+    # ours without the fields: the others' figures shown, no ratio
+    rows, _ = compare_peers([old, f["pp128"]], baselines_dir=f["none"])
+    lcpp = rows[1]
+    assert lcpp["prefill_tok_per_s"] == 12800.0 and lcpp["prefill_ratio"] is None
+    assert lcpp["prefill_basis"] == "ours has no prefill figure"
+
+
+def test_records_without_a_prefill_figure_keep_the_table_s_columns(files, prefill_files, tmp_path, capsys):
+    old = ["engine", "format", "GPU", "ctx", "TPOT ms", "tok/s", "bytes/token GB", "% of copy roofline", SPEED, NORM,
+           "note", "source"]
+    code, out, _ = invoke(capsys, "compare-peers", files["ours"], files["f16"], "--format", "json")
+    assert code == 0 and list(json.loads(out)[0]) == old
+    ours3b = write(tmp_path, "ours-3b.json", make_run(1.45, model="llama-3.2-3b"))  # no prefill figure of ours
+    code, out, _ = invoke(capsys, "compare-peers", ours3b, prefill_files["server"], "--format", "json")
+    cols = list(json.loads(out)[0])
+    assert cols == old[:10] + ["prompt tokens", "prefill tok/s", "TTFT ms", PREFILL_VS] + old[10:]

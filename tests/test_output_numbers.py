@@ -12,7 +12,7 @@ import re
 import sys
 
 import pytest
-from helpers_runs import H100, make_run
+from helpers_runs import H100, make_run, with_prefill
 from rich.console import Console
 
 from atomflow_bench.output import Num, Tab, text
@@ -94,8 +94,9 @@ def tune_chosen() -> dict:
             "timed": {"lengths": [192, 384], "step_us": {"short:ws/l2=8": 1530.0, "short:ring/l2=8": 1455.5}}}
 
 
-def sweep_summary(tmp_path) -> dict:
-    """A real sweep's summary over a stand-in cell runner: two tp degrees of one cell, a failed one."""
+def sweep_summary(tmp_path, prefill: bool = False) -> dict:
+    """A real sweep's summary over a stand-in cell runner: two tp degrees of one cell, a failed one; `prefill`: the
+    records hold the prefill's fields (tp 1 batched, TTFT 9 ms; tp 2 walked, TTFT 150 ms, no tensor-core rate)."""
     from atomflow_bench.errors import AtomflowError
     from atomflow_bench.measure import sweep as sw
 
@@ -108,6 +109,10 @@ def sweep_summary(tmp_path) -> dict:
             rec["tp"] = {"n": key["tp"]}
             rec["roofline"]["pct"] /= key["tp"]
         rec["forms"] = {"forms": "short:ring/l2=8;split:ring/l2=0", "origin": "saved", "path": None}
+        if prefill and key["tp"] == 1:
+            with_prefill(rec, 9.0)
+        elif prefill:
+            with_prefill(rec, 150.0, path="walked", tensor_core_tflops=None)
         return rec
 
     cells = sw.grid(["llama-3.2-3b"], ["fp8"], [128, 2048], [1, 2])
@@ -301,9 +306,51 @@ def test_sweep_table(tmp_path):
                                                                                "% roofline", "GB/token", "vs TP1"))
     md = md_text(summary).splitlines()  # summary.md: the table as people read it
     assert ("| llama-3.2-3b | fp8 | 128 | 2 | done | 0.8034 | 0.7931-0.8137 | 1244.7 | 77.3 | 3.7250 | "
-            "0.536 x (93% eff.) | short:ring/l2=8;split:ring/l2=0 (saved) | llama-3.2-3b-fp8-ctx128-tp2.json |") in md
-    assert ("| llama-3.2-3b | fp8 | 2048 | 1 | failed |  |  |  |  |  |  |  | llama-3.2-3b: context 2048 + tokens 64 "
-            "exceed max_seq |") in md
+            "0.536 x (93% eff.) |  |  |  |  | short:ring/l2=8;split:ring/l2=0 (saved) | "
+            "llama-3.2-3b-fp8-ctx128-tp2.json |") in md  # records without the prefill's fields: those columns blank
+    assert ("| llama-3.2-3b | fp8 | 2048 | 1 | failed |  |  |  |  |  |  |  |  |  |  |  | llama-3.2-3b: context 2048 + "
+            "tokens 64 exceed max_seq |") in md
+    assert all(rows[i][c] is None for i in range(4) for c in ("TTFT ms", "TTFT p10-p90 ms", "prefill tok/s",
+                                                               "% tensor-core peak"))
+
+
+def test_sweep_table_prefill_columns(tmp_path):
+    from atomflow_bench.measure.sweep import md_text, sweep_table
+
+    summary = sweep_summary(tmp_path, prefill=True)
+    rows = as_json(sweep_table(summary))
+    one, two = summary["cells"][:2]
+    assert one["ttft_ms"] == {"median": 9.0, "p10": 9.0 * 0.99, "p90": 9.0 * 1.01}
+    assert rows[0]["TTFT ms"] == 9.0 and rows[0]["TTFT p10-p90 ms"] == [9.0 * 0.99, 9.0 * 1.01]
+    assert rows[0]["prefill tok/s"] == pytest.approx(128 / 0.009) and one["prefill_path"] == "batched"
+    tflops = 2 * 3_212_749_824 * 128 / 0.009 / 1e12
+    assert rows[0]["% tensor-core peak"] == pytest.approx(100 * tflops / 700.0)
+    assert rows[1]["prefill tok/s"] == pytest.approx(128 / 0.150) and rows[1]["% tensor-core peak"] is None
+    assert two["prefill_path"] == "walked" and rows[2]["TTFT ms"] is None
+    md = md_text(summary).splitlines()
+    pct = f"{100 * tflops / 700.0:.1f}"
+    assert any(line.startswith("| llama-3.2-3b | fp8 | 128 | 1 | done |")
+               and f"|  | 9.000 | 8.910-9.090 | 14222 (batched) | {pct} | short" in line for line in md)
+    assert any("| 0.536 x (93% eff.) | 150.000 | 148.500-151.500 | 853 (walked) |  | short" in line for line in md)
+
+
+# ---- compare -----------------------------------------------------------------------------------------------------
+def test_compare_table_with_and_without_ttft():
+    """compare's diff: every figure a number, a figure one record lacks null (its text "not recorded")."""
+    from atomflow_bench.measure.gate import compare_runs, diff_table
+
+    base, new = make_run(2.0, seed=1), with_prefill(make_run(2.02, seed=3), 9.0)
+    t = diff_table(compare_runs(base, new), "base.json", "new.json")
+    rows = {r["metric"]: r for r in as_json(t)}
+    assert rows["TTFT median (ms)"] == {"metric": "TTFT median (ms)", "baseline": None, "new": 9.0, "delta": None,
+                                        "delta %": None}
+    assert rows["prefill tok/s"]["new"] == pytest.approx(128 / 0.009) and rows["tensor-core TFLOPS"]["new"] == 700.0
+    assert rows["TPOT median (ms)"]["delta"] == pytest.approx(new["tpot_ms"]["median"] - base["tpot_ms"]["median"])
+    assert "| TTFT median (ms) | not recorded | 9 | — | n/a |" in md_lines(t)
+    with_prefill(base, 10.0)
+    rows = {r["metric"]: r for r in as_json(diff_table(compare_runs(base, new), "base.json", "new.json"))}
+    assert rows["TTFT median (ms)"]["delta"] == pytest.approx(-1.0) and rows["TTFT median (ms)"]["delta %"] == \
+        pytest.approx(-10.0)
 
 
 # ---- peers -------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers_runs import H100, make_run
+from helpers_runs import H100, make_run, with_prefill
 
 from atomflow_bench.cli import EXIT_NO_GPU
 from atomflow_bench.errors import AtomflowError, GpuUnavailable
@@ -192,6 +192,56 @@ def test_a_record_the_summary_cannot_read_fails_its_cell_and_is_not_written(tmp_
     assert not any((tmp_path / "s" / sw.cell_filename(c["key"])).exists() for c in failed)
 
 
+class PrefillStandIn(StandIn):
+    """StandIn's records with the prefill's fields (helpers_runs.with_prefill): TTFT grows with the prompt (`context`),
+    the 1B's cells at 2048 without the fields (records written before them)."""
+
+    def __call__(self, key, tokens, repeats, **kw):
+        rec = super().__call__(key, tokens, repeats, **kw)
+        if not (key["model"] == "llama-3.2-1b" and key["context"] == 2048):
+            with_prefill(rec, 5.0 + key["context"] / 100)
+        return rec
+
+
+def test_the_summary_reports_the_prefill_of_each_prompt_length(tmp_path):
+    out = tmp_path / "sweep"
+    sweep(out, PrefillStandIn())
+    js, rows, md = summary_files(out)
+    assert sw.CSV_COLUMNS == list(rows[0]) and {"ttft_median_ms", "ttft_p10_ms", "ttft_p90_ms", "prefill_path",
+                                                "prefill_tok_per_s", "prefill_pct_of_peak"} <= set(rows[0])
+    for cell, row in zip(js["cells"], rows):
+        rec = json.loads((out / cell["file"]).read_text())
+        n = cell["key"]["context"]
+        if "ttft_ms" not in rec:  # blank in the csv, null in summary.json
+            assert cell["ttft_ms"] is None and cell["prefill_tok_per_s"] is None and cell["prefill_path"] is None
+            assert [row[c] for c in ("ttft_median_ms", "prefill_path", "prefill_tok_per_s",
+                                     "prefill_pct_of_peak")] == ["", "", "", ""]
+            continue
+        ttft = 5.0 + n / 100
+        assert cell["ttft_ms"] == {q: rec["ttft_ms"][q] for q in ("median", "p10", "p90")}
+        assert cell["ttft_ms"]["median"] == ttft and float(row["ttft_median_ms"]) == ttft
+        assert float(row["ttft_p90_ms"]) == pytest.approx(ttft * 1.01, rel=1e-12)
+        assert cell["prefill_tok_per_s"] == pytest.approx(n / (ttft * 1e-3)) and row["prefill_path"] == "batched"
+        assert float(row["prefill_pct_of_peak"]) == pytest.approx(rec["prefill"]["pct_of_peak"], rel=1e-12)
+    assert sum(c["ttft_ms"] is None for c in js["cells"]) == 2
+    t = 5.0 + 2048 / 100
+    assert f"| {t:.3f} | {t * 0.99:.3f}-{t * 1.01:.3f} | {2048 / t * 1e3:.0f} (batched) |" in md
+    assert "ctx = the prompt's length" in md
+
+
+def test_a_record_with_an_unreadable_prefill_figure_is_measured_again(tmp_path):
+    out = tmp_path / "sweep"
+    sweep(out, PrefillStandIn())
+    first = cells()[0]
+    rec = json.loads((out / sw.cell_filename(first)).read_text())
+    rec["ttft_ms"]["median"] = "fast"
+    (out / sw.cell_filename(first)).write_text(json.dumps(rec))
+    runner = PrefillStandIn()
+    summary = sweep(out, runner)
+    assert runner.calls == [first]
+    assert summary["cells"][0]["note"] == "measured again: field 'ttft_ms.median' is missing or not a finite number"
+
+
 # ---- the real CLI ---------------------------------------------------------------------------------------
 GRID = ["--models", ",".join(MODELS), "--weights", ",".join(WEIGHTS), "--ctx", ",".join(map(str, CONTEXTS)),
         "--tokens", TOKENS, "--repeats", REPEATS]
@@ -231,7 +281,8 @@ def test_sweep_cli_json_table_and_resume(gpu_stand_in, tmp_path, capsys):
     rows = json.loads(stdout)  # stdout holds the table alone; the notes went to stderr
     assert [r["status"] for r in rows] == ["done"] * 7 + ["failed"]
     assert set(rows[0]) == {"model", "weights", "ctx", "tp", "status", "TPOT ms", "p10-p90 ms", "tok/s", "% roofline",
-                            "GB/token", "vs TP1", "forms", "file / error"}
+                            "GB/token", "vs TP1", "TTFT ms", "TTFT p10-p90 ms", "prefill tok/s", "% tensor-core peak",
+                            "forms", "file / error"}
     js = json.loads((out / "summary.json").read_text())
     for row, cell in zip(rows, js["cells"]):
         assert row["ctx"] == cell["key"]["context"] and row["status"] == cell["status"]

@@ -3,7 +3,7 @@
 Exit codes of `atomflow-bench compare` (the contract CI scripts rely on; `gate()` returns them):
 
     0  no regression: within the threshold, faster, or slower but within noise ("inconclusive", a warning)
-    1  a regression beyond the threshold (and outside the p10-p90 bands); nothing else ever exits 1
+    1  a regression beyond the threshold (and outside the p10-p90 bands), in TPOT or in TTFT; nothing else exits 1
     2  refused, no verdict: the records are not comparable (another `gpu.name`, `model.name`, `weights`,
        `context` or tensor-parallel degree `tp.n`; a timing-instrument record), a figure the verdict or the table uses is missing or is not a
        positive finite number (NaN, inf, <= 0, a string, a bool, null), a file is missing, unreadable, not
@@ -14,8 +14,8 @@ Refusal: the two files must describe the same measurement — same `gpu.name`, `
 `context` and `tp.n` (1 when a record has no `tp`); otherwise `CompareRefused` names the first field that differs. Every figure used is checked
 first (`check_record`), in both records, so a NaN median cannot slip through as "ok (TPOT +nan%)" and a
 missing `p10` cannot become a traceback (which would exit 1, the code for "regression"). A different
-`tokens` count or a copy bandwidth more than 5% apart (another machine state: clocks, another card of the
-same model) only warns.
+`tokens` count, a copy bandwidth or a tensor-core rate more than 5% apart (another machine state: clocks, another
+card of the same model) only warns.
 
 Regression rule, on TPOT (ms/token): with B, N the base and new medians and [p10, p90] each run's spread,
 
@@ -26,6 +26,16 @@ A same-code rerun, whose median falls inside the other's p10-p90 band, therefore
 that is slower by more than the threshold with tight bands always does. Slower by more than the threshold
 while the bands overlap is reported as "inconclusive (within noise)" and passes with a warning: the
 measurement cannot tell.
+
+TTFT (`ttft_ms`, time to first token: the prompt's prefill and the first decode step) is gated by the same rule
+when both records hold it and their prompts went the same way (`prefill.path` and `prefill.prompt_tokens` equal).
+The verdict is a regression (or inconclusive) when either time is one, else improved when either improved. The
+optional fields (`ttft_ms`, `prefill`, `tensor_core_tflops`) are absent from records written before them: when only
+one record has TTFT, or the prefill paths differ ("batched" against "walked": the batched prefill against the prompt
+walked token by token through the decode step, two different algorithms), TTFT is shown but not gated, with a
+warning that says why. Such a pair is not refused: the TPOT verdict still holds (the decode step is the same
+measurement), and a refusal (exit 2) would take the decode gate away from every CI run whose reference predates TTFT
+or whose prefill path changed. A CI that requires the batched path checks `prefill.path` in the new record itself.
 """
 from __future__ import annotations
 
@@ -43,7 +53,10 @@ MAX_THRESHOLD = 1.0  # 100%: a gate that lets a run twice as slow pass is a mist
 MATCH_FIELDS = (("gpu.name", lambda r: r["gpu"]["name"]), ("model.name", lambda r: r["model"]["name"]),
                 ("weights", lambda r: r["weights"]), ("context", lambda r: r["context"]),
                 ("tp.n", lambda r: (r.get("tp") or {}).get("n", 1)))
-COPY_BW_WARN = 0.05
+MACHINE_WARN = 0.05  # a copy bandwidth or a tensor-core rate this far apart: another machine state, a warning
+GATED_FIELDS = {"TPOT": "tpot_ms", "TTFT": "ttft_ms"}  # the times the regression rule judges
+PREFILL_PATHS = ("batched", "walked")
+SPREAD = ("median", "p10", "p90")
 
 
 class CompareRefused(AtomflowError):
@@ -105,31 +118,56 @@ def _is_number(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+def _check_figure(v, label: str, field: str, kind: str) -> None:
+    if kind == "name":
+        if not isinstance(v, str) or not v.strip():
+            raise CompareRefused(f"{label}: {field} is {_describe(v)}, not a non-empty string")
+    elif kind == "count":
+        if not (isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0):
+            raise CompareRefused(f"{label}: {field} is {_describe(v)}, not a positive integer")
+    else:
+        try:
+            ok = _is_number(v) and math.isfinite(v) and v > 0
+        except OverflowError:  # an integer too large for a float
+            ok = False
+        if not ok:
+            raise CompareRefused(f"{label}: {field} is {_describe(v)}, not a positive finite number")
+
+
+def _check_spread(rec: dict, label: str, field: str) -> None:
+    """`field`'s median, p10 and p90: positive finite numbers, ordered p10 <= median <= p90."""
+    for q in SPREAD:
+        _check_figure(_lookup(rec, label, f"{field}.{q}"), label, f"{field}.{q}", "number")
+    t = rec[field]
+    if not t["p10"] <= t["median"] <= t["p90"]:
+        raise CompareRefused(f"{label}: {field}.p10/median/p90 are {t['p10']!r}/{t['median']!r}/{t['p90']!r}, "
+                             "not an ordered p10 <= median <= p90 spread")
+
+
 def check_record(rec, label: str) -> None:
     """CompareRefused naming `label` (the file) and the first field compare_runs reads that is missing or invalid:
     figures must be positive finite numbers (not NaN/inf, not <= 0, not strings, bools or null), counts positive
-    integers, names non-empty strings, and the TPOT spread ordered p10 <= median <= p90."""
+    integers, names non-empty strings, and the TPOT spread ordered p10 <= median <= p90. The optional fields
+    `ttft_ms`, `tensor_core_tflops` (their spreads, ordered) and `prefill` (`path` batched or walked,
+    `prompt_tokens`, `tok_per_s`, `pct_of_peak` where not null) are checked where a record holds them; absent or
+    null, they were not measured."""
     if not isinstance(rec, dict):
         raise CompareRefused(f"{label}: the record is {_describe(rec)}, not a JSON object")
     for field, kind in CHECKED_FIELDS:
-        v = _lookup(rec, label, field)
-        if kind == "name":
-            if not isinstance(v, str) or not v.strip():
-                raise CompareRefused(f"{label}: {field} is {_describe(v)}, not a non-empty string")
-        elif kind == "count":
-            if not (isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0):
-                raise CompareRefused(f"{label}: {field} is {_describe(v)}, not a positive integer")
-        else:
-            try:
-                ok = _is_number(v) and math.isfinite(v) and v > 0
-            except OverflowError:  # an integer too large for a float
-                ok = False
-            if not ok:
-                raise CompareRefused(f"{label}: {field} is {_describe(v)}, not a positive finite number")
-    t = rec["tpot_ms"]
-    if not t["p10"] <= t["median"] <= t["p90"]:
-        raise CompareRefused(f"{label}: tpot_ms.p10/median/p90 are {t['p10']!r}/{t['median']!r}/{t['p90']!r}, "
-                             "not an ordered p10 <= median <= p90 spread")
+        _check_figure(_lookup(rec, label, field), label, field, kind)
+    _check_spread(rec, label, "tpot_ms")
+    for field in ("ttft_ms", "tensor_core_tflops"):
+        if rec.get(field) is not None:
+            _check_spread(rec, label, field)
+    if rec.get("prefill") is not None:
+        path = _lookup(rec, label, "prefill.path")
+        if path not in PREFILL_PATHS:
+            raise CompareRefused(f"{label}: prefill.path is {_describe(path)}, not one of "
+                                 + ", ".join(map(repr, PREFILL_PATHS)))
+        _check_figure(_lookup(rec, label, "prefill.prompt_tokens"), label, "prefill.prompt_tokens", "count")
+        _check_figure(_lookup(rec, label, "prefill.tok_per_s"), label, "prefill.tok_per_s", "number")
+        if rec["prefill"].get("pct_of_peak") is not None:
+            _check_figure(rec["prefill"]["pct_of_peak"], label, "prefill.pct_of_peak", "number")
 
 
 def _instrument(r: dict) -> str | None:
@@ -142,19 +180,73 @@ def _instrument(r: dict) -> str | None:
     return str(inst)
 
 
-def _metrics(r: dict) -> list[tuple[str, float, bool]]:
-    """(label, value, lower_is_better) for the diff table."""
-    t = r["tpot_ms"]
-    return [("TPOT median (ms)", t["median"], True), ("TPOT p10 (ms)", t["p10"], True),
-            ("TPOT p90 (ms)", t["p90"], True), ("tok/s", r["tok_per_s"], False),
-            ("achieved bandwidth (GB/s)", r["bandwidth_gbs"], False), ("% of roofline", r["roofline"]["pct"], False),
-            ("copy bandwidth (GB/s)", r["copy_bandwidth_gbs"]["median"], False)]
+def _get(r: dict, path: tuple):
+    """The value at `path` in a record, None where a key (an optional field) is absent."""
+    for k in path:
+        r = r.get(k) if isinstance(r, dict) else None
+    return r
+
+
+# (label, path, lower_is_better): the diff table's rows, in order; the optional fields' rows come where either
+# record holds the figure
+METRICS = (("TPOT median (ms)", ("tpot_ms", "median"), True), ("TPOT p10 (ms)", ("tpot_ms", "p10"), True),
+           ("TPOT p90 (ms)", ("tpot_ms", "p90"), True), ("tok/s", ("tok_per_s",), False),
+           ("achieved bandwidth (GB/s)", ("bandwidth_gbs",), False), ("% of roofline", ("roofline", "pct"), False),
+           ("copy bandwidth (GB/s)", ("copy_bandwidth_gbs", "median"), False))
+OPTIONAL_METRICS = (("TTFT median (ms)", ("ttft_ms", "median"), True), ("TTFT p10 (ms)", ("ttft_ms", "p10"), True),
+                    ("TTFT p90 (ms)", ("ttft_ms", "p90"), True), ("prefill tok/s", ("prefill", "tok_per_s"), False),
+                    ("tensor-core TFLOPS", ("tensor_core_tflops", "median"), False))
+
+
+def _row(label: str, vb, vn, lower: bool) -> dict:
+    if vb is None or vn is None:  # the figure is in one record only
+        return {"metric": label, "baseline": vb, "new": vn, "delta": None, "delta_pct": None, "worse": False}
+    return {"metric": label, "baseline": vb, "new": vn, "delta": vn - vb,
+            "delta_pct": 100 * (vn - vb) / vb if vb else None, "worse": vn > vb if lower else vn < vb}
+
+
+def _judge(b: dict, n: dict, max_regression: float) -> dict:
+    """The regression rule (module doc) on one spread {median, p10, p90} of a lower-is-better time."""
+    delta = n["median"] - b["median"]
+    slower = delta > max_regression * b["median"]
+    if slower:
+        status = "regression" if n["p10"] > b["p90"] else "inconclusive"
+    else:
+        status = "improved" if -delta > max_regression * b["median"] and n["p90"] < b["p10"] else "ok"
+    return {"status": status, "delta_ms": delta, "delta_pct": 100 * delta / b["median"]}
+
+
+def ttft_not_gated(base: dict, new: dict) -> str | None:
+    """Why TTFT is not gated between two checked records (shown, with a warning), None when it is or when neither
+    record has it."""
+    has = (base.get("ttft_ms") is not None, new.get("ttft_ms") is not None)
+    if not any(has):
+        return None
+    if not all(has):
+        side, other = ("new", "baseline") if has[1] else ("baseline", "new")
+        return (f"TTFT only in the {side} record (the {other} has no ttft_ms): not gated; "
+                "a reference recorded with TTFT gates it")
+    for key in ("path", "prompt_tokens"):
+        vb, vn = _get(base, ("prefill", key)), _get(new, ("prefill", key))
+        if vb != vn:
+            return (f"prefill {key} differs (baseline {vb if vb is not None else 'not recorded'}, new "
+                    f"{vn if vn is not None else 'not recorded'}): TTFT not gated, the two are not like-for-like")
+    return None
+
+
+def _apart(label: str, what: str, vb: float, vn: float, unit: str) -> str | None:
+    if abs(vn - vb) <= MACHINE_WARN * vb:
+        return None
+    return (f"{label} differs by {100 * (vn - vb) / vb:+.1f}% ({vb:.0f} -> {vn:.0f} {unit}): the machine state "
+            f"differs (clocks, another card); {what} changes may come from it")
 
 
 def compare_runs(base: dict, new: dict, max_regression: float = 0.05,
                  names: tuple[str, str] = ("baseline", "new")) -> dict:
     """Verdict and diff rows for two results records; CompareRefused when they are not comparable or a figure is
-    missing or invalid (`names`: how the refusal names each record, e.g. its file)."""
+    missing or invalid (`names`: how the refusal names each record, e.g. its file). `gated`: the rule's outcome per
+    gated time (TPOT, and TTFT where both records hold it like-for-like); `status`: a regression (else inconclusive)
+    when either is one, else improved when either improved, else ok."""
     if not (_is_number(max_regression) and 0 <= max_regression <= MAX_THRESHOLD):  # NaN fails the comparison
         raise CompareRefused(f"max_regression {max_regression!r}: must be a fraction between 0 and {MAX_THRESHOLD:g}")
     for side, r, label in (("baseline", base, names[0]), ("new", new, names[1])):
@@ -170,27 +262,30 @@ def compare_runs(base: dict, new: dict, max_regression: float = 0.05,
     warnings = []
     if base["tokens"] != new["tokens"]:
         warnings.append(f"tokens differ (baseline {base['tokens']}, new {new['tokens']}): mean KV length differs")
-    cb, cn = base["copy_bandwidth_gbs"]["median"], new["copy_bandwidth_gbs"]["median"]
-    if abs(cn - cb) > COPY_BW_WARN * cb:
-        warnings.append(f"copy bandwidth differs by {100 * (cn - cb) / cb:+.1f}% ({cb:.0f} -> {cn:.0f} GB/s): "
-                        "the machine state differs (clocks, another card); TPOT changes may come from it")
-    b, n = base["tpot_ms"], new["tpot_ms"]
-    delta = n["median"] - b["median"]
-    slower = delta > max_regression * b["median"]
-    separated = n["p10"] > b["p90"]
-    if slower and separated:
-        status = "regression"
-    elif slower:
-        status = "inconclusive"
-        warnings.append(f"TPOT +{100 * delta / b['median']:.1f}% but the p10-p90 bands overlap "
-                        f"(new p10 {n['p10']:.4f} <= baseline p90 {b['p90']:.4f} ms): within noise, not failed")
-    else:
-        status = "improved" if -delta > max_regression * b["median"] and n["p90"] < b["p10"] else "ok"
-    rows = [{"metric": label, "baseline": vb, "new": vn, "delta": vn - vb,
-             "delta_pct": 100 * (vn - vb) / vb if vb else None, "worse": vn > vb if lower else vn < vb}
-            for (label, vb, lower), (_, vn, _) in zip(_metrics(base), _metrics(new))]
+    w = _apart("copy bandwidth", "TPOT", base["copy_bandwidth_gbs"]["median"], new["copy_bandwidth_gbs"]["median"],
+               "GB/s")
+    tb, tn = _get(base, ("tensor_core_tflops", "median")), _get(new, ("tensor_core_tflops", "median"))
+    w2 = _apart("tensor-core TFLOPS", "TTFT", tb, tn, "TFLOPS") if tb and tn else None
+    warnings += [x for x in (w, w2) if x]
+    gated = {"TPOT": _judge(base["tpot_ms"], new["tpot_ms"], max_regression)}
+    ttft_note = ttft_not_gated(base, new)
+    if ttft_note:
+        warnings.append(ttft_note)
+    elif new.get("ttft_ms") is not None:
+        gated["TTFT"] = _judge(base["ttft_ms"], new["ttft_ms"], max_regression)
+    for name, j in gated.items():
+        if j["status"] == "inconclusive":
+            b, n = (r[GATED_FIELDS[name]] for r in (base, new))
+            warnings.append(f"{name} +{j['delta_pct']:.1f}% but the p10-p90 bands overlap "
+                            f"(new p10 {n['p10']:.4f} <= baseline p90 {b['p90']:.4f} ms): within noise, not failed")
+    status = next(s for s in ("regression", "inconclusive", "improved", "ok")
+                  if any(j["status"] == s for j in gated.values()))
+    rows = [_row(label, _get(base, path), _get(new, path), lower) for label, path, lower in METRICS]
+    rows += [_row(label, _get(base, path), _get(new, path), lower) for label, path, lower in OPTIONAL_METRICS
+             if _get(base, path) is not None or _get(new, path) is not None]
     return {"status": status, "regression": status == "regression", "max_regression": max_regression,
-            "delta_ms": delta, "delta_pct": 100 * delta / b["median"], "rows": rows, "warnings": warnings}
+            "delta_ms": gated["TPOT"]["delta_ms"], "delta_pct": gated["TPOT"]["delta_pct"], "gated": gated,
+            "ttft_note": ttft_note, "rows": rows, "warnings": warnings}
 
 
 def _load(path) -> dict:
@@ -218,8 +313,11 @@ VERDICTS = {"regression": ("REGRESSION", "red"), "inconclusive": ("inconclusive"
 
 
 def verdict_text(result: dict) -> str:
-    """The verdict in words, e.g. "ok (TPOT +1.00%, allowed +5% beyond the p10-p90 bands)"."""
-    return (f"{VERDICTS[result['status']][0]} (TPOT {result['delta_pct']:+.2f}%, "
+    """The verdict in words, e.g. "ok (TPOT +1.00%, TTFT -0.50%, allowed +5% beyond the p10-p90 bands)"."""
+    parts = [f"{name} {j['delta_pct']:+.2f}%" for name, j in result["gated"].items()]
+    if result.get("ttft_note"):
+        parts.append("TTFT not gated")
+    return (f"{VERDICTS[result['status']][0]} ({', '.join(parts)}, "
             f"allowed +{100 * result['max_regression']:g}% beyond the p10-p90 bands)")
 
 
@@ -230,7 +328,8 @@ def diff_table(result: dict, base_name: str, new_name: str):
             right=tuple(cols[1:]), title_style=VERDICTS[result["status"]][1])
     for r in result["rows"]:
         worse = r["worse"] and abs(r["delta_pct"] or 0) > 100 * result["max_regression"]
-        t.add(r["metric"], num(r["baseline"], ".4g"), num(r["new"], ".4g"), num(r["delta"], "+.4g"),
+        t.add(r["metric"], num(r["baseline"], ".4g", none="not recorded"), num(r["new"], ".4g", none="not recorded"),
+              num(r["delta"], "+.4g"),
               num(r["delta_pct"], "+.2f", "%", none="n/a"),
               cell_styles={"delta %": "red" if worse else ""})
     return t
@@ -258,8 +357,9 @@ def gate(base_path, new_path, max_regression_text, console, err, fmt=None) -> in
             else:
                 console.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False, soft_wrap=True)
         if result["regression"]:
-            err(one_line(f"regression: TPOT median {result['delta_pct']:+.2f}% "
-                         f"(> {100 * result['max_regression']:g}%, outside the p10-p90 bands)"))
+            which = ", ".join(f"{name} median {j['delta_pct']:+.2f}%" for name, j in result["gated"].items()
+                              if j["status"] == "regression")
+            err(one_line(f"regression: {which} (> {100 * result['max_regression']:g}%, outside the p10-p90 bands)"))
             return EXIT_REGRESSION
         if is_machine(fmt, console):  # the table's title, which holds the verdict, is not in csv or json
             err(one_line(f"verdict: {verdict_text(result)}"))

@@ -27,6 +27,17 @@ One row per record (and per peer in a run record). Columns and rules:
 * roofline-normalised vs ours — for rows on another GPU: (our achieved GB/s / our GPU's spec GB/s) / (theirs / their
   GPU's spec GB/s), ours of the row's width as above, >1: ours gets closer to its GPU's peak; "n/a" when bytes or a
   spec bandwidth are unknown.
+* prompt tokens, prefill tok/s, TTFT ms (these and the next column only when a row has a prefill figure: a table
+  of records written before them keeps its columns) — the prefill, where a record has one: a run record's `prefill.prompt_tokens`,
+  `prefill.tok_per_s` (prompt tokens / median TTFT, labelled with its `prefill.path`, batched or walked) and
+  `ttft_ms.median`; a llama.cpp record's llama-bench prompt-processing test (`pp512`: `prompt_tests[]` in the
+  provenance line of its notes, measure/llama_cpp.py; llama-bench's mean tok/s over repetitions, labelled "pp<n>", and
+  "@ d<depth>" when llama-bench ran it after a context of that many tokens); a server baseline's `metrics.ttft_ms` at
+  its `context` (the prompt the server reported). Blank for records without one (every record written before them).
+* prefill vs ours — ours ahead when > 1: our prefill tok/s / theirs (a server's: their TTFT / ours, labelled
+  "TTFT"), ours of the row's weight width, only on the same GPU and only where both prompts have the same length
+  and start from an empty cache; a figure at another prompt length (llama-bench's pp512 against our 128-token
+  prompt, or a pp test at a depth) is shown with its length and the cell says why it is not compared.
 * Rows of another model than ours are left out, each with a note (on stderr with csv/json); rows at another context
   are kept, with their context and a note.
 """
@@ -43,6 +54,7 @@ from ..errors import AtomflowError
 from ..output import Num, Tab, num
 from . import baselines as bl
 from .gate import check_record
+from .llama_cpp import provenance_of
 
 RUN_SCHEMA = schemas.current("run")
 
@@ -130,7 +142,60 @@ def weight_width(fmt: str | None) -> int | None:
     return next((w for w, names in _WIDTH.items() if word in names), None)
 
 
-def _row(kind, engine, fmt, gpu, ctx, tpot, nbytes, copy_pct, source, ours, *, gpu_bw=None, label=None) -> dict:
+def _run_prefill(rec: dict) -> dict | None:
+    """A run record's prefill figures, None for a record written before them."""
+    pre = rec.get("prefill") or {}
+    ttft = (rec.get("ttft_ms") or {}).get("median")
+    if ttft is None and not pre:
+        return None
+    return {"prompt_tokens": pre.get("prompt_tokens", rec["context"]), "depth": 0, "tok_per_s": pre.get("tok_per_s"),
+            "ttft_ms": ttft, "what": pre.get("path")}
+
+
+def _baseline_prefill(b: dict, prompt_tokens: int | None) -> dict | None:
+    """A baseline's prefill figures: its TTFT at its prompt (`context`, a server's); else llama-bench's
+    prompt-processing test from the provenance of a llama.cpp record, the one of `prompt_tokens` tokens from an empty
+    cache where llama-bench ran it, else the first; None when the record has neither."""
+    ttft = b["metrics"].get("ttft_ms")
+    if ttft is not None:
+        return {"prompt_tokens": b["context"], "depth": 0, "tok_per_s": None, "ttft_ms": ttft, "what": None}
+    try:
+        tests = (provenance_of(b) or {}).get("prompt_tests") or []
+    except ValueError:  # a notes line that is not the JSON records_from_bench wrote
+        return None
+    tests = [t for t in tests if isinstance(t, dict) and _positive_number(t.get("avg_ts"))
+             and isinstance(t.get("n_prompt"), int) and isinstance(t.get("n_depth") or 0, int)]
+    if not tests:
+        return None
+    t = next((t for t in tests if t["n_prompt"] == prompt_tokens and not t.get("n_depth")), tests[0])
+    depth = t.get("n_depth") or 0
+    return {"prompt_tokens": t["n_prompt"], "depth": depth, "tok_per_s": float(t["avg_ts"]), "ttft_ms": None,
+            "what": f"llama-bench pp{t['n_prompt']}" + (f" @ d{depth}" if depth else "") + ", mean"}
+
+
+def _prefill_ratio(pre: dict | None, ours: dict | None, match: str) -> tuple[float | None, str]:
+    """(our prefill's lead, > 1: ours ahead; its basis "tok/s" or "TTFT", or why there is none) for a row's prefill
+    figures against ours: the same GPU, the same prompt length, both from an empty cache."""
+    if pre is None:
+        return None, ""
+    if match != "same":
+        return None, "GPU variant not stated" if match == bl.VARIANT_NOT_STATED else "other GPU"
+    if ours is None:
+        return None, "ours has no prefill figure"
+    if pre["prompt_tokens"] is None:
+        return None, "prompt length not stated"
+    if pre["prompt_tokens"] != ours["prompt_tokens"] or pre["depth"]:
+        at = f"prompt {pre['prompt_tokens']}" + (f" after {pre['depth']}" if pre["depth"] else "")
+        return None, f"{at}, ours {ours['prompt_tokens']}: not compared"
+    if pre["tok_per_s"] and ours["tok_per_s"]:
+        return ours["tok_per_s"] / pre["tok_per_s"], "tok/s"
+    if pre["ttft_ms"] and ours["ttft_ms"]:
+        return pre["ttft_ms"] / ours["ttft_ms"], "TTFT"
+    return None, ""
+
+
+def _row(kind, engine, fmt, gpu, ctx, tpot, nbytes, copy_pct, source, ours, *, gpu_bw=None, label=None,
+         prefill=None) -> dict:
     match = "same" if kind == "ours" else bl.gpu_relation(gpu, ours["gpu"])
     spec = gpu_bw if gpu_bw is not None else (None if bl.variant_not_stated(gpu) else bl.spec_bandwidth(gpu))
     bw = nbytes / (tpot * 1e-3) / 1e9 if nbytes else None
@@ -146,7 +211,12 @@ def _row(kind, engine, fmt, gpu, ctx, tpot, nbytes, copy_pct, source, ours, *, g
             notes.append("ctx not stated")
         elif ctx != ours["context"]:
             notes.append(f"ctx {ctx}, ours {ours['context']}")
+    ratio, basis = (None, "") if kind == "ours" else _prefill_ratio(prefill, ours["prefill"], match)
+    pre = prefill or {}
     return {"kind": kind, "engine": engine, "format": fmt, "gpu": gpu, "gpu_match": match, "context": ctx,
+            "prompt_tokens": pre.get("prompt_tokens"), "prompt_depth": pre.get("depth"),
+            "prefill_tok_per_s": pre.get("tok_per_s"), "prefill_what": pre.get("what"), "ttft_ms": pre.get("ttft_ms"),
+            "prefill_ratio": ratio, "prefill_basis": basis,
             "tpot_ms": tpot, "tok_per_s": 1e3 / tpot, "bytes_per_token": nbytes, "bandwidth_gbs": bw,
             "gpu_bandwidth_gbs": spec, "roofline_frac": frac, "copy_roofline_pct": copy_pct,
             "speedup": tpot / ours["tpot_ms"] if match != "different" else None,
@@ -163,7 +233,8 @@ def _run_rows(kind: str, path: str, rec: dict, ours_for) -> list[dict]:
     tpot = rec["tpot_ms"]["median"]
     nbytes = rec["bytes_per_token"].get("total") if isinstance(rec["bytes_per_token"], dict) else None
     rows = [_row(kind, f"atomflow-bench {rec.get('tool', {}).get('version', '?')}", rec["weights"], gpu,
-                 rec["context"], tpot, nbytes, rec["roofline"]["pct"], path, ours_for(rec["weights"]))]
+                 rec["context"], tpot, nbytes, rec["roofline"]["pct"], path, ours_for(rec["weights"]),
+                 prefill=_run_prefill(rec))]
     for i, p in enumerate(rec.get("peers") or []):
         pb = (p.get("bytes_per_token") or {}).get("total")
         p_tpot = p["tpot_ms"]["median"]
@@ -182,8 +253,10 @@ def _baseline_row(path: str, b: dict, ours: dict) -> dict:
         # measured on our GPU model: its bytes over the copy bandwidth our run measured on that GPU
         pct = 100 * nbytes / (ours["copy_gbs"] * 1e9) * 1e3 / tpot
         label = "; ".join(x for x in (label, "% of roofline: our run's copy bandwidth (same GPU model)") if x)
+    prompt = (ours["prefill"] or {}).get("prompt_tokens", ours["context"])  # our run's prompt: its context
     return _row("baseline", bl.engine_label(b), b["precision"], b["gpu"]["name"], ctx, tpot, nbytes, pct,
-                f"{b['source']} [{Path(path).name}]", ours, gpu_bw=bl.baseline_gpu_bandwidth(b), label=label)
+                f"{b['source']} [{Path(path).name}]", ours, gpu_bw=bl.baseline_gpu_bandwidth(b), label=label,
+                prefill=_baseline_prefill(b, prompt))
 
 
 def compare_peers(results, ours: str | None = None, baselines_dir=None) -> tuple[list[dict], list[str]]:
@@ -228,7 +301,7 @@ def compare_peers(results, ours: str | None = None, baselines_dir=None) -> tuple
         spec = bl.spec_bandwidth(r["gpu"]["name"])
         return {"gpu": r["gpu"]["name"], "tpot_ms": r["tpot_ms"]["median"], "context": r["context"],
                 "format": r["weights"], "several": len(refs) > 1, "copy_gbs": r["copy_bandwidth_gbs"]["median"],
-                "roofline_frac": r["bandwidth_gbs"] / spec if spec else None}
+                "roofline_frac": r["bandwidth_gbs"] / spec if spec else None, "prefill": _run_prefill(r)}
 
     by_width = {weight_width(r["weights"]): as_ref(r) for _, _, r in reversed(refs)}
     main = as_ref(rec)
@@ -255,16 +328,41 @@ def compare_peers(results, ours: str | None = None, baselines_dir=None) -> tuple
     return rows, notes
 
 
+PREFILL_VS = "prefill vs ours (same GPU, same prompt)"
+PREFILL_COLUMNS = ("prompt tokens", "prefill tok/s", "TTFT ms", PREFILL_VS)
+
+
+def _prefill_cells(r: dict) -> list:
+    """The row's prompt tokens, prefill tok/s, TTFT ms and prefill-vs-ours cells."""
+    depth = f" @ d{r['prompt_depth']}" if r["prompt_depth"] else ""
+    what = f" ({r['prefill_what']})" if r["prefill_what"] else ""
+    if r["kind"] == "ours":
+        vs = Num(None, "— (ours)" if r["prompt_tokens"] is not None else "")
+    elif r["prefill_ratio"] is not None:
+        named = f" vs ours {r['ours_format']}" if r["ours_named"] else ""
+        vs = num(r["prefill_ratio"], ".2f", named + (" (TTFT)" if r["prefill_basis"] == "TTFT" else ""), prefix="x")
+    else:
+        vs = Num(None, f"— ({r['prefill_basis']})" if r["prefill_basis"] else "")
+    return [num(r["prompt_tokens"], "d", depth, none=""), num(r["prefill_tok_per_s"], ".0f", what, none=""),
+            num(r["ttft_ms"], ".2f", none=""), vs]
+
+
 def compare_peers_table(rows: list[dict]):
-    """The rows of `compare_peers` as an output.Tab."""
+    """The rows of `compare_peers` as an output.Tab; the prefill's columns only where a row has a prefill figure (none
+    of the records written before them has one: their table keeps its columns)."""
+    prefill = any(r["prompt_tokens"] is not None or r["ttft_ms"] is not None for r in rows)
+    extra = list(PREFILL_COLUMNS) if prefill else []
     cols = ["engine", "format", "GPU", "ctx", "TPOT ms", "tok/s", "bytes/token GB", "% of copy roofline",
-            "speedup vs ours (same GPU)", "roofline-normalised vs ours (other GPU)", "note", "source"]
+            "speedup vs ours (same GPU)", "roofline-normalised vs ours (other GPU)", *extra, "note", "source"]
     t = Tab("compare-peers — speedup = their TPOT / ours (same GPU only); roofline-normalised = (our achieved GB/s / "
-            "our GPU's spec GB/s) / (theirs / their GPU's spec GB/s) (other GPU only); ours = our run of the row's "
-            "weight width (16-bit: fp16/F16/bf16, 8-bit: fp8/W8A16/Q8_0) when given, else the first; "
-            ">1: ours is ahead",
+            "our GPU's spec GB/s) / (theirs / their GPU's spec GB/s) (other GPU only); "
+            + ("prefill vs ours = our prefill tok/s / theirs (or their TTFT / ours) at the same prompt length from an "
+               "empty cache (same GPU only); " if prefill else "")
+            + "ours = our run of the row's weight width (16-bit: fp16/F16/bf16, 8-bit: fp8/W8A16/Q8_0) when given, "
+            "else the first; >1: ours is ahead",
             cols, key="compare-peers", right=("ctx", "TPOT ms", "tok/s", "bytes/token GB", "% of copy roofline",
-                                              "speedup vs ours (same GPU)", "roofline-normalised vs ours (other GPU)"))
+                                              "speedup vs ours (same GPU)", "roofline-normalised vs ours (other GPU)",
+                                              *extra))
     for r in rows:
         match = r["gpu_match"]
         if r["kind"] == "ours":
@@ -283,7 +381,7 @@ def compare_peers_table(rows: list[dict]):
               num(r["tpot_ms"], ".3f"), num(r["tok_per_s"], ".1f"),
               num(None if r["bytes_per_token"] is None else r["bytes_per_token"] / 1e9, ".3f", none=""),
               num(r["copy_roofline_pct"], ".1f", "%", none=""),
-              speed, norm, r["note"] or None, r["source"],
+              speed, norm, *(_prefill_cells(r) if prefill else []), r["note"] or None, r["source"],
               cell_styles={"engine": "bold" if r["kind"] == "ours" else "",
                            "TPOT ms": "" if match == "same" else "dim"})
     return t

@@ -10,7 +10,10 @@ tokens and repeats, on this sweep's GPU) is skipped and its figures are read fro
 (unreadable, another schema, another shape, another GPU) is measured again and replaced; a failed cell leaves no
 record, so the next sweep into the same directory measures it again.
 
-A cell is a dict (`key`: model, weights, context, tp): another axis is another entry. The function that measures
+A cell is a dict (`key`: model, weights, context, tp): another axis is another entry. `context` is the prompt's
+length: the tokens the prefill puts in the cache (batched, or walked through the decode step where the batched
+prefill is not built) and the position the timed decode starts at, so `--ctx` is the prompt-length axis of both
+TTFT and TPOT. The function that measures
 one cell is an argument of `run_sweep` (`run_cell(key, tokens, repeats) -> record`), `benchmark_cell` on the GPU;
 the tests drive the bookkeeping with a stand-in that returns recorded-style records.
 """
@@ -37,8 +40,9 @@ WEIGHTS = ("fp8", "fp16")
 STATUSES = ("done", "skipped", "failed", "pending")
 SUMMARY_FILES = ("summary.json", "summary.csv", "summary.md")
 CSV_COLUMNS = ["model", "weights", "context", "tp", "status", "file", "gpu", "tpot_median_ms", "tpot_p10_ms",
-               "tpot_p90_ms", "tok_per_s", "roofline_pct", "bytes_per_token", "tp1_ratio", "tp_efficiency", "forms",
-               "forms_origin", "instrument", "error", "note"]
+               "tpot_p90_ms", "tok_per_s", "roofline_pct", "bytes_per_token", "tp1_ratio", "tp_efficiency",
+               "ttft_median_ms", "ttft_p10_ms", "ttft_p90_ms", "prefill_path", "prefill_tok_per_s",
+               "prefill_pct_of_peak", "forms", "forms_origin", "instrument", "error", "note"]
 MAX_TP = 8
 
 
@@ -118,15 +122,34 @@ def _number(rec: dict, *path) -> float:
     return float(v)
 
 
+def _optional(rec: dict, *path) -> float | None:
+    """An optional figure (a record written before it lacks it): None when absent or null, else `_number`'s."""
+    v = rec
+    for p in path:
+        v = v.get(p) if isinstance(v, dict) else None
+    return None if v is None else _number(rec, *path)
+
+
 def figures(rec: dict) -> dict:
-    """The summary's figures of a run record (AtomflowError naming the first missing one)."""
+    """The summary's figures of a run record (AtomflowError naming the first missing one); the prefill's (TTFT,
+    prefill tok/s and % of the tensor-core peak) are None for a record without them."""
     forms = rec.get("forms") if isinstance(rec.get("forms"), dict) else {}
+    prefill = rec.get("prefill") if isinstance(rec.get("prefill"), dict) else {}
     return {"gpu": (rec.get("gpu") or {}).get("name"),
             "tpot_ms": {q: _number(rec, "tpot_ms", q) for q in ("median", "p10", "p90")},
             "tok_per_s": _number(rec, "tok_per_s"), "roofline_pct": _number(rec, "roofline", "pct"),
             "bytes_per_token": int(_number(rec, "bytes_per_token", "total")),
+            "ttft_ms": (None if rec.get("ttft_ms") is None
+                        else {q: _number(rec, "ttft_ms", q) for q in ("median", "p10", "p90")}),
+            "prefill_path": prefill.get("path"), "prefill_tok_per_s": _optional(rec, "prefill", "tok_per_s"),
+            "prefill_pct_of_peak": _optional(rec, "prefill", "pct_of_peak"),
             "forms": forms.get("forms"), "forms_origin": forms.get("origin"),
             "instrument": list(rec.get("instrument") or [])}
+
+
+NO_FIGURES = {"gpu": None, "tpot_ms": None, "tok_per_s": None, "roofline_pct": None, "bytes_per_token": None,
+              "ttft_ms": None, "prefill_path": None, "prefill_tok_per_s": None, "prefill_pct_of_peak": None,
+              "forms": None, "forms_origin": None, "instrument": []}  # a failed or pending cell's
 
 
 def check_record(path: Path, key: dict, tokens: int, repeats: int, gpu: str | None = None) -> tuple[dict | None, str]:
@@ -190,9 +213,7 @@ def tp_scaling(summary: dict) -> dict[int, tuple[float, float]]:
 
 def _entry(key: dict, status: str, file: str | None = None, rec: dict | None = None, error: str | None = None,
            note: str | None = None, seconds: float | None = None) -> dict:
-    f = figures(rec) if rec is not None else {"gpu": None, "tpot_ms": None, "tok_per_s": None, "roofline_pct": None,
-                                              "bytes_per_token": None, "forms": None, "forms_origin": None,
-                                              "instrument": []}
+    f = figures(rec) if rec is not None else dict(NO_FIGURES, instrument=[])
     return {"key": dict(key), "status": status, "file": file, **f, "error": error, "note": note, "seconds": seconds}
 
 
@@ -273,12 +294,13 @@ def sweep_table(summary: dict):
     """The summary as an output.Tab (one row per cell)."""
 
     cols = ["model", "weights", "ctx", "tp", "status", "TPOT ms", "p10-p90 ms", "tok/s", "% roofline", "GB/token",
-            "vs TP1", "forms", "file / error"]
+            "vs TP1", "TTFT ms", "TTFT p10-p90 ms", "prefill tok/s", "% tensor-core peak", "forms", "file / error"]
     scale = tp_scaling(summary)
     c = counts(summary)
     t = Tab(f"sweep — {summary.get('gpu') or 'GPU not named'}, {summary['tokens']} tokens x {summary['repeats']} "
             "repeats per cell", cols, key="sweep", right=("ctx", "tp", "TPOT ms", "p10-p90 ms", "tok/s", "% roofline",
-                                                           "GB/token"))
+                                                           "GB/token", "TTFT ms", "TTFT p10-p90 ms", "prefill tok/s",
+                                                           "% tensor-core peak"))
     for i, e in enumerate(summary["cells"]):
         k, tp = e["key"], e["tpot_ms"]
         # the ratio alone in csv/json: the efficiency follows from it and tp
@@ -290,16 +312,22 @@ def sweep_table(summary: dict):
         if e.get("instrument"):
             forms += f" INSTRUMENT {' '.join(e['instrument'])}: a bound, not a result"
         gb = None if e["bytes_per_token"] is None else e["bytes_per_token"] / 1e9
+        ft, pre = e["ttft_ms"], e["prefill_tok_per_s"]
+        path = f" ({e['prefill_path']})" if e["prefill_path"] else ""
         t.add(str(k["model"]), str(k["weights"]), num(k["context"]), num(k.get("tp", 1)), e["status"],
               num(tp and tp["median"], ".4f", none=""), span(tp and tp["p10"], tp and tp["p90"], ".4f"),
               num(e["tok_per_s"], ".1f", none=""), num(e["roofline_pct"], ".1f", none=""), num(gb, ".4f", none=""),
-              vs, forms, last,
+              vs, num(ft and ft["median"], ".3f", none=""), span(ft and ft["p10"], ft and ft["p90"], ".3f"),
+              num(pre, ".0f", path, none=""), num(e["prefill_pct_of_peak"], ".1f", none=""), forms, last,
               style={"failed": "red", "pending": "dim"}.get(e["status"], ""))
     t.caption = (f"{len(summary['cells'])} cells: {c['done']} measured, {c['skipped']} skipped (a valid record was "
                  f"there), {c['failed']} failed" + (f", {c['pending']} not reached" if c["pending"] else "")
                  + f"; records and summary.json/.csv/.md in {summary['directory']}; % roofline = bytes per token / "
                  "copy bandwidth of the same run, over TPOT (tp > 1: per GPU, the slowest rank's); vs TP1 = TPOT / "
-                 "TPOT at tp 1 of the same model, weights and context, efficiency = TPOT_1 / (tp x TPOT)")
+                 "TPOT at tp 1 of the same model, weights and context, efficiency = TPOT_1 / (tp x TPOT); ctx = the "
+                 "prompt's length; TTFT = its prefill (batched, or walked through the decode step) and the first "
+                 "decode step; prefill tok/s = ctx / median TTFT; % tensor-core peak = the prefill's TFLOPS / the "
+                 "fp16 tensor-core GEMM rate of the same run; blank where a record predates them")
     return t
 
 
@@ -311,11 +339,13 @@ def csv_text(summary: dict) -> str:
     for i, e in enumerate(summary["cells"]):
         k, tp = e["key"], e["tpot_ms"] or {}
         ratio, eff = scale.get(i, ("", ""))
+        ft = e["ttft_ms"] or {}
         w.writerow([k["model"], k["weights"], k["context"], k.get("tp", 1), e["status"], e["file"] or "",
                     e["gpu"] or "", tp.get("median", ""), tp.get("p10", ""), tp.get("p90", ""),
                     _f(e["tok_per_s"], ""), _f(e["roofline_pct"], ""), _f(e["bytes_per_token"], ""), ratio, eff,
-                    e["forms"] or "", e["forms_origin"] or "", " ".join(e.get("instrument") or []), e["error"] or "",
-                    e["note"] or ""])
+                    ft.get("median", ""), ft.get("p10", ""), ft.get("p90", ""), e["prefill_path"] or "",
+                    _f(e["prefill_tok_per_s"], ""), _f(e["prefill_pct_of_peak"], ""), e["forms"] or "",
+                    e["forms_origin"] or "", " ".join(e.get("instrument") or []), e["error"] or "", e["note"] or ""])
     return out.getvalue()
 
 
