@@ -45,4 +45,25 @@ if [ "$PH" = B ]; then  # the prefill to the last position + the lm_head alone: 
   runr 3b-fp8-ctx512 200 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
   runr 3b-fp16-ctx2048 200 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
 fi
+if [ "$PH" = C ]; then  # after the merges (TP prefill + planned memory, validate's prefill path, profile, compare):
+  # the GPU tests, validate on both paths, the TTFT runs, the profile after the row kernels' vectors
+  pt prefill 400 tests/test_prefill_gpu.py
+  pt validate-prefill 400 tests/test_validate_prefill_gpu.py
+  pt run-record 300 tests/test_engine_gpu.py -k "run_record_forms"
+  for m in llama-3.2-1b llama-3.2-3b llama-3.1-8b; do timeout 200 atomflow-bench fetch $m >$W/fetch-$m.log 2>&1; done
+  P="$(python3 -c 'print(" ".join(["The quick brown fox jumps over the lazy dog near the river bank, and then it runs into the forest."] * 6))')"
+  for w in fp16 fp8; do
+    timeout 300 atomflow-bench validate llama-3.2-3b --weights $w --steps 16 --prompt "$P" --prefill-chunk 32 --truth $W/truth-3b \
+      --json $W/validate-3b-$w.json >$W/validate-3b-$w.log 2>&1
+    note "validate 3b $w: rc=$? $(grep -iE 'probes|greedy|prefill|PASS|FAIL' $W/validate-3b-$w.log | tr -s ' ' | head -6 | tr '\n' ' ')"
+  done
+  timeout 200 atomflow-bench profile llama-3.2-3b --weights fp16 --ctx 128 --prompt-tokens 2048 --json $W/profile-3b-fp16.json \
+    >$W/profile-3b-fp16.md 2>$W/profile-3b-fp16.log; note "profile 3b fp16 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16.md | tee -a $S
+  runr 3b-fp16-ctx512 200 llama-3.2-3b fp16 --ctx 512 --tokens 256 --repeats 5
+  runr 3b-fp8-ctx512 200 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
+  runr 3b-fp16-ctx2048 200 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
+  runr 8b-fp16-ctx2048 200 llama-3.1-8b fp16 --ctx 2048 --tokens 128 --repeats 5
+  runr 3b-fp16-ctx8192 200 llama-3.2-3b fp16 --ctx 8192 --tokens 64 --repeats 3
+  runr 1b-fp16-ctx512 200 llama-3.2-1b fp16 --ctx 512 --tokens 256 --repeats 5
+fi
 tar -czf $OUT/v50$PH.tar.gz -C /tmp v50$PH
