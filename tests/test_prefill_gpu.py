@@ -179,6 +179,8 @@ def test_prefill_then_decode_as_the_walked_prompt(tiny_model, fmt):
         assert rel < (5e-3 if fmt == "fp16" else 2e-2), f"{name}: relative difference {rel:.3g}"
     walked.run(1)
     pre.run(1)
+    walked.stream.synchronize()
+    pre.stream.synchronize()
     la, lb = walked.arena["logits"].get().astype(np.float64), pre.arena["logits"].get().astype(np.float64)
     assert np.linalg.norm(la) > 0 and np.linalg.norm(lb) > 0, (np.abs(la).max(), np.abs(lb).max())
     cos = la @ lb / (np.linalg.norm(la) * np.linalg.norm(lb))
@@ -187,6 +189,7 @@ def test_prefill_then_decode_as_the_walked_prompt(tiny_model, fmt):
     # the whole prompt through the prefill, its last row through the lm_head alone: the same first token's logits
     pre.arena["logits"].fill(np.nan)
     pre.prefill(prompt)
+    pre.stream.synchronize()
     lc = pre.arena["logits"].get().astype(np.float64)
     assert pre.position == n and int(pre.arena["pos"].get()[0]) == n
     cos = la @ lc / (np.linalg.norm(la) * np.linalg.norm(lc))

@@ -103,27 +103,34 @@ class StandInPrefill:
     """Prefill.fill's contract: chunks of `chunk` positions up to `upto`, every op tapped in chunk_ops' order with the
     chunk's rows; row r of the chunk at `start` carries position start + r (and the op's number) in its values."""
 
-    def __init__(self, eng, chunk):
+    def __init__(self, eng, chunk, whole):
         self.eng, self.chunk = eng, chunk
+        self.lm_head = "the lm_head launch" if whole else None  # one GPU: the prefill makes the first token
 
     def fill(self, ids, graph=True, upto=None, taps=None):
         assert self.eng.cache_zeroed and self.eng.position == 0
+        assert (upto is None) == (self.lm_head is not None)
+        n = len(ids) if upto is None else upto
         ops = ["embed"] + [f"layers.{i}.{r}" for i in range(self.eng.cfg.num_hidden_layers) for r in ROLES]
-        for start in range(0, upto, self.chunk):
-            m = min(self.chunk, upto - start)
-            for k, op in enumerate(ops):
+        for start in range(0, n, self.chunk):
+            m = min(self.chunk, n - start)
+            last = ["last_row", "lm_head"] if upto is None and start + m == n else []
+            for k, op in enumerate(ops + last):
+                if op == "lm_head":  # the last row's final norm and logits, where the step's lm_head leaves them
+                    self.eng.arena["xnorm"] = Rows(np.array([n - 1, -2, 0], np.float32))
+                    self.eng.arena["logits"] = Rows(np.array([n - 1, -3, 0], np.float32))
                 taps(op, Rows(np.array([[start + r, k, 0] for r in range(m)], np.float32)))
-        self.eng.position = upto
+        self.eng.position = n
 
 
 class StandInEngine:
     prefills = True
 
-    def __init__(self, n_layers, chunk):
+    def __init__(self, n_layers, chunk, whole=True):
         from types import SimpleNamespace
 
         self.cfg = SimpleNamespace(num_hidden_layers=n_layers)
-        self.pf, self.position, self.cache_zeroed = StandInPrefill(self, chunk), 0, False
+        self.pf, self.position, self.cache_zeroed = StandInPrefill(self, chunk, whole), 0, False
         self.arena = {"k_cache": self, "v_cache": self}  # its own fill(0) notes the zeroed cache
         self.stream = self  # `with eng.stream:`
 
@@ -147,23 +154,28 @@ class StandInEngine:
         return {n: np.array([s, -1, 0.0], np.float32) for n in probes.probe_names(self.cfg.num_hidden_layers)}
 
 
+@pytest.mark.parametrize("whole", [True, False])  # one GPU: the lm_head on the last row; tensor parallel: not
 @pytest.mark.parametrize("chunk", [1, 3, 4, 64])
-def test_prefill_taps_land_at_their_positions(chunk):
+def test_prefill_taps_land_at_their_positions(chunk, whole):
     from types import SimpleNamespace
 
     L, P, n_pos = 2, 9, 12
     names = probes.probe_names(L)
-    eng = StandInEngine(L, chunk)
+    eng = StandInEngine(L, chunk, whole)
     got = probes.prefill_probes(eng, SimpleNamespace(whole_logits=lambda e, z: z), list(range(n_pos + 1)), P, n_pos,
                                 names)
-    assert got["chunk"] == chunk and len(got["positions"]) == n_pos
+    batched = P if whole else P - 1
+    assert got["chunk"] == chunk and len(got["positions"]) == n_pos and got["batched"] == batched
     op_number = {"embed": 0, **{f"layers.{i}.{p}": 1 + i * len(ROLES) + ROLES.index(r) for i in range(L)
                                 for p, r in (("attn", "o_proj"), ("mlp", "down"))}}
     for s, p in enumerate(got["positions"]):
-        if s < P - 1:  # the prefill's rows: the op that ends each probe, at this position
-            assert sorted(p) == sorted(op_number)
+        if s < batched:  # the prefill's rows: the op that ends each probe, at this position
+            assert sorted(p) == sorted(op_number if s < P - 1 else names)
             for name, k in op_number.items():
                 np.testing.assert_array_equal(p[name], [s, k, 0], err_msg=f"{name} at {s}")
+            if s == P - 1:  # the lm_head's outputs at the last prompt position
+                np.testing.assert_array_equal(p["final_norm"], [s, -2, 0])
+                np.testing.assert_array_equal(p["logits"], [s, -3, 0])
         else:  # the decode steps from the prefill's cache, at their own positions
             assert sorted(p) == sorted(names) and all(v[0] == s and v[1] == -1 for v in p.values())
 
@@ -179,7 +191,8 @@ def tiny_truth(tiny_llama_dir, tmp_path_factory):
 
 def truth_engine(t, fault=None, chunk=2):
     """An engine_probes that answers with the truth's vectors: the decode path exact, the prefill path exact with
-    `fault(positions)` applied, its positions 0 .. P-2 without final_norm and logits."""
+    `fault(positions)` applied, its positions 0 .. P-2 without final_norm and logits (P positions batched, the
+    last with the lm_head's, as on one GPU)."""
     def engine_probes(model_dir, weights, sequence, n_positions, names, backend, forms, context, prompt_len=None,
                       prefill_chunk=None):
         want = [{n: t.get(weights, s, n) for n in names} for s in range(n_positions)]
@@ -189,7 +202,7 @@ def truth_engine(t, fault=None, chunk=2):
         if fault:
             fault(pre)
         info = {"kind": "gpu", "label": "GPU engine (the truth's vectors)"}
-        return info, want, {"chunk": prefill_chunk or chunk, "positions": pre}
+        return info, want, {"chunk": prefill_chunk or chunk, "batched": prompt_len, "positions": pre}
     return engine_probes
 
 
@@ -200,7 +213,7 @@ def test_validate_record_with_the_prefill_section(tiny_llama_dir, tiny_truth, mo
     P = len(t.manifest["prompt_ids"])  # <s> + 5 words
     pre = res["prefill"]
     assert P == 6 and pre["chunk"] == 3 and pre["prompt_tokens"] == P
-    assert pre["batched_positions"] == P - 1 and pre["decode_positions"] == 4
+    assert pre["batched_positions"] == P and pre["decode_positions"] == 3
     assert "final_norm and logits at positions 0..4" in pre["not_computed"]
     by = {p["name"]: p for p in pre["probes"]}
     assert len(by) == 9 and by["embed"]["positions"] == P + 3 and by["logits"]["positions"] == 4
@@ -220,7 +233,7 @@ def test_validate_record_with_the_prefill_section(tiny_llama_dir, tiny_truth, mo
     assert worst["worst_pos"] == 3 and not worst["pass"]
     print_result(res, Console(file=sys.stdout, width=200), None)
     out = capsys.readouterr().out
-    assert "9/9 probes PASS" in out and "prefill path (positions 0-4 batched in chunks of 2" in out
+    assert "9/9 probes PASS" in out and "prefill path (positions 0-5 batched in chunks of 2" in out
     assert "8/9 probes PASS  (first FAIL: layers.1.attn)" in out
     assert "prefill FAIL layers.1.attn: cos" in out and "(worst at position 3)" in out
     assert out.rstrip().splitlines()[-1].startswith("FAIL — fp16 on GPU engine") and "prefill paths" in out

@@ -48,7 +48,7 @@ def test_prefill_path_passes(model_truth, fmt, chunk):
     pre = res["prefill"]
     assert pre is not None and res["backend"]["kind"] == "gpu", res["notes"]
     assert pre["chunk"] == (CHUNK if chunk else PROMPT + STEPS)  # the product's 512, clamped to the max_seq
-    assert pre["batched_positions"] == PROMPT - 1 and pre["decode_positions"] == STEPS
+    assert pre["batched_positions"] == PROMPT and pre["decode_positions"] == STEPS - 1
     by = {p["name"]: p for p in pre["probes"]}
     assert list(by) == [p["name"] for p in res["probes"]]
     for name, p in by.items():

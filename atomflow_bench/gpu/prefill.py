@@ -153,6 +153,7 @@ class Prefill:
                 self.staged[n] = (untile_launch(engine.lib, engine.fmt, a[n], scales, view,
                                                 ROLE_PAIRING[n.split(".", 1)[1]], half), view)
         b = {name: cp.zeros(shape, dtype=dt) for name, (shape, dt) in buffer_shapes(cfg, self.chunk).items()}
+        cp.cuda.Device().synchronize()  # the copies and buffers are made on CuPy's stream, read on the engine's
         self.tokens, self.h, self.x, self.qkv, self.att, self.gu, self.act = (
             b[k] for k in ("tokens", "h", "x", "qkv", "att", "gu", "act"))
         self.gemm = Gemm()

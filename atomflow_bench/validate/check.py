@@ -53,13 +53,14 @@ def judge_path(positions: list[dict], truth, weights: str, names: list[str], pro
 
 
 def prefill_section(pre: dict, truth, weights: str, names: list[str], prompt_len: int) -> dict:
-    """The record's "prefill": the batched prefill's probes at positions 0 .. P-2 and the decode steps from its
-    cache at P-1 on (probes.prefill_probes), judged as the decode path is."""
+    """The record's "prefill": the batched prefill's probes at its positions (the prompt's, and its lm_head's at
+    the last; tensor parallel: 0 .. P-2) and the decode steps from its cache after them (probes.prefill_probes),
+    judged as the decode path is."""
     probes, summary = judge_path(pre["positions"], truth, weights, names, prompt_len)
-    return {"chunk": pre["chunk"], "prompt_tokens": prompt_len, "batched_positions": prompt_len - 1,
-            "decode_positions": len(pre["positions"]) - (prompt_len - 1),
-            "not_computed": f"final_norm and logits at positions 0..{prompt_len - 2}: the prefill runs the lm_head "
-                            "on the last prompt token only, in the decode step",
+    return {"chunk": pre["chunk"], "prompt_tokens": prompt_len, "batched_positions": pre["batched"],
+            "decode_positions": len(pre["positions"]) - pre["batched"],
+            "not_computed": f"final_norm and logits at positions 0..{prompt_len - 2}: the lm_head runs on the last "
+                            "prompt token only",
             "probes": probes, "summary": summary}
 
 

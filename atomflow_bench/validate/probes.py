@@ -120,17 +120,18 @@ def engine_probes(model_dir: str | Path, weights: str, sequence: list[int], n_po
 
 def prefill_probes(eng: Engine, ctx: RunContext, sequence: list[int], prompt_len: int, n_positions: int,
                    names: list[str], chunk: int | None = None) -> dict:
-    """The prefill path's probes, position by position: the batched prefill over the prompt, then the decode steps
-    that continue from its cache.
+    """The prefill path's probes, position by position: the batched prefill over the prompt as `run` times it, then
+    the decode steps that continue from its cache.
 
-    The prefill (gpu/prefill.py, chunks of `chunk` tokens, default the product's) fills positions 0 .. P-2 (P =
-    `prompt_len`); its taps give the fp32 residual rows of each chunk after "embed", after each layer's "o_proj"
-    (the probe layers.{i}.attn) and after its "down" (layers.{i}.mlp). It computes no final_norm or logits at those
-    positions (the lm_head runs on the last prompt token, in the decode step), so they lack those probes. The decode
-    steps at P-1 .. n_positions-1 read the prefill's K/V and give every probe. The K/V cache is zeroed first, so no
-    row left by an earlier run can stand in for one the prefill fails to write.
-    Returns {"chunk": the chunk used, "positions": [probes per position]}, or {"skipped": why} when the prefill
-    cannot be made here (its fp16 weight copies do not fit).
+    The prefill (gpu/prefill.py, chunks of `chunk` tokens, default the product's) runs positions 0 .. P-1 (P =
+    `prompt_len`) and then, on one GPU, the lm_head on the last row; its taps give the fp32 residual rows of each
+    chunk after "embed", after each layer's "o_proj" (the probe layers.{i}.attn) and after its "down"
+    (layers.{i}.mlp), and the lm_head's final_norm and logits at position P-1. It computes no final_norm or logits
+    at positions 0 .. P-2, so those lack them. Tensor parallel (the lm_head is the decode step's there): the prefill
+    runs positions 0 .. P-2 and the decode step P-1. The decode steps after it read the prefill's K/V and give every
+    probe. The K/V cache is zeroed first, so no row left by an earlier run can stand in for one the prefill fails to
+    write. Returns {"chunk": the chunk used, "batched": the positions the prefill ran, "positions": [probes per
+    position]}, or {"skipped": why} when the prefill cannot be made here.
     """
     try:
         pf = eng.prefiller() if chunk is None else Prefill(eng, chunk)
@@ -140,7 +141,9 @@ def prefill_probes(eng: Engine, ctx: RunContext, sequence: list[int], prompt_len
     for i in range(eng.cfg.num_hidden_layers):
         probe_of[f"layers.{i}.o_proj"], probe_of[f"layers.{i}.down"] = f"layers.{i}.attn", f"layers.{i}.mlp"
     probe_of = {op: p for op, p in probe_of.items() if p in names}
-    out: list[dict[str, np.ndarray]] = [{} for _ in range(prompt_len - 1)]
+    whole = pf.lm_head is not None  # the prefill makes the first token itself
+    batched = prompt_len if whole else prompt_len - 1
+    out: list[dict[str, np.ndarray]] = [{} for _ in range(batched)]
     starts = [0, 0]  # the first position of the chunk being tapped, and of the next
 
     def tap(op: str, rows) -> None:
@@ -149,17 +152,22 @@ def prefill_probes(eng: Engine, ctx: RunContext, sequence: list[int], prompt_len
         if op in probe_of:
             for r, row in enumerate(np.asarray(rows.get(), np.float32)):
                 out[starts[0] + r][probe_of[op]] = row
+        if op == "lm_head":
+            last = out[prompt_len - 1]
+            for name, buf in (("final_norm", eng.arena["xnorm"]), ("logits", eng.arena["logits"])):
+                if name in names:
+                    last[name] = np.asarray(buf.get(), np.float32).reshape(-1)
 
     eng.reset(sequence)
     with eng.stream:
         eng.arena["k_cache"].fill(0)
         eng.arena["v_cache"].fill(0)
-    pf.fill(sequence, upto=prompt_len - 1, taps=tap)
-    for _ in range(prompt_len - 1, n_positions):
+    pf.fill(sequence[:prompt_len] if whole else sequence, upto=None if whole else prompt_len - 1, taps=tap)
+    for _ in range(batched, n_positions):
         taps = eng.step_eager(taps=True)
         taps["logits"] = ctx.whole_logits(eng, taps["logits"])
         out.append({n: np.asarray(taps[n], np.float32).reshape(-1) for n in names})
-    return {"chunk": pf.chunk, "positions": out}
+    return {"chunk": pf.chunk, "batched": batched, "positions": out}
 
 
 def engine_logits(model_dir: Path, weights: str, ids: list[int], kind: str) -> np.ndarray:
