@@ -66,4 +66,18 @@ if [ "$PH" = C ]; then  # after the merges (TP prefill + planned memory, validat
   runr 3b-fp16-ctx8192 200 llama-3.2-3b fp16 --ctx 8192 --tokens 64 --repeats 3
   runr 1b-fp16-ctx512 200 llama-3.2-1b fp16 --ctx 512 --tokens 256 --repeats 5
 fi
+if [ "$PH" = D ]; then  # the tests that failed in C (races in the tests' reads; the semantics of validate's prefill
+  # path), validate on both paths with chunks of 3 over the 8-token prompt, the attention's block-shape A/B
+  pt prefill 400 tests/test_prefill_gpu.py
+  pt validate-prefill 400 tests/test_validate_prefill_gpu.py
+  pt run-record 300 tests/test_engine_gpu.py -k "run_record_forms"
+  timeout 200 atomflow-bench fetch llama-3.2-3b >$W/fetch-3b.log 2>&1
+  for w in fp16 fp8; do
+    timeout 300 atomflow-bench validate llama-3.2-3b --weights $w --steps 16 --prefill-chunk 3 --truth $W/truth-3b \
+      --json $W/validate-3b-$w.json >$W/validate-3b-$w.log 2>&1
+    note "validate 3b $w: rc=$? $(grep -iE 'probes|prefill path|PASS|FAIL' $W/validate-3b-$w.log | tr -s ' ' | head -6 | tr '\n' ' ')"
+  done
+  timeout 240 python3 lab/scripts/prefill_att_ab.py --rounds 3 --json $W/att-ab.json >$W/att-ab.log 2>&1
+  note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
+fi
 tar -czf $OUT/v50$PH.tar.gz -C /tmp v50$PH
