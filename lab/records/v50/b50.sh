@@ -80,4 +80,14 @@ if [ "$PH" = D ]; then  # the tests that failed in C (races in the tests' reads;
   timeout 240 python3 lab/scripts/prefill_att_ab.py --rounds 3 --json $W/att-ab.json >$W/att-ab.log 2>&1
   note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
 fi
+if [ "$PH" = E ]; then  # two GPUs: the tensor-parallel GPU tests (the TP2 prefill among them), validate --tp 2 on
+  # both paths, TTFT under TP2 (8B fp16 against one GPU's; 70B W8A16, reported)
+  pt tp-gpu 300 tests/test_tp_gpu.py
+  for m in llama-3.2-3b llama-3.1-8b; do timeout 200 atomflow-bench fetch $m >$W/fetch-$m.log 2>&1; done
+  timeout 300 atomflow-bench validate llama-3.2-3b --weights fp16 --tp 2 --steps 8 --prefill-chunk 3 --truth /tmp/truth-3b \
+    --json $W/validate-3b-fp16-tp2.json >$W/validate-3b-fp16-tp2.log 2>&1
+  note "validate 3b fp16 tp2: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-fp16-tp2.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  runr 8b-fp16-tp2-ctx2048 240 llama-3.1-8b fp16 --tp 2 --ctx 2048 --tokens 64 --repeats 3
+  runr 70b-fp8-tp2-ctx2048 300 llama-3.1-70b fp8 --tp 2 --ctx 2048 --tokens 64 --repeats 3
+fi
 tar -czf $OUT/v50$PH.tar.gz -C /tmp v50$PH
