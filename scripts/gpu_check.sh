@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one device command: install, GPU tests, benchmarks; a short table last, full logs and JSON under $OUT.
-#   scripts/gpu_check.sh [stage ...]    stages: info kernels engine bench validate gemv profile ab
-#                                       (default: info kernels engine bench)
-#   KERNELS_K / ENGINE_K="pytest -k expression" (kernels / engine stage: a subset); each test stage logs its 25
+#   scripts/gpu_check.sh [stage ...]    stages: info kernels engine prefill bench validate gemv profile ab
+#                                       (default: info kernels engine prefill bench)
+#   KERNELS_K / ENGINE_K / PREFILL_K="pytest -k expression" (kernels / engine / prefill stage: a subset); each test stage logs its 25
 #                                       slowest tests (--durations) and adds a row (passed, failed, wall seconds) to
 #                                       the table printed last
 #   BENCH_SPECS="model:fmt ..."  CTX=128 (bench: `run` per spec, ctx CTX, 256 tokens, 5 repeats)
@@ -22,7 +22,7 @@ FINAL=${OUT:-/tmp/atomflow-out}; OUT=$(mktemp -d); mkdir -p "$FINAL"   # logs go
 export PYTHONUNBUFFERED=1 ATOMFLOW_HOME=${ATOMFLOW_HOME:-/tmp/atomflow-home}
 # offline machine: pinned wheels (the Llama-3.2 tokenizer) carried in .carry/wheels
 [ -d .carry/wheels ] && export ATOMFLOW_WHEELHOUSE=$PWD/.carry/wheels
-stages=${*:-info kernels engine bench}
+stages=${*:-info kernels engine prefill bench}
 summary=()
 note() { summary+=("$1"); printf '%s\n' "$1" | tee -a "$FINAL/summary-so-far.txt"; }  # kept if the call is cut short
 line() {  # one run record in a line: TPOT median (p10-p90), % of roofline, forms and where they came from
@@ -47,11 +47,11 @@ run_one() {  # run_one TAG MODEL FMT [tree]: one `run` (ctx $CTX, 256 tokens, 5 
 }
 
 suites=()  # "name passed failed seconds" per pytest stage, for the table at the end
-suite() {  # suite NAME FILE TIMEOUT K [pytest args]: one GPU test file, its 25 slowest tests in its log, wall seconds
+suite() {  # suite NAME FILES TIMEOUT K [pytest args]: GPU test files (space-separated), its 25 slowest tests in its log, wall seconds
   local name=$1 file=$2 limit=$3 k=$4; shift 4
   local t0 rc last
   t0=$(date +%s)
-  timeout "$limit" python3 -m pytest -q "$file" -p no:cacheprovider --durations=25 ${k:+-k "$k"} "$@" \
+  timeout "$limit" python3 -m pytest -q $file -p no:cacheprovider --durations=25 ${k:+-k "$k"} "$@" \
     >"$OUT/$name.log" 2>&1
   rc=$?
   local secs=$(( $(date +%s) - t0 ))
@@ -79,6 +79,9 @@ for st in $stages; do
       suite kernels tests/test_kernels_gpu.py "${KERNELS_TIMEOUT:-400}" "${KERNELS_K:-}" ;;
     engine)
       suite engine tests/test_engine_gpu.py "${ENGINE_TIMEOUT:-560}" "${ENGINE_K:-}" -s ;;
+    prefill)  # the batched prefill: its kernels, its path in the engine, profile and validate on it
+      suite prefill "tests/test_prefill_gpu.py tests/test_validate_prefill_gpu.py tests/test_prefill_attention.py" \
+        "${PREFILL_TIMEOUT:-400}" "${PREFILL_K:-}" ;;
     bench)
       for spec in ${BENCH_SPECS:-"llama-3.2-3b:fp8" "llama-3.2-3b:fp16" "llama-3.2-1b:fp16"}; do
         run_one "${spec%%:*}-${spec##*:}" "${spec%%:*}" "${spec##*:}"
