@@ -135,8 +135,8 @@ def test_no_prefill_is_a_table_without_rows_and_its_note():
 
 
 class FakeEngine:
-    def __init__(self, prefills: bool, refuse: str | None = None):
-        self.prefills, self.refuse = prefills, refuse
+    def __init__(self, prefills: bool, refuse: str | None = None, group=None):
+        self.prefills, self.refuse, self.group = prefills, refuse, group
 
     def prefiller(self):
         if self.refuse:
@@ -145,7 +145,8 @@ class FakeEngine:
 
 
 @pytest.mark.parametrize("engine, prompt, note", [
-    (FakeEngine(prefills=False), 128, "the batched prefill is not built under tensor parallel"),
+    (FakeEngine(prefills=True, group="a TP2 group"), 128, "under tensor parallel: profile takes the prefill apart"),
+    (FakeEngine(prefills=False), 128, "this engine walks its prompts"),
     (FakeEngine(prefills=True, refuse="prefill needs 9.00 GiB for its fp16 weights and buffers, 1.00 GiB are free"),
      128, "no prefill breakdown: prefill needs 9.00 GiB"),
 ])

@@ -166,7 +166,7 @@ def test_run_tp2_cli_record(tmp_path):
 def test_profile_tp2_cli_record(tmp_path):
     """`atomflow-bench profile --tp 2`: the step with and without its exchanges (the "local" step), the exchanges'
     time inside the step, every path's sums alone, and what each role adds to rank 0's local step, in the tables and
-    the record; no prefill breakdown (the engine does not prefill under tensor parallel), its note instead."""
+    the record; no prefill breakdown (profile takes the prefill apart on one GPU), its note instead."""
     d = tmp_path / "model"
     write_random_model(tiny_config(False), d, seed=5)
     out = tmp_path / "profile.json"
@@ -186,4 +186,4 @@ def test_profile_tp2_cli_record(tmp_path):
     assert m["step"].startswith("rank 0's step without its exchanges") and m["step_us"]["median"] > 0
     assert abs(m["step_us"]["median"] - c["step_without_exchanges_us"]["median"]) < 0.5 * m["step_us"]["median"]
     assert "what each role adds" in p.stdout
-    assert rec["prefill"] is None and "not built under tensor parallel" in rec["prefill_note"]  # no prefill under TP
+    assert rec["prefill"] is None and "under tensor parallel" in rec["prefill_note"]  # taken apart on one GPU

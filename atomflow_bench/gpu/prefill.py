@@ -208,7 +208,7 @@ class Prefill:
                 lambda w=w: self.resid(act, w("wd"), m),
             ]
             out += [(f"layers.{i}.{r}", op) for r, op in zip(ROLES, ops)]
-        if last:
+        if last and self.lm_head is not None:  # tensor parallel: the decode step makes the first token
             src, dst, nbytes = h[m - 1].data.ptr, a["h"].data.ptr, a["h"].nbytes
             out += [("last_row", lambda: cp.cuda.runtime.memcpyAsync(dst, src, nbytes, D2D,
                                                                      cp.cuda.get_current_stream().ptr)),

@@ -119,12 +119,15 @@ def profile_prefill(engine, prompt_tokens: int, copy_gbs: float | None = None, r
 
 
 def prefill_fields(engine, prompt_tokens: int, copy_gbs: float | None = None) -> dict:
-    """The profile record's `prefill` (profile_prefill), or None and `prefill_note` saying why there is none: the
-    engine does not prefill (tensor parallel) or the prefill's weight
-    copies do not fit beside the engine."""
+    """The profile record's `prefill` (profile_prefill), or None and `prefill_note` saying why there is none: tensor
+    parallel (the breakdown is taken on one GPU: a rank's chunk holds the sums across ranks, and its lm_head is the
+    decode step's), an engine that walks its prompts, or a prefill whose memory cannot be had."""
+    if engine.group is not None:
+        return {"prefill": None, "prefill_note": "no prefill breakdown under tensor parallel: profile takes the "
+                                                 "prefill apart on one GPU"}
     if not engine.prefills:
-        return {"prefill": None, "prefill_note": "no prefill breakdown: the batched prefill is not built under "
-                                                 "tensor parallel"}
+        return {"prefill": None, "prefill_note": "no prefill breakdown: this engine walks its prompts through the "
+                                                 "decode step (no batched prefill planned)"}
     try:
         engine.prefiller()
     except AtomflowError as e:
