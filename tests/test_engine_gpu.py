@@ -708,10 +708,10 @@ def test_run_record_forms_and_instruments(tiny_model, tuning_home, monkeypatch):
     assert Forms.parse(f["forms"]).text == f["forms"]
     assert plain["instrument"] == [] and not any(d.startswith("AF_") for d in plain["kernel_defines"])
     assert plain["eager"]["same_tokens"] is True and len(plain["generated"]["token_ids"]) == 8
-    # the first token is the TTFT's (the batched prefill + the first step), the other 7 are TPOT samples
+    # the first token is the TTFT's (the batched prefill and its lm_head), the other 7 are TPOT samples
     assert plain["tpot_ms"]["n"] == 7 and plain["ttft_ms"]["n"] == 1
     pf, tc = plain["prefill"], plain["tensor_core_tflops"]
-    assert pf["path"] == "batched" and pf["prompt_tokens"] == 16 and pf["chunk"] >= 16
+    assert pf["path"] == "batched" and pf["prompt_tokens"] == 16 and pf["chunk"] >= 16 and pf["weights_form"] == "copies"
     assert pf["tok_per_s"] == pytest.approx(16 / (plain["ttft_ms"]["median"] * 1e-3))
     assert 10 < tc["median"] < 5000 and tc["shape"] == [8192] * 3  # TFLOPS of a fp16 GEMM on any recent GPU
     assert 0 < pf["pct_of_peak"] < 100

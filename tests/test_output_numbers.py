@@ -183,11 +183,13 @@ def test_run_table():
                  "median 411 W, n=90 |",
                  "| load | 2.2 s, fp8 from the fp16 weights |",
                  "| TTFT | median 4.500 ms  (p10 4.250, p90 4.750, n=5; 128 prompt tokens, batched prefill, chunks of "
-                 "512, + the first step) |", "| prompt tok/s | 28444 |",
+                 "512, to the first token) |", "| prompt tok/s | 28444 |",
                  "| % of tensor-core peak | 25.0%  (200 TFLOPS of the prompt's 0.90 TFLOP in the TTFT; peak 800 TFLOPS "
                  "= cuBLAS fp16 GEMM 8192x8192x8192, same run) |"):
         assert line in md
     rec = run_rec(tp=False)
+    rec["prefill"]["weights_form"] = "staged"
+    assert any("chunks of 512, weights staged before each GEMM, to the first token" in ln for ln in md_lines(run_table(rec)))
     rec["energy"] = {"unavailable": "pynvml is not importable"}  # no figure: the reason stays text
     rows = {r["metric"]: r["value"] for r in as_json(run_table(rec))}
     assert rows["energy"] == "unavailable: pynvml is not importable" and "tensor parallel" not in rows

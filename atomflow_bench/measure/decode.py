@@ -113,6 +113,7 @@ def prefill_figures(eng, context: int, ttft: dict, peak: dict) -> dict:
     gpus = eng.group.size if eng.group is not None else 1
     return {"path": "batched" if eng.prefills else "walked", "prompt_tokens": context,
             "chunk": eng.prefiller().chunk if eng.prefills else None,
+            "weights_form": eng.prefiller().weights_form if eng.prefills else None,
             "tok_per_s": context / (ttft["median"] * 1e-3), "flops": flops, "tflops": tflops,
             "pct_of_peak": 100.0 * tflops / (peak["median"] * gpus)}
 

@@ -159,8 +159,9 @@ def run_table(rec: dict):
     if ft and pf:
         how = (f"batched prefill, chunks of {pf['chunk']}" if pf["path"] == "batched"
                else "prompt walked through the decode step")
+        how += ", weights staged before each GEMM" if pf.get("weights_form") == "staged" else ""
         t.add("TTFT", Num(ft["median"], f"median {ft['median']:.3f} ms  (p10 {ft['p10']:.3f}, p90 {ft['p90']:.3f}, "
-                                        f"n={ft['n']}; {pf['prompt_tokens']} prompt tokens, {how}, + the first step)"))
+                                        f"n={ft['n']}; {pf['prompt_tokens']} prompt tokens, {how}, to the first token)"))
         t.add("prompt tok/s", Num(pf["tok_per_s"], f"{pf['tok_per_s']:.0f}"))
         if tc:
             t.add("% of tensor-core peak", Num(pf["pct_of_peak"], f"{pf['pct_of_peak']:.1f}%  ({pf['tflops']:.0f} "
