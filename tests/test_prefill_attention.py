@@ -233,8 +233,9 @@ def test_error_bound_holds_for_the_kernels_roundings(hd, group, start, m):
 
 # ---- GPU ------------------------------------------------------------------------------------------------------------
 def check_prefill_kernel(kernel_lib, hd: int, group: int, n_kv: int, start: int, m: int, fused: bool = True,
-                         out_pad: int = 16, scale: float | None = None) -> None:
-    """One launch against the reference (the module docstring's checks), then a replay into a re-poisoned out."""
+                         out_pad: int = 16, scale: float | None = None, factory=attention_prefill_launch) -> None:
+    """One launch against the reference (the module docstring's checks), then a replay into a re-poisoned out.
+    `factory`: attention_prefill_launch's arguments -> the Launch (the lab's versions bring their own)."""
     import cupy as cp
 
     rng = rng_for("prefill", hd, group, n_kv, start, m, fused)
@@ -245,8 +246,8 @@ def check_prefill_kernel(kernel_lib, hd: int, group: int, n_kv: int, start: int,
     ref = prefill_reference(qkv, kc, vc, start, m, n_kv, group, hd, scale_used)
     qkv_d = cp.asarray(qkv)
     out = cp.full((m + 2, out_stride), np.nan, dtype=cp.float16)  # 2 rows past the chunk: must stay NaN too
-    launch = attention_prefill_launch(kernel_lib, qkv_d[:, :q_dim] if fused else qkv_d, cp.asarray(kc),
-                                      cp.asarray(vc), start, m, out, n_kv, group, hd, q_stride, out_stride, scale)
+    launch = factory(kernel_lib, qkv_d[:, :q_dim] if fused else qkv_d, cp.asarray(kc), cp.asarray(vc), start, m, out,
+                     n_kv, group, hd, q_stride, out_stride, scale)
     assert launch.grid == prefill_grid(m, n_kv, group)
     launch()
     first = out.get()

@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
-"""The prefill attention's block shape: variants of kernels_cu/attention_prefill.cu's #defines against the product's,
-checked against NumPy, then timed interleaved on one GPU.
+"""The prefill attention's variants against the product's kernel: checked against NumPy, then timed interleaved on one
+GPU.
 
-    lab/scripts/prefill_att_ab.py [--rounds 3] [--json FILE]
+    lab/scripts/prefill_att_ab.py [--rounds 3] [--variants product,v2-s3,...] [--json FILE]
 
-Each variant is the product's source with its ATP_* #defines replaced, compiled from a copy of kernels_cu/ (the
-product's code otherwise unchanged) and launched with its own grid and shared memory (the launch factory's
-arithmetic with the variant's constants). Correctness: a chunk at start 300 of 200 rows against float64 NumPy (the
-product test's bound, 2e-3 max|V|) for 3B's and 1B's shapes. Timing: CUDA events around each launch, 20 after 3
-warm-ups, median; the variants interleaved round by round. TFLOPS of the causal work (row at position p: 4 hd (p+1)
-per q head)."""
+A variant is a kernel file standing in for kernels_cu/attention_prefill.cu (the product's own, or a lab version in
+lab/kernels/ with the same kernel names and arguments) with some of its ATP_* #defines replaced. It is compiled from a
+copy of kernels_cu/ (the product's other code unchanged) and launched with its own grid and shared memory: the
+launch factory's arithmetic over the #defines the variant's source ends up with (`variant_defines`). Every version's
+dynamic shared memory is the q tile and ATP_STAGES K and V tiles (the lab versions' headers say how they lay them
+out), so one formula (`variant_smem`) serves all. Correctness: chunks at start 0 of 130 rows (row tiles of 1-3 K/V
+tiles: the pipelines' short walks) and at start 300 of 200 rows against float64 NumPy (the product test's bound,
+2e-3 max|V|) for 3B's and 1B's shapes; tests/test_lab_prefill_att_gpu.py holds the lab versions to the product's
+whole GPU test. Timing: CUDA events around each launch, 20 after 3 warm-ups, median; the variants interleaved round
+by round. TFLOPS of the causal work (row at position p: 4 hd (p+1) per q head)."""
 from __future__ import annotations
 
 import argparse
@@ -21,52 +25,94 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
-VARIANTS = {  # ATP_ROWS, ATP_THREADS, ATP_KV, ATP_STAGES, ATP_MIN_BLOCKS, ATP_BATCH
-    "product": None,
+V2, V3 = "lab/kernels/attention_prefill_v2.cu", "lab/kernels/attention_prefill_v3.cu"
+VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, ATP_THREADS, ATP_KV, ATP_STAGES, ...)
+    "product": dict(file=None, defines={}),
     # 8 warps over 128 stacked rows, one block an SM: each K/V tile staged in shared memory serves twice the rows
-    # (a third stage needs the prefetch distance changed in the kernel; 128-position tiles break hd 64's batching)
-    "rows128": dict(ATP_ROWS=128, ATP_THREADS=256, ATP_KV=64, ATP_STAGES=2, ATP_MIN_BLOCKS=1, ATP_BATCH=4),
+    # (128-position tiles break hd 64's batching)
+    "rows128": dict(file=None, defines=dict(ATP_ROWS=128, ATP_THREADS=256, ATP_KV=64, ATP_STAGES=2, ATP_MIN_BLOCKS=1,
+                                            ATP_BATCH=4)),
+    # prefetch distance ATP_STAGES - 1, one barrier a tile: at 2 stages the product's distance without its second
+    # barrier, at 3 tiles k + 1 and k + 2 in flight while tile k is computed (112 KB at hd 128, two blocks an SM)
+    "v2-s2": dict(file=V2, defines=dict(ATP_STAGES=2)),
+    "v2-s3": dict(file=V2, defines=dict(ATP_STAGES=3)),
+    # v2-s3's distance, and each warp computes tile k + 1's scores beside tile k's softmax and P.V
+    "v3-s3": dict(file=V3, defines=dict(ATP_STAGES=3)),
 }
+LAB_INCLUDE = '#include "../../kernels_cu/common.cuh"'  # a lab version's include, as its copy in kernels_cu/ reads it
 SHAPES = {"3b": (24, 8, 128), "8b": (32, 8, 128), "1b": (32, 8, 64)}  # q heads, kv heads, head_dim
 TIMED = [("3b", 0, 2048), ("3b", 4096, 4096), ("8b", 0, 2048), ("1b", 0, 2048), ("3b", 0, 512)]  # shape, start, m
 
 
-def variant_lib(consts: dict | None, tmp: Path):
+def variant_source(name: str) -> str:
+    """The attention_prefill.cu of variant `name`: its file (the product's when None) with a lab version's include
+    pointed at the copy's common.cuh and its #define overrides applied (each must replace exactly one #define)."""
     from atomflow_bench.gpu.nvrtc import KERNELS_DIR
-    from atomflow_bench.gpu.ops import declared_kernels, kernel_lib
-    from atomflow_bench.gpu.nvrtc import KernelLib
 
-    if consts is None:
+    v = VARIANTS[name]
+    src = (ROOT / v["file"] if v["file"] else KERNELS_DIR / "attention_prefill.cu").read_text()
+    if v["file"]:
+        assert src.count(LAB_INCLUDE) == 1, f"{v['file']}: no {LAB_INCLUDE}"
+        src = src.replace(LAB_INCLUDE, '#include "common.cuh"')
+    for k, val in v["defines"].items():
+        src, n = re.subn(rf"^#define {k} \d+", f"#define {k} {val}", src, flags=re.M)
+        assert n == 1, f"{name}: #define {k} found {n} times"
+    return src
+
+
+def variant_defines(src: str) -> dict[str, int]:
+    """The ATP_* #defines of a kernel source: what its grid, block and shared memory follow."""
+    return {k: int(v) for k, v in re.findall(r"^#define (ATP_\w+) (\d+)", src, flags=re.M)}
+
+
+def variant_smem(d: dict[str, int], hd: int) -> int:
+    """Dynamic shared memory bytes under #defines `d`: the q tile [ATP_ROWS][hd] and ATP_STAGES K and V tiles
+    [ATP_KV][hd], fp16 (ops/attention_prefill.py prefill_smem's formula)."""
+    return d["ATP_ROWS"] * hd * 2 + d["ATP_STAGES"] * 2 * d["ATP_KV"] * hd * 2
+
+
+def variant_lib(name: str, tmp: Path):
+    """The KernelLib of variant `name`: the product's own for the product, else a copy of kernels_cu/ under `tmp`
+    whose attention_prefill.cu is the variant's source."""
+    from atomflow_bench.gpu.nvrtc import KERNELS_DIR, KernelLib
+    from atomflow_bench.gpu.ops import declared_kernels, kernel_lib
+
+    if VARIANTS[name] == VARIANTS["product"]:
         return kernel_lib()
-    d = tmp / "_".join(f"{v}" for v in consts.values())
+    d = tmp / name
     shutil.copytree(KERNELS_DIR, d)
-    p = d / "attention_prefill.cu"
-    src = p.read_text()
-    for k, v in consts.items():
-        src, n = re.subn(rf"^#define {k} \d+", f"#define {k} {v}", src, flags=re.M)
-        assert n == 1, k
-    p.write_text(src)
+    (d / "attention_prefill.cu").write_text(variant_source(name))
     return KernelLib(declared_kernels(), d)
 
 
-def launch(lib, consts, q, k, v, out, start, m, n_kv, g, hd):
+def variant_launch(name: str):
+    """A launch factory for variant `name` with attention_prefill_launch's arguments (lib, q, k_cache, v_cache, start,
+    m, out, n_kv, group, hd, q_stride, out_stride, scale=None): the grid, block and shared memory of its #defines."""
     import numpy as np
 
-    from atomflow_bench.gpu.launch import Launch, i32
-    from atomflow_bench.gpu.launch import allow_dynamic_smem
+    from atomflow_bench.gpu.launch import Launch, allow_dynamic_smem, i32
     from atomflow_bench.gpu.ops import attention_prefill as ap
 
-    c = consts or {"ATP_ROWS": ap.ATP_ROWS, "ATP_THREADS": ap.ATP_THREADS, "ATP_KV": ap.ATP_KV,
-                   "ATP_STAGES": ap.ATP_STAGES}
-    smem = c["ATP_ROWS"] * hd * 2 + c["ATP_STAGES"] * 2 * c["ATP_KV"] * hd * 2
-    fn = lib[ap.prefill_kernel(hd, g)]
-    allow_dynamic_smem(fn, smem)
+    d = variant_defines(variant_source(name))
+
+    def factory(lib, q, k_cache, v_cache, start, m, out, n_kv, group, hd, q_stride, out_stride, scale=None):
+        smem = variant_smem(d, hd)
+        fn = lib[ap.prefill_kernel(hd, group)]
+        allow_dynamic_smem(fn, smem)
+        return Launch(fn, "attention_prefill", (-(-m * group // d["ATP_ROWS"]), n_kv), (d["ATP_THREADS"],),
+                      (q, k_cache, v_cache, out, i32(start), i32(m), i32(n_kv), i32(q_stride), i32(out_stride),
+                       np.float32(1.0 / math.sqrt(hd) if scale is None else scale)), smem, {}, 0, name)
+
+    return factory
+
+
+def launch(lib, name, q, k, v, out, start, m, n_kv, g, hd):
+    """Variant `name`'s launch over contiguous q and out."""
     stride = n_kv * g * hd
-    return Launch(fn, "attention_prefill", (-(-m * g // c["ATP_ROWS"]), n_kv), (c["ATP_THREADS"],),
-                  (q, k, v, out, i32(start), i32(m), i32(n_kv), i32(stride), i32(stride),
-                   np.float32(1.0 / math.sqrt(hd))), smem, {}, 0, "variant")
+    return variant_launch(name)(lib, q, k, v, start, m, out, n_kv, g, hd, stride, stride)
 
 
 def inputs(shape, start, m, seed=0):
@@ -99,8 +145,14 @@ def reference(q, k, v, start, m, n_q, n_kv, hd):
 def main(argv=None) -> int:
     ap_ = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap_.add_argument("--rounds", type=int, default=3)
+    ap_.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     ap_.add_argument("--json")
     a = ap_.parse_args(argv)
+    names = a.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        print(f"prefill_att_ab: unknown variants {unknown} (known: {', '.join(VARIANTS)})", file=sys.stderr)
+        return 2
     import cupy as cp
     import numpy as np
 
@@ -108,15 +160,15 @@ def main(argv=None) -> int:
 
     tmp = Path(tempfile.mkdtemp())
     libs, ok = {}, {}
-    for name, consts in VARIANTS.items():
+    for name in names:
         try:
-            libs[name] = variant_lib(consts, tmp)
+            libs[name] = variant_lib(name, tmp)
             errs = []
-            for shape in ("3b", "1b"):
+            for shape, start, m in (("3b", 0, 130), ("3b", 300, 200), ("1b", 0, 130), ("1b", 300, 200)):
                 n_q, n_kv, hd = SHAPES[shape]
-                q, k, v, out = inputs(shape, 300, 200, seed=1)
-                launch(libs[name], consts, q, k, v, out, 300, 200, n_kv, n_q // n_kv, hd)()
-                want, vmax = reference(q, k, v, 300, 200, n_q, n_kv, hd)
+                q, k, v, out = inputs(shape, start, m, seed=1)
+                launch(libs[name], name, q, k, v, out, start, m, n_kv, n_q // n_kv, hd)()
+                want, vmax = reference(q, k, v, start, m, n_q, n_kv, hd)
                 got = out.get().astype(np.float64)
                 errs.append(float(np.abs(got - want).max() / vmax) if not np.isnan(got).any() else float("nan"))
             ok[name] = all(e <= 2e-3 for e in errs)
@@ -131,10 +183,10 @@ def main(argv=None) -> int:
             shape, start, m = t
             n_q, n_kv, hd = SHAPES[shape]
             flops = 4.0 * hd * n_q * (m * start + m * (m + 1) / 2)
-            for name, consts in VARIANTS.items():
+            for name in names:
                 if not ok[name]:
                     continue
-                ln = launch(libs[name], consts, *data[t], start, m, n_kv, n_q // n_kv, hd)
+                ln = launch(libs[name], name, *data[t], start, m, n_kv, n_q // n_kv, hd)
                 for _ in range(3):
                     ln()
                 ts = []
@@ -150,14 +202,15 @@ def main(argv=None) -> int:
                              "tflops": flops / (ms * 1e-3) / 1e12})
     for t in TIMED:
         line = []
-        for name in VARIANTS:
+        for name in names:
             x = [q["ms"] for q in runs if q["variant"] == name and (q["shape"], q["start"], q["m"]) == t]
             if x:
                 tf = [q["tflops"] for q in runs if q["variant"] == name and (q["shape"], q["start"], q["m"]) == t]
                 line.append(f"{name} {min(x):.4f} ms {max(tf):.0f} TF")
         print(f"{t[0]} start {t[1]} m {t[2]}: " + " | ".join(line), flush=True)
     if a.json:
-        write_text_atomic(Path(a.json), json.dumps({"ok": ok, "variants": VARIANTS, "runs": runs}, indent=1))
+        variants = {n: VARIANTS[n] for n in names}
+        write_text_atomic(Path(a.json), json.dumps({"ok": ok, "variants": variants, "runs": runs}, indent=1))
     return 0
 
 

@@ -1,0 +1,348 @@
+// attention_prefill_v3.cu — causal GQA attention of a chunk of M query rows (prefill) over the contiguous KV cache:
+// FlashAttention-2 on the tensor cores, the scores never leave registers (no M x L matrix in memory). A lab version
+// of kernels_cu/attention_prefill.cu (same kernels, arguments and results; lab/scripts/prefill_att_ab.py builds it
+// in place of the product's): each warp computes tile k + 1's scores in the same stretch of code as tile k's softmax
+// and P.V (tensor-core work beside the softmax's FP32/SFU work, one tile of scores ahead), over a K ring one tile
+// ahead of the V ring, both ATP_STAGES - 1 tiles of prefetch, one barrier per tile.
+//
+// Computes   for query row r < M (position start + r) and q head hq (kv head j = hq / G, G = n_heads / n_kv):
+//              out[r][hq] = sum_{t <= start + r} softmax_t(q[r][hq] . K[t, j] * scale) V[t, j]
+//            (causal over the cache before the chunk and the chunk itself). fp16 in, fp32 scores, online softmax in
+//            fp32 (a running max and sum per row), P = exp(S - max) rounded to fp16 before P.V (it is the mma's A
+//            operand, as in FlashAttention-2) with the sums taken over the rounded values, fp32 O, fp16 out.
+// Scheme     block (x, j) = kv head j, row tile T = gridDim.x - 1 - x (the longest causal prefixes start first) of
+//            ATP_ROWS = 64 of the kv head's M * G query rows, its G q heads stacked: stacked row R is query row R / G
+//            of q head j * G + R % G, so one K/V tile in shared memory serves all G heads. Warp w takes tile rows
+//            16 w .. 16 w + 15 (the mma's M). The block walks K/V tiles of ATP_KV = 64 positions from position 0 to
+//            its last row's position (tiles wholly above the diagonal are never loaded), K and V tiles staged by
+//            cp.async in two rings of ATP_STAGES slots (the pipeline below); a warp skips a tile above all of its
+//            rows and masks only a tile that crosses its rows' diagonal. Per warp, in registers (mma m16n8k16,
+//            fp16 x fp16 -> fp32), tile 0's scores before the walk, then per tile k:
+//              scores   S'[16][64] = Q K^T of tile k + 1 (when the warp takes it): q's A fragments read from shared
+//                       memory once, K rows by ldmatrix as the B operand; independent of the two steps below,
+//                       so the scheduler may interleave its mmas with them;
+//              softmax  of tile k's S: times scale in log2 units, the causal mask, online per row (the row's max
+//                       over its 4 lanes), the O and sum rescale, P rounded to fp16;
+//              P.V      O[16][hd] += P V: the score fragments are P's A fragments as they stand (no shared memory),
+//                       V rows by ldmatrix.trans as the B operand; then S = S'.
+//            At the end each warp writes O / sum as fp16 into its own rows of the (dead) q tile and stores them in
+//            16-byte pieces. Rows in shared memory (q, K, V) have their 16-byte pieces XOR-swizzled by the row
+//            (piece c of row t at c ^ (t & 7)): ldmatrix reads 8 rows of one piece without bank conflicts. K/V rows
+//            past the block's last position are zero-filled, never read (the cache there may hold anything, and a
+//            masked score's 0 still multiplies V: 0 * NaN is NaN); q rows past M are zero-filled and never stored.
+// Layouts    q fp16 [M][q_stride] (q head hq at columns hq*hd ..; the stride lets q be the start of the fused qkv
+//            buffer [M][q_dim + 2*kv_dim]); k_cache/v_cache: this layer's slab fp16 [max_seq][n_kv*hd], rows
+//            start .. start+M-1 already holding the chunk's K/V; out fp16 [M][out_stride]. Strides multiples of 8
+//            elements, pointers 16-byte aligned (the 16-byte copies). Dynamic shared memory
+//            (ops/attention_prefill.py prefill_smem's formula): the q tile [64][hd] fp16, then the K ring
+//            ATP_STAGES x [64][hd] fp16, then the V ring ATP_STAGES x [64][hd] fp16: 8 + 16 S KB at hd 64, 16 + 32 S
+//            KB at hd 128 (S = ATP_STAGES; at 3, 56 and 112 KB: two blocks of 112 KB (+ 1 KB reserved each) fit the
+//            228 KB of an H100/H200 SM; an sm_89 or sm_120 SM, 100 KB, holds no block of it at hd 128).
+// Pipeline   K tile t in K slot t % S, V tile t in V slot t % S. cp.async groups, per thread: group -1 = q and K 0,
+//            group t >= 0 = K t + 1 and V t (each part empty past the block's last tile). The prologue commits
+//            groups -1 .. S - 2, waits for group -1 (at most S - 1 pending), a barrier, and each warp computes tile
+//            0's scores. Iteration kt waits until at most S - 2 groups are pending (group kt has landed: K kt + 1
+//            and V kt, what the iteration reads), then one barrier (every thread's copies and zero rows visible;
+//            every warp done with iteration kt - 1, which read K kt and V kt - 1), then issues group kt + S - 1
+//            (K kt + S into K kt's slot, V kt + S - 1 into V kt - 1's) and commits it even when empty, so that
+//            the count of pending groups means the same on every iteration. lab/scripts/pipeline_check.py
+//            simulates this sequence.
+// Bytes      q and out (M * n_heads * hd * 2 each) + K and V rows 0 .. start+M-1 (2 * (start+M) * n_kv * hd * 2)
+//            from DRAM at least; every row tile reads its kv head's causal prefix again, through L2.
+// Launch     attention_prefill_hd{64,128}_g{1,2,3,4,8,16}: grid = (ceil(M * G / 64), n_kv), block = 128
+//            (ATP_THREADS), dyn. smem as above (lab/scripts/prefill_att_ab.py variant_launch, the product
+//            factory's arithmetic over this file's #defines);
+//            launch bounds of 2 blocks per SM (<= 255 registers: O, q's fragments and two tiles' scores live in
+//            registers).
+// (lab/scripts/prefill_att_ab.py rewrites the include to "common.cuh" in its copy of kernels_cu/)
+#include "../../kernels_cu/common.cuh"
+
+#define ATP_THREADS 128   // 4 warps x 16 query rows (ops/attention_prefill.py ATP_THREADS)
+#define ATP_ROWS 64       // stacked query rows per block (ops/attention_prefill.py ATP_ROWS)
+#define ATP_KV 64         // positions per K/V tile (ops/attention_prefill.py ATP_KV)
+#define ATP_STAGES 3      // slots of each of the K and V rings: the prefetch distance is ATP_STAGES - 1
+#define ATP_MIN_BLOCKS 2  // register cap 255: two blocks (8 warps) per SM
+#define ATP_BATCH 4       // ldmatrix loads issued before their mmas
+
+// 2^x (ex2.approx: 2^-inf = +0, which the first tile's rescale and the masked scores rely on)
+__device__ __forceinline__ float atp_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// (a, b) rounded to fp16 in one 32-bit mma operand, a in the low half (the lower column)
+__device__ __forceinline__ unsigned atp_h2(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+
+// The block's 64 stacked q rows (row0 ..) -> qs; rows past the chunk (query row >= m) zero-filled.
+template <int HD, int G>
+__device__ __forceinline__ void atp_stage_q(const __half* q, size_t q_stride, int row0, int m, int j, char* qs) {
+  constexpr int DG = HD / 8;
+#pragma unroll
+  for (int i = threadIdx.x; i < ATP_ROWS * DG; i += ATP_THREADS) {
+    const int t = i / DG, c = i % DG, r = (row0 + t) / G, g = (row0 + t) % G;
+    if (r < m)
+      cp_async16(qs + swz16<HD>(t, c), q + (size_t)r * q_stride + (size_t)(j * G + g) * HD + c * 8);
+    else
+      *reinterpret_cast<uint4*>(qs + swz16<HD>(t, c)) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Positions p0 .. p0 + 63 of kv head j of one cache slab (K or V) -> dst; positions at or past n_pos zero-filled
+// (not read: a masked score's 0 still multiplies V).
+template <int HD>
+__device__ __forceinline__ void atp_stage_rows(const __half* cache, size_t kv_dim, int j, int p0, int n_pos,
+                                               char* dst) {
+  constexpr int DG = HD / 8;
+#pragma unroll
+  for (int i = threadIdx.x; i < ATP_KV * DG; i += ATP_THREADS) {
+    const int t = i / DG, c = i % DG, off = swz16<HD>(t, c);
+    if (p0 + t < n_pos)
+      cp_async16(dst + off, cache + (size_t)(p0 + t) * kv_dim + (size_t)j * HD + c * 8);
+    else
+      *reinterpret_cast<uint4*>(dst + off) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// S = Q K^T of one K tile (raw: unscaled, unmasked): s[n] is positions 8 n + 2 tig (+1) of the tile, rows gid
+// ([0..1]) and gid + 8 ([2..3]) of the warp.
+template <int HD>
+__device__ __forceinline__ void atp_scores(float (&s)[ATP_KV / 8][4], const unsigned (&qa)[HD / 16][4], const char* ks,
+                                           int lane) {
+  constexpr int NB = ATP_KV / 8;
+#pragma unroll
+  for (int n = 0; n < NB; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    unsigned b[ATP_BATCH][4];  // 16 positions each: n-tile 2u (b[u][0..1]) and 2u + 1 (b[u][2..3])
+#pragma unroll
+    for (int u = 0; u < ATP_BATCH; ++u)
+      ldmatrix_x4(b[u], ks + swz16<HD>(16 * u + ((lane >> 4) << 3) + (lane & 7), 2 * kk + ((lane >> 3) & 1)));
+#pragma unroll
+    for (int u = 0; u < ATP_BATCH; ++u) {
+      mma_16816(s[2 * u], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[u][0], b[u][1]);
+      mma_16816(s[2 * u + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[u][2], b[u][3]);
+    }
+  }
+}
+
+// The online softmax of one tile's raw scores s (positions p0 ..): scale in log2 units, the causal mask where `diag`
+// (row gid's last position lim0, row gid + 8's lim1), the running max and sum, O rescaled; P = 2^(S - max) rounded to
+// fp16 as P's A fragments (16-position k-step kk = n-tiles 2 kk, 2 kk + 1), the sums over the rounded values.
+template <int HD>
+__device__ __forceinline__ void atp_softmax(const float (&s)[ATP_KV / 8][4], float (&o)[HD / 8][4], float (&m_run)[2],
+                                            float (&l_run)[2], unsigned (&pa)[ATP_KV / 16][4], int p0, bool diag,
+                                            int lim0, int lim1, float sl2, int tig) {
+  constexpr int NB = ATP_KV / 8;
+  float x[NB][4];
+  float mx[2] = {-AF_INF, -AF_INF};
+#pragma unroll
+  for (int n = 0; n < NB; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int pos = p0 + 8 * n + 2 * tig + (e & 1);
+      const float v = diag && pos > (e < 2 ? lim0 : lim1) ? -AF_INF : s[n][e] * sl2;
+      x[n][e] = v;
+      mx[e >> 1] = fmaxf(mx[e >> 1], v);
+    }
+  }
+  float alpha[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    // finite: position 0 is in every row's first tile, and the max only grows
+    const float m_new = fmaxf(m_run[h], mx[h]);
+    alpha[h] = atp_ex2(m_run[h] - m_new);  // 0 on the first tile
+    m_run[h] = m_new;
+    l_run[h] *= alpha[h];
+  }
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+    o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+    o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+  }
+#pragma unroll
+  for (int kk = 0; kk < NB / 2; ++kk) {
+    pa[kk][0] = atp_h2(atp_ex2(x[2 * kk][0] - m_run[0]), atp_ex2(x[2 * kk][1] - m_run[0]));
+    pa[kk][1] = atp_h2(atp_ex2(x[2 * kk][2] - m_run[1]), atp_ex2(x[2 * kk][3] - m_run[1]));
+    pa[kk][2] = atp_h2(atp_ex2(x[2 * kk + 1][0] - m_run[0]), atp_ex2(x[2 * kk + 1][1] - m_run[0]));
+    pa[kk][3] = atp_h2(atp_ex2(x[2 * kk + 1][2] - m_run[1]), atp_ex2(x[2 * kk + 1][3] - m_run[1]));
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      const float2 f = h2_to_f2(pa[kk][a]);
+      l_run[a & 1] += f.x + f.y;
+    }
+  }
+}
+
+// O += P V of one V tile: ldmatrix.trans gives V's B fragments, two 8-dim n-tiles per load.
+template <int HD>
+__device__ __forceinline__ void atp_pv(float (&o)[HD / 8][4], const unsigned (&pa)[ATP_KV / 16][4], const char* vs,
+                                       int lane) {
+#pragma unroll
+  for (int kk = 0; kk < ATP_KV / 16; ++kk) {
+#pragma unroll
+    for (int c0 = 0; c0 < HD / 8; c0 += 2 * ATP_BATCH) {
+      unsigned b[ATP_BATCH][4];
+#pragma unroll
+      for (int u = 0; u < ATP_BATCH; ++u)
+        ldmatrix_x4_trans(b[u], vs + swz16<HD>(16 * kk + ((lane >> 3) & 1) * 8 + (lane & 7), c0 + 2 * u + (lane >> 4)));
+#pragma unroll
+      for (int u = 0; u < ATP_BATCH; ++u) {
+        mma_16816(o[c0 + 2 * u], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[u][0], b[u][1]);
+        mma_16816(o[c0 + 2 * u + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[u][2], b[u][3]);
+      }
+    }
+  }
+}
+
+// Row tile `tile` (64 stacked rows) of kv head j.
+template <int HD, int G>
+__device__ __forceinline__ void attention_prefill_block(const __half* q, const __half* k_cache, const __half* v_cache,
+                                                        __half* out, int start, int m, int n_kv, int q_stride,
+                                                        int out_stride, float scale, int tile, int j, char* smem) {
+  constexpr int DG = HD / 8;           // 16-byte pieces per row = 8-dim n-tiles of O
+  constexpr int KS = HD / 16;          // k-steps of the scores
+  constexpr int NB = ATP_KV / 8;       // 8-position n-tiles of the scores
+  constexpr int TB = ATP_KV * HD * 2;  // bytes of one K (or V) tile
+  constexpr int S = ATP_STAGES;
+  static_assert(ATP_ROWS == 16 * (ATP_THREADS / AF_WARP) && NB == 2 * ATP_BATCH && (DG / 2) % ATP_BATCH == 0 &&
+                KS % 2 == 0 && S >= 2, "shape");
+  const size_t kv_dim = (size_t)n_kv * HD;
+  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP;
+  const int gid = lane >> 2, tig = lane & 3;  // mma fragment coordinates: rows gid, gid + 8; columns 2 tig, 2 tig + 1
+  char* qs = smem;
+  char* kr = smem + ATP_ROWS * HD * 2;  // K slot s at kr + s TB
+  char* vr = kr + S * TB;               // V slot s at vr + s TB
+
+  // the block's rows and positions: the last query row it holds, the positions up to that row's
+  const int row0 = tile * ATP_ROWS;
+  const int n_pos = start + min(m - 1, (row0 + ATP_ROWS - 1) / G) + 1;
+  const int n_tiles = (n_pos + ATP_KV - 1) / ATP_KV;
+  // this warp's rows: whether it holds any query row < m; the last position of its first and last row, the last
+  // tile it takes (those after lie above all of its rows); this thread's two rows' last positions (rows past the
+  // chunk clamped to the last row: computed, never stored)
+  const int wr0 = row0 + warp * 16;
+  const bool active = wr0 / G < m;
+  const int w_lo = start + wr0 / G, w_hi = start + min(m - 1, (wr0 + 15) / G);
+  const int w_last = active ? w_hi / ATP_KV : -1;
+  const int lim0 = start + min(m - 1, (wr0 + gid) / G), lim1 = start + min(m - 1, (wr0 + gid + 8) / G);
+
+  pdl_wait();  // q and the chunk's K/V rows are the previous kernels' outputs
+  pdl_launch_dependents();
+  // the prologue: group -1 (q, K 0), groups 0 .. S - 2 (K t + 1, V t; empty parts past the last tile)
+  atp_stage_q<HD, G>(q, (size_t)q_stride, row0, m, j, qs);
+  atp_stage_rows<HD>(k_cache, kv_dim, j, 0, n_pos, kr);
+  cp_async_commit();
+#pragma unroll
+  for (int t = 0; t < S - 1; ++t) {
+    if (t + 1 < n_tiles) atp_stage_rows<HD>(k_cache, kv_dim, j, (t + 1) * ATP_KV, n_pos, kr + ((t + 1) % S) * TB);
+    if (t < n_tiles) atp_stage_rows<HD>(v_cache, kv_dim, j, t * ATP_KV, n_pos, vr + t * TB);
+    cp_async_commit();
+  }
+
+  const float sl2 = scale * 1.4426950408889634f;  // scores in log2 units
+  unsigned qa[KS][4];                              // the warp's 16 q rows as the scores' A operand, every k-step
+  float s[NB][4];                                  // the raw scores of the tile the warp takes next
+  float o[DG][4];                                  // O[gid (+8 in [2..3])][8 n + 2 tig (+1)], relative to m_run
+  float m_run[2] = {-AF_INF, -AF_INF}, l_run[2] = {0.f, 0.f};  // rows gid, gid + 8: max, this lane's share of sum
+#pragma unroll
+  for (int n = 0; n < DG; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+
+  cp_async_wait<S - 1>();  // this thread's q and K 0 have landed ...
+  __syncthreads();         // ... and every thread's
+  AF_TL_MARK(0);           // timeline: q and the first K tile in shared memory
+  if (w_last >= 0) {       // warp-uniform: every active warp takes tile 0
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+      ldmatrix_x4(qa[kk], qs + swz16<HD>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4)));
+    atp_scores<HD>(s, qa, kr, lane);
+  }
+
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    cp_async_wait<S - 2>();  // this thread's K kt + 1 and V kt have landed (groups kt + 1 .. kt + S - 2 may be
+                             // pending) ...
+    __syncthreads();         // ... and every thread's, with the zero rows; every warp is done with iteration kt - 1
+    // group kt + S - 1: K kt + S into K kt's slot, V kt + S - 1 into V kt - 1's; committed even when empty
+    if (kt + S < n_tiles) atp_stage_rows<HD>(k_cache, kv_dim, j, (kt + S) * ATP_KV, n_pos, kr + (kt % S) * TB);
+    if (kt + S - 1 < n_tiles)
+      atp_stage_rows<HD>(v_cache, kv_dim, j, (kt + S - 1) * ATP_KV, n_pos, vr + ((kt + S - 1) % S) * TB);
+    cp_async_commit();
+    if (kt > w_last) continue;  // warp-uniform: a tile above all of the warp's rows adds nothing (nor do the next)
+    const int p0 = kt * ATP_KV;
+    const bool diag = p0 + ATP_KV - 1 > w_lo;
+    const char* vs = vr + (kt % S) * TB;
+    unsigned pa[NB / 2][4];
+    if (kt < w_last) {
+      // tile kt + 1's scores, independent of tile kt's softmax and P.V: one stretch of code the scheduler may
+      // interleave (tensor-core mmas beside FP32 and ex2 work)
+      float sn[NB][4];
+      atp_scores<HD>(sn, qa, kr + ((kt + 1) % S) * TB, lane);
+      atp_softmax<HD>(s, o, m_run, l_run, pa, p0, diag, lim0, lim1, sl2, tig);
+      atp_pv<HD>(o, pa, vs, lane);
+#pragma unroll
+      for (int n = 0; n < NB; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = sn[n][e];
+      }
+    } else {
+      atp_softmax<HD>(s, o, m_run, l_run, pa, p0, diag, lim0, lim1, sl2, tig);
+      atp_pv<HD>(o, pa, vs, lane);
+    }
+  }
+  AF_TL_MARK(1);  // timeline: the walk done
+  if (!active) return;  // no barrier follows
+
+  // ---- out = O / sum as fp16: through the warp's own rows of the q tile (only this warp read them), then 16-byte
+  //      stores of the rows < m ----
+  float inv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+    inv[h] = 1.f / l_run[h];  // >= 1: the max's own term is 2^0
+  }
+#pragma unroll
+  for (int n = 0; n < DG; ++n) {
+    *reinterpret_cast<unsigned*>(qs + swz16<HD>(warp * 16 + gid, n) + 4 * tig) = atp_h2(o[n][0] * inv[0], o[n][1] * inv[0]);
+    *reinterpret_cast<unsigned*>(qs + swz16<HD>(warp * 16 + gid + 8, n) + 4 * tig) =
+        atp_h2(o[n][2] * inv[1], o[n][3] * inv[1]);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = lane; i < 16 * DG; i += AF_WARP) {
+    const int t = i / DG, c = i % DG, r = (wr0 + t) / G, g = (wr0 + t) % G;
+    if (r < m)
+      *reinterpret_cast<uint4*>(out + (size_t)r * out_stride + (size_t)(j * G + g) * HD + c * 8) =
+          *reinterpret_cast<const uint4*>(qs + swz16<HD>(warp * 16 + t, c));
+  }
+}
+
+// One kernel per (head_dim, q heads per kv head): G is a compile-time constant, so a stacked row's query row and
+// head are a division by a constant.
+#define ATTENTION_PREFILL_INSTANCE(NAME, HD, G)                                                                    \
+  extern "C" __global__ void __launch_bounds__(ATP_THREADS, ATP_MIN_BLOCKS)                                       \
+      NAME(const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache,   \
+           __half* __restrict__ out, int start, int m, int n_kv, int q_stride, int out_stride, float scale) {      \
+    AF_TIMELINE_BLOCK;                                                                                             \
+    extern __shared__ __align__(16) char atp_smem[];                                                               \
+    attention_prefill_block<HD, G>(q, k_cache, v_cache, out, start, m, n_kv, q_stride, out_stride, scale,         \
+                                   gridDim.x - 1 - blockIdx.x, blockIdx.y, atp_smem);                               \
+  }
+
+ATTENTION_PREFILL_INSTANCE(attention_prefill_hd64_g1, 64, 1)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_hd64_g2, 64, 2)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_hd64_g3, 64, 3)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_hd64_g4, 64, 4)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_hd64_g8, 64, 8)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_hd64_g16, 64, 16)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_hd128_g1, 128, 1)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_hd128_g2, 128, 2)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_hd128_g3, 128, 3)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_hd128_g4, 128, 4)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_hd128_g8, 128, 8)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_hd128_g16, 128, 16)
