@@ -91,7 +91,6 @@ class Engine:
         self.short_capacity = short_capacity(self.cfg.head_dim, smem_limits())
         self.pdl = bool(pdl_default(self.cc) if pdl is None else pdl)
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        self._prompt_len = 0
         self._prompt_ids = np.zeros(0, np.int32)
         self.position = 0  # host copy of the device's pos (the next step attends over position + 1 rows)
         self._prefill = None  # gpu/prefill.py Prefill, made on first use
@@ -140,7 +139,6 @@ class Engine:
         a["prompt_len"].set(np.array([ids.size], np.int32))
         a["pos"].set(np.zeros(1, np.int32))
         a["cur_token"].set(ids[:1])
-        self._prompt_len = int(ids.size)
         self._prompt_ids = ids
         self.position = 0
 
@@ -218,11 +216,10 @@ class Engine:
         `upto`: only positions 0 .. upto-1 into the cache; the next step is the one at `upto` (it reads prompt token
         `upto`). Queued on the engine's stream (no host synchronisation), so CUDA events around it time it: with
         `upto` None, the time to first token."""
-        n = self._prompt_len if upto is None else upto
         if self.prefills:
             self.prefiller().fill(self._prompt_ids, graph, upto)
         else:
-            self.run(n, graph)
+            self.run(self._prompt_ids.size if upto is None else upto, graph)
 
     def generate(self, prompt_ids, n_new: int, graph: bool = True, prefill: bool = False) -> list[int]:
         """Greedy: the prompt is fed token by token through the same step (or, `prefill`, batched: gpu/prefill.py);
@@ -235,8 +232,8 @@ class Engine:
             self.run(n_new - 1, graph)
         else:
             self.reset(prompt_ids)
-            self.run(self._prompt_len - 1 + n_new, graph)
-        return self.tokens(self._prompt_len - 1, n_new)
+            self.run(n - 1 + n_new, graph)
+        return self.tokens(n - 1, n_new)
 
     # ---- what it holds and reads ---------------------------------------------------------------------------------
     def vram(self) -> dict:

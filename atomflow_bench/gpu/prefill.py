@@ -160,7 +160,7 @@ class Prefill:
         # the first new token: the decode step's lm_head (final norm, logits, argmax, position + 1) on the last row;
         # tensor parallel runs its vocabulary shards and their combine in the decode step instead
         self.lm_head = lm_head_launch(engine.lib, a, cfg, engine.gpu["sms"]) if engine.group is None else None
-        self.graphs: dict = {}  # (start, m): the chunk's work captured once (its ~9 calls per layer replay at once)
+        self.graphs: dict = {}  # (start, m, last): the chunk's work captured once (~9 calls a layer replay at once)
 
     def weight(self, name: str):
         """Weight `name` (e.g. "L3.wo") row-major fp16 for the GEMM about to run: its copy, or (staged) the scratch,

@@ -111,9 +111,9 @@ def prefill_figures(eng, context: int, ttft: dict, peak: dict) -> dict:
     flops = prefill_flops(eng.cfg, context)
     tflops = flops / (ttft["median"] * 1e-3) / 1e12
     gpus = eng.group.size if eng.group is not None else 1
-    return {"path": "batched" if eng.prefills else "walked", "prompt_tokens": context,
-            "chunk": eng.prefiller().chunk if eng.prefills else None,
-            "weights_form": eng.prefiller().weights_form if eng.prefills else None,
+    pf = eng.prefiller() if eng.prefills else None
+    return {"path": "batched" if pf else "walked", "prompt_tokens": context,
+            "chunk": pf.chunk if pf else None, "weights_form": pf.weights_form if pf else None,
             "tok_per_s": context / (ttft["median"] * 1e-3), "flops": flops, "tflops": tflops,
             "pct_of_peak": 100.0 * tflops / (peak["median"] * gpus)}
 

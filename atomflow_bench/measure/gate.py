@@ -27,7 +27,7 @@ that is slower by more than the threshold with tight bands always does. Slower b
 while the bands overlap is reported as "inconclusive (within noise)" and passes with a warning: the
 measurement cannot tell.
 
-TTFT (`ttft_ms`, time to first token: the prompt's prefill and the first decode step) is gated by the same rule
+TTFT (`ttft_ms`, time to first token: the prompt's prefill up to the first token made) is gated by the same rule
 when both records hold it and their prompts went the same way (`prefill.path` and `prefill.prompt_tokens` equal).
 The verdict is a regression (or inconclusive) when either time is one, else improved when either improved. The
 optional fields (`ttft_ms`, `prefill`, `tensor_core_tflops`) are absent from records written before them: when only
