@@ -48,20 +48,32 @@ need2 = pytest.mark.skipif(n_gpus() < 2, reason="tensor parallel needs 2 or more
 
 
 def start_ranks(n: int, argv: list[str], timeout: int = 300) -> list[subprocess.CompletedProcess]:
+    """Run the worker as n ranks; each rank's exit code 0, else the failure with its stderr. A rank still running at
+    `timeout` is asked for its Python stacks (SIGUSR1: tp_worker.py registers faulthandler on it) before it is
+    killed, so a hang fails with where every rank waits."""
+    import signal
+    import time
+
     from atomflow_bench.gpu.tp.group import free_port
 
     port = free_port()
     procs = [subprocess.Popen(argv, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
                                              MASTER_ADDR="127.0.0.1", ATOMFLOW_TP_PORT=str(port)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(n)]
-    outs = []
+    outs, deadline = [], time.monotonic() + timeout
     for p in procs:
         try:
-            o, e = p.communicate(timeout=timeout)
+            o, e = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for q in procs:
+                if q.poll() is None:
+                    q.send_signal(signal.SIGUSR1)
+            time.sleep(3)
+            for q in procs:
                 q.kill()
-            raise
+            errs = [q.communicate()[1] for q in procs]
+            pytest.fail(f"ranks still running after {timeout} s; their stderr (progress, then stacks):\n"
+                        + "\n".join(f"--- rank {r}:\n{e[-6000:]}" for r, e in enumerate(errs)))
         outs.append((p.returncode, o, e))
     for r, (rc, o, e) in enumerate(outs):
         assert rc == 0, f"rank {r} exited {rc}: {e[-3000:]}"
@@ -120,7 +132,7 @@ def test_tp2_prefill_matches_walked_and_one_gpu(tmp_path):
     copies and the staged weights (the same tokens), h the same on both ranks after every op."""
     d = tmp_path / "model"
     write_random_model(tiny_config(False), d, seed=int(np.random.SeedSequence().entropy % 2**31))
-    start_ranks(2, [sys.executable, str(HERE / "tp_worker.py"), "prefill", str(tmp_path), str(d)])
+    start_ranks(2, [sys.executable, str(HERE / "tp_worker.py"), "prefill", str(tmp_path), str(d)], timeout=240)
     res = json.loads((tmp_path / "prefill-rank0.json").read_text())
     for fmt in ("fp16", "fp8"):
         r = res[fmt]

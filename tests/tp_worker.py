@@ -3,11 +3,22 @@ LOCAL_RANK / MASTER_ADDR / ATOMFLOW_TP_PORT set). Each task writes what it saw t
 asserts. Usage: python tests/tp_worker.py TASK OUT [MODEL_DIR] (TASK: kernels, engine, prefill)"""
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
+
+
+T0 = time.monotonic()
+
+
+def say(what: str) -> None:
+    """A progress line on stderr (the test shows it when a rank fails or hangs)."""
+    print(f"{time.monotonic() - T0:7.1f} s {what}", file=sys.stderr, flush=True)
 
 
 def kernels(group, out: Path) -> dict:
@@ -148,6 +159,7 @@ def prefill(group, out: Path, model_dir: str) -> dict:
 
     res = {}
     for fmt in ("fp16", "fp8"):
+        say(f"{fmt}: engine")
         eng = Engine(model_dir, weights=fmt, max_seq=64, group=group)
         r = {"prefills": eng.prefills, "planned": eng.arena.prefill_form, "path": eng.tp.path}
         eng.reset(prompt)
@@ -155,6 +167,7 @@ def prefill(group, out: Path, model_dir: str) -> dict:
         r["walked_logits"] = first_logits(eng)
         r["walked"] = eng.generate(prompt, n_new)
         for form in ("copies", "staged"):
+            say(f"{fmt} {form}: launch by launch")
             eng._prefill = pf = Prefill(eng, chunk=chunk, weights_form=form)
             h_equal = []
 
@@ -165,6 +178,7 @@ def prefill(group, out: Path, model_dir: str) -> dict:
             eng.reset(prompt)
             pf.fill(prompt, upto=len(prompt) - 1, taps=tap)
             eager_kv = kv(eng)
+            say(f"{fmt} {form}: graphs")
             eng.reset(prompt)
             pf.fill(prompt, upto=len(prompt) - 1)  # each chunk a graph replay
             graph_kv = kv(eng)
@@ -178,6 +192,7 @@ def prefill(group, out: Path, model_dir: str) -> dict:
     group.barrier()
     if group.rank == 0:  # the one-GPU prefill on the same weights
         for fmt in ("fp16", "fp8"):
+            say(f"{fmt}: one GPU")
             eng = Engine(model_dir, weights=fmt, max_seq=64)
             eng._prefill = Prefill(eng, chunk=chunk)
             eng.reset(prompt)
@@ -196,11 +211,16 @@ def main() -> None:
     task, out = sys.argv[1], Path(sys.argv[2])
     from atomflow_bench.gpu.tp.group import Group
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks a hung rank for its stacks
     group = Group()
+    say(f"rank {group.rank}: {task}")
     try:
         res = TASKS[task](group, out, *sys.argv[3:])
-    finally:
-        group.close()
+    except BaseException:
+        group.close(ok=False)  # no barrier its peers, inside another collective, would never reach
+        raise
+    group.close()
+    say("done")
     (out / f"{task}-rank{group.rank}.json").write_text(json.dumps(res))
 
 

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# v52 (issues 48/47): the prefill attention's lab versions (GPU test, A/B), the TTFT grid, the TP2 hang's diagnosis.
+# `bash lab/records/v52/b52.sh PHASE`; each phase one device call. Logs go under $OUT/v52PHASE as they are written
+# (a call cut short still returns them); large scratch (ground truth, stores) stays under /tmp.
+export ATOMFLOW_HOME=/tmp/atomflow-home PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+PH=$1; W=$OUT/v52$PH; mkdir -p $W; S=$W/summary.txt
+note() { echo "$(date +%T) $*" | tee -a $S; }
+nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm --format=csv,noheader | tee -a $S
+python3 -m pip install -q --no-deps --no-build-isolation -e . >$W/install.log 2>&1 || { note "install failed"; cat $W/install.log; exit 1; }
+pt() {  # pt NAME TIMEOUT pytest-args
+  local name=$1 t=$2; shift 2
+  timeout -k 10 $t python3 -m pytest -q -p no:cacheprovider --durations=10 "$@" >$W/$name.log 2>&1
+  note "$name: rc=$? $(tail -1 $W/$name.log)"
+}
+runr() {  # runr TAG TIMEOUT MODEL FMT [args]: one `run`, its wall time and its TTFT/TPOT line
+  local tag=$1 t=$2 m=$3 w=$4; shift 4; local t0=$(date +%s)
+  timeout -k 10 $t atomflow-bench run $m --weights $w --json $W/$tag.json "$@" >$W/$tag.log 2>&1; local rc=$?
+  note "run $tag: rc=$rc wall $(( $(date +%s) - t0 )) s | $(grep -E 'TTFT|TPOT \(graph\)' $W/$tag.log | tr -s ' ' | tr '\n' ' ')"
+  [ $rc -ne 0 ] && tail -5 $W/$tag.log | tee -a $S
+}
+ttft() {  # ttft MODEL FMT TIMEOUT: the TTFT grid at prompts 128..8192, chunks of 4096
+  timeout -k 10 $3 python3 lab/scripts/prefill_chunk_ab.py $1 $2 --prompts 128,512,2048,8192 --chunks 4096 --rounds 2 \
+    --json $W/ttft-$1-$2.json >$W/ttft-$1-$2.log 2>&1; note "ttft $1 $2 rc=$?"; tail -4 $W/ttft-$1-$2.log | tee -a $S
+}
+if [ "$PH" = A ]; then  # one GPU: the lab attention versions' GPU test and A/B; the TTFT grid of 1B and 8B
+  pt lab-att 300 tests/test_lab_prefill_att_gpu.py -x
+  timeout -k 10 200 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v2-s2,v2-s3,v3-s3 \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
+  for m in llama-3.2-1b llama-3.1-8b; do timeout 200 atomflow-bench fetch $m >$W/fetch-$m.log 2>&1; done
+  ttft llama-3.2-1b fp16 100; ttft llama-3.2-1b fp8 100; ttft llama-3.1-8b fp16 150; ttft llama-3.1-8b fp8 150
+fi
+if [ "$PH" = B ]; then  # two GPUs: the TP tests (a hang now fails with every rank's stacks), then whether a TP2
+  # W8A16 run exits after its record (a watchdog sends SIGABRT, which PYTHONFAULTHANDLER turns into stacks)
+  pt tp-gpu 420 tests/test_tp_gpu.py
+  watch_exit() {  # watch_exit TAG: once the record exists, 45 s for the ranks to exit, else their stacks
+    local tag=$1
+    for i in $(seq 1 400); do [ -s $W/$tag.json ] && break; sleep 1; done
+    sleep 45
+    if pgrep -f "atomflow_bench.cli run" >/dev/null; then
+      note "$tag: ranks still running 45 s after the record; SIGABRT for stacks"
+      nvidia-smi >$W/$tag-smi.txt 2>&1; pgrep -af "atomflow_bench" >>$W/$tag-smi.txt
+      pkill -ABRT -f "atomflow_bench.cli run"
+    fi
+  }
+  for tag in 8b-fp8-tp2 70b-fp8-tp2; do
+    m=llama-3.1-8b; [ $tag = 70b-fp8-tp2 ] && m=llama-3.1-70b
+    watch_exit $tag & wp=$!
+    runr $tag 400 $m fp8 --tp 2 --ctx 2048 --tokens 64 --repeats 3
+    kill $wp 2>/dev/null
+  done
+fi
