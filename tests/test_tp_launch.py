@@ -232,6 +232,28 @@ def test_launcher_ends_when_a_rank_dies(tmp_path, death, want_code, want_line, c
         assert "error:" not in err  # the rank printed its own line (a script here prints none)
 
 
+STUCK_AT_EXIT = textwrap.dedent("""
+    import os, signal, time
+    if int(os.environ["RANK"]) == 1:  # done, then stuck (as a rank hung in a destructor at exit), deaf to SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(600)
+""")
+
+
+def test_launcher_stops_a_rank_stuck_after_another_finished(tmp_path, monkeypatch, capfd):
+    """Rank 0 exits 0, rank 1 never exits: the launcher stops it EXIT_GRACE seconds later, exits 1 and says so in
+    one line (instead of holding the command forever)."""
+    monkeypatch.setattr(group, "EXIT_GRACE", 1.0)
+    script = tmp_path / "rank.py"
+    script.write_text(STUCK_AT_EXIT)
+    t0 = time.monotonic()
+    code = group.launch(2, [], gpus=2, command=[sys.executable, str(script)])
+    secs = time.monotonic() - t0
+    assert code == 1 and 1.0 <= secs < 1.0 + group.KILL_AFTER + 5, (code, secs)
+    assert error_lines(capfd.readouterr().err) == ["error: rank 1 did not exit within 1 s of a rank that finished; "
+                                                   "stopped"]
+
+
 WATCHED = textwrap.dedent("""
     import os, signal, sys, time
     from atomflow_bench import envs

@@ -235,6 +235,15 @@ class Engine:
             self.run(n - 1 + n_new, graph)
         return self.tokens(n - 1, n_new)
 
+    def close(self) -> None:
+        """Release the CUDA graphs (the decode steps' and the prefill's chunks). Under tensor parallel they hold
+        captured NCCL work, and a communicator destroyed while such graphs live can hang the process's exit (both
+        ranks stuck in the collector at shutdown): released here, before the group closes, the exit does not depend
+        on the order the collector frees objects in. The engine captures them again if it is used after this."""
+        self._graphs = {}
+        if self._prefill is not None:
+            self._prefill.graphs = {}
+
     # ---- what it holds and reads ---------------------------------------------------------------------------------
     def vram(self) -> dict:
         v = self.arena.vram()

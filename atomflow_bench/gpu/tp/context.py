@@ -38,10 +38,17 @@ class TpContext(RunContext):
         return self.group.rank == 0
 
     def close(self) -> None:
+        self.release_engines()
         self.group.close()
 
     def __exit__(self, exc_type, *exc):
+        self.release_engines()
         self.group.close(ok=exc_type is None)  # a failing rank does not wait in a barrier its peers never reach
+
+    def release_engines(self) -> None:
+        """The graphs of every engine this rank made, released before the communicator they captured work of."""
+        for eng in getattr(self, "_engines", ()):
+            eng.close()
 
     def engine(self, weights: str, max_seq: int, given=None, retune: bool = False, tune_missing: bool = True,
                progress=None) -> Engine:
@@ -53,6 +60,7 @@ class TpContext(RunContext):
                      group=self.group, allreduce=self.allreduce, source=self.weight_source)
         self.load_seconds = time.perf_counter() - t0
         self.forms = self.forms or default_origin(eng)
+        self._engines = [*getattr(self, "_engines", ()), eng]
         return eng
 
     def describe(self, eng, info: dict) -> None:

@@ -77,11 +77,20 @@ def launch(n: int, argv: list[str], gpus: int, command: list[str] | None = None)
     for r in range(n):
         env = envs.rank_environment(r, n, port)
         procs[r] = subprocess.Popen([*command, *argv], env=env, stdout=None if r == 0 else subprocess.DEVNULL)
+    first_done = None  # when the first rank exited 0
     try:
         while procs:
             ended = {r: p.returncode for r, p in procs.items() if p.poll() is not None}
             for r in ended:
                 del procs[r]
+            if first_done is None and 0 in ended.values():
+                first_done = time.monotonic()
+            if procs and first_done is not None and time.monotonic() - first_done > EXIT_GRACE:
+                rest = sorted(procs)
+                _stop(procs)
+                print(f"error: rank{'s' * (len(rest) > 1)} {', '.join(map(str, rest))} did not exit within "
+                      f"{EXIT_GRACE:g} s of a rank that finished; stopped", file=sys.stderr, flush=True)
+                return 1
             failed = sorted((rc >= 0, r) for r, rc in ended.items() if rc != 0)  # a signal death first: the cause
             if failed:
                 r = failed[0][1]
@@ -102,6 +111,10 @@ def launch(n: int, argv: list[str], gpus: int, command: list[str] | None = None)
 
 
 KILL_AFTER = 3.0  # seconds a stopped rank gets to exit on SIGTERM before SIGKILL
+# Seconds the other ranks get to exit once one has exited 0. Every rank leaves through the same closing barrier, so
+# they finish within moments of each other; one still running long after is stuck (e.g. in a destructor at exit)
+# and would otherwise hold the command forever.
+EXIT_GRACE = 60.0
 
 
 def _stop(procs: dict) -> None:
@@ -309,8 +322,11 @@ class Group:
         """Release the peer memory once every rank is done (a barrier), and tell the peers this rank's exit is no
         failure. Not `ok` (this rank is failing): nothing waits on the peers, which may be inside another collective;
         the exit ends them (rendezvous.py)."""
+        import gc
+
         import cupy  # optional extra: imported where a GPU is used
 
+        gc.collect()  # graphs left in reference cycles go now, while the communicator whose work they captured lives
         if not ok:
             return
         rt = cupy.cuda.runtime
