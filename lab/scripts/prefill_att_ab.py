@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 V2, V3 = "lab/kernels/attention_prefill_v2.cu", "lab/kernels/attention_prefill_v3.cu"
+V4 = "lab/kernels/attention_prefill_v4.cu"
 VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, ATP_THREADS, ATP_KV, ATP_STAGES, ...)
     "product": dict(file=None, defines={}),
     # 8 warps over 128 stacked rows, one block an SM: each K/V tile staged in shared memory serves twice the rows
@@ -41,6 +42,9 @@ VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, A
     "v2-s3": dict(file=V2, defines=dict(ATP_STAGES=3)),
     # v2-s3's distance, and each warp computes tile k + 1's scores beside tile k's softmax and P.V
     "v3-s3": dict(file=V3, defines=dict(ATP_STAGES=3)),
+    # the product's pipeline, fewer FP32 instructions between the mma phases (P's row sums by an mma with ones, the
+    # scale folded into the exponent's FFMA, the mask only on diagonal tiles)
+    "v4": dict(file=V4, defines={}),
 }
 LAB_INCLUDE = '#include "../../kernels_cu/common.cuh"'  # a lab version's include, as its copy in kernels_cu/ reads it
 SHAPES = {"3b": (24, 8, 128), "8b": (32, 8, 128), "1b": (32, 8, 64)}  # q heads, kv heads, head_dim

@@ -49,3 +49,44 @@ if [ "$PH" = B ]; then  # two GPUs: the TP tests (a hang now fails with every ra
     kill $wp 2>/dev/null
   done
 fi
+if [ "$PH" = C ]; then  # two GPUs, after the exit fix: the TP tests (stop at the first failure, so its report
+  # prints), the 70B W8A16 TP2 run that hung at exit; then on GPU 0 the attention's v4 (lab GPU test, A/B against
+  # the product) and, where v4 wins, v4 in the product's place: the product's GPU tests and the TTFT runs
+  pt tp-gpu 330 tests/test_tp_gpu.py -x
+  watch_exit() {
+    local tag=$1
+    for i in $(seq 1 400); do [ -s $W/$tag.json ] && break; sleep 1; done
+    sleep 45
+    if pgrep -f "atomflow_bench.cli run" >/dev/null; then
+      note "$tag: ranks still running 45 s after the record; SIGABRT for stacks"; pkill -ABRT -f "atomflow_bench.cli run"
+    fi
+  }
+  watch_exit 70b-fp8-tp2 & wp=$!
+  runr 70b-fp8-tp2 200 llama-3.1-70b fp8 --tp 2 --ctx 2048 --tokens 64 --repeats 3
+  kill $wp 2>/dev/null
+  export CUDA_VISIBLE_DEVICES=0
+  pt lab-att-v4 200 tests/test_lab_prefill_att_gpu.py -k v4
+  timeout -k 10 150 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v4 \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
+  if python3 - $W/att-ab.json <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+best = lambda v, s, st: min(x["ms"] for x in r["runs"] if x["variant"] == v and (x["shape"], x["start"]) == (s, st) and x["m"] in (2048, 4096))
+ok = r["ok"]["v4"] and all(best("v4", s, st) < 0.97 * best("product", s, st) for s, st in (("3b", 0), ("3b", 4096)))
+sys.exit(0 if ok else 1)
+PY
+  then
+    note "v4 wins by >= 3% at 3B: in the product's place"
+    sed 's|#include "../../kernels_cu/common.cuh"|#include "common.cuh"|' lab/kernels/attention_prefill_v4.cu > kernels_cu/attention_prefill.cu
+    pt prefill-att 200 tests/test_prefill_attention.py
+    pt prefill 400 tests/test_prefill_gpu.py
+    timeout 200 atomflow-bench fetch llama-3.2-3b >$W/fetch-3b.log 2>&1
+    timeout -k 10 200 atomflow-bench validate llama-3.2-3b --weights fp16 --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
+      --json $W/validate-3b-fp16.json >$W/validate-3b-fp16.log 2>&1
+    note "validate 3b fp16: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-fp16.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+    runr 3b-fp16-ctx2048 120 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
+    runr 3b-fp16-ctx8192 150 llama-3.2-3b fp16 --ctx 8192 --tokens 64 --repeats 3
+  else
+    note "v4 does not win by 3% at 3B: the product stays"
+  fi
+fi
