@@ -15,10 +15,16 @@
 //            only a tile that crosses its rows' diagonal. Per warp and tile, in registers (mma m16n8k16, fp16 x
 //            fp16 -> fp32):
 //              scores   S[16][64] = Q K^T: q's A fragments read from shared memory once, K rows by ldmatrix as the
-//                       B operand, times scale in log2 units, the causal mask;
-//              softmax  online per row (the row's max over its 4 lanes), the O and sum rescale, P rounded to fp16;
+//                       B operand; the causal mask only on a tile crossing the warp's diagonal (warp-uniform);
+//              softmax  online per row: the max of the raw scores (the row's max over its 4 lanes; scale > 0, so
+//                       the scaled max is the max scaled), the O and sum rescale, P = 2^(S scale_log2 - max
+//                       scale_log2) as one FFMA and one ex2 a score, rounded to fp16; P's row sums are one more mma a
+//                       16-position k-step, P times a B fragment of fp16 ones into an fp32 accumulator (every column
+//                       holds the row's sum) instead of unpacking and adding each pair;
 //              P.V      O[16][hd] += P V: the score fragments are P's A fragments as they stand (no shared memory),
 //                       V rows by ldmatrix.trans as the B operand.
+//            With 2 warps a scheduler the kernel is bound by issue (its FP32 work and the staging outnumber its mmas
+//            several times over), so the FP32 work between the two mma phases is kept to the least.
 //            At the end each warp writes O / sum as fp16 into its own rows of the (dead) q tile and stores them in
 //            16-byte pieces. Rows in shared memory (q, K, V) have their 16-byte pieces XOR-swizzled by the row
 //            (piece c of row t at c ^ (t & 7)): ldmatrix reads 8 rows of one piece without bank conflicts. K/V rows
@@ -128,7 +134,9 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
   const float sl2 = scale * 1.4426950408889634f;  // scores in log2 units
   unsigned qa[KS][4];                              // the warp's 16 q rows as the scores' A operand, every k-step
   float o[DG][4];                                  // O[gid (+8 in [2..3])][8 n + 2 tig (+1)], relative to m_run
-  float m_run[2] = {-AF_INF, -AF_INF}, l_run[2] = {0.f, 0.f};  // rows gid, gid + 8: max, this lane's share of sum
+  float m_run[2] = {-AF_INF, -AF_INF};  // rows gid, gid + 8: the running max of the raw scores
+  float l_acc[4] = {0.f, 0.f, 0.f, 0.f};  // P's row sums as an mma accumulator: [0], [1] row gid, [2], [3] gid + 8
+  const unsigned ones = 0x3C003C00u;      // fp16 (1, 1): the B fragment that sums P's rows
 #pragma unroll
   for (int n = 0; n < DG; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
@@ -169,49 +177,50 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
           mma_16816(s[2 * u + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[u][2], b[u][3]);
         }
       }
-      // ---- scale, the causal mask (only on a tile crossing the diagonal of the warp's rows), the rows' max ----
-      const bool diag = p0 + ATP_KV - 1 > w_lo;
+      // ---- the causal mask (only on a tile crossing the diagonal of the warp's rows), the rows' max of the raw
+      //      scores (scale > 0: the max of the scaled scores is the scaled max) ----
+      if (p0 + ATP_KV - 1 > w_lo) {
+#pragma unroll
+        for (int n = 0; n < NB; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (p0 + 8 * n + 2 * tig + (e & 1) > (e < 2 ? lim0 : lim1)) s[n][e] = -AF_INF;
+        }
+      }
       float mx[2] = {-AF_INF, -AF_INF};
 #pragma unroll
       for (int n = 0; n < NB; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int pos = p0 + 8 * n + 2 * tig + (e & 1);
-          const float v = diag && pos > (e < 2 ? lim0 : lim1) ? -AF_INF : s[n][e] * sl2;
-          s[n][e] = v;
-          mx[e >> 1] = fmaxf(mx[e >> 1], v);
-        }
+        mx[0] = fmaxf(mx[0], fmaxf(s[n][0], s[n][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[n][2], s[n][3]));
       }
-      float alpha[2];
+      float alpha[2], mb[2];  // mb: the new max in log2 units, negated (the exponent's FFMA addend)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
         // finite: position 0 is in every row's first tile, and the max only grows
         const float m_new = fmaxf(m_run[h], mx[h]);
-        alpha[h] = atp_ex2(m_run[h] - m_new);  // 0 on the first tile
+        alpha[h] = atp_ex2((m_run[h] - m_new) * sl2);  // 0 on the first tile
         m_run[h] = m_new;
-        l_run[h] *= alpha[h];
+        mb[h] = -m_new * sl2;
       }
 #pragma unroll
       for (int n = 0; n < DG; ++n) {
         o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
         o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
       }
-      // ---- P = 2^(S - max) rounded to fp16, laid out as P's A fragments (16-position k-step kk = n-tiles 2 kk,
-      //      2 kk + 1); the sums over the rounded values ----
+      l_acc[0] *= alpha[0]; l_acc[1] *= alpha[0];
+      l_acc[2] *= alpha[1]; l_acc[3] *= alpha[1];
+      // ---- P = 2^(S scale_log2 - max scale_log2) rounded to fp16, laid out as P's A fragments (16-position k-step
+      //      kk = n-tiles 2 kk, 2 kk + 1); their row sums by the mma with the ones ----
       unsigned pa[NB / 2][4];
 #pragma unroll
       for (int kk = 0; kk < NB / 2; ++kk) {
-        pa[kk][0] = atp_h2(atp_ex2(s[2 * kk][0] - m_run[0]), atp_ex2(s[2 * kk][1] - m_run[0]));
-        pa[kk][1] = atp_h2(atp_ex2(s[2 * kk][2] - m_run[1]), atp_ex2(s[2 * kk][3] - m_run[1]));
-        pa[kk][2] = atp_h2(atp_ex2(s[2 * kk + 1][0] - m_run[0]), atp_ex2(s[2 * kk + 1][1] - m_run[0]));
-        pa[kk][3] = atp_h2(atp_ex2(s[2 * kk + 1][2] - m_run[1]), atp_ex2(s[2 * kk + 1][3] - m_run[1]));
-#pragma unroll
-        for (int a = 0; a < 4; ++a) {
-          const float2 f = h2_to_f2(pa[kk][a]);
-          l_run[a & 1] += f.x + f.y;
-        }
+        pa[kk][0] = atp_h2(atp_ex2(fmaf(s[2 * kk][0], sl2, mb[0])), atp_ex2(fmaf(s[2 * kk][1], sl2, mb[0])));
+        pa[kk][1] = atp_h2(atp_ex2(fmaf(s[2 * kk][2], sl2, mb[1])), atp_ex2(fmaf(s[2 * kk][3], sl2, mb[1])));
+        pa[kk][2] = atp_h2(atp_ex2(fmaf(s[2 * kk + 1][0], sl2, mb[0])), atp_ex2(fmaf(s[2 * kk + 1][1], sl2, mb[0])));
+        pa[kk][3] = atp_h2(atp_ex2(fmaf(s[2 * kk + 1][2], sl2, mb[1])), atp_ex2(fmaf(s[2 * kk + 1][3], sl2, mb[1])));
+        mma_16816(l_acc, pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], ones, ones);
       }
       // ---- O += P V: ldmatrix.trans gives V's B fragments, two 8-dim n-tiles per load ----
 #pragma unroll
@@ -237,13 +246,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
 
   // ---- out = O / sum as fp16: through the warp's own rows of the q tile (only this warp read them), then 16-byte
   //      stores of the rows < m ----
-  float inv[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
-    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
-    inv[h] = 1.f / l_run[h];  // >= 1: the max's own term is 2^0
-  }
+  const float inv[2] = {1.f / l_acc[0], 1.f / l_acc[2]};  // >= 1: the max's own term is 2^0
 #pragma unroll
   for (int n = 0; n < DG; ++n) {
     *reinterpret_cast<unsigned*>(qs + swz16<HD>(warp * 16 + gid, n) + 4 * tig) = atp_h2(o[n][0] * inv[0], o[n][1] * inv[0]);
