@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 V2, V3 = "lab/kernels/attention_prefill_v2.cu", "lab/kernels/attention_prefill_v3.cu"
-V4 = "lab/kernels/attention_prefill_v4.cu"
+V4, V5 = "lab/kernels/attention_prefill_v4.cu", "lab/kernels/attention_prefill_v5.cu"
 VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, ATP_THREADS, ATP_KV, ATP_STAGES, ...)
     "product": dict(file=None, defines={}),
     # 8 warps over 128 stacked rows, one block an SM: each K/V tile staged in shared memory serves twice the rows
@@ -45,6 +45,8 @@ VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, A
     # the product's pipeline, fewer FP32 instructions between the mma phases (P's row sums by an mma with ones, the
     # scale folded into the exponent's FFMA, the mask only on diagonal tiles)
     "v4": dict(file=V4, defines={}),
+    # v4 with two m-tiles a warp (32 rows, 128 a block): each K/V fragment feeds two mmas
+    "v5": dict(file=V5, defines={}),
 }
 LAB_INCLUDE = '#include "../../kernels_cu/common.cuh"'  # a lab version's include, as its copy in kernels_cu/ reads it
 SHAPES = {"3b": (24, 8, 128), "8b": (32, 8, 128), "1b": (32, 8, 64)}  # q heads, kv heads, head_dim

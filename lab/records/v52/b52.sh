@@ -90,3 +90,8 @@ PY
     note "v4 does not win by 3% at 3B: the product stays"
   fi
 fi
+if [ "$PH" = D ]; then  # one GPU: v5 (two m-tiles a warp) against the product (v4's code)
+  pt lab-att-v5 200 tests/test_lab_prefill_att_gpu.py -k v5
+  timeout -k 10 150 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v5 \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
+fi
