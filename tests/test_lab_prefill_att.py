@@ -125,7 +125,7 @@ def test_variant_shared_memory_fits(name):
 @pytest.mark.parametrize("name", LAB_VARIANTS)
 def test_lab_versions_compile_without_spills(name, arch, tmp_path):
     """As tests/test_nvcc.py compiles the product's kernels: warnings as errors, the product's kernel names, no stack
-    frame or spills in any of them."""
+    frame or spills in any of them (a variant marked `spills_at_hd`: none at the other head_dim)."""
     src = tmp_path / "attention_prefill.cu"
     src.write_text(nvrtc_source(name, tmp_path).replace("#pragma once", ""))  # the host compiler warns in a main file
     out = subprocess.run([NVCC, f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings", "-Xptxas", "-v", "-c",
@@ -136,4 +136,6 @@ def test_lab_versions_compile_without_spills(name, arch, tmp_path):
     assert sorted(entries) == sorted(KERNELS["attention_prefill.cu"])
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
     assert len(frames) == len(entries)
-    assert not [f for f in frames if any(int(x) for x in f)], list(zip(entries, frames))
+    allowed = ab.VARIANTS[name].get("spills_at_hd")  # a variant that says it spills, only at that head_dim
+    bad = [(e, f) for e, f in zip(entries, frames) if any(int(x) for x in f) and f"_hd{allowed}_" not in e]
+    assert not bad, bad

@@ -1,4 +1,4 @@
-"""The lab's prefill attention versions on the GPU (lab/kernels/attention_prefill_v2.cu, _v3.cu, each variant of
+"""The lab's prefill attention versions on the GPU (lab/kernels/attention_prefill_v*.cu, each variant of
 lab/scripts/prefill_att_ab.py that names a lab file, built and launched as that script does): the product's kernel
 checks (tests/test_prefill_attention.py check_prefill_kernel: every element against float64 NumPy, poisoned cache
 rows, columns and out, a replay identical) over the product test's chunks and the catalog's shapes. A variant whose
@@ -27,6 +27,11 @@ ab = load_ab()
 LAB_VARIANTS = [n for n, v in ab.VARIANTS.items() if v["file"]]
 
 
+def rows_of(name: str) -> int:
+    """Variant `name`'s stacked query rows a block (its grid's x: ceil(M G / rows))."""
+    return ab.variant_defines(ab.variant_source(name))["ATP_ROWS"]
+
+
 @pytest.fixture(scope="module")
 def variant_libs(tmp_path_factory):
     """name -> (its KernelLib, its launch factory), built on first use."""
@@ -52,7 +57,7 @@ def variant_libs(tmp_path_factory):
 @pytest.mark.parametrize("start, m", CHUNKS)
 def test_lab_prefill_attention(variant_libs, name, hd, group, start, m):
     lib, factory = variant_libs(name, hd)
-    check_prefill_kernel(lib, hd, group, 2, start, m, factory=factory)
+    check_prefill_kernel(lib, hd, group, 2, start, m, factory=factory, rows=rows_of(name))
 
 
 @pytest.mark.parametrize("name", LAB_VARIANTS)
@@ -61,4 +66,4 @@ def test_lab_prefill_attention(variant_libs, name, hd, group, start, m):
 def test_lab_prefill_attention_shapes(variant_libs, name, n_kv, group, hd, start, m):
     """The catalog's shapes and the remaining groups, q and out contiguous."""
     lib, factory = variant_libs(name, hd)
-    check_prefill_kernel(lib, hd, group, n_kv, start, m, fused=False, out_pad=0, factory=factory)
+    check_prefill_kernel(lib, hd, group, n_kv, start, m, fused=False, out_pad=0, factory=factory, rows=rows_of(name))

@@ -233,9 +233,11 @@ def test_error_bound_holds_for_the_kernels_roundings(hd, group, start, m):
 
 # ---- GPU ------------------------------------------------------------------------------------------------------------
 def check_prefill_kernel(kernel_lib, hd: int, group: int, n_kv: int, start: int, m: int, fused: bool = True,
-                         out_pad: int = 16, scale: float | None = None, factory=attention_prefill_launch) -> None:
+                         out_pad: int = 16, scale: float | None = None, factory=attention_prefill_launch,
+                         rows: int | None = None) -> None:
     """One launch against the reference (the module docstring's checks), then a replay into a re-poisoned out.
-    `factory`: attention_prefill_launch's arguments -> the Launch (the lab's versions bring their own)."""
+    `factory`: attention_prefill_launch's arguments -> the Launch (the lab's versions bring their own, with `rows`
+    stacked query rows a block where theirs differ from the product's)."""
     import cupy as cp
 
     rng = rng_for("prefill", hd, group, n_kv, start, m, fused)
@@ -248,7 +250,7 @@ def check_prefill_kernel(kernel_lib, hd: int, group: int, n_kv: int, start: int,
     out = cp.full((m + 2, out_stride), np.nan, dtype=cp.float16)  # 2 rows past the chunk: must stay NaN too
     launch = factory(kernel_lib, qkv_d[:, :q_dim] if fused else qkv_d, cp.asarray(kc), cp.asarray(vc), start, m, out,
                      n_kv, group, hd, q_stride, out_stride, scale)
-    assert launch.grid == prefill_grid(m, n_kv, group)
+    assert launch.grid == (prefill_grid(m, n_kv, group) if rows is None else (-(-m * group // rows), n_kv))
     launch()
     first = out.get()
     assert np.isnan(first[:, q_dim:]).all(), "written past the q heads' columns"

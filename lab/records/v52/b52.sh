@@ -95,3 +95,11 @@ if [ "$PH" = D ]; then  # one GPU: v5 (two m-tiles a warp) against the product (
   timeout -k 10 150 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v5 \
     --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
 fi
+if [ "$PH" = E ]; then  # one GPU: v5's whole lab GPU test (its own grid now), the 3B prefill chunk's profile with
+  # the product's new attention
+  pt lab-att-v5 200 tests/test_lab_prefill_att_gpu.py -k v5
+  timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
+  timeout -k 10 200 atomflow-bench profile llama-3.2-3b --weights fp16 --ctx 128 --prompt-tokens 2048 \
+    --json $W/profile-3b-fp16.json >$W/profile-3b-fp16.md 2>$W/profile-3b-fp16.err
+  note "profile 3b fp16 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16.md | tee -a $S
+fi
