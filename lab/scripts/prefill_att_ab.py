@@ -49,6 +49,9 @@ VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, A
     # registers) and the scores (64) leave too few, and it spills 12-132 bytes (by arch): a layout question, not a
     # product candidate as it stands
     "v5": dict(file=V5, defines={}, spills_at_hd=128),
+    # v5 over K/V tiles of 32 positions: the scores take 32 registers instead of 64 (no spills), the staging and the
+    # fragment reuse as v5's, twice the tiles (barriers, rescales of O) per position
+    "v5-kv32": dict(file=V5, defines=dict(ATP_KV=32, ATP_BATCH=2), spills_at_hd=128),  # sm_120 g1: 8 bytes
 }
 LAB_INCLUDE = '#include "../../kernels_cu/common.cuh"'  # a lab version's include, as its copy in kernels_cu/ reads it
 SHAPES = {"3b": (24, 8, 128), "8b": (32, 8, 128), "1b": (32, 8, 64)}  # q heads, kv heads, head_dim

@@ -103,3 +103,8 @@ if [ "$PH" = E ]; then  # one GPU: v5's whole lab GPU test (its own grid now), t
     --json $W/profile-3b-fp16.json >$W/profile-3b-fp16.md 2>$W/profile-3b-fp16.err
   note "profile 3b fp16 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16.md | tee -a $S
 fi
+if [ "$PH" = F ]; then  # one GPU: v5 over 32-position K/V tiles (no spills on sm_90) against the product and v5
+  pt lab-att-v5kv32 200 tests/test_lab_prefill_att_gpu.py -k v5-kv32
+  timeout -k 10 150 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v5,v5-kv32 \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
+fi
