@@ -12,11 +12,13 @@
 // Layouts    h fp32 [M][H]; x fp16 [M][H]; qkv fp16 [M][qkv_dim] = q heads | k heads | v heads per row; caches
 //            fp16 [max_seq][n_kv * hd]; cos_sin [max_seq][hd / 2] float2; gu fp16 [M][2 I]; act fp16 [M][I].
 // Bytes      each reads and writes its rows once (rope_kv_rows: + 2 * M * n_kv * hd * 2 into the cache).
-// Launch     a block of 256 threads per row (embed_rows, rmsnorm_rows: H % 4 == 0, rope_kv_rows), grid
-//            (ceil(I / 2048), M) of 256 threads, 8 elements each, for swiglu_rows (I % 8 == 0); no programmatic dependent launch (the prefill runs eagerly, one chunk at a time).
+// Launch     a block of 256 threads per row (embed_rows, rmsnorm_rows: H % 4 == 0, H <= 16384, rope_kv_rows:
+//            hd % 4 == 0), grid (ceil(I / 2048), M) of 256 threads, 8 elements each, for swiglu_rows (I % 8 == 0);
+//            no programmatic dependent launch (the prefill runs eagerly, one chunk at a time).
 #include "common.cuh"
 
 #define PREFILL_THREADS 256
+#define RMS_ROW_VECS 16  // float4s a thread of rmsnorm_rows holds: rows of up to 16 * 4 * 256 = 16384 (ops/prefill_rows.py)
 
 extern "C" __global__ void embed_rows(const int* __restrict__ tokens, const __half* __restrict__ emb,
                                       float* __restrict__ h, int H) {
@@ -26,45 +28,69 @@ extern "C" __global__ void embed_rows(const int* __restrict__ tokens, const __ha
 
 extern "C" __global__ void rmsnorm_rows(const float* __restrict__ h, const __half* __restrict__ w,
                                         __half* __restrict__ x, int H, float eps) {
+  // The row stays in registers between the sum of squares and the normalisation (one read of h instead of two),
+  // 4 elements a thread per pass: 16-byte loads of h, 8-byte loads of w and stores of x; each thread sums its
+  // float4s in rms_inv's order (k = thread + i * PREFILL_THREADS).
   __shared__ float red[PREFILL_THREADS / AF_WARP];
-  const float* hr = h + (size_t)blockIdx.x * H;
-  const float inv = rms_inv<PREFILL_THREADS>(hr, eps, H, red);
-  // 4 elements a thread per pass (H % 4 == 0, as rms_inv reads it): 16-byte loads of h, 8-byte loads of w and
-  // stores of x, where 2-byte accesses left the row at ~40% of the copy bandwidth
+  const float4* hr = reinterpret_cast<const float4*>(h + (size_t)blockIdx.x * H);
+  const int n4 = H / 4;
+  float4 v[RMS_ROW_VECS];
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < RMS_ROW_VECS; ++i) {
+    const int k = threadIdx.x + i * PREFILL_THREADS;
+    if (k < n4) {
+      v[i] = hr[k];
+      ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+    }
+  }
+  const float inv = rsqrtf(block_sum<PREFILL_THREADS>(ss, red) / (float)H + eps);
   uint2* xr = reinterpret_cast<uint2*>(x + (size_t)blockIdx.x * H);
-  for (int k = threadIdx.x; k < H / 4; k += blockDim.x) {
-    const float4 v = reinterpret_cast<const float4*>(hr)[k];
-    const uint2 wv = reinterpret_cast<const uint2*>(w)[k];
-    const __half2 w01 = *reinterpret_cast<const __half2*>(&wv.x), w23 = *reinterpret_cast<const __half2*>(&wv.y);
-    const __half2 o01 = __floats2half2_rn(rmsnorm_elem(v.x, inv, __low2half(w01)), rmsnorm_elem(v.y, inv, __high2half(w01)));
-    const __half2 o23 = __floats2half2_rn(rmsnorm_elem(v.z, inv, __low2half(w23)), rmsnorm_elem(v.w, inv, __high2half(w23)));
-    xr[k] = make_uint2(*reinterpret_cast<const unsigned*>(&o01), *reinterpret_cast<const unsigned*>(&o23));
+#pragma unroll
+  for (int i = 0; i < RMS_ROW_VECS; ++i) {
+    const int k = threadIdx.x + i * PREFILL_THREADS;
+    if (k < n4) {
+      const uint2 wv = reinterpret_cast<const uint2*>(w)[k];
+      const __half2 w01 = *reinterpret_cast<const __half2*>(&wv.x), w23 = *reinterpret_cast<const __half2*>(&wv.y);
+      const __half2 o01 = __floats2half2_rn(rmsnorm_elem(v[i].x, inv, __low2half(w01)),
+                                            rmsnorm_elem(v[i].y, inv, __high2half(w01)));
+      const __half2 o23 = __floats2half2_rn(rmsnorm_elem(v[i].z, inv, __low2half(w23)),
+                                            rmsnorm_elem(v[i].w, inv, __high2half(w23)));
+      xr[k] = make_uint2(*reinterpret_cast<const unsigned*>(&o01), *reinterpret_cast<const unsigned*>(&o23));
+    }
   }
 }
 
 extern "C" __global__ void rope_kv_rows(__half* __restrict__ qkv, const float2* __restrict__ cos_sin,
                                         __half* __restrict__ k_cache, __half* __restrict__ v_cache, int n_q,
                                         int n_kv, int hd, int start) {
+  // Two adjacent pairs (i, i + 1 with their partners i + hd/2, i + hd/2 + 1) a thread: 4-byte accesses of q/k and
+  // the cache, one 16-byte load of their cos/sin, where one pair a thread (2-byte accesses) left the row at ~43% of
+  // the copy bandwidth; each element's arithmetic is the one-pair form's, so the bits are too.
   const int half_d = hd / 2, pos = start + blockIdx.x;
   const int qkv_dim = (n_q + 2 * n_kv) * hd, kv_dim = n_kv * hd;
   __half* row = qkv + (size_t)blockIdx.x * qkv_dim;
-  // pairs of the q and k heads: rotated in place; the k heads' also into the cache
-  for (int p = threadIdx.x; p < (n_q + n_kv) * half_d; p += blockDim.x) {
-    const int head = p / half_d, i = p % half_d;
-    __half* x = row + (size_t)head * hd + i;
-    const float x0 = __half2float(x[0]), x1 = __half2float(x[half_d]);
-    const float2 cs = cos_sin[(size_t)pos * half_d + i];
-    const __half h0 = __float2half(x0 * cs.x - x1 * cs.y), h1 = __float2half(x1 * cs.x + x0 * cs.y);
-    x[0] = h0;
-    x[half_d] = h1;
+  const int per_head = half_d / 2;  // pairs of pairs a head (hd % 4 == 0)
+  for (int p = threadIdx.x; p < (n_q + n_kv) * per_head; p += blockDim.x) {
+    const int head = p / per_head, i = 2 * (p % per_head);
+    __half2* a = reinterpret_cast<__half2*>(row + (size_t)head * hd + i);
+    __half2* b = reinterpret_cast<__half2*>(row + (size_t)head * hd + i + half_d);
+    const float2 x0 = __half22float2(*a), x1 = __half22float2(*b);
+    const float4 cs = *reinterpret_cast<const float4*>(cos_sin + (size_t)pos * half_d + i);  // (cos, sin) of i, i + 1
+    const __half2 h0 = __halves2half2(__float2half(x0.x * cs.x - x1.x * cs.y), __float2half(x0.y * cs.z - x1.y * cs.w));
+    const __half2 h1 = __halves2half2(__float2half(x1.x * cs.x + x0.x * cs.y), __float2half(x1.y * cs.z + x0.y * cs.w));
+    *a = h0;
+    *b = h1;
     if (head >= n_q) {
       __half* dst = k_cache + (size_t)pos * kv_dim + (size_t)(head - n_q) * hd + i;
-      dst[0] = h0;
-      dst[half_d] = h1;
+      *reinterpret_cast<__half2*>(dst) = h0;
+      *reinterpret_cast<__half2*>(dst + half_d) = h1;
     }
   }
-  for (int e = threadIdx.x; e < kv_dim; e += blockDim.x)  // v as projected
-    v_cache[(size_t)pos * kv_dim + e] = row[(size_t)(n_q + n_kv) * hd + e];
+  // v as projected, 16 bytes at a time (kv_dim % 8 == 0)
+  const uint4* vs = reinterpret_cast<const uint4*>(row + (size_t)(n_q + n_kv) * hd);
+  uint4* vd = reinterpret_cast<uint4*>(v_cache + (size_t)pos * kv_dim);
+  for (int e = threadIdx.x; e < kv_dim / 8; e += blockDim.x) vd[e] = vs[e];
 }
 
 extern "C" __global__ void swiglu_rows(const __half* __restrict__ gu, __half* __restrict__ act, int I) {

@@ -14,8 +14,9 @@ from ..launch import Launch, i32
 from ..nvrtc import KernelLib
 
 PREFILL_THREADS = 256  # prefill_rows.cu PREFILL_THREADS
+RMS_ROW_VECS = 16  # prefill_rows.cu RMS_ROW_VECS: float4s a thread of rmsnorm_rows holds (the row in registers)
 CU_FILES = ("prefill_rows.cu",)
-CU_DEFINES = {"PREFILL_THREADS": PREFILL_THREADS}
+CU_DEFINES = {"PREFILL_THREADS": PREFILL_THREADS, "RMS_ROW_VECS": RMS_ROW_VECS}
 KERNELS = {"prefill_rows.cu": ("embed_rows", "rmsnorm_rows", "rope_kv_rows", "swiglu_rows")}
 
 # cublas_api.h / library_types.h
@@ -36,14 +37,17 @@ SWIGLU_VEC = 8  # elements a thread of swiglu_rows: one 16-byte load of gate, of
 
 def rmsnorm_rows_launch(lib: KernelLib, h, w, x, m: int, eps: float) -> Launch:
     H = w.shape[0]
-    if H % 4:
-        raise AtomflowError(f"rmsnorm_rows reads 4 elements a thread: hidden size {H} is not a multiple of 4")
+    if H % 4 or H > 4 * RMS_ROW_VECS * PREFILL_THREADS:
+        raise AtomflowError(f"rmsnorm_rows holds its row in registers, 4 elements a load: hidden size {H} must be a "
+                            f"multiple of 4 and at most {4 * RMS_ROW_VECS * PREFILL_THREADS}")
     return Launch(lib["rmsnorm_rows"], "rmsnorm_rows", (m,), (PREFILL_THREADS,), (h, w, x, i32(H), np.float32(eps)),
                   0, {}, m * H * 6, f"prefill rmsnorm {m} rows")
 
 
 def rope_kv_rows_launch(lib: KernelLib, qkv, cos_sin, k_cache, v_cache, n_q: int, n_kv: int, hd: int, start: int,
                         m: int) -> Launch:
+    if hd % 4:
+        raise AtomflowError(f"rope_kv_rows rotates two pairs a thread: head_dim {hd} is not a multiple of 4")
     return Launch(lib["rope_kv_rows"], "rope_kv_rows", (m,), (PREFILL_THREADS,),
                   (qkv, cos_sin, k_cache, v_cache, i32(n_q), i32(n_kv), i32(hd), i32(start)), 0, {},
                   m * (n_q + 2 * n_kv) * hd * 2 * 2, f"prefill rope + kv {m} rows")

@@ -18,6 +18,7 @@ its sums and one prefill weights form for every rank, and knows nothing else of 
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import signal
@@ -322,8 +323,6 @@ class Group:
         """Release the peer memory once every rank is done (a barrier), and tell the peers this rank's exit is no
         failure. Not `ok` (this rank is failing): nothing waits on the peers, which may be inside another collective;
         the exit ends them (rendezvous.py)."""
-        import gc
-
         import cupy  # optional extra: imported where a GPU is used
 
         gc.collect()  # graphs left in reference cycles go now, while the communicator whose work they captured lives

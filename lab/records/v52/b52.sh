@@ -108,3 +108,16 @@ if [ "$PH" = F ]; then  # one GPU: v5 over 32-position K/V tiles (no spills on s
   timeout -k 10 150 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v5,v5-kv32 \
     --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
 fi
+if [ "$PH" = G ]; then  # one GPU: the row kernels (the norm's row in registers, RoPE two pairs a thread): their GPU
+  # tests, validate, the 2048-token 3B chunk's profile, `run` TTFT at 512 and 2048
+  pt prefill 300 tests/test_prefill_gpu.py tests/test_prefill_attention.py
+  timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
+  timeout -k 10 200 atomflow-bench validate llama-3.2-3b --weights fp16 --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
+    --json $W/validate-3b-fp16.json >$W/validate-3b-fp16.log 2>&1
+  note "validate 3b fp16: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-fp16.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  timeout -k 10 200 atomflow-bench profile llama-3.2-3b --weights fp16 --ctx 128 --prompt-tokens 2048 \
+    --json $W/profile-3b-fp16.json >$W/profile-3b-fp16.md 2>$W/profile-3b-fp16.err
+  note "profile 3b fp16 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16.md | tee -a $S
+  runr 3b-fp16-ctx512 120 llama-3.2-3b fp16 --ctx 512 --tokens 256 --repeats 5
+  runr 3b-fp16-ctx2048 120 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
+fi
