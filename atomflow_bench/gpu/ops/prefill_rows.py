@@ -14,9 +14,8 @@ from ..launch import Launch, i32
 from ..nvrtc import KernelLib
 
 PREFILL_THREADS = 256  # prefill_rows.cu PREFILL_THREADS
-RMS_ROW_VECS = 16  # prefill_rows.cu RMS_ROW_VECS: float4s a thread of rmsnorm_rows holds (the row in registers)
 CU_FILES = ("prefill_rows.cu",)
-CU_DEFINES = {"PREFILL_THREADS": PREFILL_THREADS, "RMS_ROW_VECS": RMS_ROW_VECS}
+CU_DEFINES = {"PREFILL_THREADS": PREFILL_THREADS}
 KERNELS = {"prefill_rows.cu": ("embed_rows", "rmsnorm_rows", "rope_kv_rows", "swiglu_rows")}
 
 # cublas_api.h / library_types.h
@@ -37,9 +36,8 @@ SWIGLU_VEC = 8  # elements a thread of swiglu_rows: one 16-byte load of gate, of
 
 def rmsnorm_rows_launch(lib: KernelLib, h, w, x, m: int, eps: float) -> Launch:
     H = w.shape[0]
-    if H % 4 or H > 4 * RMS_ROW_VECS * PREFILL_THREADS:
-        raise AtomflowError(f"rmsnorm_rows holds its row in registers, 4 elements a load: hidden size {H} must be a "
-                            f"multiple of 4 and at most {4 * RMS_ROW_VECS * PREFILL_THREADS}")
+    if H % 4:
+        raise AtomflowError(f"rmsnorm_rows reads 4 elements a thread: hidden size {H} is not a multiple of 4")
     return Launch(lib["rmsnorm_rows"], "rmsnorm_rows", (m,), (PREFILL_THREADS,), (h, w, x, i32(H), np.float32(eps)),
                   0, {}, m * H * 6, f"prefill rmsnorm {m} rows")
 
