@@ -4,6 +4,7 @@ torchrun's, mpirun's and srun's variables are read and torchrun's own store is l
 ends the other ranks and the `--tp N` launcher within seconds, non-zero, naming the rank."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -302,3 +303,48 @@ def test_ranks_that_say_bye_exit_cleanly(tmp_path):
     for p in ps:
         code, err, _ = finish(p, 30)
         assert code == 0 and err == "", err
+
+
+# ---- a rank's teardown order ----------------------------------------------------------------------------------------
+class _Forms:
+    text = "fake"
+
+
+class _Engine:
+    """Stands in for gpu/engine.py Engine: records its close in the shared log."""
+
+    def __init__(self, *a, log, **k):
+        self.log, self.forms = log, _Forms()
+
+    def close(self):
+        self.log.append("engine.close")
+
+
+class _Group:
+    rank = 0
+
+    def __init__(self, log):
+        self.log = log
+
+    def close(self, ok=True):
+        self.log.append(f"group.close(ok={ok})")
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_rank_releases_its_engines_graphs_before_its_group_closes(monkeypatch, fails):
+    """Under tensor parallel the engines' CUDA graphs hold captured NCCL work: TpContext releases every engine it
+    made (Engine.close) before the group closes, whether the command succeeded or raised."""
+    from atomflow_bench.gpu.tp import context
+
+    log = []
+    monkeypatch.setattr(context, "Engine", lambda *a, **k: _Engine(*a, log=log, **k))
+    monkeypatch.setattr(context, "choose_forms", lambda given: (None, None))
+    ctx = context.TpContext("m", None, "synthetic", group=_Group(log))
+    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+        with ctx:
+            ctx.engine("fp16", 64)
+            ctx.engine("fp8", 64)
+            if fails:
+                raise RuntimeError("a failing command")
+    assert log == ["engine.close", "engine.close", f"group.close(ok={not fails})"]
+    assert context.TpContext("m", None, "x", group=_Group([]))._engines == ()  # not shared between contexts

@@ -33,6 +33,8 @@ from .group import Group, joined, launch
 class TpContext(RunContext):
     """One rank of a group: every rank makes the same calls in the same order (the sums are inside the step)."""
 
+    _engines: tuple = ()  # the engines this rank made (release_engines)
+
     @property
     def writes(self) -> bool:
         return self.group.rank == 0
@@ -47,7 +49,7 @@ class TpContext(RunContext):
 
     def release_engines(self) -> None:
         """The graphs of every engine this rank made, released before the communicator they captured work of."""
-        for eng in getattr(self, "_engines", ()):
+        for eng in self._engines:
             eng.close()
 
     def engine(self, weights: str, max_seq: int, given=None, retune: bool = False, tune_missing: bool = True,
@@ -60,7 +62,7 @@ class TpContext(RunContext):
                      group=self.group, allreduce=self.allreduce, source=self.weight_source)
         self.load_seconds = time.perf_counter() - t0
         self.forms = self.forms or default_origin(eng)
-        self._engines = [*getattr(self, "_engines", ()), eng]
+        self._engines = (*self._engines, eng)
         return eng
 
     def describe(self, eng, info: dict) -> None:

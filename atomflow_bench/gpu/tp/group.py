@@ -69,7 +69,8 @@ def launch(n: int, argv: list[str], gpus: int, command: list[str] | None = None)
     return the exit code: 0 when every rank succeeded, else the failing rank's code (128 + the signal when one was
     killed, with one line naming it; a rank that exits with a code printed its own line). The others are stopped at
     once (SIGTERM, then SIGKILL after KILL_AFTER seconds): a rank waiting in a collective for a dead peer would wait
-    forever. Rank 0 keeps stdout; the others' stdout is dropped (they print nothing but errors, which go to stderr)."""
+    forever. Ranks still running EXIT_GRACE seconds after one exited 0 are stopped too, with one line, and the code
+    is 1. Rank 0 keeps stdout; the others' stdout is dropped (they print nothing but errors, which go to stderr)."""
     if n > gpus:
         raise AtomflowError(f"--tp {n} needs {n} GPUs on this host, {gpus} visible")
     command = [sys.executable, "-m", "atomflow_bench.cli"] if command is None else list(command)
