@@ -41,6 +41,11 @@ def variant_libs(tmp_path_factory):
         from atomflow_bench.gpu.device import blocks_fit, smem_limits
         from atomflow_bench.gpu.ops.attention_prefill import SMEM_HEADROOM
 
+        from atomflow_bench.gpu.device import compute_capability
+
+        only = ab.VARIANTS[name].get("arch")  # a version for one arch (wgmma: sm_90a)
+        if only is not None and f"sm_{compute_capability()}" != only.rstrip("a"):
+            pytest.skip(f"{name} is built for {only} only (this GPU: sm_{compute_capability()})")
         need = ab.variant_smem(ab.variant_defines(ab.variant_source(name)), hd) + SMEM_HEADROOM
         if not blocks_fit(need, smem_limits()):
             pytest.skip(f"{name} at hd {hd} needs {need} bytes of shared memory a block (this GPU: {smem_limits()[0]})")

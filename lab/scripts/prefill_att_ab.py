@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 V2, V3 = "lab/kernels/attention_prefill_v2.cu", "lab/kernels/attention_prefill_v3.cu"
 V4, V5 = "lab/kernels/attention_prefill_v4.cu", "lab/kernels/attention_prefill_v5.cu"
+V6 = "lab/kernels/attention_prefill_v6.cu"
 VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, ATP_THREADS, ATP_KV, ATP_STAGES, ...)
     "product": dict(file=None, defines={}),
     # 8 warps over 128 stacked rows, one block an SM: each K/V tile staged in shared memory serves twice the rows
@@ -52,6 +53,8 @@ VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, A
     # v5 over K/V tiles of 32 positions: the scores take 32 registers instead of 64 (no spills), the staging and the
     # fragment reuse as v5's, twice the tiles (barriers, rescales of O) per position
     "v5-kv32": dict(file=V5, defines=dict(ATP_KV=32, ATP_BATCH=2), spills_at_hd=128),  # sm_120 g1: 8 bytes
+    # v4 with S = Q K^T on Hopper's wgmma (q and K from shared memory): built for sm_90a only
+    "v6": dict(file=V6, defines={}, arch="sm_90a"),
 }
 LAB_INCLUDE = '#include "../../kernels_cu/common.cuh"'  # a lab version's include, as its copy in kernels_cu/ reads it
 SHAPES = {"3b": (24, 8, 128), "8b": (32, 8, 128), "1b": (32, 8, 64)}  # q heads, kv heads, head_dim
@@ -81,8 +84,9 @@ def variant_defines(src: str) -> dict[str, int]:
 
 def variant_smem(d: dict[str, int], hd: int) -> int:
     """Dynamic shared memory bytes under #defines `d`: the q tile [ATP_ROWS][hd] and ATP_STAGES K and V tiles
-    [ATP_KV][hd], fp16 (ops/attention_prefill.py prefill_smem's formula)."""
-    return d["ATP_ROWS"] * hd * 2 + d["ATP_STAGES"] * 2 * d["ATP_KV"] * hd * 2
+    [ATP_KV][hd], fp16 (ops/attention_prefill.py prefill_smem's formula), and ATP_SMEM_PAD where a version aligns
+    its base."""
+    return d["ATP_ROWS"] * hd * 2 + d["ATP_STAGES"] * 2 * d["ATP_KV"] * hd * 2 + d.get("ATP_SMEM_PAD", 0)
 
 
 def variant_lib(name: str, tmp: Path):
@@ -96,7 +100,32 @@ def variant_lib(name: str, tmp: Path):
     d = tmp / name
     shutil.copytree(KERNELS_DIR, d)
     (d / "attention_prefill.cu").write_text(variant_source(name))
-    return KernelLib(declared_kernels(), d)
+    arch = VARIANTS[name].get("arch")
+    if arch is None:
+        return KernelLib(declared_kernels(), d)
+
+    class ArchLib(KernelLib):
+        """A KernelLib compiling for `arch` by NVRTC directly (CuPy's RawModule passes the device's own -arch,
+        sm_90, where wgmma needs sm_90a), the cubin loaded as a module."""
+
+        def module(self, path):
+            import cupy
+            from cupy_backends.cuda.libs import nvrtc
+
+            from atomflow_bench.gpu.nvrtc import expand_source
+
+            if path not in self._modules:
+                prog = nvrtc.createProgram(expand_source(path), path.name, (), ())
+                try:
+                    nvrtc.compileProgram(prog, [*self.options, f"-arch={arch}"])
+                except Exception as e:  # noqa: BLE001 - the compiler's log says why
+                    raise RuntimeError(f"{name}: {nvrtc.getProgramLog(prog)[-3000:]}") from e
+                mod = cupy.cuda.function.Module()
+                mod.load(nvrtc.getCUBIN(prog))
+                self._modules[path] = mod
+            return self._modules[path]
+
+    return ArchLib(declared_kernels(), d)
 
 
 def variant_launch(name: str):

@@ -121,3 +121,8 @@ if [ "$PH" = G ]; then  # one GPU: the row kernels (the norm's row in registers,
   runr 3b-fp16-ctx512 120 llama-3.2-3b fp16 --ctx 512 --tokens 256 --repeats 5
   runr 3b-fp16-ctx2048 120 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
 fi
+if [ "$PH" = H ]; then  # one H100/H200 (sm_90): v6 (S = Q K^T on wgmma) against the product; not run in session 25
+  pt lab-att-v6 200 tests/test_lab_prefill_att_gpu.py -k v6 -x
+  timeout -k 10 150 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v6 \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
+fi
