@@ -91,6 +91,16 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// Pins the accumulator's registers at this point of the instruction order: the compiler sees a wgmma's outputs as
+// ready when its asm ends, so without this it could move their reads above wgmma.wait_group (or the zeroing below
+// wgmma.fence); ptxas orders the rest.
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[8][4]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+
 // d (+)= A B^T over one 16-dim k-step: A 64 x 16 and B 64 x 16 from their descriptors, d the warpgroup's 64 x 64
 // fp32 accumulator (this thread's 32 values, d[j] the mma.sync C fragment of n-tile j); `acc` 0 overwrites d.
 #define ATP_D8(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
@@ -204,6 +214,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
     //      p0 + 8 n + 2 tig (+1), rows 16 warp + gid ([0..1]) and + 8 ([2..3]) ----
     float s[NB][4] = {};  // overwritten by the first k-step (its accumulate flag is 0)
     static_assert(NB == 8, "m64n64: 8 n-tiles");
+    wgmma_fence_operands(s);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
@@ -212,6 +223,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
     }
     wgmma_commit();
     wgmma_wait0();
+    wgmma_fence_operands(s);
     if (active && p0 <= w_hi) {  // warp-uniform: a tile above all of the warp's rows adds nothing
       // ---- the causal mask (only on a tile crossing the diagonal of the warp's rows), the rows' max of the raw
       //      scores (scale > 0: the max of the scaled scores is the scaled max) ----
