@@ -106,7 +106,8 @@ def variant_lib(name: str, tmp: Path):
 
     class ArchLib(KernelLib):
         """A KernelLib compiling for `arch` by NVRTC directly (CuPy's RawModule passes the device's own -arch,
-        sm_90, where wgmma needs sm_90a), the cubin loaded as a module."""
+        sm_90, where wgmma needs sm_90a); the cubin, written beside the sources, loaded by RawModule(path=...), so
+        its kernels are RawKernels as the launch factories expect."""
 
         def module(self, path):
             import cupy
@@ -120,9 +121,9 @@ def variant_lib(name: str, tmp: Path):
                     nvrtc.compileProgram(prog, [*self.options, f"-arch={arch}"])
                 except Exception as e:  # noqa: BLE001 - the compiler's log says why
                     raise RuntimeError(f"{name}: {nvrtc.getProgramLog(prog)[-3000:]}") from e
-                mod = cupy.cuda.function.Module()
-                mod.load(nvrtc.getCUBIN(prog))
-                self._modules[path] = mod
+                cubin = path.with_suffix(f".{arch}.cubin")
+                cubin.write_bytes(nvrtc.getCUBIN(prog))
+                self._modules[path] = cupy.RawModule(path=str(cubin))
             return self._modules[path]
 
     return ArchLib(declared_kernels(), d)
