@@ -43,9 +43,8 @@ def variant_libs(tmp_path_factory):
 
         from atomflow_bench.gpu.device import compute_capability
 
-        only = ab.VARIANTS[name].get("arch")  # a version for one arch (wgmma: sm_90a)
-        if only is not None and f"sm_{compute_capability()}" != only.rstrip("a"):
-            pytest.skip(f"{name} is built for {only} only (this GPU: sm_{compute_capability()})")
+        if not ab.builds_for(name, f"sm_{compute_capability()}"):  # a version for one arch (wgmma: sm_90a)
+            pytest.skip(f"{name} is built for {ab.VARIANTS[name]['arch']} only (this GPU: sm_{compute_capability()})")
         need = ab.variant_smem(ab.variant_defines(ab.variant_source(name)), hd) + SMEM_HEADROOM
         if not blocks_fit(need, smem_limits()):
             pytest.skip(f"{name} at hd {hd} needs {need} bytes of shared memory a block (this GPU: {smem_limits()[0]})")

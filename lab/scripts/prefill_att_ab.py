@@ -61,6 +61,13 @@ SHAPES = {"3b": (24, 8, 128), "8b": (32, 8, 128), "1b": (32, 8, 64)}  # q heads,
 TIMED = [("3b", 0, 2048), ("3b", 4096, 4096), ("8b", 0, 2048), ("1b", 0, 2048), ("3b", 0, 512)]  # shape, start, m
 
 
+def builds_for(name: str, arch: str) -> bool:
+    """Whether variant `name` is built for `arch` ("sm_90"): every arch, or the one it names (wgmma's sm_90a is an
+    sm_90 build)."""
+    only = VARIANTS[name].get("arch")
+    return only is None or only.rstrip("a") == arch
+
+
 def variant_source(name: str) -> str:
     """The attention_prefill.cu of variant `name`: its file (the product's when None) with a lab version's include
     pointed at the copy's common.cuh and its #define overrides applied (each must replace exactly one #define)."""

@@ -231,14 +231,11 @@ class Group:
 
     def allreduce_rows(self, rows, m: int) -> None:
         """In-place sum over the ranks of rows[:m] of the C-contiguous fp32 device array `rows`, queued on the current
-        stream (capturable): the batched prefill's sums (sums.py RowSums)."""
-        import cupy  # optional extra: imported where a GPU is used
-
+        stream (capturable): the batched prefill's sums (sums.py RowSums). The leading rows of a C-contiguous array
+        are one contiguous buffer, which allreduce_op sums in place."""
         if rows.dtype != np.float32 or not rows.flags.c_contiguous:
             raise AtomflowError(f"allreduce_rows: C-contiguous fp32 rows only, got {rows.dtype}")
-        part = rows[:m]
-        self.comm.allReduce(part.data.ptr, part.data.ptr, part.size, self._nccl.NCCL_FLOAT32, self._nccl.NCCL_SUM,
-                            cupy.cuda.get_current_stream().ptr)
+        self.allreduce_op(rows[:m])()
 
     def agree(self, choice: str, options: tuple) -> str:
         """The option furthest along `options` that any rank chose (collective): one choice for every rank, the

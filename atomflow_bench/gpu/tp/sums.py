@@ -21,7 +21,7 @@ the step the exchanges' cost is measured against (figures.py). The standalone su
 the same slots (its own two buffers): the "one sum alone" figure and the GPU tests. Both real paths are built at
 setup where they can be (peer needs every rank on this host and peer access), so a run times both.
 
-The batched prefill (gpu/prefill.py) sums a chunk's rows, up to 512 of them, after its o_proj and down GEMMs:
+The batched prefill (gpu/prefill.py) sums a chunk's rows (up to its chunk length) after its o_proj and down GEMMs:
 `RowSums`, on NCCL whatever the step's path (the LL buffers hold one row).
 """
 from __future__ import annotations
