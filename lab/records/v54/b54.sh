@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# v54 (issues 48/47): session 26's device calls.
+# `bash lab/records/v52/b52.sh PHASE`; each phase one device call. Logs go under $OUT/v52PHASE as they are written
+# (a call cut short still returns them); large scratch (ground truth, stores) stays under /tmp.
+export ATOMFLOW_HOME=/tmp/atomflow-home PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+PH=$1; W=$OUT/v54$PH; mkdir -p $W; S=$W/summary.txt
+note() { echo "$(date +%T) $*" | tee -a $S; }
+nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm --format=csv,noheader | tee -a $S
+python3 -m pip install -q --no-deps --no-build-isolation -e . >$W/install.log 2>&1 || { note "install failed"; cat $W/install.log; exit 1; }
+pt() {  # pt NAME TIMEOUT pytest-args
+  local name=$1 t=$2; shift 2
+  timeout -k 10 $t python3 -m pytest -q -p no:cacheprovider --durations=10 "$@" >$W/$name.log 2>&1
+  note "$name: rc=$? $(tail -1 $W/$name.log)"
+}
+runr() {  # runr TAG TIMEOUT MODEL FMT [args]: one `run`, its wall time and its TTFT/TPOT line
+  local tag=$1 t=$2 m=$3 w=$4; shift 4; local t0=$(date +%s)
+  timeout -k 10 $t atomflow-bench run $m --weights $w --json $W/$tag.json "$@" >$W/$tag.log 2>&1; local rc=$?
+  note "run $tag: rc=$rc wall $(( $(date +%s) - t0 )) s | $(grep -E 'TTFT|TPOT \(graph\)' $W/$tag.log | tr -s ' ' | tr '\n' ' ')"
+  [ $rc -ne 0 ] && tail -5 $W/$tag.log | tee -a $S
+}
+ttft() {  # ttft MODEL FMT TIMEOUT: the TTFT grid at prompts 128..8192, chunks of 4096
+  timeout -k 10 $3 python3 lab/scripts/prefill_chunk_ab.py $1 $2 --prompts 128,512,2048,8192 --chunks 4096 --rounds 2 \
+    --json $W/ttft-$1-$2.json >$W/ttft-$1-$2.log 2>&1; note "ttft $1 $2 rc=$?"; tail -4 $W/ttft-$1-$2.log | tee -a $S
+}
+if [ "$PH" = A ]; then  # one GPU: the lab attention versions' GPU test and A/B; the TTFT grid of 1B and 8B
+  pt lab-att 300 tests/test_lab_prefill_att_gpu.py -x
+  timeout -k 10 200 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v2-s2,v2-s3,v3-s3 \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
+  for m in llama-3.2-1b llama-3.1-8b; do timeout 200 atomflow-bench fetch $m >$W/fetch-$m.log 2>&1; done
+  ttft llama-3.2-1b fp16 100; ttft llama-3.2-1b fp8 100; ttft llama-3.1-8b fp16 150; ttft llama-3.1-8b fp8 150
+if [ "$PH" = A ]; then  # one H200 (sm_90): v6 (S = Q K^T on wgmma): its GPU test, then the A/B against the product
+  pt lab-att-v6 200 tests/test_lab_prefill_att_gpu.py -k v6 -x
+  timeout -k 10 150 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v6 \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
+fi
+tar czf $OUT/v54$PH.tgz -C $OUT v54$PH
