@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # v54 (issues 48/47): session 26's device calls.
-# `bash lab/records/v52/b52.sh PHASE`; each phase one device call. Logs go under $OUT/v52PHASE as they are written
+# `bash lab/records/v54/b54.sh PHASE`; each phase one device call. Logs go under $OUT/v54PHASE as they are written
 # (a call cut short still returns them); large scratch (ground truth, stores) stays under /tmp.
 export ATOMFLOW_HOME=/tmp/atomflow-home PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 PH=$1; W=$OUT/v54$PH; mkdir -p $W; S=$W/summary.txt
