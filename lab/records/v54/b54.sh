@@ -22,12 +22,6 @@ ttft() {  # ttft MODEL FMT TIMEOUT: the TTFT grid at prompts 128..8192, chunks o
   timeout -k 10 $3 python3 lab/scripts/prefill_chunk_ab.py $1 $2 --prompts 128,512,2048,8192 --chunks 4096 --rounds 2 \
     --json $W/ttft-$1-$2.json >$W/ttft-$1-$2.log 2>&1; note "ttft $1 $2 rc=$?"; tail -4 $W/ttft-$1-$2.log | tee -a $S
 }
-if [ "$PH" = A ]; then  # one GPU: the lab attention versions' GPU test and A/B; the TTFT grid of 1B and 8B
-  pt lab-att 300 tests/test_lab_prefill_att_gpu.py -x
-  timeout -k 10 200 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v2-s2,v2-s3,v3-s3 \
-    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
-  for m in llama-3.2-1b llama-3.1-8b; do timeout 200 atomflow-bench fetch $m >$W/fetch-$m.log 2>&1; done
-  ttft llama-3.2-1b fp16 100; ttft llama-3.2-1b fp8 100; ttft llama-3.1-8b fp16 150; ttft llama-3.1-8b fp8 150
 if [ "$PH" = A ]; then  # one H200 (sm_90): v6 (S = Q K^T on wgmma): its GPU test, then the A/B against the product
   pt lab-att-v6 200 tests/test_lab_prefill_att_gpu.py -k v6 -x
   timeout -k 10 150 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v6 \
