@@ -27,4 +27,9 @@ if [ "$PH" = A ]; then  # one H200 (sm_90): v6 (S = Q K^T on wgmma): its GPU tes
   timeout -k 10 150 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v6 \
     --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
 fi
+if [ "$PH" = B ]; then  # one H200: v7 (P.V on wgmma too): its GPU test, then the A/B against v6 and the product
+  pt lab-att-v7 200 tests/test_lab_prefill_att_gpu.py -k v7 -x
+  timeout -k 10 150 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v6,v7 \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
+fi
 tar czf $OUT/v54$PH.tgz -C $OUT v54$PH
