@@ -42,7 +42,7 @@
 //            (ATP_THREADS), dyn. smem = prefill_smem(hd) (ops/attention_prefill.py attention_prefill_launch);
 //            launch bounds of 2 blocks per SM (<= 255 registers: O, q's fragments and the scores live in registers;
 //            at hd 128 two blocks' 160 KB of shared memory fit an H100's SM, an sm_89 SM holds one).
-#include "common.cuh"
+#include "attention_prefill.cuh"
 
 #define ATP_THREADS 128   // 4 warps x 16 query rows (ops/attention_prefill.py ATP_THREADS)
 #define ATP_ROWS 64       // stacked query rows per block (ops/attention_prefill.py ATP_ROWS)
@@ -50,19 +50,6 @@
 #define ATP_STAGES 2      // K/V tiles in shared memory at once (ops/attention_prefill.py ATP_STAGES)
 #define ATP_MIN_BLOCKS 2  // register cap 255: two blocks (8 warps) per SM
 #define ATP_BATCH 4       // ldmatrix loads issued before their mmas
-
-// 2^x (ex2.approx: 2^-inf = +0, which the first tile's rescale and the masked scores rely on)
-__device__ __forceinline__ float atp_ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// (a, b) rounded to fp16 in one 32-bit mma operand, a in the low half (the lower column)
-__device__ __forceinline__ unsigned atp_h2(float a, float b) {
-  __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<unsigned*>(&h);
-}
 
 // The block's 64 stacked q rows (row0 ..) -> qs; rows past the chunk (query row >= m) zero-filled.
 template <int HD, int G>
@@ -136,7 +123,6 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
   float o[DG][4];                                  // O[gid (+8 in [2..3])][8 n + 2 tig (+1)], relative to m_run
   float m_run[2] = {-AF_INF, -AF_INF};  // rows gid, gid + 8: the running max of the raw scores
   float l_acc[4] = {0.f, 0.f, 0.f, 0.f};  // P's row sums as an mma accumulator: [0], [1] row gid, [2], [3] gid + 8
-  const unsigned ones = 0x3C003C00u;      // fp16 (1, 1): the B fragment that sums P's rows
 #pragma unroll
   for (int n = 0; n < DG; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
@@ -177,51 +163,8 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
           mma_16816(s[2 * u + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[u][2], b[u][3]);
         }
       }
-      // ---- the causal mask (only on a tile crossing the diagonal of the warp's rows), the rows' max of the raw
-      //      scores (scale > 0: the max of the scaled scores is the scaled max) ----
-      if (p0 + ATP_KV - 1 > w_lo) {
-#pragma unroll
-        for (int n = 0; n < NB; ++n) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (p0 + 8 * n + 2 * tig + (e & 1) > (e < 2 ? lim0 : lim1)) s[n][e] = -AF_INF;
-        }
-      }
-      float mx[2] = {-AF_INF, -AF_INF};
-#pragma unroll
-      for (int n = 0; n < NB; ++n) {
-        mx[0] = fmaxf(mx[0], fmaxf(s[n][0], s[n][1]));
-        mx[1] = fmaxf(mx[1], fmaxf(s[n][2], s[n][3]));
-      }
-      float alpha[2], mb[2];  // mb: the new max in log2 units, negated (the exponent's FFMA addend)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-        // finite: position 0 is in every row's first tile, and the max only grows
-        const float m_new = fmaxf(m_run[h], mx[h]);
-        alpha[h] = atp_ex2((m_run[h] - m_new) * sl2);  // 0 on the first tile
-        m_run[h] = m_new;
-        mb[h] = -m_new * sl2;
-      }
-#pragma unroll
-      for (int n = 0; n < DG; ++n) {
-        o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
-        o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
-      }
-      l_acc[0] *= alpha[0]; l_acc[1] *= alpha[0];
-      l_acc[2] *= alpha[1]; l_acc[3] *= alpha[1];
-      // ---- P = 2^(S scale_log2 - max scale_log2) rounded to fp16, laid out as P's A fragments (16-position k-step
-      //      kk = n-tiles 2 kk, 2 kk + 1); their row sums by the mma with the ones ----
-      unsigned pa[NB / 2][4];
-#pragma unroll
-      for (int kk = 0; kk < NB / 2; ++kk) {
-        pa[kk][0] = atp_h2(atp_ex2(fmaf(s[2 * kk][0], sl2, mb[0])), atp_ex2(fmaf(s[2 * kk][1], sl2, mb[0])));
-        pa[kk][1] = atp_h2(atp_ex2(fmaf(s[2 * kk][2], sl2, mb[1])), atp_ex2(fmaf(s[2 * kk][3], sl2, mb[1])));
-        pa[kk][2] = atp_h2(atp_ex2(fmaf(s[2 * kk + 1][0], sl2, mb[0])), atp_ex2(fmaf(s[2 * kk + 1][1], sl2, mb[0])));
-        pa[kk][3] = atp_h2(atp_ex2(fmaf(s[2 * kk + 1][2], sl2, mb[1])), atp_ex2(fmaf(s[2 * kk + 1][3], sl2, mb[1])));
-        mma_16816(l_acc, pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], ones, ones);
-      }
+      unsigned pa[NB / 2][4];  // P's A fragments
+      atp_softmax_tile<DG, NB>(s, o, m_run, l_acc, pa, p0, w_lo, lim0, lim1, tig, sl2);
       // ---- O += P V: ldmatrix.trans gives V's B fragments, two 8-dim n-tiles per load ----
 #pragma unroll
       for (int kk = 0; kk < NB / 2; ++kk) {
@@ -244,36 +187,8 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
   AF_TL_MARK(1);  // timeline: the walk done
   if (!active) return;  // no barrier follows
 
-  // ---- out = O / sum as fp16: through the warp's own rows of the q tile (only this warp read them), then 16-byte
-  //      stores of the rows < m ----
-  const float inv[2] = {1.f / l_acc[0], 1.f / l_acc[2]};  // >= 1: the max's own term is 2^0
-#pragma unroll
-  for (int n = 0; n < DG; ++n) {
-    *reinterpret_cast<unsigned*>(qs + swz16<HD>(warp * 16 + gid, n) + 4 * tig) = atp_h2(o[n][0] * inv[0], o[n][1] * inv[0]);
-    *reinterpret_cast<unsigned*>(qs + swz16<HD>(warp * 16 + gid + 8, n) + 4 * tig) =
-        atp_h2(o[n][2] * inv[1], o[n][3] * inv[1]);
-  }
-  __syncwarp();
-#pragma unroll
-  for (int i = lane; i < 16 * DG; i += AF_WARP) {
-    const int t = i / DG, c = i % DG, r = (wr0 + t) / G, g = (wr0 + t) % G;
-    if (r < m)
-      *reinterpret_cast<uint4*>(out + (size_t)r * out_stride + (size_t)(j * G + g) * HD + c * 8) =
-          *reinterpret_cast<const uint4*>(qs + swz16<HD>(warp * 16 + t, c));
-  }
+  atp_store_out<HD, G>(o, l_acc, qs, warp, lane, wr0, m, j, out, out_stride);
 }
-
-// One kernel per (head_dim, q heads per kv head): G is a compile-time constant, so a stacked row's query row and
-// head are a division by a constant.
-#define ATTENTION_PREFILL_INSTANCE(NAME, HD, G)                                                                    \
-  extern "C" __global__ void __launch_bounds__(ATP_THREADS, ATP_MIN_BLOCKS)                                       \
-      NAME(const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache,   \
-           __half* __restrict__ out, int start, int m, int n_kv, int q_stride, int out_stride, float scale) {      \
-    AF_TIMELINE_BLOCK;                                                                                             \
-    extern __shared__ __align__(16) char atp_smem[];                                                               \
-    attention_prefill_block<HD, G>(q, k_cache, v_cache, out, start, m, n_kv, q_stride, out_stride, scale,         \
-                                   gridDim.x - 1 - blockIdx.x, blockIdx.y, atp_smem);                               \
-  }
 
 ATTENTION_PREFILL_INSTANCE(attention_prefill_hd64_g1, 64, 1)
 ATTENTION_PREFILL_INSTANCE(attention_prefill_hd64_g2, 64, 2)

@@ -114,7 +114,9 @@ def compile_builds(builds) -> dict:
         for path in sorted(lib.dir.glob("*.cu")):
             if files is None or path.name in files:
                 jobs[str(lib.dir), tuple(defines), path.name] = lib.module(path)
-    jobs = sorted(jobs.items(), key=lambda j: -len(j[1].code))  # the largest sources first: they bound the wall time
+    # an arch-specific source is compiled inside lib.module (NVRTC to a cubin, nvrtc.file_arch): nothing left to do
+    jobs = sorted(((k, m) for k, m in jobs.items() if m.code is not None),
+                  key=lambda j: -len(j[1].code))  # the largest sources first: they bound the wall time
     device = cupy.cuda.Device().id
 
     def compile_one(module):

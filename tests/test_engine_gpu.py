@@ -32,6 +32,7 @@ from atomflow_bench.errors import AtomflowError
 from atomflow_bench.gpu.arena import Arena, plan_arena
 from atomflow_bench.gpu.engine import Engine
 from atomflow_bench.gpu.forms import Forms, GemvForm, candidates, default_forms
+from atomflow_bench.gpu.ops.attention_prefill import wgmma_default
 from lab import KERNELS_DIR as LAB_KERNELS_DIR
 from lab.timeline import DEFINE as TIMELINE_DEFINE
 from atomflow_bench.store.checkpoint import Checkpoint
@@ -712,6 +713,7 @@ def test_run_record_forms_and_instruments(tiny_model, tuning_home, monkeypatch):
     assert plain["tpot_ms"]["n"] == 7 and plain["ttft_ms"]["n"] == 1
     pf, tc = plain["prefill"], plain["tensor_core_tflops"]
     assert pf["path"] == "batched" and pf["prompt_tokens"] == 16 and pf["chunk"] >= 16 and pf["weights_form"] == "copies"
+    assert pf["attention"] == ("wgmma" if wgmma_default() else "mma.sync")
     assert pf["tok_per_s"] == pytest.approx(16 / (plain["ttft_ms"]["median"] * 1e-3))
     assert 10 < tc["median"] < 5000 and tc["shape"] == [8192] * 3  # TFLOPS of a fp16 GEMM on any recent GPU
     assert 0 < pf["pct_of_peak"] < 100

@@ -1,6 +1,7 @@
-"""Every kernels_cu/*.cu compiles with nvcc for sm_89, sm_90 and sm_120 with warnings as errors, defines exactly the
-kernels the op modules declare for it (their KERNELS), and the register report shows no local-memory spills (no stack
-frame) in any kernel (CPU: needs nvcc only)."""
+"""Every kernels_cu/*.cu compiles with nvcc for sm_89, sm_90 and sm_120 (an arch-specific `*_sm90a.cu` for sm_90a
+only, as nvrtc.file_arch builds it) with warnings as errors, defines exactly the kernels the op modules declare for it
+(their KERNELS), and the register report shows no local-memory spills (no stack frame) in any kernel (CPU: needs nvcc
+only)."""
 from __future__ import annotations
 
 import re
@@ -9,7 +10,7 @@ import subprocess
 
 import pytest
 
-from atomflow_bench.gpu.nvrtc import KERNELS_DIR
+from atomflow_bench.gpu.nvrtc import KERNELS_DIR, file_arch
 from atomflow_bench.gpu.ops import declared_kernels
 from atomflow_bench.gpu.tp import sums
 
@@ -19,8 +20,14 @@ SOURCES = sorted(KERNELS_DIR.glob("*.cu"))
 DECLARED = {**declared_kernels(), **sums.KERNELS}  # the one-GPU ops' and the tensor-parallel wing's
 
 
+def target(src, arch: str) -> list[str]:
+    """nvcc's target flags for `src` where the tests build it for `arch`: an arch-specific source's own target."""
+    own = file_arch(src.name)
+    return [f"-arch={arch}"] if own is None else ["-gencode", f"arch=compute_{own[3:]},code={own}"]
+
+
 def compile_report(src, arch: str, tmp_path, defines=()) -> str:
-    out = subprocess.run([NVCC, f"-arch={arch}", "-std=c++17", "-Werror", "all-warnings", "-Xptxas", "-v",
+    out = subprocess.run([NVCC, *target(src, arch), "-std=c++17", "-Werror", "all-warnings", "-Xptxas", "-v",
                           *[f"-D{d}" for d in defines], "-c", str(src), "-o", str(tmp_path / f"{src.stem}-{arch}.o")],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, f"{src.name} ({arch}) failed:\n{out.stderr[-3000:]}"
@@ -38,8 +45,8 @@ def local_memory(frames) -> list:
 
 
 def ptx_of(path, defines=()) -> str:
-    """The sm_90 PTX of one source with `defines`."""
-    out = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", *[f"-D{d}" for d in defines], "-ptx", str(path), "-o", "-"],
+    """The sm_90 (sm_90a) PTX of one source with `defines`."""
+    out = subprocess.run([NVCC, *target(path, "sm_90"), "-std=c++17", *[f"-D{d}" for d in defines], "-ptx", str(path), "-o", "-"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
@@ -48,6 +55,8 @@ def ptx_of(path, defines=()) -> str:
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90", "sm_120"])
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.name)
 def test_compiles_without_spills(src, arch, tmp_path):
+    if file_arch(src.name) and file_arch(src.name).rstrip("a") != arch:
+        pytest.skip(f"{src.name} is built for {file_arch(src.name)} only")
     report = compile_report(src, arch, tmp_path)
     entries = re.findall(r"Compiling entry function '(\w+)'", report)
     declared = DECLARED.get(src.name, ())
@@ -151,3 +160,12 @@ def test_no_scales_instrument_drops_only_the_scale_copies(tmp_path):
     bulk = "cp.async.bulk.shared::cluster.global"
     assert ptx_of(fp8, ("AF_NO_SCALES=1",)).count(bulk) < ptx_of(fp8).count(bulk)
     assert ptx_of(fp16, ("AF_NO_SCALES=1",)) == ptx_of(fp16)
+
+
+def test_arch_specific_sources_are_named_by_their_target():
+    """A source's own target is read from its name (KernelLib compiles it for that target alone); only the wgmma
+    attention has one today, and its op module launches it where that target runs."""
+    assert [file_arch(n) for n in ("attention_prefill_sm90a.cu", "attention_prefill.cu", "x_sm100a.cu", "sm90a.cu")] \
+        == ["sm_90a", None, "sm_100a", None]
+    assert [p.name for p in SOURCES if file_arch(p.name)] == ["attention_prefill_sm90a.cu"]
+    assert target(KERNELS_DIR / "attention_prefill_sm90a.cu", "sm_89") == ["-gencode", "arch=compute_90a,code=sm_90a"]

@@ -190,6 +190,8 @@ def test_run_table():
     rec = run_rec(tp=False)
     rec["prefill"]["weights_form"] = "staged"
     assert any("chunks of 512, weights staged before each GEMM, to the first token" in ln for ln in md_lines(run_table(rec)))
+    rec["prefill"]["attention"] = "wgmma"
+    assert any("weights staged before each GEMM, attention on wgmma, to the first" in ln for ln in md_lines(run_table(rec)))
     rec["energy"] = {"unavailable": "pynvml is not importable"}  # no figure: the reason stays text
     rows = {r["metric"]: r["value"] for r in as_json(run_table(rec))}
     assert rows["energy"] == "unavailable: pynvml is not importable" and "tensor parallel" not in rows

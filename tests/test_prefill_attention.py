@@ -28,13 +28,14 @@ import pytest
 
 from atomflow_bench.errors import AtomflowError
 from atomflow_bench.gpu.device import SMEM_H100, SMEM_SM89, blocks_fit
-from atomflow_bench.gpu.ops.attention_prefill import (ATP_KV, ATP_ROWS, ATP_THREADS, HEAD_DIMS, KERNELS,
-                                                      SMEM_HEADROOM, attention_prefill_launch, check_prefill,
-                                                      prefill_bytes, prefill_grid, prefill_kernel, prefill_smem)
+from atomflow_bench.gpu.ops.attention_prefill import (ATP_KV, ATP_ROWS, ATP_SMEM_PAD, ATP_THREADS, HEAD_DIMS,
+                                                      KERNELS, SMEM_HEADROOM, attention_prefill_launch, check_prefill,
+                                                      prefill_bytes, prefill_grid, prefill_kernel, prefill_smem,
+                                                      wgmma_default)
 from test_kernels_gpu import rng_for
 
 # conftest.compiled_kernels compiles these before the first GPU test
-KERNEL_BUILDS = [(None, (), ("attention_prefill.cu",))]
+KERNEL_BUILDS = [(None, (), ("attention_prefill.cu", "attention_prefill_sm90a.cu"))]
 ERR_BOUND = 2e-3  # x max|V|, per element (the derivation above)
 REL_TOL = 2e-3    # relative L2 error (tests/test_kernels_gpu.py FP16_TOL)
 
@@ -75,8 +76,8 @@ def prefill_inputs(rng, hd: int, group: int, n_kv: int, start: int, m: int, fuse
 # ---- CPU ------------------------------------------------------------------------------------------------------------
 def test_constants_and_kernel_names():
     assert ATP_THREADS == 4 * 32 and ATP_ROWS == 16 * (ATP_THREADS // 32)  # 4 warps x the mma's 16 rows
-    assert KERNELS == {"attention_prefill.cu": tuple(f"attention_prefill_hd{hd}_g{g}" for hd in (64, 128)
-                                                     for g in (1, 2, 3, 4, 8, 16))}
+    assert KERNELS == {f: tuple(f"attention_prefill_{w}hd{hd}_g{g}" for hd in (64, 128) for g in (1, 2, 3, 4, 8, 16))
+                       for f, w in (("attention_prefill.cu", ""), ("attention_prefill_sm90a.cu", "wgmma_"))}
     assert prefill_kernel(128, 8) == "attention_prefill_hd128_g8"
 
 
@@ -97,6 +98,8 @@ def test_shared_memory_fits_h100_and_sm89(hd):
         assert need + SMEM_HEADROOM <= smem[0]
         check_prefill(hd, 4, 0, 1, 8, 8 * 4 * hd, 8 * 4 * hd, smem)
     assert blocks_fit(need + SMEM_HEADROOM, SMEM_H100) >= 2 and blocks_fit(need + SMEM_HEADROOM, SMEM_SM89) >= 1
+    # the wgmma kernel (an H100/H200 only): 1 KB more, still two blocks an SM
+    assert prefill_smem(hd, True) == need + ATP_SMEM_PAD and blocks_fit(need + ATP_SMEM_PAD + SMEM_HEADROOM, SMEM_H100) >= 2
 
 
 def test_bytes_moved():
@@ -130,6 +133,7 @@ def _arrays(hd=64, group=4, n_kv=2, start=5, m=10, q_stride=None, out_stride=Non
     ({"q_dtype": np.float32}, "q must be fp16"),
     ({"q_rows": 9}, r"q \(9, 512\)"),
     ({"smem": (64 * 1024, 64 * 1024, 1024), "hd": 128}, "needs 82944 bytes of shared memory per block"),
+    ({"smem": (83000, 83000, 1024), "hd": 128, "wgmma": True}, "needs 83968 bytes of shared memory per block"),
 ])
 def test_refuses_in_one_line(change, match):
     args = {"hd": 64, "group": 4, "n_kv": 2, "start": 5, "m": 10, "q_stride": 512, "out_stride": 512}
@@ -145,7 +149,7 @@ def test_refuses_in_one_line(change, match):
         q = q[:change["q_rows"]]
     with pytest.raises(AtomflowError, match=match) as err:
         attention_prefill_launch(_NoLib(), q, kc, vc, start, m, out, n_kv, group, hd, q_stride, out_stride,
-                                 smem=change.get("smem", SMEM_H100))
+                                 smem=change.get("smem", SMEM_H100), wgmma=change.get("wgmma", False))
     assert "\n" not in str(err.value)
 
 
@@ -157,25 +161,36 @@ def test_refuses_a_view_whose_rows_are_not_the_stride_apart():
     _, kc, vc, out = _arrays(hd, group, n_kv, 0, m)
     with pytest.raises(AtomflowError, match="does not hold 10 rows of 512 fp16 elements 512 apart"):
         attention_prefill_launch(_NoLib(), qkv[:, :q_dim], kc, vc, 0, m, out, n_kv, group, hd, q_dim, q_dim,
-                                 smem=SMEM_H100)
+                                 smem=SMEM_H100, wgmma=False)
 
 
-def test_launch_the_factory_builds():
-    """Grid, block, shared memory, arguments (a q view of the fused buffer with its stride), bytes and label."""
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_launch_the_factory_builds(wgmma):
+    """Grid, block, shared memory, arguments (a q view of the fused buffer with its stride), bytes and label, for
+    either kernel."""
     hd, group, n_kv, start, m = 128, 3, 8, 37, 100
     q_dim, kv_dim = n_kv * group * hd, n_kv * hd
     qkv = np.zeros((m, q_dim + 2 * kv_dim), np.float16)
     out = np.zeros((m, q_dim + 64), np.float16)
     kc = np.zeros((start + m, kv_dim), np.float16)
     fn = SimpleNamespace(max_dynamic_shared_size_bytes=0)
-    ln = attention_prefill_launch({prefill_kernel(hd, group): fn}, qkv[:, :q_dim], kc, kc, start, m, out, n_kv,
-                                  group, hd, q_dim + 2 * kv_dim, q_dim + 64, smem=SMEM_SM89)
-    assert ln.fn is fn and ln.grid == (5, 8) and ln.block == (ATP_THREADS,) and ln.shmem == prefill_smem(hd)
-    assert fn.max_dynamic_shared_size_bytes == prefill_smem(hd)  # > 48 KB: opted in
+    ln = attention_prefill_launch({prefill_kernel(hd, group, wgmma): fn}, qkv[:, :q_dim], kc, kc, start, m, out,
+                                  n_kv, group, hd, q_dim + 2 * kv_dim, q_dim + 64, smem=SMEM_H100, wgmma=wgmma)
+    smem = prefill_smem(hd) + (ATP_SMEM_PAD if wgmma else 0)
+    assert ln.fn is fn and ln.grid == (5, 8) and ln.block == (ATP_THREADS,) and ln.shmem == smem == prefill_smem(hd, wgmma)
+    assert fn.max_dynamic_shared_size_bytes == smem  # > 48 KB: opted in
     assert [int(a) for a in ln.args[4:9]] == [start, m, n_kv, q_dim + 2 * kv_dim, q_dim + 64]
     assert ln.args[9] == np.float32(1 / np.sqrt(hd)) and ln.args[9].dtype == np.float32
     assert ln.bytes_moved == prefill_bytes(start, m, n_kv, group, hd)
-    assert ln.label == "attention prefill hd128 g3 100 rows" and ln.name == "attention_prefill"
+    assert ln.label == f"attention prefill{' wgmma' * wgmma} hd128 g3 100 rows" and ln.name == "attention_prefill"
+
+
+def test_the_wgmma_kernel_runs_on_compute_capability_9_0_only():
+    """sm_90a code loads on a 9.0 device only: the mma.sync kernel everywhere else (8.9, 10.0, 12.0)."""
+    assert [wgmma_default(cc) for cc in (80, 89, 90, 100, 120)] == [False, False, True, False, False]
+    assert prefill_kernel(64, 8, True) == "attention_prefill_wgmma_hd64_g8"
+    assert set(KERNELS["attention_prefill_sm90a.cu"]) == {prefill_kernel(hd, g, True) for hd in HEAD_DIMS
+                                                          for g in (1, 2, 3, 4, 8, 16)}
 
 
 def test_reference_matches_a_naive_loop():
@@ -234,7 +249,7 @@ def test_error_bound_holds_for_the_kernels_roundings(hd, group, start, m):
 # ---- GPU ------------------------------------------------------------------------------------------------------------
 def check_prefill_kernel(kernel_lib, hd: int, group: int, n_kv: int, start: int, m: int, fused: bool = True,
                          out_pad: int = 16, scale: float | None = None, factory=attention_prefill_launch,
-                         rows: int | None = None) -> None:
+                         rows: int | None = None, wgmma: bool | None = None) -> None:
     """One launch against the reference (the module docstring's checks), then a replay into a re-poisoned out.
     `factory`: attention_prefill_launch's arguments -> the Launch (the lab's versions bring their own, with `rows`
     stacked query rows a block where theirs differ from the product's)."""
@@ -248,8 +263,9 @@ def check_prefill_kernel(kernel_lib, hd: int, group: int, n_kv: int, start: int,
     ref = prefill_reference(qkv, kc, vc, start, m, n_kv, group, hd, scale_used)
     qkv_d = cp.asarray(qkv)
     out = cp.full((m + 2, out_stride), np.nan, dtype=cp.float16)  # 2 rows past the chunk: must stay NaN too
+    kw = {} if wgmma is None else {"wgmma": wgmma}
     launch = factory(kernel_lib, qkv_d[:, :q_dim] if fused else qkv_d, cp.asarray(kc), cp.asarray(vc), start, m, out,
-                     n_kv, group, hd, q_stride, out_stride, scale)
+                     n_kv, group, hd, q_stride, out_stride, scale, **kw)
     assert launch.grid == (prefill_grid(m, n_kv, group) if rows is None else (-(-m * group // rows), n_kv))
     launch()
     first = out.get()
@@ -272,32 +288,40 @@ def check_prefill_kernel(kernel_lib, hd: int, group: int, n_kv: int, start: int,
 CHUNKS = [(0, 1), (0, 17), (0, 64), (0, 100), (0, 300), (37, 1), (129, 17), (100, 100), (250, 300), (2000, 64)]
 
 
+@pytest.fixture(params=[False, True], ids=["mma", "wgmma"])
+def wgmma(request):
+    """Each kernel where this GPU runs it: mma.sync everywhere, wgmma on compute capability 9.0."""
+    if request.param and not wgmma_default():
+        pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
+    return request.param
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("hd", HEAD_DIMS)
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("start, m", CHUNKS)
-def test_prefill_attention(kernel_lib, hd, group, start, m):
+def test_prefill_attention(kernel_lib, wgmma, hd, group, start, m):
     """Two kv heads (the second's K/V columns and q heads are where a head-index slip shows), q read through a view
     of the fused qkv buffer."""
-    check_prefill_kernel(kernel_lib, hd, group, 2, start, m)
+    check_prefill_kernel(kernel_lib, hd, group, 2, start, m, wgmma=wgmma)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hd", HEAD_DIMS)
 @pytest.mark.parametrize("group", [2, 16])
 @pytest.mark.parametrize("start, m", [(0, 33), (70, 130)])
-def test_prefill_attention_other_groups(kernel_lib, hd, group, start, m):
+def test_prefill_attention_other_groups(kernel_lib, wgmma, hd, group, start, m):
     """The remaining instances: 16 q heads per kv head fill a block's 64 rows with 4 query rows."""
-    check_prefill_kernel(kernel_lib, hd, group, 2, start, m)
+    check_prefill_kernel(kernel_lib, hd, group, 2, start, m, wgmma=wgmma)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_kv, group, hd", [(8, 4, 64), (8, 3, 128), (3, 3, 64), (8, 4, 128)],
                          ids=["llama-3.2-1b", "llama-3.2-3b", "smollm2-135m", "llama-3.1-8b"])
 @pytest.mark.parametrize("start, m", [(0, 512), (512, 256)])
-def test_prefill_attention_model_shapes(kernel_lib, n_kv, group, hd, start, m):
+def test_prefill_attention_model_shapes(kernel_lib, wgmma, n_kv, group, hd, start, m):
     """The catalog's shapes at prefill sizes, q and out contiguous (strides = the q heads' width)."""
-    check_prefill_kernel(kernel_lib, hd, group, n_kv, start, m, fused=False, out_pad=0)
+    check_prefill_kernel(kernel_lib, hd, group, n_kv, start, m, fused=False, out_pad=0, wgmma=wgmma)
 
 
 @pytest.mark.gpu

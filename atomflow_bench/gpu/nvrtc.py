@@ -6,6 +6,11 @@ step build asks only for the kernels it launches, so only their files are compil
 architecture, and CuPy's on-disk cache (~/.cupy/kernel_cache, keyed by source + options + arch) makes a second
 process skip NVRTC. Local `#include "x.cuh"` lines are inlined here so that the cache key covers the headers too.
 
+A source named `NAME_sm90a.cu` uses features of one architecture only (Hopper's wgmma needs the arch-specific
+target sm_90a, which CuPy's RawModule does not pass): it is compiled by NVRTC for that target and its cubin, cached
+beside CuPy's (keyed by source, options and NVRTC version), loaded as a module. Its op module launches it only on
+that architecture (`file_arch`).
+
 The -D macros a KernelLib compiles with are only what the kernels read: the portable forms for GPUs without bulk
 copies (`ATT_TMA`, which sm_90+ sets to 1 here, and `GEMV_BULK`) and the timing instruments (`INSTRUMENTS`), from
 ATOMFLOW_KERNEL_DEFINES="NAME=V ..." or the caller. Launch policy (which forms a step runs) is not a -D: it is a
@@ -13,6 +18,8 @@ ATOMFLOW_KERNEL_DEFINES="NAME=V ..." or the caller. Launch policy (which forms a
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import sys
 from pathlib import Path
@@ -37,6 +44,7 @@ def find_kernels_dir() -> Path:
 
 
 KERNELS_DIR = find_kernels_dir()
+_ARCH_FILE = re.compile(r"_(sm_?\d+a)\.cu$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
 
@@ -53,6 +61,38 @@ def expand_source(path: Path, seen: set | None = None) -> str:
         return expand_source(inc, seen)
 
     return _INCLUDE.sub(repl, text)
+
+
+def file_arch(name: str) -> str | None:
+    """The one architecture a source is built for ("sm_90a" for `*_sm90a.cu`), or None: the device's own."""
+    m = _ARCH_FILE.search(name)
+    return m.group(1).replace("sm_", "sm").replace("sm", "sm_") if m else None
+
+
+def compile_for_arch(source: str, name: str, options: tuple, arch: str) -> Path:
+    """The cubin of `source` for the arch-specific target `arch` by NVRTC, in an on-disk cache beside CuPy's (a second
+    process loads it without compiling; RawModule reads the file when a kernel is first asked for, so it stays)."""
+    import cupy
+    from cupy_backends.cuda.libs import nvrtc
+
+    key = hashlib.sha256("\0".join([source, *options, arch, str(nvrtc.getVersion())]).encode()).hexdigest()
+    cache = Path(cupy.cuda.compiler.get_cache_dir()) / f"atomflow_{arch}_{key}.cubin"
+    if cache.is_file():
+        return cache
+    prog = nvrtc.createProgram(source, name, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, [*options, f"-arch={arch}"])
+        except Exception as e:  # noqa: BLE001 - the compiler's log says why
+            raise AtomflowError(f"{name}: NVRTC for {arch} failed: {nvrtc.getProgramLog(prog)[-2000:]}") from e
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.part")
+    tmp.write_bytes(cubin)
+    os.replace(tmp, cache)  # atomic: a concurrent reader sees the whole cubin or none
+    return cache
 
 
 def cuda_include_dirs() -> list[str]:
@@ -143,8 +183,13 @@ class KernelLib:
         import cupy
 
         if path not in self._modules:
-            self._modules[path] = cupy.RawModule(code=expand_source(path), options=self.options,
-                                                 name_expressions=None)
+            arch = file_arch(path.name)
+            if arch is None:
+                self._modules[path] = cupy.RawModule(code=expand_source(path), options=self.options,
+                                                     name_expressions=None)
+            else:  # RawModule(path=...) loads a cubin: its kernels are RawKernels like the others
+                cubin = compile_for_arch(expand_source(path), path.name, self.options, arch)
+                self._modules[path] = cupy.RawModule(path=str(cubin))
         return self._modules[path]
 
     def __getitem__(self, name: str):

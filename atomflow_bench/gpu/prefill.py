@@ -37,7 +37,7 @@ import numpy as np
 from ..config import GROUP
 from ..errors import AtomflowError
 from .graph import StepGraph
-from .ops.attention_prefill import attention_prefill_launch
+from .ops.attention_prefill import attention_prefill_launch, wgmma_default
 from .ops.gemv import ROLE_PAIRING, linear_regions, tile_scale_view, tile_view
 from .ops.lm_head import lm_head_launch
 from .ops.prefill_rows import (Gemm, embed_rows_launch, rmsnorm_rows_launch, rope_kv_rows_launch,
@@ -138,6 +138,7 @@ class Prefill:
                                 f"{need[form] / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free; try a smaller --ctx "
                                 "or more GPUs (--tp)")
         self.weights_form = form
+        self.wgmma = wgmma_default()  # the attention on Hopper's warpgroup MMA where the device runs it
         self.sums = None if engine.tp is None else engine.tp.row_sums  # tensor parallel: the sums of the rows
         half = cfg.head_dim // 2
         names = [f"L{i}.{r}" for i in range(cfg.num_hidden_layers) for r in WEIGHTS]
@@ -200,7 +201,7 @@ class Prefill:
                 lambda w=w: self.gemm(x, w("wqkv"), qkv, m),
                 rope_kv_rows_launch(lib, qkv, a["rope_cs"], a["k_cache"][i], a["v_cache"][i], n_q, n_kv, hd, start, m),
                 attention_prefill_launch(lib, qkv, a["k_cache"][i], a["v_cache"][i], start, m, att, n_kv,
-                                         cfg.group_size, hd, cfg.qkv_dim, cfg.q_dim),
+                                         cfg.group_size, hd, cfg.qkv_dim, cfg.q_dim, wgmma=self.wgmma),
                 lambda w=w: self.resid(att, w("wo"), m),
                 rmsnorm_rows_launch(lib, h, a[f"L{i}.mlp_norm"], x, m, eps),
                 lambda w=w: self.gemm(x, w("wgu"), gu, m),

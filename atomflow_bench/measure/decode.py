@@ -114,6 +114,7 @@ def prefill_figures(eng, context: int, ttft: dict, peak: dict) -> dict:
     pf = eng.prefiller() if eng.prefills else None
     return {"path": "batched" if pf else "walked", "prompt_tokens": context,
             "chunk": pf.chunk if pf else None, "weights_form": pf.weights_form if pf else None,
+            "attention": ("wgmma" if pf.wgmma else "mma.sync") if pf else None,
             "tok_per_s": context / (ttft["median"] * 1e-3), "flops": flops, "tflops": tflops,
             "pct_of_peak": 100.0 * tflops / (peak["median"] * gpus)}
 

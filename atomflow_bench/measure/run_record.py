@@ -160,6 +160,7 @@ def run_table(rec: dict):
         how = (f"batched prefill, chunks of {pf['chunk']}" if pf["path"] == "batched"
                else "prompt walked through the decode step")
         how += ", weights staged before each GEMM" if pf.get("weights_form") == "staged" else ""
+        how += f", attention on {pf['attention']}" if pf.get("attention") else ""  # optional: earlier records lack it
         t.add("TTFT", Num(ft["median"], f"median {ft['median']:.3f} ms  (p10 {ft['p10']:.3f}, p90 {ft['p90']:.3f}, "
                                         f"n={ft['n']}; {pf['prompt_tokens']} prompt tokens, {how}, to the first token)"))
         t.add("prompt tok/s", Num(pf["tok_per_s"], f"{pf['tok_per_s']:.0f}"))

@@ -1,6 +1,9 @@
 """Prefill attention (causal GQA of a chunk of M query rows over the contiguous KV cache, FlashAttention-2 on the
-tensor cores): everything the host knows about kernels_cu/attention_prefill.cu — constants, the grid, shared memory,
-the checks and the launch factory.
+tensor cores): everything the host knows about its two kernels — constants, the grid, shared memory, the checks and
+the launch factory. kernels_cu/attention_prefill_sm90a.cu runs both matrix products on Hopper's warpgroup MMA and is
+built for sm_90a only, so it runs where the compute capability is 9.0; kernels_cu/attention_prefill.cu (mma.sync)
+runs everywhere else. Same arguments, grid and results; the wgmma kernel takes ATP_SMEM_PAD bytes more shared
+memory (it aligns its tiles to 1 KB).
 
 The chunk: post-RoPE q rows [M][q_stride] (the stride lets q be the start of the fused qkv buffer
 [M][q_dim + 2*kv_dim]); its K/V rows already in the layer's cache slab [max_seq][kv_dim] at positions
@@ -13,7 +16,7 @@ import math
 import numpy as np
 
 from ...errors import AtomflowError
-from ..device import SMEM_H100, smem_limits
+from ..device import SMEM_H100, compute_capability, smem_limits
 from ..launch import Launch, allow_dynamic_smem, i32
 from ..nvrtc import KernelLib
 
@@ -22,27 +25,38 @@ ATP_THREADS = 128  # attention_prefill.cu ATP_THREADS: 4 warps of 16 query rows
 ATP_ROWS = 64      # attention_prefill.cu ATP_ROWS: stacked query rows (G heads of a kv head) per block
 ATP_KV = 64        # attention_prefill.cu ATP_KV: positions per K/V tile
 ATP_STAGES = 2     # attention_prefill.cu ATP_STAGES: K/V tiles in shared memory at once
-CU_FILES = ("attention_prefill.cu",)
-CU_DEFINES = {"ATP_THREADS": ATP_THREADS, "ATP_ROWS": ATP_ROWS, "ATP_KV": ATP_KV, "ATP_STAGES": ATP_STAGES}
+ATP_SMEM_PAD = 1024  # attention_prefill_sm90a.cu ATP_SMEM_PAD: room to align the base to wgmma's 1 KB swizzle atom
+CU_FILES = ("attention_prefill.cu", "attention_prefill_sm90a.cu")
+CU_DEFINES = {"ATP_THREADS": ATP_THREADS, "ATP_ROWS": ATP_ROWS, "ATP_KV": ATP_KV, "ATP_STAGES": ATP_STAGES,
+              "ATP_SMEM_PAD": ATP_SMEM_PAD}
+WGMMA_CC = 90  # the compute capability sm_90a code runs on
 
 HEAD_DIMS = (64, 128)         # instances: attention_prefill_hd<HD>_g<G>
 GROUPS = (1, 2, 3, 4, 8, 16)  # q heads per kv head
 SMEM_HEADROOM = 1024          # static shared memory beside the dynamic (the timeline instrument's, the compiler's)
 
 
-def prefill_kernel(hd: int, group: int) -> str:
-    """The instance for head_dim `hd` and `group` q heads per kv head (attention_prefill.cu)."""
-    return f"attention_prefill_hd{hd}_g{group}"
+def prefill_kernel(hd: int, group: int, wgmma: bool = False) -> str:
+    """The instance for head_dim `hd` and `group` q heads per kv head (attention_prefill.cu; with `wgmma`,
+    attention_prefill_sm90a.cu)."""
+    return f"attention_prefill_{'wgmma_' if wgmma else ''}hd{hd}_g{group}"
 
 
 # The kernels this module launches, by the .cu that defines them (as ops/attention.py KERNELS).
-KERNELS = {"attention_prefill.cu": tuple(prefill_kernel(hd, g) for hd in HEAD_DIMS for g in GROUPS)}
+KERNELS = {"attention_prefill.cu": tuple(prefill_kernel(hd, g) for hd in HEAD_DIMS for g in GROUPS),
+           "attention_prefill_sm90a.cu": tuple(prefill_kernel(hd, g, True) for hd in HEAD_DIMS for g in GROUPS)}
 
 
-def prefill_smem(hd: int) -> int:
+def wgmma_default(cc: int | None = None) -> bool:
+    """Whether the wgmma kernel runs on a GPU of compute capability `cc` (default: the current device's)."""
+    return (compute_capability() if cc is None else cc) == WGMMA_CC
+
+
+def prefill_smem(hd: int, wgmma: bool = False) -> int:
     """Bytes of dynamic shared memory: the q tile [ATP_ROWS][hd] fp16 (the output's staging at the end), then
-    ATP_STAGES x (K [ATP_KV][hd], V [ATP_KV][hd]) fp16. 40 KB at hd 64, 80 KB at hd 128."""
-    return ATP_ROWS * hd * 2 + ATP_STAGES * 2 * ATP_KV * hd * 2
+    ATP_STAGES x (K [ATP_KV][hd], V [ATP_KV][hd]) fp16: 40 KB at hd 64, 80 KB at hd 128; the wgmma kernel's
+    ATP_SMEM_PAD more."""
+    return ATP_ROWS * hd * 2 + ATP_STAGES * 2 * ATP_KV * hd * 2 + (ATP_SMEM_PAD if wgmma else 0)
 
 
 def prefill_grid(m: int, n_kv: int, group: int) -> tuple[int, int]:
@@ -58,7 +72,7 @@ def prefill_bytes(start: int, m: int, n_kv: int, group: int, hd: int) -> int:
 
 
 def check_prefill(hd: int, group: int, start: int, m: int, n_kv: int, q_stride: int, out_stride: int,
-                  smem: tuple = SMEM_H100) -> None:
+                  smem: tuple = SMEM_H100, wgmma: bool = False) -> None:
     """Refuses (one line) a shape the kernel does not take: head_dim and group without an instance, an empty chunk, a
     negative start, strides that are not multiples of 8 elements (the 16-byte copies) or narrower than the q heads,
     or a shared memory need above what a block of this GPU (`smem`, as device.smem_limits) may have."""
@@ -75,7 +89,7 @@ def check_prefill(hd: int, group: int, start: int, m: int, n_kv: int, q_stride: 
         if stride % 8 or stride < q_dim:
             raise AtomflowError(f"prefill attention: {name} {stride} must be a multiple of 8 and at least the q heads' "
                                 f"{q_dim} elements")
-    need = prefill_smem(hd) + SMEM_HEADROOM
+    need = prefill_smem(hd, wgmma) + SMEM_HEADROOM
     if need > smem[0]:
         raise AtomflowError(f"prefill attention at head_dim {hd} needs {need} bytes of shared memory per block "
                             f"(this GPU: {smem[0]})")
@@ -109,18 +123,21 @@ def _check_arrays(q, k_cache, v_cache, out, start: int, m: int, kv_dim: int, q_d
 
 def attention_prefill_launch(lib: KernelLib, q, k_cache, v_cache, start: int, m: int, out, n_kv: int, group: int,
                              hd: int, q_stride: int, out_stride: int, scale: float | None = None,
-                             smem: tuple | None = None, taps=None) -> Launch:
+                             smem: tuple | None = None, taps=None, wgmma: bool | None = None) -> Launch:
     """The chunk's causal attention: q rows [m][q_stride] at positions start .. start+m-1 over the layer's cache slabs
     (the chunk's own K/V rows already written), out [m][out_stride]; scale defaults to 1/sqrt(hd). `start` and `m`
     are plain kernel arguments: a captured graph replays the chunk it was captured with. `smem`: this GPU's shared
-    memory limits (device.smem_limits, the default)."""
+    memory limits (device.smem_limits, the default). `wgmma`: which kernel (default: the wgmma one where the device
+    runs it, `wgmma_default`)."""
     q_dim = n_kv * group * hd
-    check_prefill(hd, group, start, m, n_kv, q_stride, out_stride, smem_limits() if smem is None else smem)
+    wgmma = wgmma_default() if wgmma is None else wgmma
+    check_prefill(hd, group, start, m, n_kv, q_stride, out_stride, smem_limits() if smem is None else smem, wgmma)
     _check_arrays(q, k_cache, v_cache, out, start, m, n_kv * hd, q_dim, q_stride, out_stride)
-    fn = lib[prefill_kernel(hd, group)]
-    shmem = prefill_smem(hd)
+    fn = lib[prefill_kernel(hd, group, wgmma)]
+    shmem = prefill_smem(hd, wgmma)
     allow_dynamic_smem(fn, shmem)
     return Launch(fn, "attention_prefill", prefill_grid(m, n_kv, group), (ATP_THREADS,),
                   (q, k_cache, v_cache, out, i32(start), i32(m), i32(n_kv), i32(q_stride), i32(out_stride),
                    np.float32(1.0 / math.sqrt(hd) if scale is None else scale)), shmem, taps or {},
-                  prefill_bytes(start, m, n_kv, group, hd), f"attention prefill hd{hd} g{group} {m} rows")
+                  prefill_bytes(start, m, n_kv, group, hd),
+                  f"attention prefill{' wgmma' if wgmma else ''} hd{hd} g{group} {m} rows")

@@ -1,0 +1,253 @@
+// attention_prefill_sm90a.cu — causal GQA attention of a chunk of M query rows (prefill) over the contiguous KV
+// cache on Hopper's warpgroup MMA (wgmma; built for sm_90a only: ops/attention_prefill.py runs it where the compute
+// capability is 9.0 and attention_prefill.cu everywhere else).
+//
+// Computes   what attention_prefill.cu computes, with its arguments, roundings and results.
+// Scheme     attention_prefill.cu's blocks, rows and K/V walk; here the block's 4 warps are one warpgroup and both
+//            matrix products are wgmma, which issue one instruction per 64 x N x 16 and read their shared-memory
+//            operands without ldmatrix (the mma.sync kernel is bound by issue: its mmas and ldmatrix outnumber the
+//            tensor core's work). Per K/V tile of 64 positions:
+//              S = Q K^T  4 (hd 64) or 8 (hd 128) wgmma m64n64k16 read q and the K tile from shared memory
+//                         (K-major);
+//              softmax    per warp on its 16 rows (attention_prefill.cuh: the accumulator's per-warp layout is the
+//                         mma.sync fragments'), P rounded to fp16 in registers;
+//              O += P V   4 wgmma m64n{hd}k16 take P from registers (a warp's P fragments are wgmma's register-A
+//                         layout) and V from shared memory as an N-major operand (positions are the k index).
+//            A warp whose rows take nothing from a tile (above its diagonal, or past the chunk) still joins both
+//            wgmma: its P is 0 and its O and sums stay as they are.
+// Layouts    q, out and the cache as attention_prefill.cu. In shared memory q, K and V tiles are in wgmma's 128-byte
+//            swizzle: slabs of 64 dims (64 rows x 128 bytes, 8 KB), 16-byte piece c of row t at (c ^ (t & 7)) * 16
+//            within its row, tiles 1024-byte aligned (the kernel aligns its base within ATP_SMEM_PAD bytes more).
+//            Descriptors: stride offset 1024 bytes (8 rows); for V (N-major) the leading offset is the slab
+//            distance, 8192 bytes. Dynamic shared memory (ops/attention_prefill.py prefill_smem): the q tile
+//            [64][hd], ATP_STAGES x (K [64][hd], V [64][hd]) fp16 and the pad: 41 KB at hd 64, 81 KB at hd 128.
+//            Writes by cp.async and plain stores are made visible to wgmma (fence.proxy.async) before the barrier
+//            that precedes it; P.V's wgmma has finished reading V before the barrier that lets its stage be refilled.
+// Bytes      as attention_prefill.cu.
+// Launch     attention_prefill_wgmma_hd{64,128}_g{1,2,3,4,8,16}: grid = (ceil(M * G / 64), n_kv), block = 128 (one
+//            warpgroup), dyn. smem = prefill_smem(hd, wgmma=True); 2 blocks per SM (147 registers at hd 128).
+#include "attention_prefill.cuh"
+
+#define ATP_THREADS 128    // one warpgroup: 4 warps x 16 query rows (ops/attention_prefill.py ATP_THREADS)
+#define ATP_ROWS 64        // stacked query rows per block: wgmma's M (ops/attention_prefill.py ATP_ROWS)
+#define ATP_KV 64          // positions per K/V tile (ops/attention_prefill.py ATP_KV)
+#define ATP_STAGES 2       // K/V tiles in shared memory at once (ops/attention_prefill.py ATP_STAGES)
+#define ATP_MIN_BLOCKS 2   // two blocks (8 warps) per SM
+#define ATP_SMEM_PAD 1024  // dynamic shared memory beyond the tiles: the base aligned to 1024 bytes (ops ATP_SMEM_PAD)
+
+// Byte offset of 16-byte piece c of row t in a 64-row tile in wgmma's 128-byte-swizzle layout: slabs of 64
+// dims (64 rows x 128 bytes = 8 KB each), the pieces of a row XOR-swizzled by the row's low 3 bits.
+__device__ __forceinline__ int sw128(int t, int c) { return (c >> 3) * 8192 + t * 128 + (((c & 7) ^ (t & 7)) << 4); }
+
+// The shared-memory matrix descriptor of a 128-byte-swizzle operand starting at `p` (1024-byte aligned but for the
+// K-major k-step's 32-byte advance inside a slab): start address >> 4, leading byte offset, stride byte offset 1024
+// >> 4 (8 rows of 128 bytes), layout type 1 (128-byte swizzle). K-major (q, K): the leading offset is unused when
+// swizzled (1). N-major (V): it is the distance between 64-dim slabs, 8192 bytes (one slab at hd 64: unused).
+__device__ __forceinline__ unsigned long long sw128_desc(const char* p, unsigned lead = 1) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)lead << 16) |
+         ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Pins an accumulator's registers at this point of the instruction order: the compiler sees a wgmma's outputs as
+// ready when its asm ends, so without this it could move their reads above wgmma.wait_group (or their writes, the
+// zeroing and the rescale, below wgmma.fence); ptxas orders the rest.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+
+// d (+)= A B^T over one 16-dim k-step: A 64 x 16 and B 64 x 16 from their K-major descriptors, d the warpgroup's
+// 64 x 64 fp32 accumulator (this thread's 32 values, d[j] the mma.sync C fragment of n-tile j); `acc` 0 overwrites d.
+#define ATP_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], unsigned long long da, unsigned long long db,
+                                                int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, 0;\n}\n"
+      : ATP_D4(0), ATP_D4(1), ATP_D4(2), ATP_D4(3), ATP_D4(4), ATP_D4(5), ATP_D4(6), ATP_D4(7)
+      : "l"(da), "l"(db), "r"(acc));
+}
+
+// d += A B over one 16-position k-step, A (64 x 16) from registers, B (16 x N) from an N-major descriptor: a[0..3]
+// this thread's A fragment (the mma.sync m16n8k16 A fragment of its warp's 16 rows), d the warpgroup's 64 x N fp32
+// accumulator (d[j] the C fragment of n-tile j), accumulated (scale-d true). The last immediate (1) transposes B:
+// N-major.
+__device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[8][4], const unsigned (&a)[4], unsigned long long db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : ATP_D4(0), ATP_D4(1), ATP_D4(2), ATP_D4(3), ATP_D4(4), ATP_D4(5), ATP_D4(6), ATP_D4(7)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[16][4], const unsigned (&a)[4], unsigned long long db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : ATP_D4(0), ATP_D4(1), ATP_D4(2), ATP_D4(3), ATP_D4(4), ATP_D4(5), ATP_D4(6), ATP_D4(7),
+        ATP_D4(8), ATP_D4(9), ATP_D4(10), ATP_D4(11), ATP_D4(12), ATP_D4(13), ATP_D4(14), ATP_D4(15)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+template <int HD>
+__device__ __forceinline__ void wgmma_pv(float (&o)[HD / 8][4], const unsigned (&a)[4], unsigned long long db) {
+  if constexpr (HD == 128) wgmma_rs_m64n128k16(o, a, db);
+  else wgmma_rs_m64n64k16(o, a, db);
+}
+
+// The block's 64 stacked q rows (row0 ..) -> qs; rows past the chunk (query row >= m) zero-filled.
+template <int HD, int G>
+__device__ __forceinline__ void atp_stage_q(const __half* q, size_t q_stride, int row0, int m, int j, char* qs) {
+  constexpr int DG = HD / 8;
+#pragma unroll
+  for (int i = threadIdx.x; i < ATP_ROWS * DG; i += ATP_THREADS) {
+    const int t = i / DG, c = i % DG, r = (row0 + t) / G, g = (row0 + t) % G;
+    if (r < m)
+      cp_async16(qs + sw128(t, c), q + (size_t)r * q_stride + (size_t)(j * G + g) * HD + c * 8);
+    else
+      *reinterpret_cast<uint4*>(qs + sw128(t, c)) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Positions p0 .. p0 + 63 of kv head j -> ks, vs (wgmma's layout, a position a row); positions at or past n_pos
+// zero-filled (not read).
+template <int HD>
+__device__ __forceinline__ void atp_stage_kv(const __half* k_cache, const __half* v_cache, size_t kv_dim, int j,
+                                             int p0, int n_pos, char* ks, char* vs) {
+  constexpr int DG = HD / 8;
+#pragma unroll
+  for (int i = threadIdx.x; i < ATP_KV * DG; i += ATP_THREADS) {
+    const int t = i / DG, c = i % DG, off = sw128(t, c);
+    if (p0 + t < n_pos) {
+      const size_t src = (size_t)(p0 + t) * kv_dim + (size_t)j * HD + c * 8;
+      cp_async16(ks + off, k_cache + src);
+      cp_async16(vs + off, v_cache + src);
+    } else {
+      *reinterpret_cast<uint4*>(ks + off) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(vs + off) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// Row tile `tile` (64 stacked rows) of kv head j.
+template <int HD, int G>
+__device__ __forceinline__ void attention_prefill_block(const __half* q, const __half* k_cache, const __half* v_cache,
+                                                        __half* out, int start, int m, int n_kv, int q_stride,
+                                                        int out_stride, float scale, int tile, int j, char* smem) {
+  constexpr int DG = HD / 8;           // 16-byte pieces per row = 8-dim n-tiles of O
+  constexpr int KS = HD / 16;          // k-steps of the scores
+  constexpr int NB = ATP_KV / 8;       // 8-position n-tiles of the scores
+  constexpr int TB = ATP_KV * HD * 2;  // bytes of one K (or V) tile
+  const size_t kv_dim = (size_t)n_kv * HD;
+  const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP;
+  const int gid = lane >> 2, tig = lane & 3;  // mma fragment coordinates: rows gid, gid + 8; columns 2 tig, 2 tig + 1
+  static_assert(ATP_ROWS == 64 && ATP_KV == 64 && ATP_THREADS == 128, "one warpgroup, 64-row tiles (sw128)");
+  smem += (1024 - ((unsigned)__cvta_generic_to_shared(smem) & 1023)) & 1023;  // ATP_SMEM_PAD covers it
+  char* qs = smem;
+  char* kvs = smem + ATP_ROWS * HD * 2;  // stage s: K at kvs + 2 s TB, V at kvs + (2 s + 1) TB
+
+  // the block's rows and positions: the last query row it holds, the positions up to that row's
+  const int row0 = tile * ATP_ROWS;
+  const int n_pos = start + min(m - 1, (row0 + ATP_ROWS - 1) / G) + 1;
+  const int n_tiles = (n_pos + ATP_KV - 1) / ATP_KV;
+  // this warp's rows: whether it holds any query row < m; the last position of its first and last row; this
+  // thread's two rows' last positions (rows past the chunk clamped to the last row: computed, never stored)
+  const int wr0 = row0 + warp * 16;
+  const bool active = wr0 / G < m;
+  const int w_lo = start + wr0 / G, w_hi = start + min(m - 1, (wr0 + 15) / G);
+  const int lim0 = start + min(m - 1, (wr0 + gid) / G), lim1 = start + min(m - 1, (wr0 + gid + 8) / G);
+
+  pdl_wait();  // q and the chunk's K/V rows are the previous kernels' outputs
+  pdl_launch_dependents();
+  atp_stage_q<HD, G>(q, (size_t)q_stride, row0, m, j, qs);
+  atp_stage_kv<HD>(k_cache, v_cache, kv_dim, j, 0, n_pos, kvs, kvs + TB);
+  cp_async_commit();
+
+  const float sl2 = scale * 1.4426950408889634f;  // scores in log2 units
+  float o[DG][4];                                  // O[gid (+8 in [2..3])][8 n + 2 tig (+1)], relative to m_run
+  float m_run[2] = {-AF_INF, -AF_INF};  // rows gid, gid + 8: the running max of the raw scores
+  float l_acc[4] = {0.f, 0.f, 0.f, 0.f};  // P's row sums as an mma accumulator: [0], [1] row gid, [2], [3] gid + 8
+#pragma unroll
+  for (int n = 0; n < DG; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    // tile kt + 1 into the other stage (everyone finished reading it: the barrier ending the previous iteration)
+    if (kt + 1 < n_tiles) {
+      char* nx = kvs + ((kt + 1) % ATP_STAGES) * 2 * TB;
+      atp_stage_kv<HD>(k_cache, v_cache, kv_dim, j, (kt + 1) * ATP_KV, n_pos, nx, nx + TB);
+      cp_async_commit();
+      cp_async_wait<1>();  // this thread's copies of tile kt (and of q) have landed ...
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_async_shared();  // this thread's shared-memory writes (cp.async, zero rows) visible to wgmma ...
+    __syncthreads();       // ... and every thread's
+    if (kt == 0) AF_TL_MARK(0);  // timeline: q and the first K/V tile in shared memory
+    const int p0 = kt * ATP_KV;
+    const char* ks = kvs + (kt % ATP_STAGES) * 2 * TB;
+    const char* vs = ks + TB;
+    // ---- S = Q K^T for the block's 64 rows by the warpgroup (every warp takes part); this warp's s[n] is positions
+    //      p0 + 8 n + 2 tig (+1), rows 16 warp + gid ([0..1]) and + 8 ([2..3]) ----
+    float s[NB][4] = {};  // overwritten by the first k-step (its accumulate flag is 0)
+    static_assert(NB == 8, "m64n64: 8 n-tiles");
+    wgmma_fence_operands(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      const int off = (kk >> 2) * 8192 + (kk & 3) * 32;  // 16 dims = 32 bytes into the slab kk / 4
+      wgmma_m64n64k16(s, sw128_desc(qs + off), sw128_desc(ks + off), kk);
+    }
+    wgmma_commit();
+    wgmma_wait0();
+    wgmma_fence_operands(s);
+    // P's A fragments (16-position k-step kk = n-tiles 2 kk, 2 kk + 1); 0 for a warp whose rows take nothing from
+    // this tile, which still joins the warpgroup's P.V
+    unsigned pa[NB / 2][4] = {};
+    if (active && p0 <= w_hi)  // warp-uniform: a tile above all of the warp's rows adds nothing
+      atp_softmax_tile<DG, NB>(s, o, m_run, l_acc, pa, p0, w_lo, lim0, lim1, tig, sl2);
+    // ---- O += P V by the warpgroup: 16 positions (V rows 16 kk .., 2048 bytes) a k-step ----
+    wgmma_fence_operands(o);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < NB / 2; ++kk) wgmma_pv<HD>(o, pa[kk], sw128_desc(vs + kk * 2048, 8192 >> 4));
+    wgmma_commit();
+    wgmma_wait0();  // V's stage is read before the barrier below lets it be refilled
+    wgmma_fence_operands(o);
+    __syncthreads();  // every warp is done with stage kt % 2 before the next iteration refills it
+  }
+  AF_TL_MARK(1);  // timeline: the walk done
+  if (!active) return;  // no barrier follows
+
+  atp_store_out<HD, G>(o, l_acc, qs, warp, lane, wr0, m, j, out, out_stride);
+}
+
+ATTENTION_PREFILL_INSTANCE(attention_prefill_wgmma_hd64_g1, 64, 1)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_wgmma_hd64_g2, 64, 2)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_wgmma_hd64_g3, 64, 3)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_wgmma_hd64_g4, 64, 4)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_wgmma_hd64_g8, 64, 8)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_wgmma_hd64_g16, 64, 16)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_wgmma_hd128_g1, 128, 1)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_wgmma_hd128_g2, 128, 2)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_wgmma_hd128_g3, 128, 3)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_wgmma_hd128_g4, 128, 4)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_wgmma_hd128_g8, 128, 8)
+ATTENTION_PREFILL_INSTANCE(attention_prefill_wgmma_hd128_g16, 128, 16)
