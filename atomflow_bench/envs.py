@@ -95,6 +95,9 @@ VARIABLES: dict[str, EnvVar] = {
     "ATOMFLOW_WHEELHOUSE": EnvVar(
         "", _paths,
         "directories (`os.pathsep`-separated) searched for pinned wheels before PyPI, for machines without network"),
+    "CUPY_CACHE_DIR": EnvVar(
+        "~/.cupy/kernel_cache", _path,
+        "CuPy's compiled-kernel cache; the sm_90a cubins (`*_sm90a.cu`, built by NVRTC directly) are kept there too"),
     "CUDA_PATH": EnvVar(
         None, _path,
         "a CUDA toolkit whose `include/` NVRTC gets (`cuda_fp16.h`, `cuda_fp8.h`); tried before CUDA_HOME, "

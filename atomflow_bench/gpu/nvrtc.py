@@ -72,11 +72,10 @@ def file_arch(name: str) -> str | None:
 def compile_for_arch(source: str, name: str, options: tuple, arch: str) -> Path:
     """The cubin of `source` for the arch-specific target `arch` by NVRTC, in an on-disk cache beside CuPy's (a second
     process loads it without compiling; RawModule reads the file when a kernel is first asked for, so it stays)."""
-    import cupy
-    from cupy_backends.cuda.libs import nvrtc
+    from cupy_backends.cuda.libs import nvrtc  # CuPy's NVRTC binding: only where a kernel is built
 
     key = hashlib.sha256("\0".join([source, *options, arch, str(nvrtc.getVersion())]).encode()).hexdigest()
-    cache = Path(cupy.cuda.compiler.get_cache_dir()) / f"atomflow_{arch}_{key}.cubin"
+    cache = envs.CUPY_CACHE_DIR / f"atomflow_{arch}_{key}.cubin"
     if cache.is_file():
         return cache
     prog = nvrtc.createProgram(source, name, (), ())

@@ -35,6 +35,7 @@ fi
 if [ "$PH" = C ]; then  # one H200: the product's wgmma attention: GPU tests (both kernels), validate on the prefill
   # path in both formats, the 2048-token 3B chunk's profile, `run` TTFT (3B fp16 512/2048/8192, 3B W8A16 512, 8B 2048)
   pt prefill 300 tests/test_prefill_attention.py tests/test_prefill_gpu.py tests/test_engine_gpu.py -k "prefill or run_record"
+  grep -qE "^[0-9]+ passed" <(tail -1 $W/prefill.log) || { note "the GPU tests fail: the rest is not run"; tail -30 $W/prefill.log; tar czf $OUT/v54$PH.tgz -C $OUT v54$PH; exit 1; }
   timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
   for w in fp16 fp8; do
     timeout -k 10 200 atomflow-bench validate llama-3.2-3b --weights $w --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
