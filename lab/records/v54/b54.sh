@@ -35,7 +35,19 @@ fi
 if [ "$PH" = C ]; then  # one H200: the product's wgmma attention: GPU tests (both kernels), validate on the prefill
   # path in both formats, the 2048-token 3B chunk's profile, `run` TTFT (3B fp16 512/2048/8192, 3B W8A16 512, 8B 2048)
   pt prefill 300 tests/test_prefill_attention.py tests/test_prefill_gpu.py tests/test_engine_gpu.py -k "prefill or run_record"
-  grep -qE "^[0-9]+ passed" <(tail -1 $W/prefill.log) || { note "the GPU tests fail: the rest is not run"; tail -30 $W/prefill.log; tar czf $OUT/v54$PH.tgz -C $OUT v54$PH; exit 1; }
+  grep -qE "^[0-9]+ passed" <(tail -1 $W/prefill.log) || { note "the GPU tests fail: the rest is not run"; tail -30 $W/prefill.log; if [ "$PH" = D ]; then  # one H200: llama.cpp's llama-bench pp512 (and tg128) for 3B F16 and Q8_0 on this GPU, our `run`
+  # at a 512-token prompt in both formats, and compare-peers over them (carry .carry/llama.cpp)
+  CONTEXTS="0" QUANTS="F16 Q8_0" MODELS="llama-3.2-3b" STAGE_TIMEOUT=420 OUT=$W/llama-cpp \
+    bash scripts/peer_llama_cpp.sh info build convert bench table >$W/llama-cpp.log 2>&1; note "llama.cpp rc=$?"
+  tail -25 $W/llama-cpp.log | tee -a $S
+  runr 3b-fp16-ctx512 120 llama-3.2-3b fp16 --ctx 512 --tokens 256 --repeats 5
+  runr 3b-fp8-ctx512 120 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
+  for w in fp16 fp8; do
+    atomflow-bench compare-peers $W/3b-$w-ctx512.json /tmp/llama-cpp-work/results/records/*.json >$W/peers-3b-$w.md 2>&1
+    note "compare-peers 3b $w rc=$?"; cat $W/peers-3b-$w.md | tee -a $S
+  done
+fi
+tar czf $OUT/v54$PH.tgz -C $OUT v54$PH; exit 1; }
   timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
   for w in fp16 fp8; do
     timeout -k 10 200 atomflow-bench validate llama-3.2-3b --weights $w --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
@@ -51,5 +63,17 @@ if [ "$PH" = C ]; then  # one H200: the product's wgmma attention: GPU tests (bo
   runr 3b-fp8-ctx512 120 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
   timeout 200 atomflow-bench fetch llama-3.1-8b >/tmp/fetch-8b.log 2>&1
   runr 8b-fp16-ctx2048 150 llama-3.1-8b fp16 --ctx 2048 --tokens 128 --repeats 5
+fi
+if [ "$PH" = D ]; then  # one H200: llama.cpp's llama-bench pp512 (and tg128) for 3B F16 and Q8_0 on this GPU, our `run`
+  # at a 512-token prompt in both formats, and compare-peers over them (carry .carry/llama.cpp)
+  CONTEXTS="0" QUANTS="F16 Q8_0" MODELS="llama-3.2-3b" STAGE_TIMEOUT=420 OUT=$W/llama-cpp \
+    bash scripts/peer_llama_cpp.sh info build convert bench table >$W/llama-cpp.log 2>&1; note "llama.cpp rc=$?"
+  tail -25 $W/llama-cpp.log | tee -a $S
+  runr 3b-fp16-ctx512 120 llama-3.2-3b fp16 --ctx 512 --tokens 256 --repeats 5
+  runr 3b-fp8-ctx512 120 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
+  for w in fp16 fp8; do
+    atomflow-bench compare-peers $W/3b-$w-ctx512.json /tmp/llama-cpp-work/results/records/*.json >$W/peers-3b-$w.md 2>&1
+    note "compare-peers 3b $w rc=$?"; cat $W/peers-3b-$w.md | tee -a $S
+  done
 fi
 tar czf $OUT/v54$PH.tgz -C $OUT v54$PH
