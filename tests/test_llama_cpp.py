@@ -224,6 +224,7 @@ def test_schema_checks_the_bytes_fields(field, value, message):
 
 
 V39 = ROOT / "results" / "engines-h100" / "llama-cpp"
+V39_RAW = ROOT / "lab" / "records" / "v39-engines" / "llama-cpp" / "llama-bench-json"  # llama-bench's own output
 
 
 def test_committed_v39_records_are_what_the_cli_writes(tmp_path):
@@ -241,7 +242,7 @@ def test_committed_v39_records_are_what_the_cli_writes(tmp_path):
             continue
         done.add(p["gguf"])
         out = tmp_path / p["gguf"]
-        rc = lc.main([str(V39 / "llama-bench-json" / p["gguf"].replace(".gguf", ".json")),
+        rc = lc.main([str(V39_RAW / p["gguf"].replace(".gguf", ".json")),
                       "--gguf-bytes", str(p["gguf_file_bytes"]), "--model", r["model"], "--gpu", r["gpu"]["name"],
                       "--driver", p["driver"], "--source-json", str(V39 / "SOURCE.json"),
                       "--build-flags", p["build_flags"], "--commands", p["commands"], "--extra", f"build={p['build']}",
