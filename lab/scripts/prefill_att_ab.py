@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 V2, V3 = "lab/kernels/attention_prefill_v2.cu", "lab/kernels/attention_prefill_v3.cu"
 V4, V5 = "lab/kernels/attention_prefill_v4.cu", "lab/kernels/attention_prefill_v5.cu"
 V6, V7 = "lab/kernels/attention_prefill_v6.cu", "lab/kernels/attention_prefill_v7.cu"
+V8 = "lab/kernels/attention_prefill_v8.cu"
 VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, ATP_THREADS, ATP_KV, ATP_STAGES, ...)
     "product": dict(file=None, defines={}),
     # 8 warps over 128 stacked rows, one block an SM: each K/V tile staged in shared memory serves twice the rows
@@ -57,6 +58,8 @@ VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, A
     "v6": dict(file=V6, defines={}, arch="sm_90a"),
     # v6 with P.V on wgmma too (P from registers, V from shared memory as an N-major operand): built for sm_90a only
     "v7": dict(file=V7, defines={}, arch="sm_90a"),
+    # v7 with tile k + 1's scores on the tensor cores beside tile k's softmax (K and V rings, K a tile ahead)
+    "v8": dict(file=V8, defines={}, arch="sm_90a"),
 }
 LAB_INCLUDE = '#include "../../kernels_cu/common.cuh"'  # a lab version's include, as its copy in kernels_cu/ reads it
 SHAPES = {"3b": (24, 8, 128), "8b": (32, 8, 128), "1b": (32, 8, 64)}  # q heads, kv heads, head_dim

@@ -50,6 +50,11 @@ if [ "$PH" = C ]; then  # one H200: the product's wgmma attention: GPU tests (bo
     note "compare-peers 3b $w rc=$?"; cat $W/peers-3b-$w.md | tee -a $S
   done
 fi
+if [ "$PH" = E ]; then  # one H200: v8 (tile k + 1's scores beside tile k's softmax): its GPU test, the A/B against v7
+  pt lab-att-v8 200 tests/test_lab_prefill_att_gpu.py -k v8 -x
+  timeout -k 10 150 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v7,v8 \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
+fi
 tar czf $OUT/v54$PH.tgz -C $OUT v54$PH; exit 1; }
   timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
   for w in fp16 fp8; do
@@ -81,5 +86,10 @@ if [ "$PH" = D ]; then  # one H200: llama.cpp's llama-bench pp512 (and tg128) fo
     atomflow-bench compare-peers $W/3b-$w-ctx512.json /tmp/llama-cpp-work/results/records/*.json >$W/peers-3b-$w.md 2>&1
     note "compare-peers 3b $w rc=$?"; cat $W/peers-3b-$w.md | tee -a $S
   done
+fi
+if [ "$PH" = E ]; then  # one H200: v8 (tile k + 1's scores beside tile k's softmax): its GPU test, the A/B against v7
+  pt lab-att-v8 200 tests/test_lab_prefill_att_gpu.py -k v8 -x
+  timeout -k 10 150 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v7,v8 \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
 fi
 tar czf $OUT/v54$PH.tgz -C $OUT v54$PH
