@@ -55,6 +55,11 @@ if [ "$PH" = E ]; then  # one H200: v8 (tile k + 1's scores beside tile k's soft
   timeout -k 10 150 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v7,v8 \
     --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
 fi
+if [ "$PH" = F ]; then  # one H200: the GPU tests the session's changes touch and call C did not run: validate's prefill
+  # tests, and every lab attention version under the product kernel's checks
+  pt validate-prefill 300 tests/test_validate_prefill_gpu.py
+  pt lab-att 300 tests/test_lab_prefill_att_gpu.py
+fi
 tar czf $OUT/v54$PH.tgz -C $OUT v54$PH; exit 1; }
   timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
   for w in fp16 fp8; do
@@ -91,5 +96,10 @@ if [ "$PH" = E ]; then  # one H200: v8 (tile k + 1's scores beside tile k's soft
   pt lab-att-v8 200 tests/test_lab_prefill_att_gpu.py -k v8 -x
   timeout -k 10 150 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v7,v8 \
     --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
+fi
+if [ "$PH" = F ]; then  # one H200: the GPU tests the session's changes touch and call C did not run: validate's prefill
+  # tests, and every lab attention version under the product kernel's checks
+  pt validate-prefill 300 tests/test_validate_prefill_gpu.py
+  pt lab-att 300 tests/test_lab_prefill_att_gpu.py
 fi
 tar czf $OUT/v54$PH.tgz -C $OUT v54$PH
