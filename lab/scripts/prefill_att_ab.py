@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 V2, V3 = "lab/kernels/attention_prefill_v2.cu", "lab/kernels/attention_prefill_v3.cu"
 V4, V5 = "lab/kernels/attention_prefill_v4.cu", "lab/kernels/attention_prefill_v5.cu"
 V6, V7 = "lab/kernels/attention_prefill_v6.cu", "lab/kernels/attention_prefill_v7.cu"
-V8 = "lab/kernels/attention_prefill_v8.cu"
+V8, V9 = "lab/kernels/attention_prefill_v8.cu", "lab/kernels/attention_prefill_v9.cu"
 VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, ATP_THREADS, ATP_KV, ATP_STAGES, ...)
     "product": dict(file=None, defines={}),
     # 8 warps over 128 stacked rows, one block an SM: each K/V tile staged in shared memory serves twice the rows
@@ -60,6 +60,9 @@ VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, A
     "v7": dict(file=V7, defines={}, arch="sm_90a"),
     # v7 with tile k + 1's scores on the tensor cores beside tile k's softmax (K and V rings, K a tile ahead)
     "v8": dict(file=V8, defines={}, arch="sm_90a"),
+    # v7 with each K/V tile brought by the copy engine (TMA, one thread) instead of every thread's cp.async: one more
+    # argument, the tensor maps of the cache rows the launch may read (`tma`)
+    "v9": dict(file=V9, defines={}, arch="sm_90a", tma=True),
 }
 LAB_INCLUDE = '#include "../../kernels_cu/common.cuh"'  # a lab version's include, as its copy in kernels_cu/ reads it
 SHAPES = {"3b": (24, 8, 128), "8b": (32, 8, 128), "1b": (32, 8, 64)}  # q heads, kv heads, head_dim
@@ -149,15 +152,20 @@ def variant_launch(name: str):
     from atomflow_bench.gpu.launch import Launch, allow_dynamic_smem, i32
     from atomflow_bench.gpu.ops import attention_prefill as ap
 
+    from atomflow_bench.gpu.launch import tensor_maps
+
     d = variant_defines(variant_source(name))
+    tma = VARIANTS[name].get("tma", False)
 
     def factory(lib, q, k_cache, v_cache, start, m, out, n_kv, group, hd, q_stride, out_stride, scale=None):
         smem = variant_smem(d, hd)
         fn = lib[ap.prefill_kernel(hd, group)]
         allow_dynamic_smem(fn, smem)
+        # a TMA version's tensor maps cover the rows the launch may read: past them the copies land zeros
+        maps = (tensor_maps((k_cache[:start + m], v_cache[:start + m]), (64, 64)),) if tma else ()
         return Launch(fn, "attention_prefill", (-(-m * group // d["ATP_ROWS"]), n_kv), (d["ATP_THREADS"],),
                       (q, k_cache, v_cache, out, i32(start), i32(m), i32(n_kv), i32(q_stride), i32(out_stride),
-                       np.float32(1.0 / math.sqrt(hd) if scale is None else scale)), smem, {}, 0, name)
+                       np.float32(1.0 / math.sqrt(hd) if scale is None else scale), *maps), smem, {}, 0, name)
 
     return factory
 

@@ -60,6 +60,11 @@ if [ "$PH" = F ]; then  # one H200: the GPU tests the session's changes touch an
   pt validate-prefill 300 tests/test_validate_prefill_gpu.py
   pt lab-att 300 tests/test_lab_prefill_att_gpu.py
 fi
+if [ "$PH" = G ]; then  # one H200: v9 (K/V tiles by TMA): its GPU test, then the A/B against v7
+  pt lab-att-v9 150 tests/test_lab_prefill_att_gpu.py -k v9 -x
+  timeout -k 10 100 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v7,v9 \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
+fi
 tar czf $OUT/v54$PH.tgz -C $OUT v54$PH; exit 1; }
   timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
   for w in fp16 fp8; do
@@ -101,5 +106,10 @@ if [ "$PH" = F ]; then  # one H200: the GPU tests the session's changes touch an
   # tests, and every lab attention version under the product kernel's checks
   pt validate-prefill 300 tests/test_validate_prefill_gpu.py
   pt lab-att 300 tests/test_lab_prefill_att_gpu.py
+fi
+if [ "$PH" = G ]; then  # one H200: v9 (K/V tiles by TMA): its GPU test, then the A/B against v7
+  pt lab-att-v9 150 tests/test_lab_prefill_att_gpu.py -k v9 -x
+  timeout -k 10 100 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v7,v9 \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
 fi
 tar czf $OUT/v54$PH.tgz -C $OUT v54$PH
