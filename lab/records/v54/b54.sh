@@ -65,6 +65,27 @@ if [ "$PH" = G ]; then  # one H200: v9 (K/V tiles by TMA): its GPU test, then th
   timeout -k 10 100 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v7,v9 \
     --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
 fi
+if [ "$PH" = H ]; then  # one H100/H200, on branch prefill-tma (the next session's first call): the product's sm_90a
+  # kernel with the K/V tiles by TMA through the product's launch path: GPU tests, validate, the chunk's profile, TTFT
+  pt prefill 300 tests/test_prefill_attention.py tests/test_prefill_gpu.py tests/test_validate_prefill_gpu.py \
+    tests/test_engine_gpu.py -k "prefill or run_record"
+  grep -qE "^[0-9]+ passed" <(tail -1 $W/prefill.log) || { note "the GPU tests fail: the rest is not run"; tail -30 $W/prefill.log; tar czf $OUT/v54$PH.tgz -C $OUT v54$PH; exit 1; }
+  timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
+  for w in fp16 fp8; do
+    timeout -k 10 200 atomflow-bench validate llama-3.2-3b --weights $w --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
+      --json $W/validate-3b-$w.json >$W/validate-3b-$w.log 2>&1
+    note "validate 3b $w: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-$w.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  done
+  timeout -k 10 200 atomflow-bench profile llama-3.2-3b --weights fp16 --ctx 128 --prompt-tokens 2048 \
+    --json $W/profile-3b-fp16.json >$W/profile-3b-fp16.md 2>$W/profile-3b-fp16.err
+  note "profile 3b fp16 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16.md | tee -a $S
+  runr 3b-fp16-ctx512 120 llama-3.2-3b fp16 --ctx 512 --tokens 256 --repeats 5
+  runr 3b-fp16-ctx2048 120 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
+  runr 3b-fp16-ctx8192 120 llama-3.2-3b fp16 --ctx 8192 --tokens 64 --repeats 3
+  runr 3b-fp8-ctx512 120 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
+  timeout 200 atomflow-bench fetch llama-3.1-8b >/tmp/fetch-8b.log 2>&1
+  runr 8b-fp16-ctx2048 150 llama-3.1-8b fp16 --ctx 2048 --tokens 128 --repeats 5
+fi
 tar czf $OUT/v54$PH.tgz -C $OUT v54$PH; exit 1; }
   timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
   for w in fp16 fp8; do
@@ -111,5 +132,26 @@ if [ "$PH" = G ]; then  # one H200: v9 (K/V tiles by TMA): its GPU test, then th
   pt lab-att-v9 150 tests/test_lab_prefill_att_gpu.py -k v9 -x
   timeout -k 10 100 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v7,v9 \
     --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
+fi
+if [ "$PH" = H ]; then  # one H100/H200, on branch prefill-tma (the next session's first call): the product's sm_90a
+  # kernel with the K/V tiles by TMA through the product's launch path: GPU tests, validate, the chunk's profile, TTFT
+  pt prefill 300 tests/test_prefill_attention.py tests/test_prefill_gpu.py tests/test_validate_prefill_gpu.py \
+    tests/test_engine_gpu.py -k "prefill or run_record"
+  grep -qE "^[0-9]+ passed" <(tail -1 $W/prefill.log) || { note "the GPU tests fail: the rest is not run"; tail -30 $W/prefill.log; tar czf $OUT/v54$PH.tgz -C $OUT v54$PH; exit 1; }
+  timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
+  for w in fp16 fp8; do
+    timeout -k 10 200 atomflow-bench validate llama-3.2-3b --weights $w --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
+      --json $W/validate-3b-$w.json >$W/validate-3b-$w.log 2>&1
+    note "validate 3b $w: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-$w.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  done
+  timeout -k 10 200 atomflow-bench profile llama-3.2-3b --weights fp16 --ctx 128 --prompt-tokens 2048 \
+    --json $W/profile-3b-fp16.json >$W/profile-3b-fp16.md 2>$W/profile-3b-fp16.err
+  note "profile 3b fp16 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16.md | tee -a $S
+  runr 3b-fp16-ctx512 120 llama-3.2-3b fp16 --ctx 512 --tokens 256 --repeats 5
+  runr 3b-fp16-ctx2048 120 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
+  runr 3b-fp16-ctx8192 120 llama-3.2-3b fp16 --ctx 8192 --tokens 64 --repeats 3
+  runr 3b-fp8-ctx512 120 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
+  timeout 200 atomflow-bench fetch llama-3.1-8b >/tmp/fetch-8b.log 2>&1
+  runr 8b-fp16-ctx2048 150 llama-3.1-8b fp16 --ctx 2048 --tokens 128 --repeats 5
 fi
 tar czf $OUT/v54$PH.tgz -C $OUT v54$PH
