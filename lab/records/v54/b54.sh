@@ -69,7 +69,17 @@ if [ "$PH" = H ]; then  # one H100/H200, on branch prefill-tma (the next session
   # kernel with the K/V tiles by TMA through the product's launch path: GPU tests, validate, the chunk's profile, TTFT
   pt prefill 300 tests/test_prefill_attention.py tests/test_prefill_gpu.py tests/test_validate_prefill_gpu.py \
     tests/test_engine_gpu.py -k "prefill or run_record"
-  grep -qE "^[0-9]+ passed" <(tail -1 $W/prefill.log) || { note "the GPU tests fail: the rest is not run"; tail -30 $W/prefill.log; tar czf $OUT/v54$PH.tgz -C $OUT v54$PH; exit 1; }
+  grep -qE "^[0-9]+ passed" <(tail -1 $W/prefill.log) || { note "the GPU tests fail: the rest is not run"; tail -30 $W/prefill.log; if [ "$PH" = I ]; then  # two H100/H200, on branch prefill-tma: tensor parallel's prefill through the TMA kernel: the TP
+  # GPU tests, validate 3B fp16 TP2 on both paths, 70B W8A16 TP2 TTFT at 2048
+  pt tp-gpu 420 tests/test_tp_gpu.py
+  timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
+  timeout -k 10 300 atomflow-bench validate llama-3.2-3b --weights fp16 --steps 16 --prefill-chunk 3 --tp 2 \
+    --truth /tmp/truth-3b --json $W/validate-3b-fp16-tp2.json >$W/validate-3b-fp16-tp2.log 2>&1
+  note "validate 3b fp16 tp2: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-fp16-tp2.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  timeout 400 atomflow-bench fetch llama-3.1-70b --weights fp8 >/tmp/fetch-70b.log 2>&1
+  runr 70b-fp8-tp2 300 llama-3.1-70b fp8 --ctx 2048 --tokens 64 --repeats 3 --tp 2
+fi
+tar czf $OUT/v54$PH.tgz -C $OUT v54$PH; exit 1; }
   timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
   for w in fp16 fp8; do
     timeout -k 10 200 atomflow-bench validate llama-3.2-3b --weights $w --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
@@ -85,6 +95,16 @@ if [ "$PH" = H ]; then  # one H100/H200, on branch prefill-tma (the next session
   runr 3b-fp8-ctx512 120 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
   timeout 200 atomflow-bench fetch llama-3.1-8b >/tmp/fetch-8b.log 2>&1
   runr 8b-fp16-ctx2048 150 llama-3.1-8b fp16 --ctx 2048 --tokens 128 --repeats 5
+fi
+if [ "$PH" = I ]; then  # two H100/H200, on branch prefill-tma: tensor parallel's prefill through the TMA kernel: the TP
+  # GPU tests, validate 3B fp16 TP2 on both paths, 70B W8A16 TP2 TTFT at 2048
+  pt tp-gpu 420 tests/test_tp_gpu.py
+  timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
+  timeout -k 10 300 atomflow-bench validate llama-3.2-3b --weights fp16 --steps 16 --prefill-chunk 3 --tp 2 \
+    --truth /tmp/truth-3b --json $W/validate-3b-fp16-tp2.json >$W/validate-3b-fp16-tp2.log 2>&1
+  note "validate 3b fp16 tp2: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-fp16-tp2.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  timeout 400 atomflow-bench fetch llama-3.1-70b --weights fp8 >/tmp/fetch-70b.log 2>&1
+  runr 70b-fp8-tp2 300 llama-3.1-70b fp8 --ctx 2048 --tokens 64 --repeats 3 --tp 2
 fi
 tar czf $OUT/v54$PH.tgz -C $OUT v54$PH; exit 1; }
   timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
@@ -137,7 +157,17 @@ if [ "$PH" = H ]; then  # one H100/H200, on branch prefill-tma (the next session
   # kernel with the K/V tiles by TMA through the product's launch path: GPU tests, validate, the chunk's profile, TTFT
   pt prefill 300 tests/test_prefill_attention.py tests/test_prefill_gpu.py tests/test_validate_prefill_gpu.py \
     tests/test_engine_gpu.py -k "prefill or run_record"
-  grep -qE "^[0-9]+ passed" <(tail -1 $W/prefill.log) || { note "the GPU tests fail: the rest is not run"; tail -30 $W/prefill.log; tar czf $OUT/v54$PH.tgz -C $OUT v54$PH; exit 1; }
+  grep -qE "^[0-9]+ passed" <(tail -1 $W/prefill.log) || { note "the GPU tests fail: the rest is not run"; tail -30 $W/prefill.log; if [ "$PH" = I ]; then  # two H100/H200, on branch prefill-tma: tensor parallel's prefill through the TMA kernel: the TP
+  # GPU tests, validate 3B fp16 TP2 on both paths, 70B W8A16 TP2 TTFT at 2048
+  pt tp-gpu 420 tests/test_tp_gpu.py
+  timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
+  timeout -k 10 300 atomflow-bench validate llama-3.2-3b --weights fp16 --steps 16 --prefill-chunk 3 --tp 2 \
+    --truth /tmp/truth-3b --json $W/validate-3b-fp16-tp2.json >$W/validate-3b-fp16-tp2.log 2>&1
+  note "validate 3b fp16 tp2: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-fp16-tp2.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  timeout 400 atomflow-bench fetch llama-3.1-70b --weights fp8 >/tmp/fetch-70b.log 2>&1
+  runr 70b-fp8-tp2 300 llama-3.1-70b fp8 --ctx 2048 --tokens 64 --repeats 3 --tp 2
+fi
+tar czf $OUT/v54$PH.tgz -C $OUT v54$PH; exit 1; }
   timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
   for w in fp16 fp8; do
     timeout -k 10 200 atomflow-bench validate llama-3.2-3b --weights $w --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
@@ -153,5 +183,15 @@ if [ "$PH" = H ]; then  # one H100/H200, on branch prefill-tma (the next session
   runr 3b-fp8-ctx512 120 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
   timeout 200 atomflow-bench fetch llama-3.1-8b >/tmp/fetch-8b.log 2>&1
   runr 8b-fp16-ctx2048 150 llama-3.1-8b fp16 --ctx 2048 --tokens 128 --repeats 5
+fi
+if [ "$PH" = I ]; then  # two H100/H200, on branch prefill-tma: tensor parallel's prefill through the TMA kernel: the TP
+  # GPU tests, validate 3B fp16 TP2 on both paths, 70B W8A16 TP2 TTFT at 2048
+  pt tp-gpu 420 tests/test_tp_gpu.py
+  timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
+  timeout -k 10 300 atomflow-bench validate llama-3.2-3b --weights fp16 --steps 16 --prefill-chunk 3 --tp 2 \
+    --truth /tmp/truth-3b --json $W/validate-3b-fp16-tp2.json >$W/validate-3b-fp16-tp2.log 2>&1
+  note "validate 3b fp16 tp2: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-fp16-tp2.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  timeout 400 atomflow-bench fetch llama-3.1-70b --weights fp8 >/tmp/fetch-70b.log 2>&1
+  runr 70b-fp8-tp2 300 llama-3.1-70b fp8 --ctx 2048 --tokens 64 --repeats 3 --tp 2
 fi
 tar czf $OUT/v54$PH.tgz -C $OUT v54$PH
