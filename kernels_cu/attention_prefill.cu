@@ -101,16 +101,8 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
   char* qs = smem;
   char* kvs = smem + ATP_ROWS * HD * 2;  // stage s: K at kvs + 2 s TB, V at kvs + (2 s + 1) TB
 
-  // the block's rows and positions: the last query row it holds, the positions up to that row's
-  const int row0 = tile * ATP_ROWS;
-  const int n_pos = start + min(m - 1, (row0 + ATP_ROWS - 1) / G) + 1;
-  const int n_tiles = (n_pos + ATP_KV - 1) / ATP_KV;
-  // this warp's rows: whether it holds any query row < m; the last position of its first and last row; this
-  // thread's two rows' last positions (rows past the chunk clamped to the last row: computed, never stored)
-  const int wr0 = row0 + warp * 16;
-  const bool active = wr0 / G < m;
-  const int w_lo = start + wr0 / G, w_hi = start + min(m - 1, (wr0 + 15) / G);
-  const int lim0 = start + min(m - 1, (wr0 + gid) / G), lim1 = start + min(m - 1, (wr0 + gid + 8) / G);
+  const auto [row0, n_pos, n_tiles, wr0, active, w_lo, w_hi, lim0, lim1] =
+      atp_rows<G, ATP_ROWS, ATP_KV>(tile, start, m, warp, gid);
 
   pdl_wait();  // q and the chunk's K/V rows are the previous kernels' outputs
   pdl_launch_dependents();

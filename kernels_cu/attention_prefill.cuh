@@ -1,7 +1,8 @@
 // attention_prefill.cuh — what the prefill attention's two kernels share (attention_prefill.cu, mma.sync on every
 // GPU; attention_prefill_sm90a.cu, Hopper's warpgroup MMA): the online softmax of one K/V tile's scores in the mma
 // fragments' layout, the output's store and the kernel instances. Both kernels hold a warp's 16 rows in the same
-// fragments (rows gid, gid + 8; n-tile j: columns 8 j + 2 tig, + 1), so one softmax serves both.
+// fragments (rows gid, gid + 8; n-tile j: columns 8 j + 2 tig, + 1), so one softmax serves both; and where a
+// block's and a warp's rows lie.
 //
 // Computes   what attention_prefill.cu's header says.
 // Layouts    the fragments above; the q tile's rows (the output's staging) in the ldmatrix swizzle swz16.
@@ -21,6 +22,30 @@ __device__ __forceinline__ float atp_ex2(float x) {
 __device__ __forceinline__ unsigned atp_h2(float a, float b) {
   __half2 h = __floats2half2_rn(a, b);
   return *reinterpret_cast<unsigned*>(&h);
+}
+
+// Where a block's rows and this warp's lie: the block's first stacked row (row tile `tile` of ROWS) and the positions
+// up to its last query row's (n_pos, in n_tiles tiles of KV); the warp's first stacked row, whether it holds any query
+// row < m, the positions of its first and last rows; this thread's two rows' last positions (rows past the chunk
+// clamped to the last row: computed, never stored).
+struct AtpRows {
+  int row0, n_pos, n_tiles, wr0;
+  bool active;
+  int w_lo, w_hi, lim0, lim1;
+};
+template <int G, int ROWS, int KV>
+__device__ __forceinline__ AtpRows atp_rows(int tile, int start, int m, int warp, int gid) {
+  AtpRows r;
+  r.row0 = tile * ROWS;
+  r.n_pos = start + min(m - 1, (r.row0 + ROWS - 1) / G) + 1;
+  r.n_tiles = (r.n_pos + KV - 1) / KV;
+  r.wr0 = r.row0 + warp * 16;
+  r.active = r.wr0 / G < m;
+  r.w_lo = start + r.wr0 / G;
+  r.w_hi = start + min(m - 1, (r.wr0 + 15) / G);
+  r.lim0 = start + min(m - 1, (r.wr0 + gid) / G);
+  r.lim1 = start + min(m - 1, (r.wr0 + gid + 8) / G);
+  return r;
 }
 
 // The online softmax of one K/V tile (positions p0 .. p0 + 8 NB - 1) for this thread's two rows, in place over the tile's scores
