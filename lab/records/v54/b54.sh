@@ -65,7 +65,8 @@ if [ "$PH" = G ]; then  # one H200: v9 (K/V tiles by TMA): its GPU test, then th
   timeout -k 10 100 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v7,v9 \
     --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
 fi
-if [ "$PH" = H ]; then  # one H100/H200, on branch prefill-tma (the next session's first call): the product's sm_90a
+if [ "$PH" = H ]; then  # one H100/H200, on branch prefill-tma, or main after `git am lab/records/v54/prefill-tma.patch`
+  # (the next session's first call): the product's sm_90a
   # kernel with the K/V tiles by TMA through the product's launch path: GPU tests, validate, the chunk's profile, TTFT
   pt prefill 300 tests/test_prefill_attention.py tests/test_prefill_gpu.py tests/test_validate_prefill_gpu.py \
     tests/test_engine_gpu.py -k "prefill or run_record"
@@ -153,7 +154,8 @@ if [ "$PH" = G ]; then  # one H200: v9 (K/V tiles by TMA): its GPU test, then th
   timeout -k 10 100 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v7,v9 \
     --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
 fi
-if [ "$PH" = H ]; then  # one H100/H200, on branch prefill-tma (the next session's first call): the product's sm_90a
+if [ "$PH" = H ]; then  # one H100/H200, on branch prefill-tma, or main after `git am lab/records/v54/prefill-tma.patch`
+  # (the next session's first call): the product's sm_90a
   # kernel with the K/V tiles by TMA through the product's launch path: GPU tests, validate, the chunk's profile, TTFT
   pt prefill 300 tests/test_prefill_attention.py tests/test_prefill_gpu.py tests/test_validate_prefill_gpu.py \
     tests/test_engine_gpu.py -k "prefill or run_record"
