@@ -32,6 +32,7 @@ V2, V3 = "lab/kernels/attention_prefill_v2.cu", "lab/kernels/attention_prefill_v
 V4, V5 = "lab/kernels/attention_prefill_v4.cu", "lab/kernels/attention_prefill_v5.cu"
 V6, V7 = "lab/kernels/attention_prefill_v6.cu", "lab/kernels/attention_prefill_v7.cu"
 V8, V9 = "lab/kernels/attention_prefill_v8.cu", "lab/kernels/attention_prefill_v9.cu"
+V10 = "lab/kernels/attention_prefill_v10.cu"
 VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, ATP_THREADS, ATP_KV, ATP_STAGES, ...)
     "product": dict(file=None, defines={}),
     # 8 warps over 128 stacked rows, one block an SM: each K/V tile staged in shared memory serves twice the rows
@@ -63,6 +64,8 @@ VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, A
     # v7 with each K/V tile brought by the copy engine (TMA, one thread) instead of every thread's cp.async: one more
     # argument, the tensor maps of the cache rows the launch may read (`tma`)
     "v9": dict(file=V9, defines={}, arch="sm_90a", tma=True),
+    # v9 with blocks of 128 rows, two warpgroups sharing each K/V tile (half the tiles' L2 traffic), one block an SM
+    "v10": dict(file=V10, defines={}, arch="sm_90a", tma=True),
 }
 LAB_INCLUDE = '#include "../../kernels_cu/common.cuh"'  # a lab version's include, as its copy in kernels_cu/ reads it
 SHAPES = {"3b": (24, 8, 128), "8b": (32, 8, 128), "1b": (32, 8, 64)}  # q heads, kv heads, head_dim

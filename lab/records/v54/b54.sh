@@ -108,4 +108,10 @@ if [ "$PH" = I ]; then  # two H100/H200, on branch prefill-tma (or the patch): t
   timeout 400 atomflow-bench fetch llama-3.1-70b --weights fp8 >/tmp/fetch-70b.log 2>&1
   runr 70b-fp8-tp2 300 llama-3.1-70b fp8 --ctx 2048 --tokens 64 --repeats 3 --tp 2
 fi
+if [ "$PH" = J ]; then  # one H100/H200: v10 (128-row blocks, two warpgroups sharing each K/V tile): its lab GPU test,
+  # the A/B against v9 (`bash lab/records/v54/b54.sh H; bash lab/records/v54/b54.sh J` runs both in one call)
+  pt lab-att-v10 150 tests/test_lab_prefill_att_gpu.py -k v10 -x
+  timeout -k 10 100 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v9,v10 \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; cat $W/att-ab.log | tee -a $S
+fi
 tar czf $OUT/v54$PH.tgz -C $OUT v54$PH
