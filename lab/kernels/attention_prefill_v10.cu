@@ -13,7 +13,7 @@
 //            fp32 (a running max and sum per row), P = exp(S - max) rounded to fp16 before P.V (it is the mma's A
 //            operand, as in FlashAttention-2) with the sums taken over the rounded values, fp32 O, fp16 out.
 // Scheme     block (x, j) = kv head j, row tile T = gridDim.x - 1 - x (the longest causal prefixes start first) of
-//            ATP_ROWS = 64 of the kv head's M * G query rows, its G q heads stacked: stacked row R is query row R / G
+//            ATP_ROWS = 128 of the kv head's M * G query rows, its G q heads stacked: stacked row R is query row R / G
 //            of q head j * G + R % G, so one K/V tile in shared memory serves all G heads. Warp w takes tile rows
 //            16 w .. 16 w + 15 (the mma's M). The block walks K/V tiles of ATP_KV = 64 positions from position 0 to
 //            its last row's position (tiles wholly above the diagonal are never loaded), staged by cp.async in two
@@ -30,14 +30,14 @@
 //            buffer [M][q_dim + 2*kv_dim]); k_cache/v_cache: this layer's slab fp16 [max_seq][n_kv*hd], rows
 //            start .. start+M-1 already holding the chunk's K/V; out fp16 [M][out_stride]. Strides multiples of 8
 //            elements, pointers 16-byte aligned (the 16-byte copies). Dynamic shared memory
-//            (ops/attention_prefill.py prefill_smem): the q tile [64][hd] fp16, then ATP_STAGES x (K [64][hd],
-//            V [64][hd]) fp16: 40 KB at hd 64, 80 KB at hd 128.
+//            (prefill_att_ab.py variant_smem): the two warpgroups' q tiles [2][64][hd] fp16, then ATP_STAGES x
+//            (K [64][hd], V [64][hd]) fp16, and ATP_SMEM_PAD (the mbarriers, the 1 KB alignment): 50 KB at hd 64,
+//            98 KB at hd 128.
 // Bytes      q and out (M * n_heads * hd * 2 each) + K and V rows 0 .. start+M-1 (2 * (start+M) * n_kv * hd * 2)
 //            from DRAM at least; every row tile reads its kv head's causal prefix again, through L2.
-// Launch     attention_prefill_hd{64,128}_g{1,2,3,4,8,16}: grid = (ceil(M * G / 64), n_kv), block = 128
-//            (ATP_THREADS), dyn. smem = prefill_smem(hd) (ops/attention_prefill.py attention_prefill_launch);
-//            launch bounds of 2 blocks per SM (<= 255 registers: O and the scores live in registers; at hd 128 two
-//            blocks' 162 KB of shared memory fit an H100's SM).
+// Launch     attention_prefill_hd{64,128}_g{1,2,3,4,8,16}: grid = (ceil(M * G / 128), n_kv), block = 256
+//            (ATP_THREADS), dyn. smem as above, the tensor maps as v9's (prefill_att_ab.py variant_launch); one
+//            block an SM at hd 128 (138 registers a thread).
 #include "../../kernels_cu/common.cuh"
 
 #if !AF_HAS_BULK  // the host pass: the copy engine's functions as never-called stubs (the kernels are sm_90a only)
@@ -147,7 +147,8 @@ __device__ __forceinline__ void wgmma_pv(float (&o)[HD / 8][4], const unsigned (
   else wgmma_rs_m64n64k16(o, a, db);
 }
 
-// The block's 64 stacked q rows (row0 ..) -> qs; rows past the chunk (query row >= m) zero-filled.
+// The block's 128 stacked q rows (row0 ..) -> qs, 64 a warpgroup's tile; rows past the chunk (query row >= m)
+// zero-filled.
 template <int HD, int G>
 __device__ __forceinline__ void atp_stage_q(const __half* q, size_t q_stride, int row0, int m, int j, char* qs) {
   constexpr int DG = HD / 8;
