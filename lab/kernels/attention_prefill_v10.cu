@@ -16,7 +16,7 @@
 //            ATP_ROWS = 128 of the kv head's M * G query rows, its G q heads stacked: stacked row R is query row R / G
 //            of q head j * G + R % G, so one K/V tile in shared memory serves all G heads. Warp w takes tile rows
 //            16 w .. 16 w + 15 (the mma's M). The block walks K/V tiles of ATP_KV = 64 positions from position 0 to
-//            its last row's position (tiles wholly above the diagonal are never loaded), staged by cp.async in two
+//            its last row's position (tiles wholly above the diagonal are never loaded), staged by TMA in two
 //            stages (tile k + 1 lands while tile k is computed); a warp skips a tile above all of its rows and masks
 //            only a tile that crosses its rows' diagonal. Per tile: the scores S[64][64] = Q K^T by the warpgroup;
 //            per warp, in registers, the causal mask, the online softmax (the row's max over its 4 lanes, the O and
