@@ -255,6 +255,40 @@ def test_launcher_stops_a_rank_stuck_after_another_finished(tmp_path, monkeypatc
                                                    "stopped"]
 
 
+def test_a_sigterm_while_the_ranks_start_stops_every_started_rank(tmp_path, monkeypatch):
+    """SIGTERM arrives while a rank is being started (here: inside the first Popen call, after the child began): the
+    launcher still stops every rank it started and ends by the signal's own handler. Raised there at once, the
+    signal's exception would lose the child that Popen had not yet returned, left running on its GPU."""
+    from atomflow_bench.errors import Terminated
+
+    started, real = [], subprocess.Popen
+
+    def popen(*args, **kwargs):
+        child = real([sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.DEVNULL)
+        started.append(child)
+        if len(started) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs at the next bytecode: before Popen returns
+            time.sleep(0.2)
+        return child
+
+    def stop(signum, frame):
+        raise Terminated()
+
+    monkeypatch.setattr(group.subprocess, "Popen", popen)
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(Terminated):
+            group.launch(2, [], gpus=2, command=[sys.executable])
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        for child in started:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+                pytest.fail(f"rank pid {child.pid} was left running")
+    assert len(started) == 2 and signal.getsignal(signal.SIGTERM) is old
+
+
 WATCHED = textwrap.dedent("""
     import os, signal, sys, time
     from atomflow_bench import envs

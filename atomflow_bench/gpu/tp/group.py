@@ -18,6 +18,7 @@ its sums and one prefill weights form for every rank, and knows nothing else of 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import os
@@ -76,11 +77,12 @@ def launch(n: int, argv: list[str], gpus: int, command: list[str] | None = None)
     command = [sys.executable, "-m", "atomflow_bench.cli"] if command is None else list(command)
     port = free_port()
     procs = {}
-    for r in range(n):
-        env = envs.rank_environment(r, n, port)
-        procs[r] = subprocess.Popen([*command, *argv], env=env, stdout=None if r == 0 else subprocess.DEVNULL)
     first_done = None  # when the first rank exited 0
     try:
+        with _signals_deferred():  # a Ctrl-C or SIGTERM while a rank starts lands once every started rank is known
+            for r in range(n):
+                env = envs.rank_environment(r, n, port)
+                procs[r] = subprocess.Popen([*command, *argv], env=env, stdout=None if r == 0 else subprocess.DEVNULL)
         while procs:
             ended = {r: p.returncode for r, p in procs.items() if p.poll() is not None}
             for r in ended:
@@ -110,6 +112,26 @@ def launch(n: int, argv: list[str], gpus: int, command: list[str] | None = None)
         _stop(procs)
         raise
     return 0
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Holds SIGINT and SIGTERM back while the ranks start, then delivers them to the handlers they had. Raised inside
+    subprocess.Popen, between the child's exec and Popen's return, their exception would lose the child (no Popen
+    object to stop it): that rank would keep running, on its GPU. Only the main thread can swap handlers; elsewhere,
+    or where a handler was not set from Python, the signals are not held."""
+    pending, old = [], {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(s) is not None:
+                old[s] = signal.signal(s, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    for s in dict.fromkeys(pending):
+        signal.raise_signal(s)  # to its own handler now: in launch, inside the try that stops the ranks
 
 
 KILL_AFTER = 3.0  # seconds a stopped rank gets to exit on SIGTERM before SIGKILL
