@@ -44,7 +44,7 @@ def find_kernels_dir() -> Path:
 
 
 KERNELS_DIR = find_kernels_dir()
-_ARCH_FILE = re.compile(r"_(sm_?\d+a)\.cu$")
+_ARCH_FILE = re.compile(r"_sm_?(\d+a)\.cu$")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
 
@@ -66,7 +66,7 @@ def expand_source(path: Path, seen: set | None = None) -> str:
 def file_arch(name: str) -> str | None:
     """The one architecture a source is built for ("sm_90a" for `*_sm90a.cu`), or None: the device's own."""
     m = _ARCH_FILE.search(name)
-    return m.group(1).replace("sm_", "sm").replace("sm", "sm_") if m else None
+    return f"sm_{m.group(1)}" if m else None
 
 
 def compile_for_arch(source: str, name: str, options: tuple, arch: str) -> Path:

@@ -123,26 +123,19 @@ def variant_lib(name: str, tmp: Path):
         return KernelLib(declared_kernels(), d)
 
     class ArchLib(KernelLib):
-        """A KernelLib compiling for `arch` by NVRTC directly (CuPy's RawModule passes the device's own -arch,
-        sm_90, where wgmma needs sm_90a); the cubin, written beside the sources, loaded by RawModule(path=...), so
-        its kernels are RawKernels as the launch factories expect."""
+        """A KernelLib building its sources for `arch` through the product's arch-specific path
+        (nvrtc.compile_for_arch, which KernelLib itself takes only for a file named `*_sm90a.cu`): loaded by
+        RawModule(path=...), so its kernels are RawKernels as the launch factories expect."""
 
         def module(self, path):
             import cupy
-            from cupy_backends.cuda.libs import nvrtc
 
-            from atomflow_bench.gpu.nvrtc import expand_source
+            from atomflow_bench.gpu.nvrtc import compile_for_arch, expand_source
 
             if path not in self._modules:
-                prog = nvrtc.createProgram(expand_source(path), path.name, (), ())
-                try:
-                    nvrtc.compileProgram(prog, [*self.options, f"-arch={arch}"])
-                except Exception as e:  # noqa: BLE001 - the compiler's log says why
-                    raise RuntimeError(f"{name}: {nvrtc.getProgramLog(prog)[-3000:]}") from e
-                cubin = path.with_suffix(f".{arch}.cubin")
-                cubin.write_bytes(nvrtc.getCUBIN(prog))
+                cubin = compile_for_arch(expand_source(path), path.name, self.options, arch)
                 self._modules[path] = cupy.RawModule(path=str(cubin))
-            return self._modules[path]
+            return super().module(path)
 
     return ArchLib(declared_kernels(), d)
 
