@@ -134,7 +134,7 @@ def _arrays(hd=64, group=4, n_kv=2, start=5, m=10, q_stride=None, out_stride=Non
     ({"q_dtype": np.float32}, "q must be fp16"),
     ({"q_rows": 9}, r"q \(9, 512\)"),
     ({"smem": (64 * 1024, 64 * 1024, 1024), "hd": 128}, "needs 82944 bytes of shared memory per block"),
-    ({"smem": (83000, 83000, 1024), "hd": 128, "wgmma": True}, "needs 83968 bytes of shared memory per block"),
+    ({"smem": (84000, 84000, 1024), "hd": 128, "wgmma": True}, "needs 84992 bytes of shared memory per block"),
 ])
 def test_refuses_in_one_line(change, match):
     args = {"hd": 64, "group": 4, "n_kv": 2, "start": 5, "m": 10, "q_stride": 512, "out_stride": 512}
@@ -166,9 +166,12 @@ def test_refuses_a_view_whose_rows_are_not_the_stride_apart():
 
 
 @pytest.mark.parametrize("wgmma", [False, True])
-def test_launch_the_factory_builds(wgmma):
+def test_launch_the_factory_builds(wgmma, monkeypatch):
     """Grid, block, shared memory, arguments (a q view of the fused buffer with its stride), bytes and label, for
-    either kernel."""
+    either kernel; the wgmma kernel's tensor maps cover the cache rows the launch may read, K then V."""
+    asked = []
+    monkeypatch.setattr("atomflow_bench.gpu.ops.attention_prefill.tensor_maps",  # the driver's encoder needs a GPU
+                        lambda arrays, box: asked.append(([a.shape for a in arrays], box)) or "maps")
     hd, group, n_kv, start, m = 128, 3, 8, 37, 100
     q_dim, kv_dim = n_kv * group * hd, n_kv * hd
     qkv = np.zeros((m, q_dim + 2 * kv_dim), np.float16)
@@ -185,6 +188,7 @@ def test_launch_the_factory_builds(wgmma):
     assert ln.args[9] == np.float32(1 / np.sqrt(hd)) and ln.args[9].dtype == np.float32
     assert ln.bytes_moved == prefill_bytes(start, m, n_kv, group, hd)
     assert ln.label == f"attention prefill{' wgmma' * wgmma} hd128 g3 100 rows" and ln.name == "attention_prefill"
+    assert (ln.args[10:], asked) == ((("maps",), [([(137, 1024), (137, 1024)], (64, 64))]) if wgmma else ((), []))
 
 
 def test_the_wgmma_kernel_runs_on_compute_capability_9_0_only():

@@ -2,8 +2,9 @@
 tensor cores): everything the host knows about its two kernels — constants, the grid, shared memory, the checks and
 the launch factory. kernels_cu/attention_prefill_sm90a.cu runs both matrix products on Hopper's warpgroup MMA and is
 built for sm_90a only, so it runs where the compute capability is 9.0; kernels_cu/attention_prefill.cu (mma.sync)
-runs everywhere else. Same arguments, grid and results; the wgmma kernel takes ATP_SMEM_PAD bytes more shared
-memory (it aligns its tiles to 1 KB).
+runs everywhere else. Same grid and results; the wgmma kernel takes ATP_SMEM_PAD bytes more shared memory (its two
+mbarriers, and its tiles aligned to 1 KB) and one more argument: the tensor maps through which the copy engine brings
+its K/V tiles, over the cache rows the launch may read (rows past them land as zeros).
 
 The chunk: post-RoPE q rows [M][q_stride] (the stride lets q be the start of the fused qkv buffer
 [M][q_dim + 2*kv_dim]); its K/V rows already in the layer's cache slab [max_seq][kv_dim] at positions
@@ -17,7 +18,7 @@ import numpy as np
 
 from ...errors import AtomflowError
 from ..device import SMEM_H100, compute_capability, smem_limits
-from ..launch import Launch, allow_dynamic_smem, i32
+from ..launch import Launch, allow_dynamic_smem, i32, tensor_maps
 from ..nvrtc import KernelLib
 
 # = the kernel's #defines (tests/test_op_constants.py reads them from the .cu file)
@@ -25,7 +26,8 @@ ATP_THREADS = 128  # attention_prefill.cu ATP_THREADS: 4 warps of 16 query rows
 ATP_ROWS = 64      # attention_prefill.cu ATP_ROWS: stacked query rows (G heads of a kv head) per block
 ATP_KV = 64        # attention_prefill.cu ATP_KV: positions per K/V tile
 ATP_STAGES = 2     # attention_prefill.cu ATP_STAGES: K/V tiles in shared memory at once
-ATP_SMEM_PAD = 1024  # attention_prefill_sm90a.cu ATP_SMEM_PAD: room to align the base to wgmma's 1 KB swizzle atom
+ATP_SMEM_PAD = 2048  # attention_prefill_sm90a.cu ATP_SMEM_PAD: its mbarriers, and its base aligned to the 1 KB swizzle atom
+TMA_BOX = (64, 64)   # attention_prefill_sm90a.cu atp_tma_kv: a [64 positions][64 dims] box per copy
 CU_FILES = ("attention_prefill.cu", "attention_prefill_sm90a.cu")
 CU_DEFINES = {"ATP_THREADS": ATP_THREADS, "ATP_ROWS": ATP_ROWS, "ATP_KV": ATP_KV, "ATP_STAGES": ATP_STAGES,
               "ATP_SMEM_PAD": ATP_SMEM_PAD}
@@ -136,8 +138,11 @@ def attention_prefill_launch(lib: KernelLib, q, k_cache, v_cache, start: int, m:
     fn = lib[prefill_kernel(hd, group, wgmma)]
     shmem = prefill_smem(hd, wgmma)
     allow_dynamic_smem(fn, shmem)
+    # the wgmma kernel's K and V maps: the rows 0 .. start + m - 1 this launch may read (the cache past them may hold
+    # anything; a masked score's 0 still multiplies V), held by the Launch as long as its graph
+    maps = (tensor_maps((k_cache[:start + m], v_cache[:start + m]), TMA_BOX),) if wgmma else ()
     return Launch(fn, "attention_prefill", prefill_grid(m, n_kv, group), (ATP_THREADS,),
                   (q, k_cache, v_cache, out, i32(start), i32(m), i32(n_kv), i32(q_stride), i32(out_stride),
-                   np.float32(1.0 / math.sqrt(hd) if scale is None else scale)), shmem, taps or {},
+                   np.float32(1.0 / math.sqrt(hd) if scale is None else scale), *maps), shmem, taps or {},
                   prefill_bytes(start, m, n_kv, group, hd),
                   f"attention prefill{' wgmma' if wgmma else ''} hd{hd} g{group} {m} rows")
