@@ -173,4 +173,6 @@ def tensor_maps(arrays, box: tuple[int, int]):
     import cupy as cp
 
     blob = b"".join(tensor_map_2d(a, box) for a in arrays)
-    return cp.asarray(np.frombuffer(blob, dtype=np.uint8))
+    maps = cp.asarray(np.frombuffer(blob, dtype=np.uint8))
+    cp.cuda.Device().synchronize()  # landed before any stream's kernel reads them (a pageable copy returns early)
+    return maps
