@@ -191,6 +191,46 @@ def test_launch_the_factory_builds(wgmma, monkeypatch):
     assert (ln.args[10:], asked) == ((("maps",), [([(137, 1024), (137, 1024)], (64, 64))]) if wgmma else ((), []))
 
 
+def test_a_graph_holds_its_launches_and_their_arguments():
+    """A captured graph keeps only the launches' argument pointers: StepGraph holds the launches, so a buffer made
+    for one launch alone (the wgmma kernel's tensor maps) lives as long as the graph that reads it."""
+    import gc
+    import weakref
+
+    from atomflow_bench.gpu.graph import StepGraph
+    from atomflow_bench.gpu.launch import Launch
+
+    class Stream:  # stream capture as StepGraph drives it
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def begin_capture(self):
+            pass
+
+        def end_capture(self):
+            return SimpleNamespace(upload=lambda stream: None)
+
+    class Maps:  # stands for the device array of tensor maps
+        pass
+
+    launched = []
+    maps = Maps()
+    alive = weakref.ref(maps)
+    graph = StepGraph([Launch(lambda grid, block, args, shared_mem: launched.append(args), "k", (1,), (1,),
+                              (maps,))], Stream())
+    assert launched == [(maps,)] and graph.n_nodes == 1
+    launched.clear()
+    del maps
+    gc.collect()
+    assert alive() is not None
+    del graph
+    gc.collect()
+    assert alive() is None
+
+
 def test_the_wgmma_kernel_runs_on_compute_capability_9_0_only():
     """sm_90a code loads on a 9.0 device only: the mma.sync kernel everywhere else (8.9, 10.0, 12.0)."""
     assert [wgmma_default(cc) for cc in (80, 89, 90, 100, 120)] == [False, False, True, False, False]

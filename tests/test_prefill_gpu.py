@@ -231,6 +231,32 @@ def test_graph_replay_as_the_launches(tiny_model):
     assert eng.generate(other, 4, prefill=True)[:1] == want[:1]
 
 
+def test_graph_replay_after_the_memory_pool_is_reused(tiny_model):
+    """A chunk graph's replay reads buffers made for its launches alone (the wgmma attention's tensor maps) after
+    the launches themselves are gone: those buffers live as long as the graph. Freed, the pool hands their memory to
+    the next small arrays (here filled with 0xff) and the replay reads those instead."""
+    import cupy as cp
+
+    eng = Engine(tiny_model, weights="fp8", max_seq=64)
+    eng._prefill = Prefill(eng, chunk=16)
+    prompt = [int(t) for t in rng().integers(0, eng.cfg.vocab_size, 40)]
+    eng.prefill(prompt)  # each chunk: eager once, then captured
+    eng.stream.synchronize()
+    k0, v0, first = eng.arena["k_cache"].get()[:, :40], eng.arena["v_cache"].get()[:, :40], eng.tokens(39, 1)
+    junk = []
+    for stream in (cp.cuda.Stream.null, eng.stream):
+        with stream:
+            junk += [cp.full(n, 0xff, dtype=cp.uint8) for n in (128, 256, 512) for _ in range(256)]
+    cp.cuda.Device().synchronize()
+    for name in ("k_cache", "v_cache"):
+        eng.arena[name].fill(np.nan)
+    eng.prefill(prompt)  # every chunk replayed
+    eng.stream.synchronize()
+    np.testing.assert_array_equal(eng.arena["k_cache"].get()[:, :40], k0)
+    np.testing.assert_array_equal(eng.arena["v_cache"].get()[:, :40], v0)
+    assert eng.tokens(39, 1) == first
+
+
 def test_profile_prefill_chunk(tiny_model, tmp_path):
     """`profile`'s prefill breakdown through the run context: the last chunk of the prompt (positions 96..129 of a
     130-token prompt in chunks of 48, then the lm_head), every role timed, positive, shares adding up to 1, the row ops' bytes those

@@ -20,7 +20,10 @@ class StepGraph:
             finally:
                 self.graph = stream.end_capture()
         self.graph.upload(stream)
-        self.n_nodes = len(launches)
+        # the graph holds the launches' argument pointers, not their arrays: a buffer made for one launch alone (the
+        # prefill attention's tensor maps) lives as long as the graph that reads it
+        self.launches = tuple(launches)
+        self.n_nodes = len(self.launches)
 
     def replay(self, n: int = 1) -> None:
         """Queue `n` decode steps on the stream (asynchronous)."""
