@@ -56,4 +56,10 @@ if [ "$PH" = A ]; then  # one H100, on branch prefill-tma: the product's sm_90a 
   UPDATE_REFERENCE=1 OUT=$W/reference REFERENCE_DIR=$W/reference timeout 150 bash scripts/perf_regression.sh \
     >$W/reference.log 2>&1; note "references rc=$?"; grep -E "TTFT|TPOT \(graph\)" $W/reference.log | tr -s ' ' | tee -a $S
 fi
+if [ "$PH" = B ]; then  # one H100, the same tree as A: the fp16 reference (A's gate script copied each record onto
+  # itself and stopped after the fp8 one), and the TTFT grid of 1B and 8B in both formats (prompts 128..8192)
+  mkdir -p $W/reference; OUT=$W/ci REFERENCE_DIR=$W/reference UPDATE_REFERENCE=1 timeout 150 bash scripts/perf_regression.sh \
+    >$W/reference.log 2>&1; note "references rc=$?"; grep -E "TTFT|TPOT \(graph\)" $W/reference.log | tr -s ' ' | tee -a $S
+  for mw in "llama-3.2-1b fp16" "llama-3.2-1b fp8" "llama-3.1-8b fp16" "llama-3.1-8b fp8"; do ttft $mw 120; done
+fi
 tar czf $OUT/v55$PH.tgz -C $OUT v55$PH
