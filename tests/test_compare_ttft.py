@@ -1,5 +1,5 @@
 """`compare` gates TTFT as it gates TPOT: records with the prefill's optional fields (`ttft_ms`, `prefill`,
-`tensor_core_tflops`; helpers_runs.with_prefill, and a committed reference with them added), records without them
+`tensor_core_tflops`; helpers_runs.with_prefill, and the committed reference, recorded with them), records without them
 (read as before), one of each (shown, not gated), and prefill paths that differ (shown, not gated)."""
 from __future__ import annotations
 
@@ -155,17 +155,18 @@ def test_a_tensor_core_rate_apart_warns():
     assert not compare_runs(*runs(20.0, 20.0))["warnings"]
 
 
-# ---- the committed CI reference, with the fields added --------------------------------------------------------
-def test_a_committed_reference_with_and_without_the_fields(tmp_path, capsys):
+# ---- the committed CI reference, and a record from before TTFT -------------------------------------------------
+def test_the_committed_reference_gates_ttft_and_a_record_without_it_is_noted(tmp_path, capsys):
     ref = json.loads((REPO / "results" / "reference" / "llama-3.2-3b-fp8-ctx128.json").read_text())
-    assert "ttft_ms" not in ref  # recorded before TTFT
-    now = with_prefill(copy.deepcopy(ref), 9.0)
-    assert invoke("compare", *pair(tmp_path, ref, now)) == 0  # the reference predates TTFT: noted, not gated
+    assert ref["ttft_ms"]["median"] > 0 and ref["prefill"]["path"] == "batched"  # recorded with its prompt's TTFT
+    before = {k: v for k, v in ref.items() if k not in ("ttft_ms", "prefill", "tensor_core_tflops")}
+    assert invoke("compare", *pair(tmp_path, before, ref)) == 0  # a base from before TTFT: noted, not gated
     assert "TTFT only in the new record" in capsys.readouterr().out
-    slower = with_prefill(copy.deepcopy(ref), 10.0)
-    assert invoke("compare", *pair(tmp_path, now, slower)) == 1
-    assert capsys.readouterr().err.startswith("regression: TTFT median +11.11%")
-    assert invoke("compare", *pair(tmp_path, now, copy.deepcopy(now))) == 0
+    slower = copy.deepcopy(ref)
+    slower["ttft_ms"] = {k: v * (1.1 if k != "n" else 1) for k, v in ref["ttft_ms"].items()}
+    assert invoke("compare", *pair(tmp_path, ref, slower)) == 1
+    assert capsys.readouterr().err.startswith("regression: TTFT median +10.00%")
+    assert invoke("compare", *pair(tmp_path, ref, copy.deepcopy(ref))) == 0
 
 
 # ---- check_record: the fields, where present ------------------------------------------------------------------
