@@ -2,7 +2,8 @@
 // step's fused prologues and epilogues do for one token, done for M rows between the chunk's GEMMs.
 //
 // Computes   embed_rows    h[r][k] = float(emb[tokens[r]][k])
-//            rmsnorm_rows  x[r][k] = fp16(fp16(h[r][k] * rsqrt(mean_k(h[r]^2) + eps)) * w[k]) (rmsnorm_elem, as the
+//            rmsnorm_rows_4, rmsnorm_rows_16 (by the row's width)
+//                          x[r][k] = fp16(fp16(h[r][k] * rsqrt(mean_k(h[r]^2) + eps)) * w[k]) (rmsnorm_elem, as the
 //                          GEMVs' prologue)
 //            rope_kv_rows  row r is position start + r: q and k heads rotated in place (HF rotate_half: pairs i,
 //                          i + hd/2, cos/sin of the host table), then k and v appended to the layer's cache at that
@@ -12,7 +13,8 @@
 // Layouts    h fp32 [M][H]; x fp16 [M][H]; qkv fp16 [M][qkv_dim] = q heads | k heads | v heads per row; caches
 //            fp16 [max_seq][n_kv * hd]; cos_sin [max_seq][hd / 2] float2; gu fp16 [M][2 I]; act fp16 [M][I].
 // Bytes      each reads and writes its rows once (rope_kv_rows: + 2 * M * n_kv * hd * 2 into the cache).
-// Launch     a block of 256 threads per row (embed_rows, rmsnorm_rows: H % 4 == 0, rope_kv_rows: hd % 4 == 0),
+// Launch     a block of 256 threads per row (embed_rows; rmsnorm_rows_4: H % 4 == 0 and H <= 4096,
+//            rmsnorm_rows_16: H <= 16384; rope_kv_rows: hd % 4 == 0),
 //            grid (ceil(I / 2048), M) of 256 threads, 8 elements each, for swiglu_rows (I % 8 == 0); no
 //            programmatic dependent launch (the prefill runs eagerly, one chunk at a time).
 #include "common.cuh"
@@ -25,22 +27,52 @@ extern "C" __global__ void embed_rows(const int* __restrict__ tokens, const __ha
   for (int k = threadIdx.x; k < H; k += blockDim.x) h[r * H + k] = __half2float(emb[base + k]);
 }
 
-extern "C" __global__ void rmsnorm_rows(const float* __restrict__ h, const __half* __restrict__ w,
-                                        __half* __restrict__ x, int H, float eps) {
+// rmsnorm_rows_<V>: a thread holds V float4s of its row in registers, so rows up to PREFILL_THREADS * 4 * V wide.
+// Two instances: V = 4 for rows up to 4096 (the register file holds 5 blocks of 256 threads an SM), 16 up to 16384.
+template <int V>
+__device__ __forceinline__ void rmsnorm_row(const float* __restrict__ h, const __half* __restrict__ w,
+                                            __half* __restrict__ x, int H, float eps) {
+  // The row is read once: each thread keeps its float4s in registers across the block's sum, where reading it again
+  // after the sum (rms_inv, then a second pass) left the row at ~60-76% of the copy bandwidth; each thread sums its
+  // squares in rms_inv's order. 16-byte loads of h, 8-byte loads of w and stores of x.
   __shared__ float red[PREFILL_THREADS / AF_WARP];
-  const float* hr = h + (size_t)blockIdx.x * H;
-  const float inv = rms_inv<PREFILL_THREADS>(hr, eps, H, red);
-  // 4 elements a thread per pass (H % 4 == 0, as rms_inv reads it): 16-byte loads of h, 8-byte loads of w and
-  // stores of x, where 2-byte accesses left the row at ~40% of the copy bandwidth
-  uint2* xr = reinterpret_cast<uint2*>(x + (size_t)blockIdx.x * H);
-  for (int k = threadIdx.x; k < H / 4; k += blockDim.x) {
-    const float4 v = reinterpret_cast<const float4*>(hr)[k];
-    const uint2 wv = reinterpret_cast<const uint2*>(w)[k];
-    const __half2 w01 = *reinterpret_cast<const __half2*>(&wv.x), w23 = *reinterpret_cast<const __half2*>(&wv.y);
-    const __half2 o01 = __floats2half2_rn(rmsnorm_elem(v.x, inv, __low2half(w01)), rmsnorm_elem(v.y, inv, __high2half(w01)));
-    const __half2 o23 = __floats2half2_rn(rmsnorm_elem(v.z, inv, __low2half(w23)), rmsnorm_elem(v.w, inv, __high2half(w23)));
-    xr[k] = make_uint2(*reinterpret_cast<const unsigned*>(&o01), *reinterpret_cast<const unsigned*>(&o23));
+  const float4* hr = reinterpret_cast<const float4*>(h + (size_t)blockIdx.x * H);
+  const int n4 = H / 4;
+  float4 v[V];
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < V; i++) {
+    const int k = threadIdx.x + i * PREFILL_THREADS;
+    if (k < n4) {
+      v[i] = __ldcg(hr + k);
+      ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+    }
   }
+  const float inv = rsqrtf(block_sum<PREFILL_THREADS>(ss, red) / (float)H + eps);
+  uint2* xr = reinterpret_cast<uint2*>(x + (size_t)blockIdx.x * H);
+#pragma unroll
+  for (int i = 0; i < V; i++) {
+    const int k = threadIdx.x + i * PREFILL_THREADS;
+    if (k < n4) {
+      const uint2 wv = reinterpret_cast<const uint2*>(w)[k];
+      const __half2 w01 = *reinterpret_cast<const __half2*>(&wv.x), w23 = *reinterpret_cast<const __half2*>(&wv.y);
+      const __half2 o01 = __floats2half2_rn(rmsnorm_elem(v[i].x, inv, __low2half(w01)),
+                                            rmsnorm_elem(v[i].y, inv, __high2half(w01)));
+      const __half2 o23 = __floats2half2_rn(rmsnorm_elem(v[i].z, inv, __low2half(w23)),
+                                            rmsnorm_elem(v[i].w, inv, __high2half(w23)));
+      xr[k] = make_uint2(*reinterpret_cast<const unsigned*>(&o01), *reinterpret_cast<const unsigned*>(&o23));
+    }
+  }
+}
+
+extern "C" __global__ void rmsnorm_rows_4(const float* __restrict__ h, const __half* __restrict__ w,
+                                          __half* __restrict__ x, int H, float eps) {
+  rmsnorm_row<4>(h, w, x, H, eps);
+}
+
+extern "C" __global__ void rmsnorm_rows_16(const float* __restrict__ h, const __half* __restrict__ w,
+                                           __half* __restrict__ x, int H, float eps) {
+  rmsnorm_row<16>(h, w, x, H, eps);
 }
 
 extern "C" __global__ void rope_kv_rows(__half* __restrict__ qkv, const float2* __restrict__ cos_sin,

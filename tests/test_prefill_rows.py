@@ -19,11 +19,16 @@ class Kernels:
         return name
 
 
-def test_rmsnorm_rows_needs_a_multiple_of_4():
-    with pytest.raises(AtomflowError, match="hidden size 258 is not a multiple of 4"):
-        rmsnorm_rows_launch(NoKernels(), None, np.zeros(258, np.float16), None, 3, 1e-5)
-    ln = rmsnorm_rows_launch(Kernels(), None, np.zeros(256, np.float16), None, 3, 1e-5)
-    assert ln.grid == (3,) and ln.bytes_moved == 3 * 256 * 6
+@pytest.mark.parametrize("H", [258, 16388])
+def test_rmsnorm_rows_needs_a_multiple_of_4_a_thread_holds(H):
+    """A row is held in registers, 4 or 16 float4s a thread (the fewer that hold it): a multiple of 4 up to 16384
+    (405B's hidden size)."""
+    with pytest.raises(AtomflowError, match=f"hidden size {H} must be a multiple of 4 and at most 16384"):
+        rmsnorm_rows_launch(NoKernels(), None, np.zeros(H, np.float16), None, 3, 1e-5)
+    for ok, kernel in ((256, "rmsnorm_rows_4"), (4096, "rmsnorm_rows_4"), (4100, "rmsnorm_rows_16"),
+                       (16384, "rmsnorm_rows_16")):
+        ln = rmsnorm_rows_launch(Kernels(), None, np.zeros(ok, np.float16), None, 3, 1e-5)
+        assert ln.fn == kernel and ln.grid == (3,) and ln.bytes_moved == 3 * ok * 6
 
 
 def test_rope_kv_rows_needs_head_dim_a_multiple_of_4():

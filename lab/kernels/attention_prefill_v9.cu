@@ -61,6 +61,7 @@ __device__ __forceinline__ void tma_load_2d(void*, const void*, int, int, unsign
 #define ATP_MIN_BLOCKS 2  // register cap 255: two blocks (8 warps) per SM
 #define ATP_BATCH 4       // ldmatrix loads issued before their mmas
 #define ATP_SMEM_PAD 2048  // beyond the tiles: the stage mbarriers (16 bytes) and the tiles' base aligned to 1 KB
+#define ATP_HEADS_FIRST 0  // 1: the blocks' dispatch order walks the kv heads fastest (variant v9-lpt, below)
 
 // 2^x (ex2.approx: 2^-inf = +0, which the first tile's rescale and the masked scores rely on)
 __device__ __forceinline__ float atp_ex2(float x) {
@@ -342,6 +343,20 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
   }
 }
 
+// Which (row tile, kv head) a block takes. Blocks are dispatched in the order of their linear index (x fastest).
+// ATP_HEADS_FIRST 0: tile gridDim.x - 1 - x of head y, so each head's longest causal prefixes start before its
+// shorter ones, but head 1's longest only after all of head 0's. 1: the linear index walks the heads fastest, so
+// every head's longest prefixes start first, the shortest last (longest-first over the whole grid: the tail of a
+// short chunk's launch is its cheapest blocks).
+#if ATP_HEADS_FIRST
+#define ATP_LINEAR (blockIdx.y * gridDim.x + blockIdx.x)
+#define ATP_TILE (gridDim.x - 1 - ATP_LINEAR / gridDim.y)
+#define ATP_HEAD (ATP_LINEAR % gridDim.y)
+#else
+#define ATP_TILE (gridDim.x - 1 - blockIdx.x)
+#define ATP_HEAD blockIdx.y
+#endif
+
 // One kernel per (head_dim, q heads per kv head): G is a compile-time constant, so a stacked row's query row and
 // head are a division by a constant.
 #define ATTENTION_PREFILL_INSTANCE(NAME, HD, G)                                                                    \
@@ -352,7 +367,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
     AF_TIMELINE_BLOCK;                                                                                             \
     extern __shared__ __align__(16) char atp_smem[];                                                               \
     attention_prefill_block<HD, G>(q, k_cache, v_cache, out, start, m, n_kv, q_stride, out_stride, scale,         \
-                                   gridDim.x - 1 - blockIdx.x, blockIdx.y, atp_smem, kv_map);                       \
+                                   ATP_TILE, ATP_HEAD, atp_smem, kv_map);                                           \
   }
 
 ATTENTION_PREFILL_INSTANCE(attention_prefill_hd64_g1, 64, 1)

@@ -64,6 +64,8 @@ VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, A
     # v7 with each K/V tile brought by the copy engine (TMA, one thread) instead of every thread's cp.async: one more
     # argument, the tensor maps of the cache rows the launch may read (`tma`)
     "v9": dict(file=V9, defines={}, arch="sm_90a", tma=True),
+    # v9 with the grid dispatched longest causal prefix first over all kv heads, not head by head
+    "v9-lpt": dict(file=V9, defines=dict(ATP_HEADS_FIRST=1), arch="sm_90a", tma=True),
     # v9 with blocks of 128 rows, two warpgroups sharing each K/V tile (half the tiles' L2 traffic), one block an SM
     "v10": dict(file=V10, defines={}, arch="sm_90a", tma=True),
 }

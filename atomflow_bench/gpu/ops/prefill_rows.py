@@ -14,9 +14,11 @@ from ..launch import Launch, i32
 from ..nvrtc import KernelLib
 
 PREFILL_THREADS = 256  # prefill_rows.cu PREFILL_THREADS
+RMS_ROW_VECS = (4, 16)  # prefill_rows.cu rmsnorm_rows_<V>: float4s of its row a thread holds, the smallest that fits
 CU_FILES = ("prefill_rows.cu",)
 CU_DEFINES = {"PREFILL_THREADS": PREFILL_THREADS}
-KERNELS = {"prefill_rows.cu": ("embed_rows", "rmsnorm_rows", "rope_kv_rows", "swiglu_rows")}
+KERNELS = {"prefill_rows.cu": ("embed_rows", *(f"rmsnorm_rows_{v}" for v in RMS_ROW_VECS), "rope_kv_rows",
+                               "swiglu_rows")}
 
 # cublas_api.h / library_types.h
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
@@ -36,10 +38,13 @@ SWIGLU_VEC = 8  # elements a thread of swiglu_rows: one 16-byte load of gate, of
 
 def rmsnorm_rows_launch(lib: KernelLib, h, w, x, m: int, eps: float) -> Launch:
     H = w.shape[0]
-    if H % 4:
-        raise AtomflowError(f"rmsnorm_rows reads 4 elements a thread: hidden size {H} is not a multiple of 4")
-    return Launch(lib["rmsnorm_rows"], "rmsnorm_rows", (m,), (PREFILL_THREADS,), (h, w, x, i32(H), np.float32(eps)),
-                  0, {}, m * H * 6, f"prefill rmsnorm {m} rows")
+    most = 4 * RMS_ROW_VECS[-1] * PREFILL_THREADS
+    if H % 4 or H > most:
+        raise AtomflowError(f"rmsnorm_rows holds a row in registers, 4 elements a load: hidden size {H} must be a "
+                            f"multiple of 4 and at most {most}")
+    v = next(v for v in RMS_ROW_VECS if H <= 4 * v * PREFILL_THREADS)
+    return Launch(lib[f"rmsnorm_rows_{v}"], "rmsnorm_rows", (m,), (PREFILL_THREADS,),
+                  (h, w, x, i32(H), np.float32(eps)), 0, {}, m * H * 6, f"prefill rmsnorm {m} rows")
 
 
 def rope_kv_rows_launch(lib: KernelLib, qkv, cos_sin, k_cache, v_cache, n_q: int, n_kv: int, hd: int, start: int,

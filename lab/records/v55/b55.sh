@@ -62,4 +62,24 @@ if [ "$PH" = B ]; then  # one H100, the same tree as A: the fp16 reference (A's 
     >$W/reference.log 2>&1; note "references rc=$?"; grep -E "TTFT|TPOT \(graph\)" $W/reference.log | tr -s ' ' | tee -a $S
   for mw in "llama-3.2-1b fp16" "llama-3.2-1b fp8" "llama-3.1-8b fp16" "llama-3.1-8b fp8"; do ttft $mw 120; done
 fi
+if [ "$PH" = C ]; then  # one H100: RMSNorm rows held in registers (product) and v9-lpt (lab): the GPU tests, the rows
+  # A/B against v0 and the attention A/B against v9, validate 3B fp16 on the prefill path, the 2048 chunk's profile,
+  # `run` TTFT at 2048 and 8192
+  pt prefill 300 tests/test_prefill_gpu.py tests/test_prefill_attention.py
+  stop_unless_passed $W/prefill.log
+  pt lab-att-lpt 150 tests/test_lab_prefill_att_gpu.py -k "v9-lpt" -x
+  timeout -k 10 100 python3 lab/scripts/prefill_rows_ab.py --rounds 3 --json $W/rows-ab.json >$W/rows-ab.log 2>&1
+  note "rows A/B rc=$?"; cat $W/rows-ab.log | tee -a $S
+  timeout -k 10 100 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants v9,v9-lpt \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; tail -6 $W/att-ab.log | tee -a $S
+  timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
+  timeout -k 10 200 atomflow-bench validate llama-3.2-3b --weights fp16 --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
+    --json $W/validate-3b-fp16.json >$W/validate-3b-fp16.log 2>&1
+  note "validate 3b fp16: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-fp16.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  timeout -k 10 200 atomflow-bench profile llama-3.2-3b --weights fp16 --ctx 128 --prompt-tokens 2048 \
+    --json $W/profile-3b-fp16.json >$W/profile-3b-fp16.md 2>$W/profile-3b-fp16.err
+  note "profile 3b fp16 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16.md | tee -a $S
+  runr 3b-fp16-ctx2048 120 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
+  runr 3b-fp16-ctx8192 120 llama-3.2-3b fp16 --ctx 8192 --tokens 64 --repeats 3
+fi
 tar czf $OUT/v55$PH.tgz -C $OUT v55$PH
