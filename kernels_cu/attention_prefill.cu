@@ -6,14 +6,14 @@
 //            (causal over the cache before the chunk and the chunk itself). fp16 in, fp32 scores, online softmax in
 //            fp32 (a running max and sum per row), P = exp(S - max) rounded to fp16 before P.V (it is the mma's A
 //            operand, as in FlashAttention-2) with the sums taken over the rounded values, fp32 O, fp16 out.
-// Scheme     block (x, j) = kv head j, row tile T = gridDim.x - 1 - x (the longest causal prefixes start first) of
-//            ATP_ROWS = 64 of the kv head's M * G query rows, its G q heads stacked: stacked row R is query row R / G
-//            of q head j * G + R % G, so one K/V tile in shared memory serves all G heads. Warp w takes tile rows
-//            16 w .. 16 w + 15 (the mma's M). The block walks K/V tiles of ATP_KV = 64 positions from position 0 to
-//            its last row's position (tiles wholly above the diagonal are never loaded), staged by cp.async in two
-//            stages (tile k + 1 lands while tile k is computed); a warp skips a tile above all of its rows and masks
-//            only a tile that crosses its rows' diagonal. Per warp and tile, in registers (mma m16n8k16, fp16 x
-//            fp16 -> fp32):
+// Scheme     a block takes kv head j and row tile T (atp_tile, atp_head: every head's longest causal prefixes
+//            start first, the shortest last) of ATP_ROWS = 64 of the kv head's M * G query rows, its G q heads
+//            stacked: stacked row R is query row R / G of q head j * G + R % G, so one K/V tile in shared memory
+//            serves all G heads. Warp w takes tile rows 16 w .. 16 w + 15 (the mma's M). The block walks K/V tiles
+//            of ATP_KV = 64 positions from position 0 to its last row's position (tiles wholly above the diagonal
+//            are never loaded), staged by cp.async in two stages (tile k + 1 lands while tile k is computed); a
+//            warp skips a tile above all of its rows and masks only a tile that crosses its rows' diagonal. Per
+//            warp and tile, in registers (mma m16n8k16, fp16 x fp16 -> fp32):
 //              scores   S[16][64] = Q K^T: q's A fragments read from shared memory once, K rows by ldmatrix as the
 //                       B operand; the causal mask only on a tile crossing the warp's diagonal (warp-uniform);
 //              softmax  online per row: the max of the raw scores (the row's max over its 4 lanes; scale > 0, so

@@ -129,6 +129,14 @@ __device__ __forceinline__ void atp_store_out(const float (&o)[HD / 8][4], const
   }
 }
 
+// The (row tile, kv head) of block (x, y). Blocks are dispatched in the order of their linear index, x fastest; the
+// index walks the kv heads fastest and the row tiles from the last, so every head's longest causal prefixes start
+// first and the shortest last: a short chunk's launch ends on its cheapest blocks, not on one head's longest tiles
+// started after another head's whole walk.
+__device__ __forceinline__ int atp_linear() { return blockIdx.y * gridDim.x + blockIdx.x; }
+__device__ __forceinline__ int atp_tile() { return gridDim.x - 1 - atp_linear() / gridDim.y; }
+__device__ __forceinline__ int atp_head() { return atp_linear() % gridDim.y; }
+
 // One kernel per (head_dim, q heads per kv head): G is a compile-time constant, so a stacked row's query row and
 // head are a division by a constant.
 #define ATTENTION_PREFILL_INSTANCE(NAME, HD, G)                                                                    \
@@ -138,6 +146,6 @@ __device__ __forceinline__ void atp_store_out(const float (&o)[HD / 8][4], const
     AF_TIMELINE_BLOCK;                                                                                             \
     extern __shared__ __align__(16) char atp_smem[];                                                               \
     attention_prefill_block<HD, G>(q, k_cache, v_cache, out, start, m, n_kv, q_stride, out_stride, scale,         \
-                                   gridDim.x - 1 - blockIdx.x, blockIdx.y, atp_smem);                               \
+                                   atp_tile(), atp_head(), atp_smem);                                               \
   }
 

@@ -257,7 +257,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
     AF_TIMELINE_BLOCK;                                                                                             \
     extern __shared__ __align__(16) char atp_smem[];                                                               \
     attention_prefill_block<HD, G>(q, k_cache, v_cache, out, start, m, n_kv, q_stride, out_stride, scale,         \
-                                   gridDim.x - 1 - blockIdx.x, blockIdx.y, atp_smem, kv_map);                       \
+                                   atp_tile(), atp_head(), atp_smem, kv_map);                                       \
   }
 
 ATTENTION_PREFILL_TMA_INSTANCE(attention_prefill_wgmma_hd64_g1, 64, 1)

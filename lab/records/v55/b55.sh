@@ -82,4 +82,13 @@ if [ "$PH" = C ]; then  # one H100: RMSNorm rows held in registers (product) and
   runr 3b-fp16-ctx2048 120 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
   runr 3b-fp16-ctx8192 120 llama-3.2-3b fp16 --ctx 8192 --tokens 64 --repeats 3
 fi
+if [ "$PH" = D ]; then  # one H100: v9-lpt's dispatch order in both product kernels: the GPU tests, the mma.sync
+  # kernel against v4 (its old order), validate both formats, the 2048 chunk's profile, `run` TTFT (ttft_runs)
+  pt prefill 300 tests/test_prefill_attention.py tests/test_prefill_gpu.py tests/test_validate_prefill_gpu.py \
+    tests/test_engine_gpu.py -k "prefill or run_record"
+  stop_unless_passed $W/prefill.log
+  timeout -k 10 100 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants product,v4 \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; tail -6 $W/att-ab.log | tee -a $S
+  ttft_runs
+fi
 tar czf $OUT/v55$PH.tgz -C $OUT v55$PH
