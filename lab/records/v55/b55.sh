@@ -91,4 +91,10 @@ if [ "$PH" = D ]; then  # one H100: v9-lpt's dispatch order in both product kern
     --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; tail -6 $W/att-ab.log | tee -a $S
   ttft_runs
 fi
+if [ "$PH" = E ]; then  # one H100, D's tree: where an 8192-token prompt's last chunk (4096 rows after 4096) spends its time
+  timeout 200 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
+  timeout -k 10 150 atomflow-bench profile llama-3.2-3b --weights fp16 --ctx 128 --prompt-tokens 8192 \
+    --json $W/profile-3b-fp16-8192.json >$W/profile-3b-fp16-8192.md 2>$W/profile-3b-fp16-8192.err
+  note "profile 3b fp16 8192 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16-8192.md | tee -a $S
+fi
 tar czf $OUT/v55$PH.tgz -C $OUT v55$PH
