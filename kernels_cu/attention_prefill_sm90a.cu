@@ -49,7 +49,7 @@ __device__ __forceinline__ void tma_load_2d(void*, const void*, int, int, unsign
 #define ATP_KV 64          // positions per K/V tile (ops/attention_prefill.py ATP_KV)
 #define ATP_STAGES 2       // K/V tiles in shared memory at once (ops/attention_prefill.py ATP_STAGES)
 #define ATP_MIN_BLOCKS 2   // two blocks (8 warps) per SM
-#define ATP_SMEM_PAD 2048  // beyond the tiles: the stage mbarriers (16 bytes), the tiles' base aligned to 1 KB (ops ATP_SMEM_PAD)
+#define ATP_SMEM_PAD 2048  // the stage mbarriers (16 bytes) and the tiles' base aligned to 1 KB (ops ATP_SMEM_PAD)
 
 // Byte offset of 16-byte piece c of row t in a 64-row tile in wgmma's 128-byte-swizzle layout: slabs of 64
 // dims (64 rows x 128 bytes = 8 KB each), the pieces of a row XOR-swizzled by the row's low 3 bits.
@@ -158,10 +158,9 @@ __device__ __forceinline__ void atp_tma_kv(const char* kv_map, int j, int p0, ch
 
 // Row tile `tile` (64 stacked rows) of kv head j.
 template <int HD, int G>
-__device__ __forceinline__ void attention_prefill_block(const __half* q, const __half* k_cache, const __half* v_cache,
-                                                        __half* out, int start, int m, int n_kv, int q_stride,
-                                                        int out_stride, float scale, int tile, int j, char* smem,
-                                                        const char* kv_map) {
+__device__ __forceinline__ void attention_prefill_block(const __half* q, __half* out, int start, int m, int n_kv,
+                                                        int q_stride, int out_stride, float scale, int tile, int j,
+                                                        char* smem, const char* kv_map) {
   constexpr int DG = HD / 8;           // 16-byte pieces per row = 8-dim n-tiles of O
   constexpr int KS = HD / 16;          // k-steps of the scores
   constexpr int NB = ATP_KV / 8;       // 8-position n-tiles of the scores
@@ -248,7 +247,8 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
   atp_store_out<HD, G>(o, l_acc, qs, warp, lane, wr0, m, j, out, out_stride);
 }
 
-// One kernel per (head_dim, q heads per kv head), as attention_prefill.cuh's instances with the tensor maps beside.
+// One kernel per (head_dim, q heads per kv head), as attention_prefill.cuh's instances with the tensor maps beside
+// (k_cache and v_cache, which the copy engine reads through kv_map, stay in the argument list both kernels share).
 #define ATTENTION_PREFILL_TMA_INSTANCE(NAME, HD, G)                                                                \
   extern "C" __global__ void __launch_bounds__(ATP_THREADS, ATP_MIN_BLOCKS)                                       \
       NAME(const __half* __restrict__ q, const __half* __restrict__ k_cache, const __half* __restrict__ v_cache,   \
@@ -256,8 +256,8 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, const _
            const char* __restrict__ kv_map) {                                                                       \
     AF_TIMELINE_BLOCK;                                                                                             \
     extern __shared__ __align__(16) char atp_smem[];                                                               \
-    attention_prefill_block<HD, G>(q, k_cache, v_cache, out, start, m, n_kv, q_stride, out_stride, scale,         \
-                                   atp_tile(), atp_head(), atp_smem, kv_map);                                       \
+    attention_prefill_block<HD, G>(q, out, start, m, n_kv, q_stride, out_stride, scale, atp_tile(), atp_head(),  \
+                                   atp_smem, kv_map);                                                               \
   }
 
 ATTENTION_PREFILL_TMA_INSTANCE(attention_prefill_wgmma_hd64_g1, 64, 1)

@@ -300,6 +300,30 @@ __device__ __forceinline__ float rmsnorm_elem(float h, float inv, __half w) {
   return __half2float(__hmul(__float2half(h * inv), w));
 }
 
+// RMSNorm of two inputs (h0, h1) with their fp16 weights w as one packed half2 (rmsnorm_elem each).
+__device__ __forceinline__ unsigned norm_pair(float h0, float h1, float inv, __half2 w) {
+  const __half2 v = __halves2half2(__float2half(rmsnorm_elem(h0, inv, __low2half(w))),
+                                   __float2half(rmsnorm_elem(h1, inv, __high2half(w))));
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+
+// A row normalised in one pass: this thread's float4 chunks c = threadIdx.x + i * nth (i < V, c < nchunks) read
+// through L2 into hv, kept for the normalisation after the block's sum; returns this thread's sum of their squares,
+// in rms_inv's order (so rsqrtf(block_sum / K + eps) is rms_inv's value, bit for bit).
+template <int V>
+__device__ __forceinline__ float row_chunks_sq(const float4* h4, int nchunks, int nth, float4 (&hv)[V]) {
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const int c = threadIdx.x + i * nth;
+    if (c < nchunks) {
+      hv[i] = __ldcg(h4 + c);
+      ss += hv[i].x * hv[i].x + hv[i].y * hv[i].y + hv[i].z * hv[i].z + hv[i].w * hv[i].w;
+    }
+  }
+  return ss;
+}
+
 // Synchronisation with the previous kernel, used by the GEMVs (gemv_tiled.cuh, gemv_rows.cuh) between issuing their
 // weight loads (independent of the previous kernel) and reading its outputs: wait for the predecessor
 // (programmatic dependent launch), then let the next kernel start launching.

@@ -41,13 +41,6 @@ __device__ __forceinline__ void stage_norm_w_async(const GemvArgs& a, __half* nw
   cp_async_commit();
 }
 
-// RMSNorm of two inputs (h0, h1) with their fp16 weights w as one packed half2 (rmsnorm_elem each).
-__device__ __forceinline__ unsigned norm_pair(float h0, float h1, float inv, __half2 w) {
-  const __half2 v = __halves2half2(__float2half(rmsnorm_elem(h0, inv, __low2half(w))),
-                                   __float2half(rmsnorm_elem(h1, inv, __high2half(w))));
-  return *reinterpret_cast<const unsigned*>(&v);
-}
-
 // x = RMSNorm(h_fp32) * norm_w with h parked: the (first NT) threads read h through L2 once into `hs` (fp32 [K]) while
 // summing its squares in rms_inv's order, norm_w is in `nws` (stage_norm_w_async, before the wait); input pair p of
 // x goes out as store(p, its two fp16 values packed). Used by stage_x_tiled (STAGE_SMEM) and the lm_head's prologue.
@@ -102,19 +95,10 @@ __device__ __forceinline__ void stage_x_tiled(const GemvArgs& a, __half* xs, flo
   if (PRO == PRO_NORM && MODE == STAGE_SMEM) {
     norm_x_parked<NT>(a, red, hs, nws, [&](int p, unsigned v) { xs2[xs_pair(p)] = v; });
   } else if (PRO == PRO_NORM && norm_one_pass(a.K, nth)) {
-    const float4* h4 = reinterpret_cast<const float4*>(a.x);
     const int nchunks = a.K / 4;
     float4 hv[STAGE_CHUNKS];
     const uint2* wv = nr.w;  // loaded before the wait (norm_w_regs)
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < STAGE_CHUNKS; ++i) {
-      const int c = threadIdx.x + i * nth;
-      if (c < nchunks) {
-        hv[i] = __ldcg(h4 + c);
-        ss += hv[i].x * hv[i].x + hv[i].y * hv[i].y + hv[i].z * hv[i].z + hv[i].w * hv[i].w;
-      }
-    }
+    const float ss = row_chunks_sq(reinterpret_cast<const float4*>(a.x), nchunks, nth, hv);
     const float inv = rsqrtf(block_sum<NT>(ss, red) / (float)a.K + a.eps);  // = rms_inv's value, bit for bit
 #pragma unroll
     for (int i = 0; i < STAGE_CHUNKS; ++i) {

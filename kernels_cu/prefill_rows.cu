@@ -32,22 +32,14 @@ extern "C" __global__ void embed_rows(const int* __restrict__ tokens, const __ha
 template <int V>
 __device__ __forceinline__ void rmsnorm_row(const float* __restrict__ h, const __half* __restrict__ w,
                                             __half* __restrict__ x, int H, float eps) {
-  // The row is read once: each thread keeps its float4s in registers across the block's sum, where reading it again
-  // after the sum (rms_inv, then a second pass) left the row at ~60-76% of the copy bandwidth; each thread sums its
-  // squares in rms_inv's order. 16-byte loads of h, 8-byte loads of w and stores of x.
+  // The row is read once, as the decode GEMVs' one-pass norm prologue reads it (row_chunks_sq, norm_pair): each
+  // thread keeps its float4s in registers across the block's sum instead of reading the row again after it, and
+  // the sum runs in rms_inv's order, so both paths normalise alike. 16-byte loads of h, 8-byte loads of w and
+  // stores of x.
   __shared__ float red[PREFILL_THREADS / AF_WARP];
-  const float4* hr = reinterpret_cast<const float4*>(h + (size_t)blockIdx.x * H);
   const int n4 = H / 4;
   float4 v[V];
-  float ss = 0.f;
-#pragma unroll
-  for (int i = 0; i < V; i++) {
-    const int k = threadIdx.x + i * PREFILL_THREADS;
-    if (k < n4) {
-      v[i] = __ldcg(hr + k);
-      ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
-    }
-  }
+  const float ss = row_chunks_sq(reinterpret_cast<const float4*>(h + (size_t)blockIdx.x * H), n4, PREFILL_THREADS, v);
   const float inv = rsqrtf(block_sum<PREFILL_THREADS>(ss, red) / (float)H + eps);
   uint2* xr = reinterpret_cast<uint2*>(x + (size_t)blockIdx.x * H);
 #pragma unroll
@@ -56,11 +48,7 @@ __device__ __forceinline__ void rmsnorm_row(const float* __restrict__ h, const _
     if (k < n4) {
       const uint2 wv = reinterpret_cast<const uint2*>(w)[k];
       const __half2 w01 = *reinterpret_cast<const __half2*>(&wv.x), w23 = *reinterpret_cast<const __half2*>(&wv.y);
-      const __half2 o01 = __floats2half2_rn(rmsnorm_elem(v[i].x, inv, __low2half(w01)),
-                                            rmsnorm_elem(v[i].y, inv, __high2half(w01)));
-      const __half2 o23 = __floats2half2_rn(rmsnorm_elem(v[i].z, inv, __low2half(w23)),
-                                            rmsnorm_elem(v[i].w, inv, __high2half(w23)));
-      xr[k] = make_uint2(*reinterpret_cast<const unsigned*>(&o01), *reinterpret_cast<const unsigned*>(&o23));
+      xr[k] = make_uint2(norm_pair(v[i].x, v[i].y, inv, w01), norm_pair(v[i].z, v[i].w, inv, w23));
     }
   }
 }
