@@ -32,10 +32,9 @@ extern "C" __global__ void embed_rows(const int* __restrict__ tokens, const __ha
 template <int V>
 __device__ __forceinline__ void rmsnorm_row(const float* __restrict__ h, const __half* __restrict__ w,
                                             __half* __restrict__ x, int H, float eps) {
-  // The row is read once, as the decode GEMVs' one-pass norm prologue reads it (row_chunks_sq, norm_pair): each
-  // thread keeps its float4s in registers across the block's sum instead of reading the row again after it, and
-  // the sum runs in rms_inv's order, so both paths normalise alike. 16-byte loads of h, 8-byte loads of w and
-  // stores of x.
+  // The row is read once, as the decode GEMVs' one-pass norm prologue reads it (row_chunks_sq): each thread keeps
+  // its float4s in registers across the block's sum instead of reading the row again after it, and the sum runs in
+  // rms_inv's order, so both paths normalise alike. 16-byte loads of h, 8-byte loads of w and stores of x.
   __shared__ float red[PREFILL_THREADS / AF_WARP];
   const int n4 = H / 4;
   float4 v[V];
@@ -48,7 +47,11 @@ __device__ __forceinline__ void rmsnorm_row(const float* __restrict__ h, const _
     if (k < n4) {
       const uint2 wv = reinterpret_cast<const uint2*>(w)[k];
       const __half2 w01 = *reinterpret_cast<const __half2*>(&wv.x), w23 = *reinterpret_cast<const __half2*>(&wv.y);
-      xr[k] = make_uint2(norm_pair(v[i].x, v[i].y, inv, w01), norm_pair(v[i].z, v[i].w, inv, w23));
+      const __half2 o01 = __floats2half2_rn(rmsnorm_elem(v[i].x, inv, __low2half(w01)),
+                                            rmsnorm_elem(v[i].y, inv, __high2half(w01)));
+      const __half2 o23 = __floats2half2_rn(rmsnorm_elem(v[i].z, inv, __low2half(w23)),
+                                            rmsnorm_elem(v[i].w, inv, __high2half(w23)));
+      xr[k] = make_uint2(*reinterpret_cast<const unsigned*>(&o01), *reinterpret_cast<const unsigned*>(&o23));
     }
   }
 }
