@@ -1,11 +1,14 @@
-"""The persistent decode step, first form (lab/kernels/decode_persist.cu; PERF_NOTES v48): measured slower than the
-product's graph on every shape, so it lives here, runnable against any engine for the next form's work.
+"""The persistent decode step (lab/kernels/decode_persist.cu): its first form (PERF_NOTES v48, static tiles) measured
+slower than the product's graph on every shape, so it lives here, runnable against any engine for the next form's
+work. Modes (MODES): `static` (v48), `dyn` (whole tiles from a counter: v48.1, slower still), `split` (16 KB split-K
+units from a counter, each block's reducer warp adding a tile's parts in part order: v57).
 
 One kernel walks the step's embedding and layers with one block per SM; each op waits on a counter for the op whose
 output it reads instead of a kernel boundary, and the producer warp of each block streams the next ops' weights while
 the current one runs. The GEMVs are the warp-specialised form's ring (lab/kernels/ws_stream.cuh: the same tiles per
 block, the same sums), the attention the product's short-kernel device function (kernels_cu/attention_short.cuh), so
-the step's results equal the `ws` form's bit for bit. The lm_head stays the product's launch.
+the step's results equal the `ws` form's bit for bit (split: within fp32 rounding). The lm_head stays the product's
+launch.
 
     step = PersistStep(engine)        # the engine's one-GPU step at its short bucket's lengths
     step.install()                    # engine.generate / run / graphs now replay [persistent kernel, lm_head]
@@ -30,7 +33,11 @@ from . import KERNELS_DIR
 # = the kernel's #defines (tests/test_lab_persist.py reads them from the .cu)
 PS_PTRS = 12                # decode_persist.cu PS_PTRS: device addresses per layer in the layer table
 PS_OPS_PER_LAYER = 5        # decode_persist.cu PS_OPS_PER_LAYER: QKV, attention, o_proj, gate/up, down
-CU_DEFINES = {"PS_PTRS": PS_PTRS, "PS_OPS_PER_LAYER": PS_OPS_PER_LAYER}
+PS_RQ = 8                   # decode_persist.cu PS_RQ: the reducer's queue entries (split)
+PS_LL_BATCH = 8             # decode_persist.cu PS_LL_BATCH: parts a reducer asks for at once
+CU_DEFINES = {"PS_PTRS": PS_PTRS, "PS_OPS_PER_LAYER": PS_OPS_PER_LAYER, "PS_RQ": PS_RQ, "PS_LL_BATCH": PS_LL_BATCH}
+PS_THREADS = GEMV_WS_THREADS + 32  # 8 consumer warps, the producer, the reducer (decode_persist.cu PS_THREADS)
+MODES = {"static": 0, "dyn": 1, "split": 2}  # decode_persist.cu `mode`
 CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2  # cuda.h
 
 HEAD_DIMS = (64, 128)
@@ -69,6 +76,19 @@ def op_names(cfg) -> list[str]:
 
 def slot_bytes(fmt: str) -> int:
     return GEMV_WS_SLOT + (8 * 64 if fmt == "fp8" else 0)
+
+
+def parts_per_tile(fmt: str, k: int) -> int:
+    """Ring slots (split-K units) per 16-row tile of a GEMV of `k` inputs: 128-input groups, 8 per fp8 slot, 4 per
+    fp16 slot (ws_stream.cuh WsShape)."""
+    return -(-(-(-k // 128)) // (8 if fmt == "fp8" else 4))
+
+
+def ll_words(cfg, fmt: str) -> int:
+    """u64 words of the split mode's LL buffer: the epoch, then 16 row sums per unit of the largest GEMV."""
+    gemvs = ((cfg.qkv_dim, cfg.hidden_size), (cfg.hidden_size, cfg.q_dim), (2 * cfg.intermediate_size,
+             cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size))
+    return 1 + max(rows // 16 * parts_per_tile(fmt, k) * 16 for rows, k in gemvs)
 
 
 def plan(cfg, fmt: str, smem: tuple = SMEM_H100) -> dict:
@@ -117,11 +137,16 @@ class CoopLauncher(PdlLauncher):
 
 
 def persist_launch(lib: KernelLib, a, cfg, fmt: str, n_sm: int, layers, counters,
-                   ops: tuple[int, int] | None = None, taps=None, trace=None, dyn: bool = False) -> Launch:
+                   ops: tuple[int, int] | None = None, taps=None, trace=None, mode: str = "static",
+                   ll=None) -> Launch:
     """The step's ops [ops[0], ops[1]) (default: all of them: the embedding and every layer) in one cooperative
     launch over the arena `a`; `layers`: a device copy of layer_table, `counters`: 2 n_ops + 1 zeroed u32 (the kernel
     leaves them zero). `trace`: a device u32 array of 1 + 2 * n_ops * n_sm (tests: when each block ran each op).
-    `dyn`: the GEMVs' tiles taken from a counter per op instead of grid-stride (decode_persist.cu)."""
+    `mode`: static (grid-stride tiles), dyn (tiles from a counter per op) or split (16 KB split-K units from a
+    counter per op, summed by each block's reducer; `ll`: ll_words zeroed u64, the kernel keeps its epoch in [0])
+    (decode_persist.cu)."""
+    if mode not in MODES or (mode == "split") != (ll is not None):
+        raise AtomflowError(f"persistent step: mode {mode!r} with{'out' if ll is None else ''} an LL buffer")
     why = supported(cfg)
     if why:
         raise AtomflowError(why)
@@ -131,9 +156,9 @@ def persist_launch(lib: KernelLib, a, cfg, fmt: str, n_sm: int, layers, counters
         raise AtomflowError(f"persistent step: ops [{lo}, {hi}) outside [0, {total})")
     p = plan(cfg, fmt, smem_limits())
     fn = lib[kernel_name(fmt, cfg.head_dim, cfg.group_size)]
-    if fn.max_threads_per_block < GEMV_WS_THREADS:
+    if fn.max_threads_per_block < PS_THREADS:
         raise AtomflowError(f"persistent step: {fn.max_threads_per_block} threads per block at its "
-                            f"{fn.num_regs} registers, not {GEMV_WS_THREADS}")
+                            f"{fn.num_regs} registers, not {PS_THREADS}")
     allow_dynamic_smem(fn, p["shmem"])
     if trace is not None and trace.size < 1 + 2 * total * n_sm:
         raise AtomflowError("persistent step: trace too small")
@@ -143,11 +168,11 @@ def persist_launch(lib: KernelLib, a, cfg, fmt: str, n_sm: int, layers, counters
             i32(cfg.intermediate_size), i32(cfg.num_attention_heads), i32(cfg.num_key_value_heads),
             np.float32(cfg.rms_norm_eps), np.float32(1.0 / math.sqrt(cfg.head_dim)), i32(p["att_cap"]),
             i32(p["a_bytes"]), a["embed"], a["cur_token"], a["pos"], a["rope_cs"], a["h"], a["qkv"], a["attn_out"],
-            a["act"], counters, NULL if trace is None else trace, i32(1 if dyn else 0))
+            a["act"], counters, NULL if trace is None else trace, i32(MODES[mode]), NULL if ll is None else ll)
     names = op_names(cfg)
     label = "persistent step" if (lo, hi) == (0, total) else f"persistent {names[lo]}..{names[hi - 1]}"
-    label += " (dynamic tiles)" if dyn else ""
-    grid, block = (n_sm,), (GEMV_WS_THREADS,)
+    label += {"static": "", "dyn": " (dynamic tiles)", "split": " (split-K units)"}[mode]
+    grid, block = (n_sm,), (PS_THREADS,)
     return Launch(fn, "decode_persist", grid, block, args, p["shmem"], taps or {}, bytes_moved, label,
                   _pdl_launcher=CoopLauncher(fn, grid, block, args, p["shmem"]))
 
@@ -156,7 +181,7 @@ class PersistStep:
     """The persistent step of a one-GPU engine (sm_90+, a shape with a kernel), with its own kernels, layer table
     and counters; the engine's arena, weights and lm_head."""
 
-    def __init__(self, engine, dyn: bool = False):
+    def __init__(self, engine, mode: str = "static"):
         import cupy as cp
 
         if engine.group is not None or engine.cc < 90:
@@ -168,11 +193,14 @@ class PersistStep:
         self.lib = KernelLib(KERNELS, KERNELS_DIR)
         self.layers = cp.asarray(layer_table(engine.arena, self.cfg, self.fmt))
         self.counters = cp.zeros(2 * n_ops(self.cfg) + 1, dtype=cp.uint32)
-        self.dyn = dyn
+        if mode not in MODES:
+            raise AtomflowError(f"persistent step: no mode {mode!r} ({', '.join(MODES)})")
+        self.mode = mode
+        self.ll = cp.zeros(ll_words(self.cfg, self.fmt), dtype=cp.uint64) if mode == "split" else None
 
     def launch(self, ops=None, taps=None, trace=None) -> Launch:
         return persist_launch(self.lib, self.eng.arena, self.cfg, self.fmt, self.n_sm, self.layers, self.counters,
-                              ops, taps, trace, self.dyn)
+                              ops, taps, trace, self.mode, self.ll)
 
     def lm_head(self) -> Launch:
         ln = lm_head.lm_head_launch(self.eng.lib, self.eng.arena, self.cfg, self.n_sm)

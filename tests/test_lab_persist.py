@@ -93,13 +93,24 @@ def test_layer_table_order():
     assert int(persist.layer_table(a, cfg, "fp16")[0][1]) == 0  # no scales in fp16
 
 
+def test_split_units_and_their_buffer():
+    """A split-K unit is one ring slot: 8 groups of 128 inputs in fp8, 4 in fp16, the last one short; the LL buffer
+    holds the epoch and 16 row sums per unit of the step's largest GEMV."""
+    assert [persist.parts_per_tile("fp8", k) for k in (64, 1024, 1025, 2048, 3072, 8192)] == [1, 1, 2, 2, 3, 8]
+    assert [persist.parts_per_tile("fp16", k) for k in (64, 512, 576, 3072, 8192)] == [1, 1, 2, 6, 16]
+    cfg = cfg_of("llama-3.2-3b")  # gate/up: 16384 rows of 3072 inputs is the largest
+    assert persist.ll_words(cfg, "fp8") == 1 + 16384 // 16 * 3 * 16
+    assert persist.ll_words(cfg, "fp16") == 1 + 16384 // 16 * 6 * 16
+    assert persist.MODES == {"static": 0, "dyn": 1, "split": 2}
+
+
 def test_constants_are_the_kernels_defines():
     text = (KERNELS_DIR / "decode_persist.cu").read_text()
     found = dict(re.findall(r"^#define (PS_\w+) (\d+)", text, re.M))
     assert {k: int(v) for k, v in found.items()} == persist.CU_DEFINES
 
 
-# Nine warps per block cap a thread at 168 registers; the GEMVs and the attention together need a few more, so ptxas
+# Ten warps per block (nine would do the same) cap a thread at 168 registers; the GEMVs and the attention together need a few more, so ptxas
 # keeps a little on the stack (decode_persist.cu, the instances' comment). More than this is a regression.
 STACK_ALLOWED = 32
 

@@ -92,6 +92,34 @@ __device__ __forceinline__ int ws_produce_dyn(const WsRing& r, const unsigned ch
   return n + 1;
 }
 
+// The same with split-K units of one slot each (16 KB of weights): unit u = part u % spt of tile u / spt, taken from
+// the GEMV's counter `grab` in that order, so the parts of a tile go out close together. The next unit is asked for
+// before this one's slot is waited for and its copies issued: the atomic's round trip runs under the slot's wait
+// (a grab asked only when needed put one round trip in front of every copy: PERF_NOTES v48.1). Units as grain: an op
+// ends within one 16 KB unit on every block (v32.7: 48 KB grabs cost ~2 us more per op). A unit goes to the
+// consumers in `meta` [slot]; a marker slot (meta -1, no bytes) ends the GEMV.
+template <bool FP8>
+__device__ __forceinline__ int ws_produce_split(const WsRing& r, const unsigned char* W, const float* scales, int K,
+                                                int ntiles, int n, unsigned* grab, int* meta) {
+  using S = WsShape<FP8>;
+  const int spt = (((K + 127) >> 7) + S::GPS - 1) / S::GPS;
+  const int nu = ntiles * spt;
+  int u = (int)atomicAdd(grab, 1u);
+  while (u < nu) {
+    const int next = (int)atomicAdd(grab, 1u);  // used at the next turn: its round trip runs under this one's
+    const int slot = n % r.NS;
+    if (n >= r.NS) mbar_wait(r.empty + slot, (unsigned)(n / r.NS - 1) & 1u);
+    meta[slot] = u;
+    ws_fill<FP8>(r, W, scales, K, u / spt, u % spt, n++);
+    u = next;
+  }
+  const int slot = n % r.NS;  // the marker
+  if (n >= r.NS) mbar_wait(r.empty + slot, (unsigned)(n / r.NS - 1) & 1u);
+  meta[slot] = -1;
+  mbar_arrive(r.full + slot);
+  return n + 1;
+}
+
 // The 8 consumer warps: tile T's slots from slot count n, its sums into acc (fp8: scaled per group). In every slot a
 // warp takes the group it owns (group g belongs to warp g % 8, as in the ring form), then releases the slot.
 template <bool FP8>

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """The product's graph step against the lab's persistent step (lab/persist.py), interleaved on one engine and GPU.
 
-    lab/scripts/persist_ab.py MODEL FMT [FORMS ...] [--ctx 128] [--tokens 256] [--rounds 2] [--json FILE]
+    lab/scripts/persist_ab.py MODEL FMT [FORMS ...] [--modes static,split] [--ctx 128] [--tokens 256] [--rounds 2]
+                              [--json FILE]
 
 MODEL is a model of the store (lab/local.py lab_engine). Each round times every FORMS (the graph step in those forms,
-`engine.use`) and then the persistent step with static and with dynamic tiles (installed over the ws form's short
-bucket), with the timing of `run`
+`engine.use`) and then the persistent step in each of --modes (lab/persist.py MODES; installed over the ws form's
+short bucket), with the timing of `run`
 (time_decode: ctx, tokens, 3 repeats after a warm-up; median per token). The copy bandwidth is measured in the same
 call; the floor is the step's bytes at the run's mean length over it. PERF_NOTES v48 ran the same comparison with
 `run --forms short:persist;split:ws` while the form was in the product."""
@@ -19,14 +20,13 @@ from pathlib import Path
 # run as a file: the repository root onto the path, where the lab package lives beside the product
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-PERSIST = ("persist", "persist-dyn")
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("fmt", choices=("fp16", "fp8"))
     ap.add_argument("forms", nargs="*", default=["short:ws/l2=0;split:ws/l2=0"])
+    ap.add_argument("--modes", default="static,split")
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
@@ -39,11 +39,15 @@ def main(argv=None) -> int:
     from atomflow_bench.measure.timing import copy_bandwidth
     from atomflow_bench.store.store import write_text_atomic
     from lab.local import lab_engine
-    from lab.persist import PersistStep
+    from lab.persist import MODES, PersistStep
 
     ws = Forms.parse("short:ws;split:ws")
     try:
-        configs = [(f, Forms.parse(f)) for f in a.forms] + [(p, ws) for p in PERSIST]
+        modes = a.modes.split(",")
+        if not set(modes) <= set(MODES):
+            raise AtomflowError(f"--modes: each of {', '.join(MODES)}")
+        persist_tags = {f"persist-{m}": m for m in modes}
+        configs = [(f, Forms.parse(f)) for f in a.forms] + [(t, ws) for t in persist_tags]
         eng = lab_engine(a.model, a.fmt, a.ctx + a.tokens + 8, forms=configs[0][1])
         if eng.short_capacity < a.ctx + a.tokens:
             raise AtomflowError(f"the run's lengths reach {a.ctx + a.tokens}, past the short bucket "
@@ -57,8 +61,8 @@ def main(argv=None) -> int:
     for r in range(a.rounds):
         for tag, forms in configs:
             eng.use(forms)
-            if tag in PERSIST:
-                PersistStep(eng, dyn=tag.endswith("dyn")).install()
+            if tag in persist_tags:
+                PersistStep(eng, persist_tags[tag]).install()
             m = time_decode(eng, a.ctx, a.tokens, repeats=3)["tpot_ms"]
             runs.append({"round": r, "form": tag, "tpot_ms": m, "pct_of_floor": 100 * floor_ms / m["median"]})
             print(f"round {r} {tag}: {m['median']:.4f} ms ({m['p10']:.4f}-{m['p90']:.4f}) "
