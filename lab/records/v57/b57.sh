@@ -32,4 +32,21 @@ if [ "$PH" = A ]; then  # one H100: the scheduler test first (a hang ends at its
   ab llama-3.2-1b fp16 120 "short:ws/l2=8;split:ws/l2=8"
   ab llama-3.2-3b fp16 120 "short:ws/l2=24;split:ws/l2=24"
 fi
+if [ "$PH" = B ]; then  # one GPU: the prefill's residual in fp16 (v58): kernel tests, the interleaved A/B against
+  # fp32, validate 3B on the prefill path in both formats, `run` TTFT at 2048
+  pt prefill 240 tests/test_prefill_gpu.py tests/test_validate_prefill_gpu.py
+  stop_unless_passed $W/prefill.log
+  timeout 200 atomflow-bench fetch llama-3.2-3b >$W/fetch-3b.log 2>&1
+  timeout -k 10 150 python3 lab/scripts/prefill_chunk_ab.py llama-3.2-3b fp16 --prompts 512,2048,8192 --chunks 4096 \
+    --residuals fp32,fp16 --rounds 3 --json $W/resid-ab.json >$W/resid-ab.log 2>&1; note "residual A/B rc=$?"
+  tail -4 $W/resid-ab.log | tee -a $S
+  for w in fp16 fp8; do
+    timeout -k 10 150 atomflow-bench validate llama-3.2-3b --weights $w --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
+      --json $W/validate-3b-$w.json >$W/validate-3b-$w.log 2>&1
+    note "validate 3b $w: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-$w.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  done
+  timeout -k 10 100 atomflow-bench run llama-3.2-3b --weights fp16 --ctx 2048 --tokens 128 --repeats 5 \
+    --json $W/3b-fp16-ctx2048.json >$W/3b-fp16-ctx2048.log 2>&1
+  note "run 3b fp16 ctx 2048: rc=$? $(grep -E 'TTFT|TPOT \(graph\)' $W/3b-fp16-ctx2048.log | tr -s ' ' | tr '\n' ' ')"
+fi
 tar czf $OUT/v57$PH.tgz -C $OUT v57$PH
