@@ -308,9 +308,10 @@ __device__ __forceinline__ void decode_persist_body(PS_PARAMS) {
       else ps_finish_rows<EPI_RESID, 1>(g, T, s);
       __syncwarp();  // the epilogue's stores, then one fence and the count
       if (lane == 0) {
+        if (trace != nullptr)  // stamped before the count: a successor that saw the count starts after it
+          atomicMax(trace + 1 + ((size_t)o * gridDim.x + blockIdx.x) * 2 + 1, atomicAdd(trace, 1u) + 1u);
         __threadfence();
         atomicAdd(counters + o, 1u);
-        if (trace != nullptr) atomicMax(trace + 1 + ((size_t)o * gridDim.x + blockIdx.x) * 2 + 1, atomicAdd(trace, 1u) + 1u);
       }
     }
     if (lane == 0) ticket();
