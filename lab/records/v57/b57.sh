@@ -49,4 +49,23 @@ if [ "$PH" = B ]; then  # one GPU: the prefill's residual in fp16 (v58): kernel 
     --json $W/3b-fp16-ctx2048.json >$W/3b-fp16-ctx2048.log 2>&1
   note "run 3b fp16 ctx 2048: rc=$? $(grep -E 'TTFT|TPOT \(graph\)' $W/3b-fp16-ctx2048.log | tr -s ' ' | tr '\n' ' ')"
 fi
+if [ "$PH" = C ]; then  # A and B in one call (machines were scarce): a part whose tests fail skips its timings only
+  passed() { grep -qE "^[0-9]+ passed" <(tail -1 $1) || { note "$1: tests fail, its timings skipped"; tail -30 $1 | tee -a $S; return 1; }; }
+  pt persist-all 150 tests/test_lab_persist_gpu.py -x
+  for m in llama-3.2-1b llama-3.2-3b; do timeout 100 atomflow-bench fetch $m >$W/fetch-$m.log 2>&1; done
+  if passed $W/persist-all.log; then
+    ab llama-3.2-1b fp8 70 "short:ring/l2=4;split:ring/l2=4" "short:ws/l2=0;split:ws/l2=0"
+    ab llama-3.2-3b fp8 70 "short:ring/l2=4;split:ring/l2=4"
+    ab llama-3.2-1b fp16 50 "short:ws/l2=8;split:ws/l2=8"
+  fi
+  pt prefill 120 tests/test_prefill_gpu.py tests/test_validate_prefill_gpu.py
+  if passed $W/prefill.log; then
+    timeout -k 10 90 python3 lab/scripts/prefill_chunk_ab.py llama-3.2-3b fp16 --prompts 2048,8192 --chunks 4096 \
+      --residuals fp32,fp16 --rounds 2 --json $W/resid-ab.json >$W/resid-ab.log 2>&1; note "residual A/B rc=$?"
+    tail -3 $W/resid-ab.log | tee -a $S
+    timeout -k 10 100 atomflow-bench validate llama-3.2-3b --weights fp16 --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
+      --json $W/validate-3b-fp16.json >$W/validate-3b-fp16.log 2>&1
+    note "validate 3b fp16: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-fp16.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  fi
+fi
 tar czf $OUT/v57$PH.tgz -C $OUT v57$PH
