@@ -68,4 +68,18 @@ if [ "$PH" = C ]; then  # A and B in one call (machines were scarce): a part who
     note "validate 3b fp16: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-fp16.log | tr -s ' ' | head -3 | tr '\n' ' ')"
   fi
 fi
+if [ "$PH" = D ]; then  # the fp16 residual, op by op (interleaved with fp32), validate 3B W8A16 on the prefill path,
+  # `run` TTFT of 3B at 512 (both formats) and 2048 on the new default
+  timeout 100 atomflow-bench fetch llama-3.2-3b >$W/fetch-3b.log 2>&1
+  timeout -k 10 120 python3 lab/scripts/prefill_resid_profile.py llama-3.2-3b fp16 --prompt 2048 --rounds 2 \
+    --json $W/resid-profile.json >$W/resid-profile.log 2>&1; note "residual profile rc=$?"; cat $W/resid-profile.log | tee -a $S
+  timeout -k 10 100 atomflow-bench validate llama-3.2-3b --weights fp8 --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
+    --json $W/validate-3b-fp8.json >$W/validate-3b-fp8.log 2>&1
+  note "validate 3b fp8: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-fp8.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  for cw in "fp16 2048 128" "fp16 512 256" "fp8 512 256"; do set -- $cw
+    timeout -k 10 60 atomflow-bench run llama-3.2-3b --weights $1 --ctx $2 --tokens $3 --repeats 5 \
+      --json $W/3b-$1-ctx$2.json >$W/3b-$1-ctx$2.log 2>&1
+    note "run 3b $1 ctx $2: rc=$? $(grep -E 'TTFT' $W/3b-$1-ctx$2.log | tr -s ' ' | tr '\n' ' ')"
+  done
+fi
 tar czf $OUT/v57$PH.tgz -C $OUT v57$PH
