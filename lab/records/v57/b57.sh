@@ -82,4 +82,13 @@ if [ "$PH" = D ]; then  # the fp16 residual, op by op (interleaved with fp32), v
     note "run 3b $1 ctx $2: rc=$? $(grep -E 'TTFT' $W/3b-$1-ctx$2.log | tr -s ' ' | tr '\n' ' ')"
   done
 fi
+if [ "$PH" = E ]; then  # D cut to what the last minutes allow: validate 3B W8A16 on the prefill path (the fp16 residual is
+  # the default now), then the residual's per-op profile, one round
+  timeout 100 atomflow-bench fetch llama-3.2-3b >$W/fetch-3b.log 2>&1
+  timeout -k 10 100 atomflow-bench validate llama-3.2-3b --weights fp8 --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
+    --json $W/validate-3b-fp8.json >$W/validate-3b-fp8.log 2>&1
+  note "validate 3b fp8: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-fp8.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  timeout -k 10 70 python3 lab/scripts/prefill_resid_profile.py llama-3.2-3b fp16 --prompt 2048 --rounds 1 \
+    --json $W/resid-profile.json >$W/resid-profile.log 2>&1; note "residual profile rc=$?"; cat $W/resid-profile.log | tee -a $S
+fi
 tar czf $OUT/v57$PH.tgz -C $OUT v57$PH
