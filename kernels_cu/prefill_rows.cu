@@ -48,19 +48,12 @@ extern "C" __global__ void h_row_f32(const __half* __restrict__ row, float* __re
 // and squared in row_chunks_sq's order, so both widths normalise alike.
 template <int V>
 __device__ __forceinline__ float row_chunks_sq_h(const uint2* h4, int nchunks, int nth, float4 (&hv)[V]) {
-  float ss = 0.f;
-#pragma unroll
-  for (int i = 0; i < V; ++i) {
-    const int c = threadIdx.x + i * nth;
-    if (c < nchunks) {
-      const uint2 u = __ldcg(h4 + c);
-      const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-      const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-      hv[i] = make_float4(a.x, a.y, b.x, b.y);
-      ss += hv[i].x * hv[i].x + hv[i].y * hv[i].y + hv[i].z * hv[i].z + hv[i].w * hv[i].w;
-    }
-  }
-  return ss;
+  return row_chunks_sq_by<V>([&](int c) {
+    const uint2 u = __ldcg(h4 + c);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+  }, nchunks, nth, hv);
 }
 
 // rmsnorm_rows_<V>: a thread holds V float4s of its row in registers, so rows up to PREFILL_THREADS * 4 * V wide.

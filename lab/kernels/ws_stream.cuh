@@ -64,6 +64,15 @@ __device__ __forceinline__ int ws_produce(const WsRing& r, const unsigned char* 
   return n;
 }
 
+// The producer's marker at slot count n: a slot with meta -1 and no bytes, which ends a GEMV for the consumers.
+__device__ __forceinline__ int ws_mark_end(const WsRing& r, int n, int* meta) {
+  const int slot = n % r.NS;
+  if (n >= r.NS) mbar_wait(r.empty + slot, (unsigned)(n / r.NS - 1) & 1u);
+  meta[slot] = -1;
+  mbar_arrive(r.full + slot);
+  return n + 1;
+}
+
 // The same with the tiles taken dynamically: each from the GEMV's counter `grab` (shared by the grid, zero before
 // the GEMV), so a block that is ahead takes more of them (the v32 probe: static shares end every op with its slowest
 // block). A slot's tile goes to the consumers in `meta` [slot]; after the last tile a marker slot (meta -1, no bytes)
@@ -85,11 +94,7 @@ __device__ __forceinline__ int ws_produce_dyn(const WsRing& r, const unsigned ch
     }
     T = next;
   }
-  const int slot = n % r.NS;  // the marker
-  if (n >= r.NS) mbar_wait(r.empty + slot, (unsigned)(n / r.NS - 1) & 1u);
-  meta[slot] = -1;
-  mbar_arrive(r.full + slot);
-  return n + 1;
+  return ws_mark_end(r, n, meta);
 }
 
 // The same with split-K units of one slot each (16 KB of weights): unit u = part u % spt of tile u / spt, taken from
@@ -113,11 +118,7 @@ __device__ __forceinline__ int ws_produce_split(const WsRing& r, const unsigned 
     ws_fill<FP8>(r, W, scales, K, u / spt, u % spt, n++);
     u = next;
   }
-  const int slot = n % r.NS;  // the marker
-  if (n >= r.NS) mbar_wait(r.empty + slot, (unsigned)(n / r.NS - 1) & 1u);
-  meta[slot] = -1;
-  mbar_arrive(r.full + slot);
-  return n + 1;
+  return ws_mark_end(r, n, meta);
 }
 
 // The 8 consumer warps: tile T's slots from slot count n, its sums into acc (fp8: scaled per group). In every slot a
