@@ -310,23 +310,18 @@ __device__ __forceinline__ unsigned norm_pair(float h0, float h1, float inv, __h
 // A row normalised in one pass: this thread's float4 chunks c = threadIdx.x + i * nth (i < V, c < nchunks) read
 // through L2 into hv, kept for the normalisation after the block's sum; returns this thread's sum of their squares,
 // in rms_inv's order (so rsqrtf(block_sum / K + eps) is rms_inv's value, bit for bit).
-// `load(c)`: chunk c as a float4 (an fp32 row's 16 bytes, or an fp16 row's 8 widened: prefill_rows.cu).
-template <int V, class Load>
-__device__ __forceinline__ float row_chunks_sq_by(Load load, int nchunks, int nth, float4 (&hv)[V]) {
+template <int V>
+__device__ __forceinline__ float row_chunks_sq(const float4* h4, int nchunks, int nth, float4 (&hv)[V]) {
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     const int c = threadIdx.x + i * nth;
     if (c < nchunks) {
-      hv[i] = load(c);
+      hv[i] = __ldcg(h4 + c);
       ss += hv[i].x * hv[i].x + hv[i].y * hv[i].y + hv[i].z * hv[i].z + hv[i].w * hv[i].w;
     }
   }
   return ss;
-}
-template <int V>
-__device__ __forceinline__ float row_chunks_sq(const float4* h4, int nchunks, int nth, float4 (&hv)[V]) {
-  return row_chunks_sq_by<V>([&](int c) { return __ldcg(h4 + c); }, nchunks, nth, hv);
 }
 
 // Synchronisation with the previous kernel, used by the GEMVs (gemv_tiled.cuh, gemv_rows.cuh) between issuing their

@@ -1,65 +1,36 @@
 // prefill_rows.cu — the prefill's row-wise ops over a chunk of M prompt tokens (gpu/prefill.py): what the decode
 // step's fused prologues and epilogues do for one token, done for M rows between the chunk's GEMMs.
 //
-// Computes   embed_rows    h[r][k] = emb[tokens[r]][k]
+// Computes   embed_rows    h[r][k] = float(emb[tokens[r]][k])
 //            rmsnorm_rows_4, rmsnorm_rows_16 (by the row's width)
 //                          x[r][k] = fp16(fp16(h[r][k] * rsqrt(mean_k(h[r]^2) + eps)) * w[k]) (rmsnorm_elem, as the
 //                          GEMVs' prologue)
-//            h_row_f32     the decode step's fp32 residual from one fp16 row of h (the prompt's last position)
-//            Each row kernel on h comes for an fp32 residual (tensor parallel: the ranks' partial products are summed
-//            in it) and, suffix _h, an fp16 one (one GPU: HF's own residual width, half the bytes of the chunk's
-//            largest row traffic: the residual GEMMs read and write h, the norms read it).
 //            rope_kv_rows  row r is position start + r: q and k heads rotated in place (HF rotate_half: pairs i,
 //                          i + hd/2, cos/sin of the host table), then k and v appended to the layer's cache at that
 //                          position (as the QKV GEMV's epilogue, from fp16 projections)
 //            swiglu_rows   act[r][j] = fp16(fp16(silu(g)) * u) with g = gu[r][j], u = gu[r][I + j] (gate | up
 //                          stacked, as the gate/up GEMV's epilogue)
-// Layouts    h fp32 or fp16 [M][H]; x fp16 [M][H]; qkv fp16 [M][qkv_dim] = q heads | k heads | v heads per row; caches
+// Layouts    h fp32 [M][H]; x fp16 [M][H]; qkv fp16 [M][qkv_dim] = q heads | k heads | v heads per row; caches
 //            fp16 [max_seq][n_kv * hd]; cos_sin [max_seq][hd / 2] float2; gu fp16 [M][2 I]; act fp16 [M][I].
 // Bytes      each reads and writes its rows once (rope_kv_rows: + 2 * M * n_kv * hd * 2 into the cache).
 // Launch     a block of 256 threads per row (embed_rows; rmsnorm_rows_4: H % 4 == 0 and H <= 4096,
-//            rmsnorm_rows_16: H <= 16384; rope_kv_rows: hd % 4 == 0), h_row_f32 any grid,
+//            rmsnorm_rows_16: H <= 16384; rope_kv_rows: hd % 4 == 0),
 //            grid (ceil(I / 2048), M) of 256 threads, 8 elements each, for swiglu_rows (I % 8 == 0); no
 //            programmatic dependent launch (the prefill runs eagerly, one chunk at a time).
 #include "common.cuh"
 
 #define PREFILL_THREADS 256
 
-template <class T>
-__device__ __forceinline__ void embed_row(const int* __restrict__ tokens, const __half* __restrict__ emb,
-                                          T* __restrict__ h, int H) {
-  const size_t r = blockIdx.x, base = (size_t)tokens[r] * H;
-  for (int k = threadIdx.x; k < H; k += blockDim.x) h[r * H + k] = emb[base + k];  // fp16 -> T, exact
-}
 extern "C" __global__ void embed_rows(const int* __restrict__ tokens, const __half* __restrict__ emb,
                                       float* __restrict__ h, int H) {
-  embed_row(tokens, emb, h, H);
-}
-extern "C" __global__ void embed_rows_h(const int* __restrict__ tokens, const __half* __restrict__ emb,
-                                        __half* __restrict__ h, int H) {
-  embed_row(tokens, emb, h, H);
-}
-
-extern "C" __global__ void h_row_f32(const __half* __restrict__ row, float* __restrict__ h, int H) {
-  for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < H; k += gridDim.x * blockDim.x) h[k] = __half2float(row[k]);
-}
-
-// The fp16 residual's row as rmsnorm_row reads the fp32 one: each chunk of 4 values (8 bytes) widened to a float4
-// and squared in row_chunks_sq's order, so both widths normalise alike.
-template <int V>
-__device__ __forceinline__ float row_chunks_sq_h(const uint2* h4, int nchunks, int nth, float4 (&hv)[V]) {
-  return row_chunks_sq_by<V>([&](int c) {
-    const uint2 u = __ldcg(h4 + c);
-    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-    return make_float4(a.x, a.y, b.x, b.y);
-  }, nchunks, nth, hv);
+  const size_t r = blockIdx.x, base = (size_t)tokens[r] * H;
+  for (int k = threadIdx.x; k < H; k += blockDim.x) h[r * H + k] = __half2float(emb[base + k]);
 }
 
 // rmsnorm_rows_<V>: a thread holds V float4s of its row in registers, so rows up to PREFILL_THREADS * 4 * V wide.
 // Two instances: V = 4 for rows up to 4096 (the register file holds 5 blocks of 256 threads an SM), 16 up to 16384.
-template <int V, class T>
-__device__ __forceinline__ void rmsnorm_row(const T* __restrict__ h, const __half* __restrict__ w,
+template <int V>
+__device__ __forceinline__ void rmsnorm_row(const float* __restrict__ h, const __half* __restrict__ w,
                                             __half* __restrict__ x, int H, float eps) {
   // The row is read once, as the decode GEMVs' one-pass norm prologue reads it (row_chunks_sq): each thread keeps
   // its float4s in registers across the block's sum instead of reading the row again after it, and the sum runs in
@@ -67,11 +38,7 @@ __device__ __forceinline__ void rmsnorm_row(const T* __restrict__ h, const __hal
   __shared__ float red[PREFILL_THREADS / AF_WARP];
   const int n4 = H / 4;
   float4 v[V];
-  float ss;
-  if constexpr (sizeof(T) == 4)
-    ss = row_chunks_sq(reinterpret_cast<const float4*>(h + (size_t)blockIdx.x * H), n4, PREFILL_THREADS, v);
-  else
-    ss = row_chunks_sq_h(reinterpret_cast<const uint2*>(h + (size_t)blockIdx.x * H), n4, PREFILL_THREADS, v);
+  const float ss = row_chunks_sq(reinterpret_cast<const float4*>(h + (size_t)blockIdx.x * H), n4, PREFILL_THREADS, v);
   const float inv = rsqrtf(block_sum<PREFILL_THREADS>(ss, red) / (float)H + eps);
   uint2* xr = reinterpret_cast<uint2*>(x + (size_t)blockIdx.x * H);
 #pragma unroll
@@ -96,16 +63,6 @@ extern "C" __global__ void rmsnorm_rows_4(const float* __restrict__ h, const __h
 
 extern "C" __global__ void rmsnorm_rows_16(const float* __restrict__ h, const __half* __restrict__ w,
                                            __half* __restrict__ x, int H, float eps) {
-  rmsnorm_row<16>(h, w, x, H, eps);
-}
-
-extern "C" __global__ void rmsnorm_rows_h4(const __half* __restrict__ h, const __half* __restrict__ w,
-                                           __half* __restrict__ x, int H, float eps) {
-  rmsnorm_row<4>(h, w, x, H, eps);
-}
-
-extern "C" __global__ void rmsnorm_rows_h16(const __half* __restrict__ h, const __half* __restrict__ w,
-                                            __half* __restrict__ x, int H, float eps) {
   rmsnorm_row<16>(h, w, x, H, eps);
 }
 

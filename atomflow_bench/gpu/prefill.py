@@ -6,12 +6,10 @@
 
 Per chunk of up to `chunk` tokens (positions start .. start+m-1), per layer, as the decode step does for one token:
 RMSNorm rows -> QKV GEMM -> RoPE + K/V into the cache -> causal attention over the cache before the chunk and the
-chunk (ops/attention_prefill.py) -> o_proj GEMM added into the residual -> RMSNorm rows -> gate/up GEMM -> SwiGLU
-rows -> down GEMM added into the residual. The chunk's residual is fp16 on one GPU (`residual`): HF's own width, and
-half the bytes of the chunk's largest row traffic (each residual GEMM reads and writes it, each norm reads it); the
-decode step's fp32 residual takes the last row widened. The GEMMs run on cuBLAS (ops/prefill_rows.py Gemm) over
-row-major fp16 weights made from the arena's tiled ones (fp8: dequantised, each weight times its group's scale, rounded
-to fp16). After the last chunk its last row goes through the decode step's lm_head kernel alone (final norm, logits,
+chunk (ops/attention_prefill.py) -> o_proj GEMM added into the fp32 residual -> RMSNorm rows -> gate/up GEMM ->
+SwiGLU rows -> down GEMM added into the residual. The GEMMs run on cuBLAS (ops/prefill_rows.py Gemm) over row-major
+fp16 weights made from the arena's tiled ones (fp8: dequantised, each weight times its group's scale, rounded to
+fp16). After the last chunk its last row goes through the decode step's lm_head kernel alone (final norm, logits,
 argmax, position + 1), which makes the first new token without a decode step's weight reads (tensor parallel: the
 last prompt token goes through the decode step, whose lm_head shards and their combine give the first token).
 
@@ -21,15 +19,15 @@ counted beside the model): "copies" makes every layer's row-major weights once (
 (kernels_cu/untile.cu: un-tiled, fp8 dequantised) right before each GEMM, every chunk. Staging costs a pass over the
 weights per chunk besides the GEMM's own: 4 bytes moved per fp16 weight, 3 per fp8 weight (read, written as fp16),
 while a chunk of m tokens does 2m flops per weight. At m = 512 on an H100 (3.35 TB/s, ~990 dense fp16 TFLOPS) a
-weight is staged in about the time the GEMM computes it at peak, so the GEMMs' time up to doubles; longer chunks pay
-the same pass for more work (figures from those peaks, not measured).
+weight is staged in about the time the GEMM computes it at peak, so the GEMMs' time up to doubles; longer chunks
+pay the same pass for more work (figures from those peaks, not measured).
 
 Tensor parallel (the engine's `tp`, gpu/tp/sums.py RowSums): each rank runs its heads and its share of the MLP on
 its own shard (the arena's, `layer_cfg` shapes); after o_proj and after down the ranks' partial products are summed
 by an in-place NCCL all-reduce of the chunk's rows of h (rank 0's GEMM adds its product to the residual, the others'
-store theirs; the residual stays fp32 for these sums), queued on the stream like the GEMMs, so each chunk's CUDA
-graph captures it. Every rank makes the same calls in the same order: the chunks are the prompt's, the same on every
-rank."""
+store theirs), queued on the stream like the GEMMs, so each chunk's CUDA graph captures it. Every rank makes the
+same calls in the same order: the chunks are the prompt's, the same on every rank.
+"""
 from __future__ import annotations
 
 import math
@@ -42,8 +40,8 @@ from .graph import StepGraph
 from .ops.attention_prefill import attention_prefill_launch, wgmma_default
 from .ops.gemv import ROLE_PAIRING, linear_regions, tile_scale_view, tile_view
 from .ops.lm_head import lm_head_launch
-from .ops.prefill_rows import (RESIDUALS, Gemm, embed_rows_launch, h_row_f32_launch, rmsnorm_rows_launch,
-                               rope_kv_rows_launch, swiglu_rows_launch)
+from .ops.prefill_rows import (Gemm, embed_rows_launch, rmsnorm_rows_launch, rope_kv_rows_launch,
+                               swiglu_rows_launch)
 from .ops.untile import untile_launch
 
 # What each layer runs, in order (chunk_ops' names).
@@ -65,18 +63,16 @@ def prefill_flops(cfg, n: int) -> float:
     return gemms + attention + 2.0 * cfg.vocab_size * cfg.hidden_size
 
 
-def buffer_shapes(cfg, chunk: int, residual: str = "fp32") -> dict[str, tuple[tuple, type]]:
-    """The chunk buffers of a layer config `cfg` (tensor parallel: the rank's): name -> (shape, dtype); h in the
-    `residual` width (RESIDUALS)."""
+def buffer_shapes(cfg, chunk: int) -> dict[str, tuple[tuple, type]]:
+    """The chunk buffers of a layer config `cfg` (tensor parallel: the rank's): name -> (shape, dtype)."""
     H, inter = cfg.hidden_size, cfg.intermediate_size
-    return {"tokens": ((chunk,), np.int32), "h": ((chunk, H), RESIDUALS[residual]), "x": ((chunk, H), np.float16),
+    return {"tokens": ((chunk,), np.int32), "h": ((chunk, H), np.float32), "x": ((chunk, H), np.float16),
             "qkv": ((chunk, cfg.qkv_dim), np.float16), "att": ((chunk, cfg.q_dim), np.float16),
             "gu": ((chunk, 2 * inter), np.float16), "act": ((chunk, inter), np.float16)}
 
 
 def form_bytes(cfg, fmt: str, chunk: int) -> dict[str, int]:
-    """Device bytes of each weights form (FORMS order), chunk buffers included (h counted fp32: the wider
-    residual, so one plan covers both). copies: every layer's weights in
+    """Device bytes of each weights form (FORMS order), chunk buffers included. copies: every layer's weights in
     fp16 (the fp16 model's layer bytes; tensor parallel: the rank's shard, `cfg` its local config), and for fp8 what
     making one takes besides (row_major: the codes, the scales and one group of fp32 products of the largest weight);
     staged: one fp16 scratch of the largest weight."""
@@ -124,11 +120,9 @@ def row_major(a, name: str, fmt: str, half: int):
 
 class Prefill:
     """The batched prefill of an engine (see the module docstring). `weights_form`: "copies" or "staged" (None: the
-    form the engine's arena planned, else the first that fits the memory free at construction). `residual`: "fp16"
-    or "fp32" (None: fp16 on one GPU, fp32 under tensor parallel)."""
+    form the engine's arena planned, else the first that fits the memory free at construction)."""
 
-    def __init__(self, engine, chunk: int = PREFILL_CHUNK, weights_form: str | None = None,
-                 residual: str | None = None):
+    def __init__(self, engine, chunk: int = PREFILL_CHUNK, weights_form: str | None = None):
         import cupy as cp
 
         cfg = engine.layer_cfg
@@ -144,9 +138,6 @@ class Prefill:
                                 f"{need[form] / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free; try a smaller --ctx "
                                 "or more GPUs (--tp)")
         self.weights_form = form
-        self.residual = residual or ("fp32" if engine.tp is not None else "fp16")
-        if self.residual not in RESIDUALS or (engine.tp is not None and self.residual != "fp32"):
-            raise AtomflowError(f"prefill residual {self.residual!r}: fp16 or fp32 (tensor parallel: fp32)")
         self.wgmma = wgmma_default()  # the attention on Hopper's warpgroup MMA where the device runs it
         self.sums = None if engine.tp is None else engine.tp.row_sums  # tensor parallel: the sums of the rows
         half = cfg.head_dim // 2
@@ -162,7 +153,7 @@ class Prefill:
                 scales = a[n + ".scale"] if engine.fmt == "fp8" else None
                 self.staged[n] = (untile_launch(engine.lib, engine.fmt, a[n], scales, view,
                                                 ROLE_PAIRING[n.split(".", 1)[1]], half), view)
-        b = {name: cp.zeros(shape, dtype=dt) for name, (shape, dt) in buffer_shapes(cfg, self.chunk, self.residual).items()}
+        b = {name: cp.zeros(shape, dtype=dt) for name, (shape, dt) in buffer_shapes(cfg, self.chunk).items()}
         cp.cuda.Device().synchronize()  # the copies and buffers are made on CuPy's stream, read on the engine's
         self.tokens, self.h, self.x, self.qkv, self.att, self.gu, self.act = (
             b[k] for k in ("tokens", "h", "x", "qkv", "att", "gu", "act"))
@@ -219,13 +210,10 @@ class Prefill:
             ]
             out += [(f"layers.{i}.{r}", op) for r, op in zip(ROLES, ops)]
         if last and self.lm_head is not None:  # tensor parallel: the decode step makes the first token
-            if h.dtype == np.float16:
-                last_row = h_row_f32_launch(lib, h[m - 1], a["h"])
-            else:
-                src, dst, nbytes = h[m - 1].data.ptr, a["h"].data.ptr, a["h"].nbytes
-                last_row = lambda: cp.cuda.runtime.memcpyAsync(dst, src, nbytes, D2D,  # noqa: E731
-                                                               cp.cuda.get_current_stream().ptr)
-            out += [("last_row", last_row), ("lm_head", self.lm_head)]
+            src, dst, nbytes = h[m - 1].data.ptr, a["h"].data.ptr, a["h"].nbytes
+            out += [("last_row", lambda: cp.cuda.runtime.memcpyAsync(dst, src, nbytes, D2D,
+                                                                     cp.cuda.get_current_stream().ptr)),
+                    ("lm_head", self.lm_head)]
         return out
 
     def chunk_launches(self, start: int, m: int, last: bool = False) -> list:
@@ -257,7 +245,7 @@ class Prefill:
         launch), then the lm_head on the last one: the first new token is made and the engine's next decode step is
         the one at position n. `upto`: positions 0 .. upto-1 only, no lm_head; the next step is the one at `upto`
         (it reads token `upto`). Queued on the engine's stream, no host synchronisation. `taps(name, rows)`: called
-        after each op with its name and h[:m] (the residual rows of the chunk's positions), in order; the stream
+        after each op with its name and h[:m] (the fp32 residual rows of the chunk's positions), in order; the stream
         is synchronised before each call."""
         e = self.eng
         ids = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)

@@ -43,13 +43,12 @@ def role_flops(cfg, role: str, start: int, m: int) -> int | None:
     return None
 
 
-def role_bytes(cfg, role: str, m: int, resid: int = 4) -> int | None:
-    """Bytes one launch of row op `role` reads and writes over m rows (None for the GEMMs and the attention);
-    `resid`: bytes of a residual value (4 fp32, 2 fp16: Prefill.residual)."""
+def role_bytes(cfg, role: str, m: int) -> int | None:
+    """Bytes one launch of row op `role` reads and writes over m rows (None for the GEMMs and the attention)."""
     H, inter = cfg.hidden_size, cfg.intermediate_size
-    return {"embed": m * H * (2 + resid),           # fp16 embedding row in, the residual row out
-            "attn_norm": m * H * (resid + 2),       # the residual row in, fp16 normalised row out
-            "mlp_norm": m * H * (resid + 2),
+    return {"embed": m * H * (2 + 4),               # fp16 embedding row in, fp32 residual row out
+            "attn_norm": m * H * (4 + 2),           # fp32 residual row in, fp16 normalised row out
+            "mlp_norm": m * H * (4 + 2),
             "rope_kv": m * cfg.qkv_dim * 2 * 2,     # the fp16 q|k|v row in; q in place, k and v into the cache
             "swiglu": m * inter * (2 * 2 + 2),      # fp16 gate and up rows in, fp16 activation out
             "lm_head": cfg.vocab_size * H * 2}.get(role)  # one row against the fp16 head's every row
@@ -62,7 +61,7 @@ def op_names(role: str, layers: int) -> list[str]:
 
 
 def prefill_breakdown(cfg, op_us: dict, graph_us: dict, *, prompt_tokens: int, chunk: int, start: int, m: int,
-                      copy_gbs: float | None = None, resid: int = 4) -> dict:
+                      copy_gbs: float | None = None) -> dict:
     """The record's `prefill` from the timings: `op_us` {op name: µs of each repetition} (chunk_ops' names),
     `graph_us` the chunk graph's replays (timing.summarize of µs), `copy_gbs` the copy bandwidth (or None)."""
     L = cfg.num_hidden_layers
@@ -70,7 +69,7 @@ def prefill_breakdown(cfg, op_us: dict, graph_us: dict, *, prompt_tokens: int, c
     for role in PREFILL_ROLES:
         names = op_names(role, L)
         us = float(np.median(np.sum([op_us[n] for n in names], axis=0)))  # median over repetitions of the layers' sum
-        f, b = role_flops(cfg, role, start, m), role_bytes(cfg, role, m, resid)
+        f, b = role_flops(cfg, role, start, m), role_bytes(cfg, role, m)
         times = 1 if role in ("embed", "lm_head") else L  # the work is a layer's, or once per chunk
         flops = None if f is None else f * times
         nbytes = None if b is None else b * times
@@ -116,7 +115,7 @@ def profile_prefill(engine, prompt_tokens: int, copy_gbs: float | None = None, r
     op_us = {name: us[:, j].tolist() for j, (name, _) in enumerate(ops)}
     replayed = summarize(replay_us(StepGraph([op for _, op in ops], engine.stream), engine.stream, replays))
     return prefill_breakdown(pf.cfg, op_us, replayed, prompt_tokens=prompt_tokens, chunk=pf.chunk, start=start, m=m,
-                             copy_gbs=copy_gbs, resid=pf.h.dtype.itemsize)
+                             copy_gbs=copy_gbs)
 
 
 def prefill_fields(engine, prompt_tokens: int, copy_gbs: float | None = None) -> dict:

@@ -1,12 +1,11 @@
 #!/usr/bin/env python3
-"""The prefill's chunk length and residual width: TTFT of each (chunk, residual) at each prompt length, interleaved
-on one engine and GPU.
+"""The prefill's chunk length: TTFT of each chunk length at each prompt length, interleaved on one engine and GPU.
 
-    lab/scripts/prefill_chunk_ab.py MODEL FMT [--prompts 512,2048,8192] [--chunks 512,1024,2048,4096]
-                                    [--residuals fp16] [--rounds 3] [--json FILE]
+    lab/scripts/prefill_chunk_ab.py MODEL FMT [--prompts 512,2048,8192] [--chunks 512,1024,2048,4096] [--rounds 3]
+                                    [--json FILE]
 
-MODEL is a model of the store (lab/local.py lab_engine). One Prefill per chunk length and residual width (each with
-its own weight copies), swapped into the engine in turn; per round, prompt and chunk: the TTFT as `run` times it (reset, events
+MODEL is a model of the store (lab/local.py lab_engine). One Prefill per chunk length (each with its own weight
+copies), swapped into the engine in turn; per round, prompt and chunk: the TTFT as `run` times it (reset, events
 around Engine.fill), median of 3 after a warm-up pass (the graphs' capture). The tensor-core
 peak (cuBLAS fp16 8192^3) is measured in the same call."""
 from __future__ import annotations
@@ -25,7 +24,6 @@ def main(argv=None) -> int:
     ap.add_argument("fmt", choices=("fp16", "fp8"))
     ap.add_argument("--prompts", default="512,2048,8192")
     ap.add_argument("--chunks", default="512,1024,2048,4096")
-    ap.add_argument("--residuals", default="fp16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -38,10 +36,10 @@ def main(argv=None) -> int:
     from lab.local import lab_engine
 
     prompts = [int(x) for x in a.prompts.split(",")]
-    chunks = [(int(x), r) for x in a.chunks.split(",") for r in a.residuals.split(",")]
+    chunks = [int(x) for x in a.chunks.split(",")]
     eng = lab_engine(a.model, a.fmt, max(prompts) + 2)
     peak = tensor_core_tflops()
-    pfs = {(c, r): Prefill(eng, chunk=c, residual=r) for c, r in chunks}
+    pfs = {c: Prefill(eng, chunk=c) for c in chunks}
     ids = {n: synthetic_prompt(eng.cfg.vocab_size, n) for n in prompts}
 
     def ttft(n: int, c: int, reps: int) -> list[float]:
@@ -68,16 +66,15 @@ def main(argv=None) -> int:
             for c in chunks:
                 t = float(np.median(ttft(n, c, 3)))
                 tf = prefill_flops(eng.cfg, n) / (t * 1e-3) / 1e12
-                runs.append({"round": r, "prompt": n, "chunk": c[0], "residual": c[1], "ttft_ms": t, "tflops": tf,
+                runs.append({"round": r, "prompt": n, "chunk": c, "ttft_ms": t, "tflops": tf,
                              "first_token": first[n, c]})
-                print(f"round {r} prompt {n} chunk {c[0]} {c[1]}: {t:.3f} ms, {tf:.0f} TFLOPS "
+                print(f"round {r} prompt {n} chunk {c}: {t:.3f} ms, {tf:.0f} TFLOPS "
                       f"({100 * tf / peak['median']:.1f}% of {peak['median']:.0f})", flush=True)
     for n in prompts:
-        best = {c: min(x["ttft_ms"] for x in runs if x["prompt"] == n and (x["chunk"], x["residual"]) == c)
-                for c in chunks}
+        best = {c: min(x["ttft_ms"] for x in runs if x["prompt"] == n and x["chunk"] == c) for c in chunks}
         same = len({first[n, c] for c in chunks}) == 1
-        print(f"prompt {n}: best of rounds " + ", ".join(f"chunk {c} {r} {v:.3f} ms" for (c, r), v in best.items())
-              + f"; first token the same for every variant: {same}")
+        print(f"prompt {n}: best of rounds " + ", ".join(f"chunk {c} {v:.3f} ms" for c, v in best.items())
+              + f"; first token the same for every chunk: {same}")
     if a.json:
         write_text_atomic(Path(a.json), json.dumps({"model": a.model, "fmt": a.fmt, "gpu": eng.gpu,
                                                     "tensor_core_tflops": peak, "runs": runs}, indent=1))

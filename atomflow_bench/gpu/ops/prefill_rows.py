@@ -1,9 +1,9 @@
 """The prefill's row-wise ops (kernels_cu/prefill_rows.cu) and its GEMMs (cuBLAS through CuPy): launch factories.
 
 The GEMMs run on row-major fp16 layer weights (gpu/prefill.py: copies made once, or a scratch staged before each
-GEMM): Y[M][N] = X[M][K] W^T by cublasGemmEx with fp32 accumulation, fp16 out, or (o_proj, down) added into the
-residual (beta = 1) in the residual's width: fp16 on one GPU, fp32 under tensor parallel (a rank other than 0 stores
-its product there, for the sum across ranks).
+GEMM): Y[M][N] = X[M][K] W^T by cublasGemmEx with fp32 accumulation, fp16 out, or (o_proj, down) fp32 out added into
+the residual (beta = 1), so the residual is summed in fp32 as the decode step's epilogue does (a tensor-parallel
+rank other than 0: stored, for the sum across ranks).
 """
 from __future__ import annotations
 
@@ -17,17 +17,8 @@ PREFILL_THREADS = 256  # prefill_rows.cu PREFILL_THREADS
 RMS_ROW_VECS = (4, 16)  # prefill_rows.cu rmsnorm_rows_<V>: float4s of its row a thread holds, the smallest that fits
 CU_FILES = ("prefill_rows.cu",)
 CU_DEFINES = {"PREFILL_THREADS": PREFILL_THREADS}
-KERNELS = {"prefill_rows.cu": ("embed_rows", "embed_rows_h", "h_row_f32",
-                               *(f"rmsnorm_rows_{h}{v}" for h in ("", "h") for v in RMS_ROW_VECS), "rope_kv_rows",
+KERNELS = {"prefill_rows.cu": ("embed_rows", *(f"rmsnorm_rows_{v}" for v in RMS_ROW_VECS), "rope_kv_rows",
                                "swiglu_rows")}
-RESIDUALS = {"fp32": np.float32, "fp16": np.float16}  # the residual's widths: each row kernel on h has both
-
-
-def _suffix(h) -> str:
-    """The kernel name's suffix for the residual h's width (prefill_rows.cu: h for fp16)."""
-    if h.dtype not in (np.float32, np.float16):
-        raise AtomflowError(f"prefill residual of {h.dtype}: fp32 or fp16")
-    return "h" if h.dtype == np.float16 else ""
 
 # cublas_api.h / library_types.h
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
@@ -38,16 +29,8 @@ CUBLAS_GEMM_DEFAULT = -1
 
 def embed_rows_launch(lib: KernelLib, tokens, emb, h, m: int) -> Launch:
     H = emb.shape[1]
-    name = "embed_rows" + ("_h" if _suffix(h) else "")
-    return Launch(lib[name], "embed_rows", (m,), (PREFILL_THREADS,), (tokens, emb, h, i32(H)), 0, {},
-                  m * H * (2 + h.dtype.itemsize), f"prefill embed {m} rows")
-
-
-def h_row_f32_launch(lib: KernelLib, row, h) -> Launch:
-    """The decode step's fp32 residual `h` [H] from one fp16 row of the prefill's residual."""
-    H = h.shape[0]
-    return Launch(lib["h_row_f32"], "h_row_f32", (-(-H // PREFILL_THREADS),), (PREFILL_THREADS,), (row, h, i32(H)),
-                  0, {}, H * 6, "prefill last row")
+    return Launch(lib["embed_rows"], "embed_rows", (m,), (PREFILL_THREADS,), (tokens, emb, h, i32(H)), 0, {},
+                  m * H * 6, f"prefill embed {m} rows")
 
 
 SWIGLU_VEC = 8  # elements a thread of swiglu_rows: one 16-byte load of gate, of up, one store
@@ -60,9 +43,8 @@ def rmsnorm_rows_launch(lib: KernelLib, h, w, x, m: int, eps: float) -> Launch:
         raise AtomflowError(f"rmsnorm_rows holds a row in registers, 4 elements a load: hidden size {H} must be a "
                             f"multiple of 4 and at most {most}")
     v = next(v for v in RMS_ROW_VECS if H <= 4 * v * PREFILL_THREADS)
-    return Launch(lib[f"rmsnorm_rows_{_suffix(h)}{v}"], "rmsnorm_rows", (m,), (PREFILL_THREADS,),
-                  (h, w, x, i32(H), np.float32(eps)), 0, {}, m * H * (2 + h.dtype.itemsize),
-                  f"prefill rmsnorm {m} rows")
+    return Launch(lib[f"rmsnorm_rows_{v}"], "rmsnorm_rows", (m,), (PREFILL_THREADS,),
+                  (h, w, x, i32(H), np.float32(eps)), 0, {}, m * H * 6, f"prefill rmsnorm {m} rows")
 
 
 def rope_kv_rows_launch(lib: KernelLib, qkv, cos_sin, k_cache, v_cache, n_q: int, n_kv: int, hd: int, start: int,
@@ -106,7 +88,7 @@ def libcublas():
 
 class Gemm:
     """Y[M][N] (+)= X[M][K] W[N][K]^T on cuBLAS (gemmEx: fp16 inputs, fp32 accumulation), on CuPy's current
-    stream; Y fp16 or fp32 (its dtype). `accumulate`: the product is added to Y (beta = 1: the residual), else Y is
+    stream; Y fp16 or fp32 (its dtype). `accumulate`: Y is fp32 and the product is added to it (beta = 1), else Y is
     overwritten (fp32: a tensor-parallel rank's partial product of o_proj or down)."""
 
     def __init__(self):
@@ -120,6 +102,8 @@ class Gemm:
     def __call__(self, x, w, y, m: int, accumulate: bool = False) -> None:
         n, k = w.shape
         out32 = y.dtype == np.float32
+        if accumulate and not out32:
+            raise AtomflowError(f"GEMM accumulating into {y.dtype}: fp32 only")
         lib = self._lib
         handle = self._cupy.cuda.device.get_cublas_handle()
         rc = lib.cublasSetStream_v2(handle, self._cupy.cuda.get_current_stream().ptr)
