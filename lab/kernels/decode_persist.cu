@@ -98,11 +98,11 @@ struct PsEntry {
   int u, o;
 };
 
-// One op's GEMV as the kernel sees it: its arguments, its weight's place in the layer table, its inputs K and rows.
+// One op's GEMV as the kernel sees it: its arguments (weights, scales, K among them) and its weight rows.
 struct PsGemv {
   GemvArgs a;
   RopeArgs rope;
-  int w, K, rows;
+  int rows;
 };
 
 template <int HD>
@@ -119,16 +119,16 @@ __device__ __forceinline__ PsGemv ps_gemv(const unsigned long long* layers, int 
                     nullptr, 0ull, L2Head{}};
   if (k == PS_QKV) {
     g.a = GemvArgs{W(0), S(1), h, reinterpret_cast<const __half*>(L[2]), eps, qkv, qkv_rows / 2, H};
-    g.w = 0, g.K = H, g.rows = qkv_rows;
+    g.rows = qkv_rows;
   } else if (k == PS_WO) {
     g.a = GemvArgs{W(3), S(4), attn_out, nullptr, eps, h, H, q_dim};
-    g.w = 3, g.K = q_dim, g.rows = H;
+    g.rows = H;
   } else if (k == PS_WGU) {
     g.a = GemvArgs{W(5), S(6), h, reinterpret_cast<const __half*>(L[7]), eps, act, I, H};
-    g.w = 5, g.K = H, g.rows = 2 * I;
+    g.rows = 2 * I;
   } else {
     g.a = GemvArgs{W(8), S(9), act, nullptr, eps, h, H, I};
-    g.w = 8, g.K = I, g.rows = H;
+    g.rows = H;
   }
   return g;
 }
@@ -145,7 +145,7 @@ __device__ __forceinline__ int ps_consume_split(const WsRing& r, int K, const __
   using S = WsShape<FP8>;
   constexpr int NWC = GEMV_THREADS / AF_WARP;
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, t = lane & 3;
-  const int nunits = K / S::KU, ngroups = (K + 127) >> 7, spt = (ngroups + S::GPS - 1) / S::GPS;
+  const int nunits = K / S::KU, ngroups = (K + 127) >> 7, spt = S::parts(K);
   for (int parity = 0;; parity ^= 1) {
     const int slot = n % r.NS;
     mbar_wait(r.full + slot, (unsigned)(n / r.NS) & 1u);
@@ -272,13 +272,11 @@ __device__ __forceinline__ void decode_persist_body(PS_PARAMS) {
       for (int o = max(op_begin, 1); o < op_end; ++o) {
         if ((o - 1) % PS_OPS_PER_LAYER == PS_ATT) continue;
         const PsGemv g = gemv_of(o);
-        const unsigned char* Wt = reinterpret_cast<const unsigned char*>(
-            layers[(size_t)((o - 1) / PS_OPS_PER_LAYER) * PS_PTRS + g.w]);
-        const float* St = reinterpret_cast<const float*>(layers[(size_t)((o - 1) / PS_OPS_PER_LAYER) * PS_PTRS + g.w + 1]);
         const int nt = ntiles_of(g);
-        n = mode == 2   ? ws_produce_split<FP8>(ring, Wt, St, g.K, nt, n, grabs + o, meta)
-            : mode == 1 ? ws_produce_dyn<FP8>(ring, Wt, St, g.K, nt, n, grabs + o, meta)
-                        : ws_produce<FP8>(ring, Wt, St, g.K, nt, n);
+        const GemvArgs& a = g.a;
+        n = mode == 2   ? ws_produce_split<FP8>(ring, a.W, a.scales, a.K, nt, n, grabs + o, meta)
+            : mode == 1 ? ws_produce_dyn<FP8>(ring, a.W, a.scales, a.K, nt, n, grabs + o, meta)
+                        : ws_produce<FP8>(ring, a.W, a.scales, a.K, nt, n);
       }
     }
     return;
@@ -296,8 +294,7 @@ __device__ __forceinline__ void decode_persist_body(PS_PARAMS) {
       if (lane == 0) mbar_arrive(rempty + q);
       if (o < 0) break;
       const PsGemv g = gemv_of(o);
-      using S = WsShape<FP8>;
-      const int spt = (((g.K + 127) >> 7) + S::GPS - 1) / S::GPS, T = u / spt;
+      const int spt = WsShape<FP8>::parts(g.a.K), T = u / spt;
       const unsigned e = e0 + (unsigned)o;
       float s = own;
       if (spt > 1 && lane < GEMV_TILE)
@@ -363,7 +360,7 @@ __device__ __forceinline__ void decode_persist_body(PS_PARAMS) {
     if (split) {
       if (norm) stage_x_tiled<PRO_NORM, STAGE_REGS, GEMV_THREADS>(a, xs, rs, nullptr, nullptr, nr);
       else stage_x_tiled<PRO_PLAIN, STAGE_REGS, GEMV_THREADS>(a, xs, rs, nullptr, nullptr, nr);
-      n = ps_consume_split<FP8>(ring, g.K, xs, red, n, meta, o, ll, e0 + (unsigned)o, rq, rfull, rempty, rq_n);
+      n = ps_consume_split<FP8>(ring, a.K, xs, red, n, meta, o, ll, e0 + (unsigned)o, rq, rfull, rempty, rq_n);
       continue;  // the reducer counts the op's tiles and stamps its end
     }
     const int dyn = mode == 1;

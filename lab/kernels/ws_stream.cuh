@@ -29,6 +29,8 @@ struct WsShape {
   static constexpr int KU = FP8 ? 32 : 16, UPG = 128 / KU;             // inputs per 512-byte unit, units per group
   static constexpr int GPS = GEMV_WS_SLOT / (UPG * 512);               // groups per slot: fp8 8, fp16 4
   static constexpr int SLOTB = GEMV_WS_SLOT + (FP8 ? GPS * 64 : 0);    // a slot's bytes (fp8: + the groups' scales)
+  // slots per 16-row tile of K inputs (the split mode's units per tile): its 128-input groups, GPS a slot
+  static __device__ __forceinline__ int parts(int K) { return (((K + 127) >> 7) + GPS - 1) / GPS; }
 };
 
 // Lane 0 of the producer: part `part` of tile T of a GEMV (its groups [g0, g1)) into ring slot n % NS, once the
@@ -58,7 +60,7 @@ template <bool FP8>
 __device__ __forceinline__ int ws_produce(const WsRing& r, const unsigned char* W, const float* scales, int K,
                                           int ntiles, int n) {
   using S = WsShape<FP8>;
-  const int spt = (((K + 127) >> 7) + S::GPS - 1) / S::GPS;
+  const int spt = S::parts(K);
   for (int T = blockIdx.x; T < ntiles; T += gridDim.x)
     for (int p = 0; p < spt; ++p) ws_fill<FP8>(r, W, scales, K, T, p, n++);
   return n;
@@ -81,7 +83,7 @@ template <bool FP8>
 __device__ __forceinline__ int ws_produce_dyn(const WsRing& r, const unsigned char* W, const float* scales, int K,
                                               int ntiles, int n, unsigned* grab, int* meta) {
   using S = WsShape<FP8>;
-  const int spt = (((K + 127) >> 7) + S::GPS - 1) / S::GPS;
+  const int spt = S::parts(K);
   int T = (int)atomicAdd(grab, 1u);
   while (T < ntiles) {
     int next = ntiles;
@@ -107,7 +109,7 @@ template <bool FP8>
 __device__ __forceinline__ int ws_produce_split(const WsRing& r, const unsigned char* W, const float* scales, int K,
                                                 int ntiles, int n, unsigned* grab, int* meta) {
   using S = WsShape<FP8>;
-  const int spt = (((K + 127) >> 7) + S::GPS - 1) / S::GPS;
+  const int spt = S::parts(K);
   const int nu = ntiles * spt;
   int u = (int)atomicAdd(grab, 1u);
   while (u < nu) {
@@ -129,7 +131,7 @@ __device__ __forceinline__ int ws_tile(const WsRing& r, const __half* xs, int K,
   constexpr int NWC = GEMV_THREADS / AF_WARP;
   static_assert(NWC == 8 && S::GPS <= NWC && NWC % S::GPS == 0, "a slot holds at most one group per consumer warp");
   const int lane = threadIdx.x % AF_WARP, warp = threadIdx.x / AF_WARP, t = lane & 3;
-  const int nunits = K / S::KU, ngroups = (K + 127) >> 7, spt = (ngroups + S::GPS - 1) / S::GPS;
+  const int nunits = K / S::KU, ngroups = (K + 127) >> 7, spt = S::parts(K);
   float d[4] = {0.f, 0.f, 0.f, 0.f};
   acc[0] = acc[1] = 0.f;
   for (int p = 0; p < spt; ++p, ++n) {
