@@ -32,7 +32,7 @@ V2, V3 = "lab/kernels/attention_prefill_v2.cu", "lab/kernels/attention_prefill_v
 V4, V5 = "lab/kernels/attention_prefill_v4.cu", "lab/kernels/attention_prefill_v5.cu"
 V6, V7 = "lab/kernels/attention_prefill_v6.cu", "lab/kernels/attention_prefill_v7.cu"
 V8, V9 = "lab/kernels/attention_prefill_v8.cu", "lab/kernels/attention_prefill_v9.cu"
-V10 = "lab/kernels/attention_prefill_v10.cu"
+V10, V11 = "lab/kernels/attention_prefill_v10.cu", "lab/kernels/attention_prefill_v11.cu"
 VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, ATP_THREADS, ATP_KV, ATP_STAGES, ...)
     "product": dict(file=None, defines={}),
     # 8 warps over 128 stacked rows, one block an SM: each K/V tile staged in shared memory serves twice the rows
@@ -68,8 +68,17 @@ VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, A
     "v9-lpt": dict(file=V9, defines=dict(ATP_HEADS_FIRST=1), arch="sm_90a", tma=True),
     # v9 with blocks of 128 rows, two warpgroups sharing each K/V tile (half the tiles' L2 traffic), one block an SM
     "v10": dict(file=V10, defines={}, arch="sm_90a", tma=True),
+    # FlashAttention-3's shape: a producer warpgroup streaming K/V by TMA, two consumer warpgroups of 64 rows with
+    # their register budgets moved by setmaxnreg, 128-position tiles, each consumer's P.V and next scores one burst,
+    # the consumers' bursts in turns (ping-pong)
+    "v11": dict(file=V11, defines={}, arch="sm_90a", tma=True),
+    # v11 with 64-position tiles: what the tile length alone gives
+    "v11-kv64": dict(file=V11, defines=dict(ATP_KV=64), arch="sm_90a", tma=True),
+    # v11 without the turns: what the ping-pong alone gives
+    "v11-free": dict(file=V11, defines=dict(ATP_PINGPONG=0), arch="sm_90a", tma=True),
 }
 LAB_INCLUDE = '#include "../../kernels_cu/common.cuh"'  # a lab version's include, as its copy in kernels_cu/ reads it
+LAB_INCLUDES = re.compile(r'^#include "\.\./\.\./kernels_cu/(\w+\.cuh)"$', re.M)  # any product header a lab file takes
 SHAPES = {"3b": (24, 8, 128), "8b": (32, 8, 128), "1b": (32, 8, 64)}  # q heads, kv heads, head_dim
 TIMED = [("3b", 0, 2048), ("3b", 4096, 4096), ("8b", 0, 2048), ("1b", 0, 2048), ("3b", 0, 512)]  # shape, start, m
 
@@ -82,15 +91,15 @@ def builds_for(name: str, arch: str) -> bool:
 
 
 def variant_source(name: str) -> str:
-    """The attention_prefill.cu of variant `name`: its file (the product's when None) with a lab version's include
-    pointed at the copy's common.cuh and its #define overrides applied (each must replace exactly one #define)."""
+    """The attention_prefill.cu of variant `name`: its file (the product's when None) with a lab version's includes
+    of the product's headers pointed at the copy's and its #define overrides applied (each must replace exactly one #define)."""
     from atomflow_bench.gpu.nvrtc import KERNELS_DIR
 
     v = VARIANTS[name]
     src = (ROOT / v["file"] if v["file"] else KERNELS_DIR / "attention_prefill.cu").read_text()
     if v["file"]:
         assert src.count(LAB_INCLUDE) == 1, f"{v['file']}: no {LAB_INCLUDE}"
-        src = src.replace(LAB_INCLUDE, '#include "common.cuh"')
+        src = LAB_INCLUDES.sub(r'#include "\1"', src)
     for k, val in v["defines"].items():
         src, n = re.subn(rf"^#define {k} \d+", f"#define {k} {val}", src, flags=re.M)
         assert n == 1, f"{name}: #define {k} found {n} times"
@@ -201,11 +210,45 @@ def reference(q, k, v, start, m, n_q, n_kv, hd):
     return out.reshape(m, -1), np.abs(V).max()
 
 
+def torch_sdpa_ms(shape, m, rounds=20):
+    """torch's scaled_dot_product_attention on the flash backend (FlashAttention-2), causal from position 0 (its mask
+    is top-left aligned, so only chunks at start 0 compare), K/V repeated to the q heads outside the timing: the
+    median of `rounds` CUDA-event timings after 3 warm-ups, or None where torch or the backend is missing."""
+    try:
+        import torch  # the peer, only where --torch asks
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return None
+    n_q, n_kv, hd = SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, n_q, m, hd, device="cuda", dtype=torch.float16, generator=g)
+    k = torch.randn(1, n_kv, m, hd, device="cuda", dtype=torch.float16, generator=g).repeat_interleave(n_q // n_kv, 1)
+    v = torch.randn(1, n_kv, m, hd, device="cuda", dtype=torch.float16, generator=g).repeat_interleave(n_q // n_kv, 1)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+            for _ in range(3):
+                f()
+            ts = []
+            for _ in range(rounds):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                f()
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1))
+    except RuntimeError as e:
+        print(f"torch sdpa {shape} m {m}: {str(e).splitlines()[0][:160]}", flush=True)
+        return None
+    return sorted(ts)[len(ts) // 2]
+
+
 def main(argv=None) -> int:
     ap_ = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap_.add_argument("--rounds", type=int, default=3)
     ap_.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     ap_.add_argument("--json")
+    ap_.add_argument("--torch", action="store_true", help="time torch's flash SDPA on the chunks at start 0 too")
     a = ap_.parse_args(argv)
     names = a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -259,6 +302,15 @@ def main(argv=None) -> int:
                 ms = float(np.median(ts))
                 runs.append({"round": r, "variant": name, "shape": shape, "start": start, "m": m, "ms": ms,
                              "tflops": flops / (ms * 1e-3) / 1e12})
+    if a.torch:
+        for r in range(a.rounds):
+            for shape, start, m in [t for t in TIMED if t[1] == 0]:
+                ms = torch_sdpa_ms(shape, m)
+                if ms is not None:
+                    n_q, n_kv, hd = SHAPES[shape]
+                    runs.append({"round": r, "variant": "torch-sdpa", "shape": shape, "start": 0, "m": m, "ms": ms,
+                                 "tflops": 4.0 * hd * n_q * m * (m + 1) / 2 / (ms * 1e-3) / 1e12})
+        names = [*names, "torch-sdpa"]
     for t in TIMED:
         line = []
         for name in names:
@@ -268,7 +320,7 @@ def main(argv=None) -> int:
                 line.append(f"{name} {min(x):.4f} ms {max(tf):.0f} TF")
         print(f"{t[0]} start {t[1]} m {t[2]}: " + " | ".join(line), flush=True)
     if a.json:
-        variants = {n: VARIANTS[n] for n in names}
+        variants = {n: VARIANTS[n] for n in names if n in VARIANTS}
         write_text_atomic(Path(a.json), json.dumps({"ok": ok, "variants": variants, "runs": runs}, indent=1))
     return 0
 

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# v59 (issue 48, and issue 47's unrun review): the prefill attention in FlashAttention-3's shape (lab v11) on one
+# H100/H200, checked and timed against v9-lpt (the product's sm_90a kernel in the lab) and torch's flash SDPA; the
+# lab persistent step's GPU tests on the reviewed tree (3f5cb47); where an 8192-token prompt's last chunk spends its
+# time. `bash lab/records/v59/b59.sh PHASE`, each phase one device call; logs under $OUT/v59PHASE as they are written.
+export ATOMFLOW_HOME=/tmp/atomflow-home PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+PH=$1; W=$OUT/v59$PH; mkdir -p $W; S=$W/summary.txt
+note() { echo "$(date +%T) $*" | tee -a $S; }
+nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm --format=csv,noheader | tee -a $S
+python3 -m pip install -q --no-deps --no-build-isolation -e . >$W/install.log 2>&1 || { note "install failed"; cat $W/install.log; exit 1; }
+pt() {  # pt NAME TIMEOUT pytest-args
+  local name=$1 t=$2; shift 2
+  timeout -k 10 $t python3 -m pytest -q -p no:cacheprovider --durations=10 "$@" >$W/$name.log 2>&1
+  note "$name: rc=$? $(tail -1 $W/$name.log)"
+}
+if [ "$PH" = A ]; then  # one H100/H200: v11's GPU tests (a hang ends at the timeout), the attention A/B, the persist
+  # tests, the 8192 prompt's profile
+  pt lab-att-v11 200 tests/test_lab_prefill_att_gpu.py -k "v11" -x
+  grep -E "FAILED|Error|assert" $W/lab-att-v11.log | head -8 | tee -a $S
+  timeout -k 10 120 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants v9-lpt,v11,v11-kv64,v11-free --torch \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; grep -vE "^\s*$" $W/att-ab.log | tail -12 | tee -a $S
+  pt persist-all 130 tests/test_lab_persist_gpu.py -x
+  timeout 100 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
+  timeout -k 10 120 atomflow-bench profile llama-3.2-3b --weights fp16 --ctx 128 --prompt-tokens 8192 \
+    --json $W/profile-3b-fp16-8192.json >$W/profile-3b-fp16-8192.md 2>$W/profile-3b-fp16-8192.err
+  note "profile 3b fp16 8192 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16-8192.md | tee -a $S
+fi
+tar czf $OUT/v59$PH.tgz -C $OUT v59$PH
