@@ -8,6 +8,12 @@ PH=$1; W=$OUT/v59$PH; mkdir -p $W; S=$W/summary.txt
 note() { echo "$(date +%T) $*" | tee -a $S; }
 nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm --format=csv,noheader | tee -a $S
 python3 -m pip install -q --no-deps --no-build-isolation -e . >$W/install.log 2>&1 || { note "install failed"; cat $W/install.log; exit 1; }
+runr() {  # runr TAG TIMEOUT MODEL FMT [args]: one `run`, its wall time and its TTFT/TPOT line
+  local tag=$1 t=$2 m=$3 w=$4; shift 4; local t0=$(date +%s)
+  timeout -k 10 $t atomflow-bench run $m --weights $w --json $W/$tag.json "$@" >$W/$tag.log 2>&1; local rc=$?
+  note "run $tag: rc=$rc wall $(( $(date +%s) - t0 )) s | $(grep -E 'TTFT|TPOT \(graph\)' $W/$tag.log | tr -s ' ' | tr '\n' ' ')"
+  [ $rc -ne 0 ] && tail -5 $W/$tag.log | tee -a $S
+}
 pt() {  # pt NAME TIMEOUT pytest-args
   local name=$1 t=$2; shift 2
   timeout -k 10 $t python3 -m pytest -q -p no:cacheprovider --durations=10 "$@" >$W/$name.log 2>&1
@@ -24,5 +30,27 @@ if [ "$PH" = A ]; then  # one H100/H200: v11's GPU tests (a hang ends at the tim
   timeout -k 10 120 atomflow-bench profile llama-3.2-3b --weights fp16 --ctx 128 --prompt-tokens 8192 \
     --json $W/profile-3b-fp16-8192.json >$W/profile-3b-fp16-8192.md 2>$W/profile-3b-fp16-8192.err
   note "profile 3b fp16 8192 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16-8192.md | tee -a $S
+fi
+if [ "$PH" = B ]; then  # one H100/H200, branch prefill-fa3 (v11 as the product's sm_90a kernel): the product's prefill
+  # GPU tests, validate both formats on the prefill path, the 2048 chunk's profile, `run` TTFT (v55 D's set)
+  pt prefill 300 tests/test_prefill_attention.py tests/test_prefill_gpu.py tests/test_validate_prefill_gpu.py \
+    tests/test_engine_gpu.py -k "prefill or run_record"
+  grep -qE "^[0-9]+ passed" <(tail -1 $W/prefill.log) || { note "the GPU tests fail: the rest is not run"
+    grep -E "FAILED|Error" $W/prefill.log | head -20 | tee -a $S; tar czf $OUT/v59$PH.tgz -C $OUT v59$PH; exit 1; }
+  timeout 100 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
+  for w in fp16 fp8; do
+    timeout -k 10 200 atomflow-bench validate llama-3.2-3b --weights $w --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
+      --json $W/validate-3b-$w.json >$W/validate-3b-$w.log 2>&1
+    note "validate 3b $w: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-$w.log | tr -s ' ' | head -3 | tr '\n' ' ')"
+  done
+  timeout -k 10 200 atomflow-bench profile llama-3.2-3b --weights fp16 --ctx 128 --prompt-tokens 2048 \
+    --json $W/profile-3b-fp16.json >$W/profile-3b-fp16.md 2>$W/profile-3b-fp16.err
+  note "profile 3b fp16 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16.md | tee -a $S
+  runr 3b-fp16-ctx2048 120 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
+  runr 3b-fp16-ctx8192 120 llama-3.2-3b fp16 --ctx 8192 --tokens 64 --repeats 3
+  runr 3b-fp16-ctx512 120 llama-3.2-3b fp16 --ctx 512 --tokens 256 --repeats 5
+  runr 3b-fp8-ctx512 120 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
+  timeout 100 atomflow-bench fetch llama-3.1-8b >/tmp/fetch-8b.log 2>&1
+  runr 8b-fp16-ctx2048 150 llama-3.1-8b fp16 --ctx 2048 --tokens 128 --repeats 5
 fi
 tar czf $OUT/v59$PH.tgz -C $OUT v59$PH
