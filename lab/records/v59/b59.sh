@@ -4,7 +4,7 @@
 # lab persistent step's GPU tests on the reviewed tree (3f5cb47); where an 8192-token prompt's last chunk spends its
 # time. `bash lab/records/v59/b59.sh PHASE`, each phase one device call; logs under $OUT/v59PHASE as they are written.
 export ATOMFLOW_HOME=/tmp/atomflow-home PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
-PH=$1; W=$OUT/v59$PH; mkdir -p $W; S=$W/summary.txt
+PH=$1; TAG=$1; W=$OUT/v59$PH; mkdir -p $W; S=$W/summary.txt
 note() { echo "$(date +%T) $*" | tee -a $S; }
 nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm --format=csv,noheader | tee -a $S
 python3 -m pip install -q --no-deps --no-build-isolation -e . >$W/install.log 2>&1 || { note "install failed"; cat $W/install.log; exit 1; }
@@ -31,12 +31,22 @@ if [ "$PH" = A ]; then  # one H100/H200: v11's GPU tests (a hang ends at the tim
     --json $W/profile-3b-fp16-8192.json >$W/profile-3b-fp16-8192.md 2>$W/profile-3b-fp16-8192.err
   note "profile 3b fp16 8192 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16-8192.md | tee -a $S
 fi
+if [ "$PH" = AB ]; then  # one H100/H200: A's lab test and A/B, then (v11 passing) B with branch prefill-fa3's three
+  # changed files copied over this tree (lab/records/v59/fa3/, not committed: the branch holds them)
+  pt lab-att-v11 150 tests/test_lab_prefill_att_gpu.py -k "v11 and not kv64 and not free" -x
+  grep -E "FAILED|Error|assert" $W/lab-att-v11.log | head -8 | tee -a $S
+  timeout -k 10 100 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants v9-lpt,v11,v11-kv64,v11-free --torch \
+    --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; grep -vE "^\s*$" $W/att-ab.log | tail -12 | tee -a $S
+  grep -qE "^[0-9]+ passed" <(tail -1 $W/lab-att-v11.log) || { note "v11 fails: B not run"; tar czf $OUT/v59$TAG.tgz -C $OUT v59$TAG; exit 1; }
+  cp -r lab/records/v59/fa3/. . && note "prefill-fa3's files in place: $(grep -c ATPW kernels_cu/attention_prefill_sm90a.cu) ATPW lines"
+  PH=B
+fi
 if [ "$PH" = B ]; then  # one H100/H200, branch prefill-fa3 (v11 as the product's sm_90a kernel): the product's prefill
   # GPU tests, validate both formats on the prefill path, the 2048 chunk's profile, `run` TTFT (v55 D's set)
   pt prefill 300 tests/test_prefill_attention.py tests/test_prefill_gpu.py tests/test_validate_prefill_gpu.py \
     tests/test_engine_gpu.py -k "prefill or run_record"
   grep -qE "^[0-9]+ passed" <(tail -1 $W/prefill.log) || { note "the GPU tests fail: the rest is not run"
-    grep -E "FAILED|Error" $W/prefill.log | head -20 | tee -a $S; tar czf $OUT/v59$PH.tgz -C $OUT v59$PH; exit 1; }
+    grep -E "FAILED|Error" $W/prefill.log | head -20 | tee -a $S; tar czf $OUT/v59$TAG.tgz -C $OUT v59$TAG; exit 1; }
   timeout 100 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
   for w in fp16 fp8; do
     timeout -k 10 200 atomflow-bench validate llama-3.2-3b --weights $w --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
@@ -53,4 +63,4 @@ if [ "$PH" = B ]; then  # one H100/H200, branch prefill-fa3 (v11 as the product'
   timeout 100 atomflow-bench fetch llama-3.1-8b >/tmp/fetch-8b.log 2>&1
   runr 8b-fp16-ctx2048 150 llama-3.1-8b fp16 --ctx 2048 --tokens 128 --repeats 5
 fi
-tar czf $OUT/v59$PH.tgz -C $OUT v59$PH
+tar czf $OUT/v59$TAG.tgz -C $OUT v59$TAG
