@@ -31,17 +31,19 @@ if [ "$PH" = A ]; then  # one H100/H200: v11's GPU tests (a hang ends at the tim
     --json $W/profile-3b-fp16-8192.json >$W/profile-3b-fp16-8192.md 2>$W/profile-3b-fp16-8192.err
   note "profile 3b fp16 8192 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16-8192.md | tee -a $S
 fi
-if [ "$PH" = AB ]; then  # one H100/H200: A's lab test and A/B, then (v11 passing) B with branch prefill-fa3's three
-  # changed files copied over this tree (lab/records/v59/fa3/, not committed: the branch holds them)
+if [ "$PH" = AB ]; then  # one H100/H200: A's lab test and A/B, then (v11 passing) B with branch prefill-fa3's changes
+  # (fa3.patch: git diff main prefill-fa3 -- kernels_cu atomflow_bench tests) applied to this tree
   pt lab-att-v11 150 tests/test_lab_prefill_att_gpu.py -k "v11 and not kv64 and not free" -x
   grep -E "FAILED|Error|assert" $W/lab-att-v11.log | head -8 | tee -a $S
   timeout -k 10 100 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants v9-lpt,v11,v11-kv64,v11-free --torch \
     --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; grep -vE "^\s*$" $W/att-ab.log | tail -12 | tee -a $S
   grep -qE "^[0-9]+ passed" <(tail -1 $W/lab-att-v11.log) || { note "v11 fails: B not run"; tar czf $OUT/v59$TAG.tgz -C $OUT v59$TAG; exit 1; }
-  cp -r lab/records/v59/fa3/. . && note "prefill-fa3's files in place: $(grep -c ATPW kernels_cu/attention_prefill_sm90a.cu) ATPW lines"
+  { git apply lab/records/v59/fa3.patch 2>/dev/null || patch -p1 -s <lab/records/v59/fa3.patch; } &&
+    note "fa3.patch applied: $(grep -c ATPW kernels_cu/attention_prefill_sm90a.cu) ATPW lines in the sm_90a kernel" ||
+    { note "fa3.patch does not apply"; tar czf $OUT/v59$TAG.tgz -C $OUT v59$TAG; exit 1; }
   PH=B
 fi
-if [ "$PH" = B ]; then  # one H100/H200, branch prefill-fa3 (v11 as the product's sm_90a kernel): the product's prefill
+if [ "$PH" = B ]; then  # one H100/H200, branch prefill-fa3 or fa3.patch applied (v11 as the product's sm_90a kernel): the product's prefill
   # GPU tests, validate both formats on the prefill path, the 2048 chunk's profile, `run` TTFT (v55 D's set)
   pt prefill 300 tests/test_prefill_attention.py tests/test_prefill_gpu.py tests/test_validate_prefill_gpu.py \
     tests/test_engine_gpu.py -k "prefill or run_record"
