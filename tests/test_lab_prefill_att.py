@@ -1,6 +1,7 @@
 """The lab's prefill attention versions without a GPU (lab/kernels/attention_prefill_v2.cu, _v3.cu, as
 lab/scripts/prefill_att_ab.py builds them): their cp.async pipelines simulated (lab/scripts/pipeline_check.py) for
-blocks of 1-8 tiles, with kernels one line wrong refused; each variant's source, as KernelLib hands it to NVRTC (its
+blocks of 1-8 tiles, with kernels one line wrong refused; v11's warp-specialised barrier protocol explored over every
+interleaving (lab/scripts/ws_protocol_check.py), its model's lines found in the kernel's source; each variant's source, as KernelLib hands it to NVRTC (its
 local includes inlined), compiles with nvcc for sm_89, sm_90 and sm_120 into the product's kernel names without local
 memory; the shared memory the script launches with is the product's formula for the product and fits two blocks in
 an H100/H200 SM for every variant built for two."""
@@ -31,6 +32,7 @@ def load(name: str):
 
 pc = load("pipeline_check")
 ab = load("prefill_att_ab")
+ws = load("ws_protocol_check")
 LAB_VARIANTS = [n for n, v in ab.VARIANTS.items() if v["file"]]
 
 
@@ -49,6 +51,44 @@ def test_the_check_refuses_a_kernel_one_line_wrong(name, stages, mut):
         except pc.PipelineError:
             caught += 1
     assert caught
+
+
+@pytest.mark.parametrize("pingpong", [True, False])
+def test_ws_protocol_holds(pingpong):
+    """v11 (and v11-free, without the turns): no deadlock, no stage read before its tile lands or refilled while read,
+    the turns alternating, nothing left armed, for blocks of 1-6 tiles whichever consumer stops taking tiles first."""
+    for n_tiles in range(1, 7):
+        assert ws.check(n_tiles, pingpong) > 0
+
+
+@pytest.mark.parametrize("mut", [m for m, _ in ws.MUTATIONS])
+def test_ws_protocol_refuses_a_kernel_one_line_wrong(mut):
+    caught = 0
+    for n_tiles in range(1, 5):
+        try:
+            ws.check(n_tiles, True, mut)
+        except ws.ProtocolError:
+            caught += 1
+    assert caught
+
+
+def test_ws_protocol_model_is_the_kernels():
+    """The lines the model replays, as they stand in v11's source: the stages, the empty barrier's count, the
+    producer's wait, the consumers' waits, turns and releases."""
+    src = (Path(ab.ROOT) / ab.V11).read_text()
+    assert re.search(rf"^#define ATP_STAGES {ws.STAGES} ", src, re.M)
+    for line in (f"mbar_init(&empty[s], {ws.EMPTY_COUNT});",
+                 "if (kt >= ATP_STAGES) mbar_wait(&empty[s], (kt / ATP_STAGES - 1) & 1);",
+                 "if (c == 1) pp_pass(c);",
+                 "mbar_wait(&full[0], 0);",
+                 "mbar_wait(&full[(kt + 1) % ATP_STAGES], ((kt + 1) / ATP_STAGES) & 1);",
+                 "if (next || c == 0) pp_pass(c);",
+                 "if (lane == 0) mbar_arrive(&empty[kt % ATP_STAGES]);"):
+        assert line in src, line
+    body = src[src.index("for (int kt = 0; kt < n_tiles; ++kt) {\n    const bool next"):]
+    order = [body.index(x) for x in ("pp_wait(c);", "wgmma_rs(o,", "mbar_wait(&full", "issue_s(kt + 1)",
+                                     "wgmma_commit();", "pp_pass(c);", "wgmma_wait0();", "mbar_arrive(&empty")]
+    assert order == sorted(order)
 
 
 def test_the_rules_each_refuse():
