@@ -43,6 +43,14 @@ if [ "$PH" = AB ]; then  # one H100/H200: A's lab test and A/B, then (v11 passin
     { note "fa3.patch does not apply"; tar czf $OUT/v59$TAG.tgz -C $OUT v59$TAG; exit 1; }
   PH=B
 fi
+if [ "$PH" = C ]; then  # one H100/H200 (warm after AB): fa3.patch and then qrope.patch (q rotated by the attention
+  # kernels, rope_kv_rows for k only) applied to this tree, then B's set
+  { git apply lab/records/v59/fa3.patch 2>/dev/null || patch -p1 -s <lab/records/v59/fa3.patch; } &&
+    { git apply lab/records/v59/qrope.patch 2>/dev/null || patch -p1 -s <lab/records/v59/qrope.patch; } &&
+    note "fa3.patch and qrope.patch applied: $(grep -c atp_rope_pair kernels_cu/attention_prefill_sm90a.cu) rope calls" ||
+    { note "the patches do not apply"; tar czf $OUT/v59$TAG.tgz -C $OUT v59$TAG; exit 1; }
+  PH=B
+fi
 if [ "$PH" = B ]; then  # one H100/H200, branch prefill-fa3 or fa3.patch applied (v11 as the product's sm_90a kernel): the product's prefill
   # GPU tests, validate both formats on the prefill path, the 2048 chunk's profile, `run` TTFT (v55 D's set)
   pt prefill 300 tests/test_prefill_attention.py tests/test_prefill_gpu.py tests/test_validate_prefill_gpu.py \
