@@ -12,6 +12,9 @@
 //     softmax: the tensor core's work of a consumer is one burst a tile.
 //   - ATP_PINGPONG 1: the consumers take turns issuing their bursts (two named barriers), so one's softmax runs
 //     beside the other's matrix products.
+//   - ATP_INTRA 1 (FlashAttention-3's intra-warpgroup overlap): the burst is two wgmma groups, tile k + 1's scores
+//     then tile k's P.V; the consumer waits for the scores only, runs tile k + 1's softmax while its P.V still runs
+//     (P double-buffered: pa read by the P.V, pb made by the softmax), then waits for the P.V and rescales O.
 //   - ATP_SETMAXNREG 1: the producer gives its registers up (24) and the consumers take 240: O, the scores of a
 //     128-position tile and P (64 + 64 + 32 at hd 128) do not fit the 168 a thread that 384 threads get otherwise.
 // Computes   as attention_prefill.cu (the softmax, the mask, the roundings: attention_prefill.cuh's atp_softmax_tile
@@ -51,6 +54,7 @@ __device__ __forceinline__ void tma_load_2d(void*, const void*, int, int, unsign
 #define ATP_SMEM_PAD 2048  // the stage mbarriers and the tiles' base aligned to 1 KB
 #define ATP_PINGPONG 1     // 1: the consumers take turns issuing their matrix products
 #define ATP_SETMAXNREG 1   // 1: registers moved from the producer warpgroup (24) to the consumers (240)
+#define ATP_INTRA 0        // 1: a consumer's softmax of tile k + 1 beside its own P.V of tile k (two wgmma groups)
 
 // Byte offset of 16-byte piece c of row t of a 64-row q tile in the 128-byte swizzle (slabs of 64 dims, 8 KB).
 __device__ __forceinline__ int sw128(int t, int c) { return (c >> 3) * 8192 + t * 128 + (((c & 7) ^ (t & 7)) << 4); }
@@ -66,6 +70,7 @@ __device__ __forceinline__ unsigned long long sw128_desc(const char* p, unsigned
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void named_arrive(int id, int n) {
@@ -92,6 +97,15 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N][4]) {
   for (int j = 0; j < N; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+
+// Holds a register-A operand's registers to this point (wgmma reads them until its wait_group).
+template <int N>
+__device__ __forceinline__ void operand_fence(unsigned (&a)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[j][e])::"memory");
 }
 
 #define ATP_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
@@ -270,6 +284,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, __half*
   wgmma_wait0();
   wgmma_fence_operands(s);
   softmax(0);
+#if !ATP_INTRA
   for (int kt = 0; kt < n_tiles; ++kt) {
     const bool next = kt + 1 < n_tiles;
     pp_wait(c);  // tile kt's P.V and tile kt + 1's scores, one burst
@@ -294,6 +309,55 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, __half*
     if (lane == 0) mbar_arrive(&empty[kt % ATP_STAGES]);  // this warp's reads of stage kt are done
     if (next) softmax(kt + 1);
   }
+#else
+  unsigned pb[NB / 2][4];  // tile kt + 1's P, made while tile kt's P.V still reads pa
+  for (int kt = 0; kt < n_tiles; ++kt) {
+    const bool next = kt + 1 < n_tiles;
+    pp_wait(c);  // tile kt + 1's scores (the older group), then tile kt's P.V, one burst
+    wgmma_fence_operands(o);
+    wgmma_fence_operands(s);
+    wgmma_fence();
+    if (next) {
+      mbar_wait(&full[(kt + 1) % ATP_STAGES], ((kt + 1) / ATP_STAGES) & 1);
+      if (c_takes(kt + 1)) issue_s(kt + 1);
+    }
+    wgmma_commit();
+    if (c_takes(kt)) {
+      const char* vs = kvs + (kt % ATP_STAGES) * 2 * TB + TB;
+#pragma unroll
+      for (int kk = 0; kk < NB / 2; ++kk) wgmma_rs(o, pa[kk], sw128_desc(vs + kk * 2048, SLAB >> 4));
+    }
+    wgmma_commit();
+    if (next || c == 0) pp_pass(c);
+    wgmma_wait1();  // the scores are in; P.V may still run
+    wgmma_fence_operands(s);
+    const bool w_next = next && w_takes(kt + 1);
+    const float m_old[2] = {m_run[0], m_run[1]};
+#pragma unroll
+    for (int kk = 0; kk < NB / 2; ++kk) pb[kk][0] = pb[kk][1] = pb[kk][2] = pb[kk][3] = 0u;
+    if (w_next) {  // O's rescale waits for P.V: the softmax rescales a stand-in, O is rescaled below by the same alpha
+      float stand_in[1][4] = {};
+      atp_softmax_tile<1, NB>(s, stand_in, m_run, l_acc, pb, (kt + 1) * ATP_KV, r.w_lo, r.lim0, r.lim1, tig, sl2);
+    }
+    wgmma_wait0();
+    wgmma_fence_operands(o);
+    operand_fence(pa);  // pa's registers stay P's until P.V has read them (pb is made elsewhere)
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[kt % ATP_STAGES]);  // this warp's reads of stage kt are done
+    if (w_next) {
+      const float alpha[2] = {atp_ex2((m_old[0] - m_run[0]) * sl2), atp_ex2((m_old[1] - m_run[1]) * sl2)};
+#pragma unroll
+      for (int n = 0; n < DG; ++n) {
+        o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < NB / 2; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pa[kk][e] = pb[kk][e];
+  }
+#endif
   named_sync(1 + c, 128);  // the consumer's matrix products have read its q tile before it holds the output
   if (!r.active) return;
   atp_store_out<HD, G>(o, l_acc, qw, wq, lane, r.wr0, m, j, out, out_stride);

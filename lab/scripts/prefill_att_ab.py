@@ -76,6 +76,9 @@ VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, A
     "v11-kv64": dict(file=V11, defines=dict(ATP_KV=64), arch="sm_90a", tma=True),
     # v11 without the turns: what the ping-pong alone gives
     "v11-free": dict(file=V11, defines=dict(ATP_PINGPONG=0), arch="sm_90a", tma=True),
+    # v11 with each consumer's softmax of tile k + 1 beside its own P.V of tile k (FlashAttention-3's intra-warpgroup
+    # overlap: two wgmma groups a burst, P double-buffered)
+    "v11-ia": dict(file=V11, defines=dict(ATP_INTRA=1), arch="sm_90a", tma=True),
 }
 LAB_INCLUDE = '#include "../../kernels_cu/common.cuh"'  # a lab version's include, as its copy in kernels_cu/ reads it
 LAB_INCLUDES = re.compile(r'^#include "\.\./\.\./kernels_cu/(\w+\.cuh)"$', re.M)  # any product header a lab file takes

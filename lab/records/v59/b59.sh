@@ -23,7 +23,7 @@ if [ "$PH" = A ]; then  # one H100/H200: v11's GPU tests (a hang ends at the tim
   # tests, the 8192 prompt's profile
   pt lab-att-v11 200 tests/test_lab_prefill_att_gpu.py -k "v11" -x
   grep -E "FAILED|Error|assert" $W/lab-att-v11.log | head -8 | tee -a $S
-  timeout -k 10 120 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants v9-lpt,v11,v11-kv64,v11-free --torch \
+  timeout -k 10 120 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants v9-lpt,v11,v11-kv64,v11-free,v11-ia --torch \
     --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; grep -vE "^\s*$" $W/att-ab.log | tail -12 | tee -a $S
   pt persist-all 130 tests/test_lab_persist_gpu.py -x
   timeout 100 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
@@ -35,7 +35,7 @@ if [ "$PH" = AB ]; then  # one H100/H200: A's lab test and A/B, then (v11 passin
   # (fa3.patch: git diff main prefill-fa3 -- kernels_cu atomflow_bench tests) applied to this tree
   pt lab-att-v11 150 tests/test_lab_prefill_att_gpu.py -k "v11 and not kv64 and not free" -x
   grep -E "FAILED|Error|assert" $W/lab-att-v11.log | head -8 | tee -a $S
-  timeout -k 10 100 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants v9-lpt,v11,v11-kv64,v11-free --torch \
+  timeout -k 10 100 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants v9-lpt,v11,v11-kv64,v11-free,v11-ia --torch \
     --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; grep -vE "^\s*$" $W/att-ab.log | tail -12 | tee -a $S
   grep -qE "^[0-9]+ passed" <(tail -1 $W/lab-att-v11.log) || { note "v11 fails: B not run"; tar czf $OUT/v59$TAG.tgz -C $OUT v59$TAG; exit 1; }
   { git apply lab/records/v59/fa3.patch 2>/dev/null || patch -p1 -s <lab/records/v59/fa3.patch; } &&
