@@ -35,14 +35,7 @@
 //            warpgroup), dyn. smem = prefill_smem(hd, wgmma=True), arguments attention_prefill.cu's and kv_map;
 //            2 blocks per SM (139 registers at hd 128).
 #include "attention_prefill.cuh"
-
-#if !AF_HAS_BULK  // the host pass: the copy engine's functions as never-called stubs (the kernels are sm_90a only)
-__device__ __forceinline__ void mbar_init(unsigned long long*, unsigned) {}
-__device__ __forceinline__ void mbar_init_fence() {}
-__device__ __forceinline__ void mbar_expect_tx(unsigned long long*, unsigned) {}
-__device__ __forceinline__ void mbar_wait(unsigned long long*, unsigned) {}
-__device__ __forceinline__ void tma_load_2d(void*, const void*, int, int, unsigned long long*) {}
-#endif
+#include "wgmma.cuh"
 
 #define ATP_THREADS 128    // one warpgroup: 4 warps x 16 query rows (ops/attention_prefill.py ATP_THREADS)
 #define ATP_ROWS 64        // stacked query rows per block: wgmma's M (ops/attention_prefill.py ATP_ROWS)
@@ -50,84 +43,6 @@ __device__ __forceinline__ void tma_load_2d(void*, const void*, int, int, unsign
 #define ATP_STAGES 2       // K/V tiles in shared memory at once (ops/attention_prefill.py ATP_STAGES)
 #define ATP_MIN_BLOCKS 2   // two blocks (8 warps) per SM
 #define ATP_SMEM_PAD 2048  // the stage mbarriers (16 bytes) and the tiles' base aligned to 1 KB (ops ATP_SMEM_PAD)
-
-// Byte offset of 16-byte piece c of row t in a 64-row tile in wgmma's 128-byte-swizzle layout: slabs of 64
-// dims (64 rows x 128 bytes = 8 KB each), the pieces of a row XOR-swizzled by the row's low 3 bits.
-__device__ __forceinline__ int sw128(int t, int c) { return (c >> 3) * 8192 + t * 128 + (((c & 7) ^ (t & 7)) << 4); }
-
-// The shared-memory matrix descriptor of a 128-byte-swizzle operand starting at `p` (1024-byte aligned but for the
-// K-major k-step's 32-byte advance inside a slab): start address >> 4, leading byte offset, stride byte offset 1024
-// >> 4 (8 rows of 128 bytes), layout type 1 (128-byte swizzle). K-major (q, K): the leading offset is unused when
-// swizzled (1). N-major (V): it is the distance between 64-dim slabs, 8192 bytes (one slab at hd 64: unused).
-__device__ __forceinline__ unsigned long long sw128_desc(const char* p, unsigned lead = 1) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-  return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)lead << 16) |
-         ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-// Pins an accumulator's registers at this point of the instruction order: the compiler sees a wgmma's outputs as
-// ready when its asm ends, so without this it could move their reads above wgmma.wait_group (or their writes, the
-// zeroing and the rescale, below wgmma.fence); ptxas orders the rest.
-template <int N>
-__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N][4]) {
-#pragma unroll
-  for (int j = 0; j < N; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
-}
-
-// d (+)= A B^T over one 16-dim k-step: A 64 x 16 and B 64 x 16 from their K-major descriptors, d the warpgroup's
-// 64 x 64 fp32 accumulator (this thread's 32 values, d[j] the mma.sync C fragment of n-tile j); `acc` 0 overwrites d.
-#define ATP_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], unsigned long long da, unsigned long long db,
-                                                int acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, 0, 0;\n}\n"
-      : ATP_D4(0), ATP_D4(1), ATP_D4(2), ATP_D4(3), ATP_D4(4), ATP_D4(5), ATP_D4(6), ATP_D4(7)
-      : "l"(da), "l"(db), "r"(acc));
-}
-
-// d += A B over one 16-position k-step, A (64 x 16) from registers, B (16 x N) from an N-major descriptor: a[0..3]
-// this thread's A fragment (the mma.sync m16n8k16 A fragment of its warp's 16 rows), d the warpgroup's 64 x N fp32
-// accumulator (d[j] the C fragment of n-tile j), accumulated (scale-d true). The last immediate (1) transposes B:
-// N-major.
-__device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[8][4], const unsigned (&a)[4], unsigned long long db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-      : ATP_D4(0), ATP_D4(1), ATP_D4(2), ATP_D4(3), ATP_D4(4), ATP_D4(5), ATP_D4(6), ATP_D4(7)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-__device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[16][4], const unsigned (&a)[4], unsigned long long db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : ATP_D4(0), ATP_D4(1), ATP_D4(2), ATP_D4(3), ATP_D4(4), ATP_D4(5), ATP_D4(6), ATP_D4(7),
-        ATP_D4(8), ATP_D4(9), ATP_D4(10), ATP_D4(11), ATP_D4(12), ATP_D4(13), ATP_D4(14), ATP_D4(15)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-template <int HD>
-__device__ __forceinline__ void wgmma_pv(float (&o)[HD / 8][4], const unsigned (&a)[4], unsigned long long db) {
-  if constexpr (HD == 128) wgmma_rs_m64n128k16(o, a, db);
-  else wgmma_rs_m64n64k16(o, a, db);
-}
 
 // The block's 64 stacked q rows (row0 ..) -> qs; rows past the chunk (query row >= m) zero-filled.
 template <int HD, int G>
@@ -221,7 +136,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, __half*
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
       const int off = (kk >> 2) * 8192 + (kk & 3) * 32;  // 16 dims = 32 bytes into the slab kk / 4
-      wgmma_m64n64k16(s, sw128_desc(qs + off), sw128_desc(ks + off), kk);
+      wgmma_ss(s, sw128_desc(qs + off), sw128_desc(ks + off), kk);
     }
     wgmma_commit();
     wgmma_wait0();
@@ -235,7 +150,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, __half*
     wgmma_fence_operands(o);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < NB / 2; ++kk) wgmma_pv<HD>(o, pa[kk], sw128_desc(vs + kk * 2048, 8192 >> 4));
+    for (int kk = 0; kk < NB / 2; ++kk) wgmma_rs(o, pa[kk], sw128_desc(vs + kk * 2048, 8192 >> 4));
     wgmma_commit();
     wgmma_wait0();  // V's stage is read before the barrier below lets it be refilled
     wgmma_fence_operands(o);

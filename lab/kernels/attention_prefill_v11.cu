@@ -36,15 +36,7 @@
 //            an SM.
 #include "../../kernels_cu/common.cuh"
 #include "../../kernels_cu/attention_prefill.cuh"
-
-#if !AF_HAS_BULK  // the host pass: the copy engine's functions as never-called stubs (the kernels are sm_90a only)
-__device__ __forceinline__ void mbar_init(unsigned long long*, unsigned) {}
-__device__ __forceinline__ void mbar_init_fence() {}
-__device__ __forceinline__ void mbar_expect_tx(unsigned long long*, unsigned) {}
-__device__ __forceinline__ void mbar_arrive(unsigned long long*) {}
-__device__ __forceinline__ void mbar_wait(unsigned long long*, unsigned) {}
-__device__ __forceinline__ void tma_load_2d(void*, const void*, int, int, unsigned long long*) {}
-#endif
+#include "../../kernels_cu/wgmma.cuh"
 
 #define ATP_THREADS 384    // the producer warpgroup and two consumer warpgroups
 #define ATP_ROWS 128       // stacked query rows per block: 64 a consumer
@@ -55,109 +47,6 @@ __device__ __forceinline__ void tma_load_2d(void*, const void*, int, int, unsign
 #define ATP_PINGPONG 1     // 1: the consumers take turns issuing their matrix products
 #define ATP_SETMAXNREG 1   // 1: registers moved from the producer warpgroup (24) to the consumers (240)
 #define ATP_INTRA 0        // 1: a consumer's softmax of tile k + 1 beside its own P.V of tile k (two wgmma groups)
-
-// Byte offset of 16-byte piece c of row t of a 64-row q tile in the 128-byte swizzle (slabs of 64 dims, 8 KB).
-__device__ __forceinline__ int sw128(int t, int c) { return (c >> 3) * 8192 + t * 128 + (((c & 7) ^ (t & 7)) << 4); }
-
-// The shared-memory descriptor of a 128-byte-swizzle operand at `p` (the product's sw128_desc): stride byte offset
-// 1024 (8 rows of 128 bytes); `lead`: for an N-major operand (V) the distance between 64-dim slabs, >> 4.
-__device__ __forceinline__ unsigned long long sw128_desc(const char* p, unsigned lead = 1) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-  return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)lead << 16) |
-         ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
-__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void named_arrive(int id, int n) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-// A warpgroup's register budget (setmaxnreg: every thread of the warpgroup executes it)
-template <int R>
-__device__ __forceinline__ void regs_down() {
-#if defined(__CUDA_ARCH__) && ATP_SETMAXNREG
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
-#endif
-}
-template <int R>
-__device__ __forceinline__ void regs_up() {
-#if defined(__CUDA_ARCH__) && ATP_SETMAXNREG
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R));
-#endif
-}
-
-// Pins an accumulator's registers at this point of the instruction order (the product's wgmma_fence_operands).
-template <int N>
-__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N][4]) {
-#pragma unroll
-  for (int j = 0; j < N; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
-}
-
-// Holds a register-A operand's registers to this point (wgmma reads them until its wait_group).
-template <int N>
-__device__ __forceinline__ void operand_fence(unsigned (&a)[N][4]) {
-#pragma unroll
-  for (int j = 0; j < N; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[j][e])::"memory");
-}
-
-#define ATP_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-// d (+)= A B^T over one 16-dim k-step, A 64 x 16 and B N x 16 from K-major descriptors; `acc` 0 overwrites d.
-__device__ __forceinline__ void wgmma_ss(float (&d)[8][4], unsigned long long da, unsigned long long db, int acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, 0, 0;\n}\n"
-      : ATP_D4(0), ATP_D4(1), ATP_D4(2), ATP_D4(3), ATP_D4(4), ATP_D4(5), ATP_D4(6), ATP_D4(7)
-      : "l"(da), "l"(db), "r"(acc));
-}
-__device__ __forceinline__ void wgmma_ss(float (&d)[16][4], unsigned long long da, unsigned long long db, int acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1, 0, 0;\n}\n"
-      : ATP_D4(0), ATP_D4(1), ATP_D4(2), ATP_D4(3), ATP_D4(4), ATP_D4(5), ATP_D4(6), ATP_D4(7),
-        ATP_D4(8), ATP_D4(9), ATP_D4(10), ATP_D4(11), ATP_D4(12), ATP_D4(13), ATP_D4(14), ATP_D4(15)
-      : "l"(da), "l"(db), "r"(acc));
-}
-// d += A B over one 16-position k-step, A from registers (the m16n8k16 A fragment of the warp's 16 rows), B 16 x N
-// N-major from its descriptor.
-__device__ __forceinline__ void wgmma_rs(float (&d)[8][4], const unsigned (&a)[4], unsigned long long db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-      : ATP_D4(0), ATP_D4(1), ATP_D4(2), ATP_D4(3), ATP_D4(4), ATP_D4(5), ATP_D4(6), ATP_D4(7)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-__device__ __forceinline__ void wgmma_rs(float (&d)[16][4], const unsigned (&a)[4], unsigned long long db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : ATP_D4(0), ATP_D4(1), ATP_D4(2), ATP_D4(3), ATP_D4(4), ATP_D4(5), ATP_D4(6), ATP_D4(7),
-        ATP_D4(8), ATP_D4(9), ATP_D4(10), ATP_D4(11), ATP_D4(12), ATP_D4(13), ATP_D4(14), ATP_D4(15)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
 
 // Positions p0 .. p0 + ATP_KV - 1 of kv head j -> ks, vs by the copy engine (the producer thread): the stage's full
 // barrier armed with both tiles' bytes, then per 64-dim slab h (at + h ATP_KV * 128) one [64][64] box per 64
@@ -217,7 +106,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, __half*
   pdl_launch_dependents();
 
   if (threadIdx.x < 128) {  // ---- the producer warpgroup: one thread streams the tiles ----
-    regs_down<24>();
+    if (ATP_SETMAXNREG) regs_down<24>();
     if (threadIdx.x == 0)
       for (int kt = 0; kt < n_tiles; ++kt) {
         const int s = kt % ATP_STAGES;
@@ -226,7 +115,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, __half*
       }
     return;
   }
-  regs_up<240>();
+  if (ATP_SETMAXNREG) regs_up<240>();
   // ---- consumer c: stacked rows row0 + 64 c .., warp w (0..7 over both consumers) rows 16 w .. of the block ----
   const int c = threadIdx.x / 128 - 1, ct = threadIdx.x - 128;
   const int lane = ct % AF_WARP, warp = ct / AF_WARP, wq = warp & 3;
