@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# v59 (issue 48, and issue 47's unrun review): the prefill attention in FlashAttention-3's shape (lab v11) on one
-# H100/H200, checked and timed against v9-lpt (the product's sm_90a kernel in the lab) and torch's flash SDPA; the
-# lab persistent step's GPU tests on the reviewed tree (3f5cb47); where an 8192-token prompt's last chunk spends its
-# time. `bash lab/records/v59/b59.sh PHASE`, each phase one device call; logs under $OUT/v59PHASE as they are written.
+# v59/v60 (issue 48; issue 47's unrun review in A): the prefill attention in FlashAttention-3's shape. `bash
+# lab/records/v59/b59.sh PHASE`, each phase one device call on one H100/H200; logs under $OUT/v59PHASE as written.
+#   AB  the call to run first: lab v11's GPU test, the attention A/B (v9-lpt = the product's sm_90a kernel, v11,
+#       v11-kv64, v11-free, v11-ia, torch's flash SDPA); then, v11 passing, fa3.patch applied (v11 as the product's
+#       sm_90a kernel) and B's set, light (validate fp16, the 2048 chunk's profile, `run` TTFT 2048/8192/512)
+#   C   on the machine AB leaves warm: fa3.patch and qrope.patch (q rotated in the attention's staging), B's full set
+#   A   AB's lab part with the lab persistent step's GPU tests (3f5cb47's review) and the 8192 prompt's profile
+#   B   B's full set on a tree with branch prefill-fa3 checked out
 export ATOMFLOW_HOME=/tmp/atomflow-home PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 PH=$1; TAG=$1; W=$OUT/v59$PH; mkdir -p $W; S=$W/summary.txt
 note() { echo "$(date +%T) $*" | tee -a $S; }
@@ -41,7 +45,7 @@ if [ "$PH" = AB ]; then  # one H100/H200: A's lab test and A/B, then (v11 passin
   { git apply lab/records/v59/fa3.patch 2>/dev/null || patch -p1 -s <lab/records/v59/fa3.patch; } &&
     note "fa3.patch applied: $(grep -c ATPW kernels_cu/attention_prefill_sm90a.cu) ATPW lines in the sm_90a kernel" ||
     { note "fa3.patch does not apply"; tar czf $OUT/v59$TAG.tgz -C $OUT v59$TAG; exit 1; }
-  PH=B
+  PH=B; LIGHT=1  # within one call's 600 s: validate fp16 only, no fp8 or 8B runs (phase C has them)
 fi
 if [ "$PH" = C ]; then  # one H100/H200 (warm after AB): fa3.patch and then qrope.patch (q rotated by the attention
   # kernels, rope_kv_rows for k only) applied to this tree, then B's set
@@ -58,7 +62,7 @@ if [ "$PH" = B ]; then  # one H100/H200, branch prefill-fa3 or fa3.patch applied
   grep -qE "^[0-9]+ passed" <(tail -1 $W/prefill.log) || { note "the GPU tests fail: the rest is not run"
     grep -E "FAILED|Error" $W/prefill.log | head -20 | tee -a $S; tar czf $OUT/v59$TAG.tgz -C $OUT v59$TAG; exit 1; }
   timeout 100 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
-  for w in fp16 fp8; do
+  for w in fp16 $([ -z "$LIGHT" ] && echo fp8); do
     timeout -k 10 200 atomflow-bench validate llama-3.2-3b --weights $w --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
       --json $W/validate-3b-$w.json >$W/validate-3b-$w.log 2>&1
     note "validate 3b $w: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-$w.log | tr -s ' ' | head -3 | tr '\n' ' ')"
@@ -69,8 +73,10 @@ if [ "$PH" = B ]; then  # one H100/H200, branch prefill-fa3 or fa3.patch applied
   runr 3b-fp16-ctx2048 120 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
   runr 3b-fp16-ctx8192 120 llama-3.2-3b fp16 --ctx 8192 --tokens 64 --repeats 3
   runr 3b-fp16-ctx512 120 llama-3.2-3b fp16 --ctx 512 --tokens 256 --repeats 5
-  runr 3b-fp8-ctx512 120 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
-  timeout 100 atomflow-bench fetch llama-3.1-8b >/tmp/fetch-8b.log 2>&1
-  runr 8b-fp16-ctx2048 150 llama-3.1-8b fp16 --ctx 2048 --tokens 128 --repeats 5
+  if [ -z "$LIGHT" ]; then
+    runr 3b-fp8-ctx512 120 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
+    timeout 100 atomflow-bench fetch llama-3.1-8b >/tmp/fetch-8b.log 2>&1
+    runr 8b-fp16-ctx2048 150 llama-3.1-8b fp16 --ctx 2048 --tokens 128 --repeats 5
+  fi
 fi
 tar czf $OUT/v59$TAG.tgz -C $OUT v59$TAG
