@@ -70,6 +70,11 @@ if [ "$PH" = B ]; then  # one H100/H200, branch prefill-fa3 or fa3.patch applied
   timeout -k 10 200 atomflow-bench profile llama-3.2-3b --weights fp16 --ctx 128 --prompt-tokens 2048 \
     --json $W/profile-3b-fp16.json >$W/profile-3b-fp16.md 2>$W/profile-3b-fp16.err
   note "profile 3b fp16 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16.md | tee -a $S
+  if [ -z "$LIGHT" ]; then  # the 8192 prompt's last chunk (4096 rows after 4096): its GEMMs against its attention
+    timeout -k 10 120 atomflow-bench profile llama-3.2-3b --weights fp16 --ctx 128 --prompt-tokens 8192 \
+      --json $W/profile-3b-fp16-8192.json >$W/profile-3b-fp16-8192.md 2>$W/profile-3b-fp16-8192.err
+    note "profile 3b fp16 8192 rc=$?"; grep -A16 "prefill chunk" $W/profile-3b-fp16-8192.md | tee -a $S
+  fi
   runr 3b-fp16-ctx2048 120 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
   runr 3b-fp16-ctx8192 120 llama-3.2-3b fp16 --ctx 8192 --tokens 64 --repeats 3
   runr 3b-fp16-ctx512 120 llama-3.2-3b fp16 --ctx 512 --tokens 256 --repeats 5
