@@ -37,7 +37,7 @@ if [ "$PH" = A ]; then  # one H100/H200: v11's GPU tests (a hang ends at the tim
 fi
 if [ "$PH" = AB ]; then  # one H100/H200: A's lab test and A/B, then (v11 passing) B with branch prefill-fa3's changes
   # (fa3.patch: git diff main prefill-fa3 -- kernels_cu atomflow_bench tests) applied to this tree
-  pt lab-att-v11 150 tests/test_lab_prefill_att_gpu.py -k "v11 and not kv64 and not free and not ia" -x
+  pt lab-att-v11 150 tests/test_lab_prefill_att_gpu.py -k "v11 and not kv64 and not free and not v11-ia" -x
   grep -E "FAILED|Error|assert" $W/lab-att-v11.log | head -8 | tee -a $S
   timeout -k 10 100 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants v9-lpt,v11,v11-kv64,v11-free,v11-ia --torch \
     --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; grep -vE "^\s*$" $W/att-ab.log | tail -12 | tee -a $S
