@@ -53,12 +53,13 @@ def test_the_check_refuses_a_kernel_one_line_wrong(name, stages, mut):
     assert caught
 
 
-@pytest.mark.parametrize("pingpong", [True, False])
-def test_ws_protocol_holds(pingpong):
-    """v11 (and v11-free, without the turns): no deadlock, no stage read before its tile lands or refilled while read,
-    the turns alternating, nothing left armed, for blocks of 1-6 tiles whichever consumer stops taking tiles first."""
+@pytest.mark.parametrize("pingpong, intra", [(True, False), (False, False), (True, True)])
+def test_ws_protocol_holds(pingpong, intra):
+    """v11 (v11-free without the turns, v11-ia with the scores as the older wgmma group): no deadlock, no stage read
+    before its tile lands or refilled while read, the turns alternating, nothing left armed, for blocks of 1-6 tiles
+    whichever consumer stops taking tiles first."""
     for n_tiles in range(1, 7):
-        assert ws.check(n_tiles, pingpong) > 0
+        assert ws.check(n_tiles, pingpong, intra=intra) > 0
 
 
 @pytest.mark.parametrize("mut", [m for m, _ in ws.MUTATIONS])
@@ -88,6 +89,14 @@ def test_ws_protocol_model_is_the_kernels():
     body = src[src.index("for (int kt = 0; kt < n_tiles; ++kt) {\n    const bool next"):]
     order = [body.index(x) for x in ("pp_wait(c);", "wgmma_rs(o,", "mbar_wait(&full", "issue_s(kt + 1)",
                                      "wgmma_commit();", "pp_pass(c);", "wgmma_wait0();", "mbar_arrive(&empty")]
+    assert order == sorted(order)
+    intra = src[src.index("#else\n  unsigned pb"):src.index("#endif\n  named_sync(1 + c, 128);")]
+    marks = ("pp_wait(c);", "mbar_wait(&full", "issue_s(kt + 1)", "wgmma_commit();", "wgmma_rs(o,", "pp_pass(c);",
+             "wgmma_wait1();", "wgmma_wait0();", "mbar_arrive(&empty")
+    order, at = [], 0
+    for x in marks:  # each after the one before (the second commit closes the P.V's group)
+        at = intra.index(x, at + 1 if order else 0)
+        order.append(at)
     assert order == sorted(order)
 
 

@@ -5,8 +5,8 @@ consumers' bursts in strict turns, and nothing left armed at the end.
 
     lab/scripts/ws_protocol_check.py [--tiles 6]
 
-The kernel is lab/kernels/attention_prefill_v11.cu (and the sm_90a product kernel of lab/records/v59/fa3.patch, the
-same protocol): a producer thread streams tile kt into stage kt % STAGES (waiting on the stage's "empty" mbarrier from
+The kernel is lab/kernels/attention_prefill_v11.cu (ATP_INTRA 0 and 1; and the sm_90a product kernel of
+lab/records/v59/fa3.patch, the same protocol): a producer thread streams tile kt into stage kt % STAGES (waiting on the stage's "empty" mbarrier from
 the stage's second use on, arming its "full" mbarrier with the tile's bytes, issuing the copies), and two consumers
 (each one warpgroup: its 4 warps move together between its wgmma waits) walk the same tiles. `producer_ops` and
 `consumer_ops` list each agent's barrier and shared-memory events line for line with the kernel's source; `explore`
@@ -46,10 +46,12 @@ def producer_ops(n_tiles: int, mut: str | None = None) -> list[tuple]:
     return ops
 
 
-def consumer_ops(c: int, n_tiles: int, last: int, pingpong: bool = True, mut: str | None = None) -> list[tuple]:
+def consumer_ops(c: int, n_tiles: int, last: int, pingpong: bool = True, mut: str | None = None,
+                 intra: bool = False) -> list[tuple]:
     """Consumer c, which takes tiles 0 .. last (c_takes; -1: its rows all lie past the chunk): the prologue (tile 0's
     scores, by every consumer), then per tile its turn, tile kt's P.V, the wait for tile kt + 1 and its scores, the
-    hand-over, wait_group 0, the warps' releases of tile kt's stage."""
+    hand-over, wait_group 0, the warps' releases of tile kt's stage. `intra` (ATP_INTRA 1): the wait for tile kt + 1
+    and its scores first, as the older wgmma group, then tile kt's P.V; wait_group 1 ends the scores' read."""
     ops = []
     turn = lambda: [("turn_arrive", c), ("turn_wait", c)] if pingpong else []  # noqa: E731 - bar.sync: both halves
     hand = lambda: [("pass", c)] if pingpong else []  # noqa: E731
@@ -60,15 +62,18 @@ def consumer_ops(c: int, n_tiles: int, last: int, pingpong: bool = True, mut: st
         nxt = kt + 1 < n_tiles
         if not (mut == "idle_no_turn" and kt > last):
             ops += turn()
-        if kt <= last:
-            ops.append(("read", kt % STAGES, kt))
+        pv = [("read", kt % STAGES, kt)] if kt <= last else []
+        scores = []
         if nxt:
             parity = ((kt + 1) // STAGES + (1 if mut == "full_parity" else 0)) & 1
-            ops.append(("mbar_wait", "full", (kt + 1) % STAGES, parity))
+            scores.append(("mbar_wait", "full", (kt + 1) % STAGES, parity))
             if kt + 1 <= last:
-                ops.append(("read", (kt + 1) % STAGES, kt + 1))
+                scores.append(("read", (kt + 1) % STAGES, kt + 1))
+        ops += scores + pv if intra else pv + scores
         if (nxt or c == 0 or mut == "last_pass") and not (mut == "idle_no_turn" and kt > last):
             ops += hand()
+        if intra and nxt and kt + 1 <= last:
+            ops.append(("wait1", (kt + 1) % STAGES))
         release = [("arrive", "empty", kt % STAGES, 4)]
         ops += release + [("wait0",)] if mut == "release_early" else [("wait0",)] + release
     return ops
@@ -143,6 +148,8 @@ def step(st: State, agent: int, op: tuple, pingpong: bool) -> State | None:
         n.reads.append((c, s))
     elif kind == "wait0":
         n.reads = [r for r in n.reads if r[0] != c]
+    elif kind == "wait1":  # the older group (the scores of stage op[1]) is done; the P.V may still read
+        n.reads.remove((c, op[1]))
     elif kind == "arrive":
         n.arrive(op[1], op[2], op[3])
     elif kind in ("turn_arrive", "pass"):
@@ -166,11 +173,11 @@ def step(st: State, agent: int, op: tuple, pingpong: bool) -> State | None:
 
 
 def explore(n_tiles: int, lasts: tuple[int, int], pingpong: bool = True, mut: str | None = None,
-            limit: int = 2_000_000) -> int:
+            limit: int = 2_000_000, intra: bool = False) -> int:
     """Every interleaving of the producer, the consumers (taking tiles 0 .. lasts[c]) and the copies' landings; the
     number of distinct states, or ProtocolError at the first broken rule (a deadlock included)."""
-    progs = [producer_ops(n_tiles, mut), consumer_ops(0, n_tiles, lasts[0], pingpong, mut),
-             consumer_ops(1, n_tiles, lasts[1], pingpong, mut)]
+    progs = [producer_ops(n_tiles, mut), consumer_ops(0, n_tiles, lasts[0], pingpong, mut, intra),
+             consumer_ops(1, n_tiles, lasts[1], pingpong, mut, intra)]
     start = State(4 if mut == "empty_count_4" else EMPTY_COUNT)
     seen, todo = {start.key()}, [start]
     while todo:
@@ -216,8 +223,8 @@ def configs(n_tiles: int) -> list[tuple[int, int]]:
     return out + ([(n_tiles - 2, n_tiles - 1)] if n_tiles >= 2 else [])
 
 
-def check(n_tiles: int, pingpong: bool = True, mut: str | None = None) -> int:
-    return sum(explore(n_tiles, lasts, pingpong, mut) for lasts in configs(n_tiles))
+def check(n_tiles: int, pingpong: bool = True, mut: str | None = None, intra: bool = False) -> int:
+    return sum(explore(n_tiles, lasts, pingpong, mut, intra=intra) for lasts in configs(n_tiles))
 
 
 # kernels one line wrong: (name, what the line does)
@@ -236,9 +243,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiles", type=int, default=6)
     a = ap.parse_args(argv)
-    for pingpong in (True, False):
+    for pingpong, intra in ((True, False), (False, False), (True, True)):
         for n in range(1, a.tiles + 1):
-            print(f"pingpong {int(pingpong)} tiles {n}: {check(n, pingpong)} states, holds", flush=True)
+            print(f"pingpong {int(pingpong)} intra {int(intra)} tiles {n}: {check(n, pingpong, intra=intra)} states, "
+                  "holds", flush=True)
     for mut, what in MUTATIONS:
         caught = []
         for n in range(1, a.tiles + 1):
