@@ -15,7 +15,7 @@
 //   - ATP_INTRA 1 (FlashAttention-3's intra-warpgroup overlap): the burst is two wgmma groups, tile k + 1's scores
 //     then tile k's P.V; the consumer waits for the scores only, runs tile k + 1's softmax while its P.V still runs
 //     (P double-buffered: pa read by the P.V, pb made by the softmax), then waits for the P.V and rescales O.
-//   - ATP_SETMAXNREG 1: the producer gives its registers up (24) and the consumers take 240: O, the scores of a
+//   - setmaxnreg: the producer gives its registers up (24) and the consumers take 240: O, the scores of a
 //     128-position tile and P (64 + 64 + 32 at hd 128) do not fit the 168 a thread that 384 threads get otherwise.
 // Computes   as attention_prefill.cu (the softmax, the mask, the roundings: attention_prefill.cuh's atp_softmax_tile
 //            and atp_store_out, shared with the product).
@@ -45,7 +45,6 @@
 #define ATP_MIN_BLOCKS 1   // one block an SM
 #define ATP_SMEM_PAD 2048  // the stage mbarriers and the tiles' base aligned to 1 KB
 #define ATP_PINGPONG 1     // 1: the consumers take turns issuing their matrix products
-#define ATP_SETMAXNREG 1   // 1: registers moved from the producer warpgroup (24) to the consumers (240)
 #define ATP_INTRA 0        // 1: a consumer's softmax of tile k + 1 beside its own P.V of tile k (two wgmma groups)
 
 // Positions p0 .. p0 + ATP_KV - 1 of kv head j -> ks, vs by the copy engine (the producer thread): the stage's full
@@ -91,7 +90,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, __half*
   char* qs = smem;
   char* kvs = smem + ATP_ROWS * HD * 2;  // stage s: K at kvs + 2 s TB, V at + TB
   const int row0 = tile * ATP_ROWS;
-  const int n_tiles = (start + min(m - 1, (row0 + ATP_ROWS - 1) / G) + 1 + ATP_KV - 1) / ATP_KV;
+  const int n_tiles = atp_rows<G, ATP_ROWS, ATP_KV>(tile, start, m, 0, 0).n_tiles;  // the block's, both roles'
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -106,7 +105,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, __half*
   pdl_launch_dependents();
 
   if (threadIdx.x < 128) {  // ---- the producer warpgroup: one thread streams the tiles ----
-    if (ATP_SETMAXNREG) regs_down<24>();
+    regs_down<24>();
     if (threadIdx.x == 0)
       for (int kt = 0; kt < n_tiles; ++kt) {
         const int s = kt % ATP_STAGES;
@@ -115,7 +114,7 @@ __device__ __forceinline__ void attention_prefill_block(const __half* q, __half*
       }
     return;
   }
-  if (ATP_SETMAXNREG) regs_up<240>();
+  regs_up<240>();
   // ---- consumer c: stacked rows row0 + 64 c .., warp w (0..7 over both consumers) rows 16 w .. of the block ----
   const int c = threadIdx.x / 128 - 1, ct = threadIdx.x - 128;
   const int lane = ct % AF_WARP, warp = ct / AF_WARP, wq = warp & 3;
