@@ -76,8 +76,8 @@ class LtGemm:
         pref = p()
         ok(lt.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "pref")
         wsb = ctypes.c_size_t(WORKSPACE)
-        ok(lt.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(wsb), ctypes.c_size_t(8)),
-           "ws")
+        ok(lt.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(wsb),
+                                                   ctypes.c_size_t(8)), "ws")
         res = (Heuristic * n_algos)()
         got = ctypes.c_int(0)
         ok(lt.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, self.a, self.b, self.c, self.c, pref, n_algos, res,
