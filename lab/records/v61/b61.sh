@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# v61 (issue 48): `bash lab/records/v61/b61.sh`, one device call on one H100/H200; logs under $OUT/v61 as written.
+# v61 (issue 48): `[LIGHT=1] bash lab/records/v61/b61.sh` (LIGHT: no profile, no 512 runs), one device call on one H100/H200; logs under $OUT/v61 as written.
 #   1. cuBLASLt's heuristic algorithms against cublasGemmEx's default on the prefill's layer GEMMs (gemm_lt_probe.py)
 #   2. `run` TTFT on main (A), then qrope.patch (q rotated in the attention kernels' staging, rope_kv_rows k only)
 #      applied: the product's prefill GPU tests, validate 3B fp16 and fp8, the 2048 chunk's profile, `run` TTFT (B),
@@ -31,13 +31,13 @@ if grep -qE "^[0-9]+ passed" <(tail -1 $W/prefill.log); then
       --json $W/validate-3b-$w.json >$W/validate-3b-$w.log 2>&1
     note "validate 3b $w: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-$w.log | tr -s ' ' | head -3 | tr '\n' ' ')"
   done
-  timeout -k 10 100 atomflow-bench profile llama-3.2-3b --weights fp16 --ctx 128 --prompt-tokens 2048 \
+  [ -z "$LIGHT" ] && timeout -k 10 100 atomflow-bench profile llama-3.2-3b --weights fp16 --ctx 128 --prompt-tokens 2048 \
     --json $W/profile-3b-fp16.json >$W/profile-3b-fp16.md 2>$W/profile-3b-fp16.err
-  note "profile 3b fp16 rc=$?"; grep -E "rope_kv|attention \|" $W/profile-3b-fp16.md | tee -a $S
+  [ -z "$LIGHT" ] && note "profile 3b fp16 rc=$?" && grep -E "rope_kv|attention \|" $W/profile-3b-fp16.md | tee -a $S
   runr B-3b-fp16-ctx2048 120 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
   runr B-3b-fp16-ctx8192 120 llama-3.2-3b fp16 --ctx 8192 --tokens 64 --repeats 3
-  runr B-3b-fp16-ctx512 100 llama-3.2-3b fp16 --ctx 512 --tokens 256 --repeats 5
-  runr B-3b-fp8-ctx512 100 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
+  [ -z "$LIGHT" ] && runr B-3b-fp16-ctx512 100 llama-3.2-3b fp16 --ctx 512 --tokens 256 --repeats 5
+  [ -z "$LIGHT" ] && runr B-3b-fp8-ctx512 100 llama-3.2-3b fp8 --ctx 512 --tokens 256 --repeats 5
 else
   grep -E "FAILED|Error" $W/prefill.log | head -20 | tee -a $S
 fi
