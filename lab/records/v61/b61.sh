@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# v61 (issue 48): `[LIGHT=1] bash lab/records/v61/b61.sh` (LIGHT: no profile, no 512 runs), one device call on one H100/H200; logs under $OUT/v61 as written.
+# v61 (issue 48): `[LIGHT=1] bash lab/records/v61/b61.sh` (LIGHT: no profile, no 512 runs; MIN
+# as well: main's 8192 run after the patch's only, no fp8 validate), one device call on one H100/H200; logs under $OUT/v61 as written.
 #   1. cuBLASLt's heuristic algorithms against cublasGemmEx's default on the prefill's layer GEMMs (gemm_lt_probe.py)
 #   2. `run` TTFT on main (A), then qrope.patch (q rotated in the attention kernels' staging, rope_kv_rows k only)
 #      applied: the product's prefill GPU tests, validate 3B fp16 and fp8, the 2048 chunk's profile, `run` TTFT (B),
@@ -19,14 +20,14 @@ timeout -k 10 100 python3 lab/scripts/gemm_lt_probe.py --json $W/gemm-lt.json >$
 note "gemm_lt_probe rc=$?"; grep -E "m [0-9]+:|default" $W/gemm-lt.log | tee -a $S
 timeout 100 atomflow-bench fetch llama-3.2-3b >/tmp/fetch-3b.log 2>&1
 runr A-3b-fp16-ctx2048 120 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
-runr A-3b-fp16-ctx8192 120 llama-3.2-3b fp16 --ctx 8192 --tokens 64 --repeats 3
+[ -z "$MIN" ] && runr A-3b-fp16-ctx8192 120 llama-3.2-3b fp16 --ctx 8192 --tokens 64 --repeats 3
 { git apply lab/records/v61/qrope.patch 2>/dev/null || patch -p1 -s <lab/records/v61/qrope.patch; } && note "qrope.patch applied: $(grep -c atp_rope_pair kernels_cu/attention_prefill_sm90a.cu) rope calls" ||
   { note "qrope.patch does not apply"; exit 1; }
 timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider tests/test_prefill_attention.py tests/test_prefill_gpu.py \
   tests/test_validate_prefill_gpu.py tests/test_engine_gpu.py -k "prefill or run_record" >$W/prefill.log 2>&1
 note "prefill GPU tests: rc=$? $(tail -1 $W/prefill.log)"
 if grep -qE "^[0-9]+ passed" <(tail -1 $W/prefill.log); then
-  for w in fp16 fp8; do
+  for w in fp16 $([ -z "$MIN" ] && echo fp8); do
     timeout -k 10 150 atomflow-bench validate llama-3.2-3b --weights $w --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
       --json $W/validate-3b-$w.json >$W/validate-3b-$w.log 2>&1
     note "validate 3b $w: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-$w.log | tr -s ' ' | head -3 | tr '\n' ' ')"
@@ -43,3 +44,4 @@ else
 fi
 { git apply -R lab/records/v61/qrope.patch 2>/dev/null || patch -p1 -R -s <lab/records/v61/qrope.patch; } && note "qrope.patch reverted"
 runr A2-3b-fp16-ctx2048 120 llama-3.2-3b fp16 --ctx 2048 --tokens 128 --repeats 5
+[ -n "$MIN" ] && runr A2-3b-fp16-ctx8192 120 llama-3.2-3b fp16 --ctx 8192 --tokens 64 --repeats 3
