@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# v61 (issue 48): `[LIGHT=1] bash lab/records/v61/b61.sh` (LIGHT: no profile, no 512 runs; MIN
-# as well: main's 8192 run after the patch's only, no fp8 validate), one device call on one H100/H200; logs under $OUT/v61 as written.
+# v61 (issue 48): `[LIGHT=1 [MIN=1]] bash lab/records/v61/b61.sh`, one device call on one H100/H200; logs under $OUT/v61
+# as written. LIGHT: no profile, no 512 runs; MIN as well: main's 8192 run after the patch's only, no fp8 validate.
 #   1. cuBLASLt's heuristic algorithms against cublasGemmEx's default on the prefill's layer GEMMs (gemm_lt_probe.py)
 #   2. `run` TTFT on main (A), then qrope.patch (q rotated in the attention kernels' staging, rope_kv_rows k only)
 #      applied: the product's prefill GPU tests, validate 3B fp16 and fp8, the 2048 chunk's profile, `run` TTFT (B),
