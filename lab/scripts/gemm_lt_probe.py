@@ -2,7 +2,7 @@
 """The prefill's layer GEMMs on cuBLAS's default (cublasGemmEx, CUBLAS_GEMM_DEFAULT: what ops/prefill_rows.py Gemm
 runs) against every algorithm cuBLASLt's heuristic offers for the same product, timed interleaved on one GPU.
 
-    lab/scripts/gemm_lt_probe.py [--models 3b,8b] [--rows 512,2048,4096] [--algos 16] [--rounds 3] [--json FILE]
+    lab/scripts/gemm_lt_probe.py [--models llama-3.2-3b,llama-3.1-8b] [--rows 512,2048,4096] [--algos 16] [--rounds 3] [--json FILE]
 
 The products are the prefill's: Y [M][N] = X [M][K] W[N][K]^T, fp16 inputs, fp32 accumulation; qkv and gate_up store
 fp16, o_proj and down add fp32 into the residual (beta 1), as Gemm's `accumulate`. Each Lt algorithm is checked
@@ -98,13 +98,14 @@ class LtGemm:
            f"matmul algo {i}")
 
 
-SHAPES = {  # model: (hidden, q_dim + 2 kv_dim, intermediate)
-    "1b": (2048, 2048 + 2 * 512, 8192), "3b": (3072, 3072 + 2 * 1024, 8192), "8b": (4096, 4096 + 2 * 1024, 14336)}
-
-
 def products(model):
-    d, qkv, f = SHAPES[model]
-    return [("qkv", qkv, d, False), ("o_proj", d, d, True), ("gate_up", 2 * f, d, False), ("down", d, f, True)]
+    """The prefill's four layer GEMMs of catalog model `model`: (name, N, K, accumulate)."""
+    from atomflow_bench.config import get_preset
+
+    c = get_preset(model).config
+    d, f = c.hidden_size, c.intermediate_size
+    return [("qkv", c.qkv_dim, d, False), ("o_proj", d, c.q_dim, True), ("gate_up", 2 * f, d, False),
+            ("down", d, f, True)]
 
 
 def timed(fn, reps=20, warm=3):
@@ -129,7 +130,7 @@ def main():
     from atomflow_bench.gpu.ops.prefill_rows import Gemm
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="3b,8b")
+    ap.add_argument("--models", default="llama-3.2-3b,llama-3.1-8b")
     ap.add_argument("--rows", default="512,2048,4096")
     ap.add_argument("--algos", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
@@ -144,7 +145,7 @@ def main():
     ok(lt.cublasLtCreate(ctypes.byref(handle)), "create")
     ws = cp.empty(WORKSPACE, cp.uint8)
     gemm = Gemm()
-    rng = np.random.default_rng(0)
+    rng = cp.random.default_rng(0)
     out = []
     print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     for model in a.models.split(","):
@@ -152,10 +153,10 @@ def main():
         layer_best = {}
         for m in (int(r) for r in a.rows.split(",")):
             for name, n, k, acc in products(model):
-                x = cp.asarray(rng.standard_normal((m, k), np.float32).astype(np.float16))
-                w = cp.asarray((rng.standard_normal((n, k), np.float32) / np.sqrt(k)).astype(np.float16))
+                x = rng.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
+                w = (rng.standard_normal((n, k), dtype=cp.float32) / np.sqrt(k)).astype(cp.float16)
                 y = cp.zeros((m, n), cp.float32 if acc else cp.float16)
-                y0 = cp.asarray(rng.standard_normal((m, n), np.float32)).astype(y.dtype)
+                y0 = rng.standard_normal((m, n), dtype=cp.float32).astype(y.dtype)
                 lg = LtGemm(lt, handle, x, w, y, acc, a.algos, ws)
                 y[...] = y0
                 gemm(x, w, y, m, accumulate=acc)
@@ -190,7 +191,9 @@ def main():
                 print(f"{model} m {m:5d} {name:8s} default {med['default']:.4f} ms {tf(med['default']):5.0f} TF | "
                       f"lt first {med.get(0, 0):.4f} | lt best #{best} {med.get(best, 0):.4f} ms "
                       f"{tf(med.get(best)):5.0f} TF ({len(good)} of {len(lg.algos)} algos)")
-        layers = {"1b": 16, "3b": 28, "8b": 32}[model]
+        from atomflow_bench.config import get_preset
+
+        layers = get_preset(model).config.num_hidden_layers
         for m in layer_default:
             print(f"{model} m {m}: a layer's GEMMs default {layer_default[m]:.4f} ms, best of each "
                   f"{layer_best[m]:.4f} ms: {layers * (layer_default[m] - layer_best[m]):.3f} ms off {layers} layers")

@@ -19,5 +19,5 @@ timeout -k 5 70 atomflow-bench validate llama-3.2-3b --weights fp16 --steps 16 -
 note "validate 3b fp16: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-3b-fp16.log | tr -s ' ' | head -3 | tr '\n' ' ')"
 { git apply -R lab/records/v61/qrope.patch 2>/dev/null || patch -p1 -R -s <lab/records/v61/qrope.patch; }
 runr A2-3b-fp16-ctx2048
-timeout 30 python3 lab/scripts/gemm_lt_probe.py --models 3b --rows 2048 --algos 8 --json $W/gemm-lt.json >$W/gemm-lt.log 2>&1
+timeout 30 python3 lab/scripts/gemm_lt_probe.py --models llama-3.2-3b --rows 2048 --algos 8 --json $W/gemm-lt.json >$W/gemm-lt.log 2>&1
 note "gemm_lt_probe rc=$?"; grep -E "m [0-9]+:|default" $W/gemm-lt.log | tee -a $S
