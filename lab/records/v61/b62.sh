@@ -7,6 +7,8 @@
 #   C      lt.patch on top (each GEMM shape's algorithm timed once, cuBLASLt or gemmEx): its GPU tests, validate fp16,
 #          runs (the TTFT line says how many shapes took an Lt algorithm)
 #   A'     both reverted: main's 2048 run again
+# The call: `timeout -k 5 560 bash lab/records/v61/b62.sh; tar czf $OUT/v62.tgz -C $OUT v62; cat $OUT/v62/summary.txt;
+# rm -rf $OUT/v62` (one archive comes back; the folder holds more files than a call returns).
 export ATOMFLOW_HOME=/tmp/atomflow-home PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 W=$OUT/v62; mkdir -p $W; S=$W/summary.txt
 note() { echo "$(date +%T) $*" | tee -a $S; }
