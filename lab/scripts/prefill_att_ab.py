@@ -252,6 +252,9 @@ def main(argv=None) -> int:
     ap_.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     ap_.add_argument("--json")
     ap_.add_argument("--torch", action="store_true", help="time torch's flash SDPA on the chunks at start 0 too")
+    ap_.add_argument("--once", metavar="SHAPE,START,M",
+                     help="no checks or timing: each variant's launch on this chunk twice (a warm-up, then the one "
+                          "a profiler such as ncu takes: `-k regex:attention_prefill`, every second launch)")
     a = ap_.parse_args(argv)
     names = a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -264,6 +267,18 @@ def main(argv=None) -> int:
     from atomflow_bench.store.store import write_text_atomic
 
     tmp = Path(tempfile.mkdtemp())
+    if a.once:
+        shape, start, m = a.once.split(",")
+        start, m = int(start), int(m)
+        n_q, n_kv, hd = SHAPES[shape]
+        data = inputs(shape, start, m)
+        for name in names:
+            ln = launch(variant_lib(name, tmp), name, *data, start, m, n_kv, n_q // n_kv, hd)
+            ln()
+            ln()
+            cp.cuda.Device().synchronize()
+            print(f"{name}: {shape} start {start} m {m} launched twice", flush=True)
+        return 0
     libs, ok = {}, {}
     for name in names:
         try:
