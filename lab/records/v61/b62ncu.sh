@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# v62.1 (issue 48): why v11's turns lose (v59); issue 47's flaky lab test. One device call on one H100 (~150 s), after b62.sh on the warm machine:
+# v62.1 (issue 48): why v11's turns lose (v59); issue 47's flaky lab test. One device call on one H100 (~150 s),
+# after b62.sh on the warm machine:
 # ncu's stall reasons, issue and occupancy for the product's attention (v9-lpt), v11 and v11-free on 3B's 4096-row
 # chunk after 4096 (the 8192 prompt's last chunk). The call: `timeout -k 5 300 bash lab/records/v61/b62ncu.sh; tar czf
 # $OUT/v62ncu.tgz -C $OUT v62ncu; cat $OUT/v62ncu/summary.txt; rm -rf $OUT/v62ncu`.
