@@ -1,17 +1,16 @@
 // wgmma.cuh — Hopper's warpgroup MMA (wgmma) and the shared-memory layout it reads, as the sm_90a kernels use them:
 // the 128-byte swizzle and its descriptors, the m64nNk16 fp16 -> fp32 instructions with A from shared memory or from
-// registers, the fences that keep the compiler's register order right around asynchronous MMAs, named barriers and
-// the warpgroup register budget (setmaxnreg); and, for the host pass of an sm_90a-only file, the copy engine's
-// functions as never-called stubs.
+// registers, the fences that keep the compiler's register order right around asynchronous MMAs; and, for the host
+// pass of an sm_90a-only file, the copy engine's functions as never-called stubs.
 //
-// Computes   nothing of its own: d (+)= A B^T (A 64 x 16, B N x 16, both K-major in shared memory) and d += A B (A
-//            64 x 16 from registers in the mma.sync m16n8k16 A fragment of each warp's 16 rows, B 16 x N N-major in
-//            shared memory), N = 64 or 128; d the warpgroup's 64 x N fp32 accumulator, d[j] the mma.sync C fragment
+// Computes   nothing of its own: d (+)= A B^T (A 64 x 16, B 64 x 16, both K-major in shared memory) and d += A B
+//            (A 64 x 16 from registers in the mma.sync m16n8k16 A fragment of each warp's 16 rows, B 16 x N N-major in
+//            shared memory, N = 64 or 128); d the warpgroup's 64 x N fp32 accumulator, d[j] the mma.sync C fragment
 //            of n-tile j (rows gid, gid + 8 of the warp's 16; columns 8 j + 2 tig, + 1).
 // Layouts    the 128-byte swizzle that both the copy engine (TMA) and wgmma use: 64-dim slabs of rows of 128 bytes,
 //            16-byte piece c of row t at ((c & 7) ^ (t & 7)) * 16 within its row, slabs 1024-byte aligned.
 // Bytes      none of its own.
-// Launch     inside sm_90a kernels, by every thread of a warpgroup (the wgmma, setmaxnreg and fence instructions are
+// Launch     inside sm_90a kernels, by every thread of a warpgroup (the wgmma and fence instructions are
 //            warpgroup-wide: .sync.aligned).
 #pragma once
 #include "common.cuh"
@@ -20,7 +19,6 @@
 __device__ __forceinline__ void mbar_init(unsigned long long*, unsigned) {}
 __device__ __forceinline__ void mbar_init_fence() {}
 __device__ __forceinline__ void mbar_expect_tx(unsigned long long*, unsigned) {}
-__device__ __forceinline__ void mbar_arrive(unsigned long long*) {}
 __device__ __forceinline__ void mbar_wait(unsigned long long*, unsigned) {}
 __device__ __forceinline__ void tma_load_2d(void*, const void*, int, int, unsigned long long*) {}
 #endif
@@ -42,7 +40,6 @@ __device__ __forceinline__ unsigned long long sw128_desc(const char* p, unsigned
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // Pins an accumulator's registers at this point of the instruction order: the compiler sees a wgmma's outputs as
@@ -55,16 +52,6 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N][4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
 }
-// Holds a register-A operand's registers to this point: wgmma reads them until its wait_group, which the compiler
-// does not see.
-template <int N>
-__device__ __forceinline__ void operand_fence(unsigned (&a)[N][4]) {
-#pragma unroll
-  for (int j = 0; j < N; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[j][e])::"memory");
-}
-
 // d (+)= A B^T over one 16-dim k-step, A and B from their K-major descriptors; `acc` 0 overwrites d.
 #define WG_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
 __device__ __forceinline__ void wgmma_ss(float (&d)[8][4], unsigned long long da, unsigned long long db, int acc) {
@@ -75,19 +62,6 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[8][4], unsigned long long da
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "%32, %33, p, 1, 1, 0, 0;\n}\n"
       : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7)
-      : "l"(da), "l"(db), "r"(acc));
-}
-__device__ __forceinline__ void wgmma_ss(float (&d)[16][4], unsigned long long da, unsigned long long db, int acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1, 0, 0;\n}\n"
-      : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7),
-        WG_D4(8), WG_D4(9), WG_D4(10), WG_D4(11), WG_D4(12), WG_D4(13), WG_D4(14), WG_D4(15)
       : "l"(da), "l"(db), "r"(acc));
 }
 
@@ -115,26 +89,4 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[16][4], const unsigned (&a)[
       : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7),
         WG_D4(8), WG_D4(9), WG_D4(10), WG_D4(11), WG_D4(12), WG_D4(13), WG_D4(14), WG_D4(15)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-
-// Named barrier `id` over `n` threads: bar.sync arrives and waits for the barrier's completion, bar.arrive only
-// arrives (n counts both).
-__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void named_arrive(int id, int n) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-
-// A warpgroup's register budget, moved between the warpgroups of a block (every thread of the warpgroup executes
-// it; an increase waits until the registers are free).
-template <int R>
-__device__ __forceinline__ void regs_down() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
-#endif
-}
-template <int R>
-__device__ __forceinline__ void regs_up() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R));
-#endif
 }

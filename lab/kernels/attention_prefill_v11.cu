@@ -38,6 +38,60 @@
 #include "../../kernels_cu/attention_prefill.cuh"
 #include "../../kernels_cu/wgmma.cuh"
 
+// What v11 needs beside wgmma.cuh (the product's sm_90a kernel needs none of it): the consumers' release arrival in
+// the host pass, the second wgmma group's wait, the 128-position tile's scores, named barriers, setmaxnreg.
+#if !AF_HAS_BULK
+__device__ __forceinline__ void mbar_arrive(unsigned long long*) {}
+#endif
+__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
+
+// Holds a register-A operand's registers to this point: wgmma reads them until its wait_group, which the compiler
+// does not see.
+template <int N>
+__device__ __forceinline__ void operand_fence(unsigned (&a)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[j][e])::"memory");
+}
+
+// d (+)= A B^T over one 16-dim k-step, B 128 x 16 (wgmma.cuh's wgmma_ss at N = 128).
+__device__ __forceinline__ void wgmma_ss(float (&d)[16][4], unsigned long long da, unsigned long long db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n}\n"
+      : WG_D4(0), WG_D4(1), WG_D4(2), WG_D4(3), WG_D4(4), WG_D4(5), WG_D4(6), WG_D4(7),
+        WG_D4(8), WG_D4(9), WG_D4(10), WG_D4(11), WG_D4(12), WG_D4(13), WG_D4(14), WG_D4(15)
+      : "l"(da), "l"(db), "r"(acc));
+}
+
+// Named barrier `id` over `n` threads: bar.sync arrives and waits for the barrier's completion, bar.arrive only
+// arrives (n counts both).
+__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+// A warpgroup's register budget, moved between the warpgroups of a block (every thread of the warpgroup executes
+// it; an increase waits until the registers are free).
+template <int R>
+__device__ __forceinline__ void regs_down() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
+#endif
+}
+template <int R>
+__device__ __forceinline__ void regs_up() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R));
+#endif
+}
+
 #define ATP_THREADS 384    // the producer warpgroup and two consumer warpgroups
 #define ATP_ROWS 128       // stacked query rows per block: 64 a consumer
 #define ATP_KV 128         // positions per K/V tile (64 or 128)
