@@ -8,9 +8,10 @@
 #          runs (the TTFT line says how many shapes took an Lt algorithm)
 #   A'     both reverted: main's 2048 run again
 # The call: `timeout -k 5 560 bash lab/records/v61/b62.sh; tar czf $OUT/v62.tgz -C $OUT v62; cat $OUT/v62/summary.txt;
-# rm -rf $OUT/v62` (one archive comes back; the folder holds more files than a call returns).
+# rm -rf $OUT/v62` (one archive comes back; the folder holds more files than a call returns). NOPROBE=1 skips the
+# probe; TAG names the folder (v62b: the rerun after qrope.patch's profile bytes were fixed).
 export ATOMFLOW_HOME=/tmp/atomflow-home PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
-W=$OUT/v62; mkdir -p $W; S=$W/summary.txt
+W=$OUT/${TAG:-v62}; mkdir -p $W; S=$W/summary.txt
 note() { echo "$(date +%T) $*" | tee -a $S; }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee -a $S
 python3 -m pip install -q --no-deps --no-build-isolation -e . >$W/install.log 2>&1 || { note "install failed"; exit 1; }
@@ -23,8 +24,10 @@ val() {  # val TAG FMT
   timeout -k 5 120 atomflow-bench validate llama-3.2-3b --weights $2 --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
     --json $W/validate-$1.json >$W/validate-$1.log 2>&1
   note "validate $1: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-$1.log | tr -s ' ' | head -3 | tr '\n' ' ')"; }
-timeout -k 5 100 python3 lab/scripts/gemm_lt_probe.py --json $W/gemm-lt.json >$W/gemm-lt.log 2>&1
-note "gemm_lt_probe rc=$?"; grep -E "m [0-9]+:|default" $W/gemm-lt.log | tee -a $S
+if [ -z "$NOPROBE" ]; then
+  timeout -k 5 100 python3 lab/scripts/gemm_lt_probe.py --json $W/gemm-lt.json >$W/gemm-lt.log 2>&1
+  note "gemm_lt_probe rc=$?"; grep -E "m [0-9]+:|default" $W/gemm-lt.log | tee -a $S
+fi
 timeout 60 atomflow-bench fetch llama-3.2-3b >/dev/null 2>&1
 runr A-2048 2048; runr A-8192 8192
 ap qrope.patch && note "B: qrope.patch applied" || { note "qrope.patch does not apply"; exit 1; }
