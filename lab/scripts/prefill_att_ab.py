@@ -33,6 +33,7 @@ V4, V5 = "lab/kernels/attention_prefill_v4.cu", "lab/kernels/attention_prefill_v
 V6, V7 = "lab/kernels/attention_prefill_v6.cu", "lab/kernels/attention_prefill_v7.cu"
 V8, V9 = "lab/kernels/attention_prefill_v8.cu", "lab/kernels/attention_prefill_v9.cu"
 V10, V11 = "lab/kernels/attention_prefill_v10.cu", "lab/kernels/attention_prefill_v11.cu"
+V12 = "lab/kernels/attention_prefill_v12.cu"
 VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, ATP_THREADS, ATP_KV, ATP_STAGES, ...)
     "product": dict(file=None, defines={}),
     # 8 warps over 128 stacked rows, one block an SM: each K/V tile staged in shared memory serves twice the rows
@@ -79,6 +80,11 @@ VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, A
     # v11 with each consumer's softmax of tile k + 1 beside its own P.V of tile k (FlashAttention-3's intra-warpgroup
     # overlap: two wgmma groups a burst, P double-buffered)
     "v11-ia": dict(file=V11, defines=dict(ATP_INTRA=1), arch="sm_90a", tma=True),
+    # the product's sm_90a kernel with the scores taking q from registers (wgmma's register-A form): a third less
+    # shared memory read a tile
+    "v12": dict(file=V12, defines={}, arch="sm_90a", tma=True),
+    # v12's source with q read from shared memory, as the product's kernel does: the control from the same file
+    "v12-smem": dict(file=V12, defines=dict(ATP_QREG=0), arch="sm_90a", tma=True),
 }
 LAB_INCLUDE = '#include "../../kernels_cu/common.cuh"'  # a lab version's include, as its copy in kernels_cu/ reads it
 LAB_INCLUDES = re.compile(r'^#include "\.\./\.\./kernels_cu/(\w+\.cuh)"$', re.M)  # any product header a lab file takes
