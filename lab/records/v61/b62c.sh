@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # v62c (issue 48): lt.patch alone after its fix, ~200 s on one H100: both patches applied (qrope, then lt), lt's GPU
-# tests, validate 3B fp16, `run` TTFT 2048 and 8192; both reverted, main's runs again (C, then A on one machine).
+# tests, validate 3B fp16, then `run` TTFT with and without the patches in pairs, 2048's pair first (C A C A).
 # The call: `timeout -k 5 300 bash lab/records/v61/b62c.sh; tar czf $OUT/v62c.tgz -C $OUT v62c; cat $OUT/v62c/summary.txt;
 # rm -rf $OUT/v62c`
 export ATOMFLOW_HOME=/tmp/atomflow-home PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
@@ -19,6 +19,6 @@ note "C tests: rc=$? $(tail -1 $W/C-tests.log)"
 timeout -k 5 120 atomflow-bench validate llama-3.2-3b --weights fp16 --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
   --json $W/validate-C-fp16.json >$W/validate-C-fp16.log 2>&1
 note "validate C-fp16: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-C-fp16.log | tr -s ' ' | head -3 | tr '\n' ' ')"
-runr C-2048 2048; runr C-8192 8192
-git apply -R lab/records/v61/lt.patch && git apply -R lab/records/v61/qrope.patch && note "reverted"
-runr A-2048 2048; runr A-8192 8192
+off() { git apply -R lab/records/v61/lt.patch && git apply -R lab/records/v61/qrope.patch; }
+on() { git apply lab/records/v61/qrope.patch && git apply lab/records/v61/lt.patch; }
+runr C-2048 2048; off; runr A-2048 2048; on; runr C-8192 8192; off; runr A-8192 8192  # the 2048 pair first
