@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# v62c (issue 48): lt.patch alone after its fix, ~200 s on one H100: both patches applied (qrope, then lt), lt's GPU
+# v62c (issue 48): lt.patch alone after its fix, ~200 s on one H100: lt.patch applied on main (qrope measured neutral), its GPU
 # tests, validate 3B fp16, then `run` TTFT with and without the patches in pairs, 2048's pair first (C A C A).
 # The call: `timeout -k 5 300 bash lab/records/v61/b62c.sh; tar czf $OUT/v62c.tgz -C $OUT v62c; cat $OUT/v62c/summary.txt;
 # rm -rf $OUT/v62c`
@@ -13,12 +13,12 @@ runr() {  # runr TAG CTX: 3B fp16, one `run`, its TTFT line
   timeout -k 5 100 atomflow-bench run llama-3.2-3b --weights fp16 --ctx $2 --tokens 64 --repeats $n --json $W/$1.json \
     >$W/$1.log 2>&1; note "run $1: rc=$? $(grep -E 'TTFT' $W/$1.log | tr -s ' ')"; }
 timeout 60 atomflow-bench fetch llama-3.2-3b >/dev/null 2>&1
-git apply lab/records/v61/qrope.patch && git apply lab/records/v61/lt.patch && note "qrope + lt applied" || exit 1
+git apply lab/records/v61/lt.patch && note "lt applied" || exit 1
 timeout -k 5 60 python3 -m pytest -q -p no:cacheprovider -rf tests/test_prefill_gpu.py -k gemm >$W/C-tests.log 2>&1
 note "C tests: rc=$? $(tail -1 $W/C-tests.log)"
 timeout -k 5 120 atomflow-bench validate llama-3.2-3b --weights fp16 --steps 16 --prefill-chunk 3 --truth /tmp/truth-3b \
   --json $W/validate-C-fp16.json >$W/validate-C-fp16.log 2>&1
 note "validate C-fp16: rc=$? $(grep -iE 'prefill path|PASS —|FAIL —' $W/validate-C-fp16.log | tr -s ' ' | head -3 | tr '\n' ' ')"
-off() { git apply -R lab/records/v61/lt.patch && git apply -R lab/records/v61/qrope.patch; }
-on() { git apply lab/records/v61/qrope.patch && git apply lab/records/v61/lt.patch; }
+off() { git apply -R lab/records/v61/lt.patch; }
+on() { git apply lab/records/v61/lt.patch; }
 runr C-2048 2048; off; runr A-2048 2048; on; runr C-8192 8192; off; runr A-8192 8192  # the 2048 pair first
