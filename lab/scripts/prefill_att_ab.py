@@ -33,7 +33,7 @@ V4, V5 = "lab/kernels/attention_prefill_v4.cu", "lab/kernels/attention_prefill_v
 V6, V7 = "lab/kernels/attention_prefill_v6.cu", "lab/kernels/attention_prefill_v7.cu"
 V8, V9 = "lab/kernels/attention_prefill_v8.cu", "lab/kernels/attention_prefill_v9.cu"
 V10, V11 = "lab/kernels/attention_prefill_v10.cu", "lab/kernels/attention_prefill_v11.cu"
-V12 = "lab/kernels/attention_prefill_v12.cu"
+V12, V13 = "lab/kernels/attention_prefill_v12.cu", "lab/kernels/attention_prefill_v13.cu"
 VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, ATP_THREADS, ATP_KV, ATP_STAGES, ...)
     "product": dict(file=None, defines={}),
     # 8 warps over 128 stacked rows, one block an SM: each K/V tile staged in shared memory serves twice the rows
@@ -85,6 +85,11 @@ VARIANTS = {  # name: file (None: the product's), #define overrides (ATP_ROWS, A
     "v12": dict(file=V12, defines={}, arch="sm_90a", tma=True),
     # v12's source with q read from shared memory, as the product's kernel does: the control from the same file
     "v12-smem": dict(file=V12, defines=dict(ATP_QREG=0), arch="sm_90a", tma=True),
+    # the product's sm_90a kernel with one K and one V buffer (own mbarriers, each refilled once read): 50 KB a
+    # block at hd 128, three blocks an SM
+    "v13": dict(file=V13, defines={}, arch="sm_90a", tma=True),
+    # v13 held to 128 registers, four blocks an SM (spills ~100 bytes at hd 128)
+    "v13-b4": dict(file=V13, defines=dict(ATP_MIN_BLOCKS=4), arch="sm_90a", tma=True, spills_at_hd=128),
 }
 LAB_INCLUDE = '#include "../../kernels_cu/common.cuh"'  # a lab version's include, as its copy in kernels_cu/ reads it
 LAB_INCLUDES = re.compile(r'^#include "\.\./\.\./kernels_cu/(\w+\.cuh)"$', re.M)  # any product header a lab file takes
