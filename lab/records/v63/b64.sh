@@ -12,5 +12,5 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >$W/install.log 2>
 timeout -k 10 60 python3 -m pytest -q -p no:cacheprovider -rf tests/test_lab_prefill_att_gpu.py -k "v13" -x \
   >$W/lab-att-v13.log 2>&1; note "lab-att-v13: rc=$? $(tail -1 $W/lab-att-v13.log)"
 grep -E "FAILED|Error|assert" $W/lab-att-v13.log | head -8 | tee -a $S
-timeout -k 10 40 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants v9-lpt,v13,v13-b4 \
+timeout -k 10 60 python3 lab/scripts/prefill_att_ab.py --rounds 3 --variants v9-lpt,v13,v13-b4 \
   --json $W/att-ab.json >$W/att-ab.log 2>&1; note "attention A/B rc=$?"; grep -vE "^\s*$" $W/att-ab.log | tail -12 | tee -a $S
