@@ -4,11 +4,7 @@
 # interleaved rounds. Run it in one call with lt.patch's (`b62c.sh`):
 # `timeout -k 5 110 bash lab/records/v63/b64.sh; timeout -k 5 300 bash lab/records/v61/b62c.sh;
 #  tar czf $OUT/v64.tgz -C $OUT v64 v62c; cat $OUT/v64/summary.txt $OUT/v62c/summary.txt; rm -rf $OUT/v64 $OUT/v62c`
-export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
-W=$OUT/v64; mkdir -p $W; S=$W/summary.txt
-note() { echo "$(date +%T) $*" | tee -a $S; }
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee -a $S
-python3 -m pip install -q --no-deps --no-build-isolation -e . >$W/install.log 2>&1 || { note "install failed"; exit 1; }
+. lab/scripts/call.sh v64
 timeout -k 10 60 python3 -m pytest -q -p no:cacheprovider -rf tests/test_lab_prefill_att_gpu.py -k "v13" -x \
   >$W/lab-att-v13.log 2>&1; note "lab-att-v13: rc=$? $(tail -1 $W/lab-att-v13.log)"
 grep -E "FAILED|Error|assert" $W/lab-att-v13.log | head -8 | tee -a $S
