@@ -8,7 +8,7 @@
 // and P.V 16 KB (V) a tile, plus the 32 KB the copy engine writes; with q in registers the reads drop to 32 KB. Two
 // blocks an SM at ~470 TFLOPS move ~270 GB/s through shared memory, about its bandwidth (128 bytes a clock), so the
 // q reads are a cost the tensor core waits on. q costs 32 registers a thread at hd 128 (16 at hd 64); two blocks of
-// 128 threads allow 255.
+// 128 threads allow 255. Measured within 1.5% of v9-lpt on 3B and 8B (PERF_NOTES v63): shared memory is not the limit.
 // Computes, Layouts, Bytes: as attention_prefill_sm90a.cu; the q tile stays in shared memory (the output's staging).
 // Launch     attention_prefill_hd{64,128}_g{1,2,3,4,8,16}: grid = (ceil(M * G / 64), n_kv), block = 128, dyn. smem as
 //            the product's sm_90a kernel, the tensor maps as v9's (prefill_att_ab.py variant_launch); 2 blocks an SM.
